@@ -1,0 +1,105 @@
+"""Dense attention on whole (global) sequences in numpy: the ground truth every backend is checked against.
+
+``attention`` computes in float64 (or in a chosen dtype pipeline, see ``attention_lowp``); ``attention_grad``
+gives float64 gradients. Arrays are [batch, seq, heads, head_dim] in natural (global) token order, k and v
+with ``num_kv_heads`` heads; ``lse`` is [batch, heads, seq].
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def _np_dtype(name: str):
+    if name == "bfloat16":
+        import ml_dtypes  # ships with jax; only needed for bf16 rounding
+
+        return ml_dtypes.bfloat16
+    return np.dtype(name)
+
+
+def round_to(x, dtype: str) -> np.ndarray:
+    """Round ``x`` to ``dtype`` and return it as float64 (what a kernel storing ``dtype`` sees)."""
+    return np.asarray(x, dtype=np.float64).astype(_np_dtype(dtype)).astype(np.float64)
+
+
+def _scores(q, k, scale, is_causal):
+    b, s, h, d = q.shape
+    hkv = k.shape[2]
+    qg = q.reshape(b, s, hkv, h // hkv, d)
+    sc = np.einsum("bqkgd,bskd->bkgqs", qg, k) * scale  # [b, hkv, g, sq, sk]
+    if is_causal:
+        sq, sk = q.shape[1], k.shape[1]
+        mask = np.arange(sk)[None, :] > np.arange(sq)[:, None]
+        sc = np.where(mask, -np.inf, sc)
+    return sc
+
+
+def attention(q, k, v, *, is_causal=False, scale=None, compute_dtype=np.float64):
+    """Dense softmax attention; returns (out [b,s,h,d], lse [b,h,s]) in ``compute_dtype``."""
+    q, k, v = (np.asarray(x, dtype=compute_dtype) for x in (q, k, v))
+    b, s, h, d = q.shape
+    hkv = k.shape[2]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    sc = _scores(q, k, compute_dtype(scale), is_causal)
+    m = sc.max(-1, keepdims=True)
+    p = np.exp(sc - m)
+    l = p.sum(-1, keepdims=True)
+    out = np.einsum("bkgqs,bskd->bqkgd", p / l, v).reshape(b, s, h, d)
+    lse = (m + np.log(l))[..., 0].reshape(b, h, s)
+    return out, lse
+
+
+def attention_lowp(q, k, v, dtype: str, *, is_causal=False, scale=None):
+    """What a careful kernel in ``dtype`` computes: float32 scores and softmax, probabilities rounded to
+    ``dtype`` before P@V, float32 accumulation, output rounded to ``dtype``. Its error against ``attention``
+    is the yardstick for kernel error (see ring_core.testing)."""
+    if dtype in ("float32", "float64"):
+        out, lse = attention(q, k, v, is_causal=is_causal, scale=scale, compute_dtype=np.dtype(dtype).type)
+        return out.astype(np.float64), lse.astype(np.float64)
+    q, k, v = (round_to(x, dtype).astype(np.float32) for x in (q, k, v))
+    b, s, h, d = q.shape
+    hkv = k.shape[2]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    sc = _scores(q, k, np.float32(scale), is_causal)
+    m = sc.max(-1, keepdims=True)
+    p = np.exp(sc - m)
+    l = p.sum(-1, keepdims=True)
+    pv = np.einsum("bkgqs,bskd->bqkgd", round_to(p, dtype).astype(np.float32), v)
+    l_q = np.moveaxis(l[..., 0], 3, 1)[..., None]  # [b, sq, hkv, g, 1]
+    out = round_to((pv / l_q).reshape(b, s, h, d), dtype)
+    lse = (m + np.log(l))[..., 0].reshape(b, h, s).astype(np.float64)
+    return out, lse
+
+
+def attention_grad(q, k, v, dout, *, is_causal=False, scale=None, compute_dtype=np.float64):
+    """Gradients (dq, dk, dv) of ``sum(attention(q, k, v) * dout)``; dk/dv summed over each kv head's group."""
+    q, k, v, dout = (np.asarray(x, dtype=compute_dtype) for x in (q, k, v, dout))
+    b, s, h, d = q.shape
+    hkv = k.shape[2]
+    g = h // hkv
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    sc = _scores(q, k, compute_dtype(scale), is_causal)
+    p = np.exp(sc - sc.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)  # [b, hkv, g, sq, sk]
+    do = dout.reshape(b, s, hkv, g, d)
+    out = np.einsum("bkgqs,bskd->bqkgd", p, v)
+    dv = np.einsum("bkgqs,bqkgd->bskd", p, do)
+    dp = np.einsum("bqkgd,bskd->bkgqs", do, v)
+    delta = np.moveaxis((do * out).sum(-1), 1, 3)[..., None]  # [b, hkv, g, sq, 1]
+    ds = p * (dp - delta)
+    dq = np.einsum("bkgqs,bskd->bqkgd", ds, k).reshape(b, s, h, d) * scale
+    dk = np.einsum("bkgqs,bqkgd->bskd", ds, q.reshape(b, s, hkv, g, d)) * scale
+    return dq, dk, dv
+
+
+def attention_grad_lowp(q, k, v, dout, dtype: str, *, is_causal=False, scale=None):
+    """Gradients computed in float32 from ``dtype`` inputs and rounded to ``dtype``: the yardstick for
+    gradient error of a ``dtype`` kernel."""
+    if dtype == "float64":
+        return attention_grad(q, k, v, dout, is_causal=is_causal, scale=scale)
+    q, k, v, dout = (round_to(x, dtype) for x in (q, k, v, dout))
+    grads = attention_grad(q, k, v, dout, is_causal=is_causal, scale=scale, compute_dtype=np.float32)
+    return tuple(round_to(x, dtype) for x in grads)

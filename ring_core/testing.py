@@ -1,0 +1,67 @@
+"""The one tolerance table, and the comparison every test (CPU and GPU) and the demo use.
+
+A result in ``dtype`` passes when its error against the float64 reference is at most twice the error of
+a same-precision reference (``reference.attention_lowp`` / ``attention_grad_lowp``) plus a small absolute
+slack from this table:  ``err(x, ref64) <= 2 * err(lowp, ref64) + atol``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ring_core import reference
+
+# dtype -> slack for out, for lse (always float32), for gradients.
+TOLERANCES = {
+    "float64": dict(out=1e-10, lse=1e-10, grad=1e-9),
+    "float32": dict(out=2e-5, lse=2e-5, grad=1e-4),
+    "bfloat16": dict(out=4e-3, lse=1e-4, grad=2e-2),
+    "float16": dict(out=5e-4, lse=1e-4, grad=4e-3),
+}
+
+
+def max_abs_err(x, ref) -> float:
+    x = np.asarray(x, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    if x.shape != ref.shape:
+        raise AssertionError(f"shape {x.shape} != reference shape {ref.shape}")
+    if not np.isfinite(x).all():
+        return float("inf")
+    return float(np.max(np.abs(x - ref))) if x.size else 0.0
+
+
+def check(name: str, got, ref64, lowp, dtype: str, kind: str = "out") -> float:
+    """Assert ``got`` is within the table's bound; return its max abs error."""
+    err = max_abs_err(got, ref64)
+    base = max_abs_err(lowp, ref64)
+    bound = 2 * base + TOLERANCES[dtype][kind]
+    if not err <= bound:
+        raise AssertionError(
+            f"{name}: max abs error {err:.3g} exceeds bound {bound:.3g} "
+            f"(2 x same-precision error {base:.3g} + {kind} slack {TOLERANCES[dtype][kind]:.3g}, dtype {dtype})")
+    return err
+
+
+def check_attention(name, out, lse, q, k, v, dtype, *, is_causal, scale=None):
+    """Compare ``out`` (and ``lse`` unless None), given in global natural order, with the references."""
+    out64, lse64 = reference.attention(q, k, v, is_causal=is_causal, scale=scale)
+    outl, lsel = reference.attention_lowp(q, k, v, dtype, is_causal=is_causal, scale=scale)
+    err = check(f"{name} out", out, out64, outl, dtype, "out")
+    if lse is not None:
+        check(f"{name} lse", lse, lse64, lsel, dtype, "lse")
+    return err
+
+
+def check_grads(name, grads, q, k, v, dout, dtype, *, is_causal, scale=None):
+    ref = reference.attention_grad(q, k, v, dout, is_causal=is_causal, scale=scale)
+    low = reference.attention_grad_lowp(q, k, v, dout, dtype, is_causal=is_causal, scale=scale)
+    return max(check(f"{name} d{n}", g, r, l, dtype, "grad") for n, g, r, l in zip("qkv", grads, ref, low))
+
+
+def random_inputs(seed, batch, seq, heads, kv_heads, head_dim, dtype: str, *, with_dout=False):
+    """Random normal q, k, v (and dout) already rounded to ``dtype``, returned as float64 numpy arrays."""
+    rng = np.random.default_rng(seed)
+    shapes = [(batch, seq, heads, head_dim), (batch, seq, kv_heads, head_dim), (batch, seq, kv_heads, head_dim)]
+    if with_dout:
+        shapes.append((batch, seq, heads, head_dim))
+    return tuple(reference.round_to(rng.standard_normal(s), dtype) for s in shapes)
