@@ -1,0 +1,160 @@
+"""Run the real fused kernel in the Triton interpreter: one thread per rank, each over a CPU "heap".
+
+iris translates addresses between the per-rank CPU buffers exactly as it does between GPU heaps, so
+remote stores, release/acquire flags and the end barrier all run for real. Two things in Triton's
+interpreter are process-global and must be made safe for one thread per rank:
+* the current program id (``interpreter_builder.grid_idx``/``grid_dim``): made thread-local;
+* the patching of ``triton.language`` that every launch does and undoes on return: done once around the
+  whole job, so one rank finishing cannot unpatch the language under another rank still running.
+The kernel (and iris) must be *interpreted* functions, decided by TRITON_INTERPRET when they are
+decorated; ``ensure_interpreter`` arranges that, and ``SimulatedJob`` falls back to a subprocess when
+this process already compiled them for a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import threading
+
+import numpy as np
+
+from ring_core import launch
+from ring_core.validate import AttentionSpec
+
+_TORCH_DTYPES = {"float16": "float16", "bfloat16": "bfloat16", "float32": "float32"}
+
+
+def interpreter_usable() -> bool:
+    """True if the kernel can be (or already is) imported as an interpreted function in this process."""
+    for mod, attr in (("ring_core.kernel", "ring_attn_fwd_kernel"), ("iris", "store")):
+        if mod in sys.modules:
+            from triton.runtime.interpreter import InterpretedFunction
+
+            if not isinstance(getattr(sys.modules[mod], attr), InterpretedFunction):
+                return False
+    return True
+
+
+def ensure_interpreter():
+    """Switch Triton to the interpreter for this process (before the kernel is decorated) and return the
+    interpreted kernel. Raises RuntimeError if the kernel was already compiled for a GPU here."""
+    if not interpreter_usable():
+        raise RuntimeError("ring_core.kernel was imported without TRITON_INTERPRET=1 in this process")
+    os.environ["TRITON_INTERPRET"] = "1"
+    from ring_core import kernel
+
+    _make_interpreter_thread_safe()
+    return kernel.ring_attn_fwd_kernel
+
+
+_thread_safe_lock = threading.Lock()
+
+
+def _make_interpreter_thread_safe():
+    from triton.runtime import interpreter as interp
+
+    with _thread_safe_lock:
+        builder = interp.interpreter_builder
+        if getattr(type(builder), "_ring_thread_local", False):
+            return
+        local = threading.local()
+
+        def _prop(name):
+            return property(lambda self: getattr(local, name), lambda self, value: setattr(local, name, value))
+
+        cls = type(builder)
+        builder.__class__ = type(cls.__name__ + "ThreadLocal", (cls,), {
+            "_ring_thread_local": True, "grid_idx": _prop("grid_idx"), "grid_dim": _prop("grid_dim")})
+
+
+def _to_torch(x: np.ndarray, dtype: str):
+    import torch
+
+    if dtype == "bfloat16":
+        return torch.from_numpy(np.ascontiguousarray(x).view(np.uint16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(x, dtype=np.dtype(dtype)).copy())
+
+
+def _to_numpy(t, dtype: str) -> np.ndarray:
+    import torch
+
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        return t.view(torch.uint16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+class SimulatedJob:
+    """``world_size`` simulated ranks whose heaps persist across calls (so the epoch protocol that
+    separates consecutive calls is exercised too)."""
+
+    def __init__(self, world_size: int, workspace_bytes: int | None = None):
+        if world_size < 1 or world_size > launch.MAX_WORLD:
+            raise ValueError(f"world_size must be in 1..{launch.MAX_WORLD}, got {world_size}")
+        self.world_size = world_size
+        self.heaps = None
+        self.layout = None
+        self._workspace = workspace_bytes
+
+    def _ensure_heaps(self, spec: AttentionSpec):
+        import torch
+
+        need = launch.recv_bytes(spec, self.world_size)
+        if self.layout is not None and self.layout.recv_capacity >= need:
+            return
+        size = self._workspace or (need + (2 << 20))
+        self.layout = launch.HeapLayout.for_workspace(size)
+        self.heaps = [torch.zeros(size, dtype=torch.uint8) for _ in range(self.world_size)]
+
+    def run(self, spec: AttentionSpec, q_shards, k_shards, v_shards, *, timeout_s: float = 60.0,
+            absent_ranks=()):
+        """Run one call on every rank (except ``absent_ranks``, to simulate a rank that never arrives).
+        Shards are numpy arrays in ``spec.dtype``; returns per-rank (out, lse, status) numpy arrays."""
+        import torch
+
+        kernel = ensure_interpreter()
+        from triton.runtime import interpreter as interp
+
+        self._ensure_heaps(spec)
+        W = self.world_size
+        plan = launch.plan(spec, W, self.layout, interpret=True)
+        bases = [h.data_ptr() for h in self.heaps]
+        consts = plan.constexprs(interpret=True)
+        scalars = plan.scalars(timeout_s)
+        (o_shape, _), (l_shape, _), (s_shape, _) = plan.out_shapes
+        results = [None] * W
+        errors = [None] * W
+
+        def one_rank(r):
+            try:
+                q, k, v = (_to_torch(x[r], spec.dtype) for x in (q_shards, k_shards, v_shards))
+                ctx = torch.from_numpy(launch.make_ctx(bases, r, self.layout))
+                out = torch.zeros(o_shape, dtype=q.dtype)
+                lse = torch.zeros(l_shape, dtype=torch.float32)
+                status = torch.zeros(s_shape, dtype=torch.int32)
+                kernel[plan.grid](q, k, v, ctx, *scalars, out, lse, status, **consts)
+                results[r] = (_to_numpy(out, spec.dtype), lse.numpy(), status.numpy())
+            except BaseException as e:  # re-raised on the calling thread
+                errors[r] = e
+
+        # Patch triton.language once for the whole job (see module docstring).
+        scope = interp._patch_lang(kernel.fn)
+        try:
+            threads = [threading.Thread(target=one_rank, args=(r,), daemon=True, name=f"ring-rank-{r}")
+                       for r in range(W) if r not in absent_ranks]
+            for t in threads:
+                t.start()
+            # The kernel's own waits are bounded by timeout_s; this host-side guard only catches bugs.
+            for t in threads:
+                t.join(timeout=10 * timeout_s + 600)
+            if any(t.is_alive() for t in threads):
+                raise RuntimeError("simulated ring attention did not finish: a bounded wait failed to bound")
+        finally:
+            scope.restore()
+        for r, e in enumerate(errors):
+            if e is not None:
+                raise RuntimeError(f"simulated rank {r} failed: {e!r}") from e
+        return results

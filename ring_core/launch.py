@@ -1,0 +1,197 @@
+"""Launch maths for the fused kernel, in one place for both frontends and the simulator.
+
+Heap layout (byte offsets from this rank's heap base; identical on every rank because the workspace is
+the first, same-sized allocation on every rank's symmetric heap):
+
+    [ctl_off,   +CTL_BYTES)        control words: epoch, claim/finish counters, error record, barrier
+    [flags_off, +flag_capacity*4)  one int32 epoch flag per pushed unit; never holds data
+    [recv_off,  +recv_capacity)    receive slots: [W-1][K|V][B][HKV][S][D] in the input dtype
+
+Kernel argument order (what jax-triton passes, and the torch launcher passes the same list):
+    q, k, v, ctx | B, S, sm_scale, timeout_ns | out, lse, status | constexprs
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from ring_core.validate import AttentionSpec
+
+# Control region (int32 words). The kernel uses these indices as literals.
+CTL_EPOCH = 0  # calls completed on this rank (the kernel's epoch is this + 1)
+CTL_CLAIM = 1  # push-unit claim counter
+CTL_FINISH = 2  # programs finished in this call
+CTL_ERROR = 3  # 3..6: error code, peer rank, ring step, chunk (first error wins)
+CTL_BARRIER = 8  # 8 + p: epoch at which peer p passed its end barrier
+MAX_WORLD = 64
+CTL_WORDS = CTL_BARRIER + MAX_WORLD
+ERR_NONE, ERR_KV_TIMEOUT, ERR_BARRIER_TIMEOUT = 0, 1, 2
+STATUS_WORDS = 4  # status output: error code, peer rank, ring step, epoch
+CTL_BYTES = 4096
+ALIGN = 256
+ELEM_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+DEFAULT_TIMEOUT_S = 300.0
+TIMEOUT_ENV = "RING_ATTENTION_TIMEOUT_S"
+assert CTL_WORDS * 4 <= CTL_BYTES
+
+
+class HeapTooSmallError(RuntimeError):
+    """The call needs more symmetric-heap bytes than were reserved at initialize()."""
+
+
+def _align(x: int) -> int:
+    return (x + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass(frozen=True)
+class HeapLayout:
+    workspace_bytes: int
+    ctl_off: int
+    flags_off: int
+    flag_capacity: int
+    recv_off: int
+    recv_capacity: int
+
+    @staticmethod
+    def for_workspace(workspace_bytes: int, base_off: int = 0) -> "HeapLayout":
+        """Split a workspace of ``workspace_bytes`` (at ``base_off`` from the heap base) into regions.
+        A sixty-fourth of it (at least 64 KiB, at most 16 MiB) holds flags."""
+        flags_bytes = _align(min(16 << 20, max(64 << 10, workspace_bytes // 64)))
+        ctl_off = _align(base_off)
+        flags_off = ctl_off + CTL_BYTES
+        recv_off = _align(flags_off + flags_bytes)
+        recv_capacity = base_off + workspace_bytes - recv_off
+        if recv_capacity <= 0:
+            raise ValueError(f"workspace of {workspace_bytes} bytes is too small for the control and flag regions")
+        return HeapLayout(workspace_bytes, ctl_off, flags_off, flags_bytes // 4, recv_off, recv_capacity)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tuning knobs (hashable: usable as a static argument)."""
+
+    block_m: int
+    block_n: int
+    chunk_blocks: int
+    push_rows: int
+    num_warps: int
+    num_stages: int
+
+    @staticmethod
+    def get_default(spec: AttentionSpec, world_size: int, *, interpret: bool = False) -> "KernelConfig":
+        if interpret:
+            # Small tiles: many blocks, chunks and push units even at the tiny sizes CI can afford.
+            return KernelConfig(block_m=16, block_n=16, chunk_blocks=1, push_rows=16, num_warps=4, num_stages=1)
+        if spec.head_dim <= 64:
+            return KernelConfig(block_m=128, block_n=64, chunk_blocks=2, push_rows=64, num_warps=4, num_stages=3)
+        if spec.head_dim <= 128:
+            return KernelConfig(block_m=128, block_n=64, chunk_blocks=2, push_rows=32, num_warps=8, num_stages=3)
+        return KernelConfig(block_m=64, block_n=32, chunk_blocks=4, push_rows=16, num_warps=4, num_stages=2)
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    spec: AttentionSpec
+    world_size: int
+    config: KernelConfig
+    chunk_blocks: int
+    grid: tuple
+    recv_bytes: int
+    flags_needed: int
+
+    def constexprs(self, *, interpret: bool) -> dict:
+        s = self.spec
+        return dict(
+            W=self.world_size, H=s.num_heads, HKV=s.num_kv_heads, D=s.head_dim,
+            BLOCK_M=self.config.block_m, BLOCK_N=self.config.block_n, BLOCK_D=block_d(s.head_dim),
+            CHUNK_BLOCKS=self.chunk_blocks, PUSH_ROWS=self.config.push_rows,
+            CAUSAL=s.is_causal, ZIGZAG=s.layout == "zigzag", INTERPRET=interpret,
+            DOT_PRECISION="ieee",
+        )
+
+    def scalars(self, timeout_s: float | None = None) -> tuple:
+        s = self.spec
+        return (s.batch, s.seq_local, float(s.scale), timeout_ns(timeout_s))
+
+    @property
+    def out_shapes(self):
+        """(shape, dtype name) of out, lse, status."""
+        s = self.spec
+        return ((s.batch, s.seq_local, s.num_heads, s.head_dim), s.dtype), \
+               ((s.batch, s.num_heads, s.seq_local), "float32"), ((STATUS_WORDS,), "int32")
+
+
+def block_d(head_dim: int) -> int:
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
+def timeout_ns(timeout_s: float | None = None) -> int:
+    if timeout_s is None:
+        timeout_s = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
+    if not (timeout_s > 0 and math.isfinite(timeout_s)):
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout_s}")
+    return int(timeout_s * 1e9)
+
+
+def recv_bytes(spec: AttentionSpec, world_size: int) -> int:
+    return (world_size - 1) * 2 * spec.batch * spec.num_kv_heads * spec.seq_local * spec.head_dim * ELEM_BYTES[spec.dtype]
+
+
+def plan(spec: AttentionSpec, world_size: int, heap: HeapLayout, *, interpret: bool = False,
+         config: KernelConfig | None = None) -> LaunchPlan:
+    """Everything a launch needs; raises HeapTooSmallError (before anything runs) when the heap is short."""
+    if spec.dtype not in ELEM_BYTES:
+        raise TypeError(f"the fused kernel supports float16, bfloat16 and float32 inputs, got {spec.dtype}; "
+                        "use a reference backend for float64")
+    cfg = config or KernelConfig.get_default(spec, world_size, interpret=interpret)
+    need = recv_bytes(spec, world_size)
+    if need > heap.recv_capacity:
+        per_rank = need + (heap.workspace_bytes - heap.recv_capacity)
+        raise HeapTooSmallError(
+            f"this call needs {need} bytes of symmetric-heap receive space ({world_size - 1} peers x K and V of "
+            f"[{spec.batch}, {spec.seq_local}, {spec.num_kv_heads}, {spec.head_dim}] {spec.dtype}) but the heap "
+            f"reserves {heap.recv_capacity}; call initialize(heap_size=...) with at least {per_rank} bytes "
+            f"(before the first call, or after shutdown())")
+    n_blocks = math.ceil(spec.seq_local / cfg.block_n)
+    chunk_blocks = cfg.chunk_blocks
+    while True:
+        n_chunks = math.ceil(n_blocks / chunk_blocks)
+        flags = (world_size - 1) * spec.batch * spec.num_kv_heads * n_chunks
+        if flags <= heap.flag_capacity:
+            break
+        chunk_blocks *= 2
+    grid = (spec.batch * spec.num_heads * math.ceil(spec.seq_local / cfg.block_m),)
+    return LaunchPlan(spec, world_size, cfg, chunk_blocks, grid, need, flags)
+
+
+def make_ctx(heap_bases, rank: int, heap: HeapLayout) -> np.ndarray:
+    """The per-rank context array the kernel reads: heap bases, rank, region offsets (int64)."""
+    bases = np.asarray(heap_bases, dtype=np.uint64).astype(np.int64)
+    return np.concatenate([bases, np.array([rank, heap.ctl_off, heap.flags_off, heap.recv_off], np.int64)])
+
+
+class RingAttentionTimeout(RuntimeError):
+    """A bounded wait inside the fused kernel expired: a peer never arrived or ranks disagree."""
+
+
+def check_status(status, rank: int, timeout_s: float | None = None) -> None:
+    """Turn the kernel's status words (code, peer, step, epoch) into an exception on the host."""
+    code, peer, step, epoch = (int(x) for x in np.asarray(status).reshape(-1)[:STATUS_WORDS])
+    if code == ERR_NONE:
+        return
+    limit = f"{timeout_s:g} s" if timeout_s is not None else f"the timeout ({TIMEOUT_ENV})"
+    if code == ERR_KV_TIMEOUT:
+        what = f"waiting for the K/V shard of rank {peer} at ring step {step}"
+    elif code == ERR_BARRIER_TIMEOUT:
+        what = f"waiting for rank {peer} to finish (end-of-call barrier)"
+    else:
+        what = f"with unknown error code {code} (peer {peer}, step {step})"
+    raise RingAttentionTimeout(
+        f"fused ring attention on rank {rank} (call #{epoch}) gave up after {limit} {what}. "
+        f"Every rank must make the same ring-attention calls in the same order with the same shapes; "
+        f"a rank that died or is far slower causes this. Raise the limit with {TIMEOUT_ENV} if a rank is "
+        f"legitimately late. The heap stays usable for the next call once all ranks are in step.")
