@@ -1,0 +1,363 @@
+"""Run the real fused ring-attention kernel on the CPU: the Triton interpreter, one thread per simulated rank.
+
+``simulate_ring_attention`` takes *global* arrays in natural token order, shards them over ``world_size``
+simulated ranks exactly as the frontends do (``layout_permutation`` then contiguous shards), runs the fused
+Triton + iris kernel of ``ring_core.kernel`` on every rank through ``ring_core.interpret.SimulatedJob``
+(remote stores, release/acquire flags and the end barrier all run for real over CPU "heaps"), checks every
+rank's status words and gathers the result back into natural order. ``SimulatedRing`` keeps the simulated
+heaps across calls, so consecutive calls exercise the epoch protocol that separates them.
+
+No GPU, no JAX and no process group are needed. This module imports only numpy and ``ring_core``'s numpy
+parts; torch, triton and iris are imported when a simulation first runs.
+
+The Triton interpreter must be selected before ``ring_core.kernel`` (and ``iris``) are first imported in a
+process. If this process already compiled them for a GPU, the simulation runs in a fresh ``spawn``
+subprocess with ``TRITON_INTERPRET=1`` instead (arrays travel by pickle), so it always works; a script that
+can take that path must keep its top-level work under ``if __name__ == "__main__":`` like any ``spawn``
+user. Note that the in-process path sets ``TRITON_INTERPRET=1`` in ``os.environ``: a process that first
+simulates and then wants the fused kernel on a GPU should simulate in a subprocess.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import threading
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+
+from ring_core import launch
+from ring_core.layout import LAYOUTS, inverse_permutation, layout_permutation
+from ring_core.validate import AttentionSpec, check_attention_args
+
+__all__ = ["simulate_ring_attention", "simulate_job", "SimulatedRing"]
+
+FUSED_DTYPES = tuple(launch.ELEM_BYTES)  # ("float16", "bfloat16", "float32")
+
+
+# --------------------------------------------------------------------------------- argument handling
+@dataclass(frozen=True)
+class _Call:
+    """One validated call: the per-rank spec, the layout permutation and the per-rank shards."""
+
+    spec: AttentionSpec
+    world_size: int
+    perm: np.ndarray
+    q_shards: list
+    k_shards: list
+    v_shards: list
+    return_lse: bool
+    timeout_s: float
+
+
+def _check_world_size(world_size) -> int:
+    if isinstance(world_size, bool) or not isinstance(world_size, (int, np.integer)):
+        raise TypeError(f"world_size must be an int, got {type(world_size).__name__}")
+    if not 1 <= int(world_size) <= launch.MAX_WORLD:
+        raise ValueError(f"world_size must be in 1..{launch.MAX_WORLD}, got {world_size}")
+    return int(world_size)
+
+
+def _prepare(q, k, v, world_size, *, is_causal, scale, layout, return_lse, timeout_s) -> _Call:
+    """Every check, then the layout permutation and the shards; raises before any simulation runs."""
+    W = _check_world_size(world_size)
+    q, k, v = (np.asarray(x) for x in (q, k, v))
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 4:
+            raise ValueError(f"{name} must be a global array of rank 4 [batch, seq, heads, head_dim], "
+                             f"got shape {x.shape}")
+    seq = q.shape[1]
+    if k.shape[1] != seq or v.shape[1] != seq:
+        raise ValueError(f"q, k and v must have the same global sequence length, got q {seq}, "
+                         f"k {k.shape[1]}, v {v.shape[1]}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if layout == "zigzag" and seq % (2 * W):
+        raise ValueError(
+            f"layout='zigzag' needs the global sequence length ({seq}) to be a multiple of 2*world_size "
+            f"({2 * W}); pad the sequence to a multiple of {2 * W} or use layout='contiguous'")
+    if seq % W:
+        raise ValueError(f"the global sequence length ({seq}) must be divisible by world_size ({W}); "
+                         f"pad the sequence to a multiple of {W}")
+    S = seq // W
+    per_rank = lambda x: (x.shape[0], S, x.shape[2], x.shape[3])  # noqa: E731
+    spec = check_attention_args(per_rank(q), per_rank(k), per_rank(v), q.dtype, k.dtype, v.dtype,
+                                is_causal=is_causal, scale=scale, layout=layout, backend="fused",
+                                backends=("fused",), return_lse=return_lse)
+    if spec.dtype not in FUSED_DTYPES:
+        raise TypeError(f"the fused kernel supports float16, bfloat16 and float32 inputs, got {spec.dtype}; "
+                        f"cast q, k and v (e.g. .astype(np.float32)) or use ring_core.reference.attention "
+                        f"for a {spec.dtype} result")
+    launch.timeout_ns(timeout_s)  # validates: positive and finite
+    perm = layout_permutation(seq, W, layout)
+
+    def shards(x):
+        x = x[:, perm]
+        return [np.ascontiguousarray(x[:, r * S:(r + 1) * S]) for r in range(W)]
+
+    return _Call(spec, W, perm, shards(q), shards(k), shards(v), return_lse, float(timeout_s))
+
+
+def _finish(call: _Call, results):
+    """Check every rank's status (raises RingAttentionTimeout), gather, undo the layout permutation."""
+    for rank, (_, _, status) in enumerate(results):
+        launch.check_status(status, rank, call.timeout_s)
+    inv = inverse_permutation(call.perm)
+    out = np.concatenate([r[0] for r in results], axis=1)[:, inv]
+    if not call.return_lse:
+        return out
+    lse = np.concatenate([r[1] for r in results], axis=2)[:, :, inv].astype(np.float32, copy=False)
+    return out, lse
+
+
+# ------------------------------------------------------------------------------------ execution
+def _interpreter_usable() -> bool:
+    from ring_core import interpret
+
+    return interpret.interpreter_usable()
+
+
+@contextlib.contextmanager
+def _env(**values):
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, val in old.items():
+            if val is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = val
+
+
+_rewrite_patch_lock = threading.Lock()
+
+
+def _serialize_interpreter_rewrites():
+    """Workaround: make the Triton interpreter's first-call rewrite of each jit function thread-safe.
+
+    ``InterpretedFunction.rewrite`` runs ``ast.parse`` + ``compile`` the first time a jit function (the
+    kernel, and each nested helper such as ``_poll_ge`` or ``iris.store``) is called. With one thread per
+    rank those first calls happen concurrently, and on CPython 3.11 concurrent ``ast.parse`` can fail with
+    ``SystemError: AST constructor recursion depth mismatch`` (CPython gh-106905): that rank dies and its
+    peers wait for it until their timeout. Rewrites are cached, so serializing them costs nothing later.
+    Idempotent; a no-op once ``ring_core.interpret`` does the same.
+    """
+    from triton.runtime import interpreter as interp
+
+    cls = interp.InterpretedFunction
+    with _rewrite_patch_lock:
+        if getattr(cls.rewrite, "_ring_serialized", False):
+            return
+        original = cls.rewrite
+        lock = threading.RLock()
+
+        def rewrite(self):
+            cached = self.rewritten_fn.get(self.fn)
+            if cached is not None:
+                return cached
+            with lock:
+                return original(self)
+
+        rewrite._ring_serialized = True
+        cls.rewrite = rewrite
+
+
+def _local_job(world_size: int, workspace_bytes: int | None):
+    """A SimulatedJob in this process (the interpreter must be usable here)."""
+    from ring_core import interpret
+
+    interpret.ensure_interpreter()
+    _serialize_interpreter_rewrites()
+    return interpret.SimulatedJob(world_size, workspace_bytes=workspace_bytes)
+
+
+def _worker_main(conn, world_size, workspace_bytes):
+    """Body of the subprocess fallback: one SimulatedJob whose heaps live as long as the process."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    job = None
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            return
+        if msg[0] == "close":
+            return
+        try:
+            if job is None:
+                job = _local_job(world_size, workspace_bytes)
+            _, spec, qs, ks, vs, timeout_s = msg
+            reply = ("ok", job.run(spec, qs, ks, vs, timeout_s=timeout_s))
+        except BaseException as e:  # sent back and re-raised in the parent
+            reply = ("err", e)
+        try:
+            conn.send(reply)
+        except Exception as e:  # an exception that does not pickle
+            conn.send(("err", RuntimeError(f"simulated ring attention failed in the subprocess: {reply[1]!r} "
+                                           f"(and could not be sent back: {e!r})")))
+
+
+def _shutdown_worker(proc, conn):
+    try:
+        conn.send(("close",))
+    except Exception:
+        pass
+    proc.join(timeout=10)
+    if proc.is_alive():
+        proc.terminate()
+        proc.join(timeout=5)
+    conn.close()
+
+
+class _SubprocessJob:
+    """The SimulatedJob interface (``run``), served by a fresh ``spawn`` process running the interpreter."""
+
+    def __init__(self, world_size: int, workspace_bytes: int | None):
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_worker_main, args=(child, world_size, workspace_bytes), daemon=True,
+                                 name=f"simulated-ring-w{world_size}")
+        # The child reads TRITON_INTERPRET from the environment it starts with, before anything it imports.
+        with _env(TRITON_INTERPRET="1"):
+            self._proc.start()
+        child.close()
+        self._finalizer = weakref.finalize(self, _shutdown_worker, self._proc, self._conn)
+
+    def run(self, spec, q_shards, k_shards, v_shards, *, timeout_s):
+        self._conn.send(("run", spec, q_shards, k_shards, v_shards, timeout_s))
+        guard = 10 * timeout_s + 600  # the kernel's waits are bounded; this only catches a dead child
+        while not self._conn.poll(1.0):
+            guard -= 1.0
+            if not self._proc.is_alive() or guard < 0:
+                self.close()
+                raise RuntimeError("the simulated ring-attention subprocess died or stopped answering "
+                                   f"(exit code {self._proc.exitcode})")
+        try:
+            kind, payload = self._conn.recv()
+        except EOFError:
+            self.close()
+            raise RuntimeError("the simulated ring-attention subprocess died "
+                               f"(exit code {self._proc.exitcode})") from None
+        if kind == "err":
+            raise payload
+        return payload
+
+    def close(self):
+        self._finalizer()
+
+
+class SimulatedRing:
+    """``world_size`` simulated ranks running the fused kernel, whose heaps persist across calls.
+
+    Call it like ``simulate_ring_attention`` (without ``world_size``)::
+
+        ring = SimulatedRing(4)
+        out = ring(q, k, v, is_causal=True)
+        out, lse = ring(q2, k2, v2, layout="zigzag", return_lse=True)   # same heaps, next epoch
+        ring.epoch                                                       # -> 2
+
+    ``workspace_bytes`` fixes the per-rank workspace (default: grown to fit each call, which allocates
+    fresh heaps and so restarts the epoch count); a call that needs more raises
+    ``ring_core.launch.HeapTooSmallError`` before anything runs. ``statuses`` holds every rank's status
+    words (error code, peer rank, ring step, epoch) of the last call, ``epoch`` that call's epoch (the
+    number of calls the current heaps have completed). In a process that already compiled the kernel for
+    a GPU the ranks run in a spawned subprocess (``uses_subprocess``); ``close()`` stops it (also done
+    when the object is garbage-collected).
+    """
+
+    def __init__(self, world_size: int, *, workspace_bytes: int | None = None):
+        self.world_size = _check_world_size(world_size)
+        self.workspace_bytes = workspace_bytes
+        self.statuses = None
+        self._job = None
+        self._lock = threading.Lock()
+
+    @property
+    def uses_subprocess(self) -> bool | None:
+        """True/False once the first call chose where to run; None before."""
+        return None if self._job is None else isinstance(self._job, _SubprocessJob)
+
+    @property
+    def epoch(self) -> int | None:
+        return None if self.statuses is None else int(self.statuses[0][3])
+
+    def _get_job(self):
+        if self._job is None:
+            if _interpreter_usable():
+                self._job = _local_job(self.world_size, self.workspace_bytes)
+            else:
+                self._job = _SubprocessJob(self.world_size, self.workspace_bytes)
+        return self._job
+
+    def __call__(self, q, k, v, *, is_causal=False, scale=None, layout="contiguous", return_lse=False,
+                 timeout_s=60.0):
+        call = _prepare(q, k, v, self.world_size, is_causal=is_causal, scale=scale, layout=layout,
+                        return_lse=return_lse, timeout_s=timeout_s)
+        with self._lock:
+            results = self._get_job().run(call.spec, call.q_shards, call.k_shards, call.v_shards,
+                                          timeout_s=call.timeout_s)
+            self.statuses = [np.array(r[2]) for r in results]
+        epochs = {int(s[3]) for s in self.statuses}
+        if len(epochs) != 1 and not any(int(s[0]) for s in self.statuses):
+            raise RuntimeError(f"simulated ranks disagree on the call epoch: {sorted(epochs)}")
+        return _finish(call, results)
+
+    def close(self):
+        if isinstance(self._job, _SubprocessJob):
+            self._job.close()
+        self._job = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def simulate_job(world_size: int, *, workspace_bytes: int | None = None) -> SimulatedRing:
+    """A ``SimulatedRing`` of ``world_size`` ranks: several calls on the same simulated heaps."""
+    return SimulatedRing(world_size, workspace_bytes=workspace_bytes)
+
+
+def simulate_ring_attention(q, k, v, world_size, *, is_causal=False, scale=None, layout="contiguous",
+                            return_lse=False, timeout_s=60.0):
+    """Ring attention over ``world_size`` simulated ranks, computed by the real fused kernel on the CPU.
+
+    Args:
+      q: global queries [batch, seq, num_heads, head_dim] in natural token order (numpy, a jax array or
+        anything ``np.asarray`` accepts), float16, bfloat16 (``ml_dtypes.bfloat16``) or float32.
+      k, v: global keys / values [batch, seq, num_kv_heads, head_dim], same dtype; ``num_heads`` a
+        multiple of ``num_kv_heads`` (GQA / MQA).
+      world_size: number of simulated ranks; ``seq`` must be divisible by it (by ``2*world_size`` for
+        ``layout="zigzag"``).
+      is_causal, scale, layout, return_lse: as in ``jax_ring.ring_attention`` (causal in global order).
+      timeout_s: bound on every wait inside the kernel (a rank that never arrives raises
+        ``ring_core.launch.RingAttentionTimeout``).
+
+    Returns:
+      ``out`` (numpy, q's dtype, [batch, seq, num_heads, head_dim], natural order), or ``(out, lse)`` with
+      ``lse`` float32 [batch, num_heads, seq] with ``return_lse=True``.
+
+    Example (a few seconds on a CPU)::
+
+        >>> import numpy as np
+        >>> from jax_ring.simulate import simulate_ring_attention
+        >>> from ring_core.reference import attention
+        >>> rng = np.random.default_rng(0)
+        >>> q = rng.standard_normal((1, 8, 2, 16)).astype(np.float32)
+        >>> k, v = (rng.standard_normal((1, 8, 1, 16)).astype(np.float32) for _ in range(2))
+        >>> out, lse = simulate_ring_attention(q, k, v, 2, is_causal=True, layout="zigzag", return_lse=True)
+        >>> ref_out, ref_lse = attention(q, k, v, is_causal=True)
+        >>> bool(np.allclose(out, ref_out, atol=1e-5) and np.allclose(lse, ref_lse, atol=1e-5))
+        True
+    """
+    ring = SimulatedRing(world_size)
+    try:
+        return ring(q, k, v, is_causal=is_causal, scale=scale, layout=layout, return_lse=return_lse,
+                    timeout_s=timeout_s)
+    finally:
+        ring.close()
