@@ -60,6 +60,11 @@ import triton.language as tl
 
 import iris
 
+try:  # %globaltimer for the bounded waits on NVIDIA; never traced in the interpreter (INTERPRET=True)
+    from triton.language.extra.cuda import globaltimer as _globaltimer
+except ImportError:  # pragma: no cover
+    _globaltimer = None
+
 # Control-region word indices and error codes are documented in ring_core.launch (CTL_*, ERR_*).
 
 
@@ -72,13 +77,13 @@ def _poll_ge(ptr, target, ctl, timeout_ns, INTERPRET: tl.constexpr):
     ok = (err == 0).to(tl.int32)
     polls = ok * 0
     if not INTERPRET:
-        t0 = tl.extra.cuda.globaltimer()
+        t0 = _globaltimer()
     while (val < target) & (ok == 1):
         val = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
         polls += 1
         if not INTERPRET:
             if (polls % 64) == 0:
-                if tl.extra.cuda.globaltimer() - t0 > timeout_ns:
+                if _globaltimer() - t0 > timeout_ns:
                     ok = ok * 0
                 if tl.atomic_add(ctl + 3, 0, sem="relaxed", scope="gpu") != 0:
                     ok = ok * 0
@@ -116,7 +121,7 @@ def _push_unit(u, k_ptr, v_ptr, recv_ptr, flags_ptr, heap_bases, rank, epoch, B,
     dmask = offs_d < D
     src_base = b.to(tl.int64) * S * HKV * D + hkv * D
     dst_k = ((slot * 2 * B + b).to(tl.int64) * HKV + hkv) * S * D
-    dst_v = dst_k + B.to(tl.int64) * HKV * S * D
+    dst_v = dst_k + (b * 0 + B).to(tl.int64) * HKV * S * D  # B may arrive as a Python int (== 1)
     r_end = tl.minimum(S, (c + 1) * CHUNK_ROWS)
     for r0 in range(c * CHUNK_ROWS, r_end, PUSH_ROWS):
         rows = r0 + offs_r
@@ -139,8 +144,10 @@ def _dot(a, b, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
         # Triton's interpreter multiplies bf16 tensors as their raw uint16 bits; float32 operands give
         # the tensor-core result (bf16/fp16 products are exact in float32, accumulation is float32).
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
+    elif a.dtype == tl.float32:
         return tl.dot(a, b, input_precision=DOT_PRECISION)
+    else:
+        return tl.dot(a, b)
 
 
 @triton.jit
@@ -222,7 +229,7 @@ def ring_attn_fwd_kernel(
         else:
             slot = step - 1
             k_base = recv + ((slot * 2 * B + b).to(tl.int64) * HKV + hkv) * S * D
-            v_base = k_base + B.to(tl.int64) * HKV * S * D
+            v_base = k_base + (b * 0 + B).to(tl.int64) * HKV * S * D
             row_stride = D
             if step == 1:
                 # Never wait while push units are unclaimed: this is what makes the protocol

@@ -1,0 +1,55 @@
+"""Joining a job of one process per GPU, and the symmetric heap's lifetime (GPU path)."""
+
+from __future__ import annotations
+
+import os
+
+from ring_core import heap as _heap
+
+
+def initialize(heap_size: int | None = None):
+    """Prepare this process for ``backend="fused"``; idempotent.
+
+    In a job of one process per GPU (``python -m jax_ring.launch --nproc-per-node N script.py`` or
+    torchrun), this initialises torch.distributed (iris exchanges heap handles through it) and
+    ``jax.distributed`` (one local device: this process's GPU), then creates the iris symmetric heap of
+    ``heap_size`` bytes (default 4 GiB or RING_ATTENTION_HEAP_BYTES). Call it before JAX touches the GPU,
+    so that XLA does not preallocate the memory the heap needs.
+
+    Example (2 GPUs)::
+
+        # python -m jax_ring.launch --nproc-per-node 2 my_script.py
+        import jax_ring
+        jax_ring.initialize()
+    """
+    if _heap.is_initialized():
+        return _heap.initialize(heap_size)
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    rank, world, local = _heap.init_torch_distributed_from_env()
+    import jax
+
+    if world > 1 and not _jax_distributed_ready():
+        addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        port = int(os.environ.get("JAX_COORDINATOR_PORT", int(os.environ["MASTER_PORT"]) + 1))
+        jax.distributed.initialize(coordinator_address=f"{addr}:{port}", num_processes=world, process_id=rank,
+                                   local_device_ids=[local])
+    return _heap.initialize(heap_size)
+
+
+def _jax_distributed_ready() -> bool:
+    import jax
+
+    is_init = getattr(jax.distributed, "is_initialized", None)
+    if is_init is not None:
+        return bool(is_init())
+    return jax.process_count() > 1
+
+
+def shutdown() -> bool:
+    """Release the symmetric heap (waits for the GPU first). Returns False if there was none.
+    ``initialize`` may be called again afterwards."""
+    return _heap.shutdown()
+
+
+def is_initialized() -> bool:
+    return _heap.is_initialized()
