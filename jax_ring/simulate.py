@@ -134,45 +134,11 @@ def _env(**values):
                 os.environ[k] = val
 
 
-_rewrite_patch_lock = threading.Lock()
-
-
-def _serialize_interpreter_rewrites():
-    """Workaround: make the Triton interpreter's first-call rewrite of each jit function thread-safe.
-
-    ``InterpretedFunction.rewrite`` runs ``ast.parse`` + ``compile`` the first time a jit function (the
-    kernel, and each nested helper such as ``_poll_ge`` or ``iris.store``) is called. With one thread per
-    rank those first calls happen concurrently, and on CPython 3.11 concurrent ``ast.parse`` can fail with
-    ``SystemError: AST constructor recursion depth mismatch`` (CPython gh-106905): that rank dies and its
-    peers wait for it until their timeout. Rewrites are cached, so serializing them costs nothing later.
-    Idempotent; a no-op once ``ring_core.interpret`` does the same.
-    """
-    from triton.runtime import interpreter as interp
-
-    cls = interp.InterpretedFunction
-    with _rewrite_patch_lock:
-        if getattr(cls.rewrite, "_ring_serialized", False):
-            return
-        original = cls.rewrite
-        lock = threading.RLock()
-
-        def rewrite(self):
-            cached = self.rewritten_fn.get(self.fn)
-            if cached is not None:
-                return cached
-            with lock:
-                return original(self)
-
-        rewrite._ring_serialized = True
-        cls.rewrite = rewrite
-
-
 def _local_job(world_size: int, workspace_bytes: int | None):
-    """A SimulatedJob in this process (the interpreter must be usable here)."""
+    """A SimulatedJob in this process (the interpreter must be usable here, and gets its fixes)."""
     from ring_core import interpret
 
     interpret.ensure_interpreter()
-    _serialize_interpreter_rewrites()
     return interpret.SimulatedJob(world_size, workspace_bytes=workspace_bytes)
 
 
@@ -301,10 +267,11 @@ class SimulatedRing:
             results = self._get_job().run(call.spec, call.q_shards, call.k_shards, call.v_shards,
                                           timeout_s=call.timeout_s)
             self.statuses = [np.array(r[2]) for r in results]
+        result = _finish(call, results)  # raises first if a rank reported an error
         epochs = {int(s[3]) for s in self.statuses}
-        if len(epochs) != 1 and not any(int(s[0]) for s in self.statuses):
+        if len(epochs) != 1:
             raise RuntimeError(f"simulated ranks disagree on the call epoch: {sorted(epochs)}")
-        return _finish(call, results)
+        return result
 
     def close(self):
         if isinstance(self._job, _SubprocessJob):

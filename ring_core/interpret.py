@@ -13,7 +13,6 @@ this process already compiled them for a GPU.
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 import threading
@@ -46,10 +45,86 @@ def ensure_interpreter():
     from ring_core import kernel
 
     _make_interpreter_thread_safe()
+    _serialize_interpreter_rewrites()
+    _round_interpreter_bf16_to_nearest()
     return kernel.ring_attn_fwd_kernel
 
 
 _thread_safe_lock = threading.Lock()
+
+
+def _serialize_interpreter_rewrites():
+    """Workaround: make the Triton interpreter's first-call rewrite of each jit function thread-safe.
+
+    ``InterpretedFunction.rewrite`` runs ``ast.parse`` + ``compile`` the first time a jit function (the
+    kernel, and each nested helper such as ``_poll_ge`` or ``iris.store``) is called. With one thread per
+    rank those first calls happen concurrently, and on CPython 3.11 concurrent ``ast.parse`` can fail with
+    ``SystemError: AST constructor recursion depth mismatch`` (CPython gh-106905): that rank dies and its
+    peers wait for it until their timeout. Rewrites are cached, so serializing them costs nothing later.
+    Idempotent.
+    """
+    from triton.runtime import interpreter as interp
+
+    cls = interp.InterpretedFunction
+    with _thread_safe_lock:
+        if getattr(cls.rewrite, "_ring_serialized", False):
+            return
+        original = cls.rewrite
+        lock = threading.RLock()
+
+        def rewrite(self):
+            cached = self.rewritten_fn.get(self.fn)
+            if cached is not None:
+                return cached
+            with lock:
+                return original(self)
+
+        rewrite._ring_serialized = True
+        cls.rewrite = rewrite
+
+
+def _bf16_bits_rtne(x) -> np.ndarray:
+    """float32 values -> bfloat16 bit patterns (uint16), rounded to nearest even as GPUs do; NaN stays NaN."""
+    x = np.asarray(x, dtype=np.float32)
+    bits = x.view(np.uint32)
+    rounded = ((bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+    quiet_nan = (bits >> np.uint32(16)) | np.uint32(0x40)
+    return np.where(np.isnan(x), quiet_nan, rounded).astype(np.uint16)
+
+
+def _round_interpreter_bf16_to_nearest():
+    """Workaround: make the Triton interpreter round float32 -> bfloat16 casts to nearest even.
+
+    The interpreter's cast (``InterpreterBuilder.cast_impl``, used by ``x.to(tl.bfloat16)`` with or without
+    ``fp_downcast_rounding="rtne"``) truncates the mantissa, while the GPU rounds to nearest even. The
+    kernel casts the softmax probabilities (for P@V) and the output to the input dtype, so bfloat16 results
+    in the simulator were up to one bf16 ulp further from the reference than the GPU kernel's. Idempotent.
+    """
+    import triton.language as tl
+    from triton._C.libtriton import ir
+    from triton.runtime import interpreter as interp
+
+    cls = interp.InterpreterBuilder
+    with _thread_safe_lock:
+        if getattr(cls.cast_impl, "_ring_rtne", False):
+            return
+        cast_impl, fp_to_fp = cls.cast_impl, cls.create_fp_to_fp
+
+        def is_f32_to_bf16(src, dst_type):
+            return src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16
+
+        def rtne_cast_impl(self, src, dst_type):
+            if is_f32_to_bf16(src, dst_type):
+                return interp.TensorHandle(_bf16_bits_rtne(src.data), dst_type.scalar)
+            return cast_impl(self, src, dst_type)
+
+        def rtne_fp_to_fp(self, src, dst_type, rounding_mode):
+            if is_f32_to_bf16(src, dst_type) and rounding_mode == ir.ROUNDING_MODE.RTNE:
+                return interp.TensorHandle(_bf16_bits_rtne(src.data), dst_type.scalar)
+            return fp_to_fp(self, src, dst_type, rounding_mode)
+
+        rtne_cast_impl._ring_rtne = True
+        cls.cast_impl, cls.create_fp_to_fp = rtne_cast_impl, rtne_fp_to_fp
 
 
 def _make_interpreter_thread_safe():
@@ -134,11 +209,18 @@ class SimulatedJob:
                 ctx = torch.from_numpy(launch.make_ctx(bases, r, self.layout))
                 out = torch.zeros(o_shape, dtype=q.dtype)
                 lse = torch.zeros(l_shape, dtype=torch.float32)
-                status = torch.zeros(s_shape, dtype=torch.int32)
+                status = torch.zeros(s_shape, dtype=torch.int32)  # zeroed, as on the GPU paths
                 kernel[plan.grid](q, k, v, ctx, *scalars, out, lse, status, **consts)
                 results[r] = (_to_numpy(out, spec.dtype), lse.numpy(), status.numpy())
             except BaseException as e:  # re-raised on the calling thread
                 errors[r] = e
+                # Tell every rank's kernel at once (their waits give up when the error word is set)
+                # instead of letting them spin until their timeout.
+                for h in self.heaps:
+                    word = h[self.layout.ctl_off + 4 * launch.CTL_ERROR:][:8].view(torch.int32)
+                    if int(word[0]) == launch.ERR_NONE:
+                        word[1] = r
+                        word[0] = launch.ERR_PEER_FAILED
 
         # Patch triton.language once for the whole job (see module docstring).
         scope = interp._patch_lang(kernel.fn)

@@ -1,0 +1,290 @@
+"""CPU tests of the real fused kernel, run by jax_ring.simulate in the Triton interpreter (one thread per rank).
+
+Every result is compared with the float64 numpy reference through ring_core.testing.check_attention (the one
+tolerance table). The interpreter is slow, so shapes are tiny; together the cases cover world sizes 1-4,
+causal or not, both layouts, GQA ratios 1/2/4 (MQA), odd head dims, seq_local 1 and not a multiple of the
+interpreter's 16-row blocks, fp16/bf16/fp32, return_lse, batch 2 and non-default scales.
+"""
+
+import os
+
+# The interpreter must be chosen before ring_core.kernel / iris are first imported (tests/conftest.py is
+# shared, so this module sets it itself).
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import doctest  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import textwrap  # noqa: E402
+
+import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from jax_ring import simulate  # noqa: E402
+from jax_ring.simulate import SimulatedRing, simulate_job, simulate_ring_attention  # noqa: E402
+from ring_core import interpret, launch, testing, validate  # noqa: E402
+from ring_core.launch import HeapTooSmallError, RingAttentionTimeout  # noqa: E402
+
+NP_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _inputs(seed, world_size, batch, seq_local, heads, kv_heads, head_dim, dtype):
+    """float64 reference inputs (already rounded to dtype) and the same values in dtype."""
+    q, k, v = testing.random_inputs(seed, batch, seq_local * world_size, heads, kv_heads, head_dim, dtype)
+    return (q, k, v), tuple(x.astype(NP_DTYPES[dtype]) for x in (q, k, v))
+
+
+def _check(name, result, ref_inputs, dtype, *, is_causal, scale, return_lse):
+    q, k, v = ref_inputs
+    out, lse = result if return_lse else (result, None)
+    assert isinstance(out, np.ndarray) and out.dtype == np.dtype(NP_DTYPES[dtype]) and out.shape == q.shape
+    if return_lse:
+        assert isinstance(lse, np.ndarray) and lse.dtype == np.float32
+        assert lse.shape == (q.shape[0], q.shape[2], q.shape[1])
+    return testing.check_attention(name, out.astype(np.float64), lse, q, k, v, dtype, is_causal=is_causal,
+                                   scale=scale)
+
+
+# (world_size, batch, seq_local, heads, kv_heads, head_dim, dtype, is_causal, layout, return_lse, scale)
+CASES = [
+    (1, 1, 1, 2, 2, 8, "float32", True, "contiguous", True, None),
+    (1, 2, 34, 2, 1, 16, "float16", True, "zigzag", False, None),
+    (2, 1, 1, 2, 1, 16, "float16", True, "contiguous", True, None),
+    (2, 1, 2, 4, 1, 24, "bfloat16", True, "zigzag", False, None),
+    (2, 1, 17, 4, 2, 80, "float32", False, "contiguous", True, 0.3),
+    (2, 1, 20, 4, 4, 40, "float16", True, "zigzag", True, None),
+    (2, 1, 16, 2, 2, 16, "bfloat16", True, "contiguous", False, None),
+    (2, 1, 33, 4, 2, 32, "float32", True, "contiguous", False, None),
+    (3, 1, 1, 4, 1, 8, "bfloat16", False, "contiguous", True, None),
+    (3, 1, 18, 2, 1, 80, "float16", True, "zigzag", True, None),
+    (3, 1, 5, 4, 2, 24, "float32", True, "contiguous", False, 2.0),
+    (3, 1, 4, 2, 2, 192, "float32", False, "zigzag", True, None),
+    (3, 2, 6, 3, 3, 32, "bfloat16", True, "zigzag", False, None),
+    (3, 1, 40, 2, 1, 48, "float16", True, "zigzag", True, None),
+    (4, 1, 2, 2, 2, 16, "float32", True, "zigzag", True, None),
+    (4, 1, 19, 4, 1, 80, "bfloat16", True, "contiguous", True, None),
+    (4, 1, 8, 4, 2, 40, "float16", False, "zigzag", False, 0.5),
+    (4, 2, 3, 2, 1, 8, "float32", False, "contiguous", True, None),
+    (4, 1, 12, 4, 4, 64, "bfloat16", True, "zigzag", True, None),
+    (4, 1, 1, 1, 1, 8, "float16", False, "contiguous", False, None),
+]
+
+
+def _case_id(c):
+    W, B, S, H, HKV, D, dt, causal, lay, lse, scale = c
+    return (f"w{W}-b{B}-s{S}-h{H}kv{HKV}-d{D}-{dt}-{'causal' if causal else 'full'}-{lay}"
+            f"{'-lse' if lse else ''}{'' if scale is None else f'-scale{scale}'}")
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+def test_matches_reference(case):
+    W, B, S, H, HKV, D, dtype, causal, layout, return_lse, scale = case
+    ref, (q, k, v) = _inputs(len(CASES) + CASES.index(case), W, B, S, H, HKV, D, dtype)
+    if W == 4 and dtype == "bfloat16" and not layout == "zigzag":
+        import jax.numpy as jnp  # anything np.asarray accepts: here jax arrays (bf16 -> ml_dtypes.bfloat16)
+
+        q, k, v = (jnp.asarray(x) for x in (q, k, v))
+    result = simulate_ring_attention(q, k, v, W, is_causal=causal, scale=scale, layout=layout,
+                                     return_lse=return_lse)
+    _check(_case_id(case), result, ref, dtype, is_causal=causal, scale=scale, return_lse=return_lse)
+
+
+def test_consecutive_calls_share_heaps():
+    """Changing shapes, dtypes and flags on one set of heaps: the epoch separates the calls (flags left by
+    an earlier call, of the same or another shape, never satisfy a later wait)."""
+    W = 3
+    ring = simulate_job(W, workspace_bytes=1 << 20)
+    assert isinstance(ring, SimulatedRing) and ring.epoch is None
+    calls = [  # (batch, seq_local, heads, kv_heads, head_dim, dtype, is_causal, layout, return_lse)
+        (1, 5, 2, 1, 16, "float32", True, "contiguous", True),
+        (1, 4, 4, 2, 24, "bfloat16", False, "zigzag", False),
+        (1, 18, 2, 2, 32, "float16", True, "zigzag", True),
+        (2, 3, 2, 1, 16, "float32", False, "contiguous", True),
+        (1, 5, 2, 1, 16, "float32", True, "contiguous", True),  # the first shape again
+    ]
+    for i, (B, S, H, HKV, D, dtype, causal, layout, return_lse) in enumerate(calls):
+        ref, (q, k, v) = _inputs(100 + i, W, B, S, H, HKV, D, dtype)
+        result = ring(q, k, v, is_causal=causal, layout=layout, return_lse=return_lse)
+        _check(f"call {i}", result, ref, dtype, is_causal=causal, scale=None, return_lse=return_lse)
+        assert ring.uses_subprocess is False
+        assert ring.epoch == i + 1
+        assert [s.tolist() for s in ring.statuses] == [[0, 0, 0, i + 1]] * W
+
+
+def _simulated_job(world_size, workspace_bytes=None):
+    """A ring_core.interpret.SimulatedJob, with the interpreter set up as jax_ring.simulate does it."""
+    job = simulate._local_job(world_size, workspace_bytes)
+    assert type(job).__name__ == "SimulatedJob"
+    return job
+
+
+def _spec_and_shards(W, B, S, H, HKV, D, dtype, *, is_causal, layout="contiguous"):
+    spec = validate.check_attention_args((B, S, H, D), (B, S, HKV, D), (B, S, HKV, D), dtype, dtype, dtype,
+                                         is_causal=is_causal, scale=None, layout=layout, backend="fused",
+                                         backends=("fused",))
+    _, (q, k, v) = _inputs(7, W, B, S, H, HKV, D, dtype)
+    return spec, [[x[:, r * S:(r + 1) * S] for r in range(W)] for x in (q, k, v)]
+
+
+@pytest.mark.parametrize("is_causal, what", [
+    (False, r"waiting for the K/V shard of rank 1 at ring step 1"),
+    # Causal + contiguous: rank 0 never needs rank 1's K/V, so it is the end barrier that times out.
+    (True, r"waiting for rank 1 to finish \(end-of-call barrier\)"),
+], ids=["kv-wait", "end-barrier"])
+def test_absent_rank_times_out(is_causal, what):
+    timeout_s = 0.02  # the interpreter bounds waits by a poll count, much slower than wall time
+    spec, shards = _spec_and_shards(2, 1, 4, 2, 1, 8, "float32", is_causal=is_causal)
+    results = _simulated_job(2).run(spec, *shards, timeout_s=timeout_s, absent_ranks=(1,))
+    assert results[1] is None
+    status = results[0][2]
+    assert status[0] != launch.ERR_NONE and status[1] == 1 and status[3] == 1
+    with pytest.raises(RingAttentionTimeout, match=what) as info:
+        launch.check_status(status, 0, timeout_s)
+    assert "rank 0" in str(info.value) and "rank 1" in str(info.value)
+    if not is_causal:
+        assert "ring step" in str(info.value)
+    # A following normal call on a new job works.
+    ref, (q, k, v) = _inputs(8, 2, 1, 4, 2, 1, 8, "float32")
+    out = simulate_ring_attention(q, k, v, 2, is_causal=is_causal)
+    _check("after timeout", out, ref, "float32", is_causal=is_causal, scale=None, return_lse=False)
+
+
+def test_heap_too_small():
+    W, B, S, H, HKV, D = 2, 1, 64, 2, 2, 64
+    tiny = 80_000  # control (4 KiB) + flags (64 KiB) + about 10 KB of receive space
+    spec, shards = _spec_and_shards(W, B, S, H, HKV, D, "float32", is_causal=False)
+    need = launch.recv_bytes(spec, W)
+    assert need == (W - 1) * 2 * B * HKV * S * D * 4
+    job = _simulated_job(W, workspace_bytes=tiny)
+    with pytest.raises(HeapTooSmallError, match=rf"needs {need} bytes.*initialize\(heap_size=\.\.\.\) with at least"):
+        job.run(spec, *shards)
+    assert all(int(h.sum()) == 0 for h in job.heaps)  # raised before any rank ran
+
+    # Through the simulator: the error propagates, and a call that fits still runs on the same heaps.
+    ring = SimulatedRing(W, workspace_bytes=tiny)
+    _, (q, k, v) = _inputs(9, W, B, S, H, HKV, D, "float32")
+    with pytest.raises(HeapTooSmallError, match=rf"needs {need} bytes"):
+        ring(q, k, v)
+    ref, (q, k, v) = _inputs(10, W, 1, 3, 2, 1, 8, "float32")
+    _check("small after too-big", ring(q, k, v, is_causal=True), ref, "float32", is_causal=True, scale=None,
+           return_lse=False)
+    assert ring.epoch == 1
+
+
+def _arr(shape, dtype=np.float32):
+    return np.zeros(shape, dtype)
+
+
+Q, KV = (1, 12, 4, 8), (1, 12, 2, 8)
+BAD_INPUTS = [
+    ("seq-not-divisible", dict(q=_arr((1, 10, 4, 8)), k=_arr((1, 10, 2, 8)), v=_arr((1, 10, 2, 8)), world_size=3),
+     ValueError, r"sequence length \(10\) must be divisible by world_size \(3\).*pad"),
+    ("zigzag-not-2w", dict(world_size=4, layout="zigzag"),
+     ValueError, r"multiple of 2\*world_size \(8\).*pad the sequence"),
+    ("float64", dict(q=_arr(Q, np.float64), k=_arr(KV, np.float64), v=_arr(KV, np.float64)),
+     TypeError, r"fused kernel supports float16, bfloat16 and float32 inputs, got float64"),
+    ("int32", dict(q=_arr(Q, np.int32), k=_arr(KV, np.int32), v=_arr(KV, np.int32)), TypeError, "floating dtype"),
+    ("mixed-dtypes", dict(k=_arr(KV, np.float16)), TypeError, "share one dtype"),
+    ("k-v-shapes", dict(v=_arr((1, 12, 2, 16))), ValueError, "k and v must have the same shape"),
+    ("q-k-seq", dict(k=_arr((1, 6, 2, 8)), v=_arr((1, 6, 2, 8))), ValueError, "same global sequence length"),
+    ("batch", dict(k=_arr((2, 12, 2, 8)), v=_arr((2, 12, 2, 8))), ValueError, "batch mismatch"),
+    ("head-dim", dict(k=_arr((1, 12, 2, 16)), v=_arr((1, 12, 2, 16))), ValueError, "head_dim mismatch"),
+    ("gqa-heads", dict(k=_arr((1, 12, 3, 8)), v=_arr((1, 12, 3, 8))), ValueError, "multiple of num_kv_heads"),
+    ("rank-3", dict(q=_arr((12, 4, 8))), ValueError, "rank 4"),
+    ("world-size-0", dict(world_size=0), ValueError, "world_size"),
+    ("world-size-float", dict(world_size=2.0), TypeError, "world_size"),
+    ("layout", dict(layout="ring"), ValueError, "layout must be one of"),
+    ("timeout", dict(timeout_s=0.0), ValueError, "timeout"),
+    ("scale", dict(scale=-1.0), ValueError, "scale"),
+    ("is-causal", dict(is_causal=1), TypeError, "is_causal"),
+]
+
+
+@pytest.mark.parametrize("overrides, exc, match", [b[1:] for b in BAD_INPUTS], ids=[b[0] for b in BAD_INPUTS])
+def test_bad_inputs_raise_before_running(overrides, exc, match):
+    args = dict(q=_arr(Q), k=_arr(KV), v=_arr(KV), world_size=2)
+    args.update(overrides)
+    q, k, v, W = args.pop("q"), args.pop("k"), args.pop("v"), args.pop("world_size")
+    with pytest.raises(exc, match=match):
+        simulate_ring_attention(q, k, v, W, **args)
+
+
+def test_interpreter_fixes():
+    """jax_ring.simulate works around two Triton-interpreter problems (see its docstrings): first-call
+    rewrites are serialized across rank threads, and float32 -> bfloat16 casts round to nearest even (the
+    interpreter truncates; the GPU rounds)."""
+    import torch
+    import triton
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    simulate._local_job(1, None)
+    assert getattr(InterpretedFunction.rewrite, "_ring_serialized", False)
+
+    @triton.jit
+    def cast_kernel(x_ptr, y_ptr, z_ptr, N: tl.constexpr):
+        offs = tl.arange(0, N)
+        x = tl.load(x_ptr + offs)
+        tl.store(y_ptr + offs, x.to(tl.bfloat16))
+        tl.store(z_ptr + offs, x.to(tl.bfloat16, fp_downcast_rounding="rtne"))
+
+    x = np.random.default_rng(0).standard_normal(256).astype(np.float32) * 3
+    x[:6] = [np.nan, np.inf, -np.inf, 3.4e38, 1 + 2.0 ** -8, 1 + 3 * 2.0 ** -8]  # overflow, and two exact ties
+    y, z = torch.empty(256, dtype=torch.bfloat16), torch.empty(256, dtype=torch.bfloat16)
+    cast_kernel[(1,)](torch.from_numpy(x), y, z, 256)
+    expected = x.astype(ml_dtypes.bfloat16)
+    for got in (y, z):
+        got = got.view(torch.uint16).numpy().view(ml_dtypes.bfloat16)
+        assert np.isnan(got[0].astype(np.float32))
+        np.testing.assert_array_equal(got[1:].view(np.uint16), expected[1:].view(np.uint16))
+    np.testing.assert_array_equal(interpret._bf16_bits_rtne(x[1:]), expected[1:].view(np.uint16))
+
+
+def test_docstring_example():
+    finder = doctest.DocTestFinder()
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    for test in finder.find(simulate.simulate_ring_attention, "simulate_ring_attention", globs={}):
+        runner.run(test)
+    assert runner.summarize(verbose=False).attempted > 0
+    assert runner.failures == 0
+
+
+def test_module_is_light():
+    """Loading jax_ring/simulate.py imports neither jax nor torch / triton / iris / the kernel."""
+    code = textwrap.dedent(f"""
+        import importlib.util, sys
+        spec = importlib.util.spec_from_file_location("standalone_simulate", {simulate.__file__!r})
+        module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        heavy = [m for m in ("jax", "torch", "triton", "iris", "ring_core.kernel") if m in sys.modules]
+        assert not heavy, heavy
+    """)
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=120)
+
+
+def test_falls_back_to_subprocess_when_kernel_compiled_for_gpu():
+    """In a process that imported the kernel without TRITON_INTERPRET (as a GPU job does), the simulation
+    runs in a spawned interpreter process, whose heaps persist across the calls of one SimulatedRing."""
+    code = textwrap.dedent("""
+        import numpy as np
+        import ring_core.kernel  # decorated for the GPU: this process cannot interpret it any more
+        from ring_core import interpret, testing
+        assert not interpret.interpreter_usable()
+        from jax_ring.simulate import SimulatedRing, simulate_ring_attention
+        q, k, v = testing.random_inputs(0, 1, 8, 2, 1, 16, "float32")
+        f32 = [x.astype(np.float32) for x in (q, k, v)]
+        with SimulatedRing(2) as ring:
+            for i in range(2):
+                out, lse = ring(*f32, is_causal=True, layout="zigzag", return_lse=True)
+                testing.check_attention("subprocess", out, lse, q, k, v, "float32", is_causal=True)
+                assert ring.uses_subprocess and ring.epoch == i + 1, (ring.uses_subprocess, ring.epoch)
+        out = simulate_ring_attention(*f32, 4, is_causal=False)
+        testing.check_attention("subprocess one-shot", out, None, q, k, v, "float32", is_causal=False)
+        print("FALLBACK-OK")
+    """)
+    env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and "FALLBACK-OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
