@@ -75,6 +75,7 @@ def forward(q, k, v, spec, axis_name, world_size: int, timeout_s: float | None =
                    jax.ShapeDtypeStruct((b, hq, s), jnp.float32),
                    jax.ShapeDtypeStruct((launch.STATUS_WORDS,), jnp.int32)],
         grid=p.grid, num_warps=p.config.num_warps, num_stages=p.config.num_stages,
+        zeroed_outputs=(2,),  # status: all zero unless the kernel's last program wrote it (check_status)
         name="ring_attn_fwd", **p.constexprs(interpret=False))
     jax.debug.callback(_raise_status, status, rank, timeout_s)
     return out, lse

@@ -15,8 +15,9 @@ Protocol (per call; "epoch" = this rank's call counter + 1, equal on every rank 
 * Compute. A program owns one (batch, head, BLOCK_M query rows) tile. Ring step 0 uses the local K/V and
   waits for nothing; during it the program claims one push unit per K/V block (overlap). Before its first
   wait a program drains the claim counter (pushes until no unit is left). Ring step t >= 1 processes the
-  K/V of rank ``rank-t``: before reading chunk c it waits (acquire) until that chunk's flag equals
-  ``epoch``. Blocks that causal masking hides completely are neither waited for nor computed.
+  K/V of rank ``rank-t``: before its loop over K/V blocks it waits (acquire) until the flag of every chunk
+  it will read equals ``epoch`` (not inside the loop: see the comment there). Blocks that causal masking
+  hides completely are neither waited for nor computed.
 * End. The last program to finish (atomic finish counter) tells every peer "I am done with this epoch"
   (release flag in the peer's barrier slot), waits for the same from every peer, copies the error record
   into ``status``, resets the claim/finish counters and stores ``epoch`` as the new call counter.
@@ -81,15 +82,16 @@ def _poll_ge(ptr, target, ctl, timeout_ns, INTERPRET: tl.constexpr):
     while (val < target) & (ok == 1):
         val = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
         polls += 1
-        if not INTERPRET:
-            if (polls % 64) == 0:
+        if (polls % 64) == 0:
+            if tl.atomic_add(ctl + 3, 0, sem="relaxed", scope="gpu") != 0:
+                ok = ok * 0  # an error was recorded on this rank: nothing downstream can be trusted
+            if not INTERPRET:
                 if _globaltimer() - t0 > timeout_ns:
                     ok = ok * 0
-                if tl.atomic_add(ctl + 3, 0, sem="relaxed", scope="gpu") != 0:
-                    ok = ok * 0
-        else:
-            # Interpreter: one poll costs roughly 10 us of host time.
-            if polls > timeout_ns // 10000:
+        if INTERPRET:
+            # No clock in the interpreter: count polls. One costs about 0.3 ms of host time on the
+            # 2-core CI machines (measured 0.38 ms), so the limit is approximate there.
+            if polls > timeout_ns // 300000:
                 ok = ok * 0
     return ok & (val >= target).to(tl.int32)
 
@@ -239,7 +241,24 @@ def ring_attn_fwd_kernel(
                     _push_unit(u, k_ptr, v_ptr, recv, flags, heap_bases, rank, epoch, B, S, n_chunks,
                                W, HKV, D, BLOCK_D, CHUNK_ROWS, PUSH_ROWS)
                     u = tl.atomic_add(ctl + 1, 1, sem="relaxed", scope="gpu")
-        last_chunk = -1
+            # Wait for every chunk this tile will read *before* the loop that reads them. Triton's software
+            # pipeliner issues a loop's loads several iterations ahead, so an acquire inside the loop would
+            # not order the loads of later iterations: they could read a slot before its data arrived.
+            # (Likely cause of one wrong fp32 result on 2xH200 whose slots still held an earlier call's
+            # bf16 data; the interpreter, which does not pipeline, was right. Not yet re-run on GPU.)
+            # Outside the loop, the acquire precedes every load of the loop, prologue included.
+            offs_c = tl.arange(0, CHUNK_ROWS)
+            for c in range(0, n_chunks):
+                chunk_needed = True
+                if CAUSAL:
+                    rows_c = c * CHUNK_ROWS + offs_c
+                    pos_c = _positions(rows_c, src, S, W, ZIGZAG)
+                    chunk_needed = tl.min(tl.where(rows_c < S, pos_c, 2147483647), axis=0) <= q_pos_max
+                if chunk_needed:
+                    flag = flags + ((step - 1) * B * HKV + b * HKV + hkv) * n_chunks + c
+                    ok = _poll_ge(flag, epoch, ctl, timeout_ns, INTERPRET)
+                    if ok == 0:
+                        _record_error(ctl, 1, src, step, c)
         for j in range(0, n_n):
             if step == 0:
                 if n_units > 0:
@@ -255,14 +274,6 @@ def ring_attn_fwd_kernel(
                 k_pos_min = tl.min(tl.where(n_valid, k_pos, 2147483647), axis=0)
                 needed = k_pos_min <= q_pos_max
             if needed:
-                if step > 0:
-                    c = j // CHUNK_BLOCKS
-                    if c != last_chunk:
-                        flag = flags + ((step - 1) * B * HKV + b * HKV + hkv) * n_chunks + c
-                        ok = _poll_ge(flag, epoch, ctl, timeout_ns, INTERPRET)
-                        if ok == 0:
-                            _record_error(ctl, 1, src, step, c)
-                        last_chunk = c
                 kv_off = rows_n[:, None].to(tl.int64) * row_stride + offs_d[None, :]
                 kv_mask = n_valid[:, None] & dmask[None, :]
                 k = tl.load(k_base + kv_off, mask=kv_mask, other=0.0)

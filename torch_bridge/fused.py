@@ -81,7 +81,7 @@ def forward(q, k, v, spec, group=None, timeout_s: float | None = None):
     q, k, v = (x.contiguous() for x in (q, k, v))
     out = torch.empty_like(q)
     lse = torch.empty((spec.batch, spec.num_heads, spec.seq_local), dtype=torch.float32, device=q.device)
-    status = torch.empty((launch.STATUS_WORDS,), dtype=torch.int32, device=q.device)
+    status = torch.zeros((launch.STATUS_WORDS,), dtype=torch.int32, device=q.device)  # see check_status
     ring_attn_fwd_kernel[p.grid](q, k, v, h.ctx, *p.scalars(timeout_s), out, lse, status,
                                  num_warps=p.config.num_warps, num_stages=p.config.num_stages,
                                  **p.constexprs(interpret=False))
