@@ -41,7 +41,6 @@ def attention(q, k, v, *, is_causal=False, scale=None, compute_dtype=np.float64)
     """Dense softmax attention; returns (out [b,s,h,d], lse [b,h,s]) in ``compute_dtype``."""
     q, k, v = (np.asarray(x, dtype=compute_dtype) for x in (q, k, v))
     b, s, h, d = q.shape
-    hkv = k.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     sc = _scores(q, k, compute_dtype(scale), is_causal)
     m = sc.max(-1, keepdims=True)
@@ -61,7 +60,6 @@ def attention_lowp(q, k, v, dtype: str, *, is_causal=False, scale=None):
         return out.astype(np.float64), lse.astype(np.float64)
     q, k, v = (round_to(x, dtype).astype(np.float32) for x in (q, k, v))
     b, s, h, d = q.shape
-    hkv = k.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     sc = _scores(q, k, np.float32(scale), is_causal)
     m = sc.max(-1, keepdims=True)
