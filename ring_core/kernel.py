@@ -244,8 +244,10 @@ def ring_attn_fwd_kernel(
             # Wait for every chunk this tile will read *before* the loop that reads them. Triton's software
             # pipeliner issues a loop's loads several iterations ahead, so an acquire inside the loop would
             # not order the loads of later iterations: they could read a slot before its data arrived.
-            # (Likely cause of one wrong fp32 result on 2xH200 whose slots still held an earlier call's
-            # bf16 data; the interpreter, which does not pipeline, was right. Not yet re-run on GPU.)
+            # The sm_90 TTGIR of the earlier version shows it (async copies of iterations j+1, j+2 issued
+            # before iteration j+1's acquire; tests/test_kernel_ir.py now checks this never recurs), and
+            # it explains a wrong fp32 result on 2xH200 whose slots held an earlier call's bf16 data
+            # (the interpreter, which does not pipeline, was right; not yet re-run on a GPU).
             # Outside the loop, the acquire precedes every load of the loop, prologue included.
             offs_c = tl.arange(0, CHUNK_ROWS)
             for c in range(0, n_chunks):
