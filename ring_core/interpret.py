@@ -22,7 +22,6 @@ import numpy as np
 from ring_core import launch
 from ring_core.validate import AttentionSpec
 
-_TORCH_DTYPES = {"float16": "float16", "bfloat16": "bfloat16", "float32": "float32"}
 
 
 def interpreter_usable() -> bool:

@@ -136,6 +136,52 @@ def main():
         summary["cases"] += 1
     summary["cases_s"] = round(time.time() - t0, 1)
 
+    # ---- two fused calls of different shapes in one jitted program -------------------------------
+    (qa, ka, va), (qb, kb, vb) = (testing.random_inputs(7 + i, 1, s * W, 4, 2, 64, "bfloat16") for i, s in
+                                  enumerate((256, 100)))
+    ia, ib = shards(qa, "zigzag"), shards(qb, "contiguous")
+
+    def two(qa, ka, va, qb, kb, vb):
+        oa = jax_ring.ring_attention(qa, ka, va, axis_name="sp", backend="fused", is_causal=True, layout="zigzag")
+        ob = jax_ring.ring_attention(qb, kb, vb, axis_name="sp", backend="fused")
+        return oa, ob
+    f2 = jax.jit(jax.shard_map(two, mesh=mesh, in_specs=(P(None, "sp"),) * 6, out_specs=(P(None, "sp"),) * 2,
+                               check_vma=False))
+    sh = NamedSharding(mesh, P(None, "sp"))
+    g = lambda x: jax.make_array_from_process_local_data(sh, jnp.asarray(x, dtype=jnp.bfloat16),
+                                                         (x.shape[0], x.shape[1] * W, *x.shape[2:]))
+    oa, ob = f2(*(g(x[:, ia]) for x in (qa, ka, va)), *(g(x[:, ib]) for x in (qb, kb, vb)))
+    for name, o, (q, k, v), idx, causal in (("a", oa, (qa, ka, va), ia, True), ("b", ob, (qb, kb, vb), ib, False)):
+        o64, _ = reference.attention(q, k, v, is_causal=causal)
+        olp, _ = reference.attention_lowp(q, k, v, "bfloat16", is_causal=causal)
+        testing.check(f"two-in-one-jit {name}", np.asarray(o.addressable_shards[0].data.astype(jnp.float32)),
+                      o64[:, idx], olp[:, idx], "bfloat16")
+    say("ok two fused calls of different shapes in one jitted program")
+
+    # ---- gradients through backend="fused" (torch autograd and jax.grad) --------------------------
+    q, k, v, do = testing.random_inputs(11, 1, 128 * W, 4, 2, 32, "float32", with_dout=True)
+    idx = shards(q, "zigzag")
+    ref = reference.attention_grad(q, k, v, do, is_causal=True)
+    low = reference.attention_grad_lowp(q, k, v, do, "float32", is_causal=True)
+    ts = [torch.as_tensor(x[:, idx], device=dev).requires_grad_() for x in (q, k, v)]
+    out = torch_bridge.ring_attention(*ts, is_causal=True, layout="zigzag", backend="fused")
+    out.backward(torch.as_tensor(do[:, idx], device=dev))
+    for n, t, r, l in zip("qkv", ts, ref, low):
+        testing.check(f"torch fused d{n}", t.grad.cpu().numpy(), r[:, idx], l[:, idx], "float32", "grad")
+
+    def loss(q, k, v, do):
+        o = jax_ring.ring_attention(q, k, v, axis_name="sp", backend="fused", is_causal=True, layout="zigzag")
+        return jnp.sum(o * do)
+    gf = jax.jit(jax.shard_map(jax.grad(loss, argnums=(0, 1, 2)), mesh=mesh, in_specs=(P(None, "sp"),) * 4,
+                               out_specs=(P(None, "sp"),) * 3, check_vma=False))
+    g32 = lambda x: jax.make_array_from_process_local_data(sh, jnp.asarray(x[:, idx]),
+                                                           (x.shape[0], x.shape[1], *x.shape[2:]))
+    grads = gf(g32(q), g32(k), g32(v), g32(do))
+    for n, gr, r, l in zip("qkv", grads, ref, low):
+        testing.check(f"jax fused d{n}", np.asarray(gr.addressable_shards[0].data), r[:, idx], l[:, idx],
+                      "float32", "grad")
+    say("ok gradients through backend='fused' (torch and jax) against float64")
+
     # ---- soak: consecutive calls with changing shapes through both frontends ----------------------
     t0 = time.time()
     shapes = [(1, 200, 4, 2, 64, "bfloat16", True, "zigzag"), (2, 97, 2, 1, 80, "float16", False, "contiguous"),

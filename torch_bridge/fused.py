@@ -34,9 +34,10 @@ def initialize(heap_size: int | None = None, group=None):
 def shutdown() -> bool:
     """Wait for outstanding calls, report their errors, and release the heap."""
     try:
-        check_errors()
+        check_errors()  # a timeout still raises, after the heap is released
     finally:
-        return _heap.shutdown()
+        released = _heap.shutdown()
+    return released
 
 
 def fused_available() -> bool:

@@ -1,0 +1,73 @@
+"""The launcher, the initialisation errors and the status-to-exception mapping (CPU)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ring_core import launch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _launch(tmp_path, body, n=2, timeout=120):
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(body))
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    return subprocess.run([sys.executable, "-m", "jax_ring.launch", "--nproc-per-node", str(n), str(script), "x"],
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=timeout)
+
+
+def test_launcher_sets_the_rendezvous_environment(tmp_path):
+    r = _launch(tmp_path, """
+        import os, sys
+        keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+        print("ENV", *[os.environ[k] for k in keys], sys.argv[1])
+    """, n=3)
+    assert r.returncode == 0, r.stderr
+    rows = sorted(l.split()[1:] for l in r.stdout.splitlines() if l.startswith("ENV"))
+    assert [row[0] for row in rows] == ["0", "1", "2"]
+    assert all(row[1] == "3" and row[2] == row[0] and row[3] == "3" and row[4] == "127.0.0.1" for row in rows)
+    assert len({row[5] for row in rows}) == 1 and all(row[6] == "x" for row in rows)
+
+
+def test_launcher_stops_the_others_and_returns_the_failing_code(tmp_path):
+    r = _launch(tmp_path, """
+        import os, sys, time
+        if os.environ["RANK"] == "1":
+            sys.exit(7)
+        time.sleep(600)
+    """)
+    assert r.returncode == 7
+    assert "exited with code 7" in r.stderr
+
+
+def test_initialize_without_a_launcher_says_how_to_start_one(monkeypatch):
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    import torch_bridge
+
+    with pytest.raises(RuntimeError, match=r"jax_ring.launch --nproc-per-node N"):
+        torch_bridge.initialize()
+    with pytest.raises(ValueError, match="default \\(world\\) process group"):
+        torch_bridge.initialize(group=object())
+
+
+@pytest.mark.parametrize("status,fragment", [
+    ((1, 1, 1, 5), "waiting for the K/V shard of rank 1 at ring step 1"),
+    ((2, 3, 4, 5), "waiting for rank 3 to finish"),
+    ((3, 2, 0, 5), "because rank 2 failed"),
+])
+def test_status_becomes_an_error_naming_rank_and_step(status, fragment):
+    with pytest.raises(launch.RingAttentionTimeout, match=fragment):
+        launch.check_status(np.array(status, np.int32), rank=0, timeout_s=1.5)
+
+
+def test_status_of_a_kernel_that_never_completed_is_an_error():
+    with pytest.raises(RuntimeError, match="did not complete"):
+        launch.check_status(np.zeros(4, np.int32), rank=1)
+    launch.check_status(np.array([0, 0, 0, 3], np.int32), rank=1)  # a completed call passes
