@@ -65,3 +65,12 @@ def random_inputs(seed, batch, seq, heads, kv_heads, head_dim, dtype: str, *, wi
     if with_dout:
         shapes.append((batch, seq, heads, head_dim))
     return tuple(reference.round_to(rng.standard_normal(s), dtype) for s in shapes)
+
+
+def check_pair(name: str, a, b, ref64, lowp, dtype: str, kind: str = "out") -> float:
+    """Two implementations agree: ``max|a - b|`` within the same bound each must meet against ``ref64``."""
+    err = max_abs_err(a, b)
+    bound = 2 * max_abs_err(lowp, ref64) + TOLERANCES[dtype][kind]
+    if not err <= bound:
+        raise AssertionError(f"{name}: implementations differ by {err:.3g} > bound {bound:.3g} ({kind}, {dtype})")
+    return err
