@@ -8,12 +8,13 @@ Importing this package never imports jax_triton (it refuses to import on CPU-onl
 """
 
 from jax_ring.api import from_layout, ring_attention, ring_attention_sharded, to_layout
-from jax_ring.distributed import initialize, is_initialized, shutdown
+from jax_ring.distributed import initialize, is_initialized, reset, shutdown
 from jax_ring.simulate import simulate_ring_attention
 
 __all__ = [
     "initialize",
     "is_initialized",
+    "reset",
     "shutdown",
     "simulate_ring_attention",
     "ring_attention",

@@ -51,5 +51,11 @@ def shutdown() -> bool:
     return _heap.shutdown()
 
 
+def reset():
+    """Collective: after a fused call raised a timeout, call on every rank (no call in flight) to zero
+    the protocol state so that the ranks' call counters agree again; the heap stays allocated."""
+    _heap.get().reset()
+
+
 def is_initialized() -> bool:
     return _heap.is_initialized()

@@ -65,6 +65,7 @@ class SymmetricHeap:
         if len({v[0] for v in views}) != 1:
             raise RuntimeError(f"symmetric heap workspace offsets differ across ranks: {[v[0] for v in views]}")
         self.all_bases = [v[1] for v in views]
+        self.base_off = base_off
         self.layout = launch.HeapLayout.for_workspace(ws, base_off)
         self.ctx = torch.from_numpy(launch.make_ctx(self.bases, self.rank, self.layout)).to(self.device)
         torch.cuda.synchronize()
@@ -76,6 +77,19 @@ class SymmetricHeap:
         Identical in every process, so a frontend can bake it into a program that must be the same on
         all processes (JAX multi-controller) and pick the row on device."""
         return np.stack([launch.make_ctx(self.all_bases[r], r, self.layout) for r in range(self.world_size)])
+
+    def reset(self):
+        """Collective (every rank must call it, with no fused call in flight): zero the control words and
+        flags, so that call counters agree again after a timeout left them out of step."""
+        import torch
+        import torch.distributed as dist
+
+        torch.cuda.synchronize()
+        dist.barrier()
+        start, end = self.layout.protocol_region
+        self.workspace[start - self.base_off:end - self.base_off].zero_()
+        torch.cuda.synchronize()
+        dist.barrier()
 
     def plan(self, spec, **kw) -> launch.LaunchPlan:
         return launch.plan(spec, self.world_size, self.layout, **kw)

@@ -183,6 +183,13 @@ class SimulatedJob:
         self.layout = launch.HeapLayout.for_workspace(size)
         self.heaps = [torch.zeros(size, dtype=torch.uint8) for _ in range(self.world_size)]
 
+    def reset(self):
+        """Zero every rank's control words and flags (what ``SymmetricHeap.reset`` does on GPUs)."""
+        if self.heaps is not None:
+            start, end = self.layout.protocol_region
+            for h in self.heaps:
+                h[start:end].zero_()
+
     def run(self, spec: AttentionSpec, q_shards, k_shards, v_shards, *, timeout_s: float = 60.0,
             absent_ranks=()):
         """Run one call on every rank (except ``absent_ranks``, to simulate a rank that never arrives).

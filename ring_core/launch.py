@@ -56,6 +56,12 @@ class HeapLayout:
     recv_off: int
     recv_capacity: int
 
+    @property
+    def protocol_region(self) -> tuple:
+        """(start, end) byte offsets of the control words and flags: zeroing them (on every rank, with no
+        call in flight) returns the protocol to its initial state; they never hold data."""
+        return self.ctl_off, self.recv_off
+
     @staticmethod
     def for_workspace(workspace_bytes: int, base_off: int = 0) -> "HeapLayout":
         """Split a workspace of ``workspace_bytes`` (at ``base_off`` from the heap base) into regions.
@@ -207,4 +213,5 @@ def check_status(status, rank: int, timeout_s: float | None = None) -> None:
         f"fused ring attention on rank {rank} (call #{epoch}) gave up after {limit} {what}. "
         f"Every rank must make the same ring-attention calls in the same order with the same shapes; "
         f"a rank that died or is far slower causes this. Raise the limit with {TIMEOUT_ENV} if a rank is "
-        f"legitimately late. The heap stays usable for the next call once all ranks are in step.")
+        f"legitimately late. The ranks' call counters may now disagree: call reset() (jax_ring.reset / "
+        f"torch_bridge.reset) on every rank before the next call; the heap stays usable.")

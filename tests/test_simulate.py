@@ -23,7 +23,7 @@ import pytest  # noqa: E402
 
 from jax_ring import simulate  # noqa: E402
 from jax_ring.simulate import SimulatedRing, simulate_job, simulate_ring_attention  # noqa: E402
-from ring_core import interpret, launch, testing, validate  # noqa: E402
+from ring_core import interpret, launch, reference, testing, validate  # noqa: E402
 from ring_core.launch import HeapTooSmallError, RingAttentionTimeout  # noqa: E402
 
 NP_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
@@ -149,6 +149,23 @@ def test_absent_rank_times_out(is_causal, what):
     ref, (q, k, v) = _inputs(8, 2, 1, 4, 2, 1, 8, "float32")
     out = simulate_ring_attention(q, k, v, 2, is_causal=is_causal)
     _check("after timeout", out, ref, "float32", is_causal=is_causal, scale=None, return_lse=False)
+
+
+def test_reset_brings_ranks_back_in_step_on_the_same_heaps():
+    spec, shards = _spec_and_shards(2, 1, 4, 2, 1, 8, "float32", is_causal=False)
+    job = _simulated_job(2)
+    assert job.run(spec, *shards)[0][2][3] == 1
+    job.run(spec, *shards, timeout_s=0.02, absent_ranks=(1,))  # rank 0 now one call ahead of rank 1
+    res = job.run(spec, *shards, timeout_s=0.02)  # counters out of step: this call fails
+    assert any(r[2][0] != launch.ERR_NONE for r in res)
+    job.reset()
+    res = job.run(spec, *shards)
+    assert [int(r[2][0]) for r in res] == [0, 0] and [int(r[2][3]) for r in res] == [1, 1]
+    out = np.concatenate([r[0] for r in res], axis=1)
+    q, k, v = (np.concatenate(x, axis=1) for x in shards)
+    o64, _ = reference.attention(q, k, v)
+    olp, _ = reference.attention_lowp(q, k, v, "float32")
+    testing.check("after reset", out, o64, olp, "float32")
 
 
 def test_heap_too_small():

@@ -40,6 +40,16 @@ def shutdown() -> bool:
     return released
 
 
+def reset():
+    """Collective: after a reported timeout, call on every rank to bring the ranks' call counters back in
+    step (waits for outstanding calls; their errors are dropped, they were raised or are being handled)."""
+    global _pending
+    for ev, *_ in _pending:
+        ev.synchronize()
+    _pending = []
+    _heap.get().reset()
+
+
 def fused_available() -> bool:
     return _heap.is_initialized()
 
