@@ -4,8 +4,8 @@ Per-rank values (this rank's position, the heap bases as mapped in its process) 
 on-device array: every process holds the same table of all ranks' context arrays (a program baked with
 per-process constants would differ between processes, which multi-controller JAX cannot compile: it
 waits forever), and the row is picked with ``lax.axis_index(axis_name)`` inside shard_map, so no per-rank
-Python scalar is baked into the compiled call. The mesh axis must list devices in process order (as ``jax.make_mesh`` / ``Mesh(jax.devices())`` do):
-ring position i is process i.
+Python scalar is baked into the compiled call. The mesh axis must list devices in process order (as
+``jax.make_mesh`` / ``Mesh(jax.devices())`` do): ring position i is process i.
 """
 
 from __future__ import annotations

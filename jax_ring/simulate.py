@@ -114,12 +114,6 @@ def _finish(call: _Call, results):
 
 
 # ------------------------------------------------------------------------------------ execution
-def _interpreter_usable() -> bool:
-    from ring_core import interpret
-
-    return interpret.interpreter_usable()
-
-
 @contextlib.contextmanager
 def _env(**values):
     old = {k: os.environ.get(k) for k in values}
@@ -253,7 +247,9 @@ class SimulatedRing:
 
     def _get_job(self):
         if self._job is None:
-            if _interpreter_usable():
+            from ring_core import interpret
+
+            if interpret.interpreter_usable():
                 self._job = _local_job(self.world_size, self.workspace_bytes)
             else:
                 self._job = _SubprocessJob(self.world_size, self.workspace_bytes)

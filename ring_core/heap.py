@@ -17,7 +17,6 @@ from ring_core import launch
 
 DEFAULT_HEAP_BYTES = 4 << 30
 HEAP_ENV = "RING_ATTENTION_HEAP_BYTES"
-_SLACK = 8 << 20  # heap bytes left to iris for its own small allocations
 
 _lock = threading.Lock()
 _heap = None
@@ -40,8 +39,9 @@ class SymmetricHeap:
             raise RuntimeError("the fused backend needs a GPU; use backend='xla' (JAX) or 'torch' (PyTorch) on CPU")
         if heap_size is None:
             heap_size = int(os.environ.get(HEAP_ENV, DEFAULT_HEAP_BYTES))
-        if not isinstance(heap_size, int) or heap_size < 2 * _SLACK:
-            raise ValueError(f"heap_size must be an int of at least {2 * _SLACK} bytes, got {heap_size!r}")
+        if not isinstance(heap_size, int) or heap_size < 2 * launch.HEAP_SLACK:
+            raise ValueError(f"heap_size must be an int of at least {2 * launch.HEAP_SLACK} bytes, "
+                             f"got {heap_size!r}")
         import iris
 
         # On NVIDIA only the vmem_chunked allocator works (torch and vmem are HIP-only); chosen here so
@@ -54,7 +54,7 @@ class SymmetricHeap:
         if self.world_size > launch.MAX_WORLD:
             raise ValueError(f"at most {launch.MAX_WORLD} ranks are supported, got {self.world_size}")
         self.device = torch.device("cuda", torch.cuda.current_device())
-        ws = heap_size - _SLACK
+        ws = heap_size - launch.HEAP_SLACK
         self.workspace = self.iris.zeros(ws, dtype=torch.uint8)
         # Heap bases as mapped in *this* process: a peer's heap sits at a different virtual address in
         # every process, so each process's view is gathered (ctx_table needs all of them).

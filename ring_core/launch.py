@@ -33,6 +33,8 @@ ERR_NONE, ERR_KV_TIMEOUT, ERR_BARRIER_TIMEOUT, ERR_PEER_FAILED = 0, 1, 2, 3
 STATUS_WORDS = 4  # status output: error code, peer rank, ring step, epoch
 CTL_BYTES = 4096
 ALIGN = 256
+MAX_FLAG_BYTES = 16 << 20
+HEAP_SLACK = 8 << 20  # heap bytes left to iris for its own small allocations (outside the workspace)
 ELEM_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 DEFAULT_TIMEOUT_S = 300.0
 TIMEOUT_ENV = "RING_ATTENTION_TIMEOUT_S"
@@ -66,7 +68,7 @@ class HeapLayout:
     def for_workspace(workspace_bytes: int, base_off: int = 0) -> "HeapLayout":
         """Split a workspace of ``workspace_bytes`` (at ``base_off`` from the heap base) into regions.
         A sixty-fourth of it (at least 64 KiB, at most 16 MiB) holds flags."""
-        flags_bytes = _align(min(16 << 20, max(64 << 10, workspace_bytes // 64)))
+        flags_bytes = _align(min(MAX_FLAG_BYTES, max(64 << 10, workspace_bytes // 64)))
         ctl_off = _align(base_off)
         flags_off = ctl_off + CTL_BYTES
         recv_off = _align(flags_off + flags_bytes)
@@ -149,6 +151,13 @@ def timeout_ns(timeout_s: float | None = None) -> int:
     return int(timeout_s * 1e9)
 
 
+def heap_bytes_for(recv_need: int) -> int:
+    """A heap size (``initialize(heap_size=...)``) whose workspace holds ``recv_need`` receive bytes: the
+    receive slots plus the largest flag region, the control words, alignment and iris's slack, in MiB."""
+    total = recv_need + CTL_BYTES + MAX_FLAG_BYTES + 2 * ALIGN + HEAP_SLACK
+    return -(-total // (1 << 20)) << 20
+
+
 def recv_bytes(spec: AttentionSpec, world_size: int) -> int:
     return (world_size - 1) * 2 * spec.batch * spec.num_kv_heads * spec.seq_local * spec.head_dim * ELEM_BYTES[spec.dtype]
 
@@ -162,11 +171,10 @@ def plan(spec: AttentionSpec, world_size: int, heap: HeapLayout, *, interpret: b
     cfg = config or KernelConfig.get_default(spec, world_size, interpret=interpret)
     need = recv_bytes(spec, world_size)
     if need > heap.recv_capacity:
-        per_rank = need + (heap.workspace_bytes - heap.recv_capacity)
         raise HeapTooSmallError(
             f"this call needs {need} bytes of symmetric-heap receive space ({world_size - 1} peers x K and V of "
             f"[{spec.batch}, {spec.seq_local}, {spec.num_kv_heads}, {spec.head_dim}] {spec.dtype}) but the heap "
-            f"reserves {heap.recv_capacity}; call initialize(heap_size=...) with at least {per_rank} bytes "
+            f"reserves {heap.recv_capacity}; call initialize(heap_size=...) with at least {heap_bytes_for(need)} bytes "
             f"(before the first call, or after shutdown())")
     n_blocks = math.ceil(spec.seq_local / cfg.block_n)
     chunk_blocks = cfg.chunk_blocks

@@ -71,3 +71,20 @@ def test_status_of_a_kernel_that_never_completed_is_an_error():
     with pytest.raises(RuntimeError, match="did not complete"):
         launch.check_status(np.zeros(4, np.int32), rank=1)
     launch.check_status(np.array([0, 0, 0, 3], np.int32), rank=1)  # a completed call passes
+
+
+@pytest.mark.parametrize("need", [1, 10 << 20, 3 << 30])
+def test_suggested_heap_size_holds_the_call(need):
+    """The heap size HeapTooSmallError suggests must fit: its workspace (heap minus iris's slack) must give
+    at least ``need`` receive bytes, with the flag region grown for the bigger workspace."""
+    from ring_core.validate import check_attention_args
+
+    suggested = launch.heap_bytes_for(need)
+    layout = launch.HeapLayout.for_workspace(suggested - launch.HEAP_SLACK, base_off=4096 + 17)
+    assert layout.recv_capacity >= need
+    spec = check_attention_args((1, 4096, 8, 128), (1, 4096, 8, 128), (1, 4096, 8, 128), "bfloat16", "bfloat16",
+                                "bfloat16", is_causal=False, scale=None, layout="contiguous", backend="fused",
+                                backends=("fused",))
+    small = launch.HeapLayout.for_workspace(1 << 20)
+    with pytest.raises(launch.HeapTooSmallError, match=rf"at least {launch.heap_bytes_for(launch.recv_bytes(spec, 2))}"):
+        launch.plan(spec, 2, small)

@@ -19,14 +19,18 @@ SYNC_ENV = "RING_ATTENTION_SYNC_ERRORS"
 _pending = []  # (event, pinned status, rank, timeout_s)
 
 
+def _check_group(group):
+    if group is not None and group is not dist.group.WORLD:
+        raise ValueError("the fused backend runs over the default (world) process group; pass group=None")
+
+
 def initialize(heap_size: int | None = None, group=None):
     """Create this process's iris symmetric heap (idempotent). Initialises torch.distributed (NCCL) from
     the launcher's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) if needed.
 
     The fused backend runs over all processes of the job: ``group`` must be None or the default group.
     """
-    if group is not None and group is not dist.group.WORLD:
-        raise ValueError("the fused backend runs over the default (world) process group; pass group=None")
+    _check_group(group)
     _heap.init_torch_distributed_from_env()
     return _heap.initialize(heap_size)
 
@@ -81,8 +85,7 @@ def check_errors():
 def forward(q, k, v, spec, group=None, timeout_s: float | None = None):
     """Launch the fused kernel on this rank's shards; returns (out, lse). Inputs already validated."""
     h = _heap.get()
-    if group is not None and group is not dist.group.WORLD:
-        raise ValueError("the fused backend runs over the default (world) process group; pass group=None")
+    _check_group(group)
     if q.device != h.device:
         raise ValueError(f"inputs are on {q.device} but this rank's heap is on {h.device}; move them there")
     _drain(wait=False)
