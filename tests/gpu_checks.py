@@ -26,8 +26,11 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--calls", type=int, default=1000)
     ap.add_argument("--skip-big", action="store_true")
+    ap.add_argument("--sections", default="cases,jit,grads,soak,big",
+                    help="comma-separated subset of cases,jit,grads,soak,big (default: all)")
     ap.add_argument("--heap-gib", type=float, default=8.0)
     a = ap.parse_args()
+    sections = set(a.sections.split(","))
     jax_ring.initialize(heap_size=int(a.heap_gib * (1 << 30)))
     import jax
     import jax.numpy as jnp
@@ -68,7 +71,6 @@ def main():
                 return jax_ring.ring_attention(q, k, v, axis_name="sp", backend=backend, return_lse=True, **kw)
             jax_fns[key] = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(None, "sp"),) * 3,
                                                  out_specs=(P(None, "sp"), P(None, None, "sp")), check_vma=False))
-        sh = NamedSharding(mesh, P(None, "sp"))
         g = lambda x: jax.make_array_from_process_local_data(
             sh, jnp.asarray(x, dtype=jdt[dt]), (x.shape[0], x.shape[1] * W, *x.shape[2:]))
         out, lse = jax_fns[key](g(q), g(k), g(v))
@@ -131,86 +133,97 @@ def main():
         (1, 2048, 4, 4, 256, "bfloat16", False, "contiguous"),
         (1, 334, 4, 4, 24, "float16", False, "zigzag"),
     ]
-    for c in cases:
-        case(*c)
+    failed = []
+    for c in (cases if "cases" in sections else []):
+        t1 = time.time()
+        try:  # keep going: one run on the GPU machine should report every failing case, not the first
+            case(*c)
+        except AssertionError as e:
+            failed.append(str(e))
+            say(f"FAILED {c}: {e}")
         summary["cases"] += 1
+        say(f"   ({time.time() - t1:.1f} s)")
     summary["cases_s"] = round(time.time() - t0, 1)
+    summary["cases_failed"] = failed
 
-    # ---- two fused calls of different shapes in one jitted program -------------------------------
-    (qa, ka, va), (qb, kb, vb) = (testing.random_inputs(7 + i, 1, s * W, 4, 2, 64, "bfloat16") for i, s in
-                                  enumerate((256, 100)))
-    ia, ib = shards(qa, "zigzag"), shards(qb, "contiguous")
-
-    def two(qa, ka, va, qb, kb, vb):
-        oa = jax_ring.ring_attention(qa, ka, va, axis_name="sp", backend="fused", is_causal=True, layout="zigzag")
-        ob = jax_ring.ring_attention(qb, kb, vb, axis_name="sp", backend="fused")
-        return oa, ob
-    f2 = jax.jit(jax.shard_map(two, mesh=mesh, in_specs=(P(None, "sp"),) * 6, out_specs=(P(None, "sp"),) * 2,
-                               check_vma=False))
     sh = NamedSharding(mesh, P(None, "sp"))
-    g = lambda x: jax.make_array_from_process_local_data(sh, jnp.asarray(x, dtype=jnp.bfloat16),
-                                                         (x.shape[0], x.shape[1] * W, *x.shape[2:]))
-    oa, ob = f2(*(g(x[:, ia]) for x in (qa, ka, va)), *(g(x[:, ib]) for x in (qb, kb, vb)))
-    for name, o, (q, k, v), idx, causal in (("a", oa, (qa, ka, va), ia, True), ("b", ob, (qb, kb, vb), ib, False)):
-        o64, _ = reference.attention(q, k, v, is_causal=causal)
-        olp, _ = reference.attention_lowp(q, k, v, "bfloat16", is_causal=causal)
-        testing.check(f"two-in-one-jit {name}", np.asarray(o.addressable_shards[0].data.astype(jnp.float32)),
-                      o64[:, idx], olp[:, idx], "bfloat16")
-    say("ok two fused calls of different shapes in one jitted program")
+    # ---- two fused calls of different shapes in one jitted program -------------------------------
+    if "jit" in sections:
+        (qa, ka, va), (qb, kb, vb) = (testing.random_inputs(7 + i, 1, s * W, 4, 2, 64, "bfloat16") for i, s in
+                                      enumerate((256, 100)))
+        ia, ib = shards(qa, "zigzag"), shards(qb, "contiguous")
+
+        def two(qa, ka, va, qb, kb, vb):
+            oa = jax_ring.ring_attention(qa, ka, va, axis_name="sp", backend="fused", is_causal=True, layout="zigzag")
+            ob = jax_ring.ring_attention(qb, kb, vb, axis_name="sp", backend="fused")
+            return oa, ob
+        f2 = jax.jit(jax.shard_map(two, mesh=mesh, in_specs=(P(None, "sp"),) * 6, out_specs=(P(None, "sp"),) * 2,
+                                   check_vma=False))
+        g = lambda x: jax.make_array_from_process_local_data(sh, jnp.asarray(x, dtype=jnp.bfloat16),
+                                                             (x.shape[0], x.shape[1] * W, *x.shape[2:]))
+        oa, ob = f2(*(g(x[:, ia]) for x in (qa, ka, va)), *(g(x[:, ib]) for x in (qb, kb, vb)))
+        for name, o, (q, k, v), idx, causal in (("a", oa, (qa, ka, va), ia, True), ("b", ob, (qb, kb, vb), ib, False)):
+            o64, _ = reference.attention(q, k, v, is_causal=causal)
+            olp, _ = reference.attention_lowp(q, k, v, "bfloat16", is_causal=causal)
+            testing.check(f"two-in-one-jit {name}", np.asarray(o.addressable_shards[0].data.astype(jnp.float32)),
+                          o64[:, idx], olp[:, idx], "bfloat16")
+        say("ok two fused calls of different shapes in one jitted program")
 
     # ---- gradients through backend="fused" (torch autograd and jax.grad) --------------------------
-    q, k, v, do = testing.random_inputs(11, 1, 128 * W, 4, 2, 32, "float32", with_dout=True)
-    idx = shards(q, "zigzag")
-    ref = reference.attention_grad(q, k, v, do, is_causal=True)
-    low = reference.attention_grad_lowp(q, k, v, do, "float32", is_causal=True)
-    ts = [torch.as_tensor(x[:, idx], device=dev).requires_grad_() for x in (q, k, v)]
-    out = torch_bridge.ring_attention(*ts, is_causal=True, layout="zigzag", backend="fused")
-    out.backward(torch.as_tensor(do[:, idx], device=dev))
-    for n, t, r, l in zip("qkv", ts, ref, low):
-        testing.check(f"torch fused d{n}", t.grad.cpu().numpy(), r[:, idx], l[:, idx], "float32", "grad")
+    if "grads" in sections:
+        q, k, v, do = testing.random_inputs(11, 1, 128 * W, 4, 2, 32, "float32", with_dout=True)
+        idx = shards(q, "zigzag")
+        ref = reference.attention_grad(q, k, v, do, is_causal=True)
+        low = reference.attention_grad_lowp(q, k, v, do, "float32", is_causal=True)
+        ts = [torch.as_tensor(x[:, idx], device=dev, dtype=torch.float32).requires_grad_() for x in (q, k, v)]
+        out = torch_bridge.ring_attention(*ts, is_causal=True, layout="zigzag", backend="fused")
+        out.backward(torch.as_tensor(do[:, idx], device=dev, dtype=torch.float32))
+        for n, t, r, l in zip("qkv", ts, ref, low):
+            testing.check(f"torch fused d{n}", t.grad.cpu().numpy(), r[:, idx], l[:, idx], "float32", "grad")
 
-    def loss(q, k, v, do):
-        o = jax_ring.ring_attention(q, k, v, axis_name="sp", backend="fused", is_causal=True, layout="zigzag")
-        return jnp.sum(o * do)
-    gf = jax.jit(jax.shard_map(jax.grad(loss, argnums=(0, 1, 2)), mesh=mesh, in_specs=(P(None, "sp"),) * 4,
-                               out_specs=(P(None, "sp"),) * 3, check_vma=False))
-    g32 = lambda x: jax.make_array_from_process_local_data(sh, jnp.asarray(x[:, idx]),
-                                                           (x.shape[0], x.shape[1], *x.shape[2:]))
-    grads = gf(g32(q), g32(k), g32(v), g32(do))
-    for n, gr, r, l in zip("qkv", grads, ref, low):
-        testing.check(f"jax fused d{n}", np.asarray(gr.addressable_shards[0].data), r[:, idx], l[:, idx],
-                      "float32", "grad")
-    say("ok gradients through backend='fused' (torch and jax) against float64")
+        def loss(q, k, v, do):
+            o = jax_ring.ring_attention(q, k, v, axis_name="sp", backend="fused", is_causal=True, layout="zigzag")
+            return jnp.sum(o * do)
+        gf = jax.jit(jax.shard_map(jax.grad(loss, argnums=(0, 1, 2)), mesh=mesh, in_specs=(P(None, "sp"),) * 4,
+                                   out_specs=(P(None, "sp"),) * 3, check_vma=False))
+        g32 = lambda x: jax.make_array_from_process_local_data(sh, jnp.asarray(x[:, idx], dtype=jnp.float32),
+                                                               (x.shape[0], x.shape[1], *x.shape[2:]))
+        grads = gf(g32(q), g32(k), g32(v), g32(do))
+        for n, gr, r, l in zip("qkv", grads, ref, low):
+            testing.check(f"jax fused d{n}", np.asarray(gr.addressable_shards[0].data), r[:, idx], l[:, idx],
+                          "float32", "grad")
+        say("ok gradients through backend='fused' (torch and jax) against float64")
 
     # ---- soak: consecutive calls with changing shapes through both frontends ----------------------
-    t0 = time.time()
-    shapes = [(1, 200, 4, 2, 64, "bfloat16", True, "zigzag"), (2, 97, 2, 1, 80, "float16", False, "contiguous"),
-              (1, 512, 8, 8, 128, "bfloat16", False, "contiguous"), (1, 33, 4, 4, 32, "float32", True, "contiguous"),
-              (1, 1000, 4, 1, 128, "float16", True, "zigzag")]
-    prepared = []
-    for i, (B, S, H, HKV, D, dt, causal, lay) in enumerate(shapes):
-        q, k, v = testing.random_inputs(100 + i, B, S * W, H, HKV, D, dt)
-        idx = shards(q, lay)
-        o64, _ = reference.attention(q, k, v, is_causal=causal)
-        olp, _ = reference.attention_lowp(q, k, v, dt, is_causal=causal)
-        prepared.append((q[:, idx], k[:, idx], v[:, idx], o64[:, idx], olp[:, idx], dt,
-                         dict(is_causal=causal, layout=lay)))
-    bad = 0
-    for n in range(a.calls):
-        ql, kl, vl, o64, olp, dt, kw = prepared[n % len(prepared)]
-        fw = run_jax if (n // len(prepared)) % 2 else run_torch
-        o, _, _ = fw(ql, kl, vl, dt, "fused", **kw)
-        try:
-            testing.check(f"soak call {n}", o, o64, olp, dt, "out")
-        except AssertionError as e:
-            bad += 1
-            say(str(e))
-    summary.update(soak_calls=a.calls, soak_bad=bad, soak_s=round(time.time() - t0, 1))
-    say(f"soak: {a.calls} calls, {bad} wrong, {summary['soak_s']} s")
-    assert bad == 0
+    if "soak" in sections:
+        t0 = time.time()
+        shapes = [(1, 200, 4, 2, 64, "bfloat16", True, "zigzag"), (2, 97, 2, 1, 80, "float16", False, "contiguous"),
+                  (1, 512, 8, 8, 128, "bfloat16", False, "contiguous"), (1, 33, 4, 4, 32, "float32", True, "contiguous"),
+                  (1, 1000, 4, 1, 128, "float16", True, "zigzag")]
+        prepared = []
+        for i, (B, S, H, HKV, D, dt, causal, lay) in enumerate(shapes):
+            q, k, v = testing.random_inputs(100 + i, B, S * W, H, HKV, D, dt)
+            idx = shards(q, lay)
+            o64, _ = reference.attention(q, k, v, is_causal=causal)
+            olp, _ = reference.attention_lowp(q, k, v, dt, is_causal=causal)
+            prepared.append((q[:, idx], k[:, idx], v[:, idx], o64[:, idx], olp[:, idx], dt,
+                             dict(is_causal=causal, layout=lay)))
+        bad = 0
+        for n in range(a.calls):
+            ql, kl, vl, o64, olp, dt, kw = prepared[n % len(prepared)]
+            fw = run_jax if (n // len(prepared)) % 2 else run_torch
+            o, _, _ = fw(ql, kl, vl, dt, "fused", **kw)
+            try:
+                testing.check(f"soak call {n}", o, o64, olp, dt, "out")
+            except AssertionError as e:
+                bad += 1
+                say(str(e))
+        summary.update(soak_calls=a.calls, soak_bad=bad, soak_s=round(time.time() - t0, 1))
+        say(f"soak: {a.calls} calls, {bad} wrong, {summary['soak_s']} s")
+        assert bad == 0
 
     # ---- a grid far larger than the GPU holds at once ---------------------------------------------
-    if not a.skip_big:
+    if "big" in sections and not a.skip_big:
         B, S, H, HKV, D, dt = 16, 4096, 64, 8, 64, "bfloat16"
         torch.manual_seed(1)  # same global inputs on every rank
         qg = torch.randn(B, S * W, H, D, device=dev, dtype=torch.bfloat16)
@@ -243,6 +256,7 @@ def main():
         summary.update(big_programs=grid, big_err=err, big_first_call_s=round(dt_big, 2))
 
     dist.barrier()
+    assert not failed, f"{len(failed)} of {len(cases)} cases failed: {failed}"
     summary["ok"] = True
     summary["log"] = log
     if rank == 0 and a.out:
