@@ -1,0 +1,1 @@
+"""Timing programs (not part of the installed package): ``benchmarks.attention`` and ``benchmarks.plot``."""

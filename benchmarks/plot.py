@@ -1,0 +1,171 @@
+"""Plot the harness's CSV: TFLOP/s per GPU against sequence length, one line per method (and world size),
+one panel per (causal, dtype, head_dim, heads/kv_heads). Runs on a CPU machine (needs matplotlib: the
+``bench`` extra); the GPU machine only writes the CSV.
+
+    python -m benchmarks.plot benchmarks/results/x.csv --out benchmarks/results/x.png --table
+
+Several CSVs may be given (their rows are pooled). Where a (method, world, case) was run more than once,
+the last row in the file counts. The x axis is the global sequence length (``--x global``, default: a
+2-GPU ring case, its single-GPU share and the world-1 fused run of the same problem line up) or
+seq_local (``--x local``). ``--table`` prints, as markdown, every fused row with its ratios (recomputed
+from all rows, so world-1 rows appended after the W-GPU run count for the scaling efficiency).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import os
+import sys
+
+if __package__ in (None, ""):  # run as a script path: make `benchmarks` importable from the repository root
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.attention import METHODS, RATIOS, compute_ratios  # noqa: E402
+
+PANEL_KEY = ("causal", "dtype", "head_dim", "heads", "kv_heads", "batch")
+STYLE = {  # method: (color, linestyle, marker)
+    "torch_fused": ("tab:red", "-", "o"),
+    "jax_fused": ("tab:orange", "-", "s"),
+    "torch_ref": ("tab:gray", ":", "v"),
+    "jax_xla": ("tab:brown", ":", "^"),
+    "jax_cudnn_ring": ("tab:purple", "-.", "D"),
+    "torch_cp": ("tab:blue", "-.", "P"),
+    "torch_cudnn_1gpu": ("black", "--", "x"),
+    "jax_cudnn_1gpu": ("tab:green", "--", "+"),
+}
+
+
+def load_rows(paths) -> list:
+    rows = []
+    for p in paths:
+        with open(p, newline="") as f:
+            rows.extend(csv.DictReader(f))
+    return rows
+
+
+def _f(x):
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) else None
+
+
+def latest(rows) -> list:
+    """Rows that timed something, the last one per (method, world, case)."""
+    keep = {}
+    for r in rows:
+        if r.get("error") or _f(r.get("tflops_per_gpu")) is None:
+            continue
+        key = (r["method"], r["world"], *(r[k] for k in PANEL_KEY), r["seq_local"])
+        keep.pop(key, None)
+        keep[key] = r  # re-inserted: the order of the file is kept, the last row wins
+    return list(keep.values())
+
+
+def panels(rows, x: str = "global") -> dict:
+    """{panel key: {line label: [(seq, tflops), ...] sorted}} from the latest timed rows."""
+    out = {}
+    for r in latest(rows):
+        pkey = tuple(r[k] for k in PANEL_KEY)
+        info = METHODS.get(r["method"])
+        share = info is not None and info.kind == "limit"
+        label = f"{r['method']} ({'share of ' if share else ''}W={r['world']})"
+        seq = int(r["seq_global"] if x == "global" else r["seq_local"])
+        out.setdefault(pkey, {}).setdefault(label, []).append((seq, _f(r["tflops_per_gpu"])))
+    for lines in out.values():
+        for pts in lines.values():
+            pts.sort()
+    return out
+
+
+def panel_title(pkey) -> str:
+    causal, dtype, d, h, hkv, b = pkey
+    mask = "causal (zigzag)" if str(causal) in ("1", "True") else "non-causal"
+    return f"{mask}, {dtype}, D={d}, H={h}/{hkv}" + (f", B={b}" if str(b) != "1" else "")
+
+
+def _seq_label(n: int) -> str:
+    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+
+def plot(rows, out: str, x: str = "global", title: str | None = None) -> int:
+    """Write the PNG; returns the number of panels."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = panels(rows, x)
+    if not data:
+        raise SystemExit("no timed rows to plot")
+    keys = sorted(data, key=lambda k: (k[1], int(k[2]), int(k[3]), int(k[4]), int(k[5]), k[0]))
+    ncol = min(2, len(keys))
+    nrow = math.ceil(len(keys) / ncol)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(9 * ncol, 4.6 * nrow), squeeze=False)
+    for ax, pkey in zip(axes.flat, keys):
+        seqs = set()
+        for label in sorted(data[pkey], key=lambda lab: (list(METHODS).index(lab.split()[0]), lab)):
+            pts = data[pkey][label]
+            color, ls, marker = STYLE.get(label.split()[0], (None, "-", "."))
+            world1 = label.endswith("(W=1)")
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label, color=color, marker=marker,
+                    linestyle=":" if world1 else ls, alpha=0.6 if world1 else 1.0,
+                    linewidth=2.2 if METHODS.get(label.split()[0]) and METHODS[label.split()[0]].kind == "fused" else 1.4)
+            seqs.update(p[0] for p in pts)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted(seqs))
+        ax.set_xticklabels([_seq_label(s) for s in sorted(seqs)])
+        ax.minorticks_off()
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("global sequence length (tokens)" if x == "global" else "seq_local (tokens per GPU)")
+        ax.set_ylabel("TFLOP/s per GPU")
+        ax.set_title(panel_title(pkey))
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    for ax in list(axes.flat)[len(keys):]:
+        ax.axis("off")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return len(keys)
+
+
+def table(rows) -> str:
+    """Markdown: the fused rows (latest per case) with TFLOP/s per GPU and ratios."""
+    cols = (*RATIOS, "scaling_eff")
+    fused = [r for r in latest(compute_ratios(rows)) if METHODS.get(r["method"]) and METHODS[r["method"]].kind == "fused"]
+    head = ["method", "W", "case", "seq_local", "TFLOP/s/GPU", *cols]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in fused:
+        case = panel_title(tuple(r[k] for k in PANEL_KEY))
+        vals = [r["method"], r["world"], case, r["seq_local"], f"{_f(r['tflops_per_gpu']):.1f}",
+                *(f"{_f(r[c]):.2f}" if _f(r.get(c)) is not None else "–" for c in cols)]
+        lines.append("| " + " | ".join(str(v) for v in vals) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.plot", description=__doc__.splitlines()[0])
+    ap.add_argument("csv", nargs="+", help="CSV file(s) written by benchmarks.attention")
+    ap.add_argument("--out", default=None, help="PNG to write (default: the first CSV with .png)")
+    ap.add_argument("--x", default="global", choices=("global", "local"), help="x axis: global or per-GPU length")
+    ap.add_argument("--title", default=None)
+    ap.add_argument("--table", action="store_true", help="print the fused rows and their ratios as markdown")
+    a = ap.parse_args(argv)
+    rows = load_rows(a.csv)
+    out = a.out or os.path.splitext(a.csv[0])[0] + ".png"
+    n = plot(rows, out, a.x, a.title)
+    print(f"wrote {out} ({n} panel{'s' * (n != 1)})")
+    if a.table:
+        print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
