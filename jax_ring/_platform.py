@@ -28,12 +28,15 @@ def _unbound(axis_name, err) -> ValueError:
 
 def axis_size(axis_name) -> int:
     """Static number of devices along ``axis_name``; ValueError (saying how to fix it) when it is unbound."""
+    if axis_name is None:
+        raise TypeError("axis_name is required: the name of the mesh axis that shards the sequence "
+                        "(e.g. axis_name='sp' inside jax.shard_map over Mesh(devices, ('sp',)))")
     try:
         if hasattr(lax, "axis_size"):
             n = lax.axis_size(axis_name)
         else:  # pragma: no cover - old JAX only
             n = lax.psum(1, axis_name)
-    except NameError as e:
+    except (NameError, ValueError, TypeError) as e:  # unbound name; a non-name (an int) reads as a position
         raise _unbound(axis_name, e) from None
     try:
         return int(n)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from ring_core.layout import LAYOUTS, inverse_permutation, layout_permutation
-from ring_core.validate import check_attention_args
+from ring_core.validate import check_attention_args, check_timeout
 
 from jax_ring import _platform
 from jax_ring.reference import ring_attention_xla
@@ -51,7 +51,7 @@ def _validate(q, k, v, *, is_causal, scale, layout, backend, return_lse):
 
 
 def ring_attention(q, k, v, *, axis_name, is_causal=False, scale=None, layout="contiguous", return_lse=False,
-                   backend="auto"):
+                   backend="auto", timeout_s=None):
     """Exact softmax attention over a sequence sharded along mesh axis ``axis_name``; call inside ``jax.shard_map``.
 
     Args:
@@ -68,8 +68,11 @@ def ring_attention(q, k, v, *, axis_name, is_causal=False, scale=None, layout="c
         denominator over the whole global sequence (scores already multiplied by ``scale``).
       backend: ``"auto"`` (the fused kernel where available, else ``"xla"``), ``"fused"`` (the Triton + iris
         kernel through jax-triton; needs ``jax_ring.initialize()`` on GPUs, the mesh axis listing devices in
-        process order; its gradients are currently computed by recomputing through the xla ring) or
+        process order; its gradients come from the fused backward kernel, ``lse`` carries none) or
         ``"xla"`` (the pure-JAX reference ring: K/V go round with ``lax.ppermute``, float32 maths).
+      timeout_s: bound in seconds on every wait inside the fused kernel (default: RING_ATTENTION_TIMEOUT_S
+        when traced, else 300); an expired wait raises ``ring_core.launch.RingAttentionTimeout`` naming the
+        missing rank and ring step. Baked into the compiled program. The xla ring has no waits of its own.
 
     Returns:
       ``out`` with q's shape and dtype, or ``(out, lse)`` with ``return_lse=True``.
@@ -95,17 +98,19 @@ def ring_attention(q, k, v, *, axis_name, is_causal=False, scale=None, layout="c
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     spec = _validate(q, k, v, is_causal=is_causal, scale=scale, layout=layout, backend=backend,
                      return_lse=return_lse)
-    world = _platform.axis_size(axis_name)  # ValueError (how to fix it) outside shard_map / wrong name
+    timeout_s = check_timeout(timeout_s)
     backend = _resolve_backend(backend, q.dtype)
+    world = _platform.axis_size(axis_name)  # ValueError (how to fix it) outside shard_map / wrong name
     if backend == "xla":
         return ring_attention_xla(q, k, v, axis_name=axis_name, spec=spec, return_lse=return_lse)
     from jax_ring.fused import ring_attention_fused
 
-    return ring_attention_fused(q, k, v, axis_name=axis_name, spec=spec, world_size=world, return_lse=return_lse)
+    return ring_attention_fused(q, k, v, axis_name=axis_name, spec=spec, world_size=world, return_lse=return_lse,
+                                timeout_s=timeout_s)
 
 
 def ring_attention_sharded(q, k, v, *, mesh, axis_name, is_causal=False, scale=None, layout="contiguous",
-                           return_lse=False, backend="auto"):
+                           return_lse=False, backend="auto", timeout_s=None):
     """``ring_attention`` on global arrays: shards the sequence over ``mesh`` axis ``axis_name`` and runs the ring.
 
     ``q``, ``k``, ``v`` are global, [batch, seq_global, heads, head_dim], and must ALREADY be in ``layout``
@@ -149,18 +154,19 @@ def ring_attention_sharded(q, k, v, *, mesh, axis_name, is_causal=False, scale=N
     spec = check_attention_args(local(q), local(k), local(v), q.dtype, k.dtype, v.dtype, is_causal=is_causal,
                                 scale=scale, layout=layout, backend=backend, backends=JAX_BACKENDS,
                                 return_lse=return_lse)
+    timeout_s = check_timeout(timeout_s)
     _resolve_backend(backend, q.dtype)
     # spec.scale: a hashable Python float (the caller may pass a numpy / concrete jax scalar).
-    return _sharded_fn(mesh, axis_name, is_causal, spec.scale, layout, return_lse, backend)(q, k, v)
+    return _sharded_fn(mesh, axis_name, spec.is_causal, spec.scale, layout, return_lse, backend, timeout_s)(q, k, v)
 
 
 @functools.lru_cache(maxsize=64)
-def _sharded_fn(mesh, axis_name, is_causal, scale, layout, return_lse, backend):
+def _sharded_fn(mesh, axis_name, is_causal, scale, layout, return_lse, backend, timeout_s):
     """The jitted shard_map for one configuration (cached: eager shard_map would dispatch op by op)."""
 
     def body(q, k, v):
         return ring_attention(q, k, v, axis_name=axis_name, is_causal=is_causal, scale=scale, layout=layout,
-                              return_lse=return_lse, backend=backend)
+                              return_lse=return_lse, backend=backend, timeout_s=timeout_s)
 
     out_specs = (P(None, axis_name), P(None, None, axis_name)) if return_lse else P(None, axis_name)
     return jax.jit(_platform.shard_map(body, mesh=mesh, in_specs=(P(None, axis_name),) * 3, out_specs=out_specs))

@@ -8,13 +8,19 @@ from ring_core import heap as _heap
 
 
 def initialize(heap_size: int | None = None):
-    """Prepare this process for ``backend="fused"``; idempotent.
+    """Prepare this process for ``backend="fused"``; returns the heap. Collective: every rank calls it.
 
     In a job of one process per GPU (``python -m jax_ring.launch --nproc-per-node N script.py`` or
     torchrun), this initialises torch.distributed (iris exchanges heap handles through it) and
-    ``jax.distributed`` (one local device: this process's GPU), then creates the iris symmetric heap of
-    ``heap_size`` bytes (default 4 GiB or RING_ATTENTION_HEAP_BYTES). Call it before JAX touches the GPU,
-    so that XLA does not preallocate the memory the heap needs.
+    ``jax.distributed`` (one local device: this process's GPU), each only if not done yet, then creates the
+    iris symmetric heap of ``heap_size`` bytes (default 4 GiB or RING_ATTENTION_HEAP_BYTES). Call it before
+    JAX touches the GPU, so that XLA does not preallocate the memory the heap needs.
+
+    Calling it again returns the same heap (a different ``heap_size`` raises RuntimeError: ``shutdown()``
+    first). After ``shutdown()`` it creates a new heap, reusing the process group and ``jax.distributed``
+    (JAX cannot initialise those twice). A torch.distributed process group created here is destroyed at
+    interpreter exit; one the program created is left alone. Until it has run, ``backend="fused"`` raises
+    and ``backend="auto"`` uses the xla reference ring.
 
     Example (2 GPUs)::
 
@@ -22,12 +28,17 @@ def initialize(heap_size: int | None = None):
         import jax_ring
         jax_ring.initialize()
     """
+    heap_size = _heap.check_heap_size(heap_size) if heap_size is not None else None
     if _heap.is_initialized():
         return _heap.initialize(heap_size)
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     rank, world, local = _heap.init_torch_distributed_from_env()
     import jax
 
+    if world == 1:
+        # One process: JAX would otherwise open every visible GPU and leave the last one current, so
+        # torch's NCCL calls then find their tensors on a device the process group was not bound to.
+        jax.config.update("jax_cuda_visible_devices", str(local))
     if world > 1 and not _jax_distributed_ready():
         addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
         port = int(os.environ.get("JAX_COORDINATOR_PORT", int(os.environ["MASTER_PORT"]) + 1))
@@ -46,14 +57,19 @@ def _jax_distributed_ready() -> bool:
 
 
 def shutdown() -> bool:
-    """Release the symmetric heap (waits for the GPU first). Returns False if there was none.
-    ``initialize`` may be called again afterwards."""
+    """Release the symmetric heap (waits for this GPU first); returns False if there was none (so a second
+    call is harmless). Local: no communication, but every rank should shut down before any re-initialises.
+
+    Programs already compiled with ``backend="fused"`` refer to the released heap, so every JAX compilation
+    cache is cleared: the next call of such a program traces again, and raises until ``initialize()`` made
+    a new heap. torch.distributed and ``jax.distributed`` stay up (``initialize()`` may follow)."""
     return _heap.shutdown()
 
 
 def reset():
     """Collective: after a fused call raised a timeout, call on every rank (no call in flight) to zero
-    the protocol state so that the ranks' call counters agree again; the heap stays allocated."""
+    the protocol state so that the ranks' call counters agree again; the heap stays allocated. Raises
+    ``NotInitializedError`` (a RuntimeError) when there is no heap."""
     _heap.get().reset()
 
 

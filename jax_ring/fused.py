@@ -1,4 +1,4 @@
-"""backend='fused' for JAX: the shared kernel (ring_core.kernel) as a jax-triton custom call.
+"""backend='fused' for JAX: the shared kernels (ring_core.kernel, ring_core.kernel_bwd) as jax-triton custom calls.
 
 Per-rank values (this rank's position, the heap bases as mapped in its process) reach the kernel as an
 on-device array: every process holds the same table of all ranks' context arrays (a program baked with
@@ -48,6 +48,17 @@ def _import_jax_triton():
     return jax_triton
 
 
+def _forget_compiled_programs():
+    """Release hook (ring_core.heap.on_release): a program traced with the fused backend baked the heap's
+    addresses into its constants (the context table), so after shutdown() running it again would write into
+    released memory. Clearing JAX's caches makes the next call trace again, which raises without a heap and
+    otherwise takes the new heap's addresses."""
+    from jax_ring import api
+
+    jax.clear_caches()
+    api._sharded_fn.cache_clear()
+
+
 def _raise_status(status, rank, timeout_s):
     launch.check_status(np.asarray(status), int(rank), timeout_s)
 
@@ -58,6 +69,7 @@ def forward(q, k, v, spec, axis_name, world_size: int, timeout_s: float | None =
     from ring_core.kernel import ring_attn_fwd_kernel
 
     h = _heap.get()
+    _heap.on_release(_forget_compiled_programs)  # the table below is baked into the program
     if world_size != h.world_size:
         raise ValueError(f"the mesh axis {axis_name!r} has {world_size} devices but the job has {h.world_size} "
                          "processes; the fused backend shards the sequence over all processes (one GPU each)")
@@ -81,23 +93,53 @@ def forward(q, k, v, spec, axis_name, world_size: int, timeout_s: float | None =
     return out, lse
 
 
+def backward(q, k, v, out, lse, dout, spec, axis_name, world_size: int, timeout_s: float | None = None):
+    """Run the fused backward kernel (ring_core.kernel_bwd) on this rank's shards inside shard_map, from the
+    forward's ``out`` and ``lse``; returns (dq, dk, dv). Same context-table row, launch maths
+    (ring_core.launch.plan_bwd) and argument list as the torch launcher (torch_bridge.fused.backward)."""
+    jt = _import_jax_triton()
+    from ring_core.kernel_bwd import ring_attn_bwd_kernel
+
+    h = _heap.get()
+    _heap.on_release(_forget_compiled_programs)  # the table below is baked into the program
+    if world_size != h.world_size:
+        raise ValueError(f"the mesh axis {axis_name!r} has {world_size} devices but the job has {h.world_size} "
+                         "processes; the fused backend shards the sequence over all processes (one GPU each)")
+    p = h.plan_bwd(spec)  # raises HeapTooSmallError at trace time, before anything runs
+    table = jnp.asarray(h.ctx_table().view(np.int32))  # [W, 2 * n]; int32 pairs, read as int64 in the kernel
+    rank = lax.axis_index(axis_name)
+    ctx = lax.dynamic_index_in_dim(table, rank, axis=0, keepdims=False)
+    scal = p.scalars(timeout_s)
+    scal = (scal[0], scal[1], np.float32(scal[2]), *scal[3:])  # float32 scale, as the torch launch passes it
+    dq, dk, dv, _, status = jt.triton_call(
+        q, k, v, out, dout, lse, ctx, *scal,
+        kernel=ring_attn_bwd_kernel,
+        out_shape=[jax.ShapeDtypeStruct(shape, jnp.dtype(dt)) for shape, dt in p.out_shapes],
+        grid=p.grid, num_warps=p.config.num_warps, num_stages=p.config.num_stages,
+        zeroed_outputs=(4,),  # status: all zero unless the kernel's last program wrote it (check_status)
+        name="ring_attn_bwd", **p.constexprs(interpret=False))
+    jax.debug.callback(_raise_status, status, rank, timeout_s)
+    return dq, dk, dv
+
+
 def ring_attention_fused(q, k, v, *, axis_name, spec, world_size: int, return_lse: bool = False,
                          timeout_s: float | None = None):
-    """Fused forward; differentiable. Its VJP currently recomputes through the xla reference ring and
-    differentiates that (exact gradients; the fused backward kernel replaces it)."""
-    from jax_ring.reference import ring_attention_xla
+    """Fused forward; differentiable: the VJP runs the fused backward kernel from the saved q, k, v, out
+    and lse (``lse`` is returned for inspection and carries no gradient, as in the torch frontend)."""
 
     @jax.custom_vjp
     def f(q, k, v):
         return forward(q, k, v, spec, axis_name, world_size, timeout_s)
 
     def f_fwd(q, k, v):
-        return f(q, k, v), (q, k, v)
+        _heap.get().plan_bwd(spec)  # a heap too small for the backward raises now, before anything runs
+        out, lse = forward(q, k, v, spec, axis_name, world_size, timeout_s)
+        return (out, lse), (q, k, v, out, lse)
 
     def f_bwd(res, cts):
-        dout, _ = cts  # lse is returned for inspection; it carries no gradient here
-        _, vjp = jax.vjp(lambda q, k, v: ring_attention_xla(q, k, v, axis_name=axis_name, spec=spec), *res)
-        return vjp(dout.astype(res[0].dtype))
+        q, k, v, out, lse = res
+        dout, _ = cts  # the cotangent of lse is dropped (see the docstring)
+        return backward(q, k, v, out, lse, dout.astype(q.dtype), spec, axis_name, world_size, timeout_s)
 
     f.defvjp(f_fwd, f_bwd)
     out, lse = f(q, k, v)

@@ -6,6 +6,8 @@ Triton + iris kernel of ``ring_core.kernel`` on every rank through ``ring_core.i
 (remote stores, release/acquire flags and the end barrier all run for real over CPU "heaps"), checks every
 rank's status words and gathers the result back into natural order. ``SimulatedRing`` keeps the simulated
 heaps across calls, so consecutive calls exercise the epoch protocol that separates them.
+``simulate_ring_attention_grad`` runs the forward kernel and then the fused backward kernel
+(``ring_core.kernel_bwd``) the same way and returns the gradients.
 
 No GPU, no JAX and no process group are needed. This module imports only numpy and ``ring_core``'s numpy
 parts; torch, triton and iris are imported when a simulation first runs.
@@ -31,9 +33,9 @@ import numpy as np
 
 from ring_core import launch
 from ring_core.layout import LAYOUTS, inverse_permutation, layout_permutation
-from ring_core.validate import AttentionSpec, check_attention_args
+from ring_core.validate import AttentionSpec, check_attention_args, check_timeout
 
-__all__ = ["simulate_ring_attention", "simulate_job", "SimulatedRing"]
+__all__ = ["simulate_ring_attention", "simulate_ring_attention_grad", "simulate_job", "SimulatedRing"]
 
 FUSED_DTYPES = tuple(launch.ELEM_BYTES)  # ("float16", "bfloat16", "float32")
 
@@ -51,6 +53,7 @@ class _Call:
     v_shards: list
     return_lse: bool
     timeout_s: float
+    dout_shards: list | None = None
 
 
 def _check_world_size(world_size) -> int:
@@ -91,7 +94,9 @@ def _prepare(q, k, v, world_size, *, is_causal, scale, layout, return_lse, timeo
         raise TypeError(f"the fused kernel supports float16, bfloat16 and float32 inputs, got {spec.dtype}; "
                         f"cast q, k and v (e.g. .astype(np.float32)) or use ring_core.reference.attention "
                         f"for a {spec.dtype} result")
-    launch.timeout_ns(timeout_s)  # validates: positive and finite
+    timeout_s = check_timeout(timeout_s)
+    if timeout_s is None:
+        timeout_s = launch.timeout_ns() / 1e9  # RING_ATTENTION_TIMEOUT_S, as on GPUs
     perm = layout_permutation(seq, W, layout)
 
     def shards(x):
@@ -99,6 +104,22 @@ def _prepare(q, k, v, world_size, *, is_causal, scale, layout, return_lse, timeo
         return [np.ascontiguousarray(x[:, r * S:(r + 1) * S]) for r in range(W)]
 
     return _Call(spec, W, perm, shards(q), shards(k), shards(v), return_lse, float(timeout_s))
+
+
+def _prepare_grad(q, k, v, dout, world_size, *, is_causal, scale, layout, timeout_s) -> _Call:
+    """``_prepare`` plus the checks and shards of ``dout`` (q's shape and dtype)."""
+    call = _prepare(q, k, v, world_size, is_causal=is_causal, scale=scale, layout=layout, return_lse=False,
+                    timeout_s=timeout_s)
+    q, dout = np.asarray(q), np.asarray(dout)
+    if dout.shape != q.shape:
+        raise ValueError(f"dout must have q's shape {q.shape} (the gradient of the output), got {dout.shape}")
+    if dout.dtype != q.dtype:
+        raise TypeError(f"dout must have q's dtype {q.dtype}, got {dout.dtype}; cast it (e.g. .astype(q.dtype))")
+    S = call.spec.seq_local
+    d = dout[:, call.perm]
+    shards = [np.ascontiguousarray(d[:, r * S:(r + 1) * S]) for r in range(call.world_size)]
+    return _Call(call.spec, call.world_size, call.perm, call.q_shards, call.k_shards, call.v_shards, False,
+                 call.timeout_s, shards)
 
 
 def _finish(call: _Call, results):
@@ -111,6 +132,15 @@ def _finish(call: _Call, results):
         return out
     lse = np.concatenate([r[1] for r in results], axis=2)[:, :, inv].astype(np.float32, copy=False)
     return out, lse
+
+
+def _finish_grad(call: _Call, results):
+    """Check every rank's forward and backward status, gather (dq, dk, dv), undo the layout permutation."""
+    for which in (3, 4):
+        for rank, r in enumerate(results):
+            launch.check_status(r[which], rank, call.timeout_s)
+    inv = inverse_permutation(call.perm)
+    return tuple(np.concatenate([r[i] for r in results], axis=1)[:, inv] for i in range(3))
 
 
 # ------------------------------------------------------------------------------------ execution
@@ -150,8 +180,12 @@ def _worker_main(conn, world_size, workspace_bytes):
         try:
             if job is None:
                 job = _local_job(world_size, workspace_bytes)
-            _, spec, qs, ks, vs, timeout_s = msg
-            reply = ("ok", job.run(spec, qs, ks, vs, timeout_s=timeout_s))
+            if msg[0] == "grad":
+                _, spec, qs, ks, vs, dos, timeout_s = msg
+                reply = ("ok", job.run_grad(spec, qs, ks, vs, dos, timeout_s=timeout_s))
+            else:
+                _, spec, qs, ks, vs, timeout_s = msg
+                reply = ("ok", job.run(spec, qs, ks, vs, timeout_s=timeout_s))
         except BaseException as e:  # sent back and re-raised in the parent
             reply = ("err", e)
         try:
@@ -188,7 +222,13 @@ class _SubprocessJob:
         self._finalizer = weakref.finalize(self, _shutdown_worker, self._proc, self._conn)
 
     def run(self, spec, q_shards, k_shards, v_shards, *, timeout_s):
-        self._conn.send(("run", spec, q_shards, k_shards, v_shards, timeout_s))
+        return self._request(("run", spec, q_shards, k_shards, v_shards, timeout_s), timeout_s)
+
+    def run_grad(self, spec, q_shards, k_shards, v_shards, dout_shards, *, timeout_s):
+        return self._request(("grad", spec, q_shards, k_shards, v_shards, dout_shards, timeout_s), 2 * timeout_s)
+
+    def _request(self, msg, timeout_s):
+        self._conn.send(msg)
         guard = 10 * timeout_s + 600  # the kernel's waits are bounded; this only catches a dead child
         while not self._conn.poll(1.0):
             guard -= 1.0
@@ -269,6 +309,21 @@ class SimulatedRing:
             raise RuntimeError(f"simulated ranks disagree on the call epoch: {sorted(epochs)}")
         return result
 
+    def grad(self, q, k, v, dout, *, is_causal=False, scale=None, layout="contiguous", timeout_s=60.0):
+        """Like ``simulate_ring_attention_grad`` on these heaps: the forward and then the backward kernel
+        (two calls: ``epoch`` grows by 2). Returns global ``(dq, dk, dv)``."""
+        call = _prepare_grad(q, k, v, dout, self.world_size, is_causal=is_causal, scale=scale, layout=layout,
+                             timeout_s=timeout_s)
+        with self._lock:
+            results = self._get_job().run_grad(call.spec, call.q_shards, call.k_shards, call.v_shards,
+                                               call.dout_shards, timeout_s=call.timeout_s)
+            self.statuses = [np.array(r[4]) for r in results]
+        grads = _finish_grad(call, results)  # raises first if a rank reported an error
+        epochs = {int(s[3]) for s in self.statuses}
+        if len(epochs) != 1:
+            raise RuntimeError(f"simulated ranks disagree on the call epoch: {sorted(epochs)}")
+        return grads
+
     def close(self):
         if isinstance(self._job, _SubprocessJob):
             self._job.close()
@@ -298,8 +353,8 @@ def simulate_ring_attention(q, k, v, world_size, *, is_causal=False, scale=None,
       world_size: number of simulated ranks; ``seq`` must be divisible by it (by ``2*world_size`` for
         ``layout="zigzag"``).
       is_causal, scale, layout, return_lse: as in ``jax_ring.ring_attention`` (causal in global order).
-      timeout_s: bound on every wait inside the kernel (a rank that never arrives raises
-        ``ring_core.launch.RingAttentionTimeout``).
+      timeout_s: bound in seconds on every wait inside the kernel (None: RING_ATTENTION_TIMEOUT_S, else
+        300); a rank that never arrives raises ``ring_core.launch.RingAttentionTimeout``.
 
     Returns:
       ``out`` (numpy, q's dtype, [batch, seq, num_heads, head_dim], natural order), or ``(out, lse)`` with
@@ -322,5 +377,40 @@ def simulate_ring_attention(q, k, v, world_size, *, is_causal=False, scale=None,
     try:
         return ring(q, k, v, is_causal=is_causal, scale=scale, layout=layout, return_lse=return_lse,
                     timeout_s=timeout_s)
+    finally:
+        ring.close()
+
+
+def simulate_ring_attention_grad(q, k, v, dout, world_size, *, is_causal=False, scale=None, layout="contiguous",
+                                 timeout_s=60.0):
+    """Gradients of ring attention over ``world_size`` simulated ranks, computed by the real fused
+    backward kernel (``ring_core.kernel_bwd``) on the CPU, after the real forward kernel.
+
+    Args:
+      q, k, v: global arrays as in ``simulate_ring_attention`` (natural token order; float16, bfloat16 or
+        float32).
+      dout: the gradient of the output, q's shape and dtype.
+      world_size, is_causal, scale, layout, timeout_s: as in ``simulate_ring_attention``.
+
+    Returns:
+      ``(dq, dk, dv)``: numpy, the inputs' dtype and shapes, natural order; the gradients of
+      ``sum(ring_attention(q, k, v) * dout)`` (dk/dv summed over the query heads sharing a kv head).
+
+    Example (a few seconds on a CPU)::
+
+        >>> import numpy as np
+        >>> from jax_ring.simulate import simulate_ring_attention_grad
+        >>> from ring_core.reference import attention_grad
+        >>> rng = np.random.default_rng(0)
+        >>> q, dout = (rng.standard_normal((1, 8, 2, 16)).astype(np.float32) for _ in range(2))
+        >>> k, v = (rng.standard_normal((1, 8, 1, 16)).astype(np.float32) for _ in range(2))
+        >>> grads = simulate_ring_attention_grad(q, k, v, dout, 2, is_causal=True, layout="zigzag")
+        >>> ref = attention_grad(q, k, v, dout, is_causal=True)
+        >>> all(np.allclose(g, r, atol=1e-5) for g, r in zip(grads, ref))
+        True
+    """
+    ring = SimulatedRing(world_size)
+    try:
+        return ring.grad(q, k, v, dout, is_causal=is_causal, scale=scale, layout=layout, timeout_s=timeout_s)
     finally:
         ring.close()

@@ -1,4 +1,5 @@
-"""Run the real fused kernel in the Triton interpreter: one thread per rank, each over a CPU "heap".
+"""Run the real fused kernels (forward ``ring_core.kernel``, backward ``ring_core.kernel_bwd``) in the
+Triton interpreter: one thread per rank, each over a CPU "heap".
 
 iris translates addresses between the per-rank CPU buffers exactly as it does between GPU heaps, so
 remote stores, release/acquire flags and the end barrier all run for real. Two things in Triton's
@@ -6,7 +7,7 @@ interpreter are process-global and must be made safe for one thread per rank:
 * the current program id (``interpreter_builder.grid_idx``/``grid_dim``): made thread-local;
 * the patching of ``triton.language`` that every launch does and undoes on return: done once around the
   whole job, so one rank finishing cannot unpatch the language under another rank still running.
-The kernel (and iris) must be *interpreted* functions, decided by TRITON_INTERPRET when they are
+The kernels (and iris) must be *interpreted* functions, decided by TRITON_INTERPRET when they are
 decorated; ``ensure_interpreter`` arranges that, and ``SimulatedJob`` falls back to a subprocess when
 this process already compiled them for a GPU.
 """
@@ -25,8 +26,9 @@ from ring_core.validate import AttentionSpec
 
 
 def interpreter_usable() -> bool:
-    """True if the kernel can be (or already is) imported as an interpreted function in this process."""
-    for mod, attr in (("ring_core.kernel", "ring_attn_fwd_kernel"), ("iris", "store")):
+    """True if the kernels can be (or already are) imported as interpreted functions in this process."""
+    for mod, attr in (("ring_core.kernel", "ring_attn_fwd_kernel"), ("ring_core.kernel_bwd", "ring_attn_bwd_kernel"),
+                      ("iris", "store")):
         if mod in sys.modules:
             from triton.runtime.interpreter import InterpretedFunction
 
@@ -41,12 +43,21 @@ def ensure_interpreter():
     if not interpreter_usable():
         raise RuntimeError("ring_core.kernel was imported without TRITON_INTERPRET=1 in this process")
     os.environ["TRITON_INTERPRET"] = "1"
-    from ring_core import kernel
+    from ring_core import kernel, kernel_bwd  # noqa: F401  (both decorated as interpreted functions here)
 
     _make_interpreter_thread_safe()
     _serialize_interpreter_rewrites()
     _round_interpreter_bf16_to_nearest()
+    _yield_interpreter_polls()
     return kernel.ring_attn_fwd_kernel
+
+
+def ensure_interpreter_bwd():
+    """``ensure_interpreter`` for the backward kernel: returns the interpreted ``ring_attn_bwd_kernel``."""
+    ensure_interpreter()
+    from ring_core import kernel_bwd
+
+    return kernel_bwd.ring_attn_bwd_kernel
 
 
 _thread_safe_lock = threading.Lock()
@@ -126,6 +137,40 @@ def _round_interpreter_bf16_to_nearest():
         cls.cast_impl, cls.create_fp_to_fp = rtne_cast_impl, rtne_fp_to_fp
 
 
+POLL_SLEEP_S = 2e-4
+
+
+def _yield_interpreter_polls():
+    """Let a spinning rank thread give the GIL to the ranks that compute.
+
+    A bounded wait (``_poll_ge``) polls its flag with ``atomic_add(ptr, 0, sem="acquire")``. In the
+    interpreter every rank is a Python thread, and a thread that polls keeps the GIL as much as one that
+    computes, so with W ranks the one rank everybody waits for ran at about 1/W speed (a 4-rank backward
+    took 47 s instead of 19 s). After each such poll the thread now sleeps ``POLL_SLEEP_S`` (releasing the
+    GIL). The kernel bounds interpreter waits by a poll count, so a timeout now takes about twice as long
+    in wall time; it stays bounded. Idempotent.
+    """
+    import time
+
+    from triton._C.libtriton import ir
+    from triton.runtime import interpreter as interp
+
+    cls = interp.InterpreterBuilder
+    with _thread_safe_lock:
+        if getattr(cls.create_atomic_rmw, "_ring_yield", False):
+            return
+        rmw = cls.create_atomic_rmw
+
+        def create_atomic_rmw(self, rmwOp, ptr, val, mask, sem, scope):
+            result = rmw(self, rmwOp, ptr, val, mask, sem, scope)
+            if rmwOp == ir.ATOMIC_OP.ADD and sem == ir.MEM_SEMANTIC.ACQUIRE and not np.any(val.data):
+                time.sleep(POLL_SLEEP_S)
+            return result
+
+        create_atomic_rmw._ring_yield = True
+        cls.create_atomic_rmw = create_atomic_rmw
+
+
 def _make_interpreter_thread_safe():
     from triton.runtime import interpreter as interp
 
@@ -173,10 +218,10 @@ class SimulatedJob:
         self.layout = None
         self._workspace = workspace_bytes
 
-    def _ensure_heaps(self, spec: AttentionSpec):
+    def _ensure_heaps(self, need: int):
+        """Heaps whose receive region holds ``need`` bytes (fresh heaps restart the epoch count)."""
         import torch
 
-        need = launch.recv_bytes(spec, self.world_size)
         if self.layout is not None and self.layout.recv_capacity >= need:
             return
         size = self._workspace or (need + (2 << 20))
@@ -190,34 +235,20 @@ class SimulatedJob:
             for h in self.heaps:
                 h[start:end].zero_()
 
-    def run(self, spec: AttentionSpec, q_shards, k_shards, v_shards, *, timeout_s: float = 60.0,
-            absent_ranks=()):
-        """Run one call on every rank (except ``absent_ranks``, to simulate a rank that never arrives).
-        Shards are numpy arrays in ``spec.dtype``; returns per-rank (out, lse, status) numpy arrays."""
+    def _launch(self, kernel, launch_rank, absent_ranks, timeout_s):
+        """Run ``launch_rank(r)`` (one kernel launch on rank r, returning that rank's results) on one
+        thread per rank, except ``absent_ranks``; returns the per-rank results (None for absent ranks)."""
         import torch
 
-        kernel = ensure_interpreter()
         from triton.runtime import interpreter as interp
 
-        self._ensure_heaps(spec)
         W = self.world_size
-        plan = launch.plan(spec, W, self.layout, interpret=True)
-        bases = [h.data_ptr() for h in self.heaps]
-        consts = plan.constexprs(interpret=True)
-        scalars = plan.scalars(timeout_s)
-        (o_shape, _), (l_shape, _), (s_shape, _) = plan.out_shapes
         results = [None] * W
         errors = [None] * W
 
         def one_rank(r):
             try:
-                q, k, v = (_to_torch(x[r], spec.dtype) for x in (q_shards, k_shards, v_shards))
-                ctx = torch.from_numpy(launch.make_ctx(bases, r, self.layout))
-                out = torch.zeros(o_shape, dtype=q.dtype)
-                lse = torch.zeros(l_shape, dtype=torch.float32)
-                status = torch.zeros(s_shape, dtype=torch.int32)  # zeroed, as on the GPU paths
-                kernel[plan.grid](q, k, v, ctx, *scalars, out, lse, status, **consts)
-                results[r] = (_to_numpy(out, spec.dtype), lse.numpy(), status.numpy())
+                results[r] = launch_rank(r)
             except BaseException as e:  # re-raised on the calling thread
                 errors[r] = e
                 # Tell every rank's kernel at once (their waits give up when the error word is set)
@@ -246,3 +277,67 @@ class SimulatedJob:
             if e is not None:
                 raise RuntimeError(f"simulated rank {r} failed: {e!r}") from e
         return results
+
+    def run(self, spec: AttentionSpec, q_shards, k_shards, v_shards, *, timeout_s: float = 60.0,
+            absent_ranks=()):
+        """Run one call on every rank (except ``absent_ranks``, to simulate a rank that never arrives).
+        Shards are numpy arrays in ``spec.dtype``; returns per-rank (out, lse, status) numpy arrays."""
+        import torch
+
+        kernel = ensure_interpreter()
+        self._ensure_heaps(launch.recv_bytes(spec, self.world_size))
+        plan = launch.plan(spec, self.world_size, self.layout, interpret=True)
+        bases = [h.data_ptr() for h in self.heaps]
+        consts = plan.constexprs(interpret=True)
+        scalars = plan.scalars(timeout_s)
+        (o_shape, _), (l_shape, _), (s_shape, _) = plan.out_shapes
+
+        def launch_rank(r):
+            q, k, v = (_to_torch(x[r], spec.dtype) for x in (q_shards, k_shards, v_shards))
+            ctx = torch.from_numpy(launch.make_ctx(bases, r, self.layout))
+            out = torch.zeros(o_shape, dtype=q.dtype)
+            lse = torch.zeros(l_shape, dtype=torch.float32)
+            status = torch.zeros(s_shape, dtype=torch.int32)  # zeroed, as on the GPU paths
+            kernel[plan.grid](q, k, v, ctx, *scalars, out, lse, status, **consts)
+            return _to_numpy(out, spec.dtype), lse.numpy(), status.numpy()
+
+        return self._launch(kernel, launch_rank, absent_ranks, timeout_s)
+
+    def run_bwd(self, spec: AttentionSpec, q_shards, k_shards, v_shards, out_shards, lse_shards, dout_shards, *,
+                timeout_s: float = 60.0, absent_ranks=()):
+        """Run one backward call on every rank (except ``absent_ranks``). ``out``/``lse`` are the forward's
+        per-rank results. Returns per-rank (dq, dk, dv, status) numpy arrays (gradients in ``spec.dtype``)."""
+        import torch
+
+        kernel = ensure_interpreter_bwd()
+        self._ensure_heaps(launch.bwd_recv_bytes(spec, self.world_size)[2])
+        plan = launch.plan_bwd(spec, self.world_size, self.layout, interpret=True)
+        bases = [h.data_ptr() for h in self.heaps]
+        consts = plan.constexprs(interpret=True)
+        scalars = plan.scalars(timeout_s)
+        shapes = plan.out_shapes
+
+        def launch_rank(r):
+            q, k, v, o, do = (_to_torch(x[r], spec.dtype) for x in (q_shards, k_shards, v_shards, out_shards,
+                                                                    dout_shards))
+            lse = _to_torch(lse_shards[r], "float32")
+            ctx = torch.from_numpy(launch.make_ctx(bases, r, self.layout))
+            outs = [torch.zeros(shape, dtype=q.dtype if dt == spec.dtype else getattr(torch, dt))
+                    for shape, dt in shapes]  # dq, dk, dv, delta (scratch), status (zeroed, as on GPUs)
+            kernel[plan.grid](q, k, v, o, do, lse, ctx, *scalars, *outs, **consts)
+            dq, dk, dv, _, status = outs
+            return (*(_to_numpy(x, spec.dtype) for x in (dq, dk, dv)), status.numpy())
+
+        return self._launch(kernel, launch_rank, absent_ranks, timeout_s)
+
+    def run_grad(self, spec: AttentionSpec, q_shards, k_shards, v_shards, dout_shards, *, timeout_s: float = 60.0):
+        """The forward then the backward kernel on every rank, on the same heaps (two epochs).
+        Returns per-rank (dq, dk, dv, forward status, backward status)."""
+        # Heaps that fit the backward first: growing them between the two calls would restart the epochs.
+        self._ensure_heaps(max(launch.bwd_recv_bytes(spec, self.world_size)[2],
+                               launch.recv_bytes(spec, self.world_size)))
+        launch.plan_bwd(spec, self.world_size, self.layout, interpret=True)  # HeapTooSmallError before any run
+        fwd = self.run(spec, q_shards, k_shards, v_shards, timeout_s=timeout_s)
+        bwd = self.run_bwd(spec, q_shards, k_shards, v_shards, [f[0] for f in fwd], [f[1] for f in fwd],
+                           dout_shards, timeout_s=timeout_s)
+        return [(*b[:3], f[2], b[3]) for f, b in zip(fwd, bwd)]

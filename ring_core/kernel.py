@@ -97,6 +97,38 @@ def _poll_ge(ptr, target, ctl, timeout_ns, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _poll_all_ge(ptrs, mask, target, ctl, timeout_ns, INTERPRET: tl.constexpr, N: tl.constexpr):
+    """Vector form of ``_poll_ge``: spin until every masked ``*ptrs >= target``, polling all of them in one
+    round trip (the threads of the CTA share the N flags) instead of one flag after another: a tile reads up
+    to hundreds of chunks per ring step, and sequential polls cost about a microsecond each. Returns
+    (1 if met else 0, index of the first flag still short)."""
+    val = tl.atomic_add(ptrs, 0, mask=mask, sem="acquire", scope="sys")
+    short = mask & (val < target)
+    n_short = tl.sum(short.to(tl.int32), axis=0)
+    err = tl.atomic_add(ctl + 3, 0, sem="relaxed", scope="gpu")
+    ok = (err == 0).to(tl.int32)
+    polls = ok * 0
+    if not INTERPRET:
+        t0 = _globaltimer()
+    while (n_short > 0) & (ok == 1):
+        val = tl.atomic_add(ptrs, 0, mask=short, sem="acquire", scope="sys")
+        short = short & (val < target)
+        n_short = tl.sum(short.to(tl.int32), axis=0)
+        polls += 1
+        if (polls % 64) == 0:
+            if tl.atomic_add(ctl + 3, 0, sem="relaxed", scope="gpu") != 0:
+                ok = ok * 0  # an error was recorded on this rank: nothing downstream can be trusted
+            if not INTERPRET:
+                if _globaltimer() - t0 > timeout_ns:
+                    ok = ok * 0
+        if INTERPRET:
+            if polls > timeout_ns // 300000:  # see _poll_ge
+                ok = ok * 0
+    first = tl.min(tl.where(short, tl.arange(0, N), N), axis=0)
+    return ok & (n_short == 0).to(tl.int32), first
+
+
+@triton.jit
 def _record_error(ctl, code, peer, step, chunk):
     won = tl.atomic_cas(ctl + 3, 0, code, sem="acq_rel", scope="gpu")
     if won == 0:
@@ -106,9 +138,16 @@ def _record_error(ctl, code, peer, step, chunk):
 
 
 @triton.jit
+def _last_pos(rank, S, W: tl.constexpr, ZIGZAG: tl.constexpr):
+    """Global position of ``rank``'s last local row: the largest, positions grow with the row index."""
+    return _positions(rank * 0 + S - 1, rank, S, W, ZIGZAG)
+
+
+@triton.jit
 def _push_unit(u, k_ptr, v_ptr, recv_ptr, flags_ptr, heap_bases, rank, epoch, B, S, n_chunks,
-               W: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-               CHUNK_ROWS: tl.constexpr, PUSH_ROWS: tl.constexpr):
+                  W: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                  CHUNK_ROWS: tl.constexpr, PUSH_ROWS: tl.constexpr, PUSH_VEC: tl.constexpr,
+                  CAUSAL: tl.constexpr, ZIGZAG: tl.constexpr):
     per_peer = B * HKV * n_chunks
     d = u // per_peer + 1
     rem = u % per_peer
@@ -118,26 +157,46 @@ def _push_unit(u, k_ptr, v_ptr, recv_ptr, flags_ptr, heap_bases, rank, epoch, B,
     hkv = bh % HKV
     peer = (rank + d) % W
     slot = d - 1
-    offs_r = tl.arange(0, PUSH_ROWS)
-    offs_d = tl.arange(0, BLOCK_D)
-    dmask = offs_d < D
-    src_base = b.to(tl.int64) * S * HKV * D + hkv * D
-    dst_k = ((slot * 2 * B + b).to(tl.int64) * HKV + hkv) * S * D
-    dst_v = dst_k + (b * 0 + B).to(tl.int64) * HKV * S * D  # B may arrive as a Python int (== 1)
-    r_end = tl.minimum(S, (c + 1) * CHUNK_ROWS)
-    for r0 in range(c * CHUNK_ROWS, r_end, PUSH_ROWS):
-        rows = r0 + offs_r
-        m = (rows < r_end)[:, None] & dmask[None, :]
-        src = src_base + rows[:, None].to(tl.int64) * (HKV * D) + offs_d[None, :]
-        dst = rows[:, None].to(tl.int64) * D + offs_d[None, :]
-        kt = tl.load(k_ptr + src, mask=m)
-        iris.store(recv_ptr + dst_k + dst, kt, rank, peer, heap_bases, mask=m)
-        vt = tl.load(v_ptr + src, mask=m)
-        iris.store(recv_ptr + dst_v + dst, vt, rank, peer, heap_bases, mask=m)
-    # Every thread's stores must be ordered before the release below (cumulativity through bar.sync).
-    tl.debug_barrier()
-    iris.atomic_xchg(flags_ptr + (slot * B * HKV + bh) * n_chunks + c, epoch, rank, peer, heap_bases,
-                     sem="release", scope="sys")
+    needed = True
+    if CAUSAL:
+        # The receiver sees a row only if its position is <= the receiver's last query position.
+        needed = _positions(c * CHUNK_ROWS, rank, S, W, ZIGZAG) <= _last_pos(peer, S, W, ZIGZAG)
+    if needed:
+        offs_r = tl.arange(0, PUSH_ROWS)
+        offs_d = tl.arange(0, BLOCK_D)
+        dmask = offs_d < D
+        src_base = b.to(tl.int64) * S * HKV * D + hkv * D
+        dst_k = ((slot * 2 * B + b).to(tl.int64) * HKV + hkv) * S * D
+        dst_v = dst_k + (b * 0 + B).to(tl.int64) * HKV * S * D  # B may arrive as a Python int (== 1)
+        r_end = tl.minimum(S, (c + 1) * CHUNK_ROWS)
+        for r0 in range(c * CHUNK_ROWS, r_end, PUSH_ROWS):
+            rows = r0 + offs_r
+            m = (rows < r_end)[:, None] & dmask[None, :]
+            src = src_base + rows[:, None].to(tl.int64) * (HKV * D) + offs_d[None, :]
+            dst = rows[:, None].to(tl.int64) * D + offs_d[None, :]
+            # hint: rows start 16-byte aligned in the peer's slot (launch.bwd_store_hint), so the remote
+            # stores are 16-byte vectors; Triton cannot see that through iris's address translation.
+            kt = tl.load(k_ptr + src, mask=m)
+            iris.store(recv_ptr + dst_k + dst, kt, rank, peer, heap_bases, mask=m, hint=(1, PUSH_VEC))
+            vt = tl.load(v_ptr + src, mask=m)
+            iris.store(recv_ptr + dst_v + dst, vt, rank, peer, heap_bases, mask=m, hint=(1, PUSH_VEC))
+        # Every thread's stores must be ordered before the release below (cumulativity through bar.sync).
+        tl.debug_barrier()
+        iris.atomic_xchg(flags_ptr + (slot * B * HKV + bh) * n_chunks + c, epoch, rank, peer, heap_bases,
+                         sem="release", scope="sys")
+
+
+@triton.jit
+def _drain_pushes(ctl, n_units, k_ptr, v_ptr, recv, flags, heap_bases, rank, epoch, B, S, n_chunks,
+                  W: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                  CHUNK_ROWS: tl.constexpr, PUSH_ROWS: tl.constexpr, PUSH_VEC: tl.constexpr,
+                  CAUSAL: tl.constexpr, ZIGZAG: tl.constexpr):
+    """Push until no unit is left unclaimed. Called before a task's first wait (see the module docstring)."""
+    u = tl.atomic_add(ctl + 1, 1, sem="relaxed", scope="gpu")
+    while u < n_units:
+        _push_unit(u, k_ptr, v_ptr, recv, flags, heap_bases, rank, epoch, B, S, n_chunks,
+                      W, HKV, D, BLOCK_D, CHUNK_ROWS, PUSH_ROWS, PUSH_VEC, CAUSAL, ZIGZAG)
+        u = tl.atomic_add(ctl + 1, 1, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -162,6 +221,65 @@ def _positions(rows, rank, S, W: tl.constexpr, ZIGZAG: tl.constexpr):
 
 
 @triton.jit
+def _visible_rows(x, src, S, W: tl.constexpr, ZIGZAG: tl.constexpr):
+    """How many of rank ``src``'s local rows have a global position <= ``x``. Positions increase with the
+    local row in both layouts (zigzag: chunk ``src`` comes before chunk ``2W-1-src``), so these rows are
+    a prefix of the shard; causal work is a prefix of K/V blocks, and no block beyond it is touched."""
+    if ZIGZAG:
+        c = S // 2
+        n1 = tl.minimum(tl.maximum(x - src * c + 1, 0), c)
+        n2 = tl.minimum(tl.maximum(x - (2 * W - 1 - src) * c + 1, 0), c)
+        return n1 + n2
+    else:
+        return tl.minimum(tl.maximum(x - src * S + 1, 0), S)
+
+
+@triton.jit
+def _attn_blocks(acc, l_i, m_i, q, q_pos, k_base, v_base, lo, hi, src, S, qk_scale, offs_n, offs_d,
+                 ROW_STRIDE: tl.constexpr, W: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, ZIGZAG: tl.constexpr, INTERPRET: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
+    """Online softmax over K/V blocks [lo, hi). MASKED=False: every row of every block exists and every
+    query of the tile sees every key (no masks, so the loop is a plain one that Triton software-pipelines);
+    MASKED=True: the tail block and the causal diagonal. Nothing in here waits: see the caller."""
+    dmask = offs_d < D
+    for j in range(lo, hi):
+        rows_n = j * BLOCK_N + offs_n
+        # ROW_STRIDE is a constexpr so that Triton can prove 16-byte alignment and vectorise the loads; a
+        # runtime stride made bf16/fp16 loads 2-byte scalars, which cannot be pipelined as async copies.
+        kv_off = rows_n[:, None].to(tl.int64) * ROW_STRIDE + offs_d[None, :]
+        if MASKED:
+            n_valid = rows_n < S
+            k = tl.load(k_base + kv_off, mask=n_valid[:, None] & dmask[None, :], other=0.0)
+            v = tl.load(v_base + kv_off, mask=n_valid[:, None] & dmask[None, :], other=0.0)
+        elif BLOCK_D == D:
+            k = tl.load(k_base + kv_off)
+            v = tl.load(v_base + kv_off)
+        else:
+            k = tl.load(k_base + kv_off, mask=dmask[None, :], other=0.0)
+            v = tl.load(v_base + kv_off, mask=dmask[None, :], other=0.0)
+        qk = _dot(q, tl.trans(k), DOT_PRECISION, INTERPRET)
+        if MASKED:
+            valid = n_valid[None, :]
+            if CAUSAL:
+                valid = valid & (_positions(rows_n, src, S, W, ZIGZAG)[None, :] <= q_pos[:, None])
+            qk = tl.where(valid, qk, float("-inf"))
+        # scale >= 0 (validated), so max(qk) * scale is the maximum of the scaled scores.
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1) * qk_scale)
+        if MASKED:
+            # Rows with nothing visible yet keep m = -inf; shift them by 0 so exp2 gives 0, not NaN.
+            m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new_safe = m_new  # every row saw a finite score
+        p = tl.math.exp2(qk * qk_scale - m_new_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_new_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, INTERPRET)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
 def ring_attn_fwd_kernel(
     # inputs
     q_ptr, k_ptr, v_ptr, ctx_ptr,
@@ -172,7 +290,8 @@ def ring_attn_fwd_kernel(
     # constexprs
     W: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    CHUNK_BLOCKS: tl.constexpr, PUSH_ROWS: tl.constexpr,
+    CHUNK_BLOCKS: tl.constexpr, PUSH_ROWS: tl.constexpr, SEG_BLOCKS: tl.constexpr, POLL_N: tl.constexpr,
+    VEC: tl.constexpr,
     CAUSAL: tl.constexpr, ZIGZAG: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     G: tl.constexpr = H // HKV
@@ -189,6 +308,9 @@ def ring_attn_fwd_kernel(
     flags = (my_base + tl.load(ctx + W + 2).to(tl.uint64)).to(tl.pointer_type(tl.int32), bitcast=True)
     recv = (my_base + tl.load(ctx + W + 3).to(tl.uint64)).to(tl.pointer_type(q_ptr.dtype.element_ty),
                                                             bitcast=True)
+    # Heap bases are allocation-granularity aligned and the receive region starts ALIGN (256) bytes in
+    # (ring_core.launch); saying so lets Triton vectorise and pipeline the loads from the receive slots.
+    recv = tl.multiple_of(recv, 16)
     epoch = tl.load(ctl + 0) + 1
 
     n_m = tl.cdiv(S, BLOCK_M)
@@ -221,78 +343,70 @@ def ring_attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    kv_row_stride = HKV * D
+    q_pos_min = tl.min(tl.where(m_valid, q_pos, 2147483647), axis=0)
     for step in tl.static_range(W):
         src = (rank - step + W) % W
+        # K/V blocks [0, n_full) are seen whole by every query of the tile; [n_full, n_hi) need masks;
+        # blocks from n_hi on are hidden by causality: never waited for, loaded or computed.
+        if CAUSAL:
+            n_hi = tl.cdiv(_visible_rows(q_pos_max, src, S, W, ZIGZAG), BLOCK_N)
+            n_full = _visible_rows(q_pos_min, src, S, W, ZIGZAG) // BLOCK_N
+        else:
+            n_hi = n_n
+            n_full = S // BLOCK_N
         if step == 0:
             k_base = k_ptr + b.to(tl.int64) * S * HKV * D + hkv * D
             v_base = v_ptr + b.to(tl.int64) * S * HKV * D + hkv * D
-            row_stride = kv_row_stride
+            if W > 1:
+                # Overlap: claim and push one unit of the local K/V every SEG_BLOCKS blocks. The claims
+                # sit between the pipelined inner loops, never inside them.
+                for seg in range(0, n_full, SEG_BLOCKS):
+                    u0 = tl.atomic_add(ctl + 1, 1, sem="relaxed", scope="gpu")
+                    if u0 < n_units:
+                        _push_unit(u0, k_ptr, v_ptr, recv, flags, heap_bases, rank, epoch, B, S, n_chunks,
+                                   W, HKV, D, BLOCK_D, CHUNK_ROWS, PUSH_ROWS, VEC, CAUSAL, ZIGZAG)
+                    acc, l_i, m_i = _attn_blocks(acc, l_i, m_i, q, q_pos, k_base, v_base, seg,
+                                                 tl.minimum(seg + SEG_BLOCKS, n_full), src, S, qk_scale, offs_n,
+                                                 offs_d, HKV * D, W, D, BLOCK_N, BLOCK_D, False, CAUSAL, ZIGZAG, INTERPRET,
+                                                 DOT_PRECISION)
+            else:
+                acc, l_i, m_i = _attn_blocks(acc, l_i, m_i, q, q_pos, k_base, v_base, 0, n_full,
+                                             src, S, qk_scale, offs_n, offs_d, HKV * D, W, D, BLOCK_N, BLOCK_D, False,
+                                             CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION)
+            acc, l_i, m_i = _attn_blocks(acc, l_i, m_i, q, q_pos, k_base, v_base, n_full, n_hi,
+                                         src, S, qk_scale, offs_n, offs_d, HKV * D, W, D, BLOCK_N, BLOCK_D, True,
+                                         CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION)
         else:
             slot = step - 1
             k_base = recv + ((slot * 2 * B + b).to(tl.int64) * HKV + hkv) * S * D
             v_base = k_base + (b * 0 + B).to(tl.int64) * HKV * S * D
-            row_stride = D
             if step == 1:
                 # Never wait while push units are unclaimed: this is what makes the protocol
                 # independent of which programs are resident (see module docstring).
-                u = tl.atomic_add(ctl + 1, 1, sem="relaxed", scope="gpu")
-                while u < n_units:
-                    _push_unit(u, k_ptr, v_ptr, recv, flags, heap_bases, rank, epoch, B, S, n_chunks,
-                               W, HKV, D, BLOCK_D, CHUNK_ROWS, PUSH_ROWS)
-                    u = tl.atomic_add(ctl + 1, 1, sem="relaxed", scope="gpu")
-            # Wait for every chunk this tile will read *before* the loop that reads them. Triton's software
+                _drain_pushes(ctl, n_units, k_ptr, v_ptr, recv, flags, heap_bases, rank, epoch, B, S, n_chunks,
+                              W, HKV, D, BLOCK_D, CHUNK_ROWS, PUSH_ROWS, VEC, CAUSAL, ZIGZAG)
+            # Wait for every chunk this tile will read *before* the loops that read them. Triton's software
             # pipeliner issues a loop's loads several iterations ahead, so an acquire inside the loop would
             # not order the loads of later iterations: they could read a slot before its data arrived.
-            # The sm_90 TTGIR of the earlier version shows it (async copies of iterations j+1, j+2 issued
-            # before iteration j+1's acquire; tests/test_kernel_ir.py now checks this never recurs), and
-            # it explains a wrong fp32 result on 2xH200 whose slots held an earlier call's bf16 data
-            # (the interpreter, which does not pipeline, was right; not yet re-run on a GPU).
-            # Outside the loop, the acquire precedes every load of the loop, prologue included.
-            offs_c = tl.arange(0, CHUNK_ROWS)
-            for c in range(0, n_chunks):
-                chunk_needed = True
-                if CAUSAL:
-                    rows_c = c * CHUNK_ROWS + offs_c
-                    pos_c = _positions(rows_c, src, S, W, ZIGZAG)
-                    chunk_needed = tl.min(tl.where(rows_c < S, pos_c, 2147483647), axis=0) <= q_pos_max
-                if chunk_needed:
-                    flag = flags + ((step - 1) * B * HKV + b * HKV + hkv) * n_chunks + c
-                    ok = _poll_ge(flag, epoch, ctl, timeout_ns, INTERPRET)
-                    if ok == 0:
-                        _record_error(ctl, 1, src, step, c)
-        for j in range(0, n_n):
-            if step == 0:
-                if n_units > 0:
-                    u0 = tl.atomic_add(ctl + 1, 1, sem="relaxed", scope="gpu")
-                    if u0 < n_units:
-                        _push_unit(u0, k_ptr, v_ptr, recv, flags, heap_bases, rank, epoch, B, S, n_chunks,
-                                   W, HKV, D, BLOCK_D, CHUNK_ROWS, PUSH_ROWS)
-            rows_n = j * BLOCK_N + offs_n
-            n_valid = rows_n < S
-            k_pos = _positions(rows_n, src, S, W, ZIGZAG)
-            needed = True
-            if CAUSAL:
-                k_pos_min = tl.min(tl.where(n_valid, k_pos, 2147483647), axis=0)
-                needed = k_pos_min <= q_pos_max
-            if needed:
-                kv_off = rows_n[:, None].to(tl.int64) * row_stride + offs_d[None, :]
-                kv_mask = n_valid[:, None] & dmask[None, :]
-                k = tl.load(k_base + kv_off, mask=kv_mask, other=0.0)
-                v = tl.load(v_base + kv_off, mask=kv_mask, other=0.0)
-                qk = _dot(q, tl.trans(k), DOT_PRECISION, INTERPRET) * qk_scale
-                valid = n_valid[None, :]
-                if CAUSAL:
-                    valid = valid & (k_pos[None, :] <= q_pos[:, None])
-                qk = tl.where(valid, qk, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-                # Rows with nothing visible yet keep m = -inf; shift them by 0 so exp2 gives 0, not NaN.
-                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-                p = tl.math.exp2(qk - m_use[:, None])
-                alpha = tl.math.exp2(m_i - m_use)
-                l_i = l_i * alpha + tl.sum(p, axis=1)
-                acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, INTERPRET)
-                m_i = m_new
+            # An earlier version did that: on 2xH200 its pipelined fp32 loop read slots still holding the
+            # previous call's data (tests/test_kernel_ir.py now checks this never recurs).
+            n_need = tl.cdiv(n_hi, CHUNK_BLOCKS)
+            flag0 = flags + ((step - 1) * B * HKV + b * HKV + hkv) * n_chunks
+            offs_poll = tl.arange(0, POLL_N)
+            for c0 in range(0, n_need, POLL_N):
+                ok, first = _poll_all_ge(flag0 + c0 + offs_poll, c0 + offs_poll < n_need, epoch, ctl, timeout_ns,
+                                         INTERPRET, POLL_N)
+                if ok == 0:
+                    _record_error(ctl, 1, src, step, c0 + first)
+            # Each flag was acquired by one thread; the barrier orders every thread's loads below after all
+            # of those acquires (cumulativity through bar.sync).
+            tl.debug_barrier()
+            acc, l_i, m_i = _attn_blocks(acc, l_i, m_i, q, q_pos, k_base, v_base, 0, n_full, src, S, qk_scale,
+                                         offs_n, offs_d, D, W, D, BLOCK_N, BLOCK_D, False, CAUSAL, ZIGZAG, INTERPRET,
+                                         DOT_PRECISION)
+            acc, l_i, m_i = _attn_blocks(acc, l_i, m_i, q, q_pos, k_base, v_base, n_full, n_hi, src, S,
+                                         qk_scale, offs_n, offs_d, D, W, D, BLOCK_N, BLOCK_D, True, CAUSAL, ZIGZAG,
+                                         INTERPRET, DOT_PRECISION)
 
     # ---- epilogue ----------------------------------------------------------------------------------
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)

@@ -37,6 +37,7 @@ MAX_FLAG_BYTES = 16 << 20
 HEAP_SLACK = 8 << 20  # heap bytes left to iris for its own small allocations (outside the workspace)
 ELEM_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 DEFAULT_TIMEOUT_S = 300.0
+POLL_N = 128  # chunk flags one vector poll covers
 TIMEOUT_ENV = "RING_ATTENTION_TIMEOUT_S"
 assert CTL_WORDS * 4 <= CTL_BYTES
 
@@ -88,21 +89,29 @@ class KernelConfig:
     push_rows: int
     num_warps: int
     num_stages: int
+    seg_blocks: int = 4  # K/V blocks computed between two push claims in ring step 0
 
     @staticmethod
     def get_default(spec: AttentionSpec, world_size: int, *, interpret: bool = False) -> "KernelConfig":
         if interpret:
             # Small tiles: many blocks, chunks and push units even at the tiny sizes CI can afford.
-            return KernelConfig(block_m=16, block_n=16, chunk_blocks=1, push_rows=16, num_warps=4, num_stages=1)
-        # fp32 tiles take twice the shared memory: fewer stages keep them well under Hopper's 227 KiB
+            return KernelConfig(block_m=16, block_n=16, chunk_blocks=1, push_rows=16, num_warps=4, num_stages=1,
+                                seg_blocks=2)
+        # Measured on 2xH200 (benchmarks/tune_forward.py, results/tune_forward_2xH200_2026-11-30.csv, bf16,
+        # 32 heads, seq_local 4k/16k, causal and not): the best or within 1-2 % of the best candidate.
+        # fp32 tiles take twice the shared memory: fewer stages keep them under Hopper's 227 KiB
         # (fp32, D=128, 3 stages measured 224.5 KiB when compiled for sm_90).
         wide = spec.dtype == "float32"
         if spec.head_dim <= 64:
-            return KernelConfig(block_m=128, block_n=64, chunk_blocks=2, push_rows=64, num_warps=4,
-                                num_stages=2 if wide else 3)
+            if wide:
+                return KernelConfig(block_m=128, block_n=64, chunk_blocks=2, push_rows=64, num_warps=4, num_stages=2)
+            return KernelConfig(block_m=128, block_n=64, chunk_blocks=2, push_rows=64, num_warps=4, num_stages=4)
         if spec.head_dim <= 128:
-            return KernelConfig(block_m=128, block_n=64, chunk_blocks=2, push_rows=32, num_warps=8,
-                                num_stages=2 if wide else 3)
+            if wide:
+                return KernelConfig(block_m=128, block_n=64, chunk_blocks=2, push_rows=32, num_warps=8, num_stages=2)
+            # 128x128 tiles, 3 stages: 224 KiB of shared memory for D=128 (fits; one CTA per SM).
+            return KernelConfig(block_m=128, block_n=128, chunk_blocks=1, push_rows=32, num_warps=8, num_stages=3,
+                                seg_blocks=8)
         return KernelConfig(block_m=64, block_n=32, chunk_blocks=4, push_rows=16, num_warps=4,
                             num_stages=1 if wide else 2)
 
@@ -122,7 +131,8 @@ class LaunchPlan:
         return dict(
             W=self.world_size, H=s.num_heads, HKV=s.num_kv_heads, D=s.head_dim,
             BLOCK_M=self.config.block_m, BLOCK_N=self.config.block_n, BLOCK_D=block_d(s.head_dim),
-            CHUNK_BLOCKS=self.chunk_blocks, PUSH_ROWS=self.config.push_rows,
+            CHUNK_BLOCKS=self.chunk_blocks, PUSH_ROWS=self.config.push_rows, SEG_BLOCKS=self.config.seg_blocks,
+            POLL_N=POLL_N, VEC=push_hint(s.head_dim, s.dtype),
             CAUSAL=s.is_causal, ZIGZAG=s.layout == "zigzag", INTERPRET=interpret,
             DOT_PRECISION="ieee",
         )
@@ -137,6 +147,13 @@ class LaunchPlan:
         s = self.spec
         return ((s.batch, s.seq_local, s.num_heads, s.head_dim), s.dtype), \
                ((s.batch, s.num_heads, s.seq_local), "float32"), ((STATUS_WORDS,), "int32")
+
+
+def push_hint(head_dim: int, dtype: str) -> int:
+    """The alignment hint for pushed rows (iris.store's ``hint``: 16-byte divisibility and 16 contiguous
+    elements per group along head_dim). A row of K/V starts 16-byte aligned only when
+    head_dim * itemsize is a multiple of 16; otherwise 1 (no claim)."""
+    return 16 if (head_dim * ELEM_BYTES[dtype]) % 16 == 0 else 1
 
 
 def block_d(head_dim: int) -> int:
@@ -215,6 +232,10 @@ def check_status(status, rank: int, timeout_s: float | None = None) -> None:
         what = f"waiting for rank {peer} to finish (end-of-call barrier)"
     elif code == ERR_PEER_FAILED:
         what = f"because rank {peer} failed (its error was raised there)"
+    elif code == ERR_PARTIAL_TIMEOUT:  # backward kernel (defined in the backward section below)
+        what = f"waiting for the partial dK/dV of rank {peer} (backward)"
+    elif code == ERR_LOCAL_TIMEOUT:
+        what = "waiting for this rank's own backward programs (delta rows)"
     else:
         what = f"with unknown error code {code} (peer {peer}, step {step})"
     raise RingAttentionTimeout(
@@ -223,3 +244,156 @@ def check_status(status, rank: int, timeout_s: float | None = None) -> None:
         f"a rank that died or is far slower causes this. Raise the limit with {TIMEOUT_ENV} if a rank is "
         f"legitimately late. The ranks' call counters may now disagree: call reset() (jax_ring.reset / "
         f"torch_bridge.reset) on every rank before the next call; the heap stays usable.")
+
+
+# ======================================================================================================
+# Backward kernel (ring_core.kernel_bwd): launch maths and heap need.
+# Kept apart from the forward's KernelConfig / plan above; both frontends and the simulator take the
+# backward's grid, block sizes, scalars and constexprs from here.
+#
+# Heap use of one backward call (inside the same workspace, regions of HeapLayout):
+#     control words  ctl[0..8+MAX_WORLD) shared with the forward (epoch, claim/finish counters, error
+#                    record, barrier), plus the two backward counters below
+#     flags          [K/V push flags: (W-1)*B*HKV*n_chunks][partial flags: (W-1)*B*HKV*n_kv_blocks]
+#     receive region [0, kv_bytes)            K/V of the peers: [W-1][K|V][B][HKV][S][D], input dtype
+#                    [part_off, +part_bytes)  partial dK/dV from the peers: [W-1][dK|dV][B][HKV][S][D] fp32
+#
+# Kernel argument order (what jax-triton passes, and the torch launcher passes the same list):
+#     q, k, v, out, dout, lse, ctx | B, S, sm_scale, timeout_ns, part_off | dq, dk, dv, delta, status | constexprs
+# ======================================================================================================
+CTL_BWD_TICKET = CTL_WORDS  # task tickets handed out in this call (tasks are taken in ticket order)
+CTL_BWD_DELTA = CTL_WORDS + 1  # dq tasks that have published their rows of delta = rowsum(dO * O)
+assert (CTL_BWD_DELTA + 1) * 4 <= CTL_BYTES
+ERR_PARTIAL_TIMEOUT = 4  # status code: a peer's partial dK/dV never arrived
+ERR_LOCAL_TIMEOUT = 5  # status code: this rank's own delta rows never all arrived (cannot happen but bounded)
+
+
+@dataclass(frozen=True)
+class BwdKernelConfig:
+    """Tuning knobs of the backward kernel (hashable: usable as a static argument).
+
+    dq tasks take ``dq_block_m`` query rows and step over the K/V in ``dq_block_n`` rows; dK/dV tasks take
+    ``kv_block_n`` K/V rows and step over the local queries in ``kv_block_m`` rows (FA2's split).
+    K/V travel in chunks of ``chunk_blocks * kv_block_n`` rows, ``push_rows`` rows per store; a dQ task
+    claims one push unit every ``seg_blocks`` blocks of its local K/V."""
+
+    dq_block_m: int
+    dq_block_n: int
+    kv_block_n: int
+    kv_block_m: int
+    chunk_blocks: int
+    push_rows: int
+    num_warps: int
+    num_stages: int
+    seg_blocks: int = 4
+
+    @staticmethod
+    def get_default(spec: AttentionSpec, world_size: int, *, interpret: bool = False) -> "BwdKernelConfig":
+        if interpret:
+            # Small tiles: several blocks, chunks and tasks even at the tiny sizes CI can afford.
+            return BwdKernelConfig(16, 16, 16, 16, chunk_blocks=1, push_rows=16, num_warps=4, num_stages=1,
+                                   seg_blocks=2)
+        # Not tuned on a GPU yet. Shared memory when compiled for sm_90 with Triton 3.6 (tests/test_kernel_ir.py
+        # checks <= 227 KiB), every loop with a dot software-pipelined: D64 fp32 80 KiB, fp16 65 KiB;
+        # D128 bf16 129 KiB, fp32 145 KiB; D256 bf16 99 KiB, fp32 132 KiB.
+        stages = 2 if spec.dtype == "float32" else 3
+        if spec.head_dim <= 64:
+            return BwdKernelConfig(64, 64, 64, 64, chunk_blocks=2, push_rows=64, num_warps=4, num_stages=stages)
+        if spec.head_dim <= 128:
+            return BwdKernelConfig(64, 64, 64, 64, chunk_blocks=2, push_rows=32, num_warps=8, num_stages=stages)
+        return BwdKernelConfig(32, 32, 32, 32, chunk_blocks=4, push_rows=16, num_warps=4, num_stages=stages)
+
+
+@dataclass(frozen=True)
+class BwdLaunchPlan:
+    spec: AttentionSpec
+    world_size: int
+    config: BwdKernelConfig
+    chunk_blocks: int
+    grid: tuple
+    n_dq_tasks: int
+    n_partial_tasks: int
+    n_final_tasks: int
+    kv_bytes: int
+    part_off: int
+    recv_bytes: int
+    flags_needed: int
+
+    def constexprs(self, *, interpret: bool) -> dict:
+        s, c = self.spec, self.config
+        return dict(
+            W=self.world_size, H=s.num_heads, HKV=s.num_kv_heads, D=s.head_dim,
+            DQ_BLOCK_M=c.dq_block_m, DQ_BLOCK_N=c.dq_block_n, KV_BLOCK_N=c.kv_block_n, KV_BLOCK_M=c.kv_block_m,
+            BLOCK_D=block_d(s.head_dim), CHUNK_BLOCKS=self.chunk_blocks, PUSH_ROWS=c.push_rows,
+            SEG_BLOCKS=c.seg_blocks, PUSH_VEC=bwd_store_hint(s.head_dim, ELEM_BYTES[s.dtype]),
+            PART_VEC=bwd_store_hint(s.head_dim, 4),
+            CAUSAL=s.is_causal, ZIGZAG=s.layout == "zigzag", INTERPRET=interpret, DOT_PRECISION="ieee",
+        )
+
+    def scalars(self, timeout_s: float | None = None) -> tuple:
+        s = self.spec
+        return (s.batch, s.seq_local, float(s.scale), timeout_ns(timeout_s), self.part_off)
+
+    @property
+    def out_shapes(self):
+        """(shape, dtype name) of dq, dk, dv, delta (scratch), status."""
+        s = self.spec
+        q = (s.batch, s.seq_local, s.num_heads, s.head_dim)
+        kv = (s.batch, s.seq_local, s.num_kv_heads, s.head_dim)
+        return ((q, s.dtype), (kv, s.dtype), (kv, s.dtype), ((s.batch, s.num_heads, s.seq_local), "float32"),
+                ((STATUS_WORDS,), "int32"))
+
+
+def bwd_store_hint(head_dim: int, itemsize: int) -> int:
+    """iris.store's alignment hint for rows of ``head_dim`` elements of ``itemsize`` bytes written into a
+    peer's receive region (K/V pushes, float32 partials): 16 (16-byte aligned groups of 16 contiguous
+    elements) when every row starts 16-byte aligned, else 1 (no claim)."""
+    return 16 if (head_dim * itemsize) % 16 == 0 else 1
+
+
+def bwd_recv_bytes(spec: AttentionSpec, world_size: int) -> tuple:
+    """(K/V bytes, byte offset of the partial-dK/dV region, total receive bytes) of one backward call."""
+    per_peer = spec.batch * spec.num_kv_heads * spec.seq_local * spec.head_dim
+    kv = (world_size - 1) * 2 * per_peer * ELEM_BYTES[spec.dtype]
+    part_off = _align(kv)
+    part = (world_size - 1) * 2 * per_peer * 4
+    return kv, part_off, (part_off + part) if world_size > 1 else 0
+
+
+def plan_bwd(spec: AttentionSpec, world_size: int, heap: HeapLayout, *, interpret: bool = False,
+             config: BwdKernelConfig | None = None) -> BwdLaunchPlan:
+    """Everything a backward launch needs; raises HeapTooSmallError (before anything runs) when the heap
+    is short of receive space or flags."""
+    if spec.dtype not in ELEM_BYTES:
+        raise TypeError(f"the fused kernel supports float16, bfloat16 and float32 inputs, got {spec.dtype}; "
+                        "use a reference backend for float64")
+    cfg = config or BwdKernelConfig.get_default(spec, world_size, interpret=interpret)
+    kv, part_off, need = bwd_recv_bytes(spec, world_size)
+    if need > heap.recv_capacity:
+        raise HeapTooSmallError(
+            f"this backward call needs {need} bytes of symmetric-heap receive space ({world_size - 1} peers x "
+            f"K and V of [{spec.batch}, {spec.seq_local}, {spec.num_kv_heads}, {spec.head_dim}] {spec.dtype}: "
+            f"{kv} bytes, plus their partial dK and dV in float32: {need - part_off} bytes) but the heap "
+            f"reserves {heap.recv_capacity}; call initialize(heap_size=...) with at least {heap_bytes_for(need)} "
+            f"bytes (before the first call, or after shutdown())")
+    S, W = spec.seq_local, world_size
+    n_kv_blocks = math.ceil(S / cfg.kv_block_n)
+    part_flags = (W - 1) * spec.batch * spec.num_kv_heads * n_kv_blocks
+    chunk_blocks = cfg.chunk_blocks
+    while True:
+        n_chunks = math.ceil(n_kv_blocks / chunk_blocks)
+        kv_flags = (W - 1) * spec.batch * spec.num_kv_heads * n_chunks
+        if kv_flags + part_flags <= heap.flag_capacity or n_chunks == 1:
+            break
+        chunk_blocks *= 2
+    flags = kv_flags + part_flags
+    if flags > heap.flag_capacity:
+        raise HeapTooSmallError(
+            f"this backward call needs {flags} flags ({flags * 4} bytes: one per K/V block of every peer) but "
+            f"the heap's flag region holds {heap.flag_capacity}; call initialize(heap_size=...) with a larger "
+            f"heap (the flag region is 1/64 of it, at most {MAX_FLAG_BYTES} bytes), or use fewer tokens per call")
+    n_dq = spec.batch * spec.num_heads * math.ceil(S / cfg.dq_block_m)
+    n_part = (W - 1) * spec.batch * spec.num_kv_heads * n_kv_blocks
+    n_final = spec.batch * spec.num_kv_heads * n_kv_blocks
+    return BwdLaunchPlan(spec, W, cfg, chunk_blocks, (n_dq + n_part + n_final,), n_dq, n_part, n_final, kv,
+                         part_off, need, flags)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from ring_core.layout import LAYOUTS
 
 BACKENDS = ("auto", "fused", "xla", "torch")
@@ -40,15 +42,48 @@ def dtype_name(dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
+def _type_name(x) -> str:
+    t = type(x)
+    return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+
+
+def _check_flag(name: str, value) -> bool:
+    """A Python bool (numpy's bool_ too); not an int, a string or a traced value."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise TypeError(f"{name} must be a Python bool, got {_type_name(value)} {value!r}")
+
+
+def check_timeout(timeout_s):
+    """None (then RING_ATTENTION_TIMEOUT_S, default 300 s, is read when the fused kernel is launched) or a
+    finite number of seconds > 0; returns it as a float (or None)."""
+    if timeout_s is None:
+        return None
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float, np.integer, np.floating)):
+        raise TypeError(f"timeout_s must be a number of seconds or None, got {_type_name(timeout_s)} {timeout_s!r}")
+    if not (math.isfinite(timeout_s) and timeout_s > 0):
+        raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {timeout_s}")
+    return float(timeout_s)
+
+
+_DIM_NAMES = ("batch", "seq_local", "heads", "head_dim")
+
+
 def check_attention_args(q_shape, k_shape, v_shape, q_dtype, k_dtype, v_dtype, *, is_causal, scale, layout,
                          backend, backends, return_lse=False) -> AttentionSpec:
-    """Validate one call's arguments; ``backends`` lists the backends this frontend accepts."""
+    """Validate one call's arguments; ``backends`` lists the backends this frontend accepts.
+
+    Empty inputs (any dimension 0) are rejected, as flash-attn rejects batch 0: in a ring an empty shard
+    means the sequence was split wrongly, and one rank skipping the exchange would leave its peers waiting.
+    """
     for name, shape in (("q", q_shape), ("k", k_shape), ("v", v_shape)):
         if len(shape) != 4:
             raise ValueError(
                 f"{name} must have rank 4 [batch, seq_local, heads, head_dim], got shape {tuple(shape)}")
-        if any(int(d) < 1 for d in shape):
-            raise ValueError(f"{name} has an empty dimension (shape {tuple(shape)}); every dimension must be >= 1")
+        empty = [f"{dim}=0" for dim, n in zip(_DIM_NAMES, shape) if int(n) < 1]
+        if empty:
+            raise ValueError(f"{name} is empty ({', '.join(empty)}, shape {tuple(shape)}): every dimension must be "
+                             ">= 1; empty inputs are rejected, not passed through")
     b, s, h, d = (int(x) for x in q_shape)
     if tuple(k_shape) != tuple(v_shape):
         raise ValueError(f"k and v must have the same shape, got k {tuple(k_shape)} and v {tuple(v_shape)}")
@@ -71,27 +106,31 @@ def check_attention_args(q_shape, k_shape, v_shape, q_dtype, k_dtype, v_dtype, *
             raise TypeError(f"{arg} must be a floating dtype ({', '.join(FLOAT_DTYPES)}), got {n}")
     if len(set(names)) != 1:
         raise TypeError(f"q, k and v must share one dtype, got {names[0]}, {names[1]}, {names[2]}; cast them first")
-    if not isinstance(is_causal, bool):
-        raise TypeError(f"is_causal must be a Python bool, got {type(is_causal).__name__}")
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be a Python bool, got {type(return_lse).__name__}")
-    if layout not in LAYOUTS:
+    is_causal = _check_flag("is_causal", is_causal)
+    _check_flag("return_lse", return_lse)
+    if not isinstance(layout, str) or layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if layout == "zigzag" and s % 2:
         raise ValueError(
             f"layout='zigzag' needs an even seq_local (each rank holds two chunks), got {s}; "
             "pad the sequence to a multiple of 2*world_size")
-    if backend not in backends:
+    if not isinstance(backend, str) or backend not in backends:
         raise ValueError(f"backend must be one of {backends}, got {backend!r}")
     if scale is None:
         scale = 1.0 / math.sqrt(d)
     else:
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) and not hasattr(scale, "__float__"):
-            raise TypeError(f"scale must be a Python float or None, got {type(scale).__name__}")
+        # >= 0: a negative scale would turn the causal mask's -inf into +inf in a kernel that scales the
+        # masked scores; 0 is fine (uniform weights).
+        if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float)) and not hasattr(scale, "__float__"):
+            raise TypeError(f"scale must be a Python float or None, got {_type_name(scale)}")
+        if getattr(scale, "ndim", 0) != 0:
+            raise TypeError(f"scale must be one number (a Python float or a 0-d array) or None, "
+                            f"got a {_type_name(scale)} of shape {tuple(scale.shape)}")
         try:
             scale = float(scale)
-        except Exception as e:  # a tracer, a multi-element array, ...
-            raise TypeError(f"scale must be a concrete Python float or None (not a traced value): {e}") from None
+        except Exception as e:  # a traced JAX value
+            raise TypeError(f"scale must be a concrete Python float or None, not a traced value ({_type_name(scale)}); "
+                            f"pass it as a static Python number: {str(e).splitlines()[0]}") from None
         if not math.isfinite(scale) or scale < 0:
             raise ValueError(f"scale must be finite and >= 0, got {scale}")
     return AttentionSpec(b, s, h, hkv, d, names[0], scale, is_causal, layout)

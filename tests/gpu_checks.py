@@ -8,7 +8,11 @@ Checks (every rank asserts; rank 0 writes a JSON summary under --out):
   2. parity: jax_ring fused and torch_bridge fused give bit-identical out and lse; the xla and torch
      reference backends pass the same table;
   3. soak: --calls consecutive calls with changing shapes through both frontends, every result checked;
-  4. a grid far larger than the GPU holds at once (batch 16 x 64 heads x 4096 local tokens): no hang, right.
+  4. a grid far larger than the GPU holds at once (batch 16 x 64 heads x 4096 local tokens): no hang, right;
+  5. bwd: the fused backward kernel (ring_core.kernel_bwd) through torch autograd and jax.grad: gradients
+     against float64 dense gradients (dtypes, odd head dims, GQA/MQA, causal both layouts, odd seq_local,
+     seq_local 1), JAX and torch bit-identical, every frontend bit-identical from run to run; and a backward
+     grid far larger than the GPU holds at once against a float32 dense reference computed on the GPU.
 """
 
 import argparse
@@ -26,8 +30,8 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--calls", type=int, default=1000)
     ap.add_argument("--skip-big", action="store_true")
-    ap.add_argument("--sections", default="cases,jit,grads,soak,big",
-                    help="comma-separated subset of cases,jit,grads,soak,big (default: all)")
+    ap.add_argument("--sections", default="cases,jit,grads,bwd,soak,big",
+                    help="comma-separated subset of cases,jit,grads,bwd,soak,big (default: all)")
     ap.add_argument("--heap-gib", type=float, default=8.0)
     a = ap.parse_args()
     sections = set(a.sections.split(","))
@@ -40,7 +44,8 @@ def main():
 
     import torch_bridge
     from ring_core import layout as L
-    from ring_core import reference, testing
+    from ring_core import heap as ring_heap
+    from ring_core import reference, testing, validate
 
     torch_bridge.initialize()
     rank, W = dist.get_rank(), dist.get_world_size()
@@ -63,6 +68,8 @@ def main():
         """This rank's shard of a global natural-order array, in layout order."""
         S = x.shape[1] // W
         return L.layout_permutation(x.shape[1], W, lay)[rank * S:(rank + 1) * S]
+
+    sh = NamedSharding(mesh, P(None, "sp"))  # this rank's sequence shard of a global array
 
     def run_jax(q, k, v, dt, backend, **kw):
         key = (q.shape, k.shape, dt, backend, tuple(sorted(kw.items())))
@@ -146,7 +153,6 @@ def main():
     summary["cases_s"] = round(time.time() - t0, 1)
     summary["cases_failed"] = failed
 
-    sh = NamedSharding(mesh, P(None, "sp"))
     # ---- two fused calls of different shapes in one jitted program -------------------------------
     if "jit" in sections:
         (qa, ka, va), (qb, kb, vb) = (testing.random_inputs(7 + i, 1, s * W, 4, 2, 64, "bfloat16") for i, s in
@@ -193,6 +199,130 @@ def main():
             testing.check(f"jax fused d{n}", np.asarray(gr.addressable_shards[0].data), r[:, idx], l[:, idx],
                           "float32", "grad")
         say("ok gradients through backend='fused' (torch and jax) against float64")
+
+    # ---- the fused backward kernel ---------------------------------------------------------------
+    if "bwd" in sections:
+        t0 = time.time()
+        grad_fns = {}
+
+        def grads_torch(ql, kl, vl, dol, dt, **kw):
+            ts = [torch.as_tensor(x, device=dev).to(tdt[dt]).requires_grad_() for x in (ql, kl, vl)]
+            out = torch_bridge.ring_attention(*ts, backend="fused", **kw)
+            out.backward(torch.as_tensor(dol, device=dev).to(tdt[dt]))
+            torch_bridge.check_errors()
+            return [t.grad for t in ts]
+
+        def grads_jax(ql, kl, vl, dol, dt, **kw):
+            key = (ql.shape, kl.shape, dt, tuple(sorted(kw.items())))
+            if key not in grad_fns:
+                def loss(q, k, v, do):
+                    o = jax_ring.ring_attention(q, k, v, axis_name="sp", backend="fused", **kw)
+                    return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))  # d loss / d o == do exactly
+                grad_fns[key] = jax.jit(jax.shard_map(jax.grad(loss, argnums=(0, 1, 2)), mesh=mesh,
+                                                      in_specs=(P(None, "sp"),) * 4, out_specs=(P(None, "sp"),) * 3,
+                                                      check_vma=False))
+            def g(x):
+                return jax.make_array_from_process_local_data(
+                    sh, jnp.asarray(x, dtype=jdt[dt]), (x.shape[0], x.shape[1] * W, *x.shape[2:]))
+            return [gr.addressable_shards[0].data for gr in grad_fns[key](g(ql), g(kl), g(vl), g(dol))]
+
+        def as_np(x):
+            return (x.float().cpu().numpy() if isinstance(x, torch.Tensor)
+                    else np.asarray(x.astype(jnp.float32)))
+
+        bwd_cases = [  # (B, S, H, HKV, D, dtype, causal, layout[, scale])
+            (1, 512, 8, 8, 128, "bfloat16", True, "zigzag"),
+            (1, 300, 8, 2, 80, "float16", True, "contiguous"),
+            (1, 256, 4, 1, 64, "float32", False, "contiguous"),
+            (2, 77, 4, 2, 96, "bfloat16", True, "contiguous", 0.3),
+            (1, 1, 2, 1, 16, "float16", True, "contiguous"),
+            (1, 130, 4, 4, 256, "bfloat16", False, "zigzag"),
+        ]
+        for c in bwd_cases:
+            B, S, H, HKV, D, dt, causal, lay = c[:8]
+            scale = c[8] if len(c) > 8 else None
+            name = f"bwd B{B} S{S} H{H}/{HKV} D{D} {dt} causal={causal} {lay} scale={scale}"
+            t1 = time.time()
+            try:
+                q, k, v, do = testing.random_inputs(40 + len(name), B, S * W, H, HKV, D, dt, with_dout=True)
+                idx = shards(q, lay)
+                kw = dict(is_causal=causal, layout=lay, scale=scale)
+                ref = reference.attention_grad(q, k, v, do, is_causal=causal, scale=scale)
+                low = reference.attention_grad_lowp(q, k, v, do, dt, is_causal=causal, scale=scale)
+                local = [x[:, idx] for x in (q, k, v, do)]
+                tg = grads_torch(*local, dt, **kw)
+                jg = grads_jax(*local, dt, **kw)
+                errs = []
+                for fw, gs in (("torch", tg), ("jax", jg)):
+                    for n, gr, r, lo in zip("qkv", gs, ref, low):
+                        errs.append(testing.check(f"{fw} fused {name} d{n}", as_np(gr), r[:, idx], lo[:, idx], dt,
+                                                  "grad"))
+                for n, a_, b_ in zip("qkv", jg, tg):
+                    assert np.array_equal(bits(a_), bits(b_)), f"{name}: jax and torch fused d{n} differ"
+                tg2 = grads_torch(*local, dt, **kw)
+                jg2 = grads_jax(*local, dt, **kw)
+                for n, a_, b_, c_, d_ in zip("qkv", tg, tg2, jg, jg2):
+                    assert np.array_equal(bits(a_), bits(b_)), f"{name}: torch fused d{n} differs between runs"
+                    assert np.array_equal(bits(c_), bits(d_)), f"{name}: jax fused d{n} differs between runs"
+                say(f"ok {name}: max grad err {max(errs):.2e}, jax/torch bit-identical, deterministic "
+                    f"({time.time() - t1:.1f} s)")
+            except AssertionError as e:
+                failed.append(str(e))
+                say(f"FAILED {c}: {e}")
+
+        # A backward grid far larger than the GPU holds at once (tasks are taken by ticket: no hang whatever
+        # the residency). Reference: float32 dense gradients on the GPU, one (batch, kv head) at a time; the
+        # table's bound with it standing in for float64 (its own error is far below bf16's).
+        B, S, H, HKV, D, dt = 2, 4096, 32, 8, 128, "bfloat16"
+        G = H // HKV
+        torch.manual_seed(2)  # the same global inputs on every rank
+        qg, dog = (torch.randn(B, S * W, H, D, device=dev).to(torch.bfloat16) for _ in range(2))
+        kg, vg = (torch.randn(B, S * W, HKV, D, device=dev).to(torch.bfloat16) for _ in range(2))
+        perm = torch.as_tensor(L.layout_permutation(S * W, W, "zigzag"), device=dev)
+        idx_t = perm[rank * S:(rank + 1) * S]
+        ts = [x.index_select(1, idx_t).contiguous().requires_grad_() for x in (qg, kg, vg)]
+        t1 = time.time()
+        out = torch_bridge.ring_attention(*ts, is_causal=True, layout="zigzag", backend="fused")
+        out.backward(dog.index_select(1, idx_t).contiguous())
+        torch_bridge.check_errors()
+        torch.cuda.synchronize()
+        big_s = time.time() - t1
+        scale = D ** -0.5
+        pos = torch.arange(S * W, device=dev)
+        mask = pos[None, :] <= pos[:, None]
+        worst = {}
+        for b in range(B):
+            for hk in range(HKV):
+                hs = slice(hk * G, (hk + 1) * G)
+                qq = qg[b, :, hs].float().transpose(0, 1)  # [G, SW, D]
+                dd = dog[b, :, hs].float().transpose(0, 1)
+                kk, vv = kg[b, :, hk].float(), vg[b, :, hk].float()  # [SW, D]
+                s_ = torch.where(mask, (qq @ kk.T) * scale, float("-inf"))
+                p_ = torch.softmax(s_, dim=-1)
+                o_ = p_ @ vv
+                dp = dd @ vv.T
+                ds = p_ * (dp - (dd * o_).sum(-1, keepdim=True))
+                refs = {"q": (ds @ kk * scale).transpose(0, 1), "k": (ds.transpose(1, 2) @ qq).sum(0) * scale,
+                        "v": (p_.transpose(1, 2) @ dd).sum(0)}
+                got = {"q": ts[0].grad[b, :, hs], "k": ts[1].grad[b, :, hk], "v": ts[2].grad[b, :, hk]}
+                for n in "qkv":
+                    r = refs[n].index_select(0, idx_t)
+                    e = (got[n].float() - r).abs().max().item()
+                    e_lp = (r.bfloat16().float() - r).abs().max().item()
+                    worst[n] = (max(worst.get(n, (0, 0))[0], e), max(worst.get(n, (0, 0))[1], e_lp))
+                del s_, p_, dp, ds
+        spec_big = validate.check_attention_args(tuple(ts[0].shape), tuple(ts[1].shape), tuple(ts[2].shape), dt, dt,
+                                                 dt, is_causal=True, scale=None, layout="zigzag", backend="fused",
+                                                 backends=("fused",))
+        programs = ring_heap.get().plan_bwd(spec_big).grid[0]
+        msg = [f"{programs} programs per rank"]
+        for n, (e, e_lp) in worst.items():
+            bound = 2 * e_lp + testing.TOLERANCES[dt]["grad"]
+            msg.append(f"d{n} err {e:.2e} (bound {bound:.2e})")
+            if not e <= bound:
+                failed.append(f"big backward grid d{n}: err {e} > bound {bound}")
+        say(f"bwd big grid: B{B} S{S} H{H}/{HKV} D{D} bf16 causal zigzag, {big_s:.2f} s first call; " + ", ".join(msg))
+        summary.update(bwd_cases=len(bwd_cases), bwd_s=round(time.time() - t0, 1), bwd_big_first_call_s=round(big_s, 2))
 
     # ---- soak: consecutive calls with changing shapes through both frontends ----------------------
     if "soak" in sections:

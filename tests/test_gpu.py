@@ -1,7 +1,9 @@
-"""GPU suite (``pytest -m gpu``): launches one process per GPU running tests/gpu_checks.py.
+"""GPU suite (``pytest -m gpu``): launches one process per GPU running tests/gpu_checks.py and
+tests/gpu_faults.py (faults: a missing or killed rank, concurrent NCCL work, bad inputs on the fused path).
 
-Environment: RING_GPU_SOAK_CALLS (default 1000), RING_GPU_OUT (keep the JSON summary there).
+Environment: RING_GPU_SOAK_CALLS (default 1000), RING_GPU_OUT (keep the JSON summaries there).
 Skipped, saying why, where fewer than 2 NVIDIA GPUs are visible. Run on the GPU machine (nvidia-h200-x2).
+The tests at the end (no gpu mark) check the fault script's host-side logic on CPU.
 """
 
 import json
@@ -39,3 +41,120 @@ def test_fused_on_two_gpus(tmp_path):
     assert r.returncode == 0, "a GPU check failed (its output is above)"
     summary = json.loads((out / "gpu_checks.json").read_text())
     assert summary["ok"] and summary["soak_bad"] == 0 and summary["cases"] >= 10
+
+
+# ---------------------------------------------------------------------------------------------- faults
+FAULT_RUNS = {  # --sections -> the checks rank 0 must report
+    "timeout,concurrent,bad_inputs,security": [
+        "timeout/torch: rank 1 absent -> RingAttentionTimeout on rank 0",
+        "timeout/torch: reset() on every rank, then right calls through both frontends",
+        "timeout/jax: rank 1 absent -> RingAttentionTimeout on rank 0",
+        "timeout/jax: reset() on every rank, then right calls through both frontends",
+        "concurrent/torch: rank 0 launches fused first, rank 1 the other",
+        "concurrent/torch: rank 0 launches all_reduce first, rank 1 the other",
+        "concurrent/jax: psum and the fused call in one jitted program",
+        "bad_inputs/fused: CPU tensors to backend='fused' raise ValueError",
+        "bad_inputs/fused: NaN in k propagates to the rows attending to it, no hang",
+        "security: handle-passing peers are this job's processes; iris restored",
+    ],
+    "kill": [
+        "kill: rank 0 raises RingAttentionTimeout naming rank 1 within timeout_s",
+        "kill: rank 0 shuts down cleanly (heap released, no error left)",
+    ],
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sections", list(FAULT_RUNS))
+def test_faults_on_two_gpus(tmp_path, sections):
+    n = _gpu_count()
+    if n < 2:
+        pytest.skip(f"the fault checks need 2 NVIDIA GPUs (one process each); nvidia-smi sees {n}")
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "XLA_FLAGS")}
+    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    env["RING_ATTENTION_TIMEOUT_S"] = "60"  # bounds every fused call the script does not bound itself
+    out = Path(os.environ.get("RING_GPU_OUT") or tmp_path)
+    r = subprocess.run([sys.executable, "-m", "jax_ring.launch", "--nproc-per-node", "2",
+                        str(ROOT / "tests" / "gpu_faults.py"), "--out", str(out), "--sections", sections,
+                        "--timeout", "5", "--deadline", "420"],
+                       env=env, cwd=ROOT, timeout=540, capture_output=True, text=True)
+    sys.stdout.write(r.stdout[-30000:])
+    sys.stderr.write(r.stderr[-30000:])
+    assert r.returncode == 0, f"a fault check failed (exit code {r.returncode}; its output is above)"
+    summary = json.loads((out / f"gpu_faults_{sections.replace(',', '_')}.json").read_text())
+    assert summary["ok"]
+    rank0 = summary["checks"][0]
+    assert not set(FAULT_RUNS[sections]) - set(rank0), sorted(rank0)
+    # A process group created by initialize() is destroyed at exit, even after a peer died.
+    assert "destroy_process_group() was not called" not in r.stderr
+
+
+# ------------------------------------------------------------ the fault script's host-side logic (CPU)
+def _faults_module():
+    sys.path.insert(0, str(ROOT / "tests"))
+    try:
+        import gpu_faults
+    finally:
+        sys.path.pop(0)
+    return gpu_faults
+
+
+def test_fault_script_imports_lightly_and_checks_its_arguments():
+    code = ("import sys; sys.path.insert(0, 'tests'); import gpu_faults; "
+            "heavy = [m for m in ('jax', 'torch', 'iris', 'jax_ring', 'torch_bridge') if m in sys.modules]; "
+            "assert not heavy, heavy")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=120)
+    gf = _faults_module()
+    for argv, fragment in ((["--sections", "kill,timeout"], "must run alone"),
+                           (["--sections", "timeout,hang"], "unknown sections")):
+        r = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu_faults.py"), *argv], cwd=ROOT, timeout=120,
+                           capture_output=True, text=True)
+        assert r.returncode == 2 and fragment in r.stderr, r.stderr
+    assert set(gf.DEFAULT_SECTIONS.split(",")) | {"kill"} == set(gf.SECTIONS)
+
+
+def test_fault_script_timeout_message_check():
+    import numpy as np
+
+    from ring_core import launch
+
+    gf = _faults_module()
+    for status in ((launch.ERR_KV_TIMEOUT, 1, 1, 4), (launch.ERR_BARRIER_TIMEOUT, 1, 0, 4)):
+        with pytest.raises(launch.RingAttentionTimeout) as info:
+            launch.check_status(np.array(status, np.int32), rank=0, timeout_s=5.0)
+        gf.expect_timeout_message(info.value, rank=0, peer=1, timeout_s=5.0)
+        # JAX re-raises the callback's exception inside its own error type: the text is what is checked.
+        gf.expect_timeout_message(RuntimeError(f"INTERNAL: callback failed: RingAttentionTimeout: {info.value}"),
+                                  rank=0, peer=1, timeout_s=5.0)
+        with pytest.raises(AssertionError, match=r"lacks \['rank 2'\]"):
+            gf.expect_timeout_message(info.value, rank=0, peer=2, timeout_s=5.0)
+    with pytest.raises(AssertionError, match="expected RingAttentionTimeout, got ValueError"):
+        gf.expect_timeout_message(ValueError("rank 1"), rank=0, peer=1, timeout_s=5.0)
+
+
+def test_fault_script_report_and_waits(capsys):
+    gf = _faults_module()
+    report = gf.Report(rank=0)
+    with report.check("passes") as c:
+        c.detail = "fine"
+    with report.check("fails"):
+        raise AssertionError("wrong")
+    assert report.results["passes"]["ok"] and not report.results["fails"]["ok"] and not report.ok
+    assert "AssertionError: wrong" in report.results["fails"]["detail"]
+    printed = capsys.readouterr().out
+    assert "FAULT-CHECK rank 0 passes ok" in printed and "FAULT-CHECK rank 0 fails FAILED" in printed
+    with pytest.raises(KeyboardInterrupt):  # only Exceptions are recorded and passed over
+        with report.check("interrupted"):
+            raise KeyboardInterrupt
+    gf.wait_until(lambda: True, 0.1, "nothing")
+    with pytest.raises(TimeoutError, match=r"the kernel did not complete within 0.2 s \(deadlock\?\)"):
+        gf.wait_until(lambda: False, 0.2, "the kernel")
+
+
+def test_fault_script_watchdog_ends_a_stuck_process():
+    code = ("import sys, time; sys.path.insert(0, 'tests'); import gpu_faults; "
+            "gpu_faults.start_watchdog(0.5, rank=3); time.sleep(60)")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, timeout=60, capture_output=True, text=True)
+    assert r.returncode == 124, r.stderr
+    assert "WATCHDOG: rank 3 still running after 0.5 s" in r.stderr, r.stderr
+    assert "most recent call first" in r.stderr, r.stderr  # the stacks

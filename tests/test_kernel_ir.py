@@ -1,10 +1,20 @@
-"""Properties of the fused kernel as compiled for Hopper (sm_90), checked on CPU: Triton compiles for a
-GPU target without a GPU. The compile runs in a subprocess, since this test process may hold the
+"""Properties of the fused kernels (forward: ring_core.kernel; backward, cases named "bwd ...":
+ring_core.kernel_bwd) as compiled for Hopper (sm_90), checked on CPU: Triton compiles for a GPU target
+without a GPU. The compile runs in a subprocess, since this test process may hold the
 interpreted kernel (TRITON_INTERPRET=1, see test_simulate.py).
 
-The property: no loop that Triton software-pipelines (it issues async copies of later iterations ahead)
-contains an acquire. An acquire there does not order the copies issued before it, so K/V could be read
-from a receive slot before the peer's data arrived; an earlier version of the kernel had exactly that.
+Properties:
+* no loop that Triton software-pipelines (it issues async copies of later iterations ahead) contains an
+  acquire. An acquire there does not order the copies issued before it, so K/V could be read from a
+  receive slot before the peer's data arrived; an earlier version of the kernel had exactly that;
+* every K/V loop (one with a dot) *is* pipelined, for local K/V and for the receive slots, in every dtype:
+  a loop that is not waits out the full memory latency on every block (v0 was 5-15x below cuDNN so);
+* the pushes to peers are 16-byte vector stores (iris.store's alignment hint); without it they were
+  2-byte stores over NVLink, about 6 GB/s, the largest cost of every call in v1;
+* shared memory fits Hopper.
+
+Pointer arguments are compiled as 16-byte aligned, as jax-triton declares them and as torch's launcher
+specialises aligned tensors.
 """
 
 import json
@@ -19,28 +29,39 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 COMPILE = textwrap.dedent("""
-    import json, sys
+    import json, re, sys
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from ring_core import launch, validate
     from ring_core.kernel import ring_attn_fwd_kernel
+    from ring_core.kernel_bwd import ring_attn_bwd_kernel
     TT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
     out = {}
     for name, (dt, d, hkv, causal, layout) in json.loads(sys.argv[1]).items():
         spec = validate.check_attention_args((1, 514, 4, d), (1, 514, hkv, d), (1, 514, hkv, d), dt, dt, dt,
                                              is_causal=causal, scale=None, layout=layout, backend="fused",
                                              backends=("fused",))
-        p = launch.plan(spec, 2, launch.HeapLayout.for_workspace(1 << 30))
-        consts = p.constexprs(interpret=False)
+        heap = launch.HeapLayout.for_workspace(1 << 30)
         t = TT[dt]
-        sig = dict(q_ptr="*" + t, k_ptr="*" + t, v_ptr="*" + t, ctx_ptr="*i32", B="i32", S="i32", sm_scale="fp32",
-                   timeout_ns="i64", out_ptr="*" + t, lse_ptr="*fp32", status_ptr="*i32")
+        if name.startswith("bwd "):
+            kernel, p = ring_attn_bwd_kernel, launch.plan_bwd(spec, 2, heap)
+            sig = dict(q_ptr="*" + t, k_ptr="*" + t, v_ptr="*" + t, o_ptr="*" + t, do_ptr="*" + t, lse_ptr="*fp32",
+                       ctx_ptr="*i32", B="i32", S="i32", sm_scale="fp32", timeout_ns="i64", part_off="i32",
+                       dq_ptr="*" + t, dk_ptr="*" + t, dv_ptr="*" + t, delta_ptr="*fp32", status_ptr="*i32")
+        else:
+            kernel, p = ring_attn_fwd_kernel, launch.plan(spec, 2, heap)
+            sig = dict(q_ptr="*" + t, k_ptr="*" + t, v_ptr="*" + t, ctx_ptr="*i32", B="i32", S="i32",
+                       sm_scale="fp32", timeout_ns="i64", out_ptr="*" + t, lse_ptr="*fp32", status_ptr="*i32")
+        consts = p.constexprs(interpret=False)
         sig.update({k: "constexpr" for k in consts})
-        ck = triton.compile(ASTSource(fn=ring_attn_fwd_kernel, signature=sig, constexprs=consts),
+        names = list(sig)
+        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if sig[n].startswith("*")}
+        ck = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=p.config.num_warps, num_stages=p.config.num_stages))
-        out[name] = dict(ttgir=ck.asm["ttgir"], shared=ck.metadata.shared)
+        out[name] = dict(ttgir=ck.asm["ttgir"], shared=ck.metadata.shared,
+                         stores=sorted(set(re.findall(r"st\\.global(?:\\.[a-z0-9]+)*", ck.asm["ptx"]))))
     print(json.dumps(out))
 """)
 
@@ -48,6 +69,12 @@ CASES = {  # name: (dtype, head_dim, kv_heads, causal, layout)
     "fp32 d64 mqa": ("float32", 64, 1, False, "contiguous"),
     "bf16 d128": ("bfloat16", 128, 4, False, "contiguous"),
     "bf16 d128 causal zigzag": ("bfloat16", 128, 4, True, "zigzag"),
+    "fp16 d64 gqa causal": ("float16", 64, 2, True, "contiguous"),
+    # The backward: K/V, partial dK/dV and delta are all acquired before the loops that read them; its dQ
+    # loops (per ring step, unmasked and masked) and dK/dV loops over query blocks must all be pipelined.
+    "bwd fp32 d64 mqa": ("float32", 64, 1, False, "contiguous"),
+    "bwd bf16 d128 causal zigzag": ("bfloat16", 128, 4, True, "zigzag"),
+    "bwd fp16 d80 gqa causal": ("float16", 80, 2, True, "contiguous"),
 }
 
 
@@ -85,12 +112,24 @@ def test_no_acquire_inside_pipelined_loop(compiled, name):
     assert "acquire, sys" in ttgir  # the waits exist, outside those loops
 
 
-def test_property_is_not_vacuous(compiled):
-    # With Triton 3.9 the fp32 K/V loops are pipelined with async copies (the bf16 ones are not yet:
-    # issue 4); the earlier kernel put its acquire inside exactly such a loop.
-    assert any("ttg.async_copy_global_to_local" in b for b in _loops(compiled["fp32 d64 mqa"]["ttgir"]))
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_every_kv_loop_is_pipelined(compiled, name):
+    # Innermost loops with a dot are the K/V loops: per ring step, an unmasked and a masked one (step 0
+    # also nests its unmasked loop in the push-claim loop). All must issue async copies ahead.
+    kv_loops = [b for b in _loops(compiled[name]["ttgir"]) if "dot" in b and b.count("scf.for") == 1]
+    assert len(kv_loops) >= 4
+    for body in kv_loops:
+        assert "ttg.async_copy_global_to_local" in body, "a K/V loop is not software-pipelined"
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_shared_memory_fits_hopper(compiled, name):
     assert compiled[name]["shared"] <= 227 * 1024
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_stores_are_vectorised(compiled, name):
+    # Every global store (pushes to peers, out, lse, flags) is 32-bit or a vector: none is a 2-byte scalar.
+    stores = compiled[name]["stores"]
+    assert any(".v4" in s for s in stores), stores
+    assert not [s for s in stores if s.endswith(".b16") or s.endswith(".u16")], stores

@@ -26,7 +26,8 @@ def test_launcher_sets_the_rendezvous_environment(tmp_path):
     r = _launch(tmp_path, """
         import os, sys
         keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-        print("ENV", *[os.environ[k] for k in keys], sys.argv[1])
+        # One write: with PYTHONUNBUFFERED=1, print() writes word by word and the ranks' lines interleave.
+        os.write(1, (" ".join(["ENV", *[os.environ[k] for k in keys], sys.argv[1]]) + "\\n").encode())
     """, n=3)
     assert r.returncode == 0, r.stderr
     rows = sorted(l.split()[1:] for l in r.stdout.splitlines() if l.startswith("ENV"))

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ring_core.layout import LAYOUTS, inverse_permutation, layout_permutation
-from ring_core.validate import check_attention_args
+from ring_core.validate import check_attention_args, check_timeout
 from torch_bridge.reference import ring_attention_torch
 
 BACKENDS = ("auto", "fused", "torch")
@@ -71,31 +71,34 @@ def _resolve_backend(backend: str, q, spec) -> str:
 
 
 class _FusedRing(torch.autograd.Function):
-    """Forward: the fused kernel. Backward: recomputes through the reference ring and differentiates it
-    (exact gradients; the fused backward kernel replaces this)."""
+    """Forward: the fused kernel; saves q, k, v, out and lse. Backward: the fused backward kernel
+    (ring_core.kernel_bwd), the same launch as JAX's. ``lse`` is returned for inspection only."""
 
     @staticmethod
-    def forward(ctx, q, k, v, spec, rank, world, peers, group):
+    def forward(ctx, q, k, v, spec, rank, world, peers, group, timeout_s):
         from torch_bridge import fused
 
-        out, lse = fused.forward(q, k, v, spec, group)
-        ctx.save_for_backward(q, k, v)
-        ctx.args = (spec, rank, world, peers, group)
+        if any(ctx.needs_input_grad[:3]):
+            fused.check_backward_fits(spec)  # HeapTooSmallError now, not after the forward ran
+        out, lse = fused.forward(q, k, v, spec, group, timeout_s)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (spec, group, timeout_s)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, dout, dlse):
-        q, k, v = ctx.saved_tensors
-        with torch.enable_grad():
-            leaves = [x.detach().requires_grad_() for x in (q, k, v)]
-            out, _ = ring_attention_torch(*leaves, *ctx.args)
-            grads = torch.autograd.grad(out, leaves, dout)
-        return (*grads, None, None, None, None, None)
+        from torch_bridge import fused
+
+        q, k, v, out, lse = ctx.saved_tensors
+        spec, group, timeout_s = ctx.args
+        dq, dk, dv = fused.backward(q, k, v, out, lse, dout, spec, group, timeout_s)
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def ring_attention(q, k, v, *, group=None, is_causal=False, scale=None, layout="contiguous", return_lse=False,
-                   backend="auto"):
+                   backend="auto", timeout_s=None):
     """Softmax attention over a sequence sharded across the ranks of ``group``.
 
     Every rank of ``group`` calls this with its own shard: q ``[batch, seq_local, num_heads, head_dim]``,
@@ -112,9 +115,17 @@ def ring_attention(q, k, v, *, group=None, is_causal=False, scale=None, layout="
 
     ``backend``: ``"torch"`` (reference ring over torch.distributed point-to-point, gloo or NCCL),
     ``"fused"`` (the Triton + iris kernel; needs ``torch_bridge.initialize()`` and CUDA tensors; its
-    gradients are currently computed by recomputing through the reference ring) or ``"auto"`` (fused for
+    gradients come from the fused backward kernel; ``lse`` carries none) or ``"auto"`` (fused for
     CUDA fp16/bf16/fp32 tensors once initialised, else torch).
     Without an initialised process group (or with a group of one) it runs locally with no communication.
+
+    ``timeout_s`` bounds every wait inside the fused kernel (default RING_ATTENTION_TIMEOUT_S, else 300 s);
+    an expired wait raises ``ring_core.launch.RingAttentionTimeout`` naming the missing rank and ring step,
+    at the next call or ``check_errors()`` (at once with RING_ATTENTION_SYNC_ERRORS=1). The torch ring is
+    bounded by its process group's own timeout instead.
+
+    Inputs may be non-contiguous or oddly strided (transposed, sliced, expanded views): every backend
+    reads them as they are or makes contiguous copies; the outputs are always contiguous.
 
     Example (one process; under torch.distributed each rank passes its shard):
 
@@ -129,12 +140,13 @@ def ring_attention(q, k, v, *, group=None, is_causal=False, scale=None, layout="
     spec = check_attention_args(q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, is_causal=is_causal,
                                 scale=scale, layout=layout, backend=backend, backends=BACKENDS,
                                 return_lse=return_lse)
+    timeout_s = check_timeout(timeout_s)
     rank, world, peers = _group_info(group)
     backend = _resolve_backend(backend, q, spec)
     if backend == "torch":
         out, lse = ring_attention_torch(q, k, v, spec, rank, world, peers, group)
     else:
-        out, lse = _FusedRing.apply(q, k, v, spec, rank, world, peers, group)
+        out, lse = _FusedRing.apply(q, k, v, spec, rank, world, peers, group, timeout_s)
     return (out, lse) if return_lse else out
 
 
@@ -149,7 +161,7 @@ class RingAttention(nn.Module):
     """
 
     def __init__(self, *, group=None, is_causal=False, scale=None, layout="contiguous", return_lse=False,
-                 backend="auto"):
+                 backend="auto", timeout_s=None):
         super().__init__()
         # Fail at construction for what does not depend on the inputs.
         if layout not in LAYOUTS:
@@ -162,10 +174,12 @@ class RingAttention(nn.Module):
         self.layout = layout
         self.return_lse = return_lse
         self.backend = backend
+        self.timeout_s = check_timeout(timeout_s)
 
     def forward(self, q, k, v):
         return ring_attention(q, k, v, group=self.group, is_causal=self.is_causal, scale=self.scale,
-                              layout=self.layout, return_lse=self.return_lse, backend=self.backend)
+                              layout=self.layout, return_lse=self.return_lse, backend=self.backend,
+                              timeout_s=self.timeout_s)
 
     def extra_repr(self) -> str:
         return (f"is_causal={self.is_causal}, scale={self.scale}, layout={self.layout!r}, "

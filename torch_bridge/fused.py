@@ -1,4 +1,4 @@
-"""backend='fused' for PyTorch: the shared kernel (ring_core.kernel) launched with torch tensors.
+"""backend='fused' for PyTorch: the shared kernels (ring_core.kernel, .kernel_bwd) launched with torch tensors.
 
 Errors found by the kernel (a bounded wait that expired) come back in a small status tensor. Checking it
 at once would cost a host sync per call, so it is copied to pinned memory asynchronously and checked at
@@ -17,6 +17,7 @@ from ring_core import launch
 
 SYNC_ENV = "RING_ATTENTION_SYNC_ERRORS"
 _pending = []  # (event, pinned status, rank, timeout_s)
+_free_pinned = []  # pinned status buffers to reuse: pinning one costs about as much as a whole small call
 
 
 def _check_group(group):
@@ -25,18 +26,27 @@ def _check_group(group):
 
 
 def initialize(heap_size: int | None = None, group=None):
-    """Create this process's iris symmetric heap (idempotent). Initialises torch.distributed (NCCL) from
-    the launcher's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) if needed.
+    """Create this process's iris symmetric heap and return it. Collective: every rank calls it.
 
-    The fused backend runs over all processes of the job: ``group`` must be None or the default group.
+    Initialises torch.distributed (NCCL) from the launcher's environment (RANK, WORLD_SIZE, LOCAL_RANK,
+    MASTER_ADDR, MASTER_PORT) if the program has not; a process group created here is destroyed at
+    interpreter exit (never earlier), one the program created is left alone. The fused backend runs over
+    all processes of the job: ``group`` must be None or the default group.
+
+    Calling it again returns the same heap (a different ``heap_size`` raises RuntimeError: ``shutdown()``
+    first); after ``shutdown()`` it creates a new heap on the same process group. Until it has run,
+    ``backend="fused"`` raises and ``backend="auto"`` uses the torch reference ring.
     """
     _check_group(group)
+    heap_size = _heap.check_heap_size(heap_size) if heap_size is not None else None
     _heap.init_torch_distributed_from_env()
     return _heap.initialize(heap_size)
 
 
 def shutdown() -> bool:
-    """Wait for outstanding calls, report their errors, and release the heap."""
+    """Wait for outstanding fused calls, release the heap, then raise the first timeout they reported (if
+    any). Returns False when there was no heap, so a second call is harmless. Local: no communication. The
+    process group stays (``initialize()`` may follow); fused calls raise until it does."""
     try:
         check_errors()  # a timeout still raises, after the heap is released
     finally:
@@ -46,10 +56,12 @@ def shutdown() -> bool:
 
 def reset():
     """Collective: after a reported timeout, call on every rank to bring the ranks' call counters back in
-    step (waits for outstanding calls; their errors are dropped, they were raised or are being handled)."""
+    step (waits for outstanding calls; their errors are dropped, they were raised or are being handled).
+    Raises ``NotInitializedError`` (a RuntimeError) when there is no heap."""
     global _pending
-    for ev, *_ in _pending:
+    for ev, st, *_ in _pending:
         ev.synchronize()
+        _free_pinned.append(st)
     _pending = []
     _heap.get().reset()
 
@@ -70,8 +82,10 @@ def _drain(wait: bool):
             continue
         try:
             launch.check_status(st.numpy(), rank, timeout_s)
-        except launch.RingAttentionTimeout as e:
+        except RuntimeError as e:  # RingAttentionTimeout, or a call that never completed
             first_error = first_error or e
+        finally:
+            _free_pinned.append(st)
     _pending = keep
     if first_error is not None:
         raise first_error
@@ -82,14 +96,15 @@ def check_errors():
     _drain(wait=True)
 
 
-def forward(q, k, v, spec, group=None, timeout_s: float | None = None):
-    """Launch the fused kernel on this rank's shards; returns (out, lse). Inputs already validated."""
+def forward(q, k, v, spec, group=None, timeout_s: float | None = None, config=None):
+    """Launch the fused kernel on this rank's shards; returns (out, lse). Inputs already validated.
+    ``config`` (a ring_core.launch.KernelConfig) overrides the tuned defaults: for tuning only."""
     h = _heap.get()
     _check_group(group)
     if q.device != h.device:
         raise ValueError(f"inputs are on {q.device} but this rank's heap is on {h.device}; move them there")
     _drain(wait=False)
-    p = h.plan(spec)  # raises HeapTooSmallError before anything is launched
+    p = h.plan(spec, config=config)  # raises HeapTooSmallError before anything is launched
     from ring_core.kernel import ring_attn_fwd_kernel
 
     q, k, v = (x.contiguous() for x in (q, k, v))
@@ -99,11 +114,51 @@ def forward(q, k, v, spec, group=None, timeout_s: float | None = None):
     ring_attn_fwd_kernel[p.grid](q, k, v, h.ctx, *p.scalars(timeout_s), out, lse, status,
                                  num_warps=p.config.num_warps, num_stages=p.config.num_stages,
                                  **p.constexprs(interpret=False))
-    st = torch.empty_like(status, device="cpu").pin_memory()
+    _track(status, h.rank, timeout_s)
+    return out, lse
+
+
+def _track(status, rank, timeout_s):
+    """Check ``status`` at the next call / check_errors() (at once with RING_ATTENTION_SYNC_ERRORS=1),
+    without a host sync now."""
+    st = _free_pinned.pop() if _free_pinned else torch.empty(status.shape, dtype=status.dtype).pin_memory()
     st.copy_(status, non_blocking=True)
     ev = torch.cuda.Event()
     ev.record()
-    _pending.append((ev, st, h.rank, timeout_s))
+    _pending.append((ev, st, rank, timeout_s))
     if os.environ.get(SYNC_ENV) == "1":
         check_errors()
-    return out, lse
+
+
+def check_backward_fits(spec):
+    """Raise HeapTooSmallError now if the backward of a call with ``spec`` would not fit the heap."""
+    _heap.get().plan_bwd(spec)
+
+
+def backward(q, k, v, out, lse, dout, spec, group=None, timeout_s: float | None = None, config=None):
+    """Launch the fused backward kernel (ring_core.kernel_bwd) on this rank's shards, from the forward's
+    ``out`` and ``lse``; returns (dq, dk, dv). Same launch maths (ring_core.launch.plan_bwd) and argument
+    list as the JAX launcher (jax_ring.fused.backward). ``config`` (a ring_core.launch.BwdKernelConfig)
+    overrides the defaults: for tuning only."""
+    h = _heap.get()
+    _check_group(group)
+    if q.device != h.device:
+        raise ValueError(f"inputs are on {q.device} but this rank's heap is on {h.device}; move them there")
+    _drain(wait=False)
+    p = h.plan_bwd(spec, config=config)  # raises HeapTooSmallError before anything is launched
+    from ring_core.kernel_bwd import ring_attn_bwd_kernel
+
+    q, k, v, out = (x.contiguous() for x in (q, k, v, out))
+    dout = dout.to(q.dtype).contiguous()
+    lse = lse.to(torch.float32).contiguous()
+    (dq_shape, _), (dkv_shape, _), _, (delta_shape, _), (status_shape, _) = p.out_shapes
+    dq = torch.empty(dq_shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(dkv_shape, dtype=q.dtype, device=q.device)
+    dv = torch.empty(dkv_shape, dtype=q.dtype, device=q.device)
+    delta = torch.empty(delta_shape, dtype=torch.float32, device=q.device)  # scratch: rowsum(dO * O)
+    status = torch.zeros(status_shape, dtype=torch.int32, device=q.device)  # see check_status
+    ring_attn_bwd_kernel[p.grid](q, k, v, out, dout, lse, h.ctx, *p.scalars(timeout_s), dq, dk, dv, delta, status,
+                                 num_warps=p.config.num_warps, num_stages=p.config.num_stages,
+                                 **p.constexprs(interpret=False))
+    _track(status, h.rank, timeout_s)
+    return dq, dk, dv

@@ -92,7 +92,8 @@ def ring_attention_torch(q, k, v, spec: AttentionSpec, rank: int, world_size: in
         acc = acc * alpha[..., None] + torch.einsum("bkgqs,bskd->bkgqd", p, vt)
         m = m_new
     # Every row sees at least its own token over the whole ring, so l > 0 here.
-    out = (acc / l[..., None]).permute(0, 3, 1, 2, 4).reshape(b, s, h, d).to(q.dtype)
+    # contiguous(): the reshape of the permuted accumulator is a strided view, and callers .view() outputs.
+    out = (acc / l[..., None]).permute(0, 3, 1, 2, 4).reshape(b, s, h, d).to(q.dtype).contiguous()
     m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
     lse = (m_safe + torch.log(l)).reshape(b, h, s)
     return out, lse

@@ -1,0 +1,507 @@
+"""The fused ring-attention backward kernel: one Triton source, used by both frontends and the simulator.
+
+Every rank holds its shards of q, k, v, the forward's out and lse, and dout. dQ of a local query needs
+every rank's K/V; dK/dV of a rank's K/V need every rank's Q/dO. So K/V travel to every peer (as in the
+forward), each rank computes the contribution of its own queries to every rank's dK/dV, and the partial
+dK/dV (float32) travel back to the owner of the K/V, which adds them in rank order. One launch per call;
+gradients are accumulated in float32 and written in the input dtype, in a fixed order (bit-identical from
+run to run; no float atomics).
+
+Protocol (per call; "epoch" = this rank's call counter + 1, shared with the forward: ctl[0] counts every
+fused call, forward or backward, so it is equal on every rank of a job that makes the same calls)
+-------------------------------------------------------------------------------------------------------
+* Tasks and tickets. The grid has one program per task. A program does not take its task from its
+  program id: it takes a *ticket* from an atomic counter (CTL_BWD_TICKET) when it starts, and tickets
+  are handed out in this order:
+    1. dQ tasks (b, h, block of DQ_BLOCK_M query rows), the kv-head group's heads side by side;
+    2. partial tasks (peer distance d = 1..W-1, b, kv head, block of KV_BLOCK_N rows of the K/V of
+       source rank ``rank - d``): this rank's contribution to that block's dK/dV;
+    3. final tasks (b, kv head, block of KV_BLOCK_N rows of the local K/V): the local contribution, then
+       the peers' partials of the same block added in rank order; writes dK/dV.
+* Push work, exactly as in the forward: the local K/V is cut into *units* (peer distance d, b, kv head,
+  chunk of CHUNK_BLOCKS*KV_BLOCK_N rows) claimed through the atomic counter ctl[1]; a claimed unit is
+  copied into receive slot ``d-1`` of rank ``rank+d`` with ``iris.store`` and published by writing
+  ``epoch`` into its flag there (release, system scope, after a CTA barrier). Under causal masking a unit
+  that the receiver can never see (its first position after the receiver's last query position) is
+  claimed but neither copied nor flagged; the receiver never waits for it and masks its rows at the load.
+  dQ tasks claim one unit every SEG_BLOCKS K/V blocks while they work on the local K/V; every task drains
+  the counter (pushes until none is left) before its first wait.
+* delta = rowsum(dO * O) (float32). A dQ task computes it for its rows before anything else, stores it
+  in the ``delta`` scratch output and counts itself in CTL_BWD_DELTA (release, after a CTA barrier);
+  partial and final tasks wait (acquire) until all dQ tasks have counted, before their loop over the
+  local queries. No second launch, and each value of delta is computed once.
+* dQ tasks: ring step 0 uses the local K/V; step t >= 1 the K/V of rank ``rank-t`` from receive slot
+  t-1, after waiting for the flag of every chunk the tile can see (before the loops: see the forward).
+  Positions grow with the local row in both layouts, so under causal masking the K/V rows a tile sees
+  are a prefix of the source's shard and the query blocks that see a K/V block are a suffix of the local
+  shard: loops run over ranges of blocks, unmasked (plain loops Triton software-pipelines) where every
+  query sees every key and masked on the diagonal and the tail; hidden blocks are never touched.
+* Partial tasks wait for the flags of the chunks of their K/V block, compute the block's dK/dV over all
+  local queries of the G heads sharing the kv head, store them (float32) into receive slot ``d-1`` of
+  the partial region of rank ``rank-d`` with ``iris.store`` and publish them with a release flag holding
+  ``epoch`` (flags after the K/V flags). A block that no local query can see (causal) is neither
+  computed nor sent, and its owner does not wait for it (both sides evaluate the same test).
+* Final tasks compute the local contribution, then wait for the flags of the peers' partials of their
+  block, and add everything in rank order (ranks 0..W-1, the local one at its place), scale dK.
+* End, exactly as in the forward: the last program to finish tells every peer it is done with this
+  epoch, waits for the same from every peer, copies the error record into ``status``, resets the
+  counters (claim, finish, ticket, delta) and stores ``epoch`` as the new call counter.
+
+Why it cannot deadlock
+----------------------
+Waits: (a) K/V flags (dQ and partial tasks), (b) the delta count (partial and final tasks), (c) partial
+flags (final tasks), (d) the end barrier. Producers never wait on a final task; nothing waits on work
+that is assigned to one particular program.
+(a) As in the forward: claiming and pushing never wait, and every task drains the claim counter before
+its first wait, so all units of rank s are pushed as soon as any program of the kernel on s runs.
+(b) A task waiting for delta holds a ticket later than every dQ ticket, so every dQ task is held by a
+program that has started (tickets are taken at program start); a dQ task publishes delta before its
+first wait, so the count completes whatever else is waiting.
+(c) A final task on rank s waits for partial tasks on rank r. On r, partial tickets come before final
+tickets, and partial tasks wait only on (a) and (b), which complete; so r's programs finish every dQ and
+partial task they hold and take the next tickets until every partial task has run, whether or not
+final tasks of r are resident and waiting. This is why tasks come from tickets and not from program
+ids: with program ids, final programs could fill every SM of both ranks, each waiting for partial
+programs that the GPU never gets to run (the dispatch order of program ids is not guaranteed). With
+tickets, any program that runs holds the lowest task not yet taken (the argument of CUB's decoupled
+look-back, which takes tile ids the same way).
+(d) Every program finishes once (a)-(c) are met, so each rank's last program reaches the barrier.
+Hence it holds for any grid size, SM occupancy or dispatch order, and while other kernels occupy SMs.
+In the Triton interpreter (a rank's programs run one after another, tickets in program-id order) the
+first program pushes everything, dQ programs precede the rest, and partial tasks of every rank precede
+its final tasks, so one thread per rank completes too.
+
+Why a call cannot race the next call on the same buffers and flags
+------------------------------------------------------------------
+As in the forward: receive slots (K/V and partials) and flags of rank t are written by peers during call
+N+1 only after they passed the end barrier of call N, which t's last program enters only after all of
+t's programs (the only readers of those slots) finished. Flags hold epochs, which only grow (forward and
+backward calls share the counter), so a flag left by an earlier call of either kind never satisfies a
+later wait. The counters are reset by the last program, after every other program of the call is done.
+delta is an output of this call, so no call reads another's.
+
+Never hangs
+-----------
+Every wait is bounded (``_poll_ge``). A timeout records (code, peer, step, block) in the control region
+(first error wins) and makes every later wait on this rank give up at once. A partial task whose inputs
+are not trustworthy (one of its waits failed) still publishes its partial, so the owner does not wait
+out its own timeout, and records "peer failed" on the owner, so the owner's status reports it too.
+The last program copies the record into ``status``, which the host turns into an exception.
+
+Memory ordering: every acquire is a scalar poll by one thread, followed by a CTA barrier before the loads
+it guards (cumulativity through bar.sync), and none sits inside a loop Triton pipelines
+(tests/test_kernel_ir.py checks the sm_90 TTGIR). Every release follows a CTA barrier after the stores
+it publishes.
+
+Numerics (FA2's backward): scores, P = exp(scale*QK^T - lse) and dS = P * (dO V^T - delta) are float32;
+fp16/bf16 dots run on tensor cores with float32 accumulation, P and dS rounded to the input dtype for
+the dots that take them (as flash-attention does); float32 inputs use ``input_precision=DOT_PRECISION``.
+dQ, dK, dV accumulate in float32; partials travel in float32; the outputs are rounded once.
+"""
+
+import triton
+import triton.language as tl
+
+import iris
+
+from ring_core import launch as _launch
+from ring_core.kernel import (_dot, _drain_pushes, _last_pos, _poll_ge, _positions, _push_unit, _record_error,
+                              _visible_rows)
+
+# Control words and error codes, from ring_core.launch (the one place that lays out the heap).
+_CTL_TICKET = tl.constexpr(_launch.CTL_BWD_TICKET)
+_CTL_DELTA = tl.constexpr(_launch.CTL_BWD_DELTA)
+_ERR_KV = tl.constexpr(_launch.ERR_KV_TIMEOUT)
+_ERR_BARRIER = tl.constexpr(_launch.ERR_BARRIER_TIMEOUT)
+_ERR_PEER = tl.constexpr(_launch.ERR_PEER_FAILED)
+_ERR_PARTIAL = tl.constexpr(_launch.ERR_PARTIAL_TIMEOUT)
+_ERR_LOCAL = tl.constexpr(_launch.ERR_LOCAL_TIMEOUT)
+_LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def _dq_blocks(dq, q, do, lse2, delta, q_pos, q_pos_max, k_base, v_base, lo, hi, src, S, qk_scale, offs_n, offs_d,
+               ROW_STRIDE: tl.constexpr, W: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_D: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, ZIGZAG: tl.constexpr,
+               INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """dQ of one query tile over K/V blocks [lo, hi) of rank ``src``. MASKED=False: every row of every block
+    exists and every query of the tile sees every key (no masks: a plain loop Triton can software-pipeline;
+    query rows past the shard have q = dO = 0, so they add nothing); MASKED=True: the tail block and the
+    causal diagonal. Nothing in here waits: the caller acquired every chunk these blocks read."""
+    dmask = offs_d < D
+    for j in range(lo, hi):
+        rows_n = j * BLOCK_N + offs_n
+        # ROW_STRIDE is a constexpr so that Triton can prove alignment and vectorise (and pipeline) the loads.
+        kv_off = rows_n[:, None].to(tl.int64) * ROW_STRIDE + offs_d[None, :]
+        if MASKED:
+            row_ok = rows_n < S
+            if CAUSAL:
+                k_pos = _positions(rows_n, src, S, W, ZIGZAG)
+                row_ok = row_ok & (k_pos <= q_pos_max)  # rows the tile cannot see: maybe never sent, not read
+            k = tl.load(k_base + kv_off, mask=row_ok[:, None] & dmask[None, :], other=0.0)
+            v = tl.load(v_base + kv_off, mask=row_ok[:, None] & dmask[None, :], other=0.0)
+        elif BLOCK_D == D:
+            k = tl.load(k_base + kv_off)
+            v = tl.load(v_base + kv_off)
+        else:
+            k = tl.load(k_base + kv_off, mask=dmask[None, :], other=0.0)
+            v = tl.load(v_base + kv_off, mask=dmask[None, :], other=0.0)
+        qk = _dot(q, tl.trans(k), DOT_PRECISION, INTERPRET)
+        p = tl.math.exp2(qk * qk_scale - lse2[:, None])
+        if MASKED:
+            valid = row_ok[None, :]
+            if CAUSAL:
+                valid = valid & (k_pos[None, :] <= q_pos[:, None])
+            p = tl.where(valid, p, 0.0)
+        dp = _dot(do, tl.trans(v), DOT_PRECISION, INTERPRET)
+        ds = p * (dp - delta[:, None])
+        dq += _dot(ds.to(k.dtype), k, DOT_PRECISION, INTERPRET)
+    return dq
+
+
+@triton.jit
+def _dkdv_blocks(dk, dv, k, v, k_pos, q_ptr, do_ptr, lse_ptr, delta_ptr, q_base, row_base, lo, hi, rank, S, qk_scale,
+                 offs_m, offs_d, H: tl.constexpr, W: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_D: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, ZIGZAG: tl.constexpr,
+                 INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """The contribution of local query blocks [lo, hi) of one head (``q_base``: its offset in q/dO,
+    ``row_base``: in lse/delta) to dK/dV of one K/V block. MASKED=False: every query row exists and sees
+    every key of the block (K/V rows past the shard only touch their own dK/dV rows, never stored);
+    MASKED=True: the causal diagonal and the tail block. Nothing in here waits: delta was acquired before."""
+    dmask = offs_d < D
+    for i in range(lo, hi):
+        rows = i * BLOCK_M + offs_m
+        q_off = q_base + rows[:, None].to(tl.int64) * (H * D) + offs_d[None, :]
+        if MASKED:
+            m_valid = rows < S
+            q = tl.load(q_ptr + q_off, mask=m_valid[:, None] & dmask[None, :], other=0.0)
+            do = tl.load(do_ptr + q_off, mask=m_valid[:, None] & dmask[None, :], other=0.0)
+            lse2 = tl.load(lse_ptr + row_base + rows, mask=m_valid, other=0.0) * _LOG2E
+            dl = tl.load(delta_ptr + row_base + rows, mask=m_valid, other=0.0)
+        else:
+            if BLOCK_D == D:
+                q = tl.load(q_ptr + q_off)
+                do = tl.load(do_ptr + q_off)
+            else:
+                q = tl.load(q_ptr + q_off, mask=dmask[None, :], other=0.0)
+                do = tl.load(do_ptr + q_off, mask=dmask[None, :], other=0.0)
+            lse2 = tl.load(lse_ptr + row_base + rows) * _LOG2E
+            dl = tl.load(delta_ptr + row_base + rows)
+        qkT = _dot(k, tl.trans(q), DOT_PRECISION, INTERPRET)  # [BLOCK_N, BLOCK_M]
+        pT = tl.math.exp2(qkT * qk_scale - lse2[None, :])
+        if MASKED:
+            validT = m_valid[None, :]
+            if CAUSAL:
+                validT = validT & (k_pos[:, None] <= _positions(rows, rank, S, W, ZIGZAG)[None, :])
+            pT = tl.where(validT, pT, 0.0)
+        dv += _dot(pT.to(do.dtype), do, DOT_PRECISION, INTERPRET)
+        dpT = _dot(v, tl.trans(do), DOT_PRECISION, INTERPRET)
+        dsT = pT * (dpT - dl[None, :])
+        dk += _dot(dsT.to(q.dtype), q, DOT_PRECISION, INTERPRET)
+    return dk, dv
+
+
+@triton.jit
+def ring_attn_bwd_kernel(
+    # inputs
+    q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, ctx_ptr,
+    # runtime scalars
+    B, S, sm_scale, timeout_ns, part_off,
+    # outputs (delta: float32 [B, H, S] scratch)
+    dq_ptr, dk_ptr, dv_ptr, delta_ptr, status_ptr,
+    # constexprs
+    W: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+    DQ_BLOCK_M: tl.constexpr, DQ_BLOCK_N: tl.constexpr, KV_BLOCK_N: tl.constexpr, KV_BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr, CHUNK_BLOCKS: tl.constexpr, PUSH_ROWS: tl.constexpr, SEG_BLOCKS: tl.constexpr,
+    PUSH_VEC: tl.constexpr, PART_VEC: tl.constexpr,
+    CAUSAL: tl.constexpr, ZIGZAG: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    G: tl.constexpr = H // HKV
+    CHUNK_ROWS: tl.constexpr = CHUNK_BLOCKS * KV_BLOCK_N
+
+    # ---- per-rank context: heap bases, rank, heap layout -------------------------------------------
+    ctx = ctx_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
+    heap_bases = ctx_ptr.to(tl.pointer_type(tl.uint64), bitcast=True)
+    rank = tl.load(ctx + W).to(tl.int32)
+    my_base = tl.load(heap_bases + rank)
+    ctl = (my_base + tl.load(ctx + W + 1).to(tl.uint64)).to(tl.pointer_type(tl.int32), bitcast=True)
+    flags = (my_base + tl.load(ctx + W + 2).to(tl.uint64)).to(tl.pointer_type(tl.int32), bitcast=True)
+    recv_addr = my_base + tl.load(ctx + W + 3).to(tl.uint64)
+    # Heap bases are allocation-granularity aligned, the receive region starts ALIGN (256) bytes in and
+    # part_off is a multiple of ALIGN (ring_core.launch): saying so lets Triton vectorise their loads.
+    recv = tl.multiple_of(recv_addr.to(tl.pointer_type(q_ptr.dtype.element_ty), bitcast=True), 16)
+    part = (recv_addr + (rank * 0 + part_off).to(tl.uint64)).to(tl.pointer_type(tl.float32), bitcast=True)
+    part = tl.multiple_of(part, 16)
+    epoch = tl.load(ctl + 0) + 1
+
+    n_chunks = tl.cdiv(S, CHUNK_ROWS)
+    n_units = (W - 1) * B * HKV * n_chunks  # K/V push units; also the number of K/V flags
+    n_kvb = tl.cdiv(S, KV_BLOCK_N)
+    n_dq = B * H * tl.cdiv(S, DQ_BLOCK_M)
+    n_part = (W - 1) * B * HKV * n_kvb
+    B64 = (rank * 0 + B).to(tl.int64)
+    my_last = _last_pos(rank, S, W, ZIGZAG)
+    qk_scale = sm_scale * _LOG2E
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+
+    tid = tl.atomic_add(ctl + _CTL_TICKET, 1, sem="relaxed", scope="gpu")
+    if tid < n_dq:
+        # ================================ dQ task ===================================================
+        g = tid % G
+        t = tid // G
+        n_m = tl.cdiv(S, DQ_BLOCK_M)
+        m_blk = t % n_m
+        t = t // n_m
+        hkv = t % HKV
+        b = t // HKV
+        h = hkv * G + g
+        offs_m = m_blk * DQ_BLOCK_M + tl.arange(0, DQ_BLOCK_M)
+        m_valid = offs_m < S
+        qmask = m_valid[:, None] & dmask[None, :]
+        q_off = ((b.to(tl.int64) * S + offs_m[:, None]) * H + h) * D + offs_d[None, :]
+        q = tl.load(q_ptr + q_off, mask=qmask, other=0.0)
+        do = tl.load(do_ptr + q_off, mask=qmask, other=0.0)
+        o = tl.load(o_ptr + q_off, mask=qmask, other=0.0)
+        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
+        row_off = (b.to(tl.int64) * H + h) * S + offs_m
+        tl.store(delta_ptr + row_off, delta, mask=m_valid)
+        # Every thread's delta stores before the count (cumulativity through bar.sync), then publish.
+        tl.debug_barrier()
+        tl.atomic_add(ctl + _CTL_DELTA, 1, sem="release", scope="gpu")
+        lse2 = tl.load(lse_ptr + row_off, mask=m_valid, other=0.0) * _LOG2E
+        q_pos = _positions(offs_m, rank, S, W, ZIGZAG)
+        q_pos_max = tl.max(tl.where(m_valid, q_pos, -1), axis=0)
+        q_pos_min = tl.min(tl.where(m_valid, q_pos, 2147483647), axis=0)
+        offs_n = tl.arange(0, DQ_BLOCK_N)
+        dq = tl.zeros([DQ_BLOCK_M, BLOCK_D], tl.float32)
+        for step in tl.static_range(W):
+            src = (rank - step + W) % W
+            # K/V blocks [0, n_full) are seen whole by every query of the tile; [n_full, n_hi) need masks;
+            # rows from ``seen`` on are hidden by causality: never waited for, loaded or computed.
+            if CAUSAL:
+                seen = _visible_rows(q_pos_max, src, S, W, ZIGZAG)
+                n_hi = tl.cdiv(seen, DQ_BLOCK_N)
+                n_full = _visible_rows(q_pos_min, src, S, W, ZIGZAG) // DQ_BLOCK_N
+            else:
+                seen = S
+                n_hi = tl.cdiv(S, DQ_BLOCK_N)
+                n_full = S // DQ_BLOCK_N
+            if step == 0:
+                k_base = k_ptr + b.to(tl.int64) * S * HKV * D + hkv * D
+                v_base = v_ptr + b.to(tl.int64) * S * HKV * D + hkv * D
+                if W > 1:
+                    # Overlap: claim and push one unit of the local K/V every SEG_BLOCKS blocks; the claims
+                    # sit between the pipelined loops, never inside them.
+                    for seg in range(0, n_full, SEG_BLOCKS):
+                        u0 = tl.atomic_add(ctl + 1, 1, sem="relaxed", scope="gpu")
+                        if u0 < n_units:
+                            _push_unit(u0, k_ptr, v_ptr, recv, flags, heap_bases, rank, epoch, B, S, n_chunks,
+                                          W, HKV, D, BLOCK_D, CHUNK_ROWS, PUSH_ROWS, PUSH_VEC, CAUSAL, ZIGZAG)
+                        dq = _dq_blocks(dq, q, do, lse2, delta, q_pos, q_pos_max, k_base, v_base, seg,
+                                        tl.minimum(seg + SEG_BLOCKS, n_full), src, S, qk_scale, offs_n, offs_d,
+                                        HKV * D, W, D, DQ_BLOCK_N, BLOCK_D, False, CAUSAL, ZIGZAG, INTERPRET,
+                                        DOT_PRECISION)
+                else:
+                    dq = _dq_blocks(dq, q, do, lse2, delta, q_pos, q_pos_max, k_base, v_base, 0, n_full, src, S,
+                                    qk_scale, offs_n, offs_d, HKV * D, W, D, DQ_BLOCK_N, BLOCK_D, False, CAUSAL,
+                                    ZIGZAG, INTERPRET, DOT_PRECISION)
+                dq = _dq_blocks(dq, q, do, lse2, delta, q_pos, q_pos_max, k_base, v_base, n_full, n_hi, src, S,
+                                qk_scale, offs_n, offs_d, HKV * D, W, D, DQ_BLOCK_N, BLOCK_D, True, CAUSAL, ZIGZAG,
+                                INTERPRET, DOT_PRECISION)
+            else:
+                slot = step - 1
+                k_base = recv + ((slot * 2 * B + b).to(tl.int64) * HKV + hkv) * S * D
+                v_base = k_base + B64 * HKV * S * D
+                if step == 1:
+                    _drain_pushes(ctl, n_units, k_ptr, v_ptr, recv, flags, heap_bases, rank, epoch, B, S,
+                                  n_chunks, W, HKV, D, BLOCK_D, CHUNK_ROWS, PUSH_ROWS, PUSH_VEC, CAUSAL, ZIGZAG)
+                # Wait for every chunk this tile can see *before* the loops that read them: the software
+                # pipeliner issues a loop's loads ahead of its iterations (see ring_core.kernel). Every chunk
+                # that holds a row < seen starts at a position the tile sees, so its owner pushed it.
+                flag0 = flags + (slot * B * HKV + b * HKV + hkv) * n_chunks
+                for c in range(0, tl.cdiv(seen, CHUNK_ROWS)):
+                    ok = _poll_ge(flag0 + c, epoch, ctl, timeout_ns, INTERPRET)
+                    if ok == 0:
+                        _record_error(ctl, _ERR_KV, src, step, c)
+                # Each flag was acquired by one thread: the barrier orders every thread's loads below after
+                # all of those acquires (cumulativity through bar.sync).
+                tl.debug_barrier()
+                dq = _dq_blocks(dq, q, do, lse2, delta, q_pos, q_pos_max, k_base, v_base, 0, n_full, src, S,
+                                qk_scale, offs_n, offs_d, D, W, D, DQ_BLOCK_N, BLOCK_D, False, CAUSAL, ZIGZAG,
+                                INTERPRET, DOT_PRECISION)
+                dq = _dq_blocks(dq, q, do, lse2, delta, q_pos, q_pos_max, k_base, v_base, n_full, n_hi, src, S,
+                                qk_scale, offs_n, offs_d, D, W, D, DQ_BLOCK_N, BLOCK_D, True, CAUSAL, ZIGZAG,
+                                INTERPRET, DOT_PRECISION)
+        dq = dq * sm_scale
+        tl.store(dq_ptr + q_off, dq.to(dq_ptr.dtype.element_ty), mask=qmask)
+    else:
+        # ============================ partial and final dK/dV tasks ==================================
+        t = tid - n_dq
+        per_d = B * HKV * n_kvb
+        is_final = t >= n_part
+        d = tl.where(is_final, 0, t // per_d + 1)  # peer distance of the K/V's owner; 0: local K/V
+        rem = tl.where(is_final, t - n_part, t % per_d)
+        n_blk = rem % n_kvb
+        bh = rem // n_kvb
+        b = bh // HKV
+        hkv = bh % HKV
+        src = (rank - d + W) % W
+        # Never wait while push units are unclaimed (module docstring, (a)).
+        _drain_pushes(ctl, n_units, k_ptr, v_ptr, recv, flags, heap_bases, rank, epoch, B, S,
+                      n_chunks, W, HKV, D, BLOCK_D, CHUNK_ROWS, PUSH_ROWS, PUSH_VEC, CAUSAL, ZIGZAG)
+        inputs_ok = _poll_ge(ctl + _CTL_DELTA, n_dq, ctl, timeout_ns, INTERPRET)
+        if inputs_ok == 0:
+            _record_error(ctl, _ERR_LOCAL, rank, d, n_blk)
+
+        n0 = n_blk * KV_BLOCK_N
+        rows_n = n0 + tl.arange(0, KV_BLOCK_N)
+        n_valid = rows_n < S
+        k_pos = _positions(rows_n, src, S, W, ZIGZAG)
+        k_pos_min = _positions(n0, src, S, W, ZIGZAG)
+        n_mk = tl.cdiv(S, KV_BLOCK_M)
+        if CAUSAL:
+            # Local query blocks [i_lo, n_mk) see some key of this block; from i_full on, all of them.
+            k_pos_max = _positions(tl.minimum(n0 + KV_BLOCK_N, S) - 1, src, S, W, ZIGZAG)
+            i_lo = _visible_rows(k_pos_min - 1, rank, S, W, ZIGZAG) // KV_BLOCK_M
+            i_full = tl.maximum(tl.cdiv(_visible_rows(k_pos_max - 1, rank, S, W, ZIGZAG), KV_BLOCK_M), i_lo)
+            block_needed = k_pos_min <= my_last
+            row_ok = n_valid & (k_pos <= my_last)  # rows no local query sees: maybe never sent, not read
+        else:
+            i_lo = n0 * 0
+            i_full = n0 * 0
+            block_needed = True
+            row_ok = n_valid
+        bkv = b.to(tl.int64) * S * HKV * D + hkv * D
+        if d > 0:
+            slot = d - 1
+            k_base = recv + ((slot * 2 * B + b).to(tl.int64) * HKV + hkv) * S * D
+            v_base = k_base + B64 * HKV * S * D
+            row_stride = rank * 0 + D
+            if block_needed:
+                # The chunks holding this block's rows that some local query sees (pushed: they start at a
+                # position <= my_last).
+                c_end = (tl.minimum(n0 + KV_BLOCK_N, S) - 1) // CHUNK_ROWS + 1
+                for c in range(n0 // CHUNK_ROWS, c_end):
+                    chunk_needed = True
+                    if CAUSAL:
+                        chunk_needed = _positions(c * CHUNK_ROWS, src, S, W, ZIGZAG) <= my_last
+                    if chunk_needed:
+                        flag = flags + (slot * B * HKV + b * HKV + hkv) * n_chunks + c
+                        ok = _poll_ge(flag, epoch, ctl, timeout_ns, INTERPRET)
+                        if ok == 0:
+                            _record_error(ctl, _ERR_KV, src, d, c)
+                            inputs_ok = inputs_ok * 0
+        else:
+            k_base = k_ptr + bkv
+            v_base = v_ptr + bkv
+            row_stride = rank * 0 + HKV * D
+        tl.debug_barrier()  # every thread's loads below after the acquires above (see the dQ task)
+        dk = tl.zeros([KV_BLOCK_N, BLOCK_D], tl.float32)
+        dv = tl.zeros([KV_BLOCK_N, BLOCK_D], tl.float32)
+        if block_needed:
+            kv_off = rows_n[:, None].to(tl.int64) * row_stride + offs_d[None, :]
+            kv_mask = row_ok[:, None] & dmask[None, :]
+            k = tl.load(k_base + kv_off, mask=kv_mask, other=0.0)
+            v = tl.load(v_base + kv_off, mask=kv_mask, other=0.0)
+            offs_mk = tl.arange(0, KV_BLOCK_M)
+            n_mfull = S // KV_BLOCK_M
+            # Fixed order: head g of the group, then local query blocks (deterministic accumulation).
+            for g in range(0, G):
+                h = hkv * G + g
+                q_base = b.to(tl.int64) * S * H * D + h * D
+                row_base = (b.to(tl.int64) * H + h) * S
+                dk, dv = _dkdv_blocks(dk, dv, k, v, k_pos, q_ptr, do_ptr, lse_ptr, delta_ptr, q_base, row_base,
+                                      i_lo, tl.minimum(i_full, n_mk), rank, S, qk_scale, offs_mk, offs_d, H, W, D,
+                                      KV_BLOCK_M, BLOCK_D, True, CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION)
+                dk, dv = _dkdv_blocks(dk, dv, k, v, k_pos, q_ptr, do_ptr, lse_ptr, delta_ptr, q_base, row_base,
+                                      i_full, n_mfull, rank, S, qk_scale, offs_mk, offs_d, H, W, D,
+                                      KV_BLOCK_M, BLOCK_D, False, CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION)
+                dk, dv = _dkdv_blocks(dk, dv, k, v, k_pos, q_ptr, do_ptr, lse_ptr, delta_ptr, q_base, row_base,
+                                      tl.maximum(i_full, n_mfull), n_mk, rank, S, qk_scale, offs_mk, offs_d, H, W,
+                                      D, KV_BLOCK_M, BLOCK_D, True, CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION)
+
+        part_rows = rows_n[:, None].to(tl.int64) * D + offs_d[None, :]
+        out_mask = n_valid[:, None] & dmask[None, :]
+        if d > 0:
+            if block_needed:
+                # Unscaled float32 partials into slot d-1 of the owner's partial region.
+                slot = d - 1
+                dst = ((slot * 2 * B + b).to(tl.int64) * HKV + hkv) * S * D
+                iris.store(part + dst + part_rows, dk, rank, src, heap_bases, mask=out_mask, hint=(1, PART_VEC))
+                iris.store(part + dst + B64 * HKV * S * D + part_rows, dv, rank, src, heap_bases, mask=out_mask,
+                           hint=(1, PART_VEC))
+                tl.debug_barrier()
+                if inputs_ok == 0:
+                    # Published anyway (the owner must not wait out its timeout), but marked untrustworthy:
+                    # the owner's status will say this rank failed.
+                    won = iris.atomic_cas(ctl + 3, 0, _ERR_PEER, rank, src, heap_bases, sem="acq_rel", scope="sys")
+                    if won == 0:
+                        iris.atomic_xchg(ctl + 4, rank, rank, src, heap_bases, sem="relaxed", scope="sys")
+                        iris.atomic_xchg(ctl + 5, d, rank, src, heap_bases, sem="relaxed", scope="sys")
+                iris.atomic_xchg(flags + n_units + (slot * B * HKV + bh) * n_kvb + n_blk, epoch, rank, src,
+                                 heap_bases, sem="release", scope="sys")
+        else:
+            # Final task: wait for every peer's partial of this block before reading any of them. A peer
+            # sends one exactly when some query of it sees the block (the test its partial task makes).
+            for r in tl.static_range(W):
+                if r != rank:
+                    peer_sends = True
+                    if CAUSAL:
+                        peer_sends = k_pos_min <= _last_pos(r, S, W, ZIGZAG)
+                    if peer_sends:
+                        rslot = (r - rank + W) % W - 1
+                        flag = flags + n_units + (rslot * B * HKV + bh) * n_kvb + n_blk
+                        ok = _poll_ge(flag, epoch, ctl, timeout_ns, INTERPRET)
+                        if ok == 0:
+                            _record_error(ctl, _ERR_PARTIAL, r, rslot + 1, n_blk)
+            tl.debug_barrier()
+            # Sum in rank order, the local contribution at its place: the same order on every run.
+            for which in tl.static_range(2):
+                if which == 0:
+                    local = dk
+                else:
+                    local = dv
+                total = tl.zeros([KV_BLOCK_N, BLOCK_D], tl.float32)
+                for r in tl.static_range(W):
+                    if r == rank:
+                        total += local
+                    else:
+                        peer_sends = True
+                        if CAUSAL:
+                            peer_sends = k_pos_min <= _last_pos(r, S, W, ZIGZAG)
+                        if peer_sends:
+                            rslot = (r - rank + W) % W - 1
+                            src_off = ((rslot * 2 * B + which * B + b).to(tl.int64) * HKV + hkv) * S * D
+                            total += tl.load(part + src_off + part_rows, mask=out_mask, other=0.0)
+                out_off = bkv + rows_n[:, None].to(tl.int64) * (HKV * D) + offs_d[None, :]
+                if which == 0:
+                    total = total * sm_scale
+                    tl.store(dk_ptr + out_off, total.to(dk_ptr.dtype.element_ty), mask=out_mask)
+                else:
+                    tl.store(dv_ptr + out_off, total.to(dv_ptr.dtype.element_ty), mask=out_mask)
+
+    # ---- end: the last program of this rank meets every peer, reports, resets -----------------------
+    tl.debug_barrier()
+    done = tl.atomic_add(ctl + 2, 1, sem="acq_rel", scope="gpu")
+    if done == tl.num_programs(0) - 1:
+        # Last program of this rank: every program here has finished reading its receive slots.
+        for p in tl.static_range(W):
+            if p != rank:
+                iris.atomic_xchg(ctl + 8 + rank, epoch, rank, p, heap_bases, sem="release", scope="sys")
+        for p in tl.static_range(W):
+            if p != rank:
+                ok = _poll_ge(ctl + 8 + p, epoch, ctl, timeout_ns, INTERPRET)
+                if ok == 0:
+                    _record_error(ctl, _ERR_BARRIER, p, W, -1)
+        code = tl.atomic_xchg(ctl + 3, 0, sem="acq_rel", scope="gpu")
+        tl.store(status_ptr + 0, code)
+        tl.store(status_ptr + 1, tl.atomic_xchg(ctl + 4, 0, sem="relaxed", scope="gpu"))
+        tl.store(status_ptr + 2, tl.atomic_xchg(ctl + 5, 0, sem="relaxed", scope="gpu"))
+        tl.store(status_ptr + 3, epoch)
+        tl.atomic_xchg(ctl + 6, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(ctl + 1, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(ctl + _CTL_TICKET, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(ctl + _CTL_DELTA, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(ctl + 2, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(ctl + 0, epoch, sem="release", scope="gpu")

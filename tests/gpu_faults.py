@@ -1,0 +1,520 @@
+"""GPU fault checks (issue 6), one process per GPU. Run by tests/test_gpu.py (``pytest -m gpu``), or:
+
+    python -m jax_ring.launch --nproc-per-node 2 tests/gpu_faults.py --out /tmp/gpu_faults
+    python -m jax_ring.launch --nproc-per-node 2 tests/gpu_faults.py --sections kill --out /tmp/gpu_faults
+
+Sections (default ``timeout,concurrent,bad_inputs,security``; ``kill`` must run alone: it ends rank 1):
+  timeout     rank 1 skips a fused call (torch_bridge, then jax_ring): rank 0 raises RingAttentionTimeout
+              within the per-call ``timeout_s``, naming rank 1 and the ring step; then ``reset()`` on every
+              rank, and the next calls through both frontends are right;
+  concurrent  the fused kernel runs while an NCCL all-reduce runs on another torch stream (each rank
+              launches them in the opposite order), and a jitted JAX program holds a psum next to a fused
+              call: everything completes and is right;
+  bad_inputs  the bad-input table's torch rows (tests/bad_input_cases.py) through backend="fused" with CUDA
+              tensors, each followed by a right fused call; CPU tensors to the fused backend; strided CUDA
+              inputs; NaN through the fused kernel (propagates, the other rows unchanged, no hang);
+  security    every memory-handle connection iris kept leads to a process of this job (peer pid and uid),
+              and iris's socket functions are restored after the heap set-up;
+  kill        rank 1 exits right after launching a fused call: rank 0 raises RingAttentionTimeout naming
+              rank 1 within ``timeout_s``, shuts down cleanly and exits 0 (torch only: jax.distributed
+              would wait for the dead process at exit).
+
+Everything is bounded: waits poll with deadlines, every fused call has ``timeout_s``, and a watchdog ends a
+process that overruns ``--deadline`` (exit code 124, stacks printed). Each rank prints ``FAULT-CHECK <name>
+ok|FAILED <detail>``; rank 0 writes ``gpu_faults_<sections>.json`` under ``--out``; the exit code is 0 only
+if every check passed on every rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+
+SECTIONS = ("timeout", "concurrent", "bad_inputs", "security", "kill")
+DEFAULT_SECTIONS = "timeout,concurrent,bad_inputs,security"
+
+
+# ------------------------------------------------------------------------------ helpers (no GPU needed)
+class Report:
+    """Checks of one rank: ``check(name)`` is a context manager recording ok / FAILED with the exception."""
+
+    def __init__(self, rank: int, stream=None):
+        self.rank = rank
+        self.stream = stream or sys.stdout
+        self.results = {}  # name -> dict(ok, detail, seconds)
+
+    def record(self, name: str, ok: bool, detail: str = "", seconds: float = 0.0):
+        self.results[name] = dict(ok=bool(ok), detail=detail, seconds=round(seconds, 2))
+        self.stream.write(f"FAULT-CHECK rank {self.rank} {name} {'ok' if ok else 'FAILED'} "
+                          f"({seconds:.1f} s) {detail}\n")
+        self.stream.flush()
+
+    def check(self, name: str):
+        report = self
+
+        class _Check:
+            detail = ""
+
+            def __enter__(self):
+                self.t0 = time.monotonic()
+                return self
+
+            def __exit__(self, exc_type, exc, tb):
+                seconds = time.monotonic() - self.t0
+                if exc is None:
+                    report.record(name, True, self.detail, seconds)
+                else:
+                    report.record(name, False, f"{exc_type.__name__}: {exc}", seconds)
+                return exc is None or issubclass(exc_type, Exception)  # record and go on; never swallow exits
+
+        return _Check()
+
+    @property
+    def ok(self) -> bool:
+        return all(r["ok"] for r in self.results.values())
+
+
+def expect_timeout_message(err: BaseException, *, rank: int, peer: int, timeout_s: float) -> str:
+    """Check that ``err`` is the fused kernel's timeout, raised on ``rank`` and naming ``peer`` (and the ring
+    step or the end barrier) and the limit; returns the message."""
+    from ring_core.launch import RingAttentionTimeout
+
+    msg = str(err)
+    if not isinstance(err, RingAttentionTimeout) and "RingAttentionTimeout" not in msg:
+        raise AssertionError(f"expected RingAttentionTimeout, got {type(err).__name__}: {msg[:500]}")
+    wanted = [f"on rank {rank}", f"gave up after {timeout_s:g} s", f"rank {peer}"]
+    missing = [w for w in wanted if w not in msg]
+    if not ("ring step" in msg or "end-of-call barrier" in msg):
+        missing.append("the ring step (or the end-of-call barrier)")
+    if missing:
+        raise AssertionError(f"the timeout message lacks {missing}: {msg[:500]}")
+    return msg
+
+
+def wait_until(done, deadline_s: float, what: str, poll_s: float = 0.01):
+    """Poll ``done()`` until it is true; raise TimeoutError naming ``what`` after ``deadline_s`` seconds."""
+    end = time.monotonic() + deadline_s
+    while not done():
+        if time.monotonic() > end:
+            raise TimeoutError(f"{what} did not complete within {deadline_s:g} s (deadlock?)")
+        time.sleep(poll_s)
+
+
+def start_watchdog(deadline_s: float, rank: int):
+    """End this process with code 124 (all stacks printed) if it runs longer than ``deadline_s``. A Python
+    timer says why; faulthandler's C thread backs it up where the GIL is held by a stuck call."""
+
+    def fire():
+        sys.stderr.write(f"gpu_faults: WATCHDOG: rank {rank} still running after {deadline_s:g} s; stacks:\n")
+        faulthandler.dump_traceback(all_threads=True)
+        sys.stderr.flush()
+        os._exit(124)
+
+    timer = threading.Timer(deadline_s, fire)
+    timer.daemon = True
+    timer.start()
+    faulthandler.dump_traceback_later(deadline_s + 30, exit=True)
+    return timer
+
+
+# ---------------------------------------------------------------------------------------- GPU checks
+class Job:
+    """What every section needs: this rank, the frontends, inputs and references."""
+
+    def __init__(self, args, with_jax: bool):
+        import torch
+        import torch.distributed as dist
+
+        import torch_bridge
+
+        self.args = args
+        self.with_jax = with_jax
+        if with_jax:
+            import jax_ring
+
+            jax_ring.initialize(heap_size=int(args.heap_gib * (1 << 30)))  # before JAX touches the GPU
+        torch_bridge.initialize(heap_size=int(args.heap_gib * (1 << 30)))
+        self.torch, self.dist, self.tb = torch, dist, torch_bridge
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.dev = torch.device("cuda", torch.cuda.current_device())
+        self.report = Report(self.rank)
+        self._jax_fns = {}
+
+    # ---- inputs, references
+    def inputs(self, seed, B, S, H, HKV, D, dtype, layout):
+        """Global float64 inputs, this rank's shard indices (layout order) and the reference on them."""
+        from ring_core import layout as L
+        from ring_core import testing
+
+        q, k, v = testing.random_inputs(seed, B, S * self.world, H, HKV, D, dtype)
+        idx = L.layout_permutation(S * self.world, self.world, layout)[self.rank * S:(self.rank + 1) * S]
+        return (q, k, v), idx
+
+    def check_out(self, name, out, xs, idx, dtype, is_causal, lse=None):
+        from ring_core import reference, testing
+
+        q, k, v = xs
+        o64, l64 = reference.attention(q, k, v, is_causal=is_causal)
+        olp, llp = reference.attention_lowp(q, k, v, dtype, is_causal=is_causal)
+        err = testing.check(name, np.asarray(out, np.float64), o64[:, idx], olp[:, idx], dtype, "out")
+        if lse is not None:
+            testing.check(name + " lse", np.asarray(lse, np.float64), l64[:, :, idx], llp[:, :, idx], dtype, "lse")
+        return err
+
+    def cuda(self, x, dtype):
+        return self.torch.as_tensor(np.ascontiguousarray(x), device=self.dev).to(getattr(self.torch, dtype))
+
+    # ---- calls
+    def torch_fused(self, xs, idx, dtype, *, is_causal, layout, timeout_s=None, check=True):
+        out, lse = self.tb.ring_attention(*(self.cuda(x[:, idx], dtype) for x in xs), is_causal=is_causal,
+                                          layout=layout, return_lse=True, backend="fused", timeout_s=timeout_s)
+        if check:
+            self.tb.check_errors()
+        return out, lse
+
+    def jax_fused(self, xs, idx, dtype, *, is_causal, layout, timeout_s=None):
+        """One jitted shard_map over all processes; returns this rank's (out, lse) as numpy (blocks)."""
+        import jax
+        import jax.numpy as jnp
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+        import jax_ring
+
+        mesh = Mesh(np.array(jax.devices()), ("sp",))
+        key = (xs[0].shape, xs[1].shape, dtype, is_causal, layout, timeout_s)
+        if key not in self._jax_fns:
+            def body(q, k, v):
+                return jax_ring.ring_attention(q, k, v, axis_name="sp", backend="fused", is_causal=is_causal,
+                                               layout=layout, return_lse=True, timeout_s=timeout_s)
+
+            self._jax_fns[key] = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(None, "sp"),) * 3,
+                                                       out_specs=(P(None, "sp"), P(None, None, "sp")),
+                                                       check_vma=False))
+        sh = NamedSharding(mesh, P(None, "sp"))
+
+        def glob(x):
+            local = x[:, idx]
+            return jax.make_array_from_process_local_data(sh, jnp.asarray(local, dtype=getattr(jnp, dtype)),
+                                                          (local.shape[0], local.shape[1] * self.world,
+                                                           *local.shape[2:]))
+
+        out, lse = self._jax_fns[key](*(glob(x) for x in xs))
+        out.block_until_ready()
+        jax.effects_barrier()  # the status callback has run (and raised if the kernel gave up)
+        return (np.asarray(out.addressable_shards[0].data.astype(jnp.float32)),
+                np.asarray(lse.addressable_shards[0].data))
+
+    def barrier(self, what: str, deadline_s: float = 120.0):
+        work = self.dist.barrier(async_op=True)
+        wait_until(work.is_completed, deadline_s, f"the barrier after {what}")
+
+    def gather_reports(self):
+        merged = [None] * self.world
+        self.dist.all_gather_object(merged, self.report.results)
+        return merged
+
+
+def section_timeout(job: Job):
+    """Rank 1 skips one fused call (torch, then JAX): rank 0 times out naming rank 1 and the ring step; then
+    reset() everywhere and the next calls through both frontends are right."""
+    a, rank = job.args, job.rank
+    dtype, causal, layout = "bfloat16", False, "contiguous"  # non-causal: rank 0 needs rank 1's K/V at step 1
+    xs, idx = job.inputs(1, 1, 256, 4, 2, 64, dtype, layout)
+    frontends = [("torch", job.torch_fused)] + ([("jax", job.jax_fused)] if job.with_jax else [])
+    for fw, call in frontends:
+        job.barrier(f"{fw} warm-up")
+        with job.report.check(f"timeout/{fw}: a call with every rank present is right") as c:
+            out, _ = call(xs, idx, dtype, is_causal=causal, layout=layout, timeout_s=a.timeout)
+            c.detail = f"err {job.check_out(fw, _as_np(out), xs, idx, dtype, causal):.2e}"
+        job.barrier(f"{fw} good call")
+        if rank == 0:
+            with job.report.check(f"timeout/{fw}: rank 1 absent -> RingAttentionTimeout on rank 0") as c:
+                t0 = time.monotonic()
+                try:
+                    call(xs, idx, dtype, is_causal=causal, layout=layout, timeout_s=a.timeout)
+                except Exception as e:  # noqa: BLE001 - the message is checked
+                    elapsed = time.monotonic() - t0
+                    msg = expect_timeout_message(e, rank=0, peer=1, timeout_s=a.timeout)
+                    if elapsed > a.timeout + a.slack:
+                        raise AssertionError(f"raised after {elapsed:.1f} s, limit {a.timeout} s + {a.slack} s")
+                    c.detail = f"after {elapsed:.1f} s: {msg.split('. ')[0]}"
+                else:
+                    raise AssertionError("the call returned although rank 1 never called")
+        job.barrier(f"{fw} timeout", deadline_s=a.timeout + a.slack + 60)
+        with job.report.check(f"timeout/{fw}: reset() on every rank, then right calls through both frontends"):
+            (job.tb.reset if fw == "torch" else _jax_reset)()
+            for fw2, call2 in frontends:
+                out, lse = call2(xs, idx, dtype, is_causal=causal, layout=layout, timeout_s=a.timeout)
+                job.check_out(f"after reset {fw2}", _as_np(out), xs, idx, dtype, causal, lse=_as_np(lse))
+        job.barrier(f"{fw} reset")
+
+
+def _as_np(x):
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return x.float().cpu().numpy()
+    return np.asarray(x, np.float32)
+
+
+def _jax_reset():
+    import jax_ring
+
+    jax_ring.reset()
+
+
+def section_concurrent(job: Job):
+    """The fused kernel next to NCCL work: an all-reduce on another torch stream (rank 0 launches the kernel
+    first, rank 1 the all-reduce first), and a psum in the same jitted JAX program."""
+    torch, dist, a = job.torch, job.dist, job.args
+    dtype, causal, layout = "bfloat16", True, "zigzag"
+    xs, idx = job.inputs(2, 1, 2048, 16, 4, 128, dtype, layout)  # more programs than the GPU holds at once
+    q, k, v = (job.cuda(x[:, idx], dtype) for x in xs)
+    side = torch.cuda.Stream()
+    for first in ("fused", "all_reduce"):
+        mine = first if job.rank == 0 else ("all_reduce" if first == "fused" else "fused")
+        job.barrier(f"concurrent {first}")
+        with job.report.check(f"concurrent/torch: rank 0 launches {first} first, rank 1 the other") as c:
+            x = torch.full((64 << 20,), float(job.rank + 1), device=job.dev)  # 256 MiB all-reduce
+            torch.cuda.synchronize()  # x is ready: the all-reduce's stream need not wait for the default one
+            done_fused = torch.cuda.Event()
+
+            def all_reduce():
+                with torch.cuda.stream(side):  # NCCL's stream then waits for `side` only, not the kernel's
+                    return dist.all_reduce(x, async_op=True)
+
+            def fused():
+                out = job.tb.ring_attention(q, k, v, is_causal=causal, layout=layout, backend="fused",
+                                            timeout_s=a.timeout_concurrent)
+                done_fused.record()
+                return out
+
+            if mine == "fused":
+                out, work = fused(), all_reduce()
+            else:
+                work, out = all_reduce(), fused()
+            wait_until(lambda: work.is_completed() and done_fused.query(), a.timeout_concurrent + a.slack,
+                       "the fused kernel and the concurrent NCCL all-reduce")
+            work.wait()
+            job.tb.check_errors()
+            expected = job.world * (job.world + 1) / 2
+            if not bool((x == expected).all()):
+                raise AssertionError(f"all-reduce result {x[:4].tolist()}, expected {expected}")
+            c.detail = f"err {job.check_out('concurrent', _as_np(out), xs, idx, dtype, causal):.2e}"
+    if not job.with_jax:
+        return
+    job.barrier("concurrent jax")
+    with job.report.check("concurrent/jax: psum and the fused call in one jitted program") as c:
+        import jax
+        import jax.numpy as jnp
+        from jax import lax
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+        import jax_ring
+
+        mesh = Mesh(np.array(jax.devices()), ("sp",))
+
+        def body(q, k, v, y):
+            out = jax_ring.ring_attention(q, k, v, axis_name="sp", backend="fused", is_causal=causal, layout=layout,
+                                          timeout_s=a.timeout_concurrent)
+            return out, lax.psum(y * 2.0, "sp")
+
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(None, "sp"),) * 3 + (P("sp"),),
+                                  out_specs=(P(None, "sp"), P()), check_vma=False))
+        sh = NamedSharding(mesh, P(None, "sp"))
+
+        def glob(x):  # global natural-order array -> this rank's shard of a global jax array
+            return jax.make_array_from_process_local_data(sh, jnp.asarray(x[:, idx], dtype=jnp.bfloat16), x.shape)
+
+        y = jax.make_array_from_process_local_data(NamedSharding(mesh, P("sp")),
+                                                   jnp.full((1 << 20,), job.rank + 1.0, jnp.float32),
+                                                   ((1 << 20) * job.world,))
+        out, total = f(*(glob(x) for x in xs), y)
+        wait_until(lambda: out.is_ready() and total.is_ready(), a.timeout_concurrent + a.slack,
+                   "the jitted program with a psum and the fused call")
+        jax.effects_barrier()
+        expected = 2.0 * job.world * (job.world + 1) / 2
+        got = np.asarray(total.addressable_shards[0].data)
+        if not np.all(got == expected):
+            raise AssertionError(f"psum gave {got[:4]}, expected {expected}")
+        local_out = _as_np(out.addressable_shards[0].data.astype(jnp.float32))
+        c.detail = f"err {job.check_out('jax concurrent', local_out, xs, idx, dtype, causal):.2e}"
+
+
+def section_bad_inputs(job: Job):
+    """The table's torch rows through backend='fused' on CUDA tensors, each then a right fused call; CPU
+    tensors to the fused backend; strided CUDA inputs; NaN through the fused kernel."""
+    import re
+
+    import bad_input_cases as table
+
+    torch, tb, a = job.torch, job.tb, job.args
+    good_xs, good_idx = job.inputs(3, 1, 64, 4, 2, 16, "float32", "zigzag")
+    dtypes = {n: getattr(torch, n) for n in ("float16", "bfloat16", "float32", "float64", "int32", "complex64")}
+    rows = [r for r in table.rows("torch") if not r.where and not r.inputs and "backend" not in r.kw]
+    with job.report.check(f"bad_inputs/fused: {len(rows)} table rows raise, each followed by a right call") as c:
+        failures = []
+        for row in rows:
+            exc, match = row.expected("torch")
+            q, k, v = (torch.zeros(s, dtype=dtypes[dt], device=job.dev) for s, dt in zip(row.shapes(), row.dtypes))
+            try:
+                tb.ring_attention(q, k, v, backend="fused", **row.kw)
+                failures.append(f"{row.id}: no error")
+            except Exception as e:  # noqa: BLE001 - compared with the table
+                if not (isinstance(e, exc) and re.search(match, str(e))):
+                    failures.append(f"{row.id}: {type(e).__name__}: {e}")
+            out, _ = job.torch_fused(good_xs, good_idx, "float32", is_causal=True, layout="zigzag", timeout_s=a.timeout)
+            job.check_out(f"after {row.id}", _as_np(out), good_xs, good_idx, "float32", True)
+        if failures:
+            raise AssertionError("; ".join(failures))
+        c.detail = f"{len(rows)} rows"
+    with job.report.check("bad_inputs/fused: CPU tensors to backend='fused' raise ValueError"):
+        q, k, v = (torch.zeros(s) for s in table.BY_ID["cpu-tensors-to-fused"].shapes())
+        try:
+            tb.ring_attention(q, k, v, backend="fused")
+        except ValueError as e:
+            if "backend='fused' needs CUDA tensors, got cpu" not in str(e):
+                raise
+        else:
+            raise AssertionError("no error")
+    with job.report.check("bad_inputs/fused: strided CUDA inputs give the contiguous inputs' result"):
+        q, k, v = (job.cuda(x[:, good_idx], "float32") for x in good_xs)
+        q_t = q.transpose(1, 2).contiguous().transpose(1, 2)
+        k_step = torch.zeros(*k.shape[:3], 2 * k.shape[3], device=job.dev)
+        k_step[..., ::2] = k
+        k_step = k_step[..., ::2]
+        ref = tb.ring_attention(q, k, v, is_causal=True, layout="zigzag", backend="fused")
+        out = tb.ring_attention(q_t, k_step, v, is_causal=True, layout="zigzag", backend="fused")
+        tb.check_errors()
+        if not torch.equal(out, ref):
+            raise AssertionError(f"max difference {(out - ref).abs().max().item()}")
+    with job.report.check("bad_inputs/fused: NaN in k propagates to the rows attending to it, no hang") as c:
+        xs, idx = job.inputs(4, 2, 64, 4, 2, 16, "float32", "zigzag")
+        poisoned = [x.copy() for x in xs]
+        poisoned[1][0, 37, 0, 3] = np.nan  # batch 0, global token 37, kv head 0
+        out, lse = job.torch_fused(poisoned, idx, "float32", is_causal=True, layout="zigzag", timeout_s=a.timeout)
+        clean, _ = job.torch_fused(xs, idx, "float32", is_causal=True, layout="zigzag", timeout_s=a.timeout)
+        out, clean = _as_np(out), _as_np(clean)
+        attends = (idx >= 37)  # this rank's tokens (global positions) that see token 37 (causal)
+        bad = ~np.isfinite(out).all(-1)  # [b, s, h]
+        if not bad[0][attends][:, :2].all():
+            raise AssertionError("a row attending to the NaN came out finite")
+        if not (np.array_equal(out[1], clean[1]) and np.array_equal(out[0, :, 2:], clean[0, :, 2:])):
+            raise AssertionError("rows independent of the NaN changed")
+        job.check_out("after NaN", clean, xs, idx, "float32", True)
+        c.detail = f"{int(bad.sum())} rows non-finite on this rank"
+
+
+def section_security(job: Job):
+    """The memory-handle connections iris kept lead to this job's processes; iris's functions restored."""
+    import torch.distributed as dist
+    from iris.host.distributed import fd_passing
+    from iris.host.memory import symmetric_heap
+
+    from ring_core import heap
+
+    pids = [None] * job.world
+    dist.all_gather_object(pids, os.getpid())
+    with job.report.check("security: handle-passing peers are this job's processes; iris restored") as c:
+        if fd_passing.make_rank_sock_path.__module__ != fd_passing.__name__ or \
+                symmetric_heap.setup_fd_infrastructure is not fd_passing.setup_fd_infrastructure:
+            raise AssertionError("iris's socket functions were not restored after the heap set-up")
+        conns = heap.get().iris.heap.fd_conns
+        if conns is None:
+            c.detail = "no fd-passing connections (fabric transport)"
+            return
+        for peer, sock in sorted(conns.items()):
+            pid, uid, _ = heap.peer_credentials(sock)
+            if (pid, uid) != (pids[peer], os.geteuid()):
+                raise AssertionError(f"the connection to rank {peer} leads to pid {pid} uid {uid}, expected "
+                                     f"pid {pids[peer]} uid {os.geteuid()}")
+        c.detail = f"peers {sorted(conns)} checked"
+
+
+def section_kill(job: Job):
+    """Rank 1 exits right after launching a fused call; rank 0 times out naming rank 1 and shuts down."""
+    a = job.args
+    dtype, causal, layout = "bfloat16", False, "contiguous"
+    xs, idx = job.inputs(5, 1, 256, 4, 2, 64, dtype, layout)
+    with job.report.check("kill: a call with both ranks present is right"):
+        out, _ = job.torch_fused(xs, idx, dtype, is_causal=causal, layout=layout, timeout_s=a.timeout)
+        job.check_out("before kill", _as_np(out), xs, idx, dtype, causal)
+    job.barrier("kill warm-up")
+    if job.rank == 1:
+        job.torch_fused(xs, idx, dtype, is_causal=causal, layout=layout, timeout_s=a.timeout, check=False)
+        sys.stdout.write("FAULT-CHECK rank 1 exits now, its fused call in flight\n")
+        sys.stdout.flush()
+        os._exit(0)  # 0: the launcher must not stop rank 0, which is the one being checked
+    # Rank 1's kernel is by now waiting for rank 0 (or gone with its process): rank 0 launches late on purpose.
+    time.sleep(2.0)
+    with job.report.check("kill: rank 0 raises RingAttentionTimeout naming rank 1 within timeout_s") as c:
+        t0 = time.monotonic()
+        try:
+            job.torch_fused(xs, idx, dtype, is_causal=causal, layout=layout, timeout_s=a.timeout)
+        except Exception as e:  # noqa: BLE001 - checked
+            elapsed = time.monotonic() - t0
+            msg = expect_timeout_message(e, rank=0, peer=1, timeout_s=a.timeout)
+            if elapsed > a.timeout + a.slack:
+                raise AssertionError(f"raised after {elapsed:.1f} s, limit {a.timeout} s + {a.slack} s")
+            c.detail = f"after {elapsed:.1f} s: {msg.split('. ')[0]}"
+        else:
+            raise AssertionError("the call returned although rank 1 died")
+    with job.report.check("kill: rank 0 shuts down cleanly (heap released, no error left)") as c:
+        t0 = time.monotonic()
+        released = job.tb.shutdown()
+        if not released:
+            raise AssertionError("shutdown() found no heap")
+        c.detail = f"in {time.monotonic() - t0:.1f} s"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None, help="directory for the JSON summary (rank 0)")
+    ap.add_argument("--sections", default=DEFAULT_SECTIONS, help=f"comma-separated subset of {','.join(SECTIONS)}")
+    ap.add_argument("--timeout", type=float, default=5.0, help="timeout_s of the calls that are meant to time out")
+    ap.add_argument("--timeout-concurrent", type=float, default=60.0, help="timeout_s of the concurrent calls")
+    ap.add_argument("--slack", type=float, default=15.0, help="seconds a timeout may take beyond its limit")
+    ap.add_argument("--deadline", type=float, default=420.0, help="watchdog: seconds this process may run")
+    ap.add_argument("--heap-gib", type=float, default=2.0)
+    a = ap.parse_args(argv)
+    sections = [s for s in a.sections.split(",") if s]
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown:
+        ap.error(f"unknown sections {unknown}; choose from {SECTIONS}")
+    if "kill" in sections and len(sections) > 1:
+        ap.error("--sections kill must run alone (it ends rank 1)")
+    start_watchdog(a.deadline, int(os.environ.get("RANK", "0")))
+    t0 = time.monotonic()
+    job = Job(a, with_jax="kill" not in sections)
+    for name in sections:
+        {"timeout": section_timeout, "concurrent": section_concurrent, "bad_inputs": section_bad_inputs,
+         "security": section_security, "kill": section_kill}[name](job)
+    results = [job.report.results] if "kill" in sections else job.gather_reports()
+    ok = all(r["ok"] for per_rank in results for r in per_rank.values())
+    if job.rank == 0 and a.out:
+        os.makedirs(a.out, exist_ok=True)
+        summary = dict(ok=ok, sections=sections, world=job.world, seconds=round(time.monotonic() - t0, 1),
+                       gpu=job.torch.cuda.get_device_name(), checks=results)
+        with open(os.path.join(a.out, f"gpu_faults_{'_'.join(sections)}.json"), "w") as f:
+            json.dump(summary, f, indent=1)
+    print(f"gpu_faults: rank {job.rank}: {'ALL FAULT CHECKS PASSED' if ok else 'SOME FAULT CHECKS FAILED'}",
+          flush=True)
+    if "kill" not in sections:
+        job.barrier("the end")
+        if job.with_jax:
+            import jax_ring
+
+            jax_ring.shutdown()
+        job.tb.shutdown()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,202 @@
+"""The GPU wiring of backend="fused" (forward and backward), run on the CPU: both frontends' launchers
+(torch_bridge.fused and the jax-triton call of jax_ring.fused) drive the real kernels in the Triton
+interpreter, on one rank whose "heap" is a CPU buffer.
+
+What this checks that the simulator does not: the autograd layers (torch.autograd.Function, jax.custom_vjp)
+save what the backward needs and return the gradients in the right places; both frontends pass the kernels
+the same argument lists, scalars, output shapes and zeroed status, from the one plan in ring_core.launch;
+and so JAX and torch give bit-identical gradients. jax-triton itself needs a GPU: here its ``triton_call``
+is replaced by a host callback that launches the kernel with exactly the arguments it was given
+(scalars converted as jax-triton converts them), with the GPU's default tile sizes. One rank only: the interpreter runs one kernel at a time
+per callback, so ranks could not meet. The multi-rank protocol is tested by test_simulate*.py.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from ring_core import heap as heap_mod  # noqa: E402
+from ring_core import interpret, launch, testing  # noqa: E402
+
+NP_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+TORCH_DTYPES = {}  # filled on first use (torch is imported lazily)
+
+
+class _InterpretedPlan:
+    """A launch plan whose constexprs always select the interpreter's code paths (no %globaltimer)."""
+
+    def __init__(self, plan):
+        self._plan = plan
+
+    def __getattr__(self, name):
+        return getattr(self._plan, name)
+
+    def constexprs(self, *, interpret):
+        return self._plan.constexprs(interpret=True)
+
+
+class _CpuHeap:
+    """What the frontends use of ring_core.heap.SymmetricHeap, over one CPU buffer (world size 1)."""
+
+    def __init__(self, size=4 << 20):
+        import torch
+
+        self.world_size, self.rank, self.device = 1, 0, torch.device("cpu")
+        self.layout = launch.HeapLayout.for_workspace(size)
+        self.buf = torch.zeros(size, dtype=torch.uint8)
+        self.ctx = torch.from_numpy(launch.make_ctx([self.buf.data_ptr()], 0, self.layout))
+        self.plans = []
+
+    def ctx_table(self):
+        return launch.make_ctx([self.buf.data_ptr()], 0, self.layout)[None]
+
+    def plan(self, spec, **kw):
+        self.plans.append(("fwd", spec))
+        return _InterpretedPlan(launch.plan(spec, self.world_size, self.layout, **kw))
+
+    def plan_bwd(self, spec, **kw):
+        self.plans.append(("bwd", spec))
+        return _InterpretedPlan(launch.plan_bwd(spec, self.world_size, self.layout, **kw))
+
+
+@pytest.fixture
+def cpu_heap(monkeypatch):
+    interpret.ensure_interpreter()
+    h = _CpuHeap()
+    monkeypatch.setattr(heap_mod, "_heap", h)
+    monkeypatch.setattr(heap_mod, "_release_hooks", [])
+    return h
+
+
+def _torch_dtypes():
+    import torch
+
+    TORCH_DTYPES.update(float32=torch.float32, float16=torch.float16, bfloat16=torch.bfloat16, int32=torch.int32)
+
+
+def _fake_jax_triton(launches):
+    """A stand-in for the jax_triton module: ``triton_call`` launches the interpreted kernel from a host
+    callback with the arguments it was given."""
+    import types
+
+    import jax
+    import torch
+
+    _torch_dtypes()
+
+    def triton_call(*args, kernel, out_shape, grid, name="", num_warps=None, num_stages=None, zeroed_outputs=(),
+                    **constexprs):
+        scalar = [isinstance(a, (bool, int, float, np.float32)) for a in args]
+        arrays = [a for a, s in zip(args, scalar) if not s]
+        launches.append(dict(name=name, grid=grid, num_warps=num_warps, num_stages=num_stages,
+                             zeroed=tuple(zeroed_outputs), out=[(o.shape, str(o.dtype)) for o in out_shape],
+                             scalars=[a for a, s in zip(args, scalar) if s], constexprs=constexprs))
+
+        def host(*arrs):
+            it = iter(arrs)
+            call = []
+            for a, s in zip(args, scalar):
+                if s:
+                    call.append(float(a) if isinstance(a, np.float32) else a)
+                else:
+                    x = np.asarray(next(it))
+                    call.append(interpret._to_torch(x, str(x.dtype)))
+            outs = [torch.zeros(o.shape, dtype=TORCH_DTYPES[str(np.dtype(o.dtype))]) for o in out_shape]
+            kernel[grid](*call, *outs, **constexprs)
+            return tuple(interpret._to_numpy(o, str(np.dtype(od.dtype))) for o, od in zip(outs, out_shape))
+
+        return list(jax.pure_callback(host, tuple(out_shape), *arrays))
+
+    return types.SimpleNamespace(triton_call=triton_call)
+
+
+@pytest.mark.parametrize("dtype, causal, H, HKV, S, D", [
+    ("bfloat16", True, 4, 2, 19, 24),
+    ("float32", False, 2, 1, 7, 40),
+])
+def test_jax_and_torch_fused_gradients(cpu_heap, monkeypatch, dtype, causal, H, HKV, S, D):
+    import jax
+    import jax.numpy as jnp
+    import torch
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    import jax_ring
+    import torch_bridge
+    from jax_ring import fused as jfused
+    from torch_bridge import fused as tfused
+
+    launches = []
+    monkeypatch.setattr(jfused, "_import_jax_triton", lambda: _fake_jax_triton(launches))
+    monkeypatch.setattr(jfused, "fused_available", lambda: True)
+    monkeypatch.setattr(tfused, "_track", lambda status, rank, timeout_s: launch.check_status(
+        status.numpy(), rank, timeout_s))
+    monkeypatch.setattr(torch_bridge.api, "_fused_available", lambda: True)
+
+    ref = testing.random_inputs(3, 1, S, H, HKV, D, dtype, with_dout=True)
+    q, k, v, do = (x.astype(NP_DTYPES[dtype]) for x in ref)
+    kw = dict(is_causal=causal, scale=None)
+
+    # ---- torch: the autograd Function and torch_bridge.fused's launchers (CPU tensors, interpreter)
+    tq, tk, tv = (interpret._to_torch(x, dtype).requires_grad_() for x in (q, k, v))
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # let backend="fused" through
+    out = torch_bridge.ring_attention(tq, tk, tv, backend="fused", **kw)
+    out.backward(interpret._to_torch(do, dtype))
+    monkeypatch.undo()  # is_cuda and the rest; the heap again for JAX below
+    monkeypatch.setattr(heap_mod, "_heap", cpu_heap)
+    monkeypatch.setattr(heap_mod, "_release_hooks", [])
+    monkeypatch.setattr(jfused, "_import_jax_triton", lambda: _fake_jax_triton(launches))
+    monkeypatch.setattr(jfused, "fused_available", lambda: True)
+    t_grads = [interpret._to_numpy(x.grad, dtype) for x in (tq, tk, tv)]
+    assert [p[0] for p in cpu_heap.plans] == ["bwd", "fwd", "bwd"]  # the backward's heap need checked first
+    testing.check_grads("torch fused", [g.astype(np.float64) for g in t_grads], *ref, dtype, is_causal=causal)
+
+    # ---- JAX: custom_vjp and the jax-triton calls (one CPU device, the kernel in a host callback)
+    mesh = Mesh(np.array(jax.devices("cpu")[:1]), ("sp",))
+
+    def loss(q, k, v, do):
+        o = jax_ring.ring_attention(q, k, v, axis_name="sp", backend="fused", **kw)
+        return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
+
+    grad = jax.jit(jax.shard_map(jax.grad(loss, argnums=(0, 1, 2)), mesh=mesh, in_specs=(P(None, "sp"),) * 4,
+                                 out_specs=(P(None, "sp"),) * 3, check_vma=False))
+    j_grads = [np.asarray(g) for g in grad(*(jnp.asarray(x) for x in (q, k, v, do)))]
+    names = [entry["name"] for entry in launches]
+    assert names == ["ring_attn_fwd", "ring_attn_bwd"], names
+    fwd_call, bwd_call = launches
+    assert bwd_call["zeroed"] == (4,) and bwd_call["out"][4] == ((launch.STATUS_WORDS,), "int32")
+    assert bwd_call["out"][3] == ((1, H, S), "float32")  # delta scratch
+    assert isinstance(bwd_call["scalars"][2], np.float32)  # the scale travels as float32 in both frontends
+    # The GPU's default tiles (not the simulator's small ones) ran here, in the interpreter.
+    spec = cpu_heap.plans[-1][1]
+    assert bwd_call["grid"] == launch.plan_bwd(spec, 1, cpu_heap.layout).grid
+    assert bwd_call["constexprs"]["KV_BLOCK_N"] == launch.BwdKernelConfig.get_default(spec, 1).kv_block_n
+
+    # ---- the same kernel with the same arguments: bit-identical gradients
+    for n, a, b in zip("qkv", j_grads, t_grads):
+        assert a.dtype == b.dtype == np.dtype(NP_DTYPES[dtype])
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8), err_msg=f"jax vs torch d{n}")
+
+
+def test_torch_fused_checks_backward_heap_before_forward(cpu_heap, monkeypatch):
+    """A heap that fits the forward but not the backward: with inputs that need gradients the call raises
+    HeapTooSmallError before the forward runs."""
+    import torch
+
+    import torch_bridge
+    from torch_bridge import fused as tfused
+
+    small = _CpuHeap(size=80_000)
+    monkeypatch.setattr(heap_mod, "_heap", small)
+    monkeypatch.setattr(tfused, "_track", lambda status, rank, timeout_s: launch.check_status(
+        status.numpy(), rank, timeout_s))
+    monkeypatch.setattr(torch_bridge.api, "_fused_available", lambda: True)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    small.world_size = 2  # plan for two ranks (nothing is launched on this path)
+    x = torch.zeros(1, 16, 1, 64, dtype=torch.float16)  # K/V 4 KiB fit the 10 KB; + float32 partials do not
+    with pytest.raises(launch.HeapTooSmallError, match="backward call needs"):
+        torch_bridge.ring_attention(x.clone().requires_grad_(), x.clone(), x.clone(), backend="fused")
+    assert small.plans == [("bwd", small.plans[0][1])]
