@@ -63,20 +63,25 @@ def _raise_status(status, rank, timeout_s):
     launch.check_status(np.asarray(status), int(rank), timeout_s)
 
 
-def forward(q, k, v, spec, axis_name, world_size: int, timeout_s: float | None = None):
-    """Run the fused kernel on this rank's shards inside shard_map; returns (out, lse)."""
-    jt = _import_jax_triton()
-    from ring_core.kernel import ring_attn_fwd_kernel
-
+def _launch_context(spec, axis_name, world_size: int, *, backward: bool):
+    """(launch plan, this rank's index, this rank's context row) for a fused launch inside shard_map."""
     h = _heap.get()
     _heap.on_release(_forget_compiled_programs)  # the table below is baked into the program
     if world_size != h.world_size:
         raise ValueError(f"the mesh axis {axis_name!r} has {world_size} devices but the job has {h.world_size} "
                          "processes; the fused backend shards the sequence over all processes (one GPU each)")
-    p = h.plan(spec)  # raises HeapTooSmallError at trace time, before anything runs
+    p = h.plan_bwd(spec) if backward else h.plan(spec)  # HeapTooSmallError at trace time, before anything runs
     table = jnp.asarray(h.ctx_table().view(np.int32))  # [W, 2 * n]; int32 pairs, read as int64 in the kernel
     rank = lax.axis_index(axis_name)
-    ctx = lax.dynamic_index_in_dim(table, rank, axis=0, keepdims=False)
+    return p, rank, lax.dynamic_index_in_dim(table, rank, axis=0, keepdims=False)
+
+
+def forward(q, k, v, spec, axis_name, world_size: int, timeout_s: float | None = None):
+    """Run the fused kernel on this rank's shards inside shard_map; returns (out, lse)."""
+    jt = _import_jax_triton()
+    from ring_core.kernel import ring_attn_fwd_kernel
+
+    p, rank, ctx = _launch_context(spec, axis_name, world_size, backward=False)
     b, s, hq, d = q.shape
     scal = p.scalars(timeout_s)
     scal = (scal[0], scal[1], np.float32(scal[2]), scal[3])  # float32 scale, as the torch launch passes it
@@ -100,15 +105,7 @@ def backward(q, k, v, out, lse, dout, spec, axis_name, world_size: int, timeout_
     jt = _import_jax_triton()
     from ring_core.kernel_bwd import ring_attn_bwd_kernel
 
-    h = _heap.get()
-    _heap.on_release(_forget_compiled_programs)  # the table below is baked into the program
-    if world_size != h.world_size:
-        raise ValueError(f"the mesh axis {axis_name!r} has {world_size} devices but the job has {h.world_size} "
-                         "processes; the fused backend shards the sequence over all processes (one GPU each)")
-    p = h.plan_bwd(spec)  # raises HeapTooSmallError at trace time, before anything runs
-    table = jnp.asarray(h.ctx_table().view(np.int32))  # [W, 2 * n]; int32 pairs, read as int64 in the kernel
-    rank = lax.axis_index(axis_name)
-    ctx = lax.dynamic_index_in_dim(table, rank, axis=0, keepdims=False)
+    p, rank, ctx = _launch_context(spec, axis_name, world_size, backward=True)
     scal = p.scalars(timeout_s)
     scal = (scal[0], scal[1], np.float32(scal[2]), *scal[3:])  # float32 scale, as the torch launch passes it
     dq, dk, dv, _, status = jt.triton_call(

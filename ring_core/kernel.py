@@ -235,6 +235,22 @@ def _visible_rows(x, src, S, W: tl.constexpr, ZIGZAG: tl.constexpr):
 
 
 @triton.jit
+def _load_kv(k_base, v_base, kv_off, row_ok, dmask, MASKED: tl.constexpr, FULL_D: tl.constexpr):
+    """One K and one V block. MASKED: only rows with ``row_ok``; otherwise every row exists and needs no mask
+    (a maskless load is what lets the unmasked loops vectorise and pipeline fully)."""
+    if MASKED:
+        k = tl.load(k_base + kv_off, mask=row_ok[:, None] & dmask[None, :], other=0.0)
+        v = tl.load(v_base + kv_off, mask=row_ok[:, None] & dmask[None, :], other=0.0)
+    elif FULL_D:
+        k = tl.load(k_base + kv_off)
+        v = tl.load(v_base + kv_off)
+    else:
+        k = tl.load(k_base + kv_off, mask=dmask[None, :], other=0.0)
+        v = tl.load(v_base + kv_off, mask=dmask[None, :], other=0.0)
+    return k, v
+
+
+@triton.jit
 def _attn_blocks(acc, l_i, m_i, q, q_pos, k_base, v_base, lo, hi, src, S, qk_scale, offs_n, offs_d,
                  ROW_STRIDE: tl.constexpr, W: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, ZIGZAG: tl.constexpr, INTERPRET: tl.constexpr,
@@ -248,16 +264,8 @@ def _attn_blocks(acc, l_i, m_i, q, q_pos, k_base, v_base, lo, hi, src, S, qk_sca
         # ROW_STRIDE is a constexpr so that Triton can prove 16-byte alignment and vectorise the loads; a
         # runtime stride made bf16/fp16 loads 2-byte scalars, which cannot be pipelined as async copies.
         kv_off = rows_n[:, None].to(tl.int64) * ROW_STRIDE + offs_d[None, :]
-        if MASKED:
-            n_valid = rows_n < S
-            k = tl.load(k_base + kv_off, mask=n_valid[:, None] & dmask[None, :], other=0.0)
-            v = tl.load(v_base + kv_off, mask=n_valid[:, None] & dmask[None, :], other=0.0)
-        elif BLOCK_D == D:
-            k = tl.load(k_base + kv_off)
-            v = tl.load(v_base + kv_off)
-        else:
-            k = tl.load(k_base + kv_off, mask=dmask[None, :], other=0.0)
-            v = tl.load(v_base + kv_off, mask=dmask[None, :], other=0.0)
+        n_valid = rows_n < S
+        k, v = _load_kv(k_base, v_base, kv_off, n_valid, dmask, MASKED, BLOCK_D == D)
         qk = _dot(q, tl.trans(k), DOT_PRECISION, INTERPRET)
         if MASKED:
             valid = n_valid[None, :]

@@ -105,8 +105,8 @@ import triton.language as tl
 import iris
 
 from ring_core import launch as _launch
-from ring_core.kernel import (_dot, _drain_pushes, _last_pos, _poll_ge, _positions, _push_unit, _record_error,
-                              _visible_rows)
+from ring_core.kernel import (_dot, _drain_pushes, _last_pos, _load_kv, _poll_ge, _positions, _push_unit,
+                              _record_error, _visible_rows)
 
 # Control words and error codes, from ring_core.launch (the one place that lays out the heap).
 _CTL_TICKET = tl.constexpr(_launch.CTL_BWD_TICKET)
@@ -133,19 +133,12 @@ def _dq_blocks(dq, q, do, lse2, delta, q_pos, q_pos_max, k_base, v_base, lo, hi,
         rows_n = j * BLOCK_N + offs_n
         # ROW_STRIDE is a constexpr so that Triton can prove alignment and vectorise (and pipeline) the loads.
         kv_off = rows_n[:, None].to(tl.int64) * ROW_STRIDE + offs_d[None, :]
+        row_ok = rows_n < S
         if MASKED:
-            row_ok = rows_n < S
             if CAUSAL:
                 k_pos = _positions(rows_n, src, S, W, ZIGZAG)
                 row_ok = row_ok & (k_pos <= q_pos_max)  # rows the tile cannot see: maybe never sent, not read
-            k = tl.load(k_base + kv_off, mask=row_ok[:, None] & dmask[None, :], other=0.0)
-            v = tl.load(v_base + kv_off, mask=row_ok[:, None] & dmask[None, :], other=0.0)
-        elif BLOCK_D == D:
-            k = tl.load(k_base + kv_off)
-            v = tl.load(v_base + kv_off)
-        else:
-            k = tl.load(k_base + kv_off, mask=dmask[None, :], other=0.0)
-            v = tl.load(v_base + kv_off, mask=dmask[None, :], other=0.0)
+        k, v = _load_kv(k_base, v_base, kv_off, row_ok, dmask, MASKED, BLOCK_D == D)
         qk = _dot(q, tl.trans(k), DOT_PRECISION, INTERPRET)
         p = tl.math.exp2(qk * qk_scale - lse2[:, None])
         if MASKED:
