@@ -235,6 +235,32 @@ def _visible_rows(x, src, S, W: tl.constexpr, ZIGZAG: tl.constexpr):
 
 
 @triton.jit
+def _block_range(q_pos_min, q_pos_max, src, S, W: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                 ZIGZAG: tl.constexpr):
+    """For queries at positions [q_pos_min, q_pos_max] against rank ``src``'s K/V: (rows any of them sees,
+    blocks to visit, blocks every one of them sees whole). Blocks [n_full, n_hi) need masks."""
+    if CAUSAL:
+        seen = _visible_rows(q_pos_max, src, S, W, ZIGZAG)
+        n_full = _visible_rows(q_pos_min, src, S, W, ZIGZAG) // BLOCK_N
+    else:
+        seen = S
+        n_full = S // BLOCK_N
+    return seen, tl.cdiv(seen, BLOCK_N), n_full
+
+
+@triton.jit
+def _claim_push(ctl, n_units, k_ptr, v_ptr, recv, flags, heap_bases, rank, epoch, B, S, n_chunks,
+                W: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                CHUNK_ROWS: tl.constexpr, PUSH_ROWS: tl.constexpr, VEC: tl.constexpr, CAUSAL: tl.constexpr,
+                ZIGZAG: tl.constexpr):
+    """Claim one push unit, if any is left, and push it (overlap in ring step 0; never waits)."""
+    u0 = tl.atomic_add(ctl + 1, 1, sem="relaxed", scope="gpu")
+    if u0 < n_units:
+        _push_unit(u0, k_ptr, v_ptr, recv, flags, heap_bases, rank, epoch, B, S, n_chunks,
+                   W, HKV, D, BLOCK_D, CHUNK_ROWS, PUSH_ROWS, VEC, CAUSAL, ZIGZAG)
+
+
+@triton.jit
 def _load_kv(k_base, v_base, kv_off, row_ok, dmask, MASKED: tl.constexpr, FULL_D: tl.constexpr):
     """One K and one V block. MASKED: only rows with ``row_ok``; otherwise every row exists and needs no mask
     (a maskless load is what lets the unmasked loops vectorise and pipeline fully)."""
@@ -322,7 +348,6 @@ def ring_attn_fwd_kernel(
     epoch = tl.load(ctl + 0) + 1
 
     n_m = tl.cdiv(S, BLOCK_M)
-    n_n = tl.cdiv(S, BLOCK_N)
     n_chunks = tl.cdiv(S, CHUNK_ROWS)
     n_units = (W - 1) * B * HKV * n_chunks
 
@@ -356,12 +381,7 @@ def ring_attn_fwd_kernel(
         src = (rank - step + W) % W
         # K/V blocks [0, n_full) are seen whole by every query of the tile; [n_full, n_hi) need masks;
         # blocks from n_hi on are hidden by causality: never waited for, loaded or computed.
-        if CAUSAL:
-            n_hi = tl.cdiv(_visible_rows(q_pos_max, src, S, W, ZIGZAG), BLOCK_N)
-            n_full = _visible_rows(q_pos_min, src, S, W, ZIGZAG) // BLOCK_N
-        else:
-            n_hi = n_n
-            n_full = S // BLOCK_N
+        _, n_hi, n_full = _block_range(q_pos_min, q_pos_max, src, S, W, BLOCK_N, CAUSAL, ZIGZAG)
         if step == 0:
             k_base = k_ptr + b.to(tl.int64) * S * HKV * D + hkv * D
             v_base = v_ptr + b.to(tl.int64) * S * HKV * D + hkv * D
@@ -369,10 +389,8 @@ def ring_attn_fwd_kernel(
                 # Overlap: claim and push one unit of the local K/V every SEG_BLOCKS blocks. The claims
                 # sit between the pipelined inner loops, never inside them.
                 for seg in range(0, n_full, SEG_BLOCKS):
-                    u0 = tl.atomic_add(ctl + 1, 1, sem="relaxed", scope="gpu")
-                    if u0 < n_units:
-                        _push_unit(u0, k_ptr, v_ptr, recv, flags, heap_bases, rank, epoch, B, S, n_chunks,
-                                   W, HKV, D, BLOCK_D, CHUNK_ROWS, PUSH_ROWS, VEC, CAUSAL, ZIGZAG)
+                    _claim_push(ctl, n_units, k_ptr, v_ptr, recv, flags, heap_bases, rank, epoch, B, S, n_chunks,
+                                W, HKV, D, BLOCK_D, CHUNK_ROWS, PUSH_ROWS, VEC, CAUSAL, ZIGZAG)
                     acc, l_i, m_i = _attn_blocks(acc, l_i, m_i, q, q_pos, k_base, v_base, seg,
                                                  tl.minimum(seg + SEG_BLOCKS, n_full), src, S, qk_scale, offs_n,
                                                  offs_d, HKV * D, W, D, BLOCK_N, BLOCK_D, False, CAUSAL, ZIGZAG, INTERPRET,

@@ -105,8 +105,8 @@ import triton.language as tl
 import iris
 
 from ring_core import launch as _launch
-from ring_core.kernel import (_dot, _drain_pushes, _last_pos, _load_kv, _poll_ge, _positions, _push_unit,
-                              _record_error, _visible_rows)
+from ring_core.kernel import (_block_range, _claim_push, _dot, _drain_pushes, _last_pos, _load_kv, _poll_ge,
+                              _positions, _record_error, _visible_rows)
 
 # Control words and error codes, from ring_core.launch (the one place that lays out the heap).
 _CTL_TICKET = tl.constexpr(_launch.CTL_BWD_TICKET)
@@ -272,14 +272,7 @@ def ring_attn_bwd_kernel(
             src = (rank - step + W) % W
             # K/V blocks [0, n_full) are seen whole by every query of the tile; [n_full, n_hi) need masks;
             # rows from ``seen`` on are hidden by causality: never waited for, loaded or computed.
-            if CAUSAL:
-                seen = _visible_rows(q_pos_max, src, S, W, ZIGZAG)
-                n_hi = tl.cdiv(seen, DQ_BLOCK_N)
-                n_full = _visible_rows(q_pos_min, src, S, W, ZIGZAG) // DQ_BLOCK_N
-            else:
-                seen = S
-                n_hi = tl.cdiv(S, DQ_BLOCK_N)
-                n_full = S // DQ_BLOCK_N
+            seen, n_hi, n_full = _block_range(q_pos_min, q_pos_max, src, S, W, DQ_BLOCK_N, CAUSAL, ZIGZAG)
             if step == 0:
                 k_base = k_ptr + b.to(tl.int64) * S * HKV * D + hkv * D
                 v_base = v_ptr + b.to(tl.int64) * S * HKV * D + hkv * D
@@ -287,10 +280,8 @@ def ring_attn_bwd_kernel(
                     # Overlap: claim and push one unit of the local K/V every SEG_BLOCKS blocks; the claims
                     # sit between the pipelined loops, never inside them.
                     for seg in range(0, n_full, SEG_BLOCKS):
-                        u0 = tl.atomic_add(ctl + 1, 1, sem="relaxed", scope="gpu")
-                        if u0 < n_units:
-                            _push_unit(u0, k_ptr, v_ptr, recv, flags, heap_bases, rank, epoch, B, S, n_chunks,
-                                          W, HKV, D, BLOCK_D, CHUNK_ROWS, PUSH_ROWS, PUSH_VEC, CAUSAL, ZIGZAG)
+                        _claim_push(ctl, n_units, k_ptr, v_ptr, recv, flags, heap_bases, rank, epoch, B, S, n_chunks,
+                                    W, HKV, D, BLOCK_D, CHUNK_ROWS, PUSH_ROWS, PUSH_VEC, CAUSAL, ZIGZAG)
                         dq = _dq_blocks(dq, q, do, lse2, delta, q_pos, q_pos_max, k_base, v_base, seg,
                                         tl.minimum(seg + SEG_BLOCKS, n_full), src, S, qk_scale, offs_n, offs_d,
                                         HKV * D, W, D, DQ_BLOCK_N, BLOCK_D, False, CAUSAL, ZIGZAG, INTERPRET,
