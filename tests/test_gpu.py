@@ -1,7 +1,8 @@
 """GPU suite (``pytest -m gpu``): launches one process per GPU running tests/gpu_checks.py and
 tests/gpu_faults.py (faults: a missing or killed rank, concurrent NCCL work, bad inputs on the fused path).
 
-Environment: RING_GPU_SOAK_CALLS (default 1000), RING_GPU_OUT (keep the JSON summaries there).
+Environment: RING_GPU_SOAK_CALLS (default 1000; gpu_checks' soak), RING_GPU_SOAK_LONG_CALLS (default 10000;
+tests/gpu_soak.py), RING_GPU_OUT (keep the JSON summaries there).
 Skipped, saying why, where fewer than 2 NVIDIA GPUs are visible. Run on the GPU machine (nvidia-h200-x2).
 The tests at the end (no gpu mark) check the fault script's host-side logic on CPU.
 """
@@ -87,6 +88,38 @@ def test_faults_on_two_gpus(tmp_path, sections):
     assert not set(FAULT_RUNS[sections]) - set(rank0), sorted(rank0)
     # A process group created by initialize() is destroyed at exit, even after a peer died.
     assert "destroy_process_group() was not called" not in r.stderr
+
+
+# ------------------------------------------------------------------------------------------------ soak
+@pytest.mark.gpu
+def test_soak_on_two_gpus(tmp_path):
+    """RING_GPU_SOAK_LONG_CALLS (default 10000) random-configuration calls through both frontends."""
+    n = _gpu_count()
+    if n < 2:
+        pytest.skip(f"the soak needs 2 NVIDIA GPUs (one process each); nvidia-smi sees {n}")
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "XLA_FLAGS")}
+    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    out = Path(os.environ.get("RING_GPU_OUT") or tmp_path)
+    calls = os.environ.get("RING_GPU_SOAK_LONG_CALLS", "10000")
+    r = subprocess.run([sys.executable, "-m", "jax_ring.launch", "--nproc-per-node", "2",
+                        str(ROOT / "tests" / "gpu_soak.py"), "--out", str(out), "--calls", calls],
+                       env=env, cwd=ROOT, timeout=1500)
+    assert r.returncode == 0, "the soak failed (its output is above)"
+    summary = json.loads((out / "gpu_soak.json").read_text())
+    assert summary["ok"] and all(m["wrong"] == 0 for m in summary["ranks"])
+
+
+def test_soak_plan_is_valid_and_the_same_on_every_rank():
+    sys.path.insert(0, str(ROOT / "tests"))
+    import gpu_soak
+    from ring_core import validate
+
+    plan = gpu_soak.plan(2026, 40)
+    assert plan == gpu_soak.plan(2026, 40) and len(set(plan)) > 10
+    for b, s, h, hkv, d, dtype, causal, layout in plan + [gpu_soak.BIG]:
+        validate.check_attention_args((b, s, h, d), (b, s, hkv, d), (b, s, hkv, d), dtype, dtype, dtype,
+                                      is_causal=causal, scale=None, layout=layout, backend="fused",
+                                      backends=("fused",))
 
 
 # ------------------------------------------------------------ the fault script's host-side logic (CPU)

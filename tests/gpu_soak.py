@@ -1,0 +1,135 @@
+"""GPU soak (issue 6), one process per GPU: many consecutive fused calls with changing shapes, flags, layouts
+and dtypes through both frontends, every result checked. Run by tests/test_gpu.py (``pytest -m gpu``), or:
+
+    python -m jax_ring.launch --nproc-per-node 2 tests/gpu_soak.py --calls 10000 --out /tmp/soak
+
+Every call draws one configuration at random from a pool (``plan``: random valid batch, seq_local, heads,
+kv heads, head_dim, dtype, causal/layout; drawn once so that compilation stays bounded) and a frontend
+(torch_bridge or jax_ring), and checks the output against the float64 reference with the one tolerance
+table. Every ``--big-every`` calls a larger case runs and is checked too. GPU memory (torch allocator,
+and the process RSS) is sampled after the warm-up and at the end: it must not grow. Every call has a
+``timeout_s`` and a watchdog bounds the run: a hang becomes an error, never a stuck job. Rank 0 prints the
+figures and writes ``gpu_soak.json`` under ``--out``; the exit code is 0 only if every call on every rank
+was right.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_faults import Job, start_watchdog  # noqa: E402
+
+HEAD_DIMS = (16, 24, 32, 64, 80, 96, 128, 160, 192, 256)
+BIG = (1, 4096, 16, 4, 128, "bfloat16", True, "zigzag")
+
+
+def plan(seed: int, pool: int):
+    """``pool`` random valid configurations (B, S, H, HKV, D, dtype, causal, layout), the same on every rank.
+    float32 is kept to head_dim <= 128 (its big tiles take a minute to compile each)."""
+    rng = random.Random(seed)
+    out = []
+    while len(out) < pool:
+        dtype = rng.choice(("bfloat16", "float16", "float32"))
+        d = rng.choice([x for x in HEAD_DIMS if dtype != "float32" or x <= 128])
+        hkv = rng.choice((1, 2, 4))
+        h = hkv * rng.choice((1, 2, 4))
+        causal = rng.random() < 0.6
+        layout = rng.choice(("zigzag", "contiguous")) if causal else "contiguous"
+        s = rng.choice((1, 2, 17, 64, 100, 255, 333, 512, 777))
+        if layout == "zigzag" and s % 2:
+            s += 1
+        out.append((rng.choice((1, 1, 2)), s, h, hkv, d, dtype, causal, layout))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--calls", type=int, default=10000)
+    ap.add_argument("--pool", type=int, default=12, help="distinct random configurations")
+    ap.add_argument("--big-every", type=int, default=500)
+    ap.add_argument("--seed", type=int, default=2026)
+    ap.add_argument("--timeout", type=float, default=60.0, help="timeout_s of every call")
+    ap.add_argument("--deadline", type=float, default=560.0, help="watchdog: seconds this process may run")
+    ap.add_argument("--heap-gib", type=float, default=4.0)
+    ap.add_argument("--no-jax", action="store_true")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    job = Job(a, with_jax=not a.no_jax)
+    start_watchdog(a.deadline, job.rank)
+    torch = job.torch
+    configs = plan(a.seed, a.pool) + [BIG]
+    from ring_core import reference, testing
+
+    prepared = []  # (inputs, this rank's indices, float64 reference, same-precision reference) per config
+    for i, c in enumerate(configs):  # references once: the big case's float64 one takes seconds
+        xs, idx = job.inputs(a.seed + i, *c[:6], c[7])
+        o64, _ = reference.attention(*xs, is_causal=c[6])
+        olp, _ = reference.attention_lowp(*xs, c[5], is_causal=c[6])
+        prepared.append((xs, idx, o64[:, idx], olp[:, idx]))
+    frontends = ["torch"] + ([] if a.no_jax else ["jax"])
+    rng = random.Random(a.seed + 1)
+    bad, counts, t_calls = [], {}, {f: 0.0 for f in frontends}
+
+    def call(i: int, n: int, fw: str) -> None:
+        b, s, h, hkv, d, dtype, causal, layout = configs[i]
+        xs, idx, o64, olp = prepared[i]
+        t0 = time.perf_counter()
+        if fw == "torch":
+            out, _ = job.torch_fused(xs, idx, dtype, is_causal=causal, layout=layout, timeout_s=a.timeout)
+            out = out.float().cpu().numpy()
+        else:
+            out, _ = job.jax_fused(xs, idx, dtype, is_causal=causal, layout=layout, timeout_s=a.timeout)
+        t_calls[fw] += time.perf_counter() - t0
+        counts[fw] = counts.get(fw, 0) + 1
+        try:
+            testing.check(f"soak call {n} ({fw}, {configs[i]})", np.asarray(out, np.float64), o64, olp, dtype, "out")
+        except AssertionError as e:
+            bad.append(str(e)[:300])
+
+    t_start = time.time()
+    for i in range(len(configs)):  # warm-up: every configuration through every frontend (compiles)
+        for fw in frontends:
+            call(i, -1, fw)
+    job.barrier("warm-up")
+    torch.cuda.synchronize()
+    mem0, rss0 = torch.cuda.memory_allocated(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t_warm = time.time() - t_start
+    t0 = time.time()
+    for n in range(a.calls):
+        i = len(configs) - 1 if a.big_every and n % a.big_every == a.big_every - 1 else rng.randrange(a.pool)
+        call(i, n, frontends[rng.randrange(len(frontends))])
+    torch.cuda.synchronize()
+    job.barrier("soak")
+    mem1, rss1 = torch.cuda.memory_allocated(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    summary = dict(rank=job.rank, calls=a.calls, wrong=len(bad), first_wrong=bad[:5], per_frontend=counts,
+                   seconds=round(time.time() - t0, 1), warmup_seconds=round(t_warm, 1),
+                   call_seconds={k: round(v, 1) for k, v in t_calls.items()},
+                   gpu_bytes_growth=mem1 - mem0, rss_kib_growth=rss1 - rss0, configs=configs)
+    merged = [None] * job.world
+    job.dist.all_gather_object(merged, summary)
+    ok = all(m["wrong"] == 0 and m["gpu_bytes_growth"] <= (64 << 20) for m in merged)
+    if job.rank == 0:
+        for m in merged:
+            print(f"gpu_soak rank {m['rank']}: {m['calls']} calls ({m['per_frontend']}), {m['wrong']} wrong, "
+                  f"{m['seconds']} s after a {m['warmup_seconds']} s warm-up, GPU memory growth "
+                  f"{m['gpu_bytes_growth']} B, peak RSS growth {m['rss_kib_growth']} KiB", flush=True)
+        if a.out:
+            os.makedirs(a.out, exist_ok=True)
+            with open(os.path.join(a.out, "gpu_soak.json"), "w") as f:
+                json.dump(dict(ok=ok, ranks=merged), f, indent=1)
+        print("gpu_soak: " + ("ALL CALLS RIGHT" if ok else "FAILED"), flush=True)
+    job.tb.shutdown()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
