@@ -11,13 +11,18 @@ Protocol (per call; "epoch" = this rank's call counter + 1, equal on every rank 
   atomic counter in the control region and copy a claimed unit into the receive slot ``d-1`` of rank
   ``rank+d`` with ``iris.store``; then they publish it by writing ``epoch`` into that unit's flag on the
   receiver with a release ``iris.atomic_xchg`` (system scope, after a CTA barrier so every thread's stores
-  are ordered before it).
+  are ordered before it). Under causal masking a unit that the receiver can never see (its first
+  position after the receiver's last query position) is claimed but neither copied nor flagged: no tile
+  of the receiver waits for it.
 * Compute. A program owns one (batch, head, BLOCK_M query rows) tile. Ring step 0 uses the local K/V and
-  waits for nothing; during it the program claims one push unit per K/V block (overlap). Before its first
-  wait a program drains the claim counter (pushes until no unit is left). Ring step t >= 1 processes the
-  K/V of rank ``rank-t``: before its loop over K/V blocks it waits (acquire) until the flag of every chunk
-  it will read equals ``epoch`` (not inside the loop: see the comment there). Blocks that causal masking
-  hides completely are neither waited for nor computed.
+  waits for nothing; during it the program claims one push unit every SEG_BLOCKS K/V blocks (overlap;
+  the claims sit between the software-pipelined inner loops). Before its first wait a program drains the
+  claim counter (pushes until no unit is left). Ring step t >= 1 processes the K/V of rank ``rank-t``:
+  before its loops over K/V blocks it waits (acquire; one vector poll over the chunk flags) until the
+  flag of every chunk it will read equals ``epoch`` (not inside the loops: see the comment there).
+  Positions grow with the local row in both layouts, so the K/V a tile sees is a prefix of the source's
+  shard: blocks every query sees whole run in an unmasked loop, the diagonal and tail in a masked one,
+  and blocks causal masking hides completely are neither waited for, loaded nor computed.
 * End. The last program to finish (atomic finish counter) tells every peer "I am done with this epoch"
   (release flag in the peer's barrier slot), waits for the same from every peer, copies the error record
   into ``status``, resets the claim/finish counters and stores ``epoch`` as the new call counter.
