@@ -41,7 +41,12 @@ def initialize(heap_size: int | None = None):
         jax.config.update("jax_cuda_visible_devices", str(local))
     if world > 1 and not _jax_distributed_ready():
         addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
-        port = int(os.environ.get("JAX_COORDINATOR_PORT", int(os.environ["MASTER_PORT"]) + 1))
+        if "JAX_COORDINATOR_PORT" not in os.environ and "MASTER_PORT" not in os.environ:
+            raise RuntimeError(
+                "jax_ring.initialize needs a port for jax.distributed's coordinator: set JAX_COORDINATOR_PORT "
+                "(or MASTER_PORT, whose next port is used) to the same free port on every process, or call "
+                "jax.distributed.initialize(..., local_device_ids=[this process's GPU]) yourself first")
+        port = int(os.environ.get("JAX_COORDINATOR_PORT", int(os.environ.get("MASTER_PORT", 0)) + 1))
         jax.distributed.initialize(coordinator_address=f"{addr}:{port}", num_processes=world, process_id=rank,
                                    local_device_ids=[local])
     return _heap.initialize(heap_size)

@@ -301,3 +301,18 @@ def test_initialize_on_cpu_says_it_needs_gpus(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "ERR the fused backend needs NVIDIA GPUs (one per process); on CPU use backend='xla'" in r.stdout
     assert "GROUP False" in r.stdout  # nothing was created on the way
+
+
+def test_jax_initialize_without_a_coordinator_port_says_what_to_set(monkeypatch):
+    # A program that created its own process group (no launcher environment) and several processes:
+    # jax.distributed needs a coordinator port, and the message says how to give one.
+    import jax_ring.distributed as jd
+    from ring_core import heap
+
+    monkeypatch.setattr(heap, "is_initialized", lambda: False)
+    monkeypatch.setattr(heap, "init_torch_distributed_from_env", lambda: (0, 2, 0))
+    monkeypatch.setattr(jd, "_jax_distributed_ready", lambda: False)
+    for var in ("MASTER_PORT", "JAX_COORDINATOR_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(RuntimeError, match="JAX_COORDINATOR_PORT"):
+        jd.initialize()
