@@ -96,15 +96,21 @@ def check_errors():
     _drain(wait=True)
 
 
-def forward(q, k, v, spec, group=None, timeout_s: float | None = None, config=None):
-    """Launch the fused kernel on this rank's shards; returns (out, lse). Inputs already validated.
-    ``config`` (a ring_core.launch.KernelConfig) overrides the tuned defaults: for tuning only."""
+def _prepare(q, spec, group, config, *, backward: bool):
+    """(heap, launch plan) for a fused launch on this rank, after the checks that need the heap; reports
+    errors of finished earlier calls. Raises HeapTooSmallError before anything is launched."""
     h = _heap.get()
     _check_group(group)
     if q.device != h.device:
         raise ValueError(f"inputs are on {q.device} but this rank's heap is on {h.device}; move them there")
     _drain(wait=False)
-    p = h.plan(spec, config=config)  # raises HeapTooSmallError before anything is launched
+    return h, (h.plan_bwd(spec, config=config) if backward else h.plan(spec, config=config))
+
+
+def forward(q, k, v, spec, group=None, timeout_s: float | None = None, config=None):
+    """Launch the fused kernel on this rank's shards; returns (out, lse). Inputs already validated.
+    ``config`` (a ring_core.launch.KernelConfig) overrides the tuned defaults: for tuning only."""
+    h, p = _prepare(q, spec, group, config, backward=False)
     from ring_core.kernel import ring_attn_fwd_kernel
 
     q, k, v = (x.contiguous() for x in (q, k, v))
@@ -140,12 +146,7 @@ def backward(q, k, v, out, lse, dout, spec, group=None, timeout_s: float | None 
     ``out`` and ``lse``; returns (dq, dk, dv). Same launch maths (ring_core.launch.plan_bwd) and argument
     list as the JAX launcher (jax_ring.fused.backward). ``config`` (a ring_core.launch.BwdKernelConfig)
     overrides the defaults: for tuning only."""
-    h = _heap.get()
-    _check_group(group)
-    if q.device != h.device:
-        raise ValueError(f"inputs are on {q.device} but this rank's heap is on {h.device}; move them there")
-    _drain(wait=False)
-    p = h.plan_bwd(spec, config=config)  # raises HeapTooSmallError before anything is launched
+    h, p = _prepare(q, spec, group, config, backward=True)
     from ring_core.kernel_bwd import ring_attn_bwd_kernel
 
     q, k, v, out = (x.contiguous() for x in (q, k, v, out))
