@@ -75,6 +75,32 @@ except ImportError:  # pragma: no cover
 
 
 @triton.jit
+def _start_clock(INTERPRET: tl.constexpr):
+    if INTERPRET:
+        return 0  # no clock in the interpreter: _still_waiting counts polls instead
+    else:
+        return _globaltimer()
+
+
+@triton.jit
+def _still_waiting(ok, polls, t0, ctl, timeout_ns, INTERPRET: tl.constexpr):
+    """The bound of every spin-wait, after ``polls`` polls: 0 once this rank has recorded an error (nothing
+    downstream can be trusted) or ``timeout_ns`` has passed since ``t0``; else ``ok`` unchanged."""
+    if (polls % 64) == 0:
+        if tl.atomic_add(ctl + 3, 0, sem="relaxed", scope="gpu") != 0:
+            ok = ok * 0
+        if not INTERPRET:
+            if _globaltimer() - t0 > timeout_ns:
+                ok = ok * 0
+    if INTERPRET:
+        # No clock in the interpreter: count polls. One costs about 0.3 ms of host time on the 2-core CI
+        # machines (measured 0.38 ms), so the limit is approximate there.
+        if polls > timeout_ns // 300000:
+            ok = ok * 0
+    return ok
+
+
+@triton.jit
 def _poll_ge(ptr, target, ctl, timeout_ns, INTERPRET: tl.constexpr):
     """Spin (acquire, system scope) until ``*ptr >= target``; returns 1 if met, 0 on timeout or if this
     rank already recorded an error (then nothing downstream is trustworthy, so give up at once)."""
@@ -82,22 +108,11 @@ def _poll_ge(ptr, target, ctl, timeout_ns, INTERPRET: tl.constexpr):
     err = tl.atomic_add(ctl + 3, 0, sem="relaxed", scope="gpu")
     ok = (err == 0).to(tl.int32)
     polls = ok * 0
-    if not INTERPRET:
-        t0 = _globaltimer()
+    t0 = _start_clock(INTERPRET)
     while (val < target) & (ok == 1):
         val = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
         polls += 1
-        if (polls % 64) == 0:
-            if tl.atomic_add(ctl + 3, 0, sem="relaxed", scope="gpu") != 0:
-                ok = ok * 0  # an error was recorded on this rank: nothing downstream can be trusted
-            if not INTERPRET:
-                if _globaltimer() - t0 > timeout_ns:
-                    ok = ok * 0
-        if INTERPRET:
-            # No clock in the interpreter: count polls. One costs about 0.3 ms of host time on the
-            # 2-core CI machines (measured 0.38 ms), so the limit is approximate there.
-            if polls > timeout_ns // 300000:
-                ok = ok * 0
+        ok = _still_waiting(ok, polls, t0, ctl, timeout_ns, INTERPRET)
     return ok & (val >= target).to(tl.int32)
 
 
@@ -113,22 +128,13 @@ def _poll_all_ge(ptrs, mask, target, ctl, timeout_ns, INTERPRET: tl.constexpr, N
     err = tl.atomic_add(ctl + 3, 0, sem="relaxed", scope="gpu")
     ok = (err == 0).to(tl.int32)
     polls = ok * 0
-    if not INTERPRET:
-        t0 = _globaltimer()
+    t0 = _start_clock(INTERPRET)
     while (n_short > 0) & (ok == 1):
         val = tl.atomic_add(ptrs, 0, mask=short, sem="acquire", scope="sys")
         short = short & (val < target)
         n_short = tl.sum(short.to(tl.int32), axis=0)
         polls += 1
-        if (polls % 64) == 0:
-            if tl.atomic_add(ctl + 3, 0, sem="relaxed", scope="gpu") != 0:
-                ok = ok * 0  # an error was recorded on this rank: nothing downstream can be trusted
-            if not INTERPRET:
-                if _globaltimer() - t0 > timeout_ns:
-                    ok = ok * 0
-        if INTERPRET:
-            if polls > timeout_ns // 300000:  # see _poll_ge
-                ok = ok * 0
+        ok = _still_waiting(ok, polls, t0, ctl, timeout_ns, INTERPRET)
     first = tl.min(tl.where(short, tl.arange(0, N), N), axis=0)
     return ok & (n_short == 0).to(tl.int32), first
 
