@@ -98,6 +98,21 @@ def expect_timeout_message(err: BaseException, *, rank: int, peer: int, timeout_
     return msg
 
 
+def expect_timeout(call, a, why: str) -> str:
+    """Run ``call`` on rank 0, which must raise RingAttentionTimeout naming rank 1 within ``a.timeout`` +
+    ``a.slack`` seconds; returns the check's detail (time and the message's first sentence)."""
+    t0 = time.monotonic()
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001 - the message is checked
+        elapsed = time.monotonic() - t0
+        msg = expect_timeout_message(e, rank=0, peer=1, timeout_s=a.timeout)
+        if elapsed > a.timeout + a.slack:
+            raise AssertionError(f"raised after {elapsed:.1f} s, limit {a.timeout} s + {a.slack} s") from None
+        return f"after {elapsed:.1f} s: {msg.split('. ')[0]}"
+    raise AssertionError(f"the call returned although {why}")
+
+
 def wait_until(done, deadline_s: float, what: str, poll_s: float = 0.01):
     """Poll ``done()`` until it is true; raise TimeoutError naming ``what`` after ``deadline_s`` seconds."""
     end = time.monotonic() + deadline_s
@@ -236,17 +251,8 @@ def section_timeout(job: Job):
         job.barrier(f"{fw} good call")
         if rank == 0:
             with job.report.check(f"timeout/{fw}: rank 1 absent -> RingAttentionTimeout on rank 0") as c:
-                t0 = time.monotonic()
-                try:
-                    call(xs, idx, dtype, is_causal=causal, layout=layout, timeout_s=a.timeout)
-                except Exception as e:  # noqa: BLE001 - the message is checked
-                    elapsed = time.monotonic() - t0
-                    msg = expect_timeout_message(e, rank=0, peer=1, timeout_s=a.timeout)
-                    if elapsed > a.timeout + a.slack:
-                        raise AssertionError(f"raised after {elapsed:.1f} s, limit {a.timeout} s + {a.slack} s")
-                    c.detail = f"after {elapsed:.1f} s: {msg.split('. ')[0]}"
-                else:
-                    raise AssertionError("the call returned although rank 1 never called")
+                c.detail = expect_timeout(lambda: call(xs, idx, dtype, is_causal=causal, layout=layout,
+                                                       timeout_s=a.timeout), a, "rank 1 never called")
         job.barrier(f"{fw} timeout", deadline_s=a.timeout + a.slack + 60)
         with job.report.check(f"timeout/{fw}: reset() on every rank, then right calls through both frontends"):
             (job.tb.reset if fw == "torch" else _jax_reset)()
@@ -455,17 +461,8 @@ def section_kill(job: Job):
     # Rank 1's kernel is by now waiting for rank 0 (or gone with its process): rank 0 launches late on purpose.
     time.sleep(2.0)
     with job.report.check("kill: rank 0 raises RingAttentionTimeout naming rank 1 within timeout_s") as c:
-        t0 = time.monotonic()
-        try:
-            job.torch_fused(xs, idx, dtype, is_causal=causal, layout=layout, timeout_s=a.timeout)
-        except Exception as e:  # noqa: BLE001 - checked
-            elapsed = time.monotonic() - t0
-            msg = expect_timeout_message(e, rank=0, peer=1, timeout_s=a.timeout)
-            if elapsed > a.timeout + a.slack:
-                raise AssertionError(f"raised after {elapsed:.1f} s, limit {a.timeout} s + {a.slack} s")
-            c.detail = f"after {elapsed:.1f} s: {msg.split('. ')[0]}"
-        else:
-            raise AssertionError("the call returned although rank 1 died")
+        c.detail = expect_timeout(lambda: job.torch_fused(xs, idx, dtype, is_causal=causal, layout=layout,
+                                                          timeout_s=a.timeout), a, "rank 1 died")
     with job.report.check("kill: rank 0 shuts down cleanly (heap released, no error left)") as c:
         t0 = time.monotonic()
         released = job.tb.shutdown()

@@ -27,18 +27,26 @@ def _gpu_count() -> int:
     return len([l for l in out.stdout.splitlines() if l.strip()]) if out.returncode == 0 else 0
 
 
-@pytest.mark.gpu
-def test_fused_on_two_gpus(tmp_path):
+def _launch_two(what, script, tmp_path, args, timeout, env_extra=None, **kw):
+    """Run ``tests/<script>`` with one process per GPU on 2 GPUs (skipping, saying why, with fewer);
+    returns (completed process, the folder its JSON summary goes to)."""
     n = _gpu_count()
     if n < 2:
-        pytest.skip(f"the fused ring needs 2 NVIDIA GPUs (one process each); nvidia-smi sees {n}")
+        pytest.skip(f"{what} needs 2 NVIDIA GPUs (one process each); nvidia-smi sees {n}")
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "XLA_FLAGS")}
     env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
-    calls = os.environ.get("RING_GPU_SOAK_CALLS", "1000")
-    out = Path(os.environ.get("RING_GPU_OUT") or tmp_path)  # where gpu_checks.json is written
+    env.update(env_extra or {})
+    out = Path(os.environ.get("RING_GPU_OUT") or tmp_path)  # where the JSON summary is written
     r = subprocess.run([sys.executable, "-m", "jax_ring.launch", "--nproc-per-node", "2",
-                        str(ROOT / "tests" / "gpu_checks.py"), "--out", str(out), "--calls", calls],
-                       env=env, cwd=ROOT, timeout=1500)
+                        str(ROOT / "tests" / script), "--out", str(out), *args],
+                       env=env, cwd=ROOT, timeout=timeout, **kw)
+    return r, out
+
+
+@pytest.mark.gpu
+def test_fused_on_two_gpus(tmp_path):
+    calls = os.environ.get("RING_GPU_SOAK_CALLS", "1000")
+    r, out = _launch_two("the fused ring", "gpu_checks.py", tmp_path, ["--calls", calls], timeout=1500)
     assert r.returncode == 0, "a GPU check failed (its output is above)"
     summary = json.loads((out / "gpu_checks.json").read_text())
     assert summary["ok"] and summary["soak_bad"] == 0 and summary["cases"] >= 10
@@ -68,17 +76,10 @@ FAULT_RUNS = {  # --sections -> the checks rank 0 must report
 @pytest.mark.gpu
 @pytest.mark.parametrize("sections", list(FAULT_RUNS))
 def test_faults_on_two_gpus(tmp_path, sections):
-    n = _gpu_count()
-    if n < 2:
-        pytest.skip(f"the fault checks need 2 NVIDIA GPUs (one process each); nvidia-smi sees {n}")
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "XLA_FLAGS")}
-    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
-    env["RING_ATTENTION_TIMEOUT_S"] = "60"  # bounds every fused call the script does not bound itself
-    out = Path(os.environ.get("RING_GPU_OUT") or tmp_path)
-    r = subprocess.run([sys.executable, "-m", "jax_ring.launch", "--nproc-per-node", "2",
-                        str(ROOT / "tests" / "gpu_faults.py"), "--out", str(out), "--sections", sections,
-                        "--timeout", "5", "--deadline", "420"],
-                       env=env, cwd=ROOT, timeout=540, capture_output=True, text=True)
+    r, out = _launch_two("the fault checks", "gpu_faults.py", tmp_path,
+                         ["--sections", sections, "--timeout", "5", "--deadline", "420"], timeout=540,
+                         # bounds every fused call the script does not bound itself
+                         env_extra={"RING_ATTENTION_TIMEOUT_S": "60"}, capture_output=True, text=True)
     sys.stdout.write(r.stdout[-30000:])
     sys.stderr.write(r.stderr[-30000:])
     assert r.returncode == 0, f"a fault check failed (exit code {r.returncode}; its output is above)"
@@ -94,16 +95,8 @@ def test_faults_on_two_gpus(tmp_path, sections):
 @pytest.mark.gpu
 def test_soak_on_two_gpus(tmp_path):
     """RING_GPU_SOAK_LONG_CALLS (default 10000) random-configuration calls through both frontends."""
-    n = _gpu_count()
-    if n < 2:
-        pytest.skip(f"the soak needs 2 NVIDIA GPUs (one process each); nvidia-smi sees {n}")
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "XLA_FLAGS")}
-    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
-    out = Path(os.environ.get("RING_GPU_OUT") or tmp_path)
     calls = os.environ.get("RING_GPU_SOAK_LONG_CALLS", "10000")
-    r = subprocess.run([sys.executable, "-m", "jax_ring.launch", "--nproc-per-node", "2",
-                        str(ROOT / "tests" / "gpu_soak.py"), "--out", str(out), "--calls", calls],
-                       env=env, cwd=ROOT, timeout=1500)
+    r, out = _launch_two("the soak", "gpu_soak.py", tmp_path, ["--calls", calls], timeout=1500)
     assert r.returncode == 0, "the soak failed (its output is above)"
     summary = json.loads((out / "gpu_soak.json").read_text())
     assert summary["ok"] and all(m["wrong"] == 0 for m in summary["ranks"])
