@@ -12,6 +12,12 @@ import math
 import numpy as np
 
 
+def _einsum(spec, *ops):
+    """np.einsum through BLAS (optimize=True): unoptimised einsum loops in C, a hundred times slower at the
+    sizes the GPU checks use."""
+    return np.einsum(spec, *ops, optimize=True)
+
+
 def _np_dtype(name: str):
     if name == "bfloat16":
         import ml_dtypes  # ships with jax; only needed for bf16 rounding
@@ -29,7 +35,7 @@ def _scores(q, k, scale, is_causal):
     b, s, h, d = q.shape
     hkv = k.shape[2]
     qg = q.reshape(b, s, hkv, h // hkv, d)
-    sc = np.einsum("bqkgd,bskd->bkgqs", qg, k) * scale  # [b, hkv, g, sq, sk]
+    sc = _einsum("bqkgd,bskd->bkgqs", qg, k) * scale  # [b, hkv, g, sq, sk]
     if is_causal:
         sq, sk = q.shape[1], k.shape[1]
         mask = np.arange(sk)[None, :] > np.arange(sq)[:, None]
@@ -46,7 +52,7 @@ def attention(q, k, v, *, is_causal=False, scale=None, compute_dtype=np.float64)
     m = sc.max(-1, keepdims=True)
     p = np.exp(sc - m)
     l = p.sum(-1, keepdims=True)
-    out = np.einsum("bkgqs,bskd->bqkgd", p / l, v).reshape(b, s, h, d)
+    out = _einsum("bkgqs,bskd->bqkgd", p / l, v).reshape(b, s, h, d)
     lse = (m + np.log(l))[..., 0].reshape(b, h, s)
     return out, lse
 
@@ -65,7 +71,7 @@ def attention_lowp(q, k, v, dtype: str, *, is_causal=False, scale=None):
     m = sc.max(-1, keepdims=True)
     p = np.exp(sc - m)
     l = p.sum(-1, keepdims=True)
-    pv = np.einsum("bkgqs,bskd->bqkgd", round_to(p, dtype).astype(np.float32), v)
+    pv = _einsum("bkgqs,bskd->bqkgd", round_to(p, dtype).astype(np.float32), v)
     l_q = np.moveaxis(l[..., 0], 3, 1)[..., None]  # [b, sq, hkv, g, 1]
     out = round_to((pv / l_q).reshape(b, s, h, d), dtype)
     lse = (m + np.log(l))[..., 0].reshape(b, h, s).astype(np.float64)
@@ -83,13 +89,13 @@ def attention_grad(q, k, v, dout, *, is_causal=False, scale=None, compute_dtype=
     p = np.exp(sc - sc.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)  # [b, hkv, g, sq, sk]
     do = dout.reshape(b, s, hkv, g, d)
-    out = np.einsum("bkgqs,bskd->bqkgd", p, v)
-    dv = np.einsum("bkgqs,bqkgd->bskd", p, do)
-    dp = np.einsum("bqkgd,bskd->bkgqs", do, v)
+    out = _einsum("bkgqs,bskd->bqkgd", p, v)
+    dv = _einsum("bkgqs,bqkgd->bskd", p, do)
+    dp = _einsum("bqkgd,bskd->bkgqs", do, v)
     delta = np.moveaxis((do * out).sum(-1), 1, 3)[..., None]  # [b, hkv, g, sq, 1]
     ds = p * (dp - delta)
-    dq = np.einsum("bkgqs,bskd->bqkgd", ds, k).reshape(b, s, h, d) * scale
-    dk = np.einsum("bkgqs,bqkgd->bskd", ds, q.reshape(b, s, hkv, g, d)) * scale
+    dq = _einsum("bkgqs,bskd->bqkgd", ds, k).reshape(b, s, h, d) * scale
+    dk = _einsum("bkgqs,bqkgd->bskd", ds, q.reshape(b, s, hkv, g, d)) * scale
     return dq, dk, dv
 
 
