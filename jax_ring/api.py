@@ -73,6 +73,8 @@ def ring_attention(q, k, v, *, axis_name, is_causal=False, scale=None, layout="c
       timeout_s: bound in seconds on every wait inside the fused kernel (default: RING_ATTENTION_TIMEOUT_S
         when traced, else 300); an expired wait raises ``ring_core.launch.RingAttentionTimeout`` naming the
         missing rank and ring step. Baked into the compiled program. The xla ring has no waits of its own.
+        Ranks whose fused calls differ (shapes, dtype, flags, layout, scale) raise
+        ``ring_core.launch.RingAttentionMismatch`` naming both calls (found before any data moves).
 
     Returns:
       ``out`` with q's shape and dtype, or ``(out, lse)`` with ``return_lse=True``.

@@ -235,6 +235,27 @@ class SimulatedJob:
             for h in self.heaps:
                 h[start:end].zero_()
 
+    def _per_rank(self, spec):
+        """One AttentionSpec per rank: ``spec`` itself, or a sequence of them (ranks that disagree)."""
+        specs = list(spec) if isinstance(spec, (list, tuple)) else [spec] * self.world_size
+        if len(specs) != self.world_size:
+            raise ValueError(f"{len(specs)} specs for {self.world_size} ranks")
+        return specs
+
+    def _publish_started(self, plans, absent_ranks):
+        """For ranks that started the call and then stopped: write their signatures for this call into
+        every other rank's inbox, as their kernel's first program would have (ring_core.kernel._check_call)."""
+        import torch
+
+        for a in absent_ranks:
+            words = plans[a].signature()
+            for r, h in enumerate(self.heaps):
+                if r == a:
+                    continue
+                ctl = h[self.layout.ctl_off:self.layout.ctl_off + launch.CTL_BYTES].view(torch.int32)
+                words[0] = int(ctl[launch.CTL_EPOCH]) + 1
+                ctl[launch.CTL_SIG + a * launch.SIG_WORDS:][:launch.SIG_WORDS] = torch.from_numpy(words)
+
     def _launch(self, kernel, launch_rank, absent_ranks, timeout_s):
         """Run ``launch_rank(r)`` (one kernel launch on rank r, returning that rank's results) on one
         thread per rank, except ``absent_ranks``; returns the per-rank results (None for absent ranks)."""
@@ -278,55 +299,63 @@ class SimulatedJob:
                 raise RuntimeError(f"simulated rank {r} failed: {e!r}") from e
         return results
 
-    def run(self, spec: AttentionSpec, q_shards, k_shards, v_shards, *, timeout_s: float = 60.0,
-            absent_ranks=()):
-        """Run one call on every rank (except ``absent_ranks``, to simulate a rank that never arrives).
-        Shards are numpy arrays in ``spec.dtype``; returns per-rank (out, lse, status) numpy arrays."""
+    def run(self, spec, q_shards, k_shards, v_shards, *, timeout_s: float = 60.0, absent_ranks=(),
+            absent_started: bool = False):
+        """Run one call on every rank (except ``absent_ranks``, to simulate a rank that never arrives; with
+        ``absent_started`` they started the call, published its signature and then stopped). ``spec`` is
+        an AttentionSpec, or one per rank (ranks that disagree). Shards are numpy arrays in each rank's
+        dtype; returns per-rank (out, lse, status) numpy arrays."""
         import torch
 
         kernel = ensure_interpreter()
-        self._ensure_heaps(launch.recv_bytes(spec, self.world_size))
-        plan = launch.plan(spec, self.world_size, self.layout, interpret=True)
+        specs = self._per_rank(spec)
+        self._ensure_heaps(max(launch.recv_bytes(sp, self.world_size) for sp in specs))
+        plans = [launch.plan(sp, self.world_size, self.layout, interpret=True) for sp in specs]
         bases = [h.data_ptr() for h in self.heaps]
-        consts = plan.constexprs(interpret=True)
-        scalars = plan.scalars(timeout_s)
-        (o_shape, _), (l_shape, _), (s_shape, _) = plan.out_shapes
+        if absent_started:
+            self._publish_started(plans, absent_ranks)
 
         def launch_rank(r):
-            q, k, v = (_to_torch(x[r], spec.dtype) for x in (q_shards, k_shards, v_shards))
+            sp, plan = specs[r], plans[r]
+            (o_shape, _), (l_shape, _), (s_shape, _) = plan.out_shapes
+            q, k, v = (_to_torch(x[r], sp.dtype) for x in (q_shards, k_shards, v_shards))
             ctx = torch.from_numpy(launch.make_ctx(bases, r, self.layout))
             out = torch.zeros(o_shape, dtype=q.dtype)
             lse = torch.zeros(l_shape, dtype=torch.float32)
             status = torch.zeros(s_shape, dtype=torch.int32)  # zeroed, as on the GPU paths
-            kernel[plan.grid](q, k, v, ctx, *scalars, out, lse, status, **consts)
-            return _to_numpy(out, spec.dtype), lse.numpy(), status.numpy()
+            kernel[plan.grid](q, k, v, ctx, *plan.scalars(timeout_s), out, lse, status,
+                              **plan.constexprs(interpret=True))
+            return _to_numpy(out, sp.dtype), lse.numpy(), status.numpy()
 
         return self._launch(kernel, launch_rank, absent_ranks, timeout_s)
 
-    def run_bwd(self, spec: AttentionSpec, q_shards, k_shards, v_shards, out_shards, lse_shards, dout_shards, *,
-                timeout_s: float = 60.0, absent_ranks=()):
+    def run_bwd(self, spec, q_shards, k_shards, v_shards, out_shards, lse_shards, dout_shards, *,
+                timeout_s: float = 60.0, absent_ranks=(), absent_started: bool = False):
         """Run one backward call on every rank (except ``absent_ranks``). ``out``/``lse`` are the forward's
-        per-rank results. Returns per-rank (dq, dk, dv, status) numpy arrays (gradients in ``spec.dtype``)."""
+        per-rank results; ``spec`` and ``absent_started`` as in ``run``. Returns per-rank (dq, dk, dv, status) numpy arrays
+        (gradients in each rank's dtype)."""
         import torch
 
         kernel = ensure_interpreter_bwd()
-        self._ensure_heaps(launch.bwd_recv_bytes(spec, self.world_size)[2])
-        plan = launch.plan_bwd(spec, self.world_size, self.layout, interpret=True)
+        specs = self._per_rank(spec)
+        self._ensure_heaps(max(launch.bwd_recv_bytes(sp, self.world_size)[2] for sp in specs))
+        plans = [launch.plan_bwd(sp, self.world_size, self.layout, interpret=True) for sp in specs]
         bases = [h.data_ptr() for h in self.heaps]
-        consts = plan.constexprs(interpret=True)
-        scalars = plan.scalars(timeout_s)
-        shapes = plan.out_shapes
+        if absent_started:
+            self._publish_started(plans, absent_ranks)
 
         def launch_rank(r):
-            q, k, v, o, do = (_to_torch(x[r], spec.dtype) for x in (q_shards, k_shards, v_shards, out_shards,
-                                                                    dout_shards))
+            sp, plan = specs[r], plans[r]
+            q, k, v, o, do = (_to_torch(x[r], sp.dtype) for x in (q_shards, k_shards, v_shards, out_shards,
+                                                                  dout_shards))
             lse = _to_torch(lse_shards[r], "float32")
             ctx = torch.from_numpy(launch.make_ctx(bases, r, self.layout))
-            outs = [torch.zeros(shape, dtype=q.dtype if dt == spec.dtype else getattr(torch, dt))
-                    for shape, dt in shapes]  # dq, dk, dv, delta (scratch), status (zeroed, as on GPUs)
-            kernel[plan.grid](q, k, v, o, do, lse, ctx, *scalars, *outs, **consts)
+            outs = [torch.zeros(shape, dtype=q.dtype if dt == sp.dtype else getattr(torch, dt))
+                    for shape, dt in plan.out_shapes]  # dq, dk, dv, delta (scratch), status (zeroed, as on GPUs)
+            kernel[plan.grid](q, k, v, o, do, lse, ctx, *plan.scalars(timeout_s), *outs,
+                              **plan.constexprs(interpret=True))
             dq, dk, dv, _, status = outs
-            return (*(_to_numpy(x, spec.dtype) for x in (dq, dk, dv)), status.numpy())
+            return (*(_to_numpy(x, sp.dtype) for x in (dq, dk, dv)), status.numpy())
 
         return self._launch(kernel, launch_rank, absent_ranks, timeout_s)
 

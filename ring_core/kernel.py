@@ -6,6 +6,13 @@ the attention math; the softmax is merged online across ring steps. One launch p
 
 Protocol (per call; "epoch" = this rank's call counter + 1, equal on every rank of a job)
 ----------------------------------------------------------------------------------------
+* Call check. Before anything is pushed or waited for, every rank checks that every peer makes the same
+  call: the first program of the call publishes the call's signature (kernel, world size, shapes, dtype,
+  causal/layout, scale, chunking; ``_call_words``) into its inbox slot on every peer, and every program
+  waits (bounded) for every peer's signature of this epoch and compares (``_check_call``). On a
+  difference (or a peer at another epoch) the rank records the error with both signatures and pushes
+  nothing, so a peer's differently sized receive slots are never written; every later wait gives up at
+  once. Every rank sees the difference, so every rank raises, and the epochs stay in step.
 * Push work. The local K/V is cut into *units* (peer distance d in 1..W-1, batch, kv head, chunk of
   CHUNK_BLOCKS*BLOCK_N rows), ordered nearest ring neighbour first. Programs *claim* units through an
   atomic counter in the control region and copy a claimed unit into the receive slot ``d-1`` of rank
@@ -29,7 +36,9 @@ Protocol (per call; "epoch" = this rank's call counter + 1, equal on every rank 
 
 Why it cannot deadlock
 ----------------------
-A program waits only for (a) flags of units pushed by the source rank, and (b) the end barrier.
+A program waits only for (0) the peers' signatures, (a) flags of units pushed by the source rank, and
+(b) the end barrier. (0) A signature is published by whichever program of the peer's kernel claims the
+publishing first, before it waits for anything; so it is published as soon as any program there runs.
 (a) Units are pushed by programs that claimed them; claiming and pushing never wait on anything, and
 every program drains the claim counter before its first wait. So all units of rank s are pushed as soon
 as *any* program of the kernel on rank s runs; no wait depends on a particular program being resident.
@@ -71,7 +80,17 @@ try:  # %globaltimer for the bounded waits on NVIDIA; never traced in the interp
 except ImportError:  # pragma: no cover
     _globaltimer = None
 
-# Control-region word indices and error codes are documented in ring_core.launch (CTL_*, ERR_*).
+# Control-region word indices and error codes are documented in ring_core.launch (CTL_*, ERR_*); the
+# older ones appear here as literals (0 epoch, 1 claim, 2 finish, 3..6 error record, 8 + p barrier).
+from ring_core import launch as _launch  # noqa: E402
+
+_CTL_SIG_CLAIM = tl.constexpr(_launch.CTL_SIG_CLAIM)
+_CTL_ERR_SIG = tl.constexpr(_launch.CTL_ERR_SIG)
+_CTL_SIG = tl.constexpr(_launch.CTL_SIG)
+_SIG_WORDS = tl.constexpr(_launch.SIG_WORDS)
+_ERR_MISMATCH = tl.constexpr(_launch.ERR_MISMATCH)
+_ERR_EPOCH = tl.constexpr(_launch.ERR_EPOCH)
+_ERR_START = tl.constexpr(_launch.ERR_START_TIMEOUT)
 
 
 @triton.jit
@@ -141,11 +160,114 @@ def _poll_all_ge(ptrs, mask, target, ctl, timeout_ns, INTERPRET: tl.constexpr, N
 
 @triton.jit
 def _record_error(ctl, code, peer, step, chunk):
+    """Record (code, peer, step, chunk) unless an error is already recorded (first error wins); returns
+    whether this one was recorded."""
     won = tl.atomic_cas(ctl + 3, 0, code, sem="acq_rel", scope="gpu")
     if won == 0:
         tl.atomic_xchg(ctl + 4, peer, sem="relaxed", scope="gpu")
         tl.atomic_xchg(ctl + 5, step, sem="relaxed", scope="gpu")
         tl.atomic_xchg(ctl + 6, chunk, sem="relaxed", scope="gpu")
+    return won == 0
+
+
+@triton.jit
+def _call_words(KIND: tl.constexpr, B, S, sm_scale, W: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr,
+                D: tl.constexpr, SIG_DTYPE: tl.constexpr, CAUSAL: tl.constexpr, ZIGZAG: tl.constexpr,
+                CHUNK_ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """This call's signature words 1..12 (word 0, the epoch, is left 0): ring_core.launch.call_signature
+    builds the same words on the host, which is how the host describes a mismatch."""
+    i = tl.arange(0, _SIG_WORDS)
+    zero = i * 0
+    w = tl.where(i == 1, KIND, zero)
+    w = tl.where(i == 2, W, w)
+    w = tl.where(i == 3, zero + B, w)  # B, S: runtime scalars (or the constant 1 Triton specialised)
+    w = tl.where(i == 4, zero + S, w)
+    w = tl.where(i == 5, H, w)
+    w = tl.where(i == 6, HKV, w)
+    w = tl.where(i == 7, D, w)
+    w = tl.where(i == 8, SIG_DTYPE, w)
+    if CAUSAL:
+        w = tl.where(i == 9, w + 1, w)
+    if ZIGZAG:
+        w = tl.where(i == 9, w + 2, w)
+    w = tl.where(i == 10, (zero.to(tl.float32) + sm_scale).to(tl.int32, bitcast=True), w)  # scale's bits
+    w = tl.where(i == 11, CHUNK_ROWS, w)
+    w = tl.where(i == 12, BLOCK, w)
+    return w
+
+
+@triton.jit
+def _check_call(ctl, heap_bases, rank, epoch, words, timeout_ns, W: tl.constexpr, INTERPRET: tl.constexpr):
+    """Before anything is pushed to or read from a peer: make sure every rank makes the same call.
+
+    The first program of the call on this rank publishes the signature ``words`` (see _call_words) into
+    this rank's inbox slot on every peer (words, then the epoch with a release). Every program then waits
+    (bounded) for every peer's slot to hold this epoch and compares. Returns 1 if all agree. Otherwise
+    records ERR_MISMATCH (a field differs; detail: index of the first differing word), ERR_EPOCH (a peer
+    is at another call) or ERR_START_TIMEOUT, with both signatures for the host's message, and returns
+    0: the caller then sends nothing, so a peer's differently sized buffers are never written.
+
+    A peer overwrites its slot here only for its next call, which it starts after the end barrier of
+    this one, i.e. after every program of this rank has finished: a slot never changes while read."""
+    i = tl.arange(0, _SIG_WORDS)
+    mine = tl.where(i == 0, epoch, words)
+    if tl.atomic_add(ctl + _CTL_SIG_CLAIM, 1, sem="relaxed", scope="gpu") == 0:
+        for p in tl.static_range(W):
+            if p != rank:
+                iris.store(ctl + _CTL_SIG + rank * _SIG_WORDS + i, mine, rank, p, heap_bases, mask=i > 0)
+        tl.debug_barrier()  # every thread's words before the epoch (cumulativity through bar.sync)
+        for p in tl.static_range(W):
+            if p != rank:
+                iris.atomic_xchg(ctl + _CTL_SIG + rank * _SIG_WORDS, epoch, rank, p, heap_bases, sem="release", scope="sys")
+    ok = epoch * 0 + 1
+    for p in tl.static_range(W):
+        if p != rank:
+            slot = ctl + _CTL_SIG + p * _SIG_WORDS
+            if _poll_ge(slot, epoch, ctl, timeout_ns, INTERPRET) == 0:
+                _record_error(ctl, _ERR_START, p, 0, -1)
+                ok = ok * 0
+            else:
+                tl.debug_barrier()  # the loads below after the acquire (cumulativity through bar.sync)
+                theirs = tl.load(slot + i, volatile=True)
+                diff = (theirs != mine) & (i > 0)
+                their_epoch = tl.sum(tl.where(i == 0, theirs, 0), axis=0)
+                code = tl.where(their_epoch != epoch, _ERR_EPOCH,
+                                tl.where(tl.sum(diff.to(tl.int32), axis=0) > 0, _ERR_MISMATCH, 0))
+                if code != 0:
+                    if _record_error(ctl, code, p, tl.min(tl.where(diff, i, _SIG_WORDS), axis=0), 0):
+                        tl.store(ctl + _CTL_ERR_SIG + i, theirs)
+                        tl.store(ctl + _CTL_ERR_SIG + _SIG_WORDS + i, mine)
+                    ok = ok * 0
+    return ok
+
+
+@triton.jit
+def _finish_call(ctl, status_ptr, heap_bases, rank, epoch, timeout_ns, W: tl.constexpr, INTERPRET: tl.constexpr):
+    """The end of a call, run by the last program of this rank once every other one has finished: tell
+    every peer, wait for every peer (the end barrier), copy the error record into ``status``, reset the
+    shared counters and store ``epoch`` as the new call counter."""
+    tl.debug_barrier()  # every thread's loads below after the acquiring finish count
+    for p in tl.static_range(W):
+        if p != rank:
+            iris.atomic_xchg(ctl + 8 + rank, epoch, rank, p, heap_bases, sem="release", scope="sys")
+    for p in tl.static_range(W):
+        if p != rank:
+            ok = _poll_ge(ctl + 8 + p, epoch, ctl, timeout_ns, INTERPRET)
+            if ok == 0:
+                _record_error(ctl, 2, p, W, -1)
+    code = tl.atomic_xchg(ctl + 3, 0, sem="acq_rel", scope="gpu")
+    tl.store(status_ptr + 0, code)
+    tl.store(status_ptr + 1, tl.atomic_xchg(ctl + 4, 0, sem="relaxed", scope="gpu"))
+    tl.store(status_ptr + 2, tl.atomic_xchg(ctl + 5, 0, sem="relaxed", scope="gpu"))
+    tl.store(status_ptr + 3, epoch)
+    sig = tl.arange(0, 2 * _SIG_WORDS)
+    tl.store(status_ptr + 4 + sig, tl.load(ctl + _CTL_ERR_SIG + sig, volatile=True))
+    tl.store(ctl + _CTL_ERR_SIG + sig, sig * 0)
+    tl.atomic_xchg(ctl + 6, 0, sem="relaxed", scope="gpu")
+    tl.atomic_xchg(ctl + 1, 0, sem="relaxed", scope="gpu")
+    tl.atomic_xchg(ctl + _CTL_SIG_CLAIM, 0, sem="relaxed", scope="gpu")
+    tl.atomic_xchg(ctl + 2, 0, sem="relaxed", scope="gpu")
+    tl.atomic_xchg(ctl + 0, epoch, sem="release", scope="gpu")
 
 
 @triton.jit
@@ -338,6 +460,7 @@ def ring_attn_fwd_kernel(
     CHUNK_BLOCKS: tl.constexpr, PUSH_ROWS: tl.constexpr, SEG_BLOCKS: tl.constexpr, POLL_N: tl.constexpr,
     VEC: tl.constexpr,
     CAUSAL: tl.constexpr, ZIGZAG: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SIG_DTYPE: tl.constexpr,
 ):
     G: tl.constexpr = H // HKV
     CHUNK_ROWS: tl.constexpr = CHUNK_BLOCKS * BLOCK_N
@@ -361,6 +484,10 @@ def ring_attn_fwd_kernel(
     n_m = tl.cdiv(S, BLOCK_M)
     n_chunks = tl.cdiv(S, CHUNK_ROWS)
     n_units = (W - 1) * B * HKV * n_chunks
+    if W > 1:
+        # Every rank must make this same call; if not, push nothing (every later wait then gives up at once).
+        words = _call_words(1, B, S, sm_scale, W, H, HKV, D, SIG_DTYPE, CAUSAL, ZIGZAG, CHUNK_ROWS, BLOCK_N)
+        n_units = n_units * _check_call(ctl, heap_bases, rank, epoch, words, timeout_ns, W, INTERPRET)
 
     # ---- which tile: g fastest so the heads sharing one kv head run side by side (L2 reuse) --------
     pid = tl.program_id(0)
@@ -456,20 +583,4 @@ def ring_attn_fwd_kernel(
     done = tl.atomic_add(ctl + 2, 1, sem="acq_rel", scope="gpu")
     if done == tl.num_programs(0) - 1:
         # Last program of this rank: every program here has finished reading its receive slots.
-        for p in tl.static_range(W):
-            if p != rank:
-                iris.atomic_xchg(ctl + 8 + rank, epoch, rank, p, heap_bases, sem="release", scope="sys")
-        for p in tl.static_range(W):
-            if p != rank:
-                ok = _poll_ge(ctl + 8 + p, epoch, ctl, timeout_ns, INTERPRET)
-                if ok == 0:
-                    _record_error(ctl, 2, p, W, -1)
-        code = tl.atomic_xchg(ctl + 3, 0, sem="acq_rel", scope="gpu")
-        tl.store(status_ptr + 0, code)
-        tl.store(status_ptr + 1, tl.atomic_xchg(ctl + 4, 0, sem="relaxed", scope="gpu"))
-        tl.store(status_ptr + 2, tl.atomic_xchg(ctl + 5, 0, sem="relaxed", scope="gpu"))
-        tl.store(status_ptr + 3, epoch)
-        tl.atomic_xchg(ctl + 6, 0, sem="relaxed", scope="gpu")
-        tl.atomic_xchg(ctl + 1, 0, sem="relaxed", scope="gpu")
-        tl.atomic_xchg(ctl + 2, 0, sem="relaxed", scope="gpu")
-        tl.atomic_xchg(ctl + 0, epoch, sem="release", scope="gpu")
+        _finish_call(ctl, status_ptr, heap_bases, rank, epoch, timeout_ns, W, INTERPRET)

@@ -105,14 +105,14 @@ import triton.language as tl
 import iris
 
 from ring_core import launch as _launch
-from ring_core.kernel import (_block_range, _claim_push, _dot, _drain_pushes, _last_pos, _load_kv, _poll_ge,
-                              _positions, _record_error, _visible_rows)
+from ring_core.kernel import (_block_range, _call_words, _check_call, _claim_push, _dot, _drain_pushes,
+                              _finish_call, _last_pos, _load_kv, _poll_ge, _positions, _record_error,
+                              _visible_rows)
 
 # Control words and error codes, from ring_core.launch (the one place that lays out the heap).
 _CTL_TICKET = tl.constexpr(_launch.CTL_BWD_TICKET)
 _CTL_DELTA = tl.constexpr(_launch.CTL_BWD_DELTA)
 _ERR_KV = tl.constexpr(_launch.ERR_KV_TIMEOUT)
-_ERR_BARRIER = tl.constexpr(_launch.ERR_BARRIER_TIMEOUT)
 _ERR_PEER = tl.constexpr(_launch.ERR_PEER_FAILED)
 _ERR_PARTIAL = tl.constexpr(_launch.ERR_PARTIAL_TIMEOUT)
 _ERR_LOCAL = tl.constexpr(_launch.ERR_LOCAL_TIMEOUT)
@@ -208,6 +208,7 @@ def ring_attn_bwd_kernel(
     BLOCK_D: tl.constexpr, CHUNK_BLOCKS: tl.constexpr, PUSH_ROWS: tl.constexpr, SEG_BLOCKS: tl.constexpr,
     PUSH_VEC: tl.constexpr, PART_VEC: tl.constexpr,
     CAUSAL: tl.constexpr, ZIGZAG: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SIG_DTYPE: tl.constexpr,
 ):
     G: tl.constexpr = H // HKV
     CHUNK_ROWS: tl.constexpr = CHUNK_BLOCKS * KV_BLOCK_N
@@ -229,6 +230,13 @@ def ring_attn_bwd_kernel(
 
     n_chunks = tl.cdiv(S, CHUNK_ROWS)
     n_units = (W - 1) * B * HKV * n_chunks  # K/V push units; also the number of K/V flags
+    call_ok = epoch * 0 + 1
+    if W > 1:
+        # Every rank must make this same call (ring_core.kernel._check_call); if not, nothing is sent to a
+        # peer (no K/V push, no partial) and every later wait gives up at once.
+        words = _call_words(2, B, S, sm_scale, W, H, HKV, D, SIG_DTYPE, CAUSAL, ZIGZAG, CHUNK_ROWS, KV_BLOCK_N)
+        call_ok = _check_call(ctl, heap_bases, rank, epoch, words, timeout_ns, W, INTERPRET)
+    n_push = n_units * call_ok  # units to push: none after a mismatch
     n_kvb = tl.cdiv(S, KV_BLOCK_N)
     n_dq = B * H * tl.cdiv(S, DQ_BLOCK_M)
     n_part = (W - 1) * B * HKV * n_kvb
@@ -280,7 +288,7 @@ def ring_attn_bwd_kernel(
                     # Overlap: claim and push one unit of the local K/V every SEG_BLOCKS blocks; the claims
                     # sit between the pipelined loops, never inside them.
                     for seg in range(0, n_full, SEG_BLOCKS):
-                        _claim_push(ctl, n_units, k_ptr, v_ptr, recv, flags, heap_bases, rank, epoch, B, S, n_chunks,
+                        _claim_push(ctl, n_push, k_ptr, v_ptr, recv, flags, heap_bases, rank, epoch, B, S, n_chunks,
                                     W, HKV, D, BLOCK_D, CHUNK_ROWS, PUSH_ROWS, PUSH_VEC, CAUSAL, ZIGZAG)
                         dq = _dq_blocks(dq, q, do, lse2, delta, q_pos, q_pos_max, k_base, v_base, seg,
                                         tl.minimum(seg + SEG_BLOCKS, n_full), src, S, qk_scale, offs_n, offs_d,
@@ -298,7 +306,7 @@ def ring_attn_bwd_kernel(
                 k_base = recv + ((slot * 2 * B + b).to(tl.int64) * HKV + hkv) * S * D
                 v_base = k_base + B64 * HKV * S * D
                 if step == 1:
-                    _drain_pushes(ctl, n_units, k_ptr, v_ptr, recv, flags, heap_bases, rank, epoch, B, S,
+                    _drain_pushes(ctl, n_push, k_ptr, v_ptr, recv, flags, heap_bases, rank, epoch, B, S,
                                   n_chunks, W, HKV, D, BLOCK_D, CHUNK_ROWS, PUSH_ROWS, PUSH_VEC, CAUSAL, ZIGZAG)
                 # Wait for every chunk this tile can see *before* the loops that read them: the software
                 # pipeliner issues a loop's loads ahead of its iterations (see ring_core.kernel). Every chunk
@@ -332,7 +340,7 @@ def ring_attn_bwd_kernel(
         hkv = bh % HKV
         src = (rank - d + W) % W
         # Never wait while push units are unclaimed (module docstring, (a)).
-        _drain_pushes(ctl, n_units, k_ptr, v_ptr, recv, flags, heap_bases, rank, epoch, B, S,
+        _drain_pushes(ctl, n_push, k_ptr, v_ptr, recv, flags, heap_bases, rank, epoch, B, S,
                       n_chunks, W, HKV, D, BLOCK_D, CHUNK_ROWS, PUSH_ROWS, PUSH_VEC, CAUSAL, ZIGZAG)
         inputs_ok = _poll_ge(ctl + _CTL_DELTA, n_dq, ctl, timeout_ns, INTERPRET)
         if inputs_ok == 0:
@@ -408,7 +416,7 @@ def ring_attn_bwd_kernel(
         part_rows = rows_n[:, None].to(tl.int64) * D + offs_d[None, :]
         out_mask = n_valid[:, None] & dmask[None, :]
         if d > 0:
-            if block_needed:
+            if block_needed & (call_ok == 1):
                 # Unscaled float32 partials into slot d-1 of the owner's partial region.
                 slot = d - 1
                 dst = ((slot * 2 * B + b).to(tl.int64) * HKV + hkv) * S * D
@@ -469,23 +477,6 @@ def ring_attn_bwd_kernel(
     tl.debug_barrier()
     done = tl.atomic_add(ctl + 2, 1, sem="acq_rel", scope="gpu")
     if done == tl.num_programs(0) - 1:
-        # Last program of this rank: every program here has finished reading its receive slots.
-        for p in tl.static_range(W):
-            if p != rank:
-                iris.atomic_xchg(ctl + 8 + rank, epoch, rank, p, heap_bases, sem="release", scope="sys")
-        for p in tl.static_range(W):
-            if p != rank:
-                ok = _poll_ge(ctl + 8 + p, epoch, ctl, timeout_ns, INTERPRET)
-                if ok == 0:
-                    _record_error(ctl, _ERR_BARRIER, p, W, -1)
-        code = tl.atomic_xchg(ctl + 3, 0, sem="acq_rel", scope="gpu")
-        tl.store(status_ptr + 0, code)
-        tl.store(status_ptr + 1, tl.atomic_xchg(ctl + 4, 0, sem="relaxed", scope="gpu"))
-        tl.store(status_ptr + 2, tl.atomic_xchg(ctl + 5, 0, sem="relaxed", scope="gpu"))
-        tl.store(status_ptr + 3, epoch)
-        tl.atomic_xchg(ctl + 6, 0, sem="relaxed", scope="gpu")
-        tl.atomic_xchg(ctl + 1, 0, sem="relaxed", scope="gpu")
         tl.atomic_xchg(ctl + _CTL_TICKET, 0, sem="relaxed", scope="gpu")
         tl.atomic_xchg(ctl + _CTL_DELTA, 0, sem="relaxed", scope="gpu")
-        tl.atomic_xchg(ctl + 2, 0, sem="relaxed", scope="gpu")
-        tl.atomic_xchg(ctl + 0, epoch, sem="release", scope="gpu")
+        _finish_call(ctl, status_ptr, heap_bases, rank, epoch, timeout_ns, W, INTERPRET)

@@ -26,12 +26,20 @@ CTL_EPOCH = 0  # calls completed on this rank (the kernel's epoch is this + 1)
 CTL_CLAIM = 1  # push-unit claim counter
 CTL_FINISH = 2  # programs finished in this call
 CTL_ERROR = 3  # 3..6: error code, peer rank, ring step, chunk (first error wins)
+CTL_SIG_CLAIM = 7  # programs that started this call; the first one publishes the call's signature
 CTL_BARRIER = 8  # 8 + p: epoch at which peer p passed its end barrier
 MAX_WORLD = 64
-CTL_WORDS = CTL_BARRIER + MAX_WORLD
+SIG_WORDS = 16  # a call's signature: see call_signature()
+CTL_ERR_SIG = CTL_BARRIER + MAX_WORLD  # 72..103: on a mismatch, the peer's then this rank's signature
+CTL_SIG = 128  # 128 + p * SIG_WORDS: the signature peer p published for its current call (its inbox slot)
+CTL_WORDS = CTL_SIG + MAX_WORLD * SIG_WORDS
 ERR_NONE, ERR_KV_TIMEOUT, ERR_BARRIER_TIMEOUT, ERR_PEER_FAILED = 0, 1, 2, 3
-STATUS_WORDS = 4  # status output: error code, peer rank, ring step, epoch
-CTL_BYTES = 4096
+ERR_MISMATCH = 6  # a peer's call differs (shapes, dtype, flags, layout, world size or kernel): nothing was sent
+ERR_EPOCH = 7  # a peer is at another call (counters apart after an earlier timeout): nothing was sent
+ERR_START_TIMEOUT = 8  # a peer never published its signature: it did not start this call
+STATUS_WORDS = 4 + 2 * SIG_WORDS  # status output: error code, peer rank, ring step, epoch, then the two
+#                                   signatures of a mismatch (peer's, this rank's; zero otherwise)
+CTL_BYTES = 8192
 ALIGN = 256
 MAX_FLAG_BYTES = 16 << 20
 HEAP_SLACK = 8 << 20  # heap bytes left to iris for its own small allocations (outside the workspace)
@@ -39,7 +47,9 @@ ELEM_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 DEFAULT_TIMEOUT_S = 300.0
 POLL_N = 128  # chunk flags one vector poll covers
 TIMEOUT_ENV = "RING_ATTENTION_TIMEOUT_S"
-assert CTL_WORDS * 4 <= CTL_BYTES
+assert CTL_WORDS * 4 <= CTL_BYTES and CTL_ERR_SIG + 2 * SIG_WORDS <= CTL_SIG
+DTYPE_CODES = {"float16": 1, "bfloat16": 2, "float32": 3}  # signature word 8 (launch constexpr SIG_DTYPE)
+KIND_FWD, KIND_BWD = 1, 2  # signature word 1
 
 
 class HeapTooSmallError(RuntimeError):
@@ -134,8 +144,13 @@ class LaunchPlan:
             CHUNK_BLOCKS=self.chunk_blocks, PUSH_ROWS=self.config.push_rows, SEG_BLOCKS=self.config.seg_blocks,
             POLL_N=POLL_N, VEC=push_hint(s.head_dim, s.dtype),
             CAUSAL=s.is_causal, ZIGZAG=s.layout == "zigzag", INTERPRET=interpret,
-            DOT_PRECISION="ieee",
+            DOT_PRECISION="ieee", SIG_DTYPE=DTYPE_CODES[s.dtype],
         )
+
+    def signature(self) -> np.ndarray:
+        """This call's signature words (call_signature), as the kernel builds them."""
+        return call_signature(KIND_FWD, self.world_size, self.spec, self.chunk_blocks * self.config.block_n,
+                              self.config.block_n)
 
     def scalars(self, timeout_s: float | None = None) -> tuple:
         s = self.spec
@@ -215,11 +230,60 @@ class RingAttentionTimeout(RuntimeError):
     """A bounded wait inside the fused kernel expired: a peer never arrived or ranks disagree."""
 
 
+class RingAttentionMismatch(RuntimeError):
+    """The ranks made different fused calls (or are at different calls): found by the kernel before any
+    data moved between them."""
+
+
+SIG_FIELDS = ("epoch", "kernel", "world", "batch", "seq_local", "heads", "kv_heads", "head_dim", "dtype", "flags",
+              "scale", "chunk_rows", "block")
+
+
+def call_signature(kind: int, world_size: int, spec: AttentionSpec, chunk_rows: int, block: int) -> np.ndarray:
+    """The SIG_WORDS int32 words by which ranks check, inside the kernel and before anything moves, that
+    they make the same call: word 0 the epoch (the kernel fills it in), then ``SIG_FIELDS``. The kernels
+    build the same words from their own arguments (ring_core.kernel._call_words); ``chunk_rows`` and
+    ``block`` fix how the K/V (and the backward's partials) are cut into flagged pieces."""
+    w = np.zeros(SIG_WORDS, np.int32)
+    w[1:13] = [kind, world_size, spec.batch, spec.seq_local, spec.num_heads, spec.num_kv_heads, spec.head_dim,
+               DTYPE_CODES[spec.dtype], int(spec.is_causal) | (int(spec.layout == "zigzag") << 1),
+               np.float32(spec.scale).view(np.int32), chunk_rows, block]
+    return w
+
+
+def describe_signature(words) -> str:
+    """A signature (call_signature) in words a user recognises."""
+    w = [int(x) for x in np.asarray(words).reshape(-1)[:SIG_WORDS]]
+    kind = {KIND_FWD: "forward", KIND_BWD: "backward"}.get(w[1], f"kernel {w[1]}")
+    dtype = {v: k for k, v in DTYPE_CODES.items()}.get(w[8], f"dtype code {w[8]}")
+    scale = float(np.array(w[10], np.int32).view(np.float32))
+    mask = ("causal " + ("zigzag" if w[9] & 2 else "contiguous")) if w[9] & 1 else (
+        "non-causal " + ("zigzag" if w[9] & 2 else "contiguous"))
+    return (f"{kind} call #{w[0]}: world {w[2]}, q [{w[3]}, {w[4]}, {w[5]}, {w[7]}], k/v [{w[3]}, {w[4]}, {w[6]}, "
+            f"{w[7]}] {dtype}, {mask}, scale {scale:.6g}, chunks of {w[11]} rows, blocks of {w[12]}")
+
+
 def check_status(status, rank: int, timeout_s: float | None = None) -> None:
-    """Turn the kernel's status words (code, peer, step, epoch) into an exception on the host."""
-    code, peer, step, epoch = (int(x) for x in np.asarray(status).reshape(-1)[:STATUS_WORDS])
+    """Turn the kernel's status words (code, peer, step, epoch, signatures) into an exception on the host."""
+    words = np.asarray(status).reshape(-1)
+    code, peer, step, epoch = (int(x) for x in words[:4])
     if code == ERR_NONE and epoch > 0:
         return
+    if code in (ERR_MISMATCH, ERR_EPOCH):
+        theirs, mine = words[4:4 + SIG_WORDS], words[4 + SIG_WORDS:4 + 2 * SIG_WORDS]
+        if code == ERR_MISMATCH:
+            field = SIG_FIELDS[step] if 0 < step < len(SIG_FIELDS) else f"word {step}"
+            raise RingAttentionMismatch(
+                f"fused ring attention on rank {rank}: the ranks disagree on call #{epoch} (first difference: "
+                f"{field}). Rank {peer} made the {describe_signature(theirs)}; rank {rank} made the "
+                f"{describe_signature(mine)}. Every rank must make the same calls (shapes, dtype, is_causal, "
+                f"layout, scale, forward/backward) in the same order. The kernel found this before any data "
+                f"moved between the ranks: nothing was corrupted, this call's outputs are not valid, and the "
+                f"ranks are still in step (no reset() needed).")
+        raise RingAttentionMismatch(
+            f"fused ring attention on rank {rank}: rank {peer} is at another call (its call #{int(theirs[0])}, this "
+            f"rank's #{epoch}), so the ranks' call counters are apart, as after an earlier timeout. Nothing was "
+            f"sent. Call reset() (jax_ring.reset / torch_bridge.reset) on every rank before the next call.")
     if code == ERR_NONE:
         # Status is zeroed before every launch and the kernel's last program always writes epoch >= 1.
         raise RuntimeError(
@@ -232,6 +296,9 @@ def check_status(status, rank: int, timeout_s: float | None = None) -> None:
         what = f"waiting for rank {peer} to finish (end-of-call barrier)"
     elif code == ERR_PEER_FAILED:
         what = f"because rank {peer} failed (its error was raised there)"
+    elif code == ERR_START_TIMEOUT:
+        what = (f"waiting for rank {peer} to start this call (ring step 0: it never launched the kernel, or is "
+                f"far behind)")
     elif code == ERR_PARTIAL_TIMEOUT:  # backward kernel (defined in the backward section below)
         what = f"waiting for the partial dK/dV of rank {peer} (backward)"
     elif code == ERR_LOCAL_TIMEOUT:
@@ -328,7 +395,13 @@ class BwdLaunchPlan:
             SEG_BLOCKS=c.seg_blocks, PUSH_VEC=bwd_store_hint(s.head_dim, ELEM_BYTES[s.dtype]),
             PART_VEC=bwd_store_hint(s.head_dim, 4),
             CAUSAL=s.is_causal, ZIGZAG=s.layout == "zigzag", INTERPRET=interpret, DOT_PRECISION="ieee",
+            SIG_DTYPE=DTYPE_CODES[s.dtype],
         )
+
+    def signature(self) -> np.ndarray:
+        """This call's signature words (call_signature), as the kernel builds them."""
+        return call_signature(KIND_BWD, self.world_size, self.spec, self.chunk_blocks * self.config.kv_block_n,
+                              self.config.kv_block_n)
 
     def scalars(self, timeout_s: float | None = None) -> tuple:
         s = self.spec

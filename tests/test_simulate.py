@@ -12,6 +12,7 @@ import os
 # shared, so this module sets it itself).
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import dataclasses  # noqa: E402
 import doctest  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -24,7 +25,7 @@ import pytest  # noqa: E402
 from jax_ring import simulate  # noqa: E402
 from jax_ring.simulate import SimulatedRing, simulate_job, simulate_ring_attention  # noqa: E402
 from ring_core import interpret, launch, reference, testing, validate  # noqa: E402
-from ring_core.launch import HeapTooSmallError, RingAttentionTimeout  # noqa: E402
+from ring_core.launch import HeapTooSmallError, RingAttentionMismatch, RingAttentionTimeout  # noqa: E402
 
 NP_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -110,7 +111,8 @@ def test_consecutive_calls_share_heaps():
         _check(f"call {i}", result, ref, dtype, is_causal=causal, scale=None, return_lse=return_lse)
         assert ring.uses_subprocess is False
         assert ring.epoch == i + 1
-        assert [s.tolist() for s in ring.statuses] == [[0, 0, 0, i + 1]] * W
+        assert [s.tolist()[:4] for s in ring.statuses] == [[0, 0, 0, i + 1]] * W
+        assert not any(s[4:].any() for s in ring.statuses)  # no mismatch signatures
 
 
 def _simulated_job(world_size, workspace_bytes=None):
@@ -128,23 +130,23 @@ def _spec_and_shards(W, B, S, H, HKV, D, dtype, *, is_causal, layout="contiguous
     return spec, [[x[:, r * S:(r + 1) * S] for r in range(W)] for x in (q, k, v)]
 
 
-@pytest.mark.parametrize("is_causal, what", [
-    (False, r"waiting for the K/V shard of rank 1 at ring step 1"),
-    # Causal + contiguous: rank 0 never needs rank 1's K/V, so it is the end barrier that times out.
-    (True, r"waiting for rank 1 to finish \(end-of-call barrier\)"),
-], ids=["kv-wait", "end-barrier"])
-def test_absent_rank_times_out(is_causal, what):
+@pytest.mark.parametrize("is_causal, started, what", [
+    (False, False, r"waiting for rank 1 to start this call \(ring step 0"),
+    # Rank 1 started (published its signature) and then stopped: rank 0 waits for its K/V ...
+    (False, True, r"waiting for the K/V shard of rank 1 at ring step 1"),
+    # ... or, causal + contiguous (rank 0 never needs rank 1's K/V), for the end barrier.
+    (True, True, r"waiting for rank 1 to finish \(end-of-call barrier\)"),
+], ids=["never-started", "kv-wait", "end-barrier"])
+def test_absent_rank_times_out(is_causal, started, what):
     timeout_s = 0.02  # the interpreter bounds waits by a poll count, much slower than wall time
     spec, shards = _spec_and_shards(2, 1, 4, 2, 1, 8, "float32", is_causal=is_causal)
-    results = _simulated_job(2).run(spec, *shards, timeout_s=timeout_s, absent_ranks=(1,))
+    results = _simulated_job(2).run(spec, *shards, timeout_s=timeout_s, absent_ranks=(1,), absent_started=started)
     assert results[1] is None
     status = results[0][2]
     assert status[0] != launch.ERR_NONE and status[1] == 1 and status[3] == 1
     with pytest.raises(RingAttentionTimeout, match=what) as info:
         launch.check_status(status, 0, timeout_s)
-    assert "rank 0" in str(info.value) and "rank 1" in str(info.value)
-    if not is_causal:
-        assert "ring step" in str(info.value)
+    assert "rank 0" in str(info.value) and "rank 1" in str(info.value) and "reset()" in str(info.value)
     # A following normal call on a new job works.
     ref, (q, k, v) = _inputs(8, 2, 1, 4, 2, 1, 8, "float32")
     out = simulate_ring_attention(q, k, v, 2, is_causal=is_causal)
@@ -156,8 +158,10 @@ def test_reset_brings_ranks_back_in_step_on_the_same_heaps():
     job = _simulated_job(2)
     assert job.run(spec, *shards)[0][2][3] == 1
     job.run(spec, *shards, timeout_s=0.02, absent_ranks=(1,))  # rank 0 now one call ahead of rank 1
-    res = job.run(spec, *shards, timeout_s=0.02)  # counters out of step: this call fails
-    assert any(r[2][0] != launch.ERR_NONE for r in res)
+    res = job.run(spec, *shards, timeout_s=0.02)  # counters out of step: found before anything is sent
+    assert [int(r[2][0]) for r in res] == [launch.ERR_START_TIMEOUT, launch.ERR_EPOCH]
+    with pytest.raises(RingAttentionMismatch, match=r"rank 0 is at another call.*Call reset\(\)"):
+        launch.check_status(res[1][2], 1, 0.02)
     job.reset()
     res = job.run(spec, *shards)
     assert [int(r[2][0]) for r in res] == [0, 0] and [int(r[2][3]) for r in res] == [1, 1]
@@ -166,6 +170,73 @@ def test_reset_brings_ranks_back_in_step_on_the_same_heaps():
     o64, _ = reference.attention(q, k, v)
     olp, _ = reference.attention_lowp(q, k, v, "float32")
     testing.check("after reset", out, o64, olp, "float32")
+
+
+# Ranks that disagree: rank 1's call differs from rank 0's (W=2, B=1, S=4, H=2, HKV=1, D=8, float32) in one
+# field; (overrides of rank 1, the field the message names first).
+MISMATCHES = [
+    (dict(S=6), "seq_local"),
+    (dict(H=4), "heads"),
+    (dict(dtype="float16"), "dtype"),
+    (dict(is_causal=True), "flags"),
+    (dict(is_causal=True, layout="zigzag"), "flags"),
+    (dict(scale=0.5), "scale"),
+]
+
+
+def _mismatched_call(job, overrides, seed=0):
+    base = dict(W=2, B=1, S=4, H=2, HKV=1, D=8, dtype="float32", is_causal=False, layout="contiguous", scale=None)
+    specs, shards = [], [[], [], []]
+    for r in range(2):
+        a = dict(base, **(overrides if r == 1 else {}))
+        spec, sh = _spec_and_shards(a["W"], a["B"], a["S"], a["H"], a["HKV"], a["D"], a["dtype"],
+                                    is_causal=a["is_causal"], layout=a["layout"])
+        if a["scale"] is not None:
+            spec = dataclasses.replace(spec, scale=a["scale"])
+        specs.append(spec)
+        for x, part in zip(shards, sh):
+            x.append(part[r])
+    return specs, job.run(specs, *shards, timeout_s=5.0)
+
+
+@pytest.mark.parametrize("overrides, field", MISMATCHES,
+                         ids=["seq_local", "heads", "dtype", "causal", "layout", "scale"])
+def test_ranks_that_disagree_are_found_before_anything_moves(overrides, field):
+    job = _simulated_job(2)
+    specs, res = _mismatched_call(job, overrides)
+    plans = [launch.plan(sp, 2, job.layout, interpret=True) for sp in specs]
+    for r in range(2):
+        status = res[r][2]
+        assert int(status[0]) == launch.ERR_MISMATCH and int(status[1]) == 1 - r and int(status[3]) == 1
+        # The kernel built the same signature words as the host (launch.call_signature), epoch included.
+        theirs, mine = status[4:4 + launch.SIG_WORDS], status[4 + launch.SIG_WORDS:]
+        assert mine[1:].tolist() == plans[r].signature()[1:].tolist() and mine[0] == 1
+        assert theirs[1:].tolist() == plans[1 - r].signature()[1:].tolist() and theirs[0] == 1
+        with pytest.raises(RingAttentionMismatch, match=rf"disagree on call #1 \(first difference: {field}\)") as e:
+            launch.check_status(status, r, 5.0)
+        msg = str(e.value)
+        assert f"Rank {1 - r} made the forward call #1" in msg and "no reset() needed" in msg
+    # Nothing was pushed: no receive byte of either rank changed. The ranks are still in step: the next
+    # (matching) call on the same heaps is right, without reset().
+    spec, shards = _spec_and_shards(2, 1, 4, 2, 1, 8, "float32", is_causal=False)
+    res = job.run(spec, *shards)
+    assert [int(r[2][0]) for r in res] == [0, 0] and [int(r[2][3]) for r in res] == [2, 2]
+    out = np.concatenate([r[0] for r in res], axis=1)
+    q, k, v = (np.concatenate(x, axis=1) for x in shards)
+    testing.check("after a mismatch", out, reference.attention(q, k, v)[0],
+                  reference.attention_lowp(q, k, v, "float32")[0], "float32")
+
+
+def test_a_mismatch_sends_nothing():
+    """A rank whose call is larger must not write past the smaller receive slots of its peer: with a
+    mismatch nothing at all is written into any receive region."""
+    job = _simulated_job(2, workspace_bytes=4 << 20)
+    specs, _ = _mismatched_call(job, dict(S=6))  # sizes the heaps
+    for h in job.heaps:
+        h[job.layout.recv_off:].fill_(0x5A)
+    _mismatched_call(job, dict(S=6))
+    for h in job.heaps:
+        assert bool((h[job.layout.recv_off:] == 0x5A).all())
 
 
 def test_heap_too_small():

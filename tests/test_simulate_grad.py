@@ -8,6 +8,7 @@ not a multiple of the interpreter's 16-row blocks, fp16/bf16/fp32, batch 2 and n
 bitwise determinism, forward and backward calls sharing heaps, timeouts and a heap too small.
 """
 
+import dataclasses
 import os
 
 # The interpreter must be chosen before ring_core.kernel / iris are first imported (see test_simulate.py).
@@ -87,7 +88,7 @@ def test_bitwise_deterministic_and_shares_heaps_with_forward():
     kw = dict(is_causal=True, layout="zigzag")
     ring = simulate_job(W, workspace_bytes=1 << 20)
     first = ring.grad(q, k, v, do, **kw)
-    assert ring.epoch == 2 and [s.tolist() for s in ring.statuses] == [[0, 0, 0, 2]] * W
+    assert ring.epoch == 2 and [s.tolist()[:4] for s in ring.statuses] == [[0, 0, 0, 2]] * W
     _check("first", first, ref, dtype, is_causal=True, scale=None)
     _, (q2, k2, v2, _) = _inputs(51, W, 1, 7, 2, 1, 40, "float16")
     ring(q2, k2, v2)  # a forward call of another shape and dtype on the same heaps
@@ -108,20 +109,22 @@ def _spec_and_shards(W, B, S, H, HKV, D, dtype, *, is_causal):
     return spec, [[x[:, r * S:(r + 1) * S] for r in range(W)] for x in xs]
 
 
-@pytest.mark.parametrize("is_causal, what", [
-    (False, r"waiting for the K/V shard of rank 1 at ring step 1"),
+@pytest.mark.parametrize("is_causal, started, what", [
+    (False, False, r"waiting for rank 1 to start this call"),
+    # Rank 1 started the call (published its signature) and then stopped.
+    (False, True, r"waiting for the K/V shard of rank 1 at ring step 1"),
     # Causal + contiguous: rank 0 needs no K/V of rank 1, but rank 1's queries see rank 0's keys, so rank 0
     # waits for rank 1's partial dK/dV.
-    (True, r"waiting for the partial dK/dV of rank 1 \(backward\)"),
-], ids=["kv-wait", "partial-wait"])
-def test_absent_rank_times_out_in_backward(is_causal, what):
+    (True, True, r"waiting for the partial dK/dV of rank 1 \(backward\)"),
+], ids=["never-started", "kv-wait", "partial-wait"])
+def test_absent_rank_times_out_in_backward(is_causal, started, what):
     timeout_s = 0.02  # the interpreter bounds waits by a poll count
     spec, (qs, ks, vs, dos) = _spec_and_shards(2, 1, 4, 2, 1, 8, "float32", is_causal=is_causal)
     job = simulate._local_job(2, None)
     fwd = job.run(spec, qs, ks, vs)
     assert [int(f[2][0]) for f in fwd] == [0, 0]
     res = job.run_bwd(spec, qs, ks, vs, [f[0] for f in fwd], [f[1] for f in fwd], dos, timeout_s=timeout_s,
-                      absent_ranks=(1,))
+                      absent_ranks=(1,), absent_started=started)
     assert res[1] is None
     status = res[0][3]
     assert status[0] != launch.ERR_NONE and status[1] == 1 and status[3] == 2
@@ -131,7 +134,29 @@ def test_absent_rank_times_out_in_backward(is_causal, what):
     # reset() brings the ranks back in step on the same heaps.
     job.reset()
     res = job.run_grad(spec, qs, ks, vs, dos)
-    assert [r[3].tolist() for r in res] == [[0, 0, 0, 1]] * 2 and [r[4].tolist() for r in res] == [[0, 0, 0, 2]] * 2
+    assert [r[3].tolist()[:4] for r in res] == [[0, 0, 0, 1]] * 2
+    assert [r[4].tolist()[:4] for r in res] == [[0, 0, 0, 2]] * 2
+
+
+def test_backward_calls_that_disagree_are_found_before_anything_moves():
+    """Rank 1's backward uses another scale: both ranks report the mismatch (naming the backward and the
+    field), nothing is sent, and the next matching backward on the same heaps is right without reset()."""
+    spec, (qs, ks, vs, dos) = _spec_and_shards(2, 1, 4, 2, 1, 8, "float32", is_causal=True)
+    job = simulate._local_job(2, None)
+    fwd = job.run(spec, qs, ks, vs)
+    outs, lses = [f[0] for f in fwd], [f[1] for f in fwd]
+    res = job.run_bwd([spec, dataclasses.replace(spec, scale=0.25)], qs, ks, vs, outs, lses, dos, timeout_s=5.0)
+    for r in range(2):
+        status = res[r][3]
+        assert int(status[0]) == launch.ERR_MISMATCH and int(status[1]) == 1 - r and int(status[3]) == 2
+        with pytest.raises(launch.RingAttentionMismatch, match=r"call #2 \(first difference: scale\)") as e:
+            launch.check_status(status, r, 5.0)
+        assert "made the backward call #2" in str(e.value)
+    res = job.run_bwd(spec, qs, ks, vs, outs, lses, dos)
+    assert [r[3].tolist()[:4] for r in res] == [[0, 0, 0, 3]] * 2
+    grads = [np.concatenate([r[i] for r in res], axis=1) for i in range(3)]
+    _check("after a mismatch", grads, [np.concatenate(x, axis=1).astype(np.float64) for x in (qs, ks, vs, dos)],
+           "float32", is_causal=True, scale=None)
 
 
 def test_heap_too_small_for_backward():

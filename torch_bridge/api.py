@@ -121,8 +121,10 @@ def ring_attention(q, k, v, *, group=None, is_causal=False, scale=None, layout="
 
     ``timeout_s`` bounds every wait inside the fused kernel (default RING_ATTENTION_TIMEOUT_S, else 300 s);
     an expired wait raises ``ring_core.launch.RingAttentionTimeout`` naming the missing rank and ring step,
-    at the next call or ``check_errors()`` (at once with RING_ATTENTION_SYNC_ERRORS=1). The torch ring is
-    bounded by its process group's own timeout instead.
+    at the next call or ``check_errors()`` (at once with RING_ATTENTION_SYNC_ERRORS=1). Ranks whose fused
+    calls differ (shapes, dtype, flags, layout, scale) raise ``ring_core.launch.RingAttentionMismatch`` the
+    same way, naming both calls; the kernel finds it before any data moves. The torch ring is bounded by
+    its process group's own timeout instead.
 
     Inputs may be non-contiguous or oddly strided (transposed, sliced, expanded views): every backend
     reads them as they are or makes contiguous copies; the outputs are always contiguous.
