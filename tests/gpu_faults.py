@@ -7,9 +7,14 @@ Sections (default ``timeout,concurrent,bad_inputs,security``; ``kill`` must run 
   timeout     rank 1 skips a fused call (torch_bridge, then jax_ring): rank 0 raises RingAttentionTimeout
               within the per-call ``timeout_s``, naming rank 1 and the ring step; then ``reset()`` on every
               rank, and the next calls through both frontends are right;
-  concurrent  the fused kernel runs while an NCCL all-reduce runs on another torch stream (each rank
-              launches them in the opposite order), and a jitted JAX program holds a psum next to a fused
-              call: everything completes and is right;
+  concurrent  the fused kernel runs while an NCCL all-reduce runs on another torch stream, launched in
+              the same order on every rank (fused first; all-reduce first) and in opposite orders once the
+              kernel is loaded: everything completes and is right; opposite orders on a kernel variant's
+              first call: completes, or (CUDA lazy loading, see section_concurrent) every waiting rank raises
+              RingAttentionTimeout and reset() brings them back; and a jitted JAX program holds a psum next
+              to a fused call: completes and is right;
+  mismatch    rank 1's call differs (torch: seq_local; JAX: is_causal): every rank raises
+              RingAttentionMismatch naming the field; the next right calls need no reset();
   bad_inputs  the bad-input table's torch rows (tests/bad_input_cases.py) through backend="fused" with CUDA
               tensors, each followed by a right fused call; CPU tensors to the fused backend; strided CUDA
               inputs; NaN through the fused kernel (propagates, the other rows unchanged, no hang);
@@ -37,8 +42,8 @@ import time
 
 import numpy as np
 
-SECTIONS = ("timeout", "concurrent", "bad_inputs", "security", "kill")
-DEFAULT_SECTIONS = "timeout,concurrent,bad_inputs,security"
+SECTIONS = ("timeout", "concurrent", "mismatch", "bad_inputs", "security", "kill")
+DEFAULT_SECTIONS = "timeout,concurrent,mismatch,bad_inputs,security"
 
 
 # ------------------------------------------------------------------------------ helpers (no GPU needed)
@@ -161,6 +166,7 @@ class Job:
         self.dev = torch.device("cuda", torch.cuda.current_device())
         self.report = Report(self.rank)
         self._jax_fns = {}
+        self._refs = {}  # (id of q, dtype, causal) -> (inputs kept alive, float64 and low-precision references)
 
     # ---- inputs, references
     def inputs(self, seed, B, S, H, HKV, D, dtype, layout):
@@ -175,9 +181,12 @@ class Job:
     def check_out(self, name, out, xs, idx, dtype, is_causal, lse=None):
         from ring_core import reference, testing
 
-        q, k, v = xs
-        o64, l64 = reference.attention(q, k, v, is_causal=is_causal)
-        olp, llp = reference.attention_lowp(q, k, v, dtype, is_causal=is_causal)
+        key = (id(xs[0]), dtype, is_causal)
+        if key not in self._refs:  # the same inputs are checked again and again: references once
+            q, k, v = xs
+            self._refs[key] = (xs, reference.attention(q, k, v, is_causal=is_causal),
+                               reference.attention_lowp(q, k, v, dtype, is_causal=is_causal))
+        _, (o64, l64), (olp, llp) = self._refs[key]
         err = testing.check(name, np.asarray(out, np.float64), o64[:, idx], olp[:, idx], dtype, "out")
         if lse is not None:
             testing.check(name + " lse", np.asarray(lse, np.float64), l64[:, :, idx], llp[:, :, idx], dtype, "lse")
@@ -194,15 +203,64 @@ class Job:
             self.tb.check_errors()
         return out, lse
 
-    def jax_fused(self, xs, idx, dtype, *, is_causal, layout, timeout_s=None):
-        """One jitted shard_map over all processes; returns this rank's (out, lse) as numpy (blocks)."""
+    def torch_grads(self, xs, dout, idx, dtype, *, is_causal, layout, timeout_s=None):
+        """(dq, dk, dv) of this rank's shards through torch autograd on backend='fused', as float32 numpy."""
+        ts = [self.cuda(x[:, idx], dtype).requires_grad_() for x in xs]
+        out = self.tb.ring_attention(*ts, is_causal=is_causal, layout=layout, backend="fused", timeout_s=timeout_s)
+        out.backward(self.cuda(dout[:, idx], dtype))
+        self.tb.check_errors()
+        return [t.grad.float().cpu().numpy() for t in ts]
+
+    def jax_grads(self, xs, dout, idx, dtype, *, is_causal, layout, timeout_s=None):
+        """(dq, dk, dv) of this rank's shards through jax.grad of a loss whose d/d out is ``dout``."""
+        import jax
+        import jax.numpy as jnp
+        from jax.sharding import PartitionSpec as P
+
+        import jax_ring
+
+        mesh, sh, glob = self._jax_mesh(idx, dtype)
+        key = ("grad", xs[0].shape, xs[1].shape, dtype, is_causal, layout, timeout_s)
+        if key not in self._jax_fns:
+            def loss(q, k, v, do):
+                o = jax_ring.ring_attention(q, k, v, axis_name="sp", backend="fused", is_causal=is_causal,
+                                            layout=layout, timeout_s=timeout_s)
+                return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
+
+            self._jax_fns[key] = jax.jit(jax.shard_map(jax.grad(loss, argnums=(0, 1, 2)), mesh=mesh,
+                                                       in_specs=(P(None, "sp"),) * 4,
+                                                       out_specs=(P(None, "sp"),) * 3, check_vma=False))
+        grads = self._jax_fns[key](*(glob(x) for x in (*xs, dout)))
+        jax.effects_barrier()
+        return [np.asarray(g.addressable_shards[0].data.astype(jnp.float32)) for g in grads]
+
+    def _jax_mesh(self, idx, dtype):
+        """(mesh over every process's device, this rank's sequence sharding, natural-order global numpy
+        array -> the global jax array whose local shard is this rank's rows ``idx``)."""
         import jax
         import jax.numpy as jnp
         from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+        mesh = Mesh(np.array(jax.devices()), ("sp",))
+        sh = NamedSharding(mesh, P(None, "sp"))
+
+        def glob(x):
+            local = x[:, idx]
+            return jax.make_array_from_process_local_data(sh, jnp.asarray(local, dtype=getattr(jnp, dtype)),
+                                                          (local.shape[0], local.shape[1] * self.world,
+                                                           *local.shape[2:]))
+
+        return mesh, sh, glob
+
+    def jax_fused(self, xs, idx, dtype, *, is_causal, layout, timeout_s=None):
+        """One jitted shard_map over all processes; returns this rank's (out, lse) as numpy (blocks)."""
+        import jax
+        import jax.numpy as jnp
+        from jax.sharding import PartitionSpec as P
+
         import jax_ring
 
-        mesh = Mesh(np.array(jax.devices()), ("sp",))
+        mesh, sh, glob = self._jax_mesh(idx, dtype)
         key = (xs[0].shape, xs[1].shape, dtype, is_causal, layout, timeout_s)
         if key not in self._jax_fns:
             def body(q, k, v):
@@ -212,19 +270,17 @@ class Job:
             self._jax_fns[key] = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(None, "sp"),) * 3,
                                                        out_specs=(P(None, "sp"), P(None, None, "sp")),
                                                        check_vma=False))
-        sh = NamedSharding(mesh, P(None, "sp"))
-
-        def glob(x):
-            local = x[:, idx]
-            return jax.make_array_from_process_local_data(sh, jnp.asarray(local, dtype=getattr(jnp, dtype)),
-                                                          (local.shape[0], local.shape[1] * self.world,
-                                                           *local.shape[2:]))
-
         out, lse = self._jax_fns[key](*(glob(x) for x in xs))
         out.block_until_ready()
         jax.effects_barrier()  # the status callback has run (and raised if the kernel gave up)
         return (np.asarray(out.addressable_shards[0].data.astype(jnp.float32)),
                 np.asarray(lse.addressable_shards[0].data))
+
+    def agree_any(self, flag: bool) -> bool:
+        """Collective: True on every rank if ``flag`` is true on any rank."""
+        t = self.torch.tensor([int(bool(flag))], device=self.dev)
+        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX)
+        return bool(t.item())
 
     def barrier(self, what: str, deadline_s: float = 120.0):
         work = self.dist.barrier(async_op=True)
@@ -276,46 +332,87 @@ def _jax_reset():
     jax_ring.reset()
 
 
+def _fused_and_all_reduce(job: Job, order: str, xs, idx, timeout_s: float, side):
+    """Launch this rank's fused call and a 256 MiB NCCL all-reduce on the torch stream ``side``, in ``order``
+    ("fused" or "all_reduce" first); wait (bounded) until both completed. Returns (out, the seconds the
+    host spent launching the fused call, the fused call's error or None)."""
+    torch, dist = job.torch, job.dist
+    x = torch.full((64 << 20,), float(job.rank + 1), device=job.dev)
+    torch.cuda.synchronize()  # x is ready: the all-reduce's stream need not wait for the default one
+    done_fused = torch.cuda.Event()
+    launched = {}
+
+    def all_reduce():
+        with torch.cuda.stream(side):  # NCCL's stream then waits for `side` only, not the kernel's
+            return dist.all_reduce(x, async_op=True)
+
+    def fused():
+        t0 = time.monotonic()
+        out = job.tb.ring_attention(*(job.cuda(t[:, idx], "bfloat16") for t in xs), is_causal=True,
+                                    layout="zigzag", backend="fused", timeout_s=timeout_s)
+        launched["s"] = time.monotonic() - t0
+        done_fused.record()
+        return out
+
+    if order == "fused":
+        out, work = fused(), all_reduce()
+    else:
+        work, out = all_reduce(), fused()
+    wait_until(lambda: work.is_completed() and done_fused.query(), 2 * timeout_s + job.args.slack,
+               "the fused kernel and the concurrent NCCL all-reduce")
+    work.wait()
+    expected = job.world * (job.world + 1) / 2
+    if not bool((x == expected).all()):
+        raise AssertionError(f"all-reduce result {x[:4].tolist()}, expected {expected}")
+    try:
+        job.tb.check_errors()
+    except RuntimeError as e:
+        return out, launched["s"], e
+    return out, launched["s"], None
+
+
 def section_concurrent(job: Job):
-    """The fused kernel next to NCCL work: an all-reduce on another torch stream (rank 0 launches the kernel
-    first, rank 1 the all-reduce first), and a psum in the same jitted JAX program."""
-    torch, dist, a = job.torch, job.dist, job.args
-    dtype, causal, layout = "bfloat16", True, "zigzag"
-    xs, idx = job.inputs(2, 1, 2048, 16, 4, 128, dtype, layout)  # more programs than the GPU holds at once
-    q, k, v = (job.cuda(x[:, idx], dtype) for x in xs)
-    side = torch.cuda.Stream()
-    for first in ("fused", "all_reduce"):
-        mine = first if job.rank == 0 else ("all_reduce" if first == "fused" else "fused")
-        job.barrier(f"concurrent {first}")
-        with job.report.check(f"concurrent/torch: rank 0 launches {first} first, rank 1 the other") as c:
-            x = torch.full((64 << 20,), float(job.rank + 1), device=job.dev)  # 256 MiB all-reduce
-            torch.cuda.synchronize()  # x is ready: the all-reduce's stream need not wait for the default one
-            done_fused = torch.cuda.Event()
-
-            def all_reduce():
-                with torch.cuda.stream(side):  # NCCL's stream then waits for `side` only, not the kernel's
-                    return dist.all_reduce(x, async_op=True)
-
-            def fused():
-                out = job.tb.ring_attention(q, k, v, is_causal=causal, layout=layout, backend="fused",
-                                            timeout_s=a.timeout_concurrent)
-                done_fused.record()
-                return out
-
-            if mine == "fused":
-                out, work = fused(), all_reduce()
-            else:
-                work, out = all_reduce(), fused()
-            wait_until(lambda: work.is_completed() and done_fused.query(), a.timeout_concurrent + a.slack,
-                       "the fused kernel and the concurrent NCCL all-reduce")
-            work.wait()
-            job.tb.check_errors()
-            expected = job.world * (job.world + 1) / 2
-            if not bool((x == expected).all()):
-                raise AssertionError(f"all-reduce result {x[:4].tolist()}, expected {expected}")
-            c.detail = f"err {job.check_out('concurrent', _as_np(out), xs, idx, dtype, causal):.2e}"
+    """The fused kernel next to NCCL work on another torch stream, and next to a psum in one jitted JAX
+    program. A fused call is a collective of its own, so the rule NCCL gives for two communicators applies
+    (the same order on every rank): in the same order, both orders complete; in opposite orders they
+    complete once the kernel is loaded. A first call of a kernel variant in opposite orders may deadlock
+    for a while, through CUDA's lazy loading (see the README): then the bounded waits turn it into
+    RingAttentionTimeout on the ranks, and reset() brings them back, which is what is checked then."""
+    a = job.args
+    xs, idx = job.inputs(2, 1, 2048, 16, 4, 128, "bfloat16", "zigzag")  # more programs than the GPU holds
+    side = job.torch.cuda.Stream()
+    opposite = {0: "fused", 1: "all_reduce"}
+    for name, order in (("same order, fused first", "fused"), ("same order, all-reduce first", "all_reduce"),
+                        ("opposite orders, kernel loaded", opposite.get(job.rank, "fused"))):
+        job.barrier(f"concurrent {name}")
+        with job.report.check(f"concurrent/torch: {name}") as c:
+            out, launch_s, err = _fused_and_all_reduce(job, order, xs, idx, a.timeout_concurrent, side)
+            if err is not None:
+                raise err
+            c.detail = (f"err {job.check_out('concurrent', _as_np(out), xs, idx, 'bfloat16', True):.2e}, "
+                        f"host launch {launch_s:.3f} s")
+        job.tb.reset()  # collective; brings the counters back in step should this case have failed
+    # A kernel variant this process has not loaded yet (other head counts), in opposite orders.
+    xs2, idx2 = job.inputs(3, 1, 2048, 8, 8, 128, "bfloat16", "zigzag")
+    job.barrier("concurrent first load")
+    with job.report.check("concurrent/torch: opposite orders, first call of a kernel variant") as c:
+        out, launch_s, err = _fused_and_all_reduce(job, opposite.get(job.rank, "fused"), xs2, idx2, a.timeout,
+                                                   side)
+        if err is None:
+            c.detail = (f"completed: err {job.check_out('first load', _as_np(out), xs2, idx2, 'bfloat16', True):.2e}"
+                        f", host launch {launch_s:.3f} s")
+        else:
+            msg = str(err)
+            if not isinstance(err, RuntimeError) or "gave up after" not in msg:
+                raise err
+            c.detail = f"timed out as documented (host launch {launch_s:.1f} s): {msg.split('. ')[0]}"
+        job.barrier("concurrent first load done", deadline_s=3 * a.timeout + a.slack + 60)
+        job.tb.reset()
+        out = job.torch_fused(xs2, idx2, "bfloat16", is_causal=True, layout="zigzag", timeout_s=a.timeout)[0]
+        c.detail += f"; after reset() right (err {job.check_out('after', _as_np(out), xs2, idx2, 'bfloat16', True):.2e})"
     if not job.with_jax:
         return
+    dtype, causal, layout = "bfloat16", True, "zigzag"
     job.barrier("concurrent jax")
     with job.report.check("concurrent/jax: psum and the fused call in one jitted program") as c:
         import jax
@@ -352,6 +449,43 @@ def section_concurrent(job: Job):
             raise AssertionError(f"psum gave {got[:4]}, expected {expected}")
         local_out = _as_np(out.addressable_shards[0].data.astype(jnp.float32))
         c.detail = f"err {job.check_out('jax concurrent', local_out, xs, idx, dtype, causal):.2e}"
+
+
+def section_mismatch(job: Job):
+    """Ranks that disagree: rank 1's torch call has another seq_local, then rank 1's JAX call another
+    is_causal. Every rank raises RingAttentionMismatch naming the field (the kernel finds it before any
+    data moves); then right calls through both frontends, without reset()."""
+    from ring_core.launch import RingAttentionMismatch
+
+    a, rank = job.args, job.rank
+    dtype, layout = "bfloat16", "contiguous"
+    xs, idx = job.inputs(6, 1, 256, 4, 2, 64, dtype, layout)
+    cases = [("torch", "seq_local", dict(is_causal=False)),
+             ("jax", "flags", dict(is_causal=rank == 1))][:2 if job.with_jax else 1]
+    for fw, field, kw in cases:
+        job.barrier(f"mismatch {fw}")
+        with job.report.check(f"mismatch/{fw}: rank 1's call differs in {field} -> every rank raises") as c:
+            t0 = time.monotonic()
+            try:
+                if fw == "torch":
+                    ys, idy = job.inputs(7, 1, 256 if rank == 0 else 320, 4, 2, 64, dtype, layout)
+                    job.torch_fused(ys, idy, dtype, layout=layout, timeout_s=a.timeout_concurrent, **kw)
+                else:
+                    job.jax_fused(xs, idx, dtype, layout=layout, timeout_s=a.timeout_concurrent, **kw)
+            except Exception as e:  # noqa: BLE001 - checked below
+                msg = str(e)
+                if not (isinstance(e, RingAttentionMismatch) or "RingAttentionMismatch" in msg):
+                    raise
+                if f"first difference: {field}" not in msg or "no reset() needed" not in msg:
+                    raise AssertionError(f"the mismatch message lacks the field or the advice: {msg[:600]}")
+                c.detail = f"after {time.monotonic() - t0:.2f} s: " + msg[msg.index("the ranks disagree"):][:160]
+            else:
+                raise AssertionError("the call returned although the ranks' calls differ")
+        job.barrier(f"mismatch {fw} raised")
+        with job.report.check(f"mismatch/{fw}: then right calls through both frontends, no reset()"):
+            for call in [job.torch_fused] + ([job.jax_fused] if job.with_jax else []):
+                out, lse = call(xs, idx, dtype, is_causal=False, layout=layout, timeout_s=a.timeout_concurrent)
+                job.check_out("after mismatch", _as_np(out), xs, idx, dtype, False, lse=_as_np(lse))
 
 
 def section_bad_inputs(job: Job):
@@ -491,8 +625,8 @@ def main(argv=None) -> int:
     t0 = time.monotonic()
     job = Job(a, with_jax="kill" not in sections)
     for name in sections:
-        {"timeout": section_timeout, "concurrent": section_concurrent, "bad_inputs": section_bad_inputs,
-         "security": section_security, "kill": section_kill}[name](job)
+        {"timeout": section_timeout, "concurrent": section_concurrent, "mismatch": section_mismatch,
+         "bad_inputs": section_bad_inputs, "security": section_security, "kill": section_kill}[name](job)
     results = [job.report.results] if "kill" in sections else job.gather_reports()
     ok = all(r["ok"] for per_rank in results for r in per_rank.values())
     if job.rank == 0 and a.out:

@@ -32,22 +32,29 @@ HEAD_DIMS = (16, 24, 32, 64, 80, 96, 128, 160, 192, 256)
 BIG = (1, 4096, 16, 4, 128, "bfloat16", True, "zigzag")
 
 
-def plan(seed: int, pool: int):
-    """``pool`` random valid configurations (B, S, H, HKV, D, dtype, causal, layout), the same on every rank.
-    float32 is kept to head_dim <= 128 (its big tiles take a minute to compile each)."""
+def plan(seed: int, pool: int, variants: int):
+    """``pool`` random valid configurations (B, S, H, HKV, D, dtype, causal, layout), the same on every rank,
+    drawn over ``variants`` random kernel variants. A variant fixes what the kernel is compiled for (heads,
+    kv heads, head_dim, dtype, causal, layout, and Triton's specialisation of batch == 1 and of seq_local
+    == 1 or a multiple of 16); its configurations draw batch and seq_local within that class. So the run
+    compiles ``variants`` kernels per frontend (a fp32 compile takes a minute) however large the pool.
+    float32 is kept to head_dim <= 64."""
     rng = random.Random(seed)
-    out = []
-    while len(out) < pool:
+    kinds = []
+    while len(kinds) < variants:
         dtype = rng.choice(("bfloat16", "float16", "float32"))
-        d = rng.choice([x for x in HEAD_DIMS if dtype != "float32" or x <= 128])
+        d = rng.choice([x for x in HEAD_DIMS if dtype != "float32" or x <= 64])
         hkv = rng.choice((1, 2, 4))
-        h = hkv * rng.choice((1, 2, 4))
         causal = rng.random() < 0.6
         layout = rng.choice(("zigzag", "contiguous")) if causal else "contiguous"
-        s = rng.choice((1, 2, 17, 64, 100, 255, 333, 512, 777))
-        if layout == "zigzag" and s % 2:
-            s += 1
-        out.append((rng.choice((1, 1, 2)), s, h, hkv, d, dtype, causal, layout))
+        kinds.append((hkv * rng.choice((1, 2, 4)), hkv, d, dtype, causal, layout, rng.random() < 0.5,
+                      rng.choice(("one", "x16", "other"))))
+    out = []
+    for n in range(pool):
+        h, hkv, d, dtype, causal, layout, b_one, s_class = kinds[n % variants]
+        s = {"one": [1], "x16": [16, 64, 256, 512], "other": [17, 100, 255, 334, 777]}[s_class]
+        s = rng.choice([x for x in s if layout != "zigzag" or x % 2 == 0] or [2])
+        out.append((1 if b_one else rng.choice((2, 3)), s, h, hkv, d, dtype, causal, layout))
     return out
 
 
@@ -55,6 +62,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=10000)
     ap.add_argument("--pool", type=int, default=12, help="distinct random configurations")
+    ap.add_argument("--variants", type=int, default=4, help="distinct kernel variants they share (compiles)")
+    ap.add_argument("--bwd-every", type=int, default=10,
+                    help="every N-th call is a gradient call (forward + fused backward), 0: none")
+    ap.add_argument("--max-seconds", type=float, default=None,
+                    help="stop (every rank at the same call) once the soak has run this long; the figures "
+                         "then say how many calls were made")
     ap.add_argument("--big-every", type=int, default=500)
     ap.add_argument("--seed", type=int, default=2026)
     ap.add_argument("--timeout", type=float, default=60.0, help="timeout_s of every call")
@@ -66,7 +79,7 @@ def main(argv=None) -> int:
     job = Job(a, with_jax=not a.no_jax)
     start_watchdog(a.deadline, job.rank)
     torch = job.torch
-    configs = plan(a.seed, a.pool) + [BIG]
+    configs = plan(a.seed, a.pool, a.variants) + [BIG]
     from ring_core import reference, testing
 
     prepared = []  # (inputs, this rank's indices, float64 reference, same-precision reference) per config
@@ -75,23 +88,44 @@ def main(argv=None) -> int:
         o64, _ = reference.attention(*xs, is_causal=c[6])
         olp, _ = reference.attention_lowp(*xs, c[5], is_causal=c[6])
         prepared.append((xs, idx, o64[:, idx], olp[:, idx]))
+    # Gradient calls: on the configurations of the first variant (one more compile per frontend).
+    grad_configs = [i for i in range(a.pool) if i % a.variants == 0] if a.bwd_every else []
+    grad_refs = {}
+    for i in grad_configs:
+        xs, idx = prepared[i][:2]
+        c = configs[i]
+        dout = reference.round_to(np.random.default_rng(a.seed + 100 + i).standard_normal(xs[0].shape), c[5])
+        g64 = reference.attention_grad(*xs, dout, is_causal=c[6])
+        glp = reference.attention_grad_lowp(*xs, dout, c[5], is_causal=c[6])
+        grad_refs[i] = (dout, [g[:, idx] for g in g64], [g[:, idx] for g in glp])
     frontends = ["torch"] + ([] if a.no_jax else ["jax"])
     rng = random.Random(a.seed + 1)
     bad, counts, t_calls = [], {}, {f: 0.0 for f in frontends}
 
-    def call(i: int, n: int, fw: str) -> None:
+    def call(i: int, n: int, fw: str, grad: bool = False) -> None:
         b, s, h, hkv, d, dtype, causal, layout = configs[i]
         xs, idx, o64, olp = prepared[i]
         t0 = time.perf_counter()
-        if fw == "torch":
+        if grad:
+            dout, g64, glp = grad_refs[i]
+            got = (job.torch_grads if fw == "torch" else job.jax_grads)(xs, dout, idx, dtype, is_causal=causal,
+                                                                      layout=layout, timeout_s=a.timeout)
+        elif fw == "torch":
             out, _ = job.torch_fused(xs, idx, dtype, is_causal=causal, layout=layout, timeout_s=a.timeout)
             out = out.float().cpu().numpy()
         else:
             out, _ = job.jax_fused(xs, idx, dtype, is_causal=causal, layout=layout, timeout_s=a.timeout)
         t_calls[fw] += time.perf_counter() - t0
-        counts[fw] = counts.get(fw, 0) + 1
+        kind = f"{fw} grad" if grad else fw
+        counts[kind] = counts.get(kind, 0) + 1
         try:
-            testing.check(f"soak call {n} ({fw}, {configs[i]})", np.asarray(out, np.float64), o64, olp, dtype, "out")
+            if grad:
+                for name, g, r, lo in zip(("dq", "dk", "dv"), got, g64, glp):
+                    testing.check(f"soak call {n} ({kind} {name}, {configs[i]})", np.asarray(g, np.float64), r,
+                                  lo, dtype, "grad")
+            else:
+                testing.check(f"soak call {n} ({fw}, {configs[i]})", np.asarray(out, np.float64), o64, olp, dtype,
+                              "out")
         except AssertionError as e:
             bad.append(str(e)[:300])
 
@@ -99,18 +133,30 @@ def main(argv=None) -> int:
     for i in range(len(configs)):  # warm-up: every configuration through every frontend (compiles)
         for fw in frontends:
             call(i, -1, fw)
+            if i in grad_refs:
+                call(i, -1, fw, grad=True)
     job.barrier("warm-up")
     torch.cuda.synchronize()
     mem0, rss0 = torch.cuda.memory_allocated(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t_warm = time.time() - t_start
     t0 = time.time()
+    made = 0
     for n in range(a.calls):
-        i = len(configs) - 1 if a.big_every and n % a.big_every == a.big_every - 1 else rng.randrange(a.pool)
-        call(i, n, frontends[rng.randrange(len(frontends))])
+        if a.max_seconds and n % 200 == 0 and job.agree_any(time.time() - t0 > a.max_seconds):
+            break
+        grad = bool(grad_refs) and n % a.bwd_every == a.bwd_every - 1
+        if grad:
+            i = rng.choice(sorted(grad_refs))
+        elif a.big_every and n % a.big_every == a.big_every - 1:
+            i = len(configs) - 1
+        else:
+            i = rng.randrange(a.pool)
+        call(i, n, frontends[rng.randrange(len(frontends))], grad=grad)
+        made += 1
     torch.cuda.synchronize()
     job.barrier("soak")
     mem1, rss1 = torch.cuda.memory_allocated(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    summary = dict(rank=job.rank, calls=a.calls, wrong=len(bad), first_wrong=bad[:5], per_frontend=counts,
+    summary = dict(rank=job.rank, calls=made, wrong=len(bad), first_wrong=bad[:5], per_frontend=counts,
                    seconds=round(time.time() - t0, 1), warmup_seconds=round(t_warm, 1),
                    call_seconds={k: round(v, 1) for k, v in t_calls.items()},
                    gpu_bytes_growth=mem1 - mem0, rss_kib_growth=rss1 - rss0, configs=configs)
