@@ -9,7 +9,15 @@ One process per GPU, started by the launcher; the world size is the job's (torch
 (``python benchmarks/attention.py`` works too, with the repository root on PYTHONPATH.) The second
 command runs, on one GPU, the *global* problem of every 2-GPU case (seq_local x 2), so that the scaling
 efficiency of the fused kernel can be computed; it appends rows to the same CSV. ``--cpu-smoke`` runs
-the whole path on CPU (gloo, XLA CPU) at tiny sizes; methods that need a GPU then write their reason.
+the whole path on CPU (gloo, XLA CPU) at tiny sizes, both passes unless ``--pass`` says otherwise;
+methods that need a GPU then write their reason.
+
+Passes (``--pass``, the CSV's ``pass`` column): ``fwd`` (default) times the forward alone, under no_grad;
+``fwd+bwd`` times one training step of attention per call: the forward, then the gradients of q, k and v
+for that input set's ``dout`` (random normal, one per input set, drawn after q, k, v, so these are the fwd
+pass's inputs). torch methods take them with ``torch.autograd.grad(out, (q, k, v), dout)`` (no ``.grad``
+accumulation); JAX methods jit ``jax.vjp`` with dout as the cotangent, returning (out, dq, dk, dv), inside
+the same ``shard_map`` as their forward. ``--pass fwd,fwd+bwd`` runs both, one after the other per case.
 
 Methods, each timed in the same process group on the same inputs:
 
@@ -21,11 +29,15 @@ Methods, each timed in the same process group on the same inputs:
   (``jax._src.cudnn.fused_attention_stablehlo.dot_product_attention(return_residual=True)``, float32
   LSE; if that private entry point is missing, ``jax.nn.dot_product_attention(return_residual=True)``,
   whose LSE is rounded to the input dtype, which the ``note`` column then says), blocks merged by LSE.
-  Causal uses the zigzag layout and computes only the unmasked halves (as ring-flash-attn does);
+  Causal uses the zigzag layout and computes only the unmasked halves (as ring-flash-attn does).
+  fwd+bwd is jax autodiff of that ring, which is right only if the block's LSE output carries its
+  cotangent back; a probe (``check_lse_differentiates``) checks that first, and where it does not (jax's
+  cuDNN attention drops the LSE's cotangent) the row's error says so instead of timing wrong gradients;
 * ``torch_cp``: ``torch.distributed.tensor.experimental.context_parallel`` over
   ``F.scaled_dot_product_attention`` restricted to the cuDNN backend; causal with its head-tail load
   balancer (the zigzag layout), non-causal with it off; K/V rotation ``--cp-rotate`` (torch's default
-  is ``allgather``);
+  is ``allgather``). In fwd+bwd, dout is one of its sharded buffers, and its local q, k, v shards are the
+  leaves (torch's ring backward for cuDNN SDPA);
 * ``torch_cudnn_1gpu`` / ``jax_cudnn_1gpu``: the limit: single-GPU cuDNN attention (torch SDPA cuDNN
   backend; ``jax.nn.dot_product_attention(implementation="cudnn")``) on **one GPU's share** of the ring
   case, i.e. exactly the per-GPU FLOPs of the ring:
@@ -47,19 +59,26 @@ programs are compiled ahead of it: ``compile_s``), then ``--iters`` calls rotati
 carries errors); each call is timed with CUDA events on the torch stream (JAX calls end with
 ``block_until_ready``, so their events span the call's dispatch and execution); the per-call times are
 all-reduced with MAX (the slowest rank counts, call by call); the row reports the median and the 20/80 %
-quantiles. TFLOP/s per GPU = ``4*B*H*S_local*S_global*D`` per rank (half when causal) / median time.
+quantiles. TFLOP/s per GPU = ``4*B*H*S_local*S_global*D`` per rank (half when causal) / median time;
+in fwd+bwd the FLOPs are 3.5 times that (the flash-attention convention: backward = 2.5 forwards).
 
 Checks: each method's output on input set 0 is compared with the first of torch_fused, jax_fused,
 torch_ref, jax_xla that ran (``max_abs_diff``, ``diff_vs``; max over ranks). Methods whose output is
-not this rank's shard (the causal limit) leave it empty. A diff above ``DIFF_WARN`` is flagged in ``note``.
+not this rank's shard (the causal limit) leave it empty. In fwd+bwd the gradients are compared instead:
+``max_abs_diff`` is the largest of max|dq - dq_anchor|, max|dk - ...| and max|dv - ...|, over the
+gradients both have, and ``diff_vs`` names them after the anchor, e.g. ``torch_ref (dq,dk,dv)``. The
+non-causal single-GPU share has only dq in common with the ring (its dK/dV are one rank's queries' part
+of the global gradient): ``(dq)``. A diff above ``DIFF_WARN`` (the output), or above ``GRAD_WARN`` times
+the largest |anchor gradient| (a gradient: they shrink as the sequence grows), is flagged in ``note``.
 
 Every method runs in its own try/except: a failure writes its ``error`` and the run goes on (errors are
 agreed between ranks, so that no rank waits for a collective the others skipped). Memory is released
 between methods. The CSV is rewritten after every method (a killed run keeps its finished rows); rows
 already in the file are kept (``--overwrite`` starts afresh). Ratio columns (``vs_*``, ``scaling_eff``)
-are speed ratios of the fused rows, fused TFLOP/s over the other method's, same run and case
+are speed ratios of the fused rows, fused TFLOP/s over the other method's, same run, case and pass
 (``vs_cudnn_1gpu`` against the faster of the two single-GPU limits); ``scaling_eff`` divides by the
-world-1 row of the same method and global problem found anywhere in the file.
+world-1 row of the same method, global problem and pass found anywhere in the file. A CSV written before
+the ``pass`` column existed is read as fwd rows (and rewritten with the column).
 
 The fused kernel's spin-wait bound is lowered to 60 s here (``RING_ATTENTION_TIMEOUT_S``, unless set),
 so that a rank left waiting by a peer's failure gets out quickly.
@@ -86,6 +105,7 @@ import numpy as np
 
 AXIS = "sp"
 DIFF_WARN = 0.05  # |out - anchor| above this is flagged (bf16/fp16 outputs of random-normal inputs are O(0.1))
+GRAD_WARN = 0.05  # |grad - anchor| above this times max|anchor grad| is flagged (about 13 bf16 ulps of the largest)
 TIMEOUT_S = "60"
 
 
@@ -118,14 +138,21 @@ RATIOS = {
     "vs_xla_ref": ("jax_xla",),
     "vs_torch_ref": ("torch_ref",),
 }
-CASE_KEY = ("run_id", "world", "batch", "heads", "kv_heads", "head_dim", "seq_local", "causal", "dtype")
-SCALING_KEY = ("method", "batch", "heads", "kv_heads", "head_dim", "seq_global", "causal", "dtype")
+CASE_KEY = ("run_id", "world", "batch", "heads", "kv_heads", "head_dim", "seq_local", "causal", "dtype", "pass")
+SCALING_KEY = ("method", "batch", "heads", "kv_heads", "head_dim", "seq_global", "causal", "dtype", "pass")
+
+# What one timed call does, and its FLOPs as a multiple of the forward's. The flash-attention convention:
+# the backward is 2.5 forwards (five matmuls to the forward's two), so forward + backward counts 3.5.
+PASSES = {"fwd": 1.0, "fwd+bwd": 3.5}
+GRADS = ("dq", "dk", "dv")
+# Columns added since the first CSVs, with the value a row written without them means.
+LEGACY_DEFAULTS = {"pass": "fwd"}
 
 VERSION_COLUMNS = ("gpu", "python", "torch", "torch_cuda", "torch_cudnn", "triton", "jax", "jaxlib",
                    "jax_cuda_plugin", "jax_platform", "jax_cudnn")
 CSV_COLUMNS = (
     "run_id", "date", "world", "method", "framework", "kind",
-    "batch", "heads", "kv_heads", "head_dim", "seq_local", "seq_global", "causal", "layout", "dtype",
+    "batch", "heads", "kv_heads", "head_dim", "seq_local", "seq_global", "causal", "layout", "dtype", "pass",
     "flops_per_gpu", "ms_median", "ms_q20", "ms_q80", "tflops_per_gpu",
     "iters", "warmup", "input_sets", "compile_s", "first_call_s", "max_abs_diff", "diff_vs",
     *RATIOS, "scaling_eff",
@@ -136,9 +163,9 @@ CSV_COLUMNS = (
 DTYPE_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
                  "half": "float16"}
 TARGET_DEFAULTS = dict(seq="4096,8192,16384,32768", heads=32, kv_heads="32", head_dim="128", dtype="bfloat16",
-                       batch=1, iters=10, warmup=2, input_sets=3, ref_max_seq=8192)
+                       batch=1, iters=10, warmup=2, input_sets=3, ref_max_seq=8192, passes="fwd")
 SMOKE_DEFAULTS = dict(seq="64,96", heads=4, kv_heads="4,2", head_dim="32", dtype="bfloat16",
-                      batch=1, iters=3, warmup=1, input_sets=2, ref_max_seq=1 << 30)
+                      batch=1, iters=3, warmup=1, input_sets=2, ref_max_seq=1 << 30, passes="fwd,fwd+bwd")
 
 
 class Unavailable(RuntimeError):
@@ -157,6 +184,7 @@ class Case:
     seq_local: int
     causal: bool
     dtype: str
+    mode: str = "fwd"  # the pass one call times: a key of PASSES (the CSV's ``pass`` column)
 
     @property
     def layout(self) -> str:
@@ -168,13 +196,22 @@ class Case:
     def label(self) -> str:
         dt = {"bfloat16": "bf16", "float16": "fp16"}.get(self.dtype, self.dtype)
         return (f"{dt} D{self.head_dim} H{self.heads}/{self.kv_heads} B{self.batch} S_local {self.seq_local} "
-                f"{'causal' if self.causal else 'full'}")
+                f"{'causal' if self.causal else 'full'} {self.mode}")
+
+
+def attention_flops(batch: int, heads: int, q_len: int, kv_len: int, head_dim: int, causal: bool,
+                    mode: str = "fwd") -> float:
+    """FLOPs of one attention call: 4*B*H*S_q*S_kv*D for the forward (two matmuls), half when causal,
+    times PASSES[mode] (3.5 for forward + backward)."""
+    f = 4.0 * batch * heads * q_len * kv_len * head_dim * PASSES[mode]
+    return f / 2 if causal else f
 
 
 def flops_per_gpu(case: Case, world: int) -> float:
-    """Attention FLOPs one rank does: 4*B*H*S_local*S_global*D (two matmuls), half of that when causal."""
-    f = 4.0 * case.batch * case.heads * case.seq_local * case.seq_global(world) * case.head_dim
-    return f / 2 if case.causal else f
+    """Attention FLOPs one rank does: 4*B*H*S_local*S_global*D (two matmuls), half of that when causal;
+    x 3.5 for forward + backward."""
+    return attention_flops(case.batch, case.heads, case.seq_local, case.seq_global(world), case.head_dim,
+                           case.causal, case.mode)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,9 +225,8 @@ class LimitProblem:
     causal: bool
     head_offset: int  # first query head of this rank's share (kv heads start at head_offset // group)
 
-    def flops(self, batch: int, head_dim: int) -> float:
-        f = 4.0 * batch * self.q_heads * self.q_len * self.kv_len * head_dim
-        return f / 2 if self.causal else f
+    def flops(self, batch: int, head_dim: int, mode: str = "fwd") -> float:
+        return attention_flops(batch, self.q_heads, self.q_len, self.kv_len, head_dim, self.causal, mode)
 
     def shapes(self, batch: int, head_dim: int) -> str:
         return (f"q[{batch},{self.q_len},{self.q_heads},{head_dim}] kv[{batch},{self.kv_len},{self.kv_heads},"
@@ -259,6 +295,17 @@ def _dtype_list(text: str) -> list:
     return out
 
 
+def _pass_list(text: str) -> list:
+    out = []
+    for tok in str(text).split(","):
+        tok = tok.strip().lower()
+        if tok not in PASSES:
+            raise argparse.ArgumentTypeError(f"--pass takes {' and/or '.join(PASSES)} (comma list), got {tok!r}")
+        if tok not in out:
+            out.append(tok)
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     d = TARGET_DEFAULTS
     ap = argparse.ArgumentParser(
@@ -278,6 +325,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", default=None, help=f"bf16 and/or fp16, comma list (default {d['dtype']})")
     ap.add_argument("--causal", default="both", choices=("both", "yes", "no"),
                     help="causal (zigzag layout), non-causal (contiguous) or both (default)")
+    ap.add_argument("--pass", dest="passes", default=None, metavar="PASS[,PASS]",
+                    help="what one timed call does: fwd, fwd+bwd (forward, then the gradients of q, k and v for a "
+                         f"random dout), or both as a comma list fwd,fwd+bwd (default {d['passes']}; with "
+                         f"--cpu-smoke {SMOKE_DEFAULTS['passes']})")
     ap.add_argument("--ref-max-seq", type=int, default=None,
                     help=f"run the reference rings only up to this seq_local (default {d['ref_max_seq']})")
     ap.add_argument("--warmup", type=int, default=None, help=f"untimed calls first (default {d['warmup']})")
@@ -314,6 +365,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         a.kv_heads = _int_list(a.kv_heads)
         a.head_dim = _int_list(a.head_dim)
         a.dtype = _dtype_list(a.dtype)
+        a.passes = _pass_list(a.passes)
     except argparse.ArgumentTypeError as e:
         ap.error(str(e))
     for name in ("batch", "heads", "iters", "input_sets", "ref_max_seq"):
@@ -352,7 +404,8 @@ def select_methods(args, world: int) -> list:
 
 
 def enumerate_cases(args, world: int) -> list:
-    """Every case of the product of the axes; with --world1 W, seq_local is multiplied by W."""
+    """Every case of the product of the axes (the passes of one shape run one after the other); with
+    --world1 W, seq_local is multiplied by W."""
     if args.world1 is not None and world != 1:
         raise SystemExit(f"--world1 needs one process (launch with --nproc-per-node 1); this job has {world}")
     mult = args.world1 or 1
@@ -363,21 +416,28 @@ def enumerate_cases(args, world: int) -> list:
             for hkv in args.kv_heads:
                 for s in args.seq:
                     for c in causal:
-                        case = Case(args.batch, args.heads, hkv, d, s * mult, c, dtype)
-                        if c and case.seq_local % 2:
+                        if c and s * mult % 2:
                             raise SystemExit(f"causal cases use the zigzag layout, which needs an even seq_local; "
-                                             f"got {case.seq_local}")
-                        cases.append(case)
+                                             f"got {s * mult}")
+                        cases.extend(Case(args.batch, args.heads, hkv, d, s * mult, c, dtype, mode)
+                                     for mode in args.passes)
     return cases
 
 
 def heap_bytes_needed(cases, world: int) -> int:
-    """A heap size that fits the fused kernel's receive slots for every case (at least the 4 GiB default)."""
+    """A heap size that fits the fused kernel's receive slots for every case, the backward's (K/V and the
+    float32 partial dK/dV) in fwd+bwd cases (at least the 4 GiB default)."""
     from ring_core import heap, launch
+    from ring_core.validate import AttentionSpec
 
-    need = max((world - 1) * 2 * c.batch * c.seq_local * c.kv_heads * c.head_dim * launch.ELEM_BYTES[c.dtype]
-               for c in cases)
-    return max(heap.DEFAULT_HEAP_BYTES, launch.heap_bytes_for(need))
+    def need(c):
+        spec = AttentionSpec(batch=c.batch, seq_local=c.seq_local, num_heads=c.heads, num_kv_heads=c.kv_heads,
+                             head_dim=c.head_dim, dtype=c.dtype, scale=1.0 / math.sqrt(c.head_dim),
+                             is_causal=c.causal, layout=c.layout)
+        fwd = launch.recv_bytes(spec, world)
+        return fwd if c.mode == "fwd" else max(fwd, launch.bwd_recv_bytes(spec, world)[2])
+
+    return max(heap.DEFAULT_HEAP_BYTES, launch.heap_bytes_for(max(need(c) for c in cases)))
 
 
 # ----------------------------------------------------------------------------------------- ratios, CSV
@@ -393,16 +453,28 @@ def _num(x):
     return v if math.isfinite(v) else None
 
 
+def field(row, name) -> str:
+    """A CSV field as text; a column that older CSVs lack reads as what those rows meant (LEGACY_DEFAULTS)."""
+    val = row.get(name)
+    return LEGACY_DEFAULTS.get(name, "") if val is None or val == "" else str(val)
+
+
+def upgrade_rows(rows) -> list:
+    """Rows read from a CSV, with the columns older harness versions did not write filled in (a row without
+    ``pass`` timed the forward)."""
+    return [dict(r, **{c: field(r, c) for c in LEGACY_DEFAULTS}) for r in rows]
+
+
 def _key(row, fields) -> tuple:
-    return tuple(str(row.get(f, "")) for f in fields)
+    return tuple(field(row, f) for f in fields)
 
 
 def compute_ratios(rows) -> list:
     """Fill the ratio columns of the fused rows (copies of ``rows`` are returned; others get blanks).
 
-    ``vs_*``: fused TFLOP/s over the best TFLOP/s of the named methods in the same run and case.
-    ``scaling_eff``: fused TFLOP/s per GPU over the TFLOP/s of the latest world-1 row of the same method and
-    global problem (same batch, heads, head_dim, seq_global, causal, dtype). Rows with an error, or
+    ``vs_*``: fused TFLOP/s over the best TFLOP/s of the named methods in the same run, case and pass.
+    ``scaling_eff``: fused TFLOP/s per GPU over the TFLOP/s of the latest world-1 row of the same method,
+    global problem (same batch, heads, head_dim, seq_global, causal, dtype) and pass. Rows with an error, or
     without TFLOP/s, are ignored as denominators.
     """
     ok = [r for r in rows if not r.get("error") and _num(r.get("tflops_per_gpu")) is not None]
@@ -435,7 +507,10 @@ def compute_ratios(rows) -> list:
 
 class CsvLog:
     """The CSV on rank 0: rows already in the file are kept; the whole file is rewritten (atomically)
-    after every change, so a killed run keeps every finished row."""
+    after every change, so a killed run keeps every finished row. A file written before a column was added
+    (LEGACY_DEFAULTS) is read with that column filled in, and rewritten with it."""
+
+    LEGACY_COLUMNS = tuple(c for c in CSV_COLUMNS if c not in LEGACY_DEFAULTS)
 
     def __init__(self, path: str, overwrite: bool = False):
         self.path = path
@@ -443,10 +518,10 @@ class CsvLog:
         if os.path.exists(path) and not overwrite:
             with open(path, newline="") as f:
                 reader = csv.DictReader(f)
-                if tuple(reader.fieldnames or ()) != CSV_COLUMNS:
+                if tuple(reader.fieldnames or ()) not in (CSV_COLUMNS, self.LEGACY_COLUMNS):
                     raise SystemExit(f"{path} exists with other columns than this harness writes; pass --overwrite "
                                      "or another --csv")
-                self.rows = list(reader)
+                self.rows = [{c: r.get(c, "") for c in CSV_COLUMNS} for r in upgrade_rows(reader)]
 
     def add(self, row: dict):
         self.rows.append({c: row.get(c, "") for c in CSV_COLUMNS})
@@ -756,10 +831,16 @@ def versions(env) -> dict:
 # ------------------------------------------------------------------------------------------ case data
 
 
+def call_args(sets, douts) -> list:
+    """Per-call argument tuples: (q, k, v), with that set's dout appended where there are douts (fwd+bwd)."""
+    return list(sets) if not douts else [(*s, d) for s, d in zip(sets, douts)]
+
+
 class CaseData:
     """The inputs of one case: ``--input-sets`` random-normal global (q, k, v), identical on every rank
     (torch_cp and the single-GPU share need the global tensors), and this rank's shards in the case's layout.
-    JAX views (zero-copy, DLPack) are made on first use."""
+    In fwd+bwd, each set also has a random-normal ``dout`` (the output's cotangent), drawn after q, k, v so
+    that these are the fwd pass's. JAX views (zero-copy, DLPack) are made on first use."""
 
     def __init__(self, env: Env, case: Case, n_sets: int, seed: int):
         torch = env.torch
@@ -770,20 +851,25 @@ class CaseData:
         s_g = case.seq_global(env.world)
         idx = layout_permutation(s_g, env.world, case.layout)[env.rank * case.seq_local:(env.rank + 1) * case.seq_local]
         idx = torch.as_tensor(idx, device=env.device)
-        self.global_sets, self.local_sets = [], []
+        heads = (case.heads, case.kv_heads, case.kv_heads) + ((case.heads,) if case.mode == "fwd+bwd" else ())
+        self.global_sets, self.local_sets, self.global_douts, self.local_douts = [], [], [], []
         for i in range(n_sets):
             g = torch.Generator(device=env.device).manual_seed(seed * 1000 + i)  # same on every rank
-            qkv = tuple(torch.randn(case.batch, s_g, h, case.head_dim, device=env.device, dtype=dt, generator=g)
-                        for h in (case.heads, case.kv_heads, case.kv_heads))
-            self.global_sets.append(qkv)
-            self.local_sets.append(tuple(x.index_select(1, idx).contiguous() for x in qkv))
+            xs = tuple(torch.randn(case.batch, s_g, h, case.head_dim, device=env.device, dtype=dt, generator=g)
+                       for h in heads)
+            local = tuple(x.index_select(1, idx).contiguous() for x in xs)
+            self.global_sets.append(xs[:3])
+            self.local_sets.append(local[:3])
+            self.global_douts.extend(xs[3:])
+            self.local_douts.extend(local[3:])
         self._jax_sharded = None
 
     def jax_local(self, t):
         return self.env.jax.dlpack.from_dlpack(t.contiguous(), device=self.env.jax_device)
 
     def jax_sharded(self):
-        """The local shards as global jax arrays sharded over the mesh axis (sequence axis 1)."""
+        """The JAX rings' per-call arguments: the local shards (and dout in fwd+bwd) as global jax arrays
+        sharded over the mesh axis (sequence axis 1)."""
         if self._jax_sharded is None:
             from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -794,7 +880,7 @@ class CaseData:
                 shape = (t.shape[0], t.shape[1] * self.env.world, *t.shape[2:])
                 return jax.make_array_from_single_device_arrays(shape, sh, [self.jax_local(t)])
 
-            self._jax_sharded = [tuple(glob(t) for t in s) for s in self.local_sets]
+            self._jax_sharded = [tuple(glob(t) for t in s) for s in call_args(self.local_sets, self.local_douts)]
         return self._jax_sharded
 
     def limit_sets(self, prob: LimitProblem):
@@ -806,27 +892,93 @@ class CaseData:
         return [(q[:, :, h0:h0 + prob.q_heads].contiguous(), k[:, :, k0:k0 + prob.kv_heads].contiguous(),
                  v[:, :, k0:k0 + prob.kv_heads].contiguous()) for q, k, v in self.global_sets]
 
+    def limit_douts(self, prob: LimitProblem):
+        """The douts of the single-GPU share's output: this rank's queries' (non-causal) or its heads' (causal)."""
+        if not prob.causal:
+            return list(self.local_douts)
+        h0 = prob.head_offset
+        return [d[:, :, h0:h0 + prob.q_heads].contiguous() for d in self.global_douts]
+
 
 # -------------------------------------------------------------------------------------------- methods
 
 
 @dataclasses.dataclass
 class Prepared:
-    run: object  # run(i) -> output of the call on input set i % n (finished when it returns, for JAX)
-    local_out: object  # output -> torch [b, s_local, h, d] comparable with the anchor, or None
+    run: object  # run(i) -> the call's result on input set i % n: out, or (out, dq, dk, dv) in fwd+bwd
+    local_out: object  # result -> {name: torch [b, s_local, h, d] comparable with the anchor's} (see _comparable)
     note: str = ""
     compile_s: float | None = None
     shape: str = ""
     finish: object = None  # called after the timed calls (surfaces errors reported asynchronously)
 
 
-def _jax_compiled(env, fn, sets, local_out, note, shape) -> Prepared:
+def _comparable(case, convert):
+    """``Prepared.local_out``: what the check compares, by name: the output (``out``) in fwd, the gradients
+    (``dq``, ``dk``, ``dv``) in fwd+bwd. ``convert(name, value)`` gives it as a torch tensor in the ring's
+    local layout, or None where it is not this rank's shard of the ring's (then it is left out)."""
+
+    def local_out(result):
+        named = {"out": result} if case.mode == "fwd" else dict(zip(GRADS, result[1:]))
+        conv = {name: convert(name, x) for name, x in named.items()}
+        return {name: t for name, t in conv.items() if t is not None}
+
+    return local_out
+
+
+def _share_convert(prob: LimitProblem, to_local):
+    """``convert`` of the single-GPU share: non-causal, its output and dq are this rank's (its queries against
+    every key); its dK/dV are only this rank's queries' part of the global gradient, and the causal share
+    (H/W heads, every token) matches no ring shard: those are not compared."""
+    return lambda name, x: to_local(x) if not prob.causal and name in ("out", "dq") else None
+
+
+def _torch_prepared(env, case, stack, attn, sets, douts, convert, note, shape, finish=None) -> Prepared:
+    """A torch method's calls: ``attn(q, k, v)`` on input set i, under no_grad (fwd); in fwd+bwd, the output
+    then ``torch.autograd.grad`` of it for q, k, v (leaves sharing the inputs' memory) with the set's dout."""
+    torch, n = env.torch, len(sets)
+    if case.mode == "fwd":
+        stack.enter_context(torch.no_grad())
+
+        def run(i):
+            return attn(*sets[i % n])
+    else:
+        leaves = [tuple(x.detach().requires_grad_() for x in s) for s in sets]
+        note = f"{note}; backward by torch.autograd.grad"
+
+        def run(i):
+            q, k, v = leaves[i % n]
+            out = attn(q, k, v)
+            return (out, *torch.autograd.grad(out, (q, k, v), douts[i % n]))
+
+    return Prepared(run, _comparable(case, convert), note, shape=shape, finish=finish)
+
+
+def _jax_step(case, fn):
+    """What one JAX call runs: ``fn(q, k, v)`` (fwd), or (q, k, v, dout) -> (out, dq, dk, dv) by ``jax.vjp``
+    with dout as the output's cotangent (fwd+bwd)."""
+    if case.mode == "fwd":
+        return fn
+    import jax
+
+    def step(q, k, v, dout):
+        out, pull = jax.vjp(fn, q, k, v)
+        return (out, *pull(dout))
+
+    return step
+
+
+def _jax_compiled(env, case, fn, args, convert, note, shape) -> Prepared:
+    """``fn`` (already the step) jitted and compiled ahead on ``args[0]``; call i runs it on ``args[i % n]``."""
     jax = env.jax
     t0 = time.perf_counter()
-    compiled = jax.jit(fn).lower(*sets[0]).compile()
+    compiled = jax.jit(fn).lower(*args[0]).compile()
     compile_s = time.perf_counter() - t0
-    n = len(sets)
-    return Prepared(lambda i: jax.block_until_ready(compiled(*sets[i % n])), local_out, note, compile_s, shape)
+    n = len(args)
+    if case.mode != "fwd":
+        note = f"{note}; backward by jax.vjp"
+    return Prepared(lambda i: jax.block_until_ready(compiled(*args[i % n])), _comparable(case, convert), note,
+                    compile_s, shape)
 
 
 def _jax_ring(env, case, data, body, note) -> Prepared:
@@ -834,8 +986,10 @@ def _jax_ring(env, case, data, body, note) -> Prepared:
 
     jax, torch = env.jax, env.torch
     spec = P(None, AXIS)
-    fn = jax.shard_map(body, mesh=env.mesh, in_specs=(spec,) * 3, out_specs=spec, check_vma=False)
-    return _jax_compiled(env, fn, data.jax_sharded(), lambda out: torch.from_dlpack(out.addressable_shards[0].data),
+    args = data.jax_sharded()
+    fn = jax.shard_map(_jax_step(case, body), mesh=env.mesh, in_specs=(spec,) * len(args[0]),
+                       out_specs=spec if case.mode == "fwd" else (spec,) * 4, check_vma=False)
+    return _jax_compiled(env, case, fn, args, lambda name, x: torch.from_dlpack(x.addressable_shards[0].data),
                          note, ring_shapes(case))
 
 
@@ -847,15 +1001,13 @@ def build_torch_ring(env, args, case, data, stack, backend, **_):
 
     if backend == "fused" and not env.cuda:
         raise Unavailable(_NEEDS_GPU)
-    stack.enter_context(env.torch.no_grad())
-    sets, n = data.local_sets, len(data.local_sets)
 
-    def run(i):
-        q, k, v = sets[i % n]
+    def attn(q, k, v):
         return torch_bridge.ring_attention(q, k, v, is_causal=case.causal, layout=case.layout, backend=backend)
 
-    return Prepared(run, lambda out: out, f"backend={backend}", shape=ring_shapes(case),
-                    finish=torch_bridge.check_errors if backend == "fused" else None)
+    return _torch_prepared(env, case, stack, attn, data.local_sets, data.local_douts, lambda name, x: x,
+                           f"backend={backend}", ring_shapes(case),
+                           finish=torch_bridge.check_errors if backend == "fused" else None)
 
 
 def build_jax_ring(env, args, case, data, stack, backend, **_):
@@ -871,11 +1023,28 @@ def build_jax_ring(env, args, case, data, stack, backend, **_):
     return _jax_ring(env, case, data, body, f"backend={backend}")
 
 
+def check_lse_differentiates(env, block, q, k, v):
+    """Raise Unavailable unless jax autodiff of ``block`` carries the cotangent of its LSE output. The ring
+    merges blocks through their LSEs, so without it ``jax.vjp`` of the ring runs but gives wrong gradients;
+    jax's cuDNN attention drops it (its backward rule keeps only the output's cotangent)."""
+    jax = env.jax
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    g = jax.jit(jax.grad(lambda q: block(q, k, v, False, scale)[1].sum()))(q)
+    if not bool(jax.numpy.any(g != 0)):
+        raise Unavailable("jax autodiff of this ring would give wrong gradients: the gradient of the block "
+                          "attention's LSE output is zero (jax's cuDNN attention backward drops the LSE's "
+                          "cotangent) and the ring merges blocks through their LSEs; a hand-written ring backward "
+                          "(cuDNN backward per block from the final out and LSE) would be needed")
+
+
 def build_jax_cudnn_ring(env, args, case, data, stack, **_):
     if env.cuda:
         block, note = cudnn_block_attention()
     else:
         block, note = xla_block_attention, "cpu-smoke: blocks by dense XLA attention (jax_ring.reference), not cuDNN"
+    if case.mode != "fwd":
+        check_lse_differentiates(env, block, *(data.jax_local(x) for x in data.local_sets[0]))
+        note = f"{note}; gradients by autodiff through the LSE merge"
 
     def body(q, k, v):
         return cudnn_ring_attention(q, k, v, axis_name=AXIS, world=env.world, is_causal=case.causal,
@@ -889,36 +1058,53 @@ def _repeat_kv(sets, case, dim):
     return [(q, k.repeat_interleave(g, dim=dim), v.repeat_interleave(g, dim=dim)) for q, k, v in sets]
 
 
+def _fold_kv(t, case, dim):
+    """The gradient of K/V heads repeated by _repeat_kv, summed back to the kv heads."""
+    return t.unflatten(dim, (case.kv_heads, case.heads // case.kv_heads)).sum(dim + 1)
+
+
+def _sdpa_inputs(case, sets, douts, repeat_kv, is_causal) -> tuple:
+    """(sets, douts, attn, gqa) for torch SDPA: [b, h, s, d] copies of [b, s, h, d] input sets (K/V heads
+    repeated when asked) and douts, and ``attn(q, k, v)``, with ``enable_gqa`` (``gqa``) where the head
+    counts differ."""
+    import torch.nn.functional as F
+
+    sets = [tuple(x.transpose(1, 2).contiguous() for x in s) for s in sets]
+    if repeat_kv:
+        sets = _repeat_kv(sets, case, dim=1)
+    douts = [d.transpose(1, 2).contiguous() for d in douts]
+    gqa = case.heads != case.kv_heads and not repeat_kv
+    kw = dict(is_causal=is_causal, **({"enable_gqa": True} if gqa else {}))
+
+    def attn(q, k, v):  # F's attribute looked up at every call: context_parallel replaces it while active
+        return F.scaled_dot_product_attention(q, k, v, **kw)
+
+    return sets, douts, attn, gqa
+
+
 def build_torch_cp(env, args, case, data, stack, repeat_kv=False, **_):
     if not env.cuda:
         raise Unavailable("torch context_parallel dispatches SDPA to its CUDA ring handlers (cuDNN/flash/efficient); "
                           "not in --cpu-smoke")
-    torch = env.torch
-    import torch.nn.functional as F
     from torch.distributed.tensor.experimental import context_parallel
     from torch.distributed.tensor.experimental._attention import _cp_options, set_rotate_method
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     mesh = env.cp_mesh()
     set_rotate_method(args.cp_rotate)
-    # [b, h, s_global, d], natural order: context_parallel shards them in place (head-tail order when balanced).
-    sets = [tuple(x.transpose(1, 2).contiguous() for x in s) for s in data.global_sets]
-    if repeat_kv:
-        sets = _repeat_kv(sets, case, dim=1)
-    bufs = [x for s in sets for x in s]
+    # [b, h, s_global, d], natural order: context_parallel shards them in place (head-tail order when balanced);
+    # dout is sharded as the output is.
+    sets, douts, attn, gqa = _sdpa_inputs(case, data.global_sets, data.global_douts, repeat_kv, case.causal)
+    bufs = [x for s in sets for x in s] + douts
     old_balance = _cp_options.enable_load_balance
     stack.callback(setattr, _cp_options, "enable_load_balance", old_balance)
     _cp_options.enable_load_balance = case.causal  # read on entry: head-tail balancer for causal, none otherwise
-    stack.enter_context(torch.no_grad())
     stack.enter_context(context_parallel(mesh, buffers=bufs, buffer_seq_dims=[2] * len(bufs),
                                          no_restore_buffers=set(bufs)))
     stack.enter_context(sdpa_kernel([SDPBackend.CUDNN_ATTENTION]))
-    gqa = dict(enable_gqa=True) if case.heads != case.kv_heads and not repeat_kv else {}
-    n = len(sets)
 
-    def run(i):
-        q, k, v = sets[i % n]
-        return F.scaled_dot_product_attention(q, k, v, is_causal=case.causal, **gqa)
+    def convert(name, x):  # this rank's shard, [b, h, s_local, d] in the ring's layout
+        return (_fold_kv(x, case, dim=1) if repeat_kv and name in ("dk", "dv") else x).transpose(1, 2)
 
     note = (f"rotate={args.cp_rotate}, load_balance={'head-tail' if case.causal else 'off'}, SDPA cuDNN"
             f"{', enable_gqa' if gqa else ''}")
@@ -926,42 +1112,29 @@ def build_torch_cp(env, args, case, data, stack, repeat_kv=False, **_):
     hkv = case.heads if repeat_kv else case.kv_heads
     shape = (f"global q[{b},{case.heads},{s_g},{d}] kv[{b},{hkv},{s_g},{d}] sharded by context_parallel "
              f"({'head-tail' if case.causal else 'contiguous'}){' causal' if case.causal else ''}")
-    return Prepared(run, lambda out: out.transpose(1, 2), note, shape=shape)
+    return _torch_prepared(env, case, stack, attn, sets, douts, convert, note, shape)
 
 
 def build_torch_limit(env, args, case, data, stack, repeat_kv=False, **_):
-    torch = env.torch
-    import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     prob = limit_problem(case, env.world, env.rank)
-    sets = [tuple(x.transpose(1, 2).contiguous() for x in s) for s in data.limit_sets(prob)]  # [b, h, s, d]
-    if repeat_kv:
-        sets = _repeat_kv(sets, case, dim=1)
-    backend = SDPBackend.CUDNN_ATTENTION if env.cuda else SDPBackend.MATH
-    stack.enter_context(torch.no_grad())
-    stack.enter_context(sdpa_kernel([backend]))
-    gqa = dict(enable_gqa=True) if case.heads != case.kv_heads and not repeat_kv else {}
-    n = len(sets)
-
-    def run(i):
-        q, k, v = sets[i % n]
-        return F.scaled_dot_product_attention(q, k, v, is_causal=prob.causal, **gqa)
-
+    sets, douts, attn, gqa = _sdpa_inputs(case, data.limit_sets(prob), data.limit_douts(prob), repeat_kv, prob.causal)
+    stack.enter_context(sdpa_kernel([SDPBackend.CUDNN_ATTENTION if env.cuda else SDPBackend.MATH]))
     note = "one GPU's share, SDPA cuDNN" if env.cuda else "cpu-smoke: SDPA math backend, not cuDNN"
-    local = (lambda out: out.transpose(1, 2)) if not prob.causal else (lambda out: None)
-    return Prepared(run, local, note + (", enable_gqa" if gqa else ""), shape=prob.shapes(case.batch, case.head_dim))
+    return _torch_prepared(env, case, stack, attn, sets, douts, _share_convert(prob, lambda x: x.transpose(1, 2)),
+                           note + (", enable_gqa" if gqa else ""), prob.shapes(case.batch, case.head_dim))
 
 
 def build_jax_limit(env, args, case, data, stack, **_):
     jax, torch = env.jax, env.torch
     prob = limit_problem(case, env.world, env.rank)
-    sets = [tuple(data.jax_local(x) for x in s) for s in data.limit_sets(prob)]
+    call = call_args(data.limit_sets(prob), data.limit_douts(prob))
     impl = "cudnn" if env.cuda else "xla"
     fn = functools.partial(jax.nn.dot_product_attention, is_causal=prob.causal, implementation=impl)
-    local = (lambda out: torch.from_dlpack(out)) if not prob.causal else (lambda out: None)
     note = "one GPU's share, cuDNN" if env.cuda else "cpu-smoke: implementation='xla', not cuDNN"
-    return _jax_compiled(env, fn, sets, local, note, prob.shapes(case.batch, case.head_dim))
+    return _jax_compiled(env, case, _jax_step(case, fn), [tuple(data.jax_local(x) for x in a) for a in call],
+                         _share_convert(prob, torch.from_dlpack), note, prob.shapes(case.batch, case.head_dim))
 
 
 BUILDERS = {
@@ -989,12 +1162,30 @@ class Result:
     compile_s: float | None = None
     first_call_s: float | None = None
     diff: float | None = None
-    local: object = None  # this rank's output (a copy), kept only when it may become the anchor
+    diff_of: tuple = ()  # the names (out, or dq, dk, dv) the diff is the max over
+    diff_excess: float = -1.0  # the worst diff over its warning bound (see max_abs_diff); above 1: flagged
+    local: dict | None = None  # this rank's comparable results (copies), kept only when it may become the anchor
 
 
 def _fmt_exc(e: BaseException) -> str:
     msg = " ".join(f"{type(e).__name__}: {e}".split())
     return msg[:400]
+
+
+def max_abs_diff(local: dict, anchor: dict) -> tuple:
+    """(max |local - anchor| over the tensors both have, the largest ratio of a tensor's diff to its warning
+    bound (above 1: flag it; the bound is DIFF_WARN for ``out``, GRAD_WARN * max|anchor| for a gradient),
+    their names), or (-1.0, -1.0, ()) when they share none."""
+    names = tuple(n for n in local if n in anchor)
+    if not names:
+        return -1.0, -1.0, ()
+    diffs, excess = [], []
+    for n in names:
+        ref = anchor[n].float()
+        diffs.append(float((local[n].float() - ref).abs().max().item()))
+        bound = DIFF_WARN if n == "out" else GRAD_WARN * float(ref.abs().max().item())
+        excess.append(diffs[-1] / max(bound, 1e-30))
+    return max(diffs), max(excess), names
 
 
 def _attempt(env, args, case, name, data, anchor, **kw) -> Result:
@@ -1016,16 +1207,16 @@ def _attempt(env, args, case, name, data, anchor, **kw) -> Result:
             return res
         res.note, res.shape, res.compile_s = prep.note, prep.shape, prep.compile_s
 
-        diff = -1.0
+        diff = excess = -1.0
         try:
             t0 = time.perf_counter()
             _, out = env.timed(lambda: prep.run(0))
             res.first_call_s = time.perf_counter() - t0
             local = prep.local_out(out)
-            if local is not None and anchor is not None:
-                diff = float((local.float() - anchor.float()).abs().max().item())
-            if local is not None and anchor is None and name in ANCHORS:
-                res.local = local.clone()
+            if local and anchor is not None:
+                diff, excess, res.diff_of = max_abs_diff(local, anchor)
+            if local and anchor is None and name in ANCHORS:
+                res.local = {n: t.clone() for n, t in local.items()}
             del out, local
         except Exception as e:  # noqa: BLE001
             err = _fmt_exc(e)
@@ -1034,7 +1225,8 @@ def _attempt(env, args, case, name, data, anchor, **kw) -> Result:
         if res.error:
             res.phase = "first call"
             return res
-        res.diff = env.all_max([diff])[0] if anchor is not None else None
+        if anchor is not None:
+            res.diff, res.diff_excess = env.all_max([diff, excess])
         if res.diff is not None and res.diff < 0:
             res.diff = None
 
@@ -1090,6 +1282,11 @@ def run_method(env, args, case, name, data, anchor) -> Result:
     return res
 
 
+def _compared(names) -> str:
+    """What the diff covers, after the anchor's name in ``diff_vs``: nothing for the output, else the gradients."""
+    return "" if tuple(names) == ("out",) else f" ({','.join(names)})"
+
+
 def make_row(env, args, case, name, res: Result, meta: dict, anchor_name) -> dict:
     info = METHODS[name]
     fl = flops_per_gpu(case, env.world)
@@ -1097,7 +1294,7 @@ def make_row(env, args, case, name, res: Result, meta: dict, anchor_name) -> dic
                heads=case.heads, kv_heads=case.kv_heads, head_dim=case.head_dim, seq_local=case.seq_local,
                seq_global=case.seq_global(env.world), causal=int(case.causal), layout=case.layout, dtype=case.dtype,
                flops_per_gpu=f"{fl:.6g}", iters=args.iters, warmup=args.warmup, input_sets=args.input_sets,
-               shape=res.shape, note=res.note, error=res.error or "")
+               shape=res.shape, note=res.note, error=res.error or "", **{"pass": case.mode})
     if res.compile_s is not None:
         row["compile_s"] = round(res.compile_s, 3)
     if res.first_call_s is not None:
@@ -1106,12 +1303,13 @@ def make_row(env, args, case, name, res: Result, meta: dict, anchor_name) -> dic
         med, q20, q80 = summarize_times(res.times)
         row.update(ms_median=round(med, 4), ms_q20=round(q20, 4), ms_q80=round(q80, 4),
                    tflops_per_gpu=float(f"{tflops(fl, med):.4g}"))
-    if res.local is not None:
-        row["diff_vs"] = "(anchor)"  # the case's other methods are compared with this method's output
+    if res.local is not None:  # the case's other methods are compared with this method's output (or gradients)
+        row["diff_vs"] = f"(anchor){_compared(tuple(res.local))}"
     if res.diff is not None:
-        row.update(max_abs_diff=f"{res.diff:.3e}", diff_vs=anchor_name)
-        if res.diff > DIFF_WARN:
-            row["note"] = f"{row['note']}; LARGE DIFF vs {anchor_name}: check this method's output".lstrip("; ")
+        row.update(max_abs_diff=f"{res.diff:.3e}", diff_vs=f"{anchor_name}{_compared(res.diff_of)}")
+        if res.diff_excess > 1:
+            what = "output" if res.diff_of == ("out",) else "gradients"
+            row["note"] = f"{row['note']}; LARGE DIFF vs {anchor_name}: check this method's {what}".lstrip("; ")
     return row
 
 

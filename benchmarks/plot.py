@@ -1,14 +1,16 @@
 """Plot the harness's CSV: TFLOP/s per GPU against sequence length, one line per method (and world size),
-one panel per (causal, dtype, head_dim, heads/kv_heads). Runs on a CPU machine (needs matplotlib: the
-``bench`` extra); the GPU machine only writes the CSV.
+one panel per (pass, causal, dtype, head_dim, heads/kv_heads): the fwd and fwd+bwd timings of a case are
+side by side, never on one axis. Runs on a CPU machine (needs matplotlib: the ``bench`` extra); the GPU
+machine only writes the CSV.
 
     python -m benchmarks.plot benchmarks/results/x.csv --out benchmarks/results/x.png --table
 
-Several CSVs may be given (their rows are pooled). Where a (method, world, case) was run more than once,
-the last row in the file counts. The x axis is the global sequence length (``--x global``, default: a
-2-GPU ring case, its single-GPU share and the world-1 fused run of the same problem line up) or
-seq_local (``--x local``). ``--table`` prints, as markdown, every fused row with its ratios (recomputed
-from all rows, so world-1 rows appended after the W-GPU run count for the scaling efficiency).
+Several CSVs may be given (their rows are pooled; a CSV written before the ``pass`` column existed holds
+fwd rows). Where a (method, world, case, pass) was run more than once, the last row in the file counts.
+The x axis is the global sequence length (``--x global``, default: a 2-GPU ring case, its single-GPU
+share and the world-1 fused run of the same problem line up) or seq_local (``--x local``). ``--table`` prints, as markdown, one table per pass of every fused row with its
+ratios (recomputed from all rows, so world-1 rows appended after the W-GPU run count for the scaling
+efficiency).
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ import sys
 if __package__ in (None, ""):  # run as a script path: make `benchmarks` importable from the repository root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.attention import METHODS, RATIOS, compute_ratios  # noqa: E402
+from benchmarks.attention import METHODS, PASSES, RATIOS, compute_ratios, upgrade_rows  # noqa: E402
 
-PANEL_KEY = ("causal", "dtype", "head_dim", "heads", "kv_heads", "batch")
+CASE_FIELDS = ("causal", "dtype", "head_dim", "heads", "kv_heads", "batch")
+PANEL_KEY = ("pass", *CASE_FIELDS)
 STYLE = {  # method: (color, linestyle, marker)
     "torch_fused": ("tab:red", "-", "o"),
     "jax_fused": ("tab:orange", "-", "s"),
@@ -41,7 +44,7 @@ def load_rows(paths) -> list:
     rows = []
     for p in paths:
         with open(p, newline="") as f:
-            rows.extend(csv.DictReader(f))
+            rows.extend(upgrade_rows(csv.DictReader(f)))
     return rows
 
 
@@ -54,9 +57,9 @@ def _f(x):
 
 
 def latest(rows) -> list:
-    """Rows that timed something, the last one per (method, world, case)."""
+    """Rows that timed something, the last one per (method, world, case, pass); rows without ``pass`` are fwd."""
     keep = {}
-    for r in rows:
+    for r in upgrade_rows(rows):
         if r.get("error") or _f(r.get("tflops_per_gpu")) is None:
             continue
         key = (r["method"], r["world"], *(r[k] for k in PANEL_KEY), r["seq_local"])
@@ -81,10 +84,19 @@ def panels(rows, x: str = "global") -> dict:
     return out
 
 
-def panel_title(pkey) -> str:
-    causal, dtype, d, h, hkv, b = pkey
+def case_title(ckey) -> str:
+    """The case of a CASE_FIELDS tuple, in words."""
+    causal, dtype, d, h, hkv, b = ckey
     mask = "causal (zigzag)" if str(causal) in ("1", "True") else "non-causal"
     return f"{mask}, {dtype}, D={d}, H={h}/{hkv}" + (f", B={b}" if str(b) != "1" else "")
+
+
+def panel_title(pkey) -> str:
+    return f"{pkey[0]}: {case_title(pkey[1:])}"
+
+
+def _pass_order(name: str) -> int:
+    return list(PASSES).index(name) if name in PASSES else len(PASSES)
 
 
 def _seq_label(n: int) -> str:
@@ -101,7 +113,7 @@ def plot(rows, out: str, x: str = "global", title: str | None = None) -> int:
     data = panels(rows, x)
     if not data:
         raise SystemExit("no timed rows to plot")
-    keys = sorted(data, key=lambda k: (k[1], int(k[2]), int(k[3]), int(k[4]), int(k[5]), k[0]))
+    keys = sorted(data, key=lambda k: (k[2], int(k[3]), int(k[4]), int(k[5]), int(k[6]), k[1], _pass_order(k[0])))
     ncol = min(2, len(keys))
     nrow = math.ceil(len(keys) / ncol)
     fig, axes = plt.subplots(nrow, ncol, figsize=(9 * ncol, 4.6 * nrow), squeeze=False)
@@ -137,17 +149,21 @@ def plot(rows, out: str, x: str = "global", title: str | None = None) -> int:
 
 
 def table(rows) -> str:
-    """Markdown: the fused rows (latest per case) with TFLOP/s per GPU and ratios."""
+    """Markdown: one table per pass (under a ``### pass`` heading) of the fused rows (latest per case) with
+    TFLOP/s per GPU and ratios (each against the same pass's rows)."""
     cols = (*RATIOS, "scaling_eff")
     fused = [r for r in latest(compute_ratios(rows)) if METHODS.get(r["method"]) and METHODS[r["method"]].kind == "fused"]
     head = ["method", "W", "case", "seq_local", "TFLOP/s/GPU", *cols]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in fused:
-        case = panel_title(tuple(r[k] for k in PANEL_KEY))
-        vals = [r["method"], r["world"], case, r["seq_local"], f"{_f(r['tflops_per_gpu']):.1f}",
-                *(f"{_f(r[c]):.2f}" if _f(r.get(c)) is not None else "–" for c in cols)]
-        lines.append("| " + " | ".join(str(v) for v in vals) + " |")
-    return "\n".join(lines)
+    blocks = []
+    for name in sorted({r["pass"] for r in fused}, key=_pass_order):
+        lines = [f"### {name}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for r in (r for r in fused if r["pass"] == name):
+            vals = [r["method"], r["world"], case_title(tuple(r[k] for k in CASE_FIELDS)), r["seq_local"],
+                    f"{_f(r['tflops_per_gpu']):.1f}",
+                    *(f"{_f(r[c]):.2f}" if _f(r.get(c)) is not None else "–" for c in cols)]
+            lines.append("| " + " | ".join(str(v) for v in vals) + " |")
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks) or "(no timed fused rows)"
 
 
 def main(argv=None) -> int:
@@ -156,7 +172,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="PNG to write (default: the first CSV with .png)")
     ap.add_argument("--x", default="global", choices=("global", "local"), help="x axis: global or per-GPU length")
     ap.add_argument("--title", default=None)
-    ap.add_argument("--table", action="store_true", help="print the fused rows and their ratios as markdown")
+    ap.add_argument("--table", action="store_true", help="print the fused rows and their ratios as markdown, "
+                                                         "one table per pass")
     a = ap.parse_args(argv)
     rows = load_rows(a.csv)
     out = a.out or os.path.splitext(a.csv[0])[0] + ".png"

@@ -1,8 +1,15 @@
 """CPU tests of the benchmark harness's logic (benchmarks/attention.py, benchmarks/plot.py): FLOP counts and
-the single-GPU share, quantiles, arguments and cases, ratios, the CSV log, the plot's grouping, and the
-pure-JAX cuDNN-style ring (its LSE merging, run here with dense XLA blocks) against dense attention."""
+the single-GPU share, quantiles, arguments and cases (both passes), ratios (keyed by pass), the CSV log
+(and CSVs older than the ``pass`` column), the gradient check's bookkeeping, the plot's grouping, the
+pure-JAX cuDNN-style ring (its LSE merging and its autodiff, run here with dense XLA blocks) against
+dense attention, and the whole harness, fwd and fwd+bwd, through the launcher on CPU (--cpu-smoke)."""
 
 import csv
+import os
+import subprocess
+import sys
+import time
+import types
 
 import numpy as np
 import pytest
@@ -36,6 +43,18 @@ def test_single_gpu_share_has_the_ring_rank_flops(world, causal, kv_heads):
             assert (prob.q_len, prob.kv_len, prob.q_heads) == (2048, 2048 * world, 32)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_fwd_bwd_counts_three_and_a_half_forwards(causal):
+    fwd = bench.Case(2, 32, 8, 128, 4096, causal, "bfloat16")
+    step = bench.Case(2, 32, 8, 128, 4096, causal, "bfloat16", "fwd+bwd")
+    assert bench.flops_per_gpu(step, 2) == 3.5 * bench.flops_per_gpu(fwd, 2)
+    assert bench.flops_per_gpu(step, 2) == 3.5 * 4 * 2 * 32 * 4096 * 8192 * 128 / (2 if causal else 1)
+    for rank in range(2):  # the single-GPU share keeps the ring rank's FLOPs in fwd+bwd too
+        prob = bench.limit_problem(step, 2, rank)
+        assert prob.flops(step.batch, step.head_dim, step.mode) == bench.flops_per_gpu(step, 2)
+    assert "fwd+bwd" in step.label() and step.label().replace("fwd+bwd", "fwd") == fwd.label()
+
+
 def test_causal_share_needs_heads_divisible_by_world():
     with pytest.raises(bench.Unavailable, match="divisible"):
         bench.limit_problem(bench.Case(1, 32, 1, 64, 1024, True, "bfloat16"), 2)  # MQA: 1 kv head for 2 GPUs
@@ -61,6 +80,7 @@ def test_defaults_are_the_issue_4_target_set():
     assert {c.causal for c in cases} == {False, True}
     assert {c.layout for c in cases if c.causal} == {"zigzag"}
     assert (a.warmup, a.iters, a.input_sets, a.ref_max_seq) == (2, 10, 3, 8192)
+    assert a.passes == ["fwd"] and {c.mode for c in cases} == {"fwd"}
     assert a.csv.startswith("benchmarks/results/attention_")
     assert bench.select_methods(a, 2) == list(bench.METHODS)
     assert bench.select_methods(a, 1) == [m for m in bench.METHODS if m in bench.WORLD1_METHODS]
@@ -76,8 +96,19 @@ def test_every_axis_is_selectable():
     assert bench.select_methods(a, 2) == ["torch_fused", "torch_cp"]  # METHODS order, jax filtered out
 
 
+def test_pass_option_runs_each_shape_in_each_pass():
+    a = bench.parse_args(["--seq", "4k,16k", "--causal", "yes", "--pass", "fwd, fwd+bwd,fwd"])
+    assert a.passes == ["fwd", "fwd+bwd"]  # spaces and repeats tolerated
+    cases = bench.enumerate_cases(a, 2)
+    assert [(c.seq_local, c.mode) for c in cases] == [(4096, "fwd"), (4096, "fwd+bwd"), (16384, "fwd"),
+                                                      (16384, "fwd+bwd")]
+    assert [c.mode for c in bench.enumerate_cases(bench.parse_args(["--pass", "fwd+bwd"]), 2)] == ["fwd+bwd"] * 8
+    assert "--pass" in bench.build_parser().format_help()
+
+
 @pytest.mark.parametrize("argv", [["--methods", "nope"], ["--dtype", "fp32"], ["--heads", "32", "--kv-heads", "5"],
-                                  ["--seq", "4x"], ["--warmup", "0"], ["--world1", "1"]])
+                                  ["--seq", "4x"], ["--warmup", "0"], ["--world1", "1"], ["--pass", "bwd"],
+                                  ["--pass", "fwd,"], ["--pass", ""]])
 def test_bad_arguments_are_refused(argv):
     with pytest.raises(SystemExit):
         bench.parse_args(argv)
@@ -98,6 +129,7 @@ def test_odd_causal_seq_is_refused():
 def test_cpu_smoke_defaults_are_tiny_and_run_every_method():
     a = bench.parse_args(["--cpu-smoke"])
     assert max(c.seq_local for c in bench.enumerate_cases(a, 2)) <= 128 and a.csv is None
+    assert a.passes == ["fwd", "fwd+bwd"]  # the smoke covers the backward path too
     assert bench.select_methods(a, 1) == list(bench.METHODS)
 
 
@@ -109,15 +141,22 @@ def test_heap_covers_the_largest_case():
     big = [bench.Case(1, 32, 32, 128, 1 << 20, False, "bfloat16")]
     need = 2 * (1 << 20) * 32 * 128 * 2
     assert bench.heap_bytes_needed(big, 2) == launch.heap_bytes_for(need) > need
+    # the backward also receives float32 partial dK/dV: K/V (2 bytes) + partials (4 bytes) per element
+    big_step = [bench.Case(1, 32, 32, 128, 1 << 20, False, "bfloat16", "fwd+bwd")]
+    with_step = bench.heap_bytes_needed(big + big_step, 2)
+    assert with_step >= launch.heap_bytes_for(need * 3) > bench.heap_bytes_needed(big, 2)
 
 
 # ------------------------------------------------------------------------------------- ratios, CSV
 
 
-def _row(method, tflops, world=2, seq_local=4096, run="r1", error=""):
-    return dict(run_id=run, world=str(world), method=method, batch="1", heads="32", kv_heads="32", head_dim="128",
-                seq_local=str(seq_local), seq_global=str(seq_local * world), causal="1", dtype="bfloat16",
-                tflops_per_gpu="" if tflops is None else str(tflops), error=error)
+def _row(method, tflops, world=2, seq_local=4096, run="r1", error="", mode=None):
+    row = dict(run_id=run, world=str(world), method=method, batch="1", heads="32", kv_heads="32", head_dim="128",
+               seq_local=str(seq_local), seq_global=str(seq_local * world), causal="1", dtype="bfloat16",
+               tflops_per_gpu="" if tflops is None else str(tflops), error=error)
+    if mode is not None:  # None: a row from before the pass column
+        row["pass"] = mode
+    return row
 
 
 def test_ratios_same_run_and_case_and_scaling_from_world1_rows():
@@ -141,6 +180,19 @@ def test_ratios_same_run_and_case_and_scaling_from_world1_rows():
     assert lines and "0.50x cuDNN 1 GPU" in lines[0] and "scaling eff 0.94" in lines[0]
 
 
+def test_ratios_only_compare_rows_of_the_same_pass():
+    rows = [_row("torch_fused", 300, mode="fwd"), _row("torch_cp", 200),  # no pass column: fwd
+            _row("torch_fused", 210, mode="fwd+bwd"), _row("torch_cp", 300, mode="fwd+bwd"),
+            _row("jax_cudnn_1gpu", 250, mode="fwd+bwd"), _row("torch_cudnn_1gpu", 600, mode="fwd"),
+            _row("torch_fused", 240, world=1, seq_local=8192, run="r9", mode="fwd+bwd")]
+    out = {(r["method"], bench.field(r, "pass"), r["world"]): r for r in bench.compute_ratios(rows)}
+    fwd, step = out["torch_fused", "fwd", "2"], out["torch_fused", "fwd+bwd", "2"]
+    assert (fwd["vs_context_parallel"], fwd["vs_cudnn_1gpu"], fwd["scaling_eff"]) == (1.5, 0.5, "")
+    assert (step["vs_context_parallel"], step["vs_cudnn_1gpu"], step["scaling_eff"]) == (0.7, 0.84, 0.875)
+    assert bench.field({"pass": ""}, "pass") == bench.field({}, "pass") == "fwd"
+    assert bench.field({"pass": "fwd+bwd"}, "pass") == "fwd+bwd" and bench.field({}, "note") == ""
+
+
 def test_csv_log_rewrites_after_every_row_and_keeps_earlier_runs(tmp_path):
     path = tmp_path / "sub" / "bench.csv"
     log = bench.CsvLog(str(path))
@@ -159,6 +211,31 @@ def test_csv_log_rewrites_after_every_row_and_keeps_earlier_runs(tmp_path):
         bench.CsvLog(str(other))
 
 
+def test_csvs_from_before_the_pass_column_load_as_fwd(tmp_path):
+    old_columns = [c for c in bench.CSV_COLUMNS if c != "pass"]
+    path = tmp_path / "old.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=old_columns)
+        w.writeheader()
+        w.writerows([{c: r.get(c, "") for c in old_columns} for r in (_row("torch_fused", 300), _row("torch_cp", 200))])
+    log = bench.CsvLog(str(path))
+    assert [r["pass"] for r in log.rows] == ["fwd", "fwd"]
+    assert [r["pass"] for r in bplot.load_rows([str(path)])] == ["fwd", "fwd"]
+    log.add(_row("torch_fused", 150, mode="fwd+bwd"))
+    log.add(_row("torch_cp", 100, mode="fwd+bwd"))
+    log.refresh_ratios()  # rewritten with the new column; the old rows' ratios stay within their pass
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        rows = list(reader)
+    assert tuple(reader.fieldnames) == bench.CSV_COLUMNS
+    assert [(r["pass"], r["vs_context_parallel"]) for r in rows] == [("fwd", "1.5"), ("fwd", ""), ("fwd+bwd", "1.5"),
+                                                                    ("fwd+bwd", "")]
+    results = os.path.join(os.path.dirname(bench.__file__), "results", "attention_2xH200_2026-11-30.csv")
+    if os.path.exists(results):  # the checked-in results of the forward-only harness
+        assert {r["pass"] for r in bench.CsvLog(results).rows} == {"fwd"}
+        assert bplot.table(bplot.load_rows([results])).startswith("### fwd\n")
+
+
 def test_format_row_and_command_line():
     ok = dict(method="torch_fused", ms_median=10.0, ms_q20=9.5, ms_q80=11.0, tflops_per_gpu=123.4, max_abs_diff="",
               note="n")
@@ -166,6 +243,54 @@ def test_format_row_and_command_line():
     assert "ERROR boom" in bench.format_row(dict(method="torch_cp", error="boom"))
     cmd = bench.command_line(["--seq", "4k", "--csv", "a b.csv"], 2)
     assert cmd == "python -m jax_ring.launch --nproc-per-node 2 -m benchmarks.attention --seq 4k --csv 'a b.csv'"
+
+
+def test_gradient_check_bookkeeping():
+    torch = pytest.importorskip("torch")
+    a = {n: torch.ones(1, 4, 2, 8) for n in bench.GRADS}
+    a["dq"][0, 0, 0, 0] = 2.0
+    b = {"dq": a["dq"] + 0.05, "dk": a["dk"].clone()}  # no dv: compared over the names both have
+    b["dk"][0, 1, 1, 3] -= 0.5
+    diff, excess, names = bench.max_abs_diff(b, a)
+    assert (diff, names) == (pytest.approx(0.5), ("dq", "dk"))
+    assert excess == pytest.approx(0.5 / (bench.GRAD_WARN * 1.0))  # relative to each gradient's largest value
+    assert bench.max_abs_diff({"dq": b["dq"]}, a)[1] == pytest.approx(0.05 / (bench.GRAD_WARN * 2.0))  # < 1: fine
+    out_excess = bench.max_abs_diff({"out": b["dq"]}, {"out": a["dq"]})[1]
+    assert out_excess == pytest.approx(0.05 / bench.DIFF_WARN)  # the output's bound is absolute
+    assert bench.max_abs_diff({"out": a["dq"]}, a) == (-1.0, -1.0, ())
+    assert bench._compared(("out",)) == "" and bench._compared(("dq",)) == " (dq)"
+    step, fwd = (bench.Case(1, 2, 2, 8, 4, False, "bfloat16", m) for m in ("fwd+bwd", "fwd"))
+    grads = bench._comparable(step, lambda name, x: x * 2)(("out", 1, 2, 3))
+    assert grads == {"dq": 2, "dk": 4, "dv": 6}  # fwd+bwd compares the gradients, not the output
+    assert bench._comparable(fwd, lambda name, x: x)(7) == {"out": 7}
+    share = bench._share_convert(bench.limit_problem(step, 2), lambda x: -x)
+    assert bench._comparable(step, share)(("out", 1, 2, 3)) == {"dq": -1}  # its dK/dV are partial sums
+    causal = bench.Case(1, 2, 2, 8, 4, True, "bfloat16", "fwd+bwd")
+    assert bench._comparable(causal, bench._share_convert(bench.limit_problem(causal, 2), lambda x: x))(
+        ("out", 1, 2, 3)) == {}
+    rep = torch.arange(2 * 4 * 3 * 5, dtype=torch.float32).reshape(2, 4, 3, 5)  # [b, h=4, s, d], kv_heads 2
+    gqa = bench.Case(1, 4, 2, 5, 3, False, "float16")
+    (_, k2, _), = bench._repeat_kv([(None, rep[:, :2], rep[:, :2])], gqa, dim=1)
+    assert torch.equal(bench._fold_kv(k2, gqa, dim=1), 2 * rep[:, :2])  # each kv head was used twice
+
+
+def test_sdpa_methods_call_the_sdpa_current_at_call_time(monkeypatch):
+    """torch_cp's calls must reach the SDPA that context_parallel patches in while active, not the original."""
+    torch = pytest.importorskip("torch")
+    import torch.nn.functional as F
+
+    case = bench.Case(1, 4, 2, 8, 6, True, "float32", "fwd+bwd")
+    q, do = torch.randn(1, 6, 4, 8), torch.randn(1, 6, 4, 8)
+    k, v = torch.randn(1, 6, 2, 8), torch.randn(1, 6, 2, 8)
+    sets, douts, attn, gqa = bench._sdpa_inputs(case, [(q, k, v)], [do], False, True)
+    assert gqa and [x.shape for x in (*sets[0], douts[0])] == [(1, 4, 6, 8), (1, 2, 6, 8), (1, 2, 6, 8), (1, 4, 6, 8)]
+    seen = []
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **kw: seen.append(kw) or a[0])
+    attn(*sets[0])
+    assert seen == [{"is_causal": True, "enable_gqa": True}]
+    sets, _, attn, gqa = bench._sdpa_inputs(case, [(q, k, v)], [do], True, False)  # the GQA retry: heads repeated
+    attn(*sets[0])
+    assert not gqa and sets[0][1].shape == (1, 4, 6, 8) and seen[-1] == {"is_causal": False}
 
 
 # -------------------------------------------------------------------------------------------- plot
@@ -176,18 +301,29 @@ def test_plot_groups_panels_lines_and_keeps_the_latest_row(tmp_path):
             _row("torch_fused", 200, seq_local=8192), _row("torch_cudnn_1gpu", 600, seq_local=4096),
             _row("torch_fused", 310, world=1, seq_local=8192), _row("torch_cp", None, error="x")]
     rows.append(dict(_row("torch_fused", 90), causal="0"))
+    rows.append(_row("torch_fused", 70, seq_local=4096, run="r3", mode="fwd+bwd"))  # another pass: its own panel
     data = bplot.panels(rows)
-    assert set(data) == {("1", "bfloat16", "128", "32", "32", "1"), ("0", "bfloat16", "128", "32", "32", "1")}
-    lines = data["1", "bfloat16", "128", "32", "32", "1"]
+    assert set(data) == {("fwd", "1", "bfloat16", "128", "32", "32", "1"),
+                         ("fwd", "0", "bfloat16", "128", "32", "32", "1"),
+                         ("fwd+bwd", "1", "bfloat16", "128", "32", "32", "1")}
+    lines = data["fwd", "1", "bfloat16", "128", "32", "32", "1"]
     assert lines["torch_fused (W=2)"] == [(8192, 120.0), (16384, 200.0)]  # x = global length; the rerun wins
     assert lines["torch_fused (W=1)"] == [(8192, 310.0)] and lines["torch_cudnn_1gpu (share of W=2)"] == [(8192, 600.0)]
     assert not any(label.startswith("torch_cp") for label in lines)  # failed: not plotted
-    assert bplot.panels(rows, x="local")["1", "bfloat16", "128", "32", "32", "1"]["torch_fused (W=2)"][0] == (4096, 120.0)
+    assert data["fwd+bwd", "1", "bfloat16", "128", "32", "32", "1"] == {"torch_fused (W=2)": [(8192, 70.0)]}
+    local = bplot.panels(rows, x="local")["fwd", "1", "bfloat16", "128", "32", "32", "1"]
+    assert local["torch_fused (W=2)"][0] == (4096, 120.0)
+    assert bplot.panel_title(("fwd+bwd", "1", "bfloat16", "128", "32", "8", "1")) == \
+        "fwd+bwd: causal (zigzag), bfloat16, D=128, H=32/8"
     md = bplot.table(rows)
-    assert "| torch_fused | 2 | causal (zigzag), bfloat16, D=128, H=32/32 | 8192 | 200.0 |" in md
+    fwd_md, step_md = md.split("### fwd+bwd")  # one table per pass, fwd first
+    assert fwd_md.startswith("### fwd\n")
+    assert "| torch_fused | 2 | causal (zigzag), bfloat16, D=128, H=32/32 | 8192 | 200.0 |" in fwd_md
+    assert "| 70.0 |" in step_md and "| 70.0 |" not in fwd_md
+    assert bplot.table([_row("torch_cp", 1.0)]) == "(no timed fused rows)"
     pytest.importorskip("matplotlib")
     out = tmp_path / "p.png"
-    assert bplot.plot(rows, str(out)) == 2
+    assert bplot.plot(rows, str(out)) == 3
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -220,3 +356,92 @@ def test_cudnn_style_ring_merges_blocks_exactly(cpu_mesh, world, causal):
     out = np.asarray(jax_ring.from_layout(np.asarray(out), layout, world))
     ref, _ = dense_attention(q, k, v, is_causal=causal)
     np.testing.assert_allclose(out, np.asarray(ref), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("world,causal", [(2, True), (4, False)])
+def test_cudnn_style_ring_gradients_by_autodiff_equal_dense(cpu_mesh, world, causal):
+    """What fwd+bwd times for jax_cudnn_ring: jax.vjp of the hand-written ring (the harness's own step
+    function, inside shard_map) gives the gradients of dense attention when the blocks' LSEs differentiate."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    import jax_ring
+    from jax_ring.reference import dense_attention
+
+    mesh = cpu_mesh(world)
+    s_g, h, hkv, d = 8 * world, 4, 2, 16
+    rng = np.random.default_rng(7 + world)
+    q, dout = (rng.standard_normal((1, s_g, h, d), dtype=np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((1, s_g, hkv, d), dtype=np.float32) for _ in range(2))
+    layout = "zigzag" if causal else "contiguous"
+    case = bench.Case(1, h, hkv, d, s_g // world, causal, "float32", "fwd+bwd")
+
+    def body(q, k, v):
+        return bench.cudnn_ring_attention(q, k, v, axis_name="sp", world=world, is_causal=causal,
+                                          block_attention=bench.xla_block_attention)
+
+    spec = P(None, "sp")
+    f = jax.jit(jax.shard_map(bench._jax_step(case, body), mesh=mesh, in_specs=(spec,) * 4, out_specs=(spec,) * 4,
+                              check_vma=False))
+    got = f(*(jax_ring.to_layout(x, layout, world) for x in (q, k, v, dout)))
+    got = [np.asarray(jax_ring.from_layout(np.asarray(x), layout, world)) for x in got]
+    out, pull = jax.vjp(lambda q, k, v: dense_attention(q, k, v, is_causal=causal)[0], q, k, v)
+    for g, want in zip(got, (out, *pull(dout))):
+        np.testing.assert_allclose(g, np.asarray(want), atol=2e-5, rtol=1e-4)
+
+
+def test_lse_probe_refuses_blocks_whose_lse_carries_no_gradient():
+    """jax's cuDNN attention drops its LSE's cotangent; the probe must catch that (here: a stop_gradient)."""
+    import jax
+
+    env = types.SimpleNamespace(jax=jax)
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((1, 8, 4, 16), dtype=np.float32)
+    k, v = (rng.standard_normal((1, 8, 2, 16), dtype=np.float32) for _ in range(2))
+    bench.check_lse_differentiates(env, bench.xla_block_attention, q, k, v)  # dense XLA blocks: fine
+
+    def dropped(q, k, v, is_causal, scale):
+        out, lse = bench.xla_block_attention(q, k, v, is_causal, scale)
+        return out, jax.lax.stop_gradient(lse)
+
+    with pytest.raises(bench.Unavailable, match="LSE"):
+        bench.check_lse_differentiates(env, dropped, q, k, v)
+
+
+# ------------------------------------------------------------------------------ the whole harness on CPU
+
+
+def test_cpu_smoke_both_passes_through_the_launcher(tmp_path):
+    """Two gloo/XLA-CPU processes run every method in fwd and fwd+bwd; GPU-only methods write why they cannot."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "smoke.csv"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    env.pop("XLA_FLAGS", None)  # conftest's forced host devices would give each process 4 JAX devices
+    cmd = [sys.executable, "-m", "jax_ring.launch", "--nproc-per-node", "2", "-m", "benchmarks.attention",
+           "--cpu-smoke", "--pass", "fwd,fwd+bwd", "--seq", "64", "--kv-heads", "2", "--iters", "2", "--csv", str(out)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = list(csv.DictReader(open(out)))
+    by = {(r["pass"], r["causal"], r["method"]): r for r in rows}
+    assert len(rows) == len(by) == 2 * 2 * len(bench.METHODS), f"{len(rows)} rows in {time.perf_counter() - t0:.0f} s"
+    gpu_only = {"torch_fused", "jax_fused", "torch_cp"}
+    for (mode, causal, method), r in by.items():
+        assert (r["world"], r["seq_global"], r["kv_heads"]) == ("2", "128", "2")
+        if method in gpu_only:
+            assert "Unavailable" in r["error"] and not r["tflops_per_gpu"]
+            continue
+        assert not r["error"] and float(r["tflops_per_gpu"]) > 0, r
+        fwd = by["fwd", causal, method]
+        assert float(r["flops_per_gpu"]) == pytest.approx(bench.PASSES[mode] * float(fwd["flops_per_gpu"]), rel=1e-5)
+        if method == "torch_ref":  # the first ring that ran is the anchor
+            assert r["diff_vs"] == ("(anchor)" if mode == "fwd" else "(anchor) (dq,dk,dv)")
+            continue
+        limit = bench.METHODS[method].kind == "limit"
+        if limit and causal == "1":  # other heads over every token: nothing to compare
+            assert r["diff_vs"] == r["max_abs_diff"] == ""
+            continue
+        want = "torch_ref" + ("" if mode == "fwd" else " (dq)" if limit else " (dq,dk,dv)")
+        assert r["diff_vs"] == want and float(r["max_abs_diff"]) < 0.1 and "LARGE DIFF" not in r["note"], r
+        if mode == "fwd+bwd":
+            assert "backward by" in r["note"]
