@@ -68,7 +68,7 @@ def ring_attention(q, k, v, *, axis_name, is_causal=False, scale=None, layout="c
         denominator over the whole global sequence (scores already multiplied by ``scale``).
       backend: ``"auto"`` (the fused kernel where available, else ``"xla"``), ``"fused"`` (the Triton + iris
         kernel through jax-triton; needs ``jax_ring.initialize()`` on GPUs, the mesh axis listing devices in
-        process order; its gradients come from the fused backward kernel, ``lse`` carries none) or
+        process order; its gradients, through out and lse, come from the fused backward kernel) or
         ``"xla"`` (the pure-JAX reference ring: K/V go round with ``lax.ppermute``, float32 maths).
       timeout_s: bound in seconds on every wait inside the fused kernel (default: RING_ATTENTION_TIMEOUT_S
         when traced, else 300); an expired wait raises ``ring_core.launch.RingAttentionTimeout`` naming the

@@ -98,9 +98,9 @@ def forward(q, k, v, spec, axis_name, world_size: int, timeout_s: float | None =
     return out, lse
 
 
-def backward(q, k, v, out, lse, dout, spec, axis_name, world_size: int, timeout_s: float | None = None):
+def backward(q, k, v, out, lse, dout, dlse, spec, axis_name, world_size: int, timeout_s: float | None = None):
     """Run the fused backward kernel (ring_core.kernel_bwd) on this rank's shards inside shard_map, from the
-    forward's ``out`` and ``lse``; returns (dq, dk, dv). Same context-table row, launch maths
+    forward's ``out`` and ``lse`` and the cotangents ``dout`` and ``dlse``; returns (dq, dk, dv). Same context-table row, launch maths
     (ring_core.launch.plan_bwd) and argument list as the torch launcher (torch_bridge.fused.backward)."""
     jt = _import_jax_triton()
     from ring_core.kernel_bwd import ring_attn_bwd_kernel
@@ -109,7 +109,7 @@ def backward(q, k, v, out, lse, dout, spec, axis_name, world_size: int, timeout_
     scal = p.scalars(timeout_s)
     scal = (scal[0], scal[1], np.float32(scal[2]), *scal[3:])  # float32 scale, as the torch launch passes it
     dq, dk, dv, _, status = jt.triton_call(
-        q, k, v, out, dout, lse, ctx, *scal,
+        q, k, v, out, dout, lse, dlse.astype(jnp.float32), ctx, *scal,
         kernel=ring_attn_bwd_kernel,
         out_shape=[jax.ShapeDtypeStruct(shape, jnp.dtype(dt)) for shape, dt in p.out_shapes],
         grid=p.grid, num_warps=p.config.num_warps, num_stages=p.config.num_stages,
@@ -122,7 +122,7 @@ def backward(q, k, v, out, lse, dout, spec, axis_name, world_size: int, timeout_
 def ring_attention_fused(q, k, v, *, axis_name, spec, world_size: int, return_lse: bool = False,
                          timeout_s: float | None = None):
     """Fused forward; differentiable: the VJP runs the fused backward kernel from the saved q, k, v, out
-    and lse (``lse`` is returned for inspection and carries no gradient, as in the torch frontend)."""
+    and lse, with the cotangents of both out and lse (zeros for lse unless the caller uses it)."""
 
     @jax.custom_vjp
     def f(q, k, v):
@@ -135,8 +135,8 @@ def ring_attention_fused(q, k, v, *, axis_name, spec, world_size: int, return_ls
 
     def f_bwd(res, cts):
         q, k, v, out, lse = res
-        dout, _ = cts  # the cotangent of lse is dropped (see the docstring)
-        return backward(q, k, v, out, lse, dout.astype(q.dtype), spec, axis_name, world_size, timeout_s)
+        dout, dlse = cts
+        return backward(q, k, v, out, lse, dout.astype(q.dtype), dlse, spec, axis_name, world_size, timeout_s)
 
     f.defvjp(f_fwd, f_bwd)
     out, lse = f(q, k, v)

@@ -54,6 +54,7 @@ class _Call:
     return_lse: bool
     timeout_s: float
     dout_shards: list | None = None
+    dlse_shards: list | None = None
 
 
 def _check_world_size(world_size) -> int:
@@ -106,8 +107,9 @@ def _prepare(q, k, v, world_size, *, is_causal, scale, layout, return_lse, timeo
     return _Call(spec, W, perm, shards(q), shards(k), shards(v), return_lse, float(timeout_s))
 
 
-def _prepare_grad(q, k, v, dout, world_size, *, is_causal, scale, layout, timeout_s) -> _Call:
-    """``_prepare`` plus the checks and shards of ``dout`` (q's shape and dtype)."""
+def _prepare_grad(q, k, v, dout, world_size, *, is_causal, scale, layout, timeout_s, dlse=None) -> _Call:
+    """``_prepare`` plus the checks and shards of ``dout`` (q's shape and dtype) and ``dlse`` (lse's shape,
+    [batch, heads, seq], any float dtype; None: lse carries no gradient)."""
     call = _prepare(q, k, v, world_size, is_causal=is_causal, scale=scale, layout=layout, return_lse=False,
                     timeout_s=timeout_s)
     q, dout = np.asarray(q), np.asarray(dout)
@@ -118,8 +120,17 @@ def _prepare_grad(q, k, v, dout, world_size, *, is_causal, scale, layout, timeou
     S = call.spec.seq_local
     d = dout[:, call.perm]
     shards = [np.ascontiguousarray(d[:, r * S:(r + 1) * S]) for r in range(call.world_size)]
+    dlse_shards = None
+    if dlse is not None:
+        dlse = np.asarray(dlse)
+        want = (q.shape[0], q.shape[2], q.shape[1])
+        if dlse.shape != want or not np.issubdtype(dlse.dtype, np.floating):
+            raise ValueError(f"dlse must be a float array of lse's shape {want} ([batch, heads, seq]), got "
+                             f"{dlse.dtype} {dlse.shape}")
+        dl = dlse.astype(np.float32)[:, :, call.perm]
+        dlse_shards = [np.ascontiguousarray(dl[:, :, r * S:(r + 1) * S]) for r in range(call.world_size)]
     return _Call(call.spec, call.world_size, call.perm, call.q_shards, call.k_shards, call.v_shards, False,
-                 call.timeout_s, shards)
+                 call.timeout_s, shards, dlse_shards)
 
 
 def _finish(call: _Call, results):
@@ -181,8 +192,8 @@ def _worker_main(conn, world_size, workspace_bytes):
             if job is None:
                 job = _local_job(world_size, workspace_bytes)
             if msg[0] == "grad":
-                _, spec, qs, ks, vs, dos, timeout_s = msg
-                reply = ("ok", job.run_grad(spec, qs, ks, vs, dos, timeout_s=timeout_s))
+                _, spec, qs, ks, vs, dos, dls, timeout_s = msg
+                reply = ("ok", job.run_grad(spec, qs, ks, vs, dos, timeout_s=timeout_s, dlse_shards=dls))
             else:
                 _, spec, qs, ks, vs, timeout_s = msg
                 reply = ("ok", job.run(spec, qs, ks, vs, timeout_s=timeout_s))
@@ -224,8 +235,9 @@ class _SubprocessJob:
     def run(self, spec, q_shards, k_shards, v_shards, *, timeout_s):
         return self._request(("run", spec, q_shards, k_shards, v_shards, timeout_s), timeout_s)
 
-    def run_grad(self, spec, q_shards, k_shards, v_shards, dout_shards, *, timeout_s):
-        return self._request(("grad", spec, q_shards, k_shards, v_shards, dout_shards, timeout_s), 2 * timeout_s)
+    def run_grad(self, spec, q_shards, k_shards, v_shards, dout_shards, *, timeout_s, dlse_shards=None):
+        return self._request(("grad", spec, q_shards, k_shards, v_shards, dout_shards, dlse_shards, timeout_s),
+                             2 * timeout_s)
 
     def _request(self, msg, timeout_s):
         self._conn.send(msg)
@@ -309,14 +321,15 @@ class SimulatedRing:
             raise RuntimeError(f"simulated ranks disagree on the call epoch: {sorted(epochs)}")
         return result
 
-    def grad(self, q, k, v, dout, *, is_causal=False, scale=None, layout="contiguous", timeout_s=60.0):
+    def grad(self, q, k, v, dout, *, is_causal=False, scale=None, layout="contiguous", timeout_s=60.0, dlse=None):
         """Like ``simulate_ring_attention_grad`` on these heaps: the forward and then the backward kernel
         (two calls: ``epoch`` grows by 2). Returns global ``(dq, dk, dv)``."""
         call = _prepare_grad(q, k, v, dout, self.world_size, is_causal=is_causal, scale=scale, layout=layout,
-                             timeout_s=timeout_s)
+                             timeout_s=timeout_s, dlse=dlse)
         with self._lock:
             results = self._get_job().run_grad(call.spec, call.q_shards, call.k_shards, call.v_shards,
-                                               call.dout_shards, timeout_s=call.timeout_s)
+                                               call.dout_shards, timeout_s=call.timeout_s,
+                                               dlse_shards=call.dlse_shards)
             self.statuses = [np.array(r[4]) for r in results]
         grads = _finish_grad(call, results)  # raises first if a rank reported an error
         epochs = {int(s[3]) for s in self.statuses}
@@ -382,7 +395,7 @@ def simulate_ring_attention(q, k, v, world_size, *, is_causal=False, scale=None,
 
 
 def simulate_ring_attention_grad(q, k, v, dout, world_size, *, is_causal=False, scale=None, layout="contiguous",
-                                 timeout_s=60.0):
+                                 timeout_s=60.0, dlse=None):
     """Gradients of ring attention over ``world_size`` simulated ranks, computed by the real fused
     backward kernel (``ring_core.kernel_bwd``) on the CPU, after the real forward kernel.
 
@@ -391,10 +404,12 @@ def simulate_ring_attention_grad(q, k, v, dout, world_size, *, is_causal=False, 
         float32).
       dout: the gradient of the output, q's shape and dtype.
       world_size, is_causal, scale, layout, timeout_s: as in ``simulate_ring_attention``.
+      dlse: optional gradient of the lse output ([batch, heads, seq], natural order); None: lse carries none.
 
     Returns:
       ``(dq, dk, dv)``: numpy, the inputs' dtype and shapes, natural order; the gradients of
-      ``sum(ring_attention(q, k, v) * dout)`` (dk/dv summed over the query heads sharing a kv head).
+      ``sum(out * dout) + sum(lse * dlse)`` with ``out, lse = ring_attention(q, k, v, return_lse=True)``
+      (dk/dv summed over the query heads sharing a kv head).
 
     Example (a few seconds on a CPU)::
 
@@ -411,6 +426,7 @@ def simulate_ring_attention_grad(q, k, v, dout, world_size, *, is_causal=False, 
     """
     ring = SimulatedRing(world_size)
     try:
-        return ring.grad(q, k, v, dout, is_causal=is_causal, scale=scale, layout=layout, timeout_s=timeout_s)
+        return ring.grad(q, k, v, dout, is_causal=is_causal, scale=scale, layout=layout, timeout_s=timeout_s,
+                         dlse=dlse)
     finally:
         ring.close()

@@ -330,9 +330,10 @@ class SimulatedJob:
         return self._launch(kernel, launch_rank, absent_ranks, timeout_s)
 
     def run_bwd(self, spec, q_shards, k_shards, v_shards, out_shards, lse_shards, dout_shards, *,
-                timeout_s: float = 60.0, absent_ranks=(), absent_started: bool = False):
+                timeout_s: float = 60.0, absent_ranks=(), absent_started: bool = False, dlse_shards=None):
         """Run one backward call on every rank (except ``absent_ranks``). ``out``/``lse`` are the forward's
-        per-rank results; ``spec`` and ``absent_started`` as in ``run``. Returns per-rank (dq, dk, dv, status) numpy arrays
+        per-rank results, ``dlse`` the gradients of lse (float32; None: zeros); ``spec`` and
+        ``absent_started`` as in ``run``. Returns per-rank (dq, dk, dv, status) numpy arrays
         (gradients in each rank's dtype)."""
         import torch
 
@@ -349,17 +350,19 @@ class SimulatedJob:
             q, k, v, o, do = (_to_torch(x[r], sp.dtype) for x in (q_shards, k_shards, v_shards, out_shards,
                                                                   dout_shards))
             lse = _to_torch(lse_shards[r], "float32")
+            dlse = torch.zeros_like(lse) if dlse_shards is None else _to_torch(dlse_shards[r], "float32")
             ctx = torch.from_numpy(launch.make_ctx(bases, r, self.layout))
             outs = [torch.zeros(shape, dtype=q.dtype if dt == sp.dtype else getattr(torch, dt))
                     for shape, dt in plan.out_shapes]  # dq, dk, dv, delta (scratch), status (zeroed, as on GPUs)
-            kernel[plan.grid](q, k, v, o, do, lse, ctx, *plan.scalars(timeout_s), *outs,
+            kernel[plan.grid](q, k, v, o, do, lse, dlse, ctx, *plan.scalars(timeout_s), *outs,
                               **plan.constexprs(interpret=True))
             dq, dk, dv, _, status = outs
             return (*(_to_numpy(x, sp.dtype) for x in (dq, dk, dv)), status.numpy())
 
         return self._launch(kernel, launch_rank, absent_ranks, timeout_s)
 
-    def run_grad(self, spec: AttentionSpec, q_shards, k_shards, v_shards, dout_shards, *, timeout_s: float = 60.0):
+    def run_grad(self, spec: AttentionSpec, q_shards, k_shards, v_shards, dout_shards, *, timeout_s: float = 60.0,
+                 dlse_shards=None):
         """The forward then the backward kernel on every rank, on the same heaps (two epochs).
         Returns per-rank (dq, dk, dv, forward status, backward status)."""
         # Heaps that fit the backward first: growing them between the two calls would restart the epochs.
@@ -368,5 +371,5 @@ class SimulatedJob:
         launch.plan_bwd(spec, self.world_size, self.layout, interpret=True)  # HeapTooSmallError before any run
         fwd = self.run(spec, q_shards, k_shards, v_shards, timeout_s=timeout_s)
         bwd = self.run_bwd(spec, q_shards, k_shards, v_shards, [f[0] for f in fwd], [f[1] for f in fwd],
-                           dout_shards, timeout_s=timeout_s)
+                           dout_shards, timeout_s=timeout_s, dlse_shards=dlse_shards)
         return [(*b[:3], f[2], b[3]) for f, b in zip(fwd, bwd)]

@@ -26,7 +26,8 @@ fused call, forward or backward, so it is equal on every rank of a job that make
   claimed but neither copied nor flagged; the receiver never waits for it and masks its rows at the load.
   dQ tasks claim one unit every SEG_BLOCKS K/V blocks while they work on the local K/V; every task drains
   the counter (pushes until none is left) before its first wait.
-* delta = rowsum(dO * O) (float32). A dQ task computes it for its rows before anything else, stores it
+* delta = rowsum(dO * O) - dlse (float32; dlse, the cotangent of the forward's lse, is zero unless the
+  caller differentiates through lse: d lse_i / d s_ij = P_ij, so it adds P * dlse to dS). A dQ task computes it for its rows before anything else, stores it
   in the ``delta`` scratch output and counts itself in CTL_BWD_DELTA (release, after a CTA barrier);
   partial and final tasks wait (acquire) until all dQ tasks have counted, before their loop over the
   local queries. No second launch, and each value of delta is computed once.
@@ -197,7 +198,7 @@ def _dkdv_blocks(dk, dv, k, v, k_pos, q_ptr, do_ptr, lse_ptr, delta_ptr, q_base,
 @triton.jit
 def ring_attn_bwd_kernel(
     # inputs
-    q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, ctx_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, dlse_ptr, ctx_ptr,
     # runtime scalars
     B, S, sm_scale, timeout_ns, part_off,
     # outputs (delta: float32 [B, H, S] scratch)
@@ -264,8 +265,10 @@ def ring_attn_bwd_kernel(
         q = tl.load(q_ptr + q_off, mask=qmask, other=0.0)
         do = tl.load(do_ptr + q_off, mask=qmask, other=0.0)
         o = tl.load(o_ptr + q_off, mask=qmask, other=0.0)
-        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
         row_off = (b.to(tl.int64) * H + h) * S + offs_m
+        # The cotangent of lse enters every dS through delta: dS = P * (dP - (rowsum(dO * O) - dlse)).
+        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1) - tl.load(dlse_ptr + row_off, mask=m_valid,
+                                                                             other=0.0)
         tl.store(delta_ptr + row_off, delta, mask=m_valid)
         # Every thread's delta stores before the count (cumulativity through bar.sync), then publish.
         tl.debug_barrier()

@@ -326,7 +326,8 @@ def check_status(status, rank: int, timeout_s: float | None = None) -> None:
 #                    [part_off, +part_bytes)  partial dK/dV from the peers: [W-1][dK|dV][B][HKV][S][D] fp32
 #
 # Kernel argument order (what jax-triton passes, and the torch launcher passes the same list):
-#     q, k, v, out, dout, lse, ctx | B, S, sm_scale, timeout_ns, part_off | dq, dk, dv, delta, status | constexprs
+#     q, k, v, out, dout, lse, dlse, ctx | B, S, sm_scale, timeout_ns, part_off | dq, dk, dv, delta, status |
+#     constexprs    (dlse: the cotangent of lse, float32 [B, H, S]; zeros when lse carries no gradient)
 # ======================================================================================================
 CTL_BWD_TICKET = CTL_WORDS  # task tickets handed out in this call (tasks are taken in ticket order)
 CTL_BWD_DELTA = CTL_WORDS + 1  # dq tasks that have published their rows of delta = rowsum(dO * O)

@@ -78,8 +78,9 @@ def attention_lowp(q, k, v, dtype: str, *, is_causal=False, scale=None):
     return out, lse
 
 
-def attention_grad(q, k, v, dout, *, is_causal=False, scale=None, compute_dtype=np.float64):
-    """Gradients (dq, dk, dv) of ``sum(attention(q, k, v) * dout)``; dk/dv summed over each kv head's group."""
+def attention_grad(q, k, v, dout, *, is_causal=False, scale=None, compute_dtype=np.float64, dlse=None):
+    """Gradients (dq, dk, dv) of ``sum(out * dout) + sum(lse * dlse)`` with ``out, lse = attention(q, k, v)``
+    (``dlse`` [b, h, s] optional: lse then carries no gradient); dk/dv summed over each kv head's group."""
     q, k, v, dout = (np.asarray(x, dtype=compute_dtype) for x in (q, k, v, dout))
     b, s, h, d = q.shape
     hkv = k.shape[2]
@@ -93,17 +94,19 @@ def attention_grad(q, k, v, dout, *, is_causal=False, scale=None, compute_dtype=
     dv = _einsum("bkgqs,bqkgd->bskd", p, do)
     dp = _einsum("bqkgd,bskd->bkgqs", do, v)
     delta = np.moveaxis((do * out).sum(-1), 1, 3)[..., None]  # [b, hkv, g, sq, 1]
+    if dlse is not None:  # d lse_i / d s_ij = p_ij
+        delta = delta - np.asarray(dlse, dtype=compute_dtype).reshape(b, hkv, g, s)[..., None]
     ds = p * (dp - delta)
     dq = _einsum("bkgqs,bskd->bqkgd", ds, k).reshape(b, s, h, d) * scale
     dk = _einsum("bkgqs,bqkgd->bskd", ds, q.reshape(b, s, hkv, g, d)) * scale
     return dq, dk, dv
 
 
-def attention_grad_lowp(q, k, v, dout, dtype: str, *, is_causal=False, scale=None):
-    """Gradients computed in float32 from ``dtype`` inputs and rounded to ``dtype``: the yardstick for
-    gradient error of a ``dtype`` kernel."""
+def attention_grad_lowp(q, k, v, dout, dtype: str, *, is_causal=False, scale=None, dlse=None):
+    """Gradients computed in float32 from ``dtype`` inputs (``dlse`` float32) and rounded to ``dtype``: the
+    yardstick for gradient error of a ``dtype`` kernel."""
     if dtype == "float64":
-        return attention_grad(q, k, v, dout, is_causal=is_causal, scale=scale)
+        return attention_grad(q, k, v, dout, is_causal=is_causal, scale=scale, dlse=dlse)
     q, k, v, dout = (round_to(x, dtype) for x in (q, k, v, dout))
-    grads = attention_grad(q, k, v, dout, is_causal=is_causal, scale=scale, compute_dtype=np.float32)
+    grads = attention_grad(q, k, v, dout, is_causal=is_causal, scale=scale, compute_dtype=np.float32, dlse=dlse)
     return tuple(round_to(x, dtype) for x in grads)

@@ -52,9 +52,9 @@ def check_attention(name, out, lse, q, k, v, dtype, *, is_causal, scale=None):
     return err
 
 
-def check_grads(name, grads, q, k, v, dout, dtype, *, is_causal, scale=None):
-    ref = reference.attention_grad(q, k, v, dout, is_causal=is_causal, scale=scale)
-    low = reference.attention_grad_lowp(q, k, v, dout, dtype, is_causal=is_causal, scale=scale)
+def check_grads(name, grads, q, k, v, dout, dtype, *, is_causal, scale=None, dlse=None):
+    ref = reference.attention_grad(q, k, v, dout, is_causal=is_causal, scale=scale, dlse=dlse)
+    low = reference.attention_grad_lowp(q, k, v, dout, dtype, is_causal=is_causal, scale=scale, dlse=dlse)
     return max(check(f"{name} d{n}", g, r, l, dtype, "grad") for n, g, r, l in zip("qkv", grads, ref, low))
 
 

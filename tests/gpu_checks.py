@@ -205,53 +205,62 @@ def main():
         t0 = time.time()
         grad_fns = {}
 
-        def grads_torch(ql, kl, vl, dol, dt, **kw):
+        def grads_torch(ql, kl, vl, dol, dt, dl, **kw):
+            """Gradients of sum(out * do) + sum(lse * dl) (dl: this rank's [B, H, S] shard, float32)."""
             ts = [torch.as_tensor(x, device=dev).to(tdt[dt]).requires_grad_() for x in (ql, kl, vl)]
-            out = torch_bridge.ring_attention(*ts, backend="fused", **kw)
-            out.backward(torch.as_tensor(dol, device=dev).to(tdt[dt]))
+            out, lse = torch_bridge.ring_attention(*ts, backend="fused", return_lse=True, **kw)
+            torch.autograd.backward([out, lse], [torch.as_tensor(dol, device=dev).to(tdt[dt]),
+                                                 torch.as_tensor(dl, device=dev)])
             torch_bridge.check_errors()
             return [t.grad for t in ts]
 
-        def grads_jax(ql, kl, vl, dol, dt, **kw):
+        def grads_jax(ql, kl, vl, dol, dt, dl, **kw):
             key = (ql.shape, kl.shape, dt, tuple(sorted(kw.items())))
             if key not in grad_fns:
-                def loss(q, k, v, do):
-                    o = jax_ring.ring_attention(q, k, v, axis_name="sp", backend="fused", **kw)
-                    return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))  # d loss / d o == do exactly
+                def loss(q, k, v, do, dl):
+                    o, lse = jax_ring.ring_attention(q, k, v, axis_name="sp", backend="fused", return_lse=True, **kw)
+                    # d loss / d o == do and d loss / d lse == dl exactly
+                    return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32)) + jnp.sum(lse * dl)
                 grad_fns[key] = jax.jit(jax.shard_map(jax.grad(loss, argnums=(0, 1, 2)), mesh=mesh,
-                                                      in_specs=(P(None, "sp"),) * 4, out_specs=(P(None, "sp"),) * 3,
-                                                      check_vma=False))
-            def g(x):
+                                                      in_specs=(P(None, "sp"),) * 4 + (P(None, None, "sp"),),
+                                                      out_specs=(P(None, "sp"),) * 3, check_vma=False))
+            def g(x, dtype=jdt[dt], axis=1):
+                shape = list(x.shape)
+                shape[axis] *= W
                 return jax.make_array_from_process_local_data(
-                    sh, jnp.asarray(x, dtype=jdt[dt]), (x.shape[0], x.shape[1] * W, *x.shape[2:]))
-            return [gr.addressable_shards[0].data for gr in grad_fns[key](g(ql), g(kl), g(vl), g(dol))]
+                    NamedSharding(mesh, P(*[None] * axis, "sp")), jnp.asarray(x, dtype=dtype), tuple(shape))
+            return [gr.addressable_shards[0].data
+                    for gr in grad_fns[key](g(ql), g(kl), g(vl), g(dol), g(dl, jnp.float32, 2))]
 
         def as_np(x):
             return (x.float().cpu().numpy() if isinstance(x, torch.Tensor)
                     else np.asarray(x.astype(jnp.float32)))
 
-        bwd_cases = [  # (B, S, H, HKV, D, dtype, causal, layout[, scale])
+        bwd_cases = [  # (B, S, H, HKV, D, dtype, causal, layout[, scale[, lse in the loss]])
             (1, 512, 8, 8, 128, "bfloat16", True, "zigzag"),
             (1, 300, 8, 2, 80, "float16", True, "contiguous"),
             (1, 256, 4, 1, 64, "float32", False, "contiguous"),
             (2, 77, 4, 2, 96, "bfloat16", True, "contiguous", 0.3),
             (1, 1, 2, 1, 16, "float16", True, "contiguous"),
             (1, 130, 4, 4, 256, "bfloat16", False, "zigzag"),
+            (1, 512, 8, 8, 128, "bfloat16", True, "zigzag", None, True),
         ]
         for c in bwd_cases:
             B, S, H, HKV, D, dt, causal, lay = c[:8]
             scale = c[8] if len(c) > 8 else None
-            name = f"bwd B{B} S{S} H{H}/{HKV} D{D} {dt} causal={causal} {lay} scale={scale}"
+            use_lse = len(c) > 9 and c[9]
+            name = f"bwd B{B} S{S} H{H}/{HKV} D{D} {dt} causal={causal} {lay} scale={scale} lse-grad={use_lse}"
             t1 = time.time()
             try:
                 q, k, v, do = testing.random_inputs(40 + len(name), B, S * W, H, HKV, D, dt, with_dout=True)
                 idx = shards(q, lay)
                 kw = dict(is_causal=causal, layout=lay, scale=scale)
-                ref = reference.attention_grad(q, k, v, do, is_causal=causal, scale=scale)
-                low = reference.attention_grad_lowp(q, k, v, do, dt, is_causal=causal, scale=scale)
-                local = [x[:, idx] for x in (q, k, v, do)]
-                tg = grads_torch(*local, dt, **kw)
-                jg = grads_jax(*local, dt, **kw)
+                dl = np.random.default_rng(len(name)).standard_normal((B, H, S * W)).astype(np.float32) * use_lse
+                ref = reference.attention_grad(q, k, v, do, is_causal=causal, scale=scale, dlse=dl)
+                low = reference.attention_grad_lowp(q, k, v, do, dt, is_causal=causal, scale=scale, dlse=dl)
+                local = [x[:, idx] for x in (q, k, v, do)] + [dt, np.ascontiguousarray(dl[:, :, idx])]
+                tg = grads_torch(*local, **kw)
+                jg = grads_jax(*local, **kw)
                 errs = []
                 for fw, gs in (("torch", tg), ("jax", jg)):
                     for n, gr, r, lo in zip("qkv", gs, ref, low):
@@ -259,8 +268,8 @@ def main():
                                                   "grad"))
                 for n, a_, b_ in zip("qkv", jg, tg):
                     assert np.array_equal(bits(a_), bits(b_)), f"{name}: jax and torch fused d{n} differ"
-                tg2 = grads_torch(*local, dt, **kw)
-                jg2 = grads_jax(*local, dt, **kw)
+                tg2 = grads_torch(*local, **kw)
+                jg2 = grads_jax(*local, **kw)
                 for n, a_, b_, c_, d_ in zip("qkv", tg, tg2, jg, jg2):
                     assert np.array_equal(bits(a_), bits(b_)), f"{name}: torch fused d{n} differs between runs"
                     assert np.array_equal(bits(c_), bits(d_)), f"{name}: jax fused d{n} differs between runs"

@@ -114,11 +114,11 @@ def _fake_jax_triton(launches):
     return types.SimpleNamespace(triton_call=triton_call)
 
 
-@pytest.mark.parametrize("dtype, causal, H, HKV, S, D", [
-    ("bfloat16", True, 4, 2, 19, 24),
-    ("float32", False, 2, 1, 7, 40),
+@pytest.mark.parametrize("dtype, causal, H, HKV, S, D, use_lse", [
+    ("bfloat16", True, 4, 2, 19, 24, False),
+    ("float32", False, 2, 1, 7, 40, True),  # the loss uses lse too: its gradient flows through the kernel
 ])
-def test_jax_and_torch_fused_gradients(cpu_heap, monkeypatch, dtype, causal, H, HKV, S, D):
+def test_jax_and_torch_fused_gradients(cpu_heap, monkeypatch, dtype, causal, H, HKV, S, D, use_lse):
     import jax
     import jax.numpy as jnp
     import torch
@@ -139,12 +139,16 @@ def test_jax_and_torch_fused_gradients(cpu_heap, monkeypatch, dtype, causal, H, 
     ref = testing.random_inputs(3, 1, S, H, HKV, D, dtype, with_dout=True)
     q, k, v, do = (x.astype(NP_DTYPES[dtype]) for x in ref)
     kw = dict(is_causal=causal, scale=None)
+    dl = (np.random.default_rng(4).standard_normal((1, H, S)) if use_lse else np.zeros((1, H, S))).astype(np.float32)
 
     # ---- torch: the autograd Function and torch_bridge.fused's launchers (CPU tensors, interpreter)
     tq, tk, tv = (interpret._to_torch(x, dtype).requires_grad_() for x in (q, k, v))
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # let backend="fused" through
-    out = torch_bridge.ring_attention(tq, tk, tv, backend="fused", **kw)
-    out.backward(interpret._to_torch(do, dtype))
+    out, lse = torch_bridge.ring_attention(tq, tk, tv, backend="fused", return_lse=True, **kw)
+    if use_lse:
+        torch.autograd.backward([out, lse], [interpret._to_torch(do, dtype), torch.from_numpy(dl)])
+    else:
+        out.backward(interpret._to_torch(do, dtype))
     monkeypatch.undo()  # is_cuda and the rest; the heap again for JAX below
     monkeypatch.setattr(heap_mod, "_heap", cpu_heap)
     monkeypatch.setattr(heap_mod, "_release_hooks", [])
@@ -152,18 +156,20 @@ def test_jax_and_torch_fused_gradients(cpu_heap, monkeypatch, dtype, causal, H, 
     monkeypatch.setattr(jfused, "fused_available", lambda: True)
     t_grads = [interpret._to_numpy(x.grad, dtype) for x in (tq, tk, tv)]
     assert [p[0] for p in cpu_heap.plans] == ["bwd", "fwd", "bwd"]  # the backward's heap need checked first
-    testing.check_grads("torch fused", [g.astype(np.float64) for g in t_grads], *ref, dtype, is_causal=causal)
+    testing.check_grads("torch fused", [g.astype(np.float64) for g in t_grads], *ref, dtype, is_causal=causal,
+                        dlse=dl)
 
     # ---- JAX: custom_vjp and the jax-triton calls (one CPU device, the kernel in a host callback)
     mesh = Mesh(np.array(jax.devices("cpu")[:1]), ("sp",))
 
-    def loss(q, k, v, do):
-        o = jax_ring.ring_attention(q, k, v, axis_name="sp", backend="fused", **kw)
-        return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
+    def loss(q, k, v, do, dl):
+        o, lse = jax_ring.ring_attention(q, k, v, axis_name="sp", backend="fused", return_lse=True, **kw)
+        return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32)) + jnp.sum(lse * dl)
 
-    grad = jax.jit(jax.shard_map(jax.grad(loss, argnums=(0, 1, 2)), mesh=mesh, in_specs=(P(None, "sp"),) * 4,
+    grad = jax.jit(jax.shard_map(jax.grad(loss, argnums=(0, 1, 2)), mesh=mesh,
+                                 in_specs=(P(None, "sp"),) * 4 + (P(None, None, "sp"),),
                                  out_specs=(P(None, "sp"),) * 3, check_vma=False))
-    j_grads = [np.asarray(g) for g in grad(*(jnp.asarray(x) for x in (q, k, v, do)))]
+    j_grads = [np.asarray(g) for g in grad(*(jnp.asarray(x) for x in (q, k, v, do, dl)))]
     names = [entry["name"] for entry in launches]
     assert names == ["ring_attn_fwd", "ring_attn_bwd"], names
     fwd_call, bwd_call = launches

@@ -47,7 +47,7 @@ COMPILE = textwrap.dedent("""
         if name.startswith("bwd "):
             kernel, p = ring_attn_bwd_kernel, launch.plan_bwd(spec, 2, heap)
             sig = dict(q_ptr="*" + t, k_ptr="*" + t, v_ptr="*" + t, o_ptr="*" + t, do_ptr="*" + t, lse_ptr="*fp32",
-                       ctx_ptr="*i32", B="i32", S="i32", sm_scale="fp32", timeout_ns="i64", part_off="i32",
+                       dlse_ptr="*fp32", ctx_ptr="*i32", B="i32", S="i32", sm_scale="fp32", timeout_ns="i64", part_off="i32",
                        dq_ptr="*" + t, dk_ptr="*" + t, dv_ptr="*" + t, delta_ptr="*fp32", status_ptr="*i32")
         else:
             kernel, p = ring_attn_fwd_kernel, launch.plan(spec, 2, heap)

@@ -76,6 +76,22 @@ def test_grads_match_reference(case):
     _check(_case_id(case), grads, ref, dtype, is_causal=causal, scale=scale)
 
 
+@pytest.mark.parametrize("W, causal, layout", [(2, True, "zigzag"), (3, False, "contiguous")])
+def test_lse_gradient_flows_through_the_kernel(W, causal, layout):
+    """The gradient of ``sum(out * dout) + sum(lse * dlse)``: dlse enters every dS through delta."""
+    B, S, H, HKV, D, dtype = 1, 6, 2, 1, 16, "float32"
+    ref, (q, k, v, do) = _inputs(11, W, B, S, H, HKV, D, dtype)
+    dlse = np.random.default_rng(12).standard_normal((B, H, S * W)).astype(np.float32)
+    grads = simulate_ring_attention_grad(q, k, v, do, W, is_causal=causal, layout=layout, dlse=dlse)
+    for g, x in zip(grads, ref[:3]):
+        assert g.dtype == np.float32 and g.shape == x.shape
+    testing.check_grads("lse gradient", [g.astype(np.float64) for g in grads], *ref, dtype, is_causal=causal,
+                        dlse=dlse)
+    # And it matters: without dlse the gradients differ.
+    plain = simulate_ring_attention_grad(q, k, v, do, W, is_causal=causal, layout=layout)
+    assert not np.allclose(plain[0], grads[0], atol=1e-4)
+
+
 def _bits(grads):
     return [np.ascontiguousarray(g).view(np.uint16 if g.dtype.itemsize == 2 else np.uint32) for g in grads]
 

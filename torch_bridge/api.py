@@ -72,7 +72,7 @@ def _resolve_backend(backend: str, q, spec) -> str:
 
 class _FusedRing(torch.autograd.Function):
     """Forward: the fused kernel; saves q, k, v, out and lse. Backward: the fused backward kernel
-    (ring_core.kernel_bwd), the same launch as JAX's. ``lse`` is returned for inspection only."""
+    (ring_core.kernel_bwd), the same launch as JAX's, from the gradients of out and of lse."""
 
     @staticmethod
     def forward(ctx, q, k, v, spec, rank, world, peers, group, timeout_s):
@@ -83,7 +83,6 @@ class _FusedRing(torch.autograd.Function):
         out, lse = fused.forward(q, k, v, spec, group, timeout_s)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (spec, group, timeout_s)
-        ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
@@ -93,7 +92,7 @@ class _FusedRing(torch.autograd.Function):
 
         q, k, v, out, lse = ctx.saved_tensors
         spec, group, timeout_s = ctx.args
-        dq, dk, dv = fused.backward(q, k, v, out, lse, dout, spec, group, timeout_s)
+        dq, dk, dv = fused.backward(q, k, v, out, lse, dout, spec, group, timeout_s, dlse=dlse)
         return dq, dk, dv, None, None, None, None, None, None
 
 
@@ -115,7 +114,7 @@ def ring_attention(q, k, v, *, group=None, is_causal=False, scale=None, layout="
 
     ``backend``: ``"torch"`` (reference ring over torch.distributed point-to-point, gloo or NCCL),
     ``"fused"`` (the Triton + iris kernel; needs ``torch_bridge.initialize()`` and CUDA tensors; its
-    gradients come from the fused backward kernel; ``lse`` carries none) or ``"auto"`` (fused for
+    gradients, through out and lse, come from the fused backward kernel) or ``"auto"`` (fused for
     CUDA fp16/bf16/fp32 tensors once initialised, else torch).
     Without an initialised process group (or with a group of one) it runs locally with no communication.
 

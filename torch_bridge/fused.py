@@ -141,9 +141,10 @@ def check_backward_fits(spec):
     _heap.get().plan_bwd(spec)
 
 
-def backward(q, k, v, out, lse, dout, spec, group=None, timeout_s: float | None = None, config=None):
+def backward(q, k, v, out, lse, dout, spec, group=None, timeout_s: float | None = None, config=None, dlse=None):
     """Launch the fused backward kernel (ring_core.kernel_bwd) on this rank's shards, from the forward's
-    ``out`` and ``lse``; returns (dq, dk, dv). Same launch maths (ring_core.launch.plan_bwd) and argument
+    ``out`` and ``lse`` and the gradients ``dout`` and ``dlse`` (None: lse carries none); returns
+    (dq, dk, dv). Same launch maths (ring_core.launch.plan_bwd) and argument
     list as the JAX launcher (jax_ring.fused.backward). ``config`` (a ring_core.launch.BwdKernelConfig)
     overrides the defaults: for tuning only."""
     h, p = _prepare(q, spec, group, config, backward=True)
@@ -152,13 +153,14 @@ def backward(q, k, v, out, lse, dout, spec, group=None, timeout_s: float | None 
     q, k, v, out = (x.contiguous() for x in (q, k, v, out))
     dout = dout.to(q.dtype).contiguous()
     lse = lse.to(torch.float32).contiguous()
+    dlse = torch.zeros_like(lse) if dlse is None else dlse.to(torch.float32).contiguous()
     (dq_shape, _), (dkv_shape, _), _, (delta_shape, _), (status_shape, _) = p.out_shapes
     dq = torch.empty(dq_shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(dkv_shape, dtype=q.dtype, device=q.device)
     dv = torch.empty(dkv_shape, dtype=q.dtype, device=q.device)
     delta = torch.empty(delta_shape, dtype=torch.float32, device=q.device)  # scratch: rowsum(dO * O)
     status = torch.zeros(status_shape, dtype=torch.int32, device=q.device)  # see check_status
-    ring_attn_bwd_kernel[p.grid](q, k, v, out, dout, lse, h.ctx, *p.scalars(timeout_s), dq, dk, dv, delta, status,
+    ring_attn_bwd_kernel[p.grid](q, k, v, out, dout, lse, dlse, h.ctx, *p.scalars(timeout_s), dq, dk, dv, delta, status,
                                  num_warps=p.config.num_warps, num_stages=p.config.num_stages,
                                  **p.constexprs(interpret=False))
     _track(status, h.rank, timeout_s)
