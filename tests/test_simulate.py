@@ -25,6 +25,7 @@ import pytest  # noqa: E402
 from jax_ring import simulate  # noqa: E402
 from jax_ring.simulate import SimulatedRing, simulate_job, simulate_ring_attention  # noqa: E402
 from ring_core import interpret, launch, reference, testing, validate  # noqa: E402
+from ring_core import layout as L  # noqa: E402
 from ring_core.launch import HeapTooSmallError, RingAttentionMismatch, RingAttentionTimeout  # noqa: E402
 
 NP_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
@@ -70,6 +71,9 @@ CASES = [
     (4, 2, 3, 2, 1, 8, "float32", False, "contiguous", True, None),
     (4, 1, 12, 4, 4, 64, "bfloat16", True, "zigzag", True, None),
     (4, 1, 1, 1, 1, 8, "float16", False, "contiguous", False, None),
+    # 8 ranks (issue 7: the world size the withheld 8-GPU machines would run), both layouts.
+    (8, 1, 4, 4, 2, 16, "float32", True, "zigzag", True, None),
+    (8, 1, 3, 2, 1, 24, "bfloat16", False, "contiguous", False, None),
 ]
 
 
@@ -225,6 +229,31 @@ def test_ranks_that_disagree_are_found_before_anything_moves(overrides, field):
     q, k, v = (np.concatenate(x, axis=1) for x in shards)
     testing.check("after a mismatch", out, reference.attention(q, k, v)[0],
                   reference.attention_lowp(q, k, v, "float32")[0], "float32")
+
+
+def test_one_rank_of_four_that_differs_makes_every_rank_raise():
+    """Rank 2's call has other heads: ranks 0, 1 and 3 name rank 2, rank 2 names the first peer it compared
+    (rank 0); all at the same call, and the next matching call is right without reset()."""
+    W = 4
+    base, shards = _spec_and_shards(W, 1, 4, 2, 1, 8, "float32", is_causal=True, layout="zigzag")
+    odd, odd_shards = _spec_and_shards(W, 1, 4, 4, 1, 8, "float32", is_causal=True, layout="zigzag")
+    specs = [odd if r == 2 else base for r in range(W)]
+    mixed = [[(o if r == 2 else b)[r] for r in range(W)] for b, o in zip(shards, odd_shards)]
+    job = _simulated_job(W)
+    res = job.run(specs, *mixed, timeout_s=5.0)
+    assert [int(r[2][0]) for r in res] == [launch.ERR_MISMATCH] * W
+    assert [int(r[2][1]) for r in res] == [2, 2, 0, 2] and {int(r[2][3]) for r in res} == {1}
+    for r in range(W):
+        with pytest.raises(RingAttentionMismatch, match=r"first difference: heads"):
+            launch.check_status(res[r][2], r, 5.0)
+    res = job.run(base, *shards)
+    assert [int(r[2][0]) for r in res] == [0] * W and {int(r[2][3]) for r in res} == {2}
+    q, k, v = (np.concatenate(x, axis=1) for x in shards)
+    inv = L.inverse_permutation(L.layout_permutation(4 * W, W, "zigzag"))  # shards are in layout order
+    out = np.concatenate([r[0] for r in res], axis=1)[:, inv]
+    qn, kn, vn = (x[:, inv] for x in (q, k, v))
+    testing.check("after a mismatch, 4 ranks", out, reference.attention(qn, kn, vn, is_causal=True)[0],
+                  reference.attention_lowp(qn, kn, vn, "float32", is_causal=True)[0], "float32")
 
 
 def test_a_mismatch_sends_nothing():

@@ -59,6 +59,7 @@ CASES = [
     (3, 1, 4, 2, 2, 192, "float32", False, "zigzag", None),
     (4, 1, 19, 2, 1, 40, "bfloat16", True, "contiguous", None),
     (4, 1, 8, 4, 2, 16, "float32", True, "zigzag", 0.5),
+    (8, 1, 4, 4, 2, 16, "float32", True, "zigzag", None),  # 8 ranks (issue 7)
 ]
 
 
