@@ -30,3 +30,8 @@ def test_torch_example_on_two_cpu_ranks(script, expect):
 
 def test_jax_example_on_cpu():
     assert "max |ring - dense|" in _run(["examples/jax_ring_attention.py", "--cpu", "--seq", "256"])
+
+
+def test_flax_train_example_on_cpu():
+    out = _run(["examples/flax_train.py", "--cpu", "--seq", "256", "--steps", "4"])
+    assert "max |loss difference| over 4 steps" in out
