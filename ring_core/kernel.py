@@ -245,8 +245,19 @@ def _check_call(ctl, heap_bases, rank, epoch, words, timeout_ns, W: tl.constexpr
 def _finish_call(ctl, status_ptr, heap_bases, rank, epoch, timeout_ns, W: tl.constexpr, INTERPRET: tl.constexpr):
     """The end of a call, run by the last program of this rank once every other one has finished: tell
     every peer, wait for every peer (the end barrier), copy the error record into ``status``, reset the
-    shared counters and store ``epoch`` as the new call counter."""
+    shared counters and store ``epoch`` as the new call counter.
+
+    After an error every wait gives up at once, the barrier's too, except after a mismatch: the peers are
+    alive and in the same call then (they published its signature), so the barrier waits for them as
+    usual (bounded). Otherwise a rank could start its next call and overwrite its signature while a peer
+    still compared it with this call's, and that peer would report the ranks' counters apart instead of
+    the mismatch every rank reports."""
     tl.debug_barrier()  # every thread's loads below after the acquiring finish count
+    held = tl.atomic_xchg(ctl + 3, 0, sem="acq_rel", scope="gpu")  # the error record, out of the way ...
+    held_peer = tl.atomic_add(ctl + 4, 0, sem="relaxed", scope="gpu")
+    held_step = tl.atomic_add(ctl + 5, 0, sem="relaxed", scope="gpu")
+    if (held != 0) & (held != _ERR_MISMATCH):
+        tl.atomic_xchg(ctl + 3, held, sem="relaxed", scope="gpu")  # ... unless the barrier must give up
     for p in tl.static_range(W):
         if p != rank:
             iris.atomic_xchg(ctl + 8 + rank, epoch, rank, p, heap_bases, sem="release", scope="sys")
@@ -256,9 +267,12 @@ def _finish_call(ctl, status_ptr, heap_bases, rank, epoch, timeout_ns, W: tl.con
             if ok == 0:
                 _record_error(ctl, 2, p, W, -1)
     code = tl.atomic_xchg(ctl + 3, 0, sem="acq_rel", scope="gpu")
-    tl.store(status_ptr + 0, code)
-    tl.store(status_ptr + 1, tl.atomic_xchg(ctl + 4, 0, sem="relaxed", scope="gpu"))
-    tl.store(status_ptr + 2, tl.atomic_xchg(ctl + 5, 0, sem="relaxed", scope="gpu"))
+    peer = tl.atomic_xchg(ctl + 4, 0, sem="relaxed", scope="gpu")
+    step = tl.atomic_xchg(ctl + 5, 0, sem="relaxed", scope="gpu")
+    first = held != 0  # the first error wins
+    tl.store(status_ptr + 0, tl.where(first, held, code))
+    tl.store(status_ptr + 1, tl.where(first, held_peer, peer))
+    tl.store(status_ptr + 2, tl.where(first, held_step, step))
     tl.store(status_ptr + 3, epoch)
     sig = tl.arange(0, 2 * _SIG_WORDS)
     tl.store(status_ptr + 4 + sig, tl.load(ctl + _CTL_ERR_SIG + sig, volatile=True))
