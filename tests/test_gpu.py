@@ -187,3 +187,47 @@ def test_fault_script_watchdog_ends_a_stuck_process():
     assert r.returncode == 124, r.stderr
     assert "WATCHDOG: rank 3 still running after 0.5 s" in r.stderr, r.stderr
     assert "most recent call first" in r.stderr, r.stderr  # the stacks
+
+
+# ------------------------------------------------------------ the GPU session runner's host-side logic (CPU)
+def _session_module():
+    sys.path.insert(0, str(ROOT / "tests"))
+    try:
+        import gpu_session
+    finally:
+        sys.path.pop(0)
+    return gpu_session
+
+
+def test_session_stages_parse_and_fill_their_commands():
+    gs = _session_module()
+    assert gs.parse_stage("soak") == ("soak", float(gs.STAGES["soak"][0]))
+    assert gs.parse_stage("faults:90") == ("faults", 90.0)
+    for bad in ("nope", "soak:x", "soak:0"):
+        with pytest.raises(Exception):
+            gs.parse_stage(bad)
+    (cmd,) = gs.commands("soak", 300, "/o")
+    assert cmd[-2:] == ["--out", "/o"] and "290" in cmd and "150" in cmd  # deadline and soak time from the limit
+    assert all("{" not in arg for name in gs.STAGES for c in gs.commands(name, 100, "/o") for arg in c)
+
+
+def test_session_cache_survives_the_round_trip_in_parts(tmp_path):
+    """A cache written in parts under $OUT, collected into the carried folder and restored, is the same
+    tree; parts respect the size limit."""
+    gs = _session_module()
+    cache = tmp_path / "gpu" / ".cache" / "triton"
+    files = {"a/k.cubin": os.urandom(3000), "a/k.json": b"{}", "b/__grp__k.json": os.urandom(5000)}
+    for rel, data in files.items():
+        (cache / rel).parent.mkdir(parents=True, exist_ok=True)
+        (cache / rel).write_bytes(data)
+    out = tmp_path / "out"
+    out.mkdir()
+    parts = gs.save_cache(str(out), cache=str(cache), part_bytes=2048)
+    assert len(parts) >= 3 and all(os.path.getsize(p) <= 2048 for p in parts)
+    carry = tmp_path / "carry"
+    assert gs.collect(str(out), carry=str(carry)) == len(parts)
+    restored = tmp_path / "next" / ".cache" / "triton"
+    assert gs.restore_cache(carry=str(carry), cache=str(restored)) == len(files)
+    for rel, data in files.items():
+        assert (restored / rel).read_bytes() == data
+    assert gs.restore_cache(carry=str(tmp_path / "empty"), cache=str(restored)) == 0

@@ -1,0 +1,185 @@
+"""Run GPU stages in one device call and carry the Triton cache from one call to the next.
+
+A cold compile of the kernels costs 5-150 s per variant on the GPU machine, and every call of the device tool
+starts on a bare machine. This runner restores the Triton cache that an earlier call left in the carried
+folder ``.tcache/``, runs the stages one after another, each under its own time limit, and then writes the
+cache back under ``$OUT`` in parts of at most 15 MiB (the device tool returns at most 8 files of 16 MiB).
+The next call finds the compiled kernels, as long as the kernel source has not changed.
+
+On the GPU machine (carry ``.gpu`` and ``.tcache``)::
+
+    source .gpu/prelude.sh; python tests/gpu_session.py --out $OUT soak:300 bench-fwdbwd:240
+
+Then, on this machine, put the returned parts back into ``.tcache/`` (git-ignored)::
+
+    python tests/gpu_session.py --collect /work/.device/N
+
+Stages (``NAME[:SECONDS]``; the default time limit is in brackets):
+  checks       tests/gpu_checks.py, forward sections: cases, jit, grads, big       [540]
+  checks-bwd   tests/gpu_checks.py --sections bwd                                  [300]
+  faults       tests/gpu_faults.py (timeout, concurrent, mismatch, bad_inputs, security) [240]
+  soak         tests/gpu_soak.py --calls 10000                                     [420]
+  bench-fwdbwd benchmarks/attention.py --pass fwd,fwd+bwd --seq 4k,16k             [420]
+  examples     the four examples on 2 GPUs (flax_train.py needs flax and optax there: carry .whl and
+               install them first, see the README)                                 [300]
+
+Every stage's output goes to ``$OUT/session.log``; a stage that overruns its limit is stopped (its output
+kept) and the next one runs. The exit code is that of the first stage that failed, or 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CARRY = os.path.join(ROOT, ".tcache")  # carried to the GPU machine; git-ignored
+CACHE = os.path.join(ROOT, ".cache", "triton")  # TRITON_CACHE_DIR there
+PART_BYTES = 15 << 20
+PART_PREFIX = "tcache.tgz.part"
+LAUNCH = [sys.executable, "-m", "jax_ring.launch", "--nproc-per-node", "2"]
+
+STAGES = {
+    "checks": (540, [LAUNCH + ["tests/gpu_checks.py", "--sections", "cases,jit,grads,big", "--out", "{out}"]]),
+    "checks-bwd": (300, [LAUNCH + ["tests/gpu_checks.py", "--sections", "bwd", "--out", "{out}"]]),
+    "faults": (240, [LAUNCH + ["tests/gpu_faults.py", "--deadline", "{limit_minus}", "--out", "{out}"]]),
+    "soak": (420, [LAUNCH + ["tests/gpu_soak.py", "--calls", "10000", "--deadline", "{limit_minus}",
+                             "--max-seconds", "{soak_seconds}", "--out", "{out}"]]),
+    "bench-fwdbwd": (420, [LAUNCH + ["-m", "benchmarks.attention", "--pass", "fwd,fwd+bwd", "--seq", "4k,16k",
+                                     "--warmup", "2", "--iters", "5", "--csv", "{out}/attention_fwdbwd.csv"]]),
+    "examples": (300, [LAUNCH + ["examples/jax_ring_attention.py"], LAUNCH + ["examples/flax_train.py"],
+                       [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                        "examples/torch_ring_attention.py"],
+                       [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                        "examples/torch_train.py"]]),
+}
+
+
+def parse_stage(text: str) -> tuple:
+    """``NAME[:SECONDS]`` -> (name, seconds)."""
+    name, _, secs = text.partition(":")
+    if name not in STAGES:
+        raise argparse.ArgumentTypeError(f"unknown stage {name!r}; choose from {', '.join(STAGES)}")
+    try:
+        limit = float(secs) if secs else float(STAGES[name][0])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad time limit in {text!r}: NAME[:SECONDS]") from None
+    if limit <= 0:
+        raise argparse.ArgumentTypeError(f"the time limit of {name} must be positive, got {limit:g}")
+    return name, limit
+
+
+def commands(name: str, limit: float, out: str) -> list:
+    """The command lines of a stage, with its placeholders filled in."""
+    values = dict(out=out, limit_minus=f"{max(limit - 10, 5):g}", soak_seconds=f"{max(limit / 2, 10):g}")
+    return [[arg.format(**values) for arg in cmd] for cmd in STAGES[name][1]]
+
+
+def restore_cache(carry: str = CARRY, cache: str = CACHE) -> int:
+    """Unpack the carried cache parts (if any) into ``cache``; returns the number of files restored."""
+    parts = sorted(glob.glob(os.path.join(carry, PART_PREFIX + "*")))
+    if not parts:
+        return 0
+    os.makedirs(cache, exist_ok=True)
+    joined = os.path.join(os.path.dirname(cache), "tcache.tgz")
+    with open(joined, "wb") as f:
+        for p in parts:
+            with open(p, "rb") as src:
+                shutil.copyfileobj(src, f)
+    with tarfile.open(joined, "r:gz") as tar:
+        members = [m for m in tar.getmembers() if m.isfile() or m.isdir()]  # nothing else travels
+        extra = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+        tar.extractall(os.path.dirname(cache), members=members, **extra)
+    os.remove(joined)
+    return sum(1 for m in members if m.isfile())
+
+
+def save_cache(out: str, cache: str = CACHE, part_bytes: int = PART_BYTES) -> list:
+    """Write ``cache`` as a gzipped tar split into parts of at most ``part_bytes`` under ``out``; returns
+    their paths (none if there is no cache)."""
+    if not os.path.isdir(cache):
+        return []
+    joined = os.path.join(out, "tcache.tgz")
+    with tarfile.open(joined, "w:gz") as tar:
+        tar.add(cache, arcname=os.path.basename(cache))
+    paths = []
+    with open(joined, "rb") as f:
+        while chunk := f.read(part_bytes):
+            paths.append(os.path.join(out, f"{PART_PREFIX}{len(paths):02d}"))
+            with open(paths[-1], "wb") as part:
+                part.write(chunk)
+    os.remove(joined)
+    return paths
+
+
+def collect(returned: str, carry: str = CARRY) -> int:
+    """Replace the carried cache parts with those a device call returned; returns how many."""
+    parts = sorted(glob.glob(os.path.join(returned, PART_PREFIX + "*")))
+    if not parts:
+        raise SystemExit(f"no {PART_PREFIX}* files in {returned}")
+    os.makedirs(carry, exist_ok=True)
+    for old in glob.glob(os.path.join(carry, PART_PREFIX + "*")):
+        os.remove(old)
+    for p in parts:
+        shutil.copy(p, carry)
+    return len(parts)
+
+
+def run_stage(name: str, limit: float, out: str, log) -> int:
+    """Run the stage's commands one after another within ``limit`` seconds in all; returns the first
+    non-zero exit code (124 when the limit stopped it), or 0."""
+    end = time.monotonic() + limit
+    for cmd in commands(name, limit, out):
+        left = end - time.monotonic()
+        log.write(f"\n=== {name}: {' '.join(cmd)} (limit {left:.0f} s)\n")
+        log.flush()
+        t0 = time.monotonic()
+        if left <= 0:
+            rc = 124
+        else:
+            try:
+                rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=left).returncode
+            except subprocess.TimeoutExpired:
+                rc = 124
+        log.write(f"=== {name}: exit {rc} after {time.monotonic() - t0:.0f} s\n")
+        log.flush()
+        if rc:
+            return rc
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("stages", nargs="*", type=parse_stage, help="NAME[:SECONDS] ...")
+    ap.add_argument("--out", default=os.environ.get("OUT"), help="where the log and the cache parts go ($OUT)")
+    ap.add_argument("--collect", metavar="DIR", help="copy the cache parts a device call returned into .tcache/")
+    a = ap.parse_args(argv)
+    if a.collect:
+        print(f"{collect(a.collect)} cache parts now in {CARRY}")
+        return 0
+    if not a.stages or not a.out:
+        ap.error("give stages and --out (or $OUT), or --collect DIR")
+    os.makedirs(a.out, exist_ok=True)
+    os.environ.setdefault("TRITON_CACHE_DIR", CACHE)
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    os.environ.setdefault("RING_ATTENTION_TIMEOUT_S", "60")  # a rank left waiting by a failure gets out soon
+    first_failure = 0
+    with open(os.path.join(a.out, "session.log"), "a") as log:
+        log.write(f"restored {restore_cache(cache=os.environ['TRITON_CACHE_DIR'])} cached files\n")
+        for name, limit in a.stages:
+            rc = run_stage(name, limit, a.out, log)
+            print(f"gpu_session: {name}: exit {rc}", flush=True)
+            first_failure = first_failure or rc
+        parts = save_cache(a.out, cache=os.environ["TRITON_CACHE_DIR"])
+        log.write(f"saved the cache in {len(parts)} parts\n")
+    return first_failure
+
+
+if __name__ == "__main__":
+    sys.exit(main())
