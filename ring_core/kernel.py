@@ -58,6 +58,14 @@ call of another shape) never satisfies a later wait; the flag region never holds
 finish counters are reset by the last program, after every other program of the call is done, and the
 next kernel on this rank starts after this one completes (same stream).
 
+Never corrupts silently
+-----------------------
+A tile whose wait gave up, or whose call failed the call check, writes NaN into its rows of ``out`` and
+``lse``: a failed call is always raised on the host, and (torch reports it at the next call) whatever
+reads the outputs before that sees NaN, never a plausible wrong value. Tiles that got all they needed
+write their right result even when the call failed elsewhere (e.g. at the end barrier). The backward
+does the same for dq, dk and dv (``ring_core.kernel_bwd``).
+
 Never hangs
 -----------
 Every wait is bounded: by ``timeout_ns`` of %globaltimer on the GPU, by a poll count in the Triton
@@ -498,10 +506,13 @@ def ring_attn_fwd_kernel(
     n_m = tl.cdiv(S, BLOCK_M)
     n_chunks = tl.cdiv(S, CHUNK_ROWS)
     n_units = (W - 1) * B * HKV * n_chunks
+    call_ok = epoch * 0 + 1
     if W > 1:
         # Every rank must make this same call; if not, push nothing (every later wait then gives up at once).
         words = _call_words(1, B, S, sm_scale, W, H, HKV, D, SIG_DTYPE, CAUSAL, ZIGZAG, CHUNK_ROWS, BLOCK_N)
-        n_units = n_units * _check_call(ctl, heap_bases, rank, epoch, words, timeout_ns, W, INTERPRET)
+        call_ok = _check_call(ctl, heap_bases, rank, epoch, words, timeout_ns, W, INTERPRET)
+    n_units = n_units * call_ok
+    valid = call_ok  # 0 once a wait of this tile gave up: its result is then not computed from the right data
 
     # ---- which tile: g fastest so the heads sharing one kv head run side by side (L2 reuse) --------
     pid = tl.program_id(0)
@@ -576,6 +587,7 @@ def ring_attn_fwd_kernel(
                                          INTERPRET, POLL_N)
                 if ok == 0:
                     _record_error(ctl, 1, src, step, c0 + first)
+                    valid = valid * 0
             # Each flag was acquired by one thread; the barrier orders every thread's loads below after all
             # of those acquires (cumulativity through bar.sync).
             tl.debug_barrier()
@@ -587,10 +599,11 @@ def ring_attn_fwd_kernel(
                                          INTERPRET, DOT_PRECISION)
 
     # ---- epilogue ----------------------------------------------------------------------------------
+    # A tile whose waits gave up (the call failed) writes NaN, never a plausible-looking wrong value.
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    out = acc / l_safe[:, None]
+    out = tl.where(valid != 0, acc / l_safe[:, None], float("nan"))
     tl.store(out_ptr + q_off, out.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & dmask[None, :])
-    lse = (m_i + tl.math.log2(l_safe)) * LN2
+    lse = tl.where(valid != 0, (m_i + tl.math.log2(l_safe)) * LN2, float("nan"))
     tl.store(lse_ptr + (b.to(tl.int64) * H + h) * S + offs_m, lse, mask=m_valid)
 
     tl.debug_barrier()

@@ -248,6 +248,7 @@ def ring_attn_bwd_kernel(
     dmask = offs_d < D
 
     tid = tl.atomic_add(ctl + _CTL_TICKET, 1, sem="relaxed", scope="gpu")
+    valid = call_ok  # 0 once a wait of this task gave up: its result is then written as NaN
     if tid < n_dq:
         # ================================ dQ task ===================================================
         g = tid % G
@@ -319,6 +320,7 @@ def ring_attn_bwd_kernel(
                     ok = _poll_ge(flag0 + c, epoch, ctl, timeout_ns, INTERPRET)
                     if ok == 0:
                         _record_error(ctl, _ERR_KV, src, step, c)
+                        valid = valid * 0
                 # Each flag was acquired by one thread: the barrier orders every thread's loads below after
                 # all of those acquires (cumulativity through bar.sync).
                 tl.debug_barrier()
@@ -328,7 +330,7 @@ def ring_attn_bwd_kernel(
                 dq = _dq_blocks(dq, q, do, lse2, delta, q_pos, q_pos_max, k_base, v_base, n_full, n_hi, src, S,
                                 qk_scale, offs_n, offs_d, D, W, D, DQ_BLOCK_N, BLOCK_D, True, CAUSAL, ZIGZAG,
                                 INTERPRET, DOT_PRECISION)
-        dq = dq * sm_scale
+        dq = tl.where(valid != 0, dq * sm_scale, float("nan"))  # NaN, not a wrong value, if a wait gave up
         tl.store(dq_ptr + q_off, dq.to(dq_ptr.dtype.element_ty), mask=qmask)
     else:
         # ============================ partial and final dK/dV tasks ==================================
@@ -451,6 +453,10 @@ def ring_attn_bwd_kernel(
                         if ok == 0:
                             _record_error(ctl, _ERR_PARTIAL, r, rslot + 1, n_blk)
             tl.debug_barrier()
+            # Valid only if every input arrived and nothing failed: a peer that sent an untrustworthy partial
+            # marked this rank's error word (ERR_PEER) before publishing it, so the acquires above see it.
+            err_now = tl.atomic_add(ctl + 3, 0, sem="acquire", scope="gpu")
+            valid = inputs_ok * call_ok * (err_now == 0).to(tl.int32)
             # Sum in rank order, the local contribution at its place: the same order on every run.
             for which in tl.static_range(2):
                 if which == 0:
@@ -470,6 +476,7 @@ def ring_attn_bwd_kernel(
                             src_off = ((rslot * 2 * B + which * B + b).to(tl.int64) * HKV + hkv) * S * D
                             total += tl.load(part + src_off + part_rows, mask=out_mask, other=0.0)
                 out_off = bkv + rows_n[:, None].to(tl.int64) * (HKV * D) + offs_d[None, :]
+                total = tl.where(valid != 0, total, float("nan"))
                 if which == 0:
                     total = total * sm_scale
                     tl.store(dk_ptr + out_off, total.to(dk_ptr.dtype.element_ty), mask=out_mask)

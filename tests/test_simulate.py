@@ -146,11 +146,15 @@ def test_absent_rank_times_out(is_causal, started, what):
     spec, shards = _spec_and_shards(2, 1, 4, 2, 1, 8, "float32", is_causal=is_causal)
     results = _simulated_job(2).run(spec, *shards, timeout_s=timeout_s, absent_ranks=(1,), absent_started=started)
     assert results[1] is None
-    status = results[0][2]
+    out, lse, status = results[0]
     assert status[0] != launch.ERR_NONE and status[1] == 1 and status[3] == 1
     with pytest.raises(RingAttentionTimeout, match=what) as info:
         launch.check_status(status, 0, timeout_s)
     assert "rank 0" in str(info.value) and "rank 1" in str(info.value) and "reset()" in str(info.value)
+    if is_causal:  # rank 0's queries see only its own keys: right, although the end barrier failed
+        assert np.isfinite(out).all() and np.isfinite(lse).all()
+    else:  # every row needed rank 1's K/V: NaN, never a plausible wrong value
+        assert np.isnan(out).all() and np.isnan(lse).all()
     # A following normal call on a new job works.
     ref, (q, k, v) = _inputs(8, 2, 1, 4, 2, 1, 8, "float32")
     out = simulate_ring_attention(q, k, v, 2, is_causal=is_causal)
@@ -212,6 +216,7 @@ def test_ranks_that_disagree_are_found_before_anything_moves(overrides, field):
     for r in range(2):
         status = res[r][2]
         assert int(status[0]) == launch.ERR_MISMATCH and int(status[1]) == 1 - r and int(status[3]) == 1
+        assert np.isnan(res[r][0].astype(np.float32)).all() and np.isnan(res[r][1]).all()  # nothing computed
         # The kernel built the same signature words as the host (launch.call_signature), epoch included.
         theirs, mine = status[4:4 + launch.SIG_WORDS], status[4 + launch.SIG_WORDS:]
         assert mine[1:].tolist() == plans[r].signature()[1:].tolist() and mine[0] == 1
