@@ -8,10 +8,11 @@ Importing this package never imports jax_triton (it refuses to import on CPU-onl
 """
 
 from jax_ring.api import from_layout, ring_attention, ring_attention_sharded, to_layout
-from jax_ring.distributed import initialize, is_initialized, reset, shutdown
+from jax_ring.distributed import check_errors, initialize, is_initialized, reset, shutdown
 from jax_ring.simulate import simulate_ring_attention, simulate_ring_attention_grad
 
 __all__ = [
+    "check_errors",
     "initialize",
     "is_initialized",
     "reset",

@@ -75,6 +75,8 @@ def ring_attention(q, k, v, *, axis_name, is_causal=False, scale=None, layout="c
         missing rank and ring step. Baked into the compiled program. The xla ring has no waits of its own.
         Ranks whose fused calls differ (shapes, dtype, flags, layout, scale) raise
         ``ring_core.launch.RingAttentionMismatch`` naming both calls (found before any data moves).
+        With RING_ATTENTION_JAX_ERRORS=deferred (read when tracing) the call does not raise: the failure
+        is kept for ``jax_ring.check_errors()`` and what the call could not compute is NaN.
 
     Returns:
       ``out`` with q's shape and dtype, or ``(out, lse)`` with ``return_lse=True``.

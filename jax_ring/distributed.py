@@ -78,5 +78,19 @@ def reset():
     _heap.get().reset()
 
 
+def check_errors():
+    """Raise the first failure of a fused call on this rank since the last ``check_errors()`` or ``reset()``,
+    for programs traced with RING_ATTENTION_JAX_ERRORS=deferred (their calls run without a host callback
+    and do not raise by themselves; what a failed call could not compute is NaN). Waits for this GPU's
+    work first. Local: call it on every rank, e.g. once per training step; the exception is the one the
+    call would have raised (ring_core.launch.RingAttentionTimeout / RingAttentionMismatch)."""
+    from ring_core import launch
+
+    h = _heap.get()
+    status = h.take_error()
+    if status is not None:
+        launch.check_status(status, h.rank)
+
+
 def is_initialized() -> bool:
     return _heap.is_initialized()

@@ -10,6 +10,8 @@ Python scalar is baked into the compiled call. The mesh axis must list devices i
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 import jax
@@ -33,8 +35,6 @@ def _import_jax_triton():
     """Import jax_triton without its side effect on the process: at import it sets TRITON_CACHE_DIR to "",
     after which every later Triton compile outside jax-triton (the torch frontend's launches) fails with
     "Could not create or locate cache dir"."""
-    import os
-
     before = os.environ.get("TRITON_CACHE_DIR")
     try:
         import jax_triton
@@ -63,6 +63,20 @@ def _raise_status(status, rank, timeout_s):
     launch.check_status(np.asarray(status), int(rank), timeout_s)
 
 
+ERRORS_ENV = "RING_ATTENTION_JAX_ERRORS"
+
+
+def errors_deferred() -> bool:
+    """How a fused call traced now reports a failure (read at trace time, from RING_ATTENTION_JAX_ERRORS):
+    "call" (default): a host callback after every call raises from the call; "deferred": no callback (it
+    costs 0.1-0.9 ms a call): the kernel keeps the first failure on the heap, ``jax_ring.check_errors()``
+    raises it, and the outputs a failed call could not compute are NaN meanwhile."""
+    mode = os.environ.get(ERRORS_ENV, "call")
+    if mode not in ("call", "deferred"):
+        raise ValueError(f"{ERRORS_ENV} must be 'call' or 'deferred', got {mode!r}")
+    return mode == "deferred"
+
+
 def _launch_context(spec, axis_name, world_size: int, *, backward: bool):
     """(launch plan, this rank's index, this rank's context row) for a fused launch inside shard_map."""
     h = _heap.get()
@@ -82,6 +96,7 @@ def forward(q, k, v, spec, axis_name, world_size: int, timeout_s: float | None =
     from ring_core.kernel import ring_attn_fwd_kernel
 
     p, rank, ctx = _launch_context(spec, axis_name, world_size, backward=False)
+    deferred = errors_deferred()
     b, s, hq, d = q.shape
     scal = p.scalars(timeout_s)
     scal = (scal[0], scal[1], np.float32(scal[2]), scal[3])  # float32 scale, as the torch launch passes it
@@ -93,8 +108,9 @@ def forward(q, k, v, spec, axis_name, world_size: int, timeout_s: float | None =
                    jax.ShapeDtypeStruct((launch.STATUS_WORDS,), jnp.int32)],
         grid=p.grid, num_warps=p.config.num_warps, num_stages=p.config.num_stages,
         zeroed_outputs=(2,),  # status: all zero unless the kernel's last program wrote it (check_status)
-        name="ring_attn_fwd", **p.constexprs(interpret=False))
-    jax.debug.callback(_raise_status, status, rank, timeout_s)
+        name="ring_attn_fwd", **p.constexprs(interpret=False, sticky_errors=deferred))
+    if not deferred:  # else the kernel keeps a failure for jax_ring.check_errors()
+        jax.debug.callback(_raise_status, status, rank, timeout_s)
     return out, lse
 
 
@@ -106,6 +122,7 @@ def backward(q, k, v, out, lse, dout, dlse, spec, axis_name, world_size: int, ti
     from ring_core.kernel_bwd import ring_attn_bwd_kernel
 
     p, rank, ctx = _launch_context(spec, axis_name, world_size, backward=True)
+    deferred = errors_deferred()
     scal = p.scalars(timeout_s)
     scal = (scal[0], scal[1], np.float32(scal[2]), *scal[3:])  # float32 scale, as the torch launch passes it
     dq, dk, dv, _, status = jt.triton_call(
@@ -114,8 +131,9 @@ def backward(q, k, v, out, lse, dout, dlse, spec, axis_name, world_size: int, ti
         out_shape=[jax.ShapeDtypeStruct(shape, jnp.dtype(dt)) for shape, dt in p.out_shapes],
         grid=p.grid, num_warps=p.config.num_warps, num_stages=p.config.num_stages,
         zeroed_outputs=(4,),  # status: all zero unless the kernel's last program wrote it (check_status)
-        name="ring_attn_bwd", **p.constexprs(interpret=False))
-    jax.debug.callback(_raise_status, status, rank, timeout_s)
+        name="ring_attn_bwd", **p.constexprs(interpret=False, sticky_errors=deferred))
+    if not deferred:  # else the kernel keeps a failure for jax_ring.check_errors()
+        jax.debug.callback(_raise_status, status, rank, timeout_s)
     return dq, dk, dv
 
 

@@ -239,6 +239,16 @@ class SymmetricHeap:
         torch.cuda.synchronize()
         dist.barrier()
 
+    def take_error(self):
+        """The status words (ring_core.launch.check_status) of the first fused call that failed on this rank
+        since the last take_error() or reset(), or None; clears them. Waits for this GPU first."""
+        import torch
+
+        torch.cuda.synchronize()
+        status = launch.take_sticky(self.workspace, self.layout, self.base_off)
+        torch.cuda.synchronize()
+        return status
+
     def plan(self, spec, **kw) -> launch.LaunchPlan:
         return launch.plan(spec, self.world_size, self.layout, **kw)
 

@@ -228,6 +228,10 @@ class SimulatedJob:
         self.layout = launch.HeapLayout.for_workspace(size)
         self.heaps = [torch.zeros(size, dtype=torch.uint8) for _ in range(self.world_size)]
 
+    def take_error(self, rank: int):
+        """What ``SymmetricHeap.take_error`` returns on GPUs, for simulated ``rank``."""
+        return launch.take_sticky(self.heaps[rank], self.layout)
+
     def reset(self):
         """Zero every rank's control words and flags (what ``SymmetricHeap.reset`` does on GPUs)."""
         if self.heaps is not None:
@@ -300,11 +304,12 @@ class SimulatedJob:
         return results
 
     def run(self, spec, q_shards, k_shards, v_shards, *, timeout_s: float = 60.0, absent_ranks=(),
-            absent_started: bool = False):
+            absent_started: bool = False, sticky_errors: bool = False):
         """Run one call on every rank (except ``absent_ranks``, to simulate a rank that never arrives; with
         ``absent_started`` they started the call, published its signature and then stopped). ``spec`` is
         an AttentionSpec, or one per rank (ranks that disagree). Shards are numpy arrays in each rank's
-        dtype; returns per-rank (out, lse, status) numpy arrays."""
+        dtype; ``sticky_errors`` as the kernel's STICKY_ERRORS. Returns per-rank (out, lse, status) numpy
+        arrays."""
         import torch
 
         kernel = ensure_interpreter()
@@ -324,7 +329,7 @@ class SimulatedJob:
             lse = torch.zeros(l_shape, dtype=torch.float32)
             status = torch.zeros(s_shape, dtype=torch.int32)  # zeroed, as on the GPU paths
             kernel[plan.grid](q, k, v, ctx, *plan.scalars(timeout_s), out, lse, status,
-                              **plan.constexprs(interpret=True))
+                              **plan.constexprs(interpret=True, sticky_errors=sticky_errors))
             return _to_numpy(out, sp.dtype), lse.numpy(), status.numpy()
 
         return self._launch(kernel, launch_rank, absent_ranks, timeout_s)

@@ -99,6 +99,8 @@ _SIG_WORDS = tl.constexpr(_launch.SIG_WORDS)
 _ERR_MISMATCH = tl.constexpr(_launch.ERR_MISMATCH)
 _ERR_EPOCH = tl.constexpr(_launch.ERR_EPOCH)
 _ERR_START = tl.constexpr(_launch.ERR_START_TIMEOUT)
+_CTL_STICKY = tl.constexpr(_launch.CTL_STICKY)
+_STATUS_WORDS = tl.constexpr(_launch.STATUS_WORDS)
 
 
 @triton.jit
@@ -250,10 +252,13 @@ def _check_call(ctl, heap_bases, rank, epoch, words, timeout_ns, W: tl.constexpr
 
 
 @triton.jit
-def _finish_call(ctl, status_ptr, heap_bases, rank, epoch, timeout_ns, W: tl.constexpr, INTERPRET: tl.constexpr):
+def _finish_call(ctl, status_ptr, heap_bases, rank, epoch, timeout_ns, W: tl.constexpr, INTERPRET: tl.constexpr,
+                 STICKY_ERRORS: tl.constexpr):
     """The end of a call, run by the last program of this rank once every other one has finished: tell
     every peer, wait for every peer (the end barrier), copy the error record into ``status``, reset the
-    shared counters and store ``epoch`` as the new call counter.
+    shared counters and store ``epoch`` as the new call counter. With STICKY_ERRORS (JAX programs traced
+    without a host callback per call) the first failed call's status is also kept in the control region
+    until the host takes it (ring_core.heap.SymmetricHeap.take_error).
 
     After an error every wait gives up at once, the barrier's too, except after a mismatch: the peers are
     alive and in the same call then (they published its signature), so the barrier waits for them as
@@ -285,6 +290,13 @@ def _finish_call(ctl, status_ptr, heap_bases, rank, epoch, timeout_ns, W: tl.con
     sig = tl.arange(0, 2 * _SIG_WORDS)
     tl.store(status_ptr + 4 + sig, tl.load(ctl + _CTL_ERR_SIG + sig, volatile=True))
     tl.store(ctl + _CTL_ERR_SIG + sig, sig * 0)
+    final = tl.where(first, held, code)
+    if STICKY_ERRORS and final != 0:
+        if tl.atomic_cas(ctl + _CTL_STICKY, 0, final, sem="acq_rel", scope="gpu") == 0:
+            tl.debug_barrier()  # this program's status stores above before the loads below
+            words = tl.arange(0, 64)
+            keep = (words > 0) & (words < _STATUS_WORDS)
+            tl.store(ctl + _CTL_STICKY + words, tl.load(status_ptr + words, mask=keep, volatile=True), mask=keep)
     tl.atomic_xchg(ctl + 6, 0, sem="relaxed", scope="gpu")
     tl.atomic_xchg(ctl + 1, 0, sem="relaxed", scope="gpu")
     tl.atomic_xchg(ctl + _CTL_SIG_CLAIM, 0, sem="relaxed", scope="gpu")
@@ -482,7 +494,7 @@ def ring_attn_fwd_kernel(
     CHUNK_BLOCKS: tl.constexpr, PUSH_ROWS: tl.constexpr, SEG_BLOCKS: tl.constexpr, POLL_N: tl.constexpr,
     VEC: tl.constexpr,
     CAUSAL: tl.constexpr, ZIGZAG: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SIG_DTYPE: tl.constexpr,
+    SIG_DTYPE: tl.constexpr, STICKY_ERRORS: tl.constexpr,
 ):
     G: tl.constexpr = H // HKV
     CHUNK_ROWS: tl.constexpr = CHUNK_BLOCKS * BLOCK_N
@@ -610,4 +622,4 @@ def ring_attn_fwd_kernel(
     done = tl.atomic_add(ctl + 2, 1, sem="acq_rel", scope="gpu")
     if done == tl.num_programs(0) - 1:
         # Last program of this rank: every program here has finished reading its receive slots.
-        _finish_call(ctl, status_ptr, heap_bases, rank, epoch, timeout_ns, W, INTERPRET)
+        _finish_call(ctl, status_ptr, heap_bases, rank, epoch, timeout_ns, W, INTERPRET, STICKY_ERRORS)

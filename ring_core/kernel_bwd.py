@@ -209,7 +209,7 @@ def ring_attn_bwd_kernel(
     BLOCK_D: tl.constexpr, CHUNK_BLOCKS: tl.constexpr, PUSH_ROWS: tl.constexpr, SEG_BLOCKS: tl.constexpr,
     PUSH_VEC: tl.constexpr, PART_VEC: tl.constexpr,
     CAUSAL: tl.constexpr, ZIGZAG: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SIG_DTYPE: tl.constexpr,
+    SIG_DTYPE: tl.constexpr, STICKY_ERRORS: tl.constexpr,
 ):
     G: tl.constexpr = H // HKV
     CHUNK_ROWS: tl.constexpr = CHUNK_BLOCKS * KV_BLOCK_N
@@ -489,4 +489,4 @@ def ring_attn_bwd_kernel(
     if done == tl.num_programs(0) - 1:
         tl.atomic_xchg(ctl + _CTL_TICKET, 0, sem="relaxed", scope="gpu")
         tl.atomic_xchg(ctl + _CTL_DELTA, 0, sem="relaxed", scope="gpu")
-        _finish_call(ctl, status_ptr, heap_bases, rank, epoch, timeout_ns, W, INTERPRET)
+        _finish_call(ctl, status_ptr, heap_bases, rank, epoch, timeout_ns, W, INTERPRET, STICKY_ERRORS)

@@ -136,7 +136,9 @@ class LaunchPlan:
     recv_bytes: int
     flags_needed: int
 
-    def constexprs(self, *, interpret: bool) -> dict:
+    def constexprs(self, *, interpret: bool, sticky_errors: bool = False) -> dict:
+        """The kernel's constexprs; ``sticky_errors``: keep a failed call's status on the heap for the host
+        (JAX programs traced without a host callback per call)."""
         s = self.spec
         return dict(
             W=self.world_size, H=s.num_heads, HKV=s.num_kv_heads, D=s.head_dim,
@@ -144,7 +146,7 @@ class LaunchPlan:
             CHUNK_BLOCKS=self.chunk_blocks, PUSH_ROWS=self.config.push_rows, SEG_BLOCKS=self.config.seg_blocks,
             POLL_N=POLL_N, VEC=push_hint(s.head_dim, s.dtype),
             CAUSAL=s.is_causal, ZIGZAG=s.layout == "zigzag", INTERPRET=interpret,
-            DOT_PRECISION="ieee", SIG_DTYPE=DTYPE_CODES[s.dtype],
+            DOT_PRECISION="ieee", SIG_DTYPE=DTYPE_CODES[s.dtype], STICKY_ERRORS=sticky_errors,
         )
 
     def signature(self) -> np.ndarray:
@@ -332,6 +334,25 @@ def check_status(status, rank: int, timeout_s: float | None = None) -> None:
 CTL_BWD_TICKET = CTL_WORDS  # task tickets handed out in this call (tasks are taken in ticket order)
 CTL_BWD_DELTA = CTL_WORDS + 1  # dq tasks that have published their rows of delta = rowsum(dO * O)
 assert (CTL_BWD_DELTA + 1) * 4 <= CTL_BYTES
+# The first failed call's status words since the last read (ring_core.heap.SymmetricHeap.take_error) or
+# reset: how errors reach a JAX program that runs without a host callback per call.
+CTL_STICKY = CTL_WORDS + 8
+assert (CTL_STICKY + STATUS_WORDS) * 4 <= CTL_BYTES
+
+
+def take_sticky(heap_bytes, heap: HeapLayout, base_off: int = 0):
+    """Read and clear a rank's kept status (CTL_STICKY): ``heap_bytes`` is a torch uint8 tensor holding
+    the rank's workspace, starting ``base_off`` bytes from the heap base. Returns the status words (for
+    check_status) or None when no call failed since the last take."""
+    import torch
+
+    start = heap.ctl_off - base_off + 4 * CTL_STICKY
+    words = heap_bytes[start:start + 4 * STATUS_WORDS].view(torch.int32)
+    status = words.cpu().numpy().copy()
+    if status[0] == ERR_NONE:
+        return None
+    words.zero_()
+    return status
 ERR_PARTIAL_TIMEOUT = 4  # status code: a peer's partial dK/dV never arrived
 ERR_LOCAL_TIMEOUT = 5  # status code: this rank's own delta rows never all arrived (cannot happen but bounded)
 
@@ -387,7 +408,8 @@ class BwdLaunchPlan:
     recv_bytes: int
     flags_needed: int
 
-    def constexprs(self, *, interpret: bool) -> dict:
+    def constexprs(self, *, interpret: bool, sticky_errors: bool = False) -> dict:
+        """As LaunchPlan.constexprs."""
         s, c = self.spec, self.config
         return dict(
             W=self.world_size, H=s.num_heads, HKV=s.num_kv_heads, D=s.head_dim,
@@ -396,7 +418,7 @@ class BwdLaunchPlan:
             SEG_BLOCKS=c.seg_blocks, PUSH_VEC=bwd_store_hint(s.head_dim, ELEM_BYTES[s.dtype]),
             PART_VEC=bwd_store_hint(s.head_dim, 4),
             CAUSAL=s.is_causal, ZIGZAG=s.layout == "zigzag", INTERPRET=interpret, DOT_PRECISION="ieee",
-            SIG_DTYPE=DTYPE_CODES[s.dtype],
+            SIG_DTYPE=DTYPE_CODES[s.dtype], STICKY_ERRORS=sticky_errors,
         )
 
     def signature(self) -> np.ndarray:

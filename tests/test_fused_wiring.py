@@ -35,8 +35,8 @@ class _InterpretedPlan:
     def __getattr__(self, name):
         return getattr(self._plan, name)
 
-    def constexprs(self, *, interpret):
-        return self._plan.constexprs(interpret=True)
+    def constexprs(self, *, interpret, **kw):
+        return self._plan.constexprs(interpret=True, **kw)
 
 
 class _CpuHeap:
@@ -61,6 +61,9 @@ class _CpuHeap:
     def plan_bwd(self, spec, **kw):
         self.plans.append(("bwd", spec))
         return _InterpretedPlan(launch.plan_bwd(spec, self.world_size, self.layout, **kw))
+
+    def take_error(self):
+        return launch.take_sticky(self.buf, self.layout)
 
 
 @pytest.fixture
@@ -206,3 +209,42 @@ def test_torch_fused_checks_backward_heap_before_forward(cpu_heap, monkeypatch):
     with pytest.raises(launch.HeapTooSmallError, match="backward call needs"):
         torch_bridge.ring_attention(x.clone().requires_grad_(), x.clone(), x.clone(), backend="fused")
     assert small.plans == [("bwd", small.plans[0][1])]
+
+
+@pytest.mark.parametrize("mode", ["call", "deferred"])
+def test_jax_error_modes(cpu_heap, monkeypatch, mode):
+    """RING_ATTENTION_JAX_ERRORS: "call" puts a host callback after every fused launch; "deferred" none,
+    and tells the kernel to keep a failure on the heap, which jax_ring.check_errors() raises once."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    import jax_ring
+    from jax_ring import fused as jfused
+
+    launches = []
+    monkeypatch.setattr(jfused, "_import_jax_triton", lambda: _fake_jax_triton(launches))
+    monkeypatch.setattr(jfused, "fused_available", lambda: True)
+    monkeypatch.setenv(jfused.ERRORS_ENV, mode)
+    mesh = Mesh(np.array(jax.devices("cpu")[:1]), ("sp",))
+
+    def loss(q, k, v):
+        return jnp.sum(jax_ring.ring_attention(q, k, v, axis_name="sp", backend="fused", is_causal=True))
+
+    f = jax.shard_map(jax.grad(loss, argnums=(0, 1, 2)), mesh=mesh, in_specs=(P(None, "sp"),) * 3,
+                      out_specs=(P(None, "sp"),) * 3, check_vma=False)
+    q, k, v = (jnp.asarray(x, jnp.float32) for x in testing.random_inputs(5, 1, 8, 2, 1, 16, "float32"))
+    text = str(jax.make_jaxpr(f)(q, k, v))
+    assert ("debug_callback" in text) == (mode == "call"), text[:2000]
+    jax.block_until_ready(jax.jit(f)(q, k, v))
+    assert [c["constexprs"]["STICKY_ERRORS"] for c in launches] == [mode == "deferred"] * 2  # fwd, bwd
+    jax_ring.check_errors()  # nothing failed
+    # A failure kept by the kernel (here written by hand: one rank cannot fail) is raised once.
+    status = np.zeros(launch.STATUS_WORDS, np.int32)
+    status[:4] = (launch.ERR_KV_TIMEOUT, 1, 1, 7)
+    start = cpu_heap.layout.ctl_off + 4 * launch.CTL_STICKY
+    cpu_heap.buf[start:start + 4 * launch.STATUS_WORDS] = torch.from_numpy(status.view(np.uint8).copy())
+    with pytest.raises(launch.RingAttentionTimeout, match=r"call #7\) gave up .* K/V shard of rank 1"):
+        jax_ring.check_errors()
+    jax_ring.check_errors()

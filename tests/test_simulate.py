@@ -161,6 +161,27 @@ def test_absent_rank_times_out(is_causal, started, what):
     _check("after timeout", out, ref, "float32", is_causal=is_causal, scale=None, return_lse=False)
 
 
+def test_sticky_errors_keep_the_first_failure_until_taken():
+    """With STICKY_ERRORS (JAX's deferred error mode) a failed call's status stays on the heap until the
+    host takes it; right calls leave nothing; without it nothing is kept."""
+    spec, shards = _spec_and_shards(2, 1, 4, 2, 1, 8, "float32", is_causal=False)
+    job = _simulated_job(2)
+    job.run(spec, *shards, sticky_errors=True)
+    assert job.take_error(0) is None and job.take_error(1) is None
+    job.run(spec, *shards, timeout_s=0.02, absent_ranks=(1,))  # not sticky: nothing kept
+    assert job.take_error(0) is None
+    job.reset()
+    odd, odd_shards = _spec_and_shards(2, 1, 6, 2, 1, 8, "float32", is_causal=False)
+    res = job.run([spec, odd], [shards[0][0], odd_shards[0][1]], [shards[1][0], odd_shards[1][1]],
+                  [shards[2][0], odd_shards[2][1]], timeout_s=5.0, sticky_errors=True)
+    for r in range(2):
+        kept = job.take_error(r)
+        assert kept is not None and kept.tolist() == res[r][2].tolist()  # the whole status, signatures too
+        with pytest.raises(RingAttentionMismatch, match="first difference: seq_local"):
+            launch.check_status(kept, r)
+        assert job.take_error(r) is None  # taken
+
+
 def test_reset_brings_ranks_back_in_step_on_the_same_heaps():
     spec, shards = _spec_and_shards(2, 1, 4, 2, 1, 8, "float32", is_causal=False)
     job = _simulated_job(2)
