@@ -102,10 +102,21 @@ def test_soak_on_two_gpus(tmp_path):
     assert summary["ok"] and all(m["wrong"] == 0 for m in summary["ranks"])
 
 
-def test_soak_plan_is_valid_and_the_same_on_every_rank():
+def _script(name: str):
+    """One of the GPU scripts in tests/ (gpu_faults, gpu_soak, gpu_session), imported as a module."""
+    import importlib
+
     sys.path.insert(0, str(ROOT / "tests"))
-    import gpu_soak
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.pop(0)
+
+
+def test_soak_plan_is_valid_and_the_same_on_every_rank():
     from ring_core import validate
+
+    gpu_soak = _script("gpu_soak")
 
     plan = gpu_soak.plan(2026, 40, 4)
     assert plan == gpu_soak.plan(2026, 40, 4) and len(set(plan)) > 10
@@ -119,21 +130,12 @@ def test_soak_plan_is_valid_and_the_same_on_every_rank():
 
 
 # ------------------------------------------------------------ the fault script's host-side logic (CPU)
-def _faults_module():
-    sys.path.insert(0, str(ROOT / "tests"))
-    try:
-        import gpu_faults
-    finally:
-        sys.path.pop(0)
-    return gpu_faults
-
-
 def test_fault_script_imports_lightly_and_checks_its_arguments():
     code = ("import sys; sys.path.insert(0, 'tests'); import gpu_faults; "
             "heavy = [m for m in ('jax', 'torch', 'iris', 'jax_ring', 'torch_bridge') if m in sys.modules]; "
             "assert not heavy, heavy")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=120)
-    gf = _faults_module()
+    gf = _script("gpu_faults")
     for argv, fragment in ((["--sections", "kill,timeout"], "must run alone"),
                            (["--sections", "timeout,hang"], "unknown sections")):
         r = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu_faults.py"), *argv], cwd=ROOT, timeout=120,
@@ -147,7 +149,7 @@ def test_fault_script_timeout_message_check():
 
     from ring_core import launch
 
-    gf = _faults_module()
+    gf = _script("gpu_faults")
     for status in ((launch.ERR_KV_TIMEOUT, 1, 1, 4), (launch.ERR_BARRIER_TIMEOUT, 1, 0, 4)):
         with pytest.raises(launch.RingAttentionTimeout) as info:
             launch.check_status(np.array(status, np.int32), rank=0, timeout_s=5.0)
@@ -162,7 +164,7 @@ def test_fault_script_timeout_message_check():
 
 
 def test_fault_script_report_and_waits(capsys):
-    gf = _faults_module()
+    gf = _script("gpu_faults")
     report = gf.Report(rank=0)
     with report.check("passes") as c:
         c.detail = "fine"
@@ -190,17 +192,8 @@ def test_fault_script_watchdog_ends_a_stuck_process():
 
 
 # ------------------------------------------------------------ the GPU session runner's host-side logic (CPU)
-def _session_module():
-    sys.path.insert(0, str(ROOT / "tests"))
-    try:
-        import gpu_session
-    finally:
-        sys.path.pop(0)
-    return gpu_session
-
-
 def test_session_stages_parse_and_fill_their_commands():
-    gs = _session_module()
+    gs = _script("gpu_session")
     assert gs.parse_stage("soak") == ("soak", float(gs.STAGES["soak"][0]))
     assert gs.parse_stage("faults:90") == ("faults", 90.0)
     for bad in ("nope", "soak:x", "soak:0"):
@@ -214,7 +207,7 @@ def test_session_stages_parse_and_fill_their_commands():
 def test_session_cache_survives_the_round_trip_in_parts(tmp_path):
     """A cache written in parts under $OUT, collected into the carried folder and restored, is the same
     tree; parts respect the size limit."""
-    gs = _session_module()
+    gs = _script("gpu_session")
     cache = tmp_path / "gpu" / ".cache" / "triton"
     files = {"a/k.cubin": os.urandom(3000), "a/k.json": b"{}", "b/__grp__k.json": os.urandom(5000)}
     for rel, data in files.items():
