@@ -116,8 +116,9 @@ def forward(q, k, v, spec, axis_name, world_size: int, timeout_s: float | None =
 
 def backward(q, k, v, out, lse, dout, dlse, spec, axis_name, world_size: int, timeout_s: float | None = None):
     """Run the fused backward kernel (ring_core.kernel_bwd) on this rank's shards inside shard_map, from the
-    forward's ``out`` and ``lse`` and the cotangents ``dout`` and ``dlse``; returns (dq, dk, dv). Same context-table row, launch maths
-    (ring_core.launch.plan_bwd) and argument list as the torch launcher (torch_bridge.fused.backward)."""
+    forward's ``out`` and ``lse`` and the cotangents ``dout`` and ``dlse``; returns (dq, dk, dv). Same
+    context-table row, launch maths (ring_core.launch.plan_bwd) and argument list as the torch launcher
+    (torch_bridge.fused.backward)."""
     jt = _import_jax_triton()
     from ring_core.kernel_bwd import ring_attn_bwd_kernel
 

@@ -228,7 +228,8 @@ def _check_call(ctl, heap_bases, rank, epoch, words, timeout_ns, W: tl.constexpr
         tl.debug_barrier()  # every thread's words before the epoch (cumulativity through bar.sync)
         for p in tl.static_range(W):
             if p != rank:
-                iris.atomic_xchg(ctl + _CTL_SIG + rank * _SIG_WORDS, epoch, rank, p, heap_bases, sem="release", scope="sys")
+                iris.atomic_xchg(ctl + _CTL_SIG + rank * _SIG_WORDS, epoch, rank, p, heap_bases, sem="release",
+                                 scope="sys")
     ok = epoch * 0 + 1
     for p in tl.static_range(W):
         if p != rank:

@@ -409,7 +409,8 @@ def section_concurrent(job: Job):
         job.barrier("concurrent first load done", deadline_s=3 * a.timeout + a.slack + 60)
         job.tb.reset()
         out = job.torch_fused(xs2, idx2, "bfloat16", is_causal=True, layout="zigzag", timeout_s=a.timeout)[0]
-        c.detail += f"; after reset() right (err {job.check_out('after', _as_np(out), xs2, idx2, 'bfloat16', True):.2e})"
+        err = job.check_out("after", _as_np(out), xs2, idx2, "bfloat16", True)
+        c.detail += f"; after reset() right (err {err:.2e})"
     if not job.with_jax:
         return
     dtype, causal, layout = "bfloat16", True, "zigzag"
