@@ -29,8 +29,9 @@ fused call, forward or backward, so it is equal on every rank of a job that make
 * delta = rowsum(dO * O) - dlse (float32; dlse, the cotangent of the forward's lse, is zero unless the
   caller differentiates through lse: d lse_i / d s_ij = P_ij, so it adds P * dlse to dS). A dQ task
   computes it for its rows before anything else, stores it in the ``delta`` scratch output and counts
-  itself in CTL_BWD_DELTA (release, after a CTA barrier); partial and final tasks wait (acquire) until all dQ tasks have counted, before their loop over the
-  local queries. No second launch, and each value of delta is computed once.
+  itself in CTL_BWD_DELTA (release, after a CTA barrier); partial and final tasks wait (acquire) until
+  all dQ tasks have counted, before their loop over the local queries. No second launch, and each value
+  of delta is computed once.
 * dQ tasks: ring step 0 uses the local K/V; step t >= 1 the K/V of rank ``rank-t`` from receive slot
   t-1, after waiting for the flag of every chunk the tile can see (before the loops: see the forward).
   Positions grow with the local row in both layouts, so under causal masking the K/V rows a tile sees
