@@ -246,6 +246,16 @@ class SimulatedJob:
             raise ValueError(f"{len(specs)} specs for {self.world_size} ranks")
         return specs
 
+    def _setup(self, spec, need, make_plan, absent_ranks, absent_started):
+        """(per-rank specs, per-rank plans, heap bases) for one call, on heaps that fit every rank's ``need``;
+        publishes the signatures of ``absent_ranks`` when they ``absent_started``."""
+        specs = self._per_rank(spec)
+        self._ensure_heaps(max(need(sp, self.world_size) for sp in specs))
+        plans = [make_plan(sp, self.world_size, self.layout, interpret=True) for sp in specs]
+        if absent_started:
+            self._publish_started(plans, absent_ranks)
+        return specs, plans, [h.data_ptr() for h in self.heaps]
+
     def _publish_started(self, plans, absent_ranks):
         """For ranks that started the call and then stopped: write their signatures for this call into
         every other rank's inbox, as their kernel's first program would have (ring_core.kernel._check_call)."""
@@ -313,12 +323,7 @@ class SimulatedJob:
         import torch
 
         kernel = ensure_interpreter()
-        specs = self._per_rank(spec)
-        self._ensure_heaps(max(launch.recv_bytes(sp, self.world_size) for sp in specs))
-        plans = [launch.plan(sp, self.world_size, self.layout, interpret=True) for sp in specs]
-        bases = [h.data_ptr() for h in self.heaps]
-        if absent_started:
-            self._publish_started(plans, absent_ranks)
+        specs, plans, bases = self._setup(spec, launch.recv_bytes, launch.plan, absent_ranks, absent_started)
 
         def launch_rank(r):
             sp, plan = specs[r], plans[r]
@@ -343,12 +348,8 @@ class SimulatedJob:
         import torch
 
         kernel = ensure_interpreter_bwd()
-        specs = self._per_rank(spec)
-        self._ensure_heaps(max(launch.bwd_recv_bytes(sp, self.world_size)[2] for sp in specs))
-        plans = [launch.plan_bwd(sp, self.world_size, self.layout, interpret=True) for sp in specs]
-        bases = [h.data_ptr() for h in self.heaps]
-        if absent_started:
-            self._publish_started(plans, absent_ranks)
+        specs, plans, bases = self._setup(spec, lambda sp, w: launch.bwd_recv_bytes(sp, w)[2], launch.plan_bwd,
+                                          absent_ranks, absent_started)
 
         def launch_rank(r):
             sp, plan = specs[r], plans[r]
