@@ -99,7 +99,7 @@ def test_soak_on_two_gpus(tmp_path):
     r, out = _launch_two("the soak", "gpu_soak.py", tmp_path, ["--calls", calls], timeout=1500)
     assert r.returncode == 0, "the soak failed (its output is above)"
     summary = json.loads((out / "gpu_soak.json").read_text())
-    assert summary["ok"] and all(m["wrong"] == 0 for m in summary["ranks"])
+    assert summary["ok"] and all(m["wrong"] == 0 and m["calls"] == int(calls) for m in summary["ranks"])
 
 
 def _script(name: str):
