@@ -311,11 +311,16 @@ class SimulatedRing:
                  timeout_s=60.0):
         call = _prepare(q, k, v, self.world_size, is_causal=is_causal, scale=scale, layout=layout,
                         return_lse=return_lse, timeout_s=timeout_s)
+        return self._complete(call, _finish, 2, lambda job: job.run(
+            call.spec, call.q_shards, call.k_shards, call.v_shards, timeout_s=call.timeout_s))
+
+    def _complete(self, call, finish, status_index: int, run):
+        """Run ``run(job)`` under the lock, keep every rank's last status (``status_index`` in a rank's
+        results), then ``finish`` (which raises first if a rank reported an error) and check the epochs."""
         with self._lock:
-            results = self._get_job().run(call.spec, call.q_shards, call.k_shards, call.v_shards,
-                                          timeout_s=call.timeout_s)
-            self.statuses = [np.array(r[2]) for r in results]
-        result = _finish(call, results)  # raises first if a rank reported an error
+            results = run(self._get_job())
+            self.statuses = [np.array(r[status_index]) for r in results]
+        result = finish(call, results)
         epochs = {int(s[3]) for s in self.statuses}
         if len(epochs) != 1:
             raise RuntimeError(f"simulated ranks disagree on the call epoch: {sorted(epochs)}")
@@ -326,16 +331,9 @@ class SimulatedRing:
         (two calls: ``epoch`` grows by 2). Returns global ``(dq, dk, dv)``."""
         call = _prepare_grad(q, k, v, dout, self.world_size, is_causal=is_causal, scale=scale, layout=layout,
                              timeout_s=timeout_s, dlse=dlse)
-        with self._lock:
-            results = self._get_job().run_grad(call.spec, call.q_shards, call.k_shards, call.v_shards,
-                                               call.dout_shards, timeout_s=call.timeout_s,
-                                               dlse_shards=call.dlse_shards)
-            self.statuses = [np.array(r[4]) for r in results]
-        grads = _finish_grad(call, results)  # raises first if a rank reported an error
-        epochs = {int(s[3]) for s in self.statuses}
-        if len(epochs) != 1:
-            raise RuntimeError(f"simulated ranks disagree on the call epoch: {sorted(epochs)}")
-        return grads
+        return self._complete(call, _finish_grad, 4, lambda job: job.run_grad(
+            call.spec, call.q_shards, call.k_shards, call.v_shards, call.dout_shards, timeout_s=call.timeout_s,
+            dlse_shards=call.dlse_shards))
 
     def close(self):
         if isinstance(self._job, _SubprocessJob):

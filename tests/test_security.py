@@ -47,11 +47,12 @@ def _as_other_user(fn, uid=NOBODY) -> int:
     return os.waitstatus_to_exitcode(status)
 
 
-def _connect(path) -> int:
-    """0: connected; 1: refused for lack of permission; 2: another error."""
+def _socket_op(op: str, path) -> int:
+    """``op`` ("connect" or "bind") on a fresh AF_UNIX socket: 0 done; 1 refused for lack of permission;
+    2 another error."""
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        s.connect(path)
+        getattr(s, op)(path)
         return 0
     except PermissionError:
         return 1
@@ -59,6 +60,10 @@ def _connect(path) -> int:
         return 2
     finally:
         s.close()
+
+
+def _connect(path) -> int:
+    return _socket_op("connect", path)
 
 
 def test_sockets_are_created_in_a_private_directory():
@@ -123,16 +128,7 @@ def test_another_user_cannot_connect_or_plant_a_socket():
 
 
 def _bind(path) -> int:
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        s.bind(path)
-        return 0
-    except PermissionError:
-        return 1
-    except OSError:
-        return 2
-    finally:
-        s.close()
+    return _socket_op("bind", path)
 
 
 def test_peer_of_another_user_is_refused_before_any_handle():
