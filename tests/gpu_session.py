@@ -18,7 +18,9 @@ Stages (``NAME[:SECONDS]``; the default time limit is in brackets):
   checks       tests/gpu_checks.py, forward sections: cases, jit, grads, big       [540]
   checks-bwd   tests/gpu_checks.py --sections bwd                                  [300]
   faults       tests/gpu_faults.py (timeout, concurrent, mismatch, bad_inputs, security) [240]
-  soak         tests/gpu_soak.py --calls 10000                                     [420]
+  bad_inputs   tests/gpu_faults.py --sections bad_inputs                           [150]
+  kill         tests/gpu_faults.py --sections kill (ends rank 1)                   [90]
+  soak         tests/gpu_soak.py --calls 10000, stopped 50 s before its limit      [420]
   bench-fwdbwd benchmarks/attention.py --pass fwd,fwd+bwd --seq 4k,16k             [420]
   examples     the four examples on 2 GPUs (flax_train.py needs flax and optax there: carry .whl and
                install them first, see the README)                                 [300]
@@ -49,6 +51,10 @@ STAGES = {
     "checks": (540, [LAUNCH + ["tests/gpu_checks.py", "--sections", "cases,jit,grads,big", "--out", "{out}"]]),
     "checks-bwd": (300, [LAUNCH + ["tests/gpu_checks.py", "--sections", "bwd", "--out", "{out}"]]),
     "faults": (240, [LAUNCH + ["tests/gpu_faults.py", "--deadline", "{limit_minus}", "--out", "{out}"]]),
+    "bad_inputs": (150, [LAUNCH + ["tests/gpu_faults.py", "--sections", "bad_inputs", "--deadline", "{limit_minus}",
+                                   "--out", "{out}"]]),
+    "kill": (90, [LAUNCH + ["tests/gpu_faults.py", "--sections", "kill", "--deadline", "{limit_minus}",
+                            "--out", "{out}"]]),
     "soak": (420, [LAUNCH + ["tests/gpu_soak.py", "--calls", "10000", "--deadline", "{limit_minus}",
                              "--max-seconds", "{soak_seconds}", "--out", "{out}"]]),
     "bench-fwdbwd": (420, [LAUNCH + ["-m", "benchmarks.attention", "--pass", "fwd,fwd+bwd", "--seq", "4k,16k",
@@ -77,7 +83,7 @@ def parse_stage(text: str) -> tuple:
 
 def commands(name: str, limit: float, out: str) -> list:
     """The command lines of a stage, with its placeholders filled in."""
-    values = dict(out=out, limit_minus=f"{max(limit - 10, 5):g}", soak_seconds=f"{max(limit / 2, 10):g}")
+    values = dict(out=out, limit_minus=f"{max(limit - 10, 5):g}", soak_seconds=f"{max(limit - 50, 10):g}")
     return [[arg.format(**values) for arg in cmd] for cmd in STAGES[name][1]]
 
 

@@ -200,7 +200,7 @@ def test_session_stages_parse_and_fill_their_commands():
         with pytest.raises(Exception):
             gs.parse_stage(bad)
     (cmd,) = gs.commands("soak", 300, "/o")
-    assert cmd[-2:] == ["--out", "/o"] and "290" in cmd and "150" in cmd  # deadline and soak time from the limit
+    assert cmd[-2:] == ["--out", "/o"] and "290" in cmd and "250" in cmd  # deadline and soak time from the limit
     assert all("{" not in arg for name in gs.STAGES for c in gs.commands(name, 100, "/o") for arg in c)
 
 
