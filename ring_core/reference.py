@@ -78,9 +78,13 @@ def attention_lowp(q, k, v, dtype: str, *, is_causal=False, scale=None):
     return out, lse
 
 
-def attention_grad(q, k, v, dout, *, is_causal=False, scale=None, compute_dtype=np.float64, dlse=None):
+def attention_grad(q, k, v, dout, *, is_causal=False, scale=None, compute_dtype=np.float64, dlse=None,
+                   round_dtype=None):
     """Gradients (dq, dk, dv) of ``sum(out * dout) + sum(lse * dlse)`` with ``out, lse = attention(q, k, v)``
-    (``dlse`` [b, h, s] optional: lse then carries no gradient); dk/dv summed over each kv head's group."""
+    (``dlse`` [b, h, s] optional: lse then carries no gradient); dk/dv summed over each kv head's group.
+    ``round_dtype`` (for ``attention_grad_lowp``): round what a kernel in that dtype rounds, the output that
+    delta reads and the P and dS that enter the matmuls."""
+    rnd = (lambda x: x) if round_dtype is None else (lambda x: round_to(x, round_dtype).astype(compute_dtype))
     q, k, v, dout = (np.asarray(x, dtype=compute_dtype) for x in (q, k, v, dout))
     b, s, h, d = q.shape
     hkv = k.shape[2]
@@ -90,23 +94,27 @@ def attention_grad(q, k, v, dout, *, is_causal=False, scale=None, compute_dtype=
     p = np.exp(sc - sc.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)  # [b, hkv, g, sq, sk]
     do = dout.reshape(b, s, hkv, g, d)
-    out = _einsum("bkgqs,bskd->bqkgd", p, v)
-    dv = _einsum("bkgqs,bqkgd->bskd", p, do)
+    out = rnd(_einsum("bkgqs,bskd->bqkgd", rnd(p), v))
+    dv = _einsum("bkgqs,bqkgd->bskd", rnd(p), do)
     dp = _einsum("bqkgd,bskd->bkgqs", do, v)
     delta = np.moveaxis((do * out).sum(-1), 1, 3)[..., None]  # [b, hkv, g, sq, 1]
     if dlse is not None:  # d lse_i / d s_ij = p_ij
         delta = delta - np.asarray(dlse, dtype=compute_dtype).reshape(b, hkv, g, s)[..., None]
-    ds = p * (dp - delta)
+    ds = rnd(p * (dp - delta))
     dq = _einsum("bkgqs,bskd->bqkgd", ds, k).reshape(b, s, h, d) * scale
     dk = _einsum("bkgqs,bqkgd->bskd", ds, q.reshape(b, s, hkv, g, d)) * scale
     return dq, dk, dv
 
 
 def attention_grad_lowp(q, k, v, dout, dtype: str, *, is_causal=False, scale=None, dlse=None):
-    """Gradients computed in float32 from ``dtype`` inputs (``dlse`` float32) and rounded to ``dtype``: the
-    yardstick for gradient error of a ``dtype`` kernel."""
+    """What a careful backward kernel in ``dtype`` computes (as flash-attention's backward does): float32
+    scores, softmax and accumulation from ``dtype`` inputs (``dlse`` float32); the forward's output, P and dS
+    rounded to ``dtype`` where they enter delta and the matmuls; gradients rounded to ``dtype``. Its error
+    against ``attention_grad`` is the yardstick for gradient error of a ``dtype`` kernel, as
+    ``attention_lowp``'s is for the forward."""
     if dtype == "float64":
         return attention_grad(q, k, v, dout, is_causal=is_causal, scale=scale, dlse=dlse)
     q, k, v, dout = (round_to(x, dtype) for x in (q, k, v, dout))
-    grads = attention_grad(q, k, v, dout, is_causal=is_causal, scale=scale, compute_dtype=np.float32, dlse=dlse)
+    grads = attention_grad(q, k, v, dout, is_causal=is_causal, scale=scale, compute_dtype=np.float32, dlse=dlse,
+                           round_dtype=None if dtype == "float32" else dtype)
     return tuple(round_to(x, dtype) for x in grads)
