@@ -53,9 +53,11 @@ def main():
     mesh = Mesh(np.array(jax.devices()), ("sp",))
     log = []
 
-    def say(*x):
+    def say(*x, every_rank=False):
         msg = " ".join(str(i) for i in x)
-        if rank == 0:
+        if every_rank:
+            msg = f"rank {rank}: {msg}"
+        if rank == 0 or every_rank:
             print(msg, flush=True)
         log.append(msg)
 
@@ -110,8 +112,9 @@ def main():
         name = f"B{B} S{S} H{H}/{HKV} D{D} {dt} causal={causal} {lay} scale={scale}"
         res = {}
         backends = [("jax", "fused"), ("torch", "fused")] + ([("jax", "xla"), ("torch", "torch")] if refs else [])
-        for fw, be in backends:
-            o, l, raw = (run_jax if fw == "jax" else run_torch)(ql, kl, vl, dt, be, **kw)
+        # Every call first, then the checks: a rank whose check fails must still make the calls its peers make.
+        runs = {(fw, be): (run_jax if fw == "jax" else run_torch)(ql, kl, vl, dt, be, **kw) for fw, be in backends}
+        for (fw, be), (o, l, raw) in runs.items():
             err = testing.check(f"{fw}/{be} {name} out", o, o64, olp, dt, "out")
             testing.check(f"{fw}/{be} {name} lse", l, l64, llp, dt, "lse")
             res[(fw, be)] = (o, l, raw, err)
@@ -147,7 +150,7 @@ def main():
             case(*c)
         except AssertionError as e:
             failed.append(str(e))
-            say(f"FAILED {c}: {e}")
+            say(f"FAILED {c}: {e}", every_rank=True)
         summary["cases"] += 1
         say(f"   ({time.time() - t1:.1f} s)")
     summary["cases_s"] = round(time.time() - t0, 1)
@@ -259,8 +262,8 @@ def main():
                 ref = reference.attention_grad(q, k, v, do, is_causal=causal, scale=scale, dlse=dl)
                 low = reference.attention_grad_lowp(q, k, v, do, dt, is_causal=causal, scale=scale, dlse=dl)
                 local = [x[:, idx] for x in (q, k, v, do)] + [dt, np.ascontiguousarray(dl[:, :, idx])]
-                tg = grads_torch(*local, **kw)
-                jg = grads_jax(*local, **kw)
+                # Every call first, then the checks: a rank whose check fails must still make its peers' calls.
+                tg, jg, tg2, jg2 = (f(*local, **kw) for f in (grads_torch, grads_jax) * 2)
                 errs = []
                 for fw, gs in (("torch", tg), ("jax", jg)):
                     for n, gr, r, lo in zip("qkv", gs, ref, low):
@@ -268,8 +271,6 @@ def main():
                                                   "grad"))
                 for n, a_, b_ in zip("qkv", jg, tg):
                     assert np.array_equal(bits(a_), bits(b_)), f"{name}: jax and torch fused d{n} differ"
-                tg2 = grads_torch(*local, **kw)
-                jg2 = grads_jax(*local, **kw)
                 for n, a_, b_, c_, d_ in zip("qkv", tg, tg2, jg, jg2):
                     assert np.array_equal(bits(a_), bits(b_)), f"{name}: torch fused d{n} differs between runs"
                     assert np.array_equal(bits(c_), bits(d_)), f"{name}: jax fused d{n} differs between runs"
@@ -277,7 +278,7 @@ def main():
                     f"({time.time() - t1:.1f} s)")
             except AssertionError as e:
                 failed.append(str(e))
-                say(f"FAILED {c}: {e}")
+                say(f"FAILED {c}: {e}", every_rank=True)
 
         # A backward grid far larger than the GPU holds at once (tasks are taken by ticket: no hang whatever
         # the residency). Reference: float32 dense gradients on the GPU, one (batch, kv head) at a time; the
