@@ -107,7 +107,7 @@ class KernelConfig:
             # Small tiles: many blocks, chunks and push units even at the tiny sizes CI can afford.
             return KernelConfig(block_m=16, block_n=16, chunk_blocks=1, push_rows=16, num_warps=4, num_stages=1,
                                 seg_blocks=2)
-        # Measured on 2xH200 (benchmarks/tune_forward.py, results/tune_forward_2xH200_2026-11-30.csv, bf16,
+        # Measured on 2xH200 (benchmarks/tune.py, results/tune_forward_2xH200_2026-11-30.csv, bf16,
         # 32 heads, seq_local 4k/16k, causal and not): the best or within 1-2 % of the best candidate.
         # fp32 tiles take twice the shared memory: fewer stages keep them under Hopper's 227 KiB
         # (fp32, D=128, 3 stages measured 224.5 KiB when compiled for sm_90).

@@ -24,6 +24,8 @@ Stages (``NAME[:SECONDS]``; the default time limit is in brackets):
   bench-fwdbwd benchmarks/attention.py --pass fwd,fwd+bwd --seq 4k,16k             [420]
   examples     the four examples on 2 GPUs (flax_train.py needs flax and optax there: carry .whl and
                install them first, see the README)                                 [300]
+  flax         examples/flax_train.py alone                                        [120]
+  tune-bwd     benchmarks/tune.py --kernel bwd, bf16 D128 seq_local 16k            [420]
 
 Every stage's output goes to ``$OUT/session.log``; a stage that overruns its limit is stopped (its output
 kept) and the next one runs. The exit code is that of the first stage that failed, or 0.
@@ -35,6 +37,7 @@ import argparse
 import glob
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -59,11 +62,15 @@ STAGES = {
                              "--max-seconds", "{soak_seconds}", "--out", "{out}"]]),
     "bench-fwdbwd": (420, [LAUNCH + ["-m", "benchmarks.attention", "--pass", "fwd,fwd+bwd", "--seq", "4k,16k",
                                      "--warmup", "2", "--iters", "5", "--csv", "{out}/attention_fwdbwd.csv"]]),
-    "examples": (300, [LAUNCH + ["examples/jax_ring_attention.py"], LAUNCH + ["examples/flax_train.py"],
+    "examples": (300, [LAUNCH + ["examples/jax_ring_attention.py"],
                        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                         "examples/torch_ring_attention.py"],
                        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                        "examples/torch_train.py"]]),
+                        "examples/torch_train.py"],
+                       LAUNCH + ["examples/flax_train.py"]]),  # last: it needs the extra wheels
+    "flax": (120, [LAUNCH + ["examples/flax_train.py"]]),
+    "tune-bwd": (420, [LAUNCH + ["-m", "benchmarks.tune", "--kernel", "bwd", "--head-dims", "128", "--seq", "16384",
+                                 "--csv", "{out}/tune_backward.csv"]]),
 }
 
 
@@ -149,9 +156,14 @@ def run_stage(name: str, limit: float, out: str, log) -> int:
         if left <= 0:
             rc = 124
         else:
+            # Its own process group: on a timeout every rank the launcher started is stopped with it (an
+            # orphaned rank would go on using the GPUs under the next stage).
+            proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             try:
-                rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=left).returncode
+                rc = proc.wait(timeout=left)
             except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
                 rc = 124
         log.write(f"=== {name}: exit {rc} after {time.monotonic() - t0:.0f} s\n")
         log.flush()

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -224,3 +225,25 @@ def test_session_cache_survives_the_round_trip_in_parts(tmp_path):
     for rel, data in files.items():
         assert (restored / rel).read_bytes() == data
     assert gs.restore_cache(carry=str(tmp_path / "empty"), cache=str(restored)) == 0
+
+
+def test_session_stage_timeout_stops_the_launchers_children(tmp_path, monkeypatch):
+    """A stage past its limit is stopped with every process its launcher started (ranks left running would
+    use the GPUs under the next stage)."""
+    gs = _script("gpu_session")
+    pid_file = tmp_path / "child.pid"
+    child = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
+    launcher = f"import subprocess, sys; subprocess.Popen([sys.executable, '-c', {child!r}]).wait()"
+    monkeypatch.setattr(gs, "commands", lambda name, limit, out: [[sys.executable, "-c", launcher]])
+    with open(tmp_path / "log", "w") as log:
+        assert gs.run_stage("soak", 3.0, str(tmp_path), log) == 124
+    pid = int(pid_file.read_text())
+    for _ in range(50):
+        try:  # gone, or a zombie waiting for init to reap it
+            if "\nState:\tZ" in Path(f"/proc/{pid}/status").read_text():
+                break
+        except FileNotFoundError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the stage's child {pid} outlived the stage's time limit")
