@@ -1,4 +1,4 @@
-"""Train a small Flax (NNX) causal language model with sequence-parallel ring attention, and check it against
+"""Train a small Flax (Linen) causal language model with sequence-parallel ring attention, and check it against
 the same model trained on one device.
 
 GPUs (one process per GPU, fused forward and backward kernels):
@@ -14,11 +14,15 @@ returns to every device the gradients of its K/V from all devices' queries, so t
 per-device loss and gradients is the loss and gradient of the whole sequence. The same model, with dense
 causal attention on the full sequence, is trained on one device from the same initial weights and data;
 the two loss curves must agree (float32 throughout).
+
+The model is written with ``flax.linen``, which imports on every jax this project supports (flax 0.12's
+``nnx`` does not import on jax 0.11).
 """
 
 import argparse
 import functools
 import os
+from typing import Callable
 
 import numpy as np
 
@@ -38,7 +42,7 @@ if not args.cpu:
 
 import jax  # noqa: E402
 import optax  # noqa: E402
-from flax import nnx  # noqa: E402
+import flax.linen as nn  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 # Plain float32 matmuls in XLA too (GPUs would otherwise use TF32), as the fused kernel does for float32.
@@ -58,41 +62,33 @@ def dense_attention(q, k, v):
     return jax.nn.dot_product_attention(q, k, v, is_causal=True)  # GQA: k/v heads shared by query groups
 
 
-class Block(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs):
-        self.norm1, self.norm2 = nnx.LayerNorm(D_MODEL, rngs=rngs), nnx.LayerNorm(D_MODEL, rngs=rngs)
-        self.wq = nnx.Linear(D_MODEL, HEADS * HEAD_DIM, use_bias=False, rngs=rngs)
-        self.wkv = nnx.Linear(D_MODEL, 2 * KV_HEADS * HEAD_DIM, use_bias=False, rngs=rngs)
-        self.wo = nnx.Linear(HEADS * HEAD_DIM, D_MODEL, use_bias=False, rngs=rngs)
-        self.mlp_in = nnx.Linear(D_MODEL, 4 * D_MODEL, rngs=rngs)
-        self.mlp_out = nnx.Linear(4 * D_MODEL, D_MODEL, rngs=rngs)
+class Block(nn.Module):
+    attention: Callable
 
-    def __call__(self, x, attention):
+    @nn.compact
+    def __call__(self, x):
         b, s, _ = x.shape
-        h = self.norm1(x)
-        q = self.wq(h).reshape(b, s, HEADS, HEAD_DIM)
-        kv = self.wkv(h).reshape(b, s, 2, KV_HEADS, HEAD_DIM)
-        x = x + self.wo(attention(q, kv[:, :, 0], kv[:, :, 1]).reshape(b, s, HEADS * HEAD_DIM))
-        return x + self.mlp_out(jax.nn.gelu(self.mlp_in(self.norm2(x))))
+        h = nn.LayerNorm()(x)
+        q = nn.Dense(HEADS * HEAD_DIM, use_bias=False)(h).reshape(b, s, HEADS, HEAD_DIM)
+        kv = nn.Dense(2 * KV_HEADS * HEAD_DIM, use_bias=False)(h).reshape(b, s, 2, KV_HEADS, HEAD_DIM)
+        x = x + nn.Dense(D_MODEL, use_bias=False)(self.attention(q, kv[:, :, 0], kv[:, :, 1]).reshape(b, s, -1))
+        return x + nn.Dense(D_MODEL)(jax.nn.gelu(nn.Dense(4 * D_MODEL)(nn.LayerNorm()(x))))
 
 
-class TinyLM(nnx.Module):
+class TinyLM(nn.Module):
     """No positional embedding: the causal mask alone orders the tokens (enough for this check)."""
+    attention: Callable
 
-    def __init__(self, rngs: nnx.Rngs):
-        self.embed = nnx.Embed(VOCAB, D_MODEL, rngs=rngs)
-        self.blocks = nnx.List([Block(rngs) for _ in range(LAYERS)])
-        self.head = nnx.Linear(D_MODEL, VOCAB, rngs=rngs)
-
-    def __call__(self, tokens, attention):
-        x = self.embed(tokens)
-        for blk in self.blocks:
-            x = blk(x, attention)
-        return self.head(x)
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(VOCAB, D_MODEL)(tokens)
+        for _ in range(LAYERS):
+            x = Block(self.attention)(x)
+        return nn.Dense(VOCAB)(x)
 
 
-graphdef, init_params = nnx.split(TinyLM(nnx.Rngs(0)))  # same seed: same weights in every process
-init_params = jax.tree.map(np.asarray, init_params)
+# The same seed: the same weights in every process (the attention function holds no parameters).
+init_params = jax.tree.map(np.asarray, TinyLM(dense_attention).init(jax.random.key(0), np.zeros((1, 8), np.int32)))
 tx = optax.adamw(3e-3)
 
 
@@ -102,7 +98,7 @@ def loss_and_grads(params, tokens, targets, attention, n_tokens=None):
     n_tokens = n_tokens or targets.size
 
     def loss(params):
-        logits = nnx.merge(graphdef, params)(tokens, attention)
+        logits = TinyLM(attention).apply(params, tokens)
         return optax.softmax_cross_entropy_with_integer_labels(logits, targets).sum() / n_tokens
 
     return jax.value_and_grad(loss)(params)
