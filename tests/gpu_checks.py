@@ -242,11 +242,11 @@ def main():
         bwd_cases = [  # (B, S, H, HKV, D, dtype, causal, layout[, scale[, lse in the loss]])
             (1, 512, 8, 8, 128, "bfloat16", True, "zigzag"),
             (1, 300, 8, 2, 80, "float16", True, "contiguous"),
-            (1, 256, 4, 1, 64, "float32", False, "contiguous"),
             (2, 77, 4, 2, 96, "bfloat16", True, "contiguous", 0.3),
             (1, 1, 2, 1, 16, "float16", True, "contiguous"),
             (1, 130, 4, 4, 256, "bfloat16", False, "zigzag"),
             (1, 512, 8, 8, 128, "bfloat16", True, "zigzag", None, True),
+            (1, 256, 4, 1, 64, "float32", False, "contiguous"),  # last: its compile takes a minute
         ]
         for c in bwd_cases:
             B, S, H, HKV, D, dt, causal, lay = c[:8]
