@@ -18,7 +18,8 @@ def _einsum(spec, *ops):
     return np.einsum(spec, *ops, optimize=True)
 
 
-def _np_dtype(name: str):
+def np_dtype(name: str):
+    """The numpy type of a dtype name (bfloat16 through ml_dtypes)."""
     if name == "bfloat16":
         import ml_dtypes  # ships with jax; only needed for bf16 rounding
 
@@ -28,7 +29,7 @@ def _np_dtype(name: str):
 
 def round_to(x, dtype: str) -> np.ndarray:
     """Round ``x`` to ``dtype`` and return it as float64 (what a kernel storing ``dtype`` sees)."""
-    return np.asarray(x, dtype=np.float64).astype(_np_dtype(dtype)).astype(np.float64)
+    return np.asarray(x, dtype=np.float64).astype(np_dtype(dtype)).astype(np.float64)
 
 
 def _scores(q, k, scale, is_causal):
@@ -94,8 +95,9 @@ def attention_grad(q, k, v, dout, *, is_causal=False, scale=None, compute_dtype=
     p = np.exp(sc - sc.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)  # [b, hkv, g, sq, sk]
     do = dout.reshape(b, s, hkv, g, d)
-    out = rnd(_einsum("bkgqs,bskd->bqkgd", rnd(p), v))
-    dv = _einsum("bkgqs,bqkgd->bskd", rnd(p), do)
+    p_mm = rnd(p)  # P as it enters the matmuls
+    out = rnd(_einsum("bkgqs,bskd->bqkgd", p_mm, v))
+    dv = _einsum("bkgqs,bqkgd->bskd", p_mm, do)
     dp = _einsum("bqkgd,bskd->bkgqs", do, v)
     delta = np.moveaxis((do * out).sum(-1), 1, 3)[..., None]  # [b, hkv, g, sq, 1]
     if dlse is not None:  # d lse_i / d s_ij = p_ij

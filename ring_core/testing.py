@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ring_core import reference
+from ring_core import reference, validate
 
 # dtype -> slack for out, for lse (always float32), for gradients.
 TOLERANCES = {
@@ -65,6 +65,25 @@ def random_inputs(seed, batch, seq, heads, kv_heads, head_dim, dtype: str, *, wi
     if with_dout:
         shapes.append((batch, seq, heads, head_dim))
     return tuple(reference.round_to(rng.standard_normal(s), dtype) for s in shapes)
+
+
+def sharded_inputs(seed, world_size, batch, seq_local, heads, kv_heads, head_dim, dtype: str, *, with_dout=False):
+    """``random_inputs`` over ``world_size * seq_local`` tokens: (the float64 arrays, the same values in
+    ``dtype``)."""
+    ref = random_inputs(seed, batch, seq_local * world_size, heads, kv_heads, head_dim, dtype, with_dout=with_dout)
+    return ref, tuple(x.astype(reference.np_dtype(dtype)) for x in ref)
+
+
+def spec_and_shards(seed, world_size, batch, seq_local, heads, kv_heads, head_dim, dtype: str, *, is_causal,
+                    layout="contiguous", with_dout=False):
+    """The AttentionSpec of a fused call and, for each input (q, k, v[, dout]) in ``dtype``, every rank's
+    shard: ``[[rank 0, rank 1, ...] per input]``."""
+    spec = validate.check_attention_args((batch, seq_local, heads, head_dim), (batch, seq_local, kv_heads, head_dim),
+                                         (batch, seq_local, kv_heads, head_dim), dtype, dtype, dtype,
+                                         is_causal=is_causal, scale=None, layout=layout, backend="fused",
+                                         backends=("fused",))
+    _, xs = sharded_inputs(seed, world_size, batch, seq_local, heads, kv_heads, head_dim, dtype, with_dout=with_dout)
+    return spec, [[x[:, r * seq_local:(r + 1) * seq_local] for r in range(world_size)] for x in xs]
 
 
 def check_pair(name: str, a, b, ref64, lowp, dtype: str, kind: str = "out") -> float:

@@ -15,14 +15,12 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from ring_core import heap as heap_mod  # noqa: E402
-from ring_core import interpret, launch, testing  # noqa: E402
+from ring_core import interpret, launch, reference, testing  # noqa: E402
 
-NP_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 TORCH_DTYPES = {}  # filled on first use (torch is imported lazily)
 
 
@@ -140,7 +138,7 @@ def test_jax_and_torch_fused_gradients(cpu_heap, monkeypatch, dtype, causal, H, 
     monkeypatch.setattr(torch_bridge.api, "_fused_available", lambda: True)
 
     ref = testing.random_inputs(3, 1, S, H, HKV, D, dtype, with_dout=True)
-    q, k, v, do = (x.astype(NP_DTYPES[dtype]) for x in ref)
+    q, k, v, do = (x.astype(reference.np_dtype(dtype)) for x in ref)
     kw = dict(is_causal=causal, scale=None)
     dl = (np.random.default_rng(4).standard_normal((1, H, S)) if use_lse else np.zeros((1, H, S))).astype(np.float32)
 
@@ -186,7 +184,7 @@ def test_jax_and_torch_fused_gradients(cpu_heap, monkeypatch, dtype, causal, H, 
 
     # ---- the same kernel with the same arguments: bit-identical gradients
     for n, a, b in zip("qkv", j_grads, t_grads):
-        assert a.dtype == b.dtype == np.dtype(NP_DTYPES[dtype])
+        assert a.dtype == b.dtype == np.dtype(reference.np_dtype(dtype))
         np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8), err_msg=f"jax vs torch d{n}")
 
 

@@ -24,24 +24,17 @@ import pytest  # noqa: E402
 
 from jax_ring import simulate  # noqa: E402
 from jax_ring.simulate import SimulatedRing, simulate_job, simulate_ring_attention  # noqa: E402
-from ring_core import interpret, launch, reference, testing, validate  # noqa: E402
+from ring_core import interpret, launch, reference, testing  # noqa: E402
 from ring_core import layout as L  # noqa: E402
 from ring_core.launch import HeapTooSmallError, RingAttentionMismatch, RingAttentionTimeout  # noqa: E402
 
-NP_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _inputs(seed, world_size, batch, seq_local, heads, kv_heads, head_dim, dtype):
-    """float64 reference inputs (already rounded to dtype) and the same values in dtype."""
-    q, k, v = testing.random_inputs(seed, batch, seq_local * world_size, heads, kv_heads, head_dim, dtype)
-    return (q, k, v), tuple(x.astype(NP_DTYPES[dtype]) for x in (q, k, v))
 
 
 def _check(name, result, ref_inputs, dtype, *, is_causal, scale, return_lse):
     q, k, v = ref_inputs
     out, lse = result if return_lse else (result, None)
-    assert isinstance(out, np.ndarray) and out.dtype == np.dtype(NP_DTYPES[dtype]) and out.shape == q.shape
+    assert isinstance(out, np.ndarray) and out.dtype == np.dtype(reference.np_dtype(dtype)) and out.shape == q.shape
     if return_lse:
         assert isinstance(lse, np.ndarray) and lse.dtype == np.float32
         assert lse.shape == (q.shape[0], q.shape[2], q.shape[1])
@@ -86,7 +79,7 @@ def _case_id(c):
 @pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
 def test_matches_reference(case):
     W, B, S, H, HKV, D, dtype, causal, layout, return_lse, scale = case
-    ref, (q, k, v) = _inputs(len(CASES) + CASES.index(case), W, B, S, H, HKV, D, dtype)
+    ref, (q, k, v) = testing.sharded_inputs(len(CASES) + CASES.index(case), W, B, S, H, HKV, D, dtype)
     if W == 4 and dtype == "bfloat16" and not layout == "zigzag":
         import jax.numpy as jnp  # anything np.asarray accepts: here jax arrays (bf16 -> ml_dtypes.bfloat16)
 
@@ -110,7 +103,7 @@ def test_consecutive_calls_share_heaps():
         (1, 5, 2, 1, 16, "float32", True, "contiguous", True),  # the first shape again
     ]
     for i, (B, S, H, HKV, D, dtype, causal, layout, return_lse) in enumerate(calls):
-        ref, (q, k, v) = _inputs(100 + i, W, B, S, H, HKV, D, dtype)
+        ref, (q, k, v) = testing.sharded_inputs(100 + i, W, B, S, H, HKV, D, dtype)
         result = ring(q, k, v, is_causal=causal, layout=layout, return_lse=return_lse)
         _check(f"call {i}", result, ref, dtype, is_causal=causal, scale=None, return_lse=return_lse)
         assert ring.uses_subprocess is False
@@ -127,11 +120,7 @@ def _simulated_job(world_size, workspace_bytes=None):
 
 
 def _spec_and_shards(W, B, S, H, HKV, D, dtype, *, is_causal, layout="contiguous"):
-    spec = validate.check_attention_args((B, S, H, D), (B, S, HKV, D), (B, S, HKV, D), dtype, dtype, dtype,
-                                         is_causal=is_causal, scale=None, layout=layout, backend="fused",
-                                         backends=("fused",))
-    _, (q, k, v) = _inputs(7, W, B, S, H, HKV, D, dtype)
-    return spec, [[x[:, r * S:(r + 1) * S] for r in range(W)] for x in (q, k, v)]
+    return testing.spec_and_shards(7, W, B, S, H, HKV, D, dtype, is_causal=is_causal, layout=layout)
 
 
 @pytest.mark.parametrize("is_causal, started, what", [
@@ -156,7 +145,7 @@ def test_absent_rank_times_out(is_causal, started, what):
     else:  # every row needed rank 1's K/V: NaN, never a plausible wrong value
         assert np.isnan(out).all() and np.isnan(lse).all()
     # A following normal call on a new job works.
-    ref, (q, k, v) = _inputs(8, 2, 1, 4, 2, 1, 8, "float32")
+    ref, (q, k, v) = testing.sharded_inputs(8, 2, 1, 4, 2, 1, 8, "float32")
     out = simulate_ring_attention(q, k, v, 2, is_causal=is_causal)
     _check("after timeout", out, ref, "float32", is_causal=is_causal, scale=None, return_lse=False)
 
@@ -314,10 +303,10 @@ def test_heap_too_small():
 
     # Through the simulator: the error propagates, and a call that fits still runs on the same heaps.
     ring = SimulatedRing(W, workspace_bytes=tiny)
-    _, (q, k, v) = _inputs(9, W, B, S, H, HKV, D, "float32")
+    _, (q, k, v) = testing.sharded_inputs(9, W, B, S, H, HKV, D, "float32")
     with pytest.raises(HeapTooSmallError, match=rf"needs {need} bytes"):
         ring(q, k, v)
-    ref, (q, k, v) = _inputs(10, W, 1, 3, 2, 1, 8, "float32")
+    ref, (q, k, v) = testing.sharded_inputs(10, W, 1, 3, 2, 1, 8, "float32")
     _check("small after too-big", ring(q, k, v, is_causal=True), ref, "float32", is_causal=True, scale=None,
            return_lse=False)
     assert ring.epoch == 1

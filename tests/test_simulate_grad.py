@@ -19,30 +19,21 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 import textwrap  # noqa: E402
 
-import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from jax_ring import simulate  # noqa: E402
 from jax_ring.simulate import SimulatedRing, simulate_job, simulate_ring_attention_grad  # noqa: E402
-from ring_core import launch, testing, validate  # noqa: E402
+from ring_core import launch, reference, testing, validate  # noqa: E402
 from ring_core.launch import HeapTooSmallError, RingAttentionTimeout  # noqa: E402
 
-NP_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _inputs(seed, world_size, batch, seq_local, heads, kv_heads, head_dim, dtype):
-    """float64 reference inputs (q, k, v, dout, already rounded to dtype) and the same values in dtype."""
-    ref = testing.random_inputs(seed, batch, seq_local * world_size, heads, kv_heads, head_dim, dtype,
-                                with_dout=True)
-    return ref, tuple(x.astype(NP_DTYPES[dtype]) for x in ref)
 
 
 def _check(name, grads, ref, dtype, *, is_causal, scale):
     q, k, v, do = ref
     for g, x in zip(grads, (q, k, v)):
-        assert isinstance(g, np.ndarray) and g.dtype == np.dtype(NP_DTYPES[dtype]) and g.shape == x.shape
+        assert isinstance(g, np.ndarray) and g.dtype == np.dtype(reference.np_dtype(dtype)) and g.shape == x.shape
     return testing.check_grads(name, [g.astype(np.float64) for g in grads], q, k, v, do, dtype,
                                is_causal=is_causal, scale=scale)
 
@@ -72,7 +63,7 @@ def _case_id(c):
 @pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
 def test_grads_match_reference(case):
     W, B, S, H, HKV, D, dtype, causal, layout, scale = case
-    ref, (q, k, v, do) = _inputs(CASES.index(case), W, B, S, H, HKV, D, dtype)
+    ref, (q, k, v, do) = testing.sharded_inputs(CASES.index(case), W, B, S, H, HKV, D, dtype, with_dout=True)
     grads = simulate_ring_attention_grad(q, k, v, do, W, is_causal=causal, scale=scale, layout=layout)
     _check(_case_id(case), grads, ref, dtype, is_causal=causal, scale=scale)
 
@@ -81,7 +72,7 @@ def test_grads_match_reference(case):
 def test_lse_gradient_flows_through_the_kernel(W, causal, layout):
     """The gradient of ``sum(out * dout) + sum(lse * dlse)``: dlse enters every dS through delta."""
     B, S, H, HKV, D, dtype = 1, 6, 2, 1, 16, "float32"
-    ref, (q, k, v, do) = _inputs(11, W, B, S, H, HKV, D, dtype)
+    ref, (q, k, v, do) = testing.sharded_inputs(11, W, B, S, H, HKV, D, dtype, with_dout=True)
     dlse = np.random.default_rng(12).standard_normal((B, H, S * W)).astype(np.float32)
     grads = simulate_ring_attention_grad(q, k, v, do, W, is_causal=causal, layout=layout, dlse=dlse)
     for g, x in zip(grads, ref[:3]):
@@ -101,13 +92,13 @@ def test_bitwise_deterministic_and_shares_heaps_with_forward():
     """The same inputs give bit-identical gradients: twice on one set of heaps (other epochs, a forward
     call of another shape in between, so flags and slots hold stale data) and once on fresh heaps."""
     W, B, S, H, HKV, D, dtype = 2, 1, 10, 4, 2, 24, "bfloat16"
-    ref, (q, k, v, do) = _inputs(50, W, B, S, H, HKV, D, dtype)
+    ref, (q, k, v, do) = testing.sharded_inputs(50, W, B, S, H, HKV, D, dtype, with_dout=True)
     kw = dict(is_causal=True, layout="zigzag")
     ring = simulate_job(W, workspace_bytes=1 << 20)
     first = ring.grad(q, k, v, do, **kw)
     assert ring.epoch == 2 and [s.tolist()[:4] for s in ring.statuses] == [[0, 0, 0, 2]] * W
     _check("first", first, ref, dtype, is_causal=True, scale=None)
-    _, (q2, k2, v2, _) = _inputs(51, W, 1, 7, 2, 1, 40, "float16")
+    _, (q2, k2, v2, _) = testing.sharded_inputs(51, W, 1, 7, 2, 1, 40, "float16", with_dout=True)
     ring(q2, k2, v2)  # a forward call of another shape and dtype on the same heaps
     assert ring.epoch == 3
     second = ring.grad(q, k, v, do, **kw)
@@ -119,11 +110,7 @@ def test_bitwise_deterministic_and_shares_heaps_with_forward():
 
 
 def _spec_and_shards(W, B, S, H, HKV, D, dtype, *, is_causal):
-    spec = validate.check_attention_args((B, S, H, D), (B, S, HKV, D), (B, S, HKV, D), dtype, dtype, dtype,
-                                         is_causal=is_causal, scale=None, layout="contiguous", backend="fused",
-                                         backends=("fused",))
-    _, xs = _inputs(7, W, B, S, H, HKV, D, dtype)
-    return spec, [[x[:, r * S:(r + 1) * S] for r in range(W)] for x in xs]
+    return testing.spec_and_shards(7, W, B, S, H, HKV, D, dtype, is_causal=is_causal, with_dout=True)
 
 
 @pytest.mark.parametrize("is_causal, started, what", [
@@ -199,7 +186,7 @@ def test_heap_too_small_for_backward():
         job.run_grad(spec, *shards)
     assert all(int(h.sum()) == 0 for h in job.heaps)  # raised before any rank ran
     ring = SimulatedRing(W, workspace_bytes=workspace)
-    _, (q, k, v, do) = _inputs(9, W, B, S, H, HKV, D, "float16")
+    _, (q, k, v, do) = testing.sharded_inputs(9, W, B, S, H, HKV, D, "float16", with_dout=True)
     with pytest.raises(HeapTooSmallError, match=rf"needs {need} bytes"):
         ring.grad(q, k, v, do)
     ring(q, k, v)  # the forward fits
