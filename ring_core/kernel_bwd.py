@@ -299,6 +299,11 @@ def ring_attn_bwd_kernel(
                                         tl.minimum(seg + SEG_BLOCKS, n_full), src, S, qk_scale, offs_n, offs_d,
                                         HKV * D, W, D, DQ_BLOCK_N, BLOCK_D, False, CAUSAL, ZIGZAG, INTERPRET,
                                         DOT_PRECISION)
+                    # dq times exactly 1 (sm_scale is finite): without a non-wgmma definition of the
+                    # accumulator between this loop nest and the next loop, ptxas serialises every wgmma of
+                    # the kernel (warning C7515): each k-step of every matmul then waits for the one before
+                    # (tests/test_kernel_ir.py checks that this stays away).
+                    dq = dq * (sm_scale * 0.0 + 1.0)
                 else:
                     dq = _dq_blocks(dq, q, do, lse2, delta, q_pos, q_pos_max, k_base, v_base, 0, n_full, src, S,
                                     qk_scale, offs_n, offs_d, HKV * D, W, D, DQ_BLOCK_N, BLOCK_D, False, CAUSAL,

@@ -11,7 +11,10 @@ Properties:
   a loop that is not waits out the full memory latency on every block (v0 was 5-15x below cuDNN so);
 * the pushes to peers are 16-byte vector stores (iris.store's alignment hint); without it they were
   2-byte stores over NVLink, about 6 GB/s, the largest cost of every call in v1;
-* shared memory fits Hopper.
+* shared memory fits Hopper;
+* ptxas keeps the wgmma pipelined: its warning C7515 ("wgmma.mma_async instructions are serialized due to
+  non wgmma instructions defining accumulator registers") means every k-step of every matmul in the kernel
+  waits for the one before. The backward had it until 2026-11-30 (a dQ loop nest followed by another loop).
 
 Pointer arguments are compiled as 16-byte aligned, as jax-triton declares them and as torch's launcher
 specialises aligned tensors.
@@ -29,8 +32,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 COMPILE = textwrap.dedent("""
-    import json, re, sys
+    import json, os, re, subprocess, sys, tempfile
     import triton
+    from triton.backends.nvidia.compiler import get_ptxas
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from ring_core import launch, validate
@@ -60,7 +64,14 @@ COMPILE = textwrap.dedent("""
         ck = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=p.config.num_warps, num_stages=p.config.num_stages))
-        out[name] = dict(ttgir=ck.asm["ttgir"], shared=ck.metadata.shared,
+        # ptxas's own report on the PTX (registers, spills, and warnings such as C7515, wgmma serialised).
+        with tempfile.TemporaryDirectory() as tmp:
+            src = os.path.join(tmp, "k.ptx")
+            with open(src, "w") as f:
+                f.write(ck.asm["ptx"])
+            ptxas = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", src, "-o",
+                                    os.path.join(tmp, "k.cubin")], capture_output=True, text=True)
+        out[name] = dict(ttgir=ck.asm["ttgir"], shared=ck.metadata.shared, ptxas=ptxas.stderr,
                          stores=sorted(set(re.findall(r"st\\.global(?:\\.[a-z0-9]+)*", ck.asm["ptx"]))))
     print(json.dumps(out))
 """)
@@ -135,3 +146,10 @@ def test_stores_are_vectorised(compiled, name):
     stores = compiled[name]["stores"]
     assert any(".v4" in s for s in stores), stores
     assert not [s for s in stores if s.endswith(".b16") or s.endswith(".u16")], stores
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_wgmma_not_serialised(compiled, name):
+    report = compiled[name]["ptxas"]
+    assert "C7515" not in report, report
+    assert "Used" in report, report  # ptxas ran and reported
