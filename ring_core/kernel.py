@@ -532,6 +532,10 @@ def ring_attn_fwd_kernel(
     g = pid % G
     t = pid // G
     m_blk = t % n_m
+    if CAUSAL:
+        # Heaviest tiles first: causal work grows with the local row in both layouts, so the grid's last
+        # programs are its lightest and the GPU's tail is short.
+        m_blk = n_m - 1 - m_blk
     t = t // n_m
     hkv = t % HKV
     b = t // HKV

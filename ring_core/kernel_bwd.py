@@ -13,7 +13,8 @@ fused call, forward or backward, so it is equal on every rank of a job that make
 * Tasks and tickets. The grid has one program per task. A program does not take its task from its
   program id: it takes a *ticket* from an atomic counter (CTL_BWD_TICKET) when it starts, and tickets
   are handed out in this order:
-    1. dQ tasks (b, h, block of DQ_BLOCK_M query rows), the kv-head group's heads side by side;
+    1. dQ tasks (b, h, block of DQ_BLOCK_M query rows), the kv-head group's heads side by side (causal:
+       the last query blocks, which see the most keys, first);
     2. partial tasks (peer distance d = 1..W-1, b, kv head, block of KV_BLOCK_N rows of the K/V of
        source rank ``rank - d``): this rank's contribution to that block's dK/dV;
     3. final tasks (b, kv head, block of KV_BLOCK_N rows of the local K/V): the local contribution, then
@@ -256,6 +257,10 @@ def ring_attn_bwd_kernel(
         t = tid // G
         n_m = tl.cdiv(S, DQ_BLOCK_M)
         m_blk = t % n_m
+        if CAUSAL:
+            # Heaviest tiles first: causal work grows with the local row in both layouts, so the grid's last
+            # programs are its lightest and the GPU's tail is short.
+            m_blk = n_m - 1 - m_blk
         t = t // n_m
         hkv = t % HKV
         b = t // HKV
