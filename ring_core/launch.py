@@ -382,16 +382,17 @@ class BwdKernelConfig:
             # Small tiles: several blocks, chunks and tasks even at the tiny sizes CI can afford.
             return BwdKernelConfig(16, 16, 16, 16, chunk_blocks=1, push_rows=16, num_warps=4, num_stages=1,
                                    seg_blocks=2)
-        # Not tuned on a GPU yet. Shared memory when compiled for sm_90 with Triton 3.6 (tests/test_kernel_ir.py
-        # checks <= 227 KiB), every loop with a dot software-pipelined: D64 fp32 80 KiB, fp16 65 KiB;
-        # D128 bf16 129 KiB, fp32 145 KiB; D256 bf16 99 KiB, fp32 132 KiB.
+        # Other head dims and fp32: not tuned on a GPU yet. Shared memory when compiled for sm_90 with Triton
+        # 3.6 (tests/test_kernel_ir.py checks <= 227 KiB), every loop with a dot software-pipelined: D64 fp32
+        # 80 KiB, fp16 65 KiB; D128 bf16 161 KiB, fp32 145 KiB; D256 bf16 99 KiB, fp32 132 KiB.
         stages = 2 if spec.dtype == "float32" else 3
         if spec.head_dim <= 64:
             return BwdKernelConfig(64, 64, 64, 64, chunk_blocks=2, push_rows=64, num_warps=4, num_stages=stages)
         if spec.head_dim <= 128 and spec.dtype != "float32":
-            # Measured on 2xH200 (benchmarks/tune.py --kernel bwd, results/tune_backward_2xH200_2026-11-30.csv,
-            # bf16 D128 H32 seq_local 16k): the best of six, 1.45x (full) and 1.6x (causal) the 64/64 tiles.
-            return BwdKernelConfig(128, 64, 128, 64, chunk_blocks=1, push_rows=32, num_warps=8, num_stages=2)
+            # Measured on 2xH200 (benchmarks/tune.py --kernel bwd, bf16 D128 H32 seq_local 16k), after the wgmma
+            # fix (results/tune_backward_2xH200_2026-11-30b.csv): the best of seven, 60 ms (full) and 31 ms
+            # (causal) against 68 and 36 with 2 stages; 81 and 37 before the fix (..._2026-11-30.csv).
+            return BwdKernelConfig(128, 64, 128, 64, chunk_blocks=1, push_rows=32, num_warps=8, num_stages=3)
         if spec.head_dim <= 128:
             return BwdKernelConfig(64, 64, 64, 64, chunk_blocks=2, push_rows=32, num_warps=8, num_stages=stages)
         return BwdKernelConfig(32, 32, 32, 32, chunk_blocks=4, push_rows=16, num_warps=4, num_stages=stages)

@@ -26,6 +26,7 @@ Stages (``NAME[:SECONDS]``; the default time limit is in brackets):
                install them first, see the README)                                 [300]
   flax         examples/flax_train.py alone                                        [120]
   tune-bwd     benchmarks/tune.py --kernel bwd, bf16 D128 seq_local 16k            [420]
+  tune-fwd256  benchmarks/tune.py --kernel fwd, bf16 D256 seq_local 4k (checked) and 16k [240]
 
 Every stage's output goes to ``$OUT/session.log``; a stage that overruns its limit is stopped (its output
 kept) and the next one runs. The exit code is that of the first stage that failed, or 0.
@@ -71,6 +72,8 @@ STAGES = {
     "flax": (120, [LAUNCH + ["examples/flax_train.py"]]),
     "tune-bwd": (420, [LAUNCH + ["-m", "benchmarks.tune", "--kernel", "bwd", "--head-dims", "128", "--seq", "16384",
                                  "--csv", "{out}/tune_backward.csv"]]),
+    "tune-fwd256": (240, [LAUNCH + ["-m", "benchmarks.tune", "--kernel", "fwd", "--head-dims", "256", "--seq", "4096,16384",
+                                    "--csv", "{out}/tune_forward_d256.csv"]]),
 }
 
 
