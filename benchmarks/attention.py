@@ -22,6 +22,9 @@ the same ``shard_map`` as their forward. ``--pass fwd,fwd+bwd`` runs both, one a
 Methods, each timed in the same process group on the same inputs:
 
 * ``torch_fused`` / ``jax_fused``: ``torch_bridge`` / ``jax_ring`` ``backend="fused"`` (this project);
+* ``jax_fused_deferred``: ``jax_fused`` traced with ``RING_ATTENTION_JAX_ERRORS=deferred``: no host callback
+  after each call; ``jax_ring.check_errors()`` after the timed calls raises a kept failure (the cost of
+  the per-call check is the difference to ``jax_fused``);
 * ``torch_ref`` / ``jax_xla``: the reference rings (``backend="torch"``, ``backend="xla"``; float32
   maths); skipped above ``--ref-max-seq`` (slow, and they run out of memory at long sequences);
 * ``jax_cudnn_ring``: what a JAX user would write by hand: K/V around the mesh axis with
@@ -119,6 +122,8 @@ class MethodInfo:
 METHODS = {  # also the order in which a case runs them (the first ring methods serve as the check's anchor)
     "torch_fused": MethodInfo("torch", "fused", "torch_bridge.ring_attention(backend='fused')"),
     "jax_fused": MethodInfo("jax", "fused", "jax_ring.ring_attention(backend='fused') in shard_map"),
+    "jax_fused_deferred": MethodInfo("jax", "fused", "jax_fused without the per-call host callback "
+                                                     "(RING_ATTENTION_JAX_ERRORS=deferred)"),
     "torch_ref": MethodInfo("torch", "reference", "torch_bridge backend='torch' (p2p ring, float32 maths)"),
     "jax_xla": MethodInfo("jax", "reference", "jax_ring backend='xla' (ppermute ring, float32 maths)"),
     "jax_cudnn_ring": MethodInfo("jax", "peer", "pure-JAX ppermute ring, cuDNN per block, LSE merge"),
@@ -1023,6 +1028,24 @@ def build_jax_ring(env, args, case, data, stack, backend, **_):
     return _jax_ring(env, case, data, body, f"backend={backend}")
 
 
+def build_jax_fused_deferred(env, args, case, data, stack, **_):
+    """``jax_fused`` traced in the deferred error mode (read by jax_ring at trace time, which happens here):
+    no host callback per call; a kept failure is raised by ``jax_ring.check_errors()`` after the timed calls."""
+    import jax_ring
+    from jax_ring.fused import ERRORS_ENV
+
+    old = os.environ.get(ERRORS_ENV)
+    os.environ[ERRORS_ENV] = "deferred"
+    try:
+        prep = build_jax_ring(env, args, case, data, stack, backend="fused")
+    finally:
+        if old is None:
+            os.environ.pop(ERRORS_ENV, None)
+        else:
+            os.environ[ERRORS_ENV] = old
+    return dataclasses.replace(prep, note=f"{prep.note}; {ERRORS_ENV}=deferred", finish=jax_ring.check_errors)
+
+
 def check_lse_differentiates(env, block, q, k, v):
     """Raise Unavailable unless jax autodiff of ``block`` carries the cotangent of its LSE output. The ring
     merges blocks through their LSEs, so without it ``jax.vjp`` of the ring runs but gives wrong gradients;
@@ -1140,6 +1163,7 @@ def build_jax_limit(env, args, case, data, stack, **_):
 BUILDERS = {
     "torch_fused": functools.partial(build_torch_ring, backend="fused"),
     "jax_fused": functools.partial(build_jax_ring, backend="fused"),
+    "jax_fused_deferred": build_jax_fused_deferred,
     "torch_ref": functools.partial(build_torch_ring, backend="torch"),
     "jax_xla": functools.partial(build_jax_ring, backend="xla"),
     "jax_cudnn_ring": build_jax_cudnn_ring,
