@@ -72,8 +72,8 @@ STAGES = {
     "flax": (120, [LAUNCH + ["examples/flax_train.py"]]),
     "tune-bwd": (420, [LAUNCH + ["-m", "benchmarks.tune", "--kernel", "bwd", "--head-dims", "128", "--seq", "16384",
                                  "--csv", "{out}/tune_backward.csv"]]),
-    "tune-fwd256": (240, [LAUNCH + ["-m", "benchmarks.tune", "--kernel", "fwd", "--head-dims", "256", "--seq", "4096,16384",
-                                    "--csv", "{out}/tune_forward_d256.csv"]]),
+    "tune-fwd256": (240, [LAUNCH + ["-m", "benchmarks.tune", "--kernel", "fwd", "--head-dims", "256",
+                                    "--seq", "4096,16384", "--csv", "{out}/tune_forward_d256.csv"]]),
 }
 
 
