@@ -733,13 +733,7 @@ class Env:
     def timed(self, fn):
         """(milliseconds, result) of one call: CUDA events around it on the torch stream, or a host clock."""
         if self.cuda:
-            e0 = self.torch.cuda.Event(enable_timing=True)
-            e1 = self.torch.cuda.Event(enable_timing=True)
-            e0.record()
-            out = fn()
-            e1.record()
-            e1.synchronize()
-            return e0.elapsed_time(e1), out
+            return cuda_timed(self.torch, fn)
         t0 = time.perf_counter()
         out = fn()
         return (time.perf_counter() - t0) * 1e3, out
@@ -753,6 +747,17 @@ class Env:
     def print(self, *a):
         if self.rank == 0:
             print(*a, flush=True)
+
+
+def cuda_timed(torch, fn):
+    """(milliseconds, result) of ``fn()`` between two CUDA events recorded on the current torch stream."""
+    e0 = torch.cuda.Event(enable_timing=True)
+    e1 = torch.cuda.Event(enable_timing=True)
+    e0.record()
+    out = fn()
+    e1.record()
+    e1.synchronize()
+    return e0.elapsed_time(e1), out
 
 
 def _init_cpu(args, need_jax: bool):

@@ -21,7 +21,7 @@ import os
 
 
 import torch_bridge
-from benchmarks.attention import Case, flops_per_gpu, summarize_times, tflops
+from benchmarks.attention import Case, cuda_timed, flops_per_gpu, summarize_times, tflops
 from ring_core import launch, validate
 
 # Forward: (block_m, block_n, num_warps, num_stages, seg_blocks)
@@ -92,12 +92,7 @@ def main():
         torch.cuda.synchronize()
         ts = []
         for i in range(a.iters):
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            fn(*sets[i % len(sets)])
-            e1.record()
-            e1.synchronize()
-            ts.append(e0.elapsed_time(e1))
+            ts.append(cuda_timed(torch, lambda: fn(*sets[i % len(sets)]))[0])
         t = torch.tensor(ts, device=dev)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank counts, call by call
         return summarize_times(t.cpu().numpy())
