@@ -380,6 +380,16 @@ def _dot(a, b, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _heavy_first(m_blk, n_m, CAUSAL: tl.constexpr):
+    """Query block ``m_blk`` of ``n_m`` in the order tiles are taken. Causal: heaviest first (the work of a
+    query tile grows with its local row in both layouts), so the grid's last programs are its lightest and
+    the GPU's tail is short (flash-attention does the same)."""
+    if CAUSAL:
+        m_blk = n_m - 1 - m_blk
+    return m_blk
+
+
+@triton.jit
 def _positions(rows, rank, S, W: tl.constexpr, ZIGZAG: tl.constexpr):
     if ZIGZAG:
         c = S // 2
@@ -531,11 +541,7 @@ def ring_attn_fwd_kernel(
     pid = tl.program_id(0)
     g = pid % G
     t = pid // G
-    m_blk = t % n_m
-    if CAUSAL:
-        # Heaviest tiles first: causal work grows with the local row in both layouts, so the grid's last
-        # programs are its lightest and the GPU's tail is short.
-        m_blk = n_m - 1 - m_blk
+    m_blk = _heavy_first(t % n_m, n_m, CAUSAL)
     t = t // n_m
     hkv = t % HKV
     b = t // HKV

@@ -109,7 +109,7 @@ import iris
 
 from ring_core import launch as _launch
 from ring_core.kernel import (_block_range, _call_words, _check_call, _claim_push, _dot, _drain_pushes,
-                              _finish_call, _last_pos, _load_kv, _poll_ge, _positions, _record_error,
+                              _finish_call, _heavy_first, _last_pos, _load_kv, _poll_ge, _positions, _record_error,
                               _visible_rows)
 
 # Control words and error codes, from ring_core.launch (the one place that lays out the heap).
@@ -256,11 +256,7 @@ def ring_attn_bwd_kernel(
         g = tid % G
         t = tid // G
         n_m = tl.cdiv(S, DQ_BLOCK_M)
-        m_blk = t % n_m
-        if CAUSAL:
-            # Heaviest tiles first: causal work grows with the local row in both layouts, so the grid's last
-            # programs are its lightest and the GPU's tail is short.
-            m_blk = n_m - 1 - m_blk
+        m_blk = _heavy_first(t % n_m, n_m, CAUSAL)
         t = t // n_m
         hkv = t % HKV
         b = t // HKV
