@@ -16,9 +16,9 @@ python - "$alt/ring_core/kernel_bwd.py" <<'PY'
 import sys
 p = sys.argv[1]
 s = open(p).read()
-old = "        if CAUSAL:\n            # Heaviest tiles first"
+old = "m_blk = _heavy_first(t % n_m, n_m, CAUSAL)"  # the dQ tasks' order (the forward keeps its own)
 assert s.count(old) == 1, "the dQ-task reversal is not where this script expects it"
-open(p, "w").write(s.replace(old, "        if False:\n            # Heaviest tiles first"))
+open(p, "w").write(s.replace(old, "m_blk = _heavy_first(t % n_m, n_m, False)"))
 PY
 run heavy_first "$PWD"
 run ascending "$alt"
