@@ -83,6 +83,12 @@ are speed ratios of the fused rows, fused TFLOP/s over the other method's, same 
 world-1 row of the same method, global problem and pass found anywhere in the file. A CSV written before
 the ``pass`` column existed is read as fwd rows (and rewritten with the column).
 
+Several ranks may share one GPU (``python -m jax_ring.launch --nproc-per-node 4 ...`` on one GPU, see
+``ring_core.gpus``): the real protocol then runs, but each rank has only its share of the SMs. Such rows
+say so in ``ranks_per_gpu`` and in ``note`` (they measure the protocol's overhead, not multi-GPU speed),
+and their ``scaling_eff`` compares the GPU's whole rate (ranks_per_gpu x the per-rank rate) with one
+rank's rate on the global problem: 1.0 means the ring costs nothing on one GPU.
+
 The fused kernel's spin-wait bound is lowered to 60 s here (``RING_ATTENTION_TIMEOUT_S``, unless set),
 so that a rank left waiting by a peer's failure gets out quickly.
 """
@@ -105,6 +111,8 @@ import time
 import traceback
 
 import numpy as np
+
+from ring_core import gpus
 
 AXIS = "sp"
 DIFF_WARN = 0.05  # |out - anchor| above this is flagged (bf16/fp16 outputs of random-normal inputs are O(0.1))
@@ -151,12 +159,13 @@ SCALING_KEY = ("method", "batch", "heads", "kv_heads", "head_dim", "seq_global",
 PASSES = {"fwd": 1.0, "fwd+bwd": 3.5}
 GRADS = ("dq", "dk", "dv")
 # Columns added since the first CSVs, with the value a row written without them means.
-LEGACY_DEFAULTS = {"pass": "fwd"}
+LEGACY_DEFAULTS = {"pass": "fwd", "ranks_per_gpu": "1"}
+SHARED_NOTE = "RANKS SHARE GPUS: protocol overhead, not multi-GPU speed"
 
 VERSION_COLUMNS = ("gpu", "python", "torch", "torch_cuda", "torch_cudnn", "triton", "jax", "jaxlib",
                    "jax_cuda_plugin", "jax_platform", "jax_cudnn")
 CSV_COLUMNS = (
-    "run_id", "date", "world", "method", "framework", "kind",
+    "run_id", "date", "world", "ranks_per_gpu", "method", "framework", "kind",
     "batch", "heads", "kv_heads", "head_dim", "seq_local", "seq_global", "causal", "layout", "dtype", "pass",
     "flops_per_gpu", "ms_median", "ms_q20", "ms_q80", "tflops_per_gpu",
     "iters", "warmup", "input_sets", "compile_s", "first_call_s", "max_abs_diff", "diff_vs",
@@ -504,8 +513,8 @@ def compute_ratios(rows) -> list:
                     r[col] = round(mine / max(vals), 3)
             if str(r.get("world")) != "1":
                 base = world1.get(_key(r, SCALING_KEY))
-                if base:
-                    r["scaling_eff"] = round(mine / base, 3)
+                if base:  # ranks sharing a GPU: their GPU's rate (all of them) against one rank's on it
+                    r["scaling_eff"] = round(mine * int(r.get("ranks_per_gpu") or 1) / base, 3)
         out.append(r)
     return out
 
@@ -513,9 +522,7 @@ def compute_ratios(rows) -> list:
 class CsvLog:
     """The CSV on rank 0: rows already in the file are kept; the whole file is rewritten (atomically)
     after every change, so a killed run keeps every finished row. A file written before a column was added
-    (LEGACY_DEFAULTS) is read with that column filled in, and rewritten with it."""
-
-    LEGACY_COLUMNS = tuple(c for c in CSV_COLUMNS if c not in LEGACY_DEFAULTS)
+    (LEGACY_DEFAULTS) is read with those columns filled in, and rewritten with them."""
 
     def __init__(self, path: str, overwrite: bool = False):
         self.path = path
@@ -523,7 +530,8 @@ class CsvLog:
         if os.path.exists(path) and not overwrite:
             with open(path, newline="") as f:
                 reader = csv.DictReader(f)
-                if tuple(reader.fieldnames or ()) not in (CSV_COLUMNS, self.LEGACY_COLUMNS):
+                have = tuple(reader.fieldnames or ())
+                if have != tuple(c for c in CSV_COLUMNS if c in have or c not in LEGACY_DEFAULTS):
                     raise SystemExit(f"{path} exists with other columns than this harness writes; pass --overwrite "
                                      "or another --csv")
                 self.rows = [{c: r.get(c, "") for c in CSV_COLUMNS} for r in upgrade_rows(reader)]
@@ -690,6 +698,8 @@ class Env:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.cuda = not self.smoke
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
+        # Ranks sharing a GPU (ring_core.gpus): their rows measure the protocol, not multi-GPU speed.
+        self.ranks_per_gpu = gpus.placement_from_env(torch.cuda.device_count()).ranks_per_gpu if self.cuda else 1
         self.jax = None
         self.mesh = None
         self.jax_device = None
@@ -1319,11 +1329,13 @@ def _compared(names) -> str:
 def make_row(env, args, case, name, res: Result, meta: dict, anchor_name) -> dict:
     info = METHODS[name]
     fl = flops_per_gpu(case, env.world)
-    row = dict(meta, method=name, framework=info.framework, kind=info.kind, world=env.world, batch=case.batch,
+    note = f"{SHARED_NOTE}; {res.note}" if env.ranks_per_gpu > 1 else res.note
+    row = dict(meta, method=name, framework=info.framework, kind=info.kind, world=env.world,
+               ranks_per_gpu=env.ranks_per_gpu, batch=case.batch,
                heads=case.heads, kv_heads=case.kv_heads, head_dim=case.head_dim, seq_local=case.seq_local,
                seq_global=case.seq_global(env.world), causal=int(case.causal), layout=case.layout, dtype=case.dtype,
                flops_per_gpu=f"{fl:.6g}", iters=args.iters, warmup=args.warmup, input_sets=args.input_sets,
-               shape=res.shape, note=res.note, error=res.error or "", **{"pass": case.mode})
+               shape=res.shape, note=note, error=res.error or "", **{"pass": case.mode})
     if res.compile_s is not None:
         row["compile_s"] = round(res.compile_s, 3)
     if res.first_call_s is not None:
@@ -1397,6 +1409,8 @@ def main(argv=None) -> int:
     env.dist.broadcast_object_list(run_id, src=0)  # rank 0's clock names the run on every rank
     meta["run_id"] = run_id[0]
     log = CsvLog(args.csv, args.overwrite) if env.rank == 0 and args.csv else None
+    if env.ranks_per_gpu > 1:
+        env.print(f"{env.world} ranks, {env.ranks_per_gpu} per GPU: {SHARED_NOTE}")
     env.print(f"world {env.world} x {meta['gpu']}; torch {meta['torch']}, jax {meta['jax'] or '-'}, "
               f"triton {meta['triton'] or '-'}; {len(cases)} case(s); methods: {', '.join(methods)}")
     env.print(f"warm-up {args.warmup}, {args.iters} timed calls over {args.input_sets} input sets; CSV: "

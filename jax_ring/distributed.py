@@ -1,4 +1,5 @@
-"""Joining a job of one process per GPU, and the symmetric heap's lifetime (GPU path)."""
+"""Joining a job of one process per rank (one GPU each, or ranks sharing GPUs), and the symmetric heap's
+lifetime (GPU path)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ from ring_core import heap as _heap
 def initialize(heap_size: int | None = None):
     """Prepare this process for ``backend="fused"``; returns the heap. Collective: every rank calls it.
 
-    In a job of one process per GPU (``python -m jax_ring.launch --nproc-per-node N script.py`` or
+    In a job of one process per rank (``python -m jax_ring.launch --nproc-per-node N script.py`` or
     torchrun), this initialises torch.distributed (iris exchanges heap handles through it) and
-    ``jax.distributed`` (one local device: this process's GPU), each only if not done yet, then creates the
+    ``jax.distributed`` (one local device: this process's GPU, ``LOCAL_RANK % visible GPUs``; ranks may
+    share a GPU, see ``ring_core.gpus``), each only if not done yet, then creates the
     iris symmetric heap of ``heap_size`` bytes (default 4 GiB or RING_ATTENTION_HEAP_BYTES). Call it before
     JAX touches the GPU, so that XLA does not preallocate the memory the heap needs.
 
@@ -32,13 +34,13 @@ def initialize(heap_size: int | None = None):
     if _heap.is_initialized():
         return _heap.initialize(heap_size)
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    rank, world, local = _heap.init_torch_distributed_from_env()
+    rank, world, device = _heap.init_torch_distributed_from_env()
     import jax
 
     if world == 1:
         # One process: JAX would otherwise open every visible GPU and leave the last one current, so
         # torch's NCCL calls then find their tensors on a device the process group was not bound to.
-        jax.config.update("jax_cuda_visible_devices", str(local))
+        jax.config.update("jax_cuda_visible_devices", str(device))
     if world > 1 and not _jax_distributed_ready():
         addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
         if "JAX_COORDINATOR_PORT" not in os.environ and "MASTER_PORT" not in os.environ:
@@ -48,7 +50,7 @@ def initialize(heap_size: int | None = None):
                 "jax.distributed.initialize(..., local_device_ids=[this process's GPU]) yourself first")
         port = int(os.environ.get("JAX_COORDINATOR_PORT", int(os.environ.get("MASTER_PORT", 0)) + 1))
         jax.distributed.initialize(coordinator_address=f"{addr}:{port}", num_processes=world, process_id=rank,
-                                   local_device_ids=[local])
+                                   local_device_ids=[device])
     return _heap.initialize(heap_size)
 
 

@@ -1,8 +1,12 @@
-"""Start one process per GPU: ``python -m jax_ring.launch --nproc-per-node N script.py [args]``.
+"""Start one process per rank: ``python -m jax_ring.launch --nproc-per-node N script.py [args]``.
 
 Each process gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT (what
-``jax_ring.initialize`` / ``torch_bridge.initialize`` read; the same names torchrun sets). If one process
-fails, the others are stopped and the launcher exits with that process's code.
+``jax_ring.initialize`` / ``torch_bridge.initialize`` read; the same names torchrun sets). Rank r uses GPU
+``r % visible GPUs``, so N may exceed the GPUs: ranks then share them (``ring_core.gpus``). With
+``--mps auto`` (the default) the launcher then starts a private CUDA MPS daemon for the job, gives each
+rank its share of the SMs and stops the daemon at the end, so the ranks' kernels run side by side instead
+of time-sliced. If one process fails, the others are stopped and the launcher exits with that process's
+code.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import subprocess
 import sys
 import time
 
+from ring_core import gpus
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -24,7 +30,11 @@ def _free_port() -> int:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jax_ring.launch", description=__doc__.splitlines()[0])
-    ap.add_argument("--nproc-per-node", type=int, required=True, help="processes to start (one per GPU)")
+    ap.add_argument("--nproc-per-node", type=int, required=True,
+                    help="processes (ranks) to start; rank r uses GPU r %% visible GPUs")
+    ap.add_argument("--mps", choices=("auto", "on", "off"), default="auto",
+                    help="run a private CUDA MPS daemon for the job: auto (default) when ranks outnumber the "
+                         "visible GPUs and none serves already, on, or off")
     ap.add_argument("--master-port", type=int, default=None, help="rendezvous port (default: a free one)")
     ap.add_argument("-m", dest="module", action="store_true", help="run the target as a module (python -m)")
     ap.add_argument("target", help="script path (or module name with -m)")
@@ -33,12 +43,25 @@ def main(argv=None) -> int:
     n = a.nproc_per_node
     if n < 1:
         ap.error("--nproc-per-node must be >= 1")
+    start_mps, extra = gpus.mps_plan(n, gpus.visible_gpus() if a.mps != "off" else 0, a.mps)
+    mps = gpus.MpsDaemon()
+    if start_mps:
+        extra.update(mps.start())
+        print(f"jax_ring.launch: started a CUDA MPS daemon for {n} ranks ({extra})", file=sys.stderr)
+    try:
+        return _run(a, extra)
+    finally:
+        mps.stop()
+
+
+def _run(a, extra: dict) -> int:
+    n = a.nproc_per_node
     port = a.master_port or _free_port()
     cmd = [sys.executable] + (["-m", a.target] if a.module else [a.target]) + a.args
     procs = []
     for r in range(n):
         env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(n),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **extra)
         procs.append(subprocess.Popen(cmd, env=env))
 
     def stop(*_):

@@ -360,38 +360,55 @@ def _at_exit():
         _owned_group = None
 
 
-def init_torch_distributed_from_env(backend: str = "nccl"):
+def init_torch_distributed_from_env(backend: str | None = None):
     """Initialise torch.distributed from the launcher's environment if nobody did yet.
 
-    Reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT as set by ``python -m jax_ring.launch``
-    or torchrun. For NCCL (the fused backend's case) it binds this process to GPU LOCAL_RANK; ``backend``
-    names another torch.distributed backend (e.g. "gloo") for a group without GPUs. A process group created
-    here is owned here: destroyed at interpreter exit, not by ``shutdown()``. An existing process group is
-    used as it is and never destroyed here. Returns (rank, world_size, local_rank)."""
+    Reads RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT as set by
+    ``python -m jax_ring.launch`` or torchrun. The rank uses GPU ``LOCAL_RANK % visible GPUs``
+    (``ring_core.gpus.placement``); the group's backend is NCCL where every rank has its own GPU and gloo
+    where ranks share one (NCCL refuses that), and a rank that shares its GPU is told once what it lacks
+    (``ring_core.gpus.advise_sharing``: an MPS daemon, a per-rank SM share). ``backend`` names another
+    torch.distributed backend (e.g. "gloo" for a group without GPUs). A process group created here is
+    owned here: destroyed at interpreter exit, not by ``shutdown()``. An existing process group is used as
+    it is and never destroyed here. Returns (rank, world_size, CUDA device index of this rank)."""
     global _owned_group
     import torch
     import torch.distributed as dist
 
+    from ring_core import gpus
+
     with _lock:
         if dist.is_initialized():
-            default_local = torch.cuda.current_device() if torch.cuda.is_available() else 0
-            return dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", default_local))
+            # The program's own group: its ranks chose their GPUs (the heap is built on the current one).
+            device = torch.cuda.current_device() if torch.cuda.is_available() else int(os.environ.get("LOCAL_RANK", 0))
+            return dist.get_rank(), dist.get_world_size(), device
         missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
         if missing:
             raise RuntimeError(
-                f"cannot join the job: {', '.join(missing)} not set. Start one process per GPU with "
+                f"cannot join the job: {', '.join(missing)} not set. Start one process per rank with "
                 "`python -m jax_ring.launch --nproc-per-node N script.py` or torchrun, or call "
                 "torch.distributed.init_process_group() yourself first")
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        local = int(os.environ.get("LOCAL_RANK", rank))
-        if backend == "nccl":
+        if backend is None:  # the fused backend's case: one GPU per rank, or ranks sharing GPUs
             if not torch.cuda.is_available():
-                raise RuntimeError("the fused backend needs NVIDIA GPUs (one per process); on CPU use "
+                raise RuntimeError("the fused backend needs NVIDIA GPUs; on CPU use "
                                    "backend='xla' (JAX) or backend='torch' (PyTorch), which need no initialize()")
-            torch.cuda.set_device(local)
-            dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", local))
+            where = gpus.placement_from_env(torch.cuda.device_count())
+            if where.shared and gpus.mps_serving() and not os.environ.get(gpus.MPS_SHARE_ENV) \
+                    and not torch.cuda.is_initialized():
+                # Read when this process's CUDA context is created, which has not happened yet.
+                os.environ[gpus.MPS_SHARE_ENV] = str(gpus.mps_share(where.ranks_per_gpu))
+            gpus.advise_sharing(where)
+            torch.cuda.set_device(where.device)
+            device = where.device
+            if where.backend == "nccl":
+                dist.init_process_group("nccl", rank=rank, world_size=world,
+                                        device_id=torch.device("cuda", device))
+            else:
+                dist.init_process_group(where.backend, rank=rank, world_size=world)
         else:
+            device = int(os.environ.get("LOCAL_RANK", rank))
             dist.init_process_group(backend, rank=rank, world_size=world)
         _owned_group = dist.distributed_c10d._get_default_group()
         _register_atexit()
-        return rank, world, local
+        return rank, world, device

@@ -61,6 +61,12 @@ class Report:
                           f"({seconds:.1f} s) {detail}\n")
         self.stream.flush()
 
+    def skip(self, name: str, reason: str):
+        """A check that cannot run in this set-up: recorded (and printed) as skipped with its reason."""
+        self.results[name] = dict(ok=True, skipped=reason, detail="", seconds=0.0)
+        self.stream.write(f"FAULT-CHECK rank {self.rank} {name} SKIPPED: {reason}\n")
+        self.stream.flush()
+
     def check(self, name: str):
         report = self
 
@@ -164,6 +170,10 @@ class Job:
         self.torch, self.dist, self.tb = torch, dist, torch_bridge
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.dev = torch.device("cuda", torch.cuda.current_device())
+        from ring_core import gpus
+
+        # Ranks sharing a GPU (ring_core.gpus): the job's process group is gloo, NCCL cannot run between them.
+        self.shared = gpus.placement_from_env(torch.cuda.device_count()).shared
         self.report = Report(self.rank)
         self._jax_fns = {}
         self._refs = {}  # (id of q, dtype, causal) -> (inputs kept alive, float64 and low-precision references)
@@ -371,6 +381,14 @@ def _fused_and_all_reduce(job: Job, order: str, xs, idx, timeout_s: float, side)
     return out, launched["s"], None
 
 
+CONCURRENT_CHECKS = ("concurrent/torch: same order, fused first", "concurrent/torch: same order, all-reduce first",
+                     "concurrent/torch: opposite orders, kernel loaded",
+                     "concurrent/torch: opposite orders, first call of a kernel variant",
+                     "concurrent/jax: psum and the fused call in one jitted program")
+SHARED_GPU_REASON = ("ranks share a GPU: NCCL refuses two ranks on one GPU, so no NCCL collective (torch all-reduce, "
+                     "JAX psum) can run beside the fused kernel here (tests/gpu_shared_limits.py records what does)")
+
+
 def section_concurrent(job: Job):
     """The fused kernel next to NCCL work on another torch stream, and next to a psum in one jitted JAX
     program. A fused call is a collective of its own, so the rule NCCL gives for two communicators applies
@@ -379,6 +397,10 @@ def section_concurrent(job: Job):
     for a while, through CUDA's lazy loading (see the README): then the bounded waits turn it into
     RingAttentionTimeout on the ranks, and reset() brings them back, which is what is checked then."""
     a = job.args
+    if job.shared:
+        for name in CONCURRENT_CHECKS[:None if job.with_jax else -1]:
+            job.report.skip(name, SHARED_GPU_REASON)
+        return
     xs, idx = job.inputs(2, 1, 2048, 16, 4, 128, "bfloat16", "zigzag")  # more programs than the GPU holds
     side = job.torch.cuda.Stream()
     opposite = {0: "fused", 1: "all_reduce"}
@@ -395,7 +417,7 @@ def section_concurrent(job: Job):
     # A kernel variant this process has not loaded yet (other head counts), in opposite orders.
     xs2, idx2 = job.inputs(3, 1, 2048, 8, 8, 128, "bfloat16", "zigzag")
     job.barrier("concurrent first load")
-    with job.report.check("concurrent/torch: opposite orders, first call of a kernel variant") as c:
+    with job.report.check(CONCURRENT_CHECKS[3]) as c:
         out, launch_s, err = _fused_and_all_reduce(job, opposite.get(job.rank, "fused"), xs2, idx2, a.timeout,
                                                    side)
         if err is None:
@@ -415,7 +437,7 @@ def section_concurrent(job: Job):
         return
     dtype, causal, layout = "bfloat16", True, "zigzag"
     job.barrier("concurrent jax")
-    with job.report.check("concurrent/jax: psum and the fused call in one jitted program") as c:
+    with job.report.check(CONCURRENT_CHECKS[4]) as c:
         import jax
         import jax.numpy as jnp
         from jax import lax
@@ -632,8 +654,8 @@ def main(argv=None) -> int:
     ok = all(r["ok"] for per_rank in results for r in per_rank.values())
     if job.rank == 0 and a.out:
         os.makedirs(a.out, exist_ok=True)
-        summary = dict(ok=ok, sections=sections, world=job.world, seconds=round(time.monotonic() - t0, 1),
-                       gpu=job.torch.cuda.get_device_name(), checks=results)
+        summary = dict(ok=ok, sections=sections, world=job.world, shared=job.shared,
+                       seconds=round(time.monotonic() - t0, 1), gpu=job.torch.cuda.get_device_name(), checks=results)
         with open(os.path.join(a.out, f"gpu_faults_{'_'.join(sections)}.json"), "w") as f:
             json.dump(summary, f, indent=1)
     print(f"gpu_faults: rank {job.rank}: {'ALL FAULT CHECKS PASSED' if ok else 'SOME FAULT CHECKS FAILED'}",

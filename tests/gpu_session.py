@@ -9,6 +9,7 @@ The next call finds the compiled kernels, as long as the kernel source has not c
 On the GPU machine (carry ``.gpu`` and ``.tcache``)::
 
     source .gpu/prelude.sh; python tests/gpu_session.py --out $OUT soak:300 bench-fwdbwd:240
+    source .gpu/prelude.sh; python tests/gpu_session.py --nproc 4 --out $OUT checks:300 faults:200  # 4 ranks, 1 GPU
 
 Then, on this machine, put the returned parts back into ``.tcache/`` (git-ignored)::
 
@@ -25,6 +26,7 @@ Stages (``NAME[:SECONDS]``; the default time limit is in brackets):
   examples     the four examples on 2 GPUs (flax_train.py needs flax and optax there: carry .whl and
                install them first, see the README)                                 [300]
   flax         examples/flax_train.py alone                                        [120]
+  limits       tests/gpu_shared_limits.py: what works between ranks sharing a GPU   [240]
   tune-bwd     benchmarks/tune.py --kernel bwd, bf16 D128 seq_local 16k            [420]
   tune-fwd256  benchmarks/tune.py --kernel fwd, bf16 D256 seq_local 4k (checked) and 16k [240]
 
@@ -44,12 +46,16 @@ import sys
 import tarfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from ring_core import gpus  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CARRY = os.path.join(ROOT, ".tcache")  # carried to the GPU machine; git-ignored
 CACHE = os.path.join(ROOT, ".cache", "triton")  # TRITON_CACHE_DIR there
 PART_BYTES = 15 << 20
 PART_PREFIX = "tcache.tgz.part"
-LAUNCH = [sys.executable, "-m", "jax_ring.launch", "--nproc-per-node", "2"]
+LAUNCH = [sys.executable, "-m", "jax_ring.launch", "--nproc-per-node", "{nproc}"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "{nproc}"]
 
 STAGES = {
     "checks": (540, [LAUNCH + ["tests/gpu_checks.py", "--sections", "cases,jit,grads,big", "--out", "{out}"]]),
@@ -64,12 +70,11 @@ STAGES = {
     "bench-fwdbwd": (420, [LAUNCH + ["-m", "benchmarks.attention", "--pass", "fwd,fwd+bwd", "--seq", "4k,16k",
                                      "--warmup", "2", "--iters", "5", "--csv", "{out}/attention_fwdbwd.csv"]]),
     "examples": (300, [LAUNCH + ["examples/jax_ring_attention.py"],
-                       [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                        "examples/torch_ring_attention.py"],
-                       [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                        "examples/torch_train.py"],
+                       TORCHRUN + ["examples/torch_ring_attention.py"],
+                       TORCHRUN + ["examples/torch_train.py"],
                        LAUNCH + ["examples/flax_train.py"]]),  # last: it needs the extra wheels
     "flax": (120, [LAUNCH + ["examples/flax_train.py"]]),
+    "limits": (240, [LAUNCH + ["tests/gpu_shared_limits.py", "--out", "{out}"]]),
     "tune-bwd": (420, [LAUNCH + ["-m", "benchmarks.tune", "--kernel", "bwd", "--head-dims", "128", "--seq", "16384",
                                  "--csv", "{out}/tune_backward.csv"]]),
     "tune-fwd256": (240, [LAUNCH + ["-m", "benchmarks.tune", "--kernel", "fwd", "--head-dims", "256",
@@ -91,9 +96,10 @@ def parse_stage(text: str) -> tuple:
     return name, limit
 
 
-def commands(name: str, limit: float, out: str) -> list:
+def commands(name: str, limit: float, out: str, nproc: int = 2) -> list:
     """The command lines of a stage, with its placeholders filled in."""
-    values = dict(out=out, limit_minus=f"{max(limit - 10, 5):g}", soak_seconds=f"{max(limit - 50, 10):g}")
+    values = dict(out=out, limit_minus=f"{max(limit - 10, 5):g}", soak_seconds=f"{max(limit - 50, 10):g}",
+                  nproc=nproc)
     return [[arg.format(**values) for arg in cmd] for cmd in STAGES[name][1]]
 
 
@@ -147,11 +153,11 @@ def collect(returned: str, carry: str = CARRY) -> int:
     return len(parts)
 
 
-def run_stage(name: str, limit: float, out: str, log) -> int:
+def run_stage(name: str, limit: float, out: str, log, nproc: int = 2) -> int:
     """Run the stage's commands one after another within ``limit`` seconds in all; returns the first
     non-zero exit code (124 when the limit stopped it), or 0."""
     end = time.monotonic() + limit
-    for cmd in commands(name, limit, out):
+    for cmd in commands(name, limit, out, nproc):
         left = end - time.monotonic()
         log.write(f"\n=== {name}: {' '.join(cmd)} (limit {left:.0f} s)\n")
         log.flush()
@@ -180,6 +186,9 @@ def main(argv=None) -> int:
     ap.add_argument("stages", nargs="*", type=parse_stage, help="NAME[:SECONDS] ...")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="where the log and the cache parts go ($OUT)")
     ap.add_argument("--collect", metavar="DIR", help="copy the cache parts a device call returned into .tcache/")
+    ap.add_argument("--nproc", type=int, default=2,
+                    help="ranks per stage (default 2); more ranks than GPUs share them under one CUDA MPS daemon "
+                         "that this runner starts first and stops last (ring_core.gpus)")
     a = ap.parse_args(argv)
     if a.collect:
         print(f"{collect(a.collect)} cache parts now in {CARRY}")
@@ -191,12 +200,23 @@ def main(argv=None) -> int:
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     os.environ.setdefault("RING_ATTENTION_TIMEOUT_S", "60")  # a rank left waiting by a failure gets out soon
     first_failure = 0
+    n_gpus = gpus.visible_gpus()
+    # One daemon for every stage (torchrun stages too); the launcher then uses it and starts none.
+    start_mps, extra = gpus.mps_plan(a.nproc, n_gpus, "auto")
+    mps = gpus.MpsDaemon()
     with open(os.path.join(a.out, "session.log"), "a") as log:
         log.write(f"restored {restore_cache(cache=os.environ['TRITON_CACHE_DIR'])} cached files\n")
-        for name, limit in a.stages:
-            rc = run_stage(name, limit, a.out, log)
-            print(f"gpu_session: {name}: exit {rc}", flush=True)
-            first_failure = first_failure or rc
+        if start_mps:
+            extra.update(mps.start())
+        os.environ.update(extra)
+        log.write(f"{a.nproc} ranks on {n_gpus} GPU(s); MPS: {'started, ' if start_mps else ''}{extra}\n")
+        try:
+            for name, limit in a.stages:
+                rc = run_stage(name, limit, a.out, log, a.nproc)
+                print(f"gpu_session: {name}: exit {rc}", flush=True)
+                first_failure = first_failure or rc
+        finally:
+            mps.stop()
         parts = save_cache(a.out, cache=os.environ["TRITON_CACHE_DIR"])
         log.write(f"saved the cache in {len(parts)} parts\n")
     return first_failure

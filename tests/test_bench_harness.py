@@ -193,6 +193,21 @@ def test_ratios_only_compare_rows_of_the_same_pass():
     assert bench.field({"pass": "fwd+bwd"}, "pass") == "fwd+bwd" and bench.field({}, "note") == ""
 
 
+def test_ranks_sharing_a_gpu_are_labelled_and_scaled_by_the_whole_gpu(tmp_path):
+    shared = dict(_row("torch_fused", 150), ranks_per_gpu="2")  # two ranks on one GPU, each at 150
+    rows = [shared, _row("torch_fused", 320, world=1, seq_local=8192, run="r10")]
+    out = {r["world"]: r for r in bench.compute_ratios(rows)}
+    assert out["2"]["scaling_eff"] == round(2 * 150 / 320, 3)  # the GPU's rate against one rank's on it
+    assert bench.field({}, "ranks_per_gpu") == "1"  # rows written before the column: a GPU per rank
+    old_columns = [c for c in bench.CSV_COLUMNS if c not in ("pass", "ranks_per_gpu")]
+    path = tmp_path / "old.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=old_columns)
+        w.writeheader()
+        w.writerow({c: _row("torch_fused", 300).get(c, "") for c in old_columns})
+    assert [(r["pass"], r["ranks_per_gpu"]) for r in bench.CsvLog(str(path)).rows] == [("fwd", "1")]
+
+
 def test_csv_log_rewrites_after_every_row_and_keeps_earlier_runs(tmp_path):
     path = tmp_path / "sub" / "bench.csv"
     log = bench.CsvLog(str(path))

@@ -28,9 +28,11 @@ def _check_group(group):
 def initialize(heap_size: int | None = None, group=None):
     """Create this process's iris symmetric heap and return it. Collective: every rank calls it.
 
-    Initialises torch.distributed (NCCL) from the launcher's environment (RANK, WORLD_SIZE, LOCAL_RANK,
-    MASTER_ADDR, MASTER_PORT) if the program has not; a process group created here is destroyed at
-    interpreter exit (never earlier), one the program created is left alone. The fused backend runs over
+    Initialises torch.distributed from the launcher's environment (RANK, WORLD_SIZE, LOCAL_RANK,
+    LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) if the program has not: NCCL where every rank has its own
+    GPU, gloo where ranks share one (rank r uses GPU ``LOCAL_RANK % visible GPUs``, see ``ring_core.gpus``);
+    a process group created here is destroyed at interpreter exit (never earlier), one the program
+    created is left alone. The fused backend runs over
     all processes of the job: ``group`` must be None or the default group.
 
     Calling it again returns the same heap (a different ``heap_size`` raises RuntimeError: ``shutdown()``

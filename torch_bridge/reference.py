@@ -23,13 +23,17 @@ from ring_core.validate import AttentionSpec
 
 
 def _sendrecv(x: torch.Tensor, dst: int, src: int, group) -> torch.Tensor:
-    """Send ``x`` to global rank ``dst`` and return what global rank ``src`` sent; both posted together."""
+    """Send ``x`` to global rank ``dst`` and return what global rank ``src`` sent; both posted together.
+    CUDA tensors travel through host memory on a gloo group (ranks sharing a GPU, where NCCL cannot run:
+    gloo sends and receives only CPU tensors)."""
     x = x.contiguous()
-    out = torch.empty_like(x)
-    ops = [dist.P2POp(dist.isend, x, dst, group), dist.P2POp(dist.irecv, out, src, group)]
+    staged = x.is_cuda and dist.get_backend(group) == "gloo"
+    send = x.cpu() if staged else x
+    out = torch.empty_like(send)
+    ops = [dist.P2POp(dist.isend, send, dst, group), dist.P2POp(dist.irecv, out, src, group)]
     for req in dist.batch_isend_irecv(ops):
         req.wait()
-    return out
+    return out.to(x.device) if staged else out
 
 
 class _RingShift(torch.autograd.Function):
