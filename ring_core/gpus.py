@@ -178,8 +178,10 @@ class MpsDaemon:
         deadline = time.monotonic() + timeout_s
         while not mps_serving(env):
             if time.monotonic() > deadline:
+                seen = sorted(os.listdir(self.pipe_dir))
                 self.stop()
-                raise RuntimeError(f"the MPS daemon did not start within {timeout_s:g} s (log: {self.log_dir})")
+                raise RuntimeError(f"the MPS daemon did not start within {timeout_s:g} s (no 'control' pipe in "
+                                   f"{self.pipe_dir}, which holds {seen})")
             time.sleep(0.05)
         return self.environ()
 
