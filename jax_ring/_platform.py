@@ -50,3 +50,49 @@ def axis_index(axis_name):
         return lax.axis_index(axis_name)
     except NameError as e:
         raise _unbound(axis_name, e) from None
+
+
+def varying_axes(x) -> frozenset:
+    """The mesh axes along which ``x`` varies inside shard_map (its "vma": ``aval.vma`` in some JAX releases,
+    ``aval.manual_axis_type.varying`` in others); empty outside shard_map or without check_vma."""
+    aval = jax.typeof(x) if hasattr(jax, "typeof") else x.aval  # pragma: no branch
+    mat = getattr(aval, "manual_axis_type", None)
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", ()) or ())
+
+
+def vary(x, axes):
+    """``x`` marked as varying along ``axes`` too (what it already varies along stays). A no-op at run time:
+    how a value computed outside JAX's view of the mesh (a custom kernel's output, whose type says
+    "the same on every device") gets the type shard_map's check_vma needs."""
+    missing = tuple(sorted(frozenset(axes) - varying_axes(x)))
+    if not missing:
+        return x
+    if hasattr(lax, "pcast"):
+        return lax.pcast(x, missing, to="varying")
+    return lax.pvary(x, missing)  # pragma: no cover - JAX releases before pcast
+
+
+def mesh_position():
+    """This device's position in the mesh of the enclosing shard_map, row-major over its axes (so that
+    ``mesh.devices.flat[position]`` is this device), as a traced int32. Every mesh axis must be manual."""
+    mesh = jax.sharding.get_abstract_mesh()
+    pos = 0
+    for name, size in zip(mesh.axis_names, mesh.axis_sizes):
+        try:
+            idx = lax.axis_index(name)
+        except Exception as e:  # an axis the shard_map left automatic (axis_names=...)
+            raise ValueError(
+                f"the fused backend needs every mesh axis manual inside jax.shard_map, but {name!r} is not "
+                f"({e}); call shard_map over all mesh axes (the default), or use backend='xla'") from None
+        pos = pos * size + idx
+    return pos
+
+
+def under_vmap() -> bool:
+    """Whether this trace runs under jax.vmap (where the JAX release can say; else False)."""
+    from jax._src import core
+
+    probe = getattr(core, "unsafe_am_i_under_a_vmap", None)
+    return bool(probe()) if probe is not None else False

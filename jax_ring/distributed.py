@@ -32,7 +32,9 @@ def initialize(heap_size: int | None = None):
     """
     heap_size = _heap.check_heap_size(heap_size) if heap_size is not None else None
     if _heap.is_initialized():
-        return _heap.initialize(heap_size)
+        h = _heap.initialize(heap_size)
+        _map_processes()
+        return h
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     rank, world, device = _heap.init_torch_distributed_from_env()
     import jax
@@ -51,7 +53,24 @@ def initialize(heap_size: int | None = None):
         port = int(os.environ.get("JAX_COORDINATOR_PORT", int(os.environ.get("MASTER_PORT", 0)) + 1))
         jax.distributed.initialize(coordinator_address=f"{addr}:{port}", num_processes=world, process_id=rank,
                                    local_device_ids=[device])
-    return _heap.initialize(heap_size)
+    h = _heap.initialize(heap_size)
+    _map_processes()
+    return h
+
+
+def _map_processes():
+    """Tell the fused launcher which global rank (of the heap's job) each JAX process has (collective):
+    a ring is made of a mesh axis's devices, each named by its process (jax_ring.fused.ring_table)."""
+    import jax
+    import torch.distributed as dist
+
+    from jax_ring import fused
+
+    pairs = [(jax.process_index(), 0)]  # no process group: a job of one
+    if dist.is_available() and dist.is_initialized():
+        pairs = [None] * dist.get_world_size()
+        dist.all_gather_object(pairs, (jax.process_index(), dist.get_rank()))
+    fused.set_process_ranks(dict(pairs))
 
 
 def _jax_distributed_ready() -> bool:

@@ -1,15 +1,21 @@
 """backend='fused' for JAX: the shared kernels (ring_core.kernel, ring_core.kernel_bwd) as jax-triton custom calls.
 
-Per-rank values (this rank's position, the heap bases as mapped in its process) reach the kernel as an
-on-device array: every process holds the same table of all ranks' context arrays (a program baked with
-per-process constants would differ between processes, which multi-controller JAX cannot compile: it
-waits forever), and the row is picked with ``lax.axis_index(axis_name)`` inside shard_map, so no per-rank
-Python scalar is baked into the compiled call. The mesh axis must list devices in process order (as
-``jax.make_mesh`` / ``Mesh(jax.devices())`` do): ring position i is process i.
+Per-rank values (this rank's position in its ring, the heap bases of the ring's members as mapped in its
+process) reach the kernel as an on-device array: a program baked with per-process constants would differ
+between processes, which multi-controller JAX cannot compile (it waits forever). So every process bakes the
+same table, one row per device of the mesh, and each device picks its own row with its mesh position
+(``lax.axis_index`` of every mesh axis). The table is built where the concrete mesh is known, when the
+program is lowered (``ring_ctx_p``): a ring is the devices along ``axis_name`` at one position of the other
+mesh axes (a ``("dp", "sp")`` mesh has one ring per dp index), each device in its own process; every ring
+gets a slot of the heap (ring_core.heap.RingSlots), assigned alike in every process.
+
+Under shard_map's default check_vma, the kernels' outputs are typed like values computed from their inputs
+(varying along the inputs' axes and the ring's axis): jax-triton types them as the same on every device.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
@@ -17,9 +23,16 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.interpreters import mlir
 
+from jax_ring import _platform
 from ring_core import heap as _heap
 from ring_core import launch
+
+try:
+    from jax.extend.core import Primitive
+except ImportError:  # pragma: no cover - older JAX
+    from jax.core import Primitive
 
 
 def fused_available() -> bool:
@@ -59,8 +72,12 @@ def _forget_compiled_programs():
     api._sharded_fn.cache_clear()
 
 
-def _raise_status(status, rank, timeout_s):
-    launch.check_status(np.asarray(status), int(rank), timeout_s)
+def _raise_status(status, ctx, ring_size: int, timeout_s):
+    """Host callback: raise the failure in ``status``, naming ranks by their global ranks (from the ring's
+    members, which the context row carries after what the kernel reads)."""
+    row = np.asarray(ctx).view(np.int64)
+    launch.check_status(np.asarray(status), int(row[ring_size]), timeout_s,
+                        members=row[ring_size + 4:2 * ring_size + 4])
 
 
 ERRORS_ENV = "RING_ATTENTION_JAX_ERRORS"
@@ -77,17 +94,80 @@ def errors_deferred() -> bool:
     return mode == "deferred"
 
 
+# ---------------------------------------------------------------------------- the ring's context row
+_process_ranks = {}  # JAX process index -> global rank of the heap (jax_ring.initialize fills it)
+
+
+def set_process_ranks(mapping: dict) -> None:
+    _process_ranks.clear()
+    _process_ranks.update(mapping)
+
+
+def _device_rank(device) -> int:
+    """The global rank (of the heap's job) of the process that owns ``device``."""
+    return _process_ranks.get(device.process_index, device.process_index)
+
+
+def ring_table(h, mesh, axis_name) -> np.ndarray:
+    """[devices of ``mesh``, n] int32: row i is the context of the device ``mesh.devices.flat[i]`` for the
+    ring along ``axis_name`` through it (``h.ctx_row``: heap bases as mapped in its process, its position in
+    the ring, its ring's slot, then the ring's global ranks). Registers every ring of the axis (in the same
+    order in every process, so every process assigns the same slots)."""
+    devices = np.asarray(mesh.devices)
+    names = list(mesh.axis_names)
+    ax = names.index(axis_name)
+    ranks = np.vectorize(_device_rank, otypes=[np.int64])(devices)
+    if len(set(ranks.flat)) != ranks.size:
+        raise ValueError(f"the fused backend needs one device per process in the mesh ({dict(mesh.shape)}), "
+                         "each process's own GPU (jax_ring.initialize gives each process one); use backend='xla'")
+    rings = np.moveaxis(ranks, ax, -1).reshape(-1, devices.shape[ax])
+    for members in rings:
+        h.rings.assign("jax", members)
+    rows = []
+    for pos in range(devices.size):
+        coords = np.unravel_index(pos, devices.shape)
+        members = ranks[coords[:ax] + (slice(None),) + coords[ax + 1:]]
+        slot = h.rings.get("jax", members)
+        rows.append(np.concatenate([h.ctx_row(int(ranks[coords]), members, slot), members.astype(np.int64)]))
+    return np.stack(rows).view(np.int32)
+
+
+def _ring_ctx_abstract(pos, *, axis_name, ring_size):
+    # Varies along every mesh axis, as ``pos`` does: each device has its own row.
+    return pos.update(shape=(2 * (2 * ring_size + 4),), dtype=jnp.dtype(jnp.int32))
+
+
+def _ring_ctx_lowering(ctx, pos, *, axis_name, ring_size):
+    mesh = getattr(ctx.module_context.axis_context, "mesh", None)
+    if mesh is None or not hasattr(mesh, "devices"):
+        raise ValueError("the fused backend must run inside jax.shard_map over a mesh of devices (the program is "
+                         "lowered without one)")
+    table = ring_table(_heap.get(), mesh, axis_name)
+    row = lambda i: lax.dynamic_index_in_dim(jnp.asarray(table), i, axis=0, keepdims=False)  # noqa: E731
+    return mlir.lower_fun(row, multiple_results=False)(ctx, pos)
+
+
+# This device's context row, from its mesh position; the table is made when the program is lowered, where
+# the mesh's devices (hence each device's process and ring) are known.
+ring_ctx_p = Primitive("ring_attention_context")
+ring_ctx_p.def_abstract_eval(_ring_ctx_abstract)
+mlir.register_lowering(ring_ctx_p, _ring_ctx_lowering)
+
+
 def _launch_context(spec, axis_name, world_size: int, *, backward: bool):
-    """(launch plan, this rank's index, this rank's context row) for a fused launch inside shard_map."""
+    """(launch plan, this device's context row) for a fused launch inside shard_map."""
     h = _heap.get()
-    _heap.on_release(_forget_compiled_programs)  # the table below is baked into the program
-    if world_size != h.world_size:
-        raise ValueError(f"the mesh axis {axis_name!r} has {world_size} devices but the job has {h.world_size} "
-                         "processes; the fused backend shards the sequence over all processes (one GPU each)")
-    p = h.plan_bwd(spec) if backward else h.plan(spec)  # HeapTooSmallError at trace time, before anything runs
-    table = jnp.asarray(h.ctx_table().view(np.int32))  # [W, 2 * n]; int32 pairs, read as int64 in the kernel
-    rank = lax.axis_index(axis_name)
-    return p, rank, lax.dynamic_index_in_dim(table, rank, axis=0, keepdims=False)
+    _heap.on_release(_forget_compiled_programs)  # the table is baked into the program
+    p = h.plan_bwd(spec, world_size) if backward else h.plan(spec, world_size)  # HeapTooSmallError at trace time
+    ctx = ring_ctx_p.bind(_platform.mesh_position(), axis_name=axis_name, ring_size=world_size)
+    return p, ctx
+
+
+def _typed_like(outs, inputs, axis_name):
+    """The kernel's outputs typed as computed from ``inputs`` over the ring: varying along every axis an
+    input varies along, and along the ring's axis (see the module docstring)."""
+    axes = {axis_name}.union(*(_platform.varying_axes(x) for x in inputs))
+    return [_platform.vary(o, axes) for o in outs]
 
 
 def forward(q, k, v, spec, axis_name, world_size: int, timeout_s: float | None = None):
@@ -95,7 +175,7 @@ def forward(q, k, v, spec, axis_name, world_size: int, timeout_s: float | None =
     jt = _import_jax_triton()
     from ring_core.kernel import ring_attn_fwd_kernel
 
-    p, rank, ctx = _launch_context(spec, axis_name, world_size, backward=False)
+    p, ctx = _launch_context(spec, axis_name, world_size, backward=False)
     deferred = errors_deferred()
     b, s, hq, d = q.shape
     scal = p.scalars(timeout_s)
@@ -110,19 +190,19 @@ def forward(q, k, v, spec, axis_name, world_size: int, timeout_s: float | None =
         zeroed_outputs=(2,),  # status: all zero unless the kernel's last program wrote it (check_status)
         name="ring_attn_fwd", **p.constexprs(interpret=False, sticky_errors=deferred))
     if not deferred:  # else the kernel keeps a failure for jax_ring.check_errors()
-        jax.debug.callback(_raise_status, status, rank, timeout_s)
-    return out, lse
+        jax.debug.callback(_raise_status, status, ctx, world_size, timeout_s)
+    return tuple(_typed_like((out, lse), (q, k, v), axis_name))
 
 
 def backward(q, k, v, out, lse, dout, dlse, spec, axis_name, world_size: int, timeout_s: float | None = None):
     """Run the fused backward kernel (ring_core.kernel_bwd) on this rank's shards inside shard_map, from the
-    forward's ``out`` and ``lse`` and the cotangents ``dout`` and ``dlse``; returns (dq, dk, dv). Same
-    context-table row, launch maths (ring_core.launch.plan_bwd) and argument list as the torch launcher
-    (torch_bridge.fused.backward)."""
+    forward's ``out`` and ``lse`` and the cotangents ``dout`` and ``dlse``; returns (dq, dk, dv), typed as
+    q, k and v. Same context row, launch maths (ring_core.launch.plan_bwd) and argument list as the torch
+    launcher (torch_bridge.fused.backward)."""
     jt = _import_jax_triton()
     from ring_core.kernel_bwd import ring_attn_bwd_kernel
 
-    p, rank, ctx = _launch_context(spec, axis_name, world_size, backward=True)
+    p, ctx = _launch_context(spec, axis_name, world_size, backward=True)
     deferred = errors_deferred()
     scal = p.scalars(timeout_s)
     scal = (scal[0], scal[1], np.float32(scal[2]), *scal[3:])  # float32 scale, as the torch launch passes it
@@ -134,29 +214,38 @@ def backward(q, k, v, out, lse, dout, dlse, spec, axis_name, world_size: int, ti
         zeroed_outputs=(4,),  # status: all zero unless the kernel's last program wrote it (check_status)
         name="ring_attn_bwd", **p.constexprs(interpret=False, sticky_errors=deferred))
     if not deferred:  # else the kernel keeps a failure for jax_ring.check_errors()
-        jax.debug.callback(_raise_status, status, rank, timeout_s)
-    return dq, dk, dv
+        jax.debug.callback(_raise_status, status, ctx, world_size, timeout_s)
+    return tuple(_platform.vary(g, _platform.varying_axes(x)) for g, x in ((dq, q), (dk, k), (dv, v)))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _fused(q, k, v, spec, axis_name, world_size, timeout_s):
+    return forward(q, k, v, spec, axis_name, world_size, timeout_s)
+
+
+def _fused_fwd(q, k, v, spec, axis_name, world_size, timeout_s):
+    _heap.get().plan_bwd(spec, world_size)  # a heap too small for the backward raises now, before anything runs
+    out, lse = forward(q, k, v, spec, axis_name, world_size, timeout_s)
+    return (out, lse), (q, k, v, out, lse)
+
+
+def _fused_bwd(spec, axis_name, world_size, timeout_s, res, cts):
+    q, k, v, out, lse = res
+    dout, dlse = cts
+    return backward(q, k, v, out, lse, dout.astype(q.dtype), dlse, spec, axis_name, world_size, timeout_s)
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
 
 
 def ring_attention_fused(q, k, v, *, axis_name, spec, world_size: int, return_lse: bool = False,
                          timeout_s: float | None = None):
     """Fused forward; differentiable: the VJP runs the fused backward kernel from the saved q, k, v, out
     and lse, with the cotangents of both out and lse (zeros for lse unless the caller uses it)."""
-
-    @jax.custom_vjp
-    def f(q, k, v):
-        return forward(q, k, v, spec, axis_name, world_size, timeout_s)
-
-    def f_fwd(q, k, v):
-        _heap.get().plan_bwd(spec)  # a heap too small for the backward raises now, before anything runs
-        out, lse = forward(q, k, v, spec, axis_name, world_size, timeout_s)
-        return (out, lse), (q, k, v, out, lse)
-
-    def f_bwd(res, cts):
-        q, k, v, out, lse = res
-        dout, dlse = cts
-        return backward(q, k, v, out, lse, dout.astype(q.dtype), dlse, spec, axis_name, world_size, timeout_s)
-
-    f.defvjp(f_fwd, f_bwd)
-    out, lse = f(q, k, v)
+    if _platform.under_vmap():
+        raise ValueError(
+            "jax_ring.ring_attention(backend='fused') does not run under jax.vmap: the kernel takes a batch axis "
+            "of its own. Fold the mapped axis into the batch axis instead (q.reshape(-1, *q.shape[-3:]) and back), "
+            "or use backend='xla'")
+    out, lse = _fused(q, k, v, spec, axis_name, world_size, timeout_s)
     return (out, lse) if return_lse else out

@@ -23,6 +23,7 @@ simulates and then wants the fused kernel on a GPU should simulate in a subproce
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import multiprocessing
 import os
 import threading
@@ -43,7 +44,9 @@ FUSED_DTYPES = tuple(launch.ELEM_BYTES)  # ("float16", "bfloat16", "float32")
 # --------------------------------------------------------------------------------- argument handling
 @dataclass(frozen=True)
 class _Call:
-    """One validated call: the per-rank spec, the layout permutation and the per-rank shards."""
+    """One validated call: the per-rank spec, the layout permutation and the per-rank shards. With
+    ``data_parallel`` = D > 1 the job runs D rings of ``world_size`` ranks at once (a D x world_size mesh),
+    ring d on the d-th of D equal batch slices; rank d * world_size + s is position s of ring d."""
 
     spec: AttentionSpec
     world_size: int
@@ -55,19 +58,47 @@ class _Call:
     timeout_s: float
     dout_shards: list | None = None
     dlse_shards: list | None = None
+    data_parallel: int = 1
+
+    @property
+    def rings(self) -> list:
+        W = self.world_size
+        return [list(range(d * W, (d + 1) * W)) for d in range(self.data_parallel)]
+
+    def shard(self, x, seq_axis: int = 1) -> list:
+        """A global array's per-rank shards (ring by ring), its sequence axis in layout order."""
+        S, W = self.spec.seq_local, self.world_size
+        x = np.take(x, self.perm, axis=seq_axis)
+        return [np.ascontiguousarray(np.take(part, np.arange(s * S, (s + 1) * S), axis=seq_axis))
+                for part in np.split(x, self.data_parallel, axis=0) for s in range(W)]
+
+    def gather(self, parts, seq_axis: int = 1):
+        """Inverse of ``shard``."""
+        W, inv = self.world_size, inverse_permutation(self.perm)
+        rings = [np.concatenate(parts[d * W:(d + 1) * W], axis=seq_axis) for d in range(self.data_parallel)]
+        return np.take(np.concatenate(rings, axis=0), inv, axis=seq_axis)
+
+    def check(self, statuses):
+        """Raise the first failure a rank reported (ring positions named by the job's rank numbers)."""
+        for members in self.rings:
+            for position, rank in enumerate(members):
+                launch.check_status(statuses[rank], position, self.timeout_s, members=members)
 
 
-def _check_world_size(world_size) -> int:
+def _check_world_size(world_size, name: str = "world_size") -> int:
     if isinstance(world_size, bool) or not isinstance(world_size, (int, np.integer)):
-        raise TypeError(f"world_size must be an int, got {type(world_size).__name__}")
+        raise TypeError(f"{name} must be an int, got {type(world_size).__name__}")
     if not 1 <= int(world_size) <= launch.MAX_WORLD:
-        raise ValueError(f"world_size must be in 1..{launch.MAX_WORLD}, got {world_size}")
+        raise ValueError(f"{name} must be in 1..{launch.MAX_WORLD}, got {world_size}")
     return int(world_size)
 
 
-def _prepare(q, k, v, world_size, *, is_causal, scale, layout, return_lse, timeout_s) -> _Call:
+def _prepare(q, k, v, world_size, *, is_causal, scale, layout, return_lse, timeout_s, data_parallel=1) -> _Call:
     """Every check, then the layout permutation and the shards; raises before any simulation runs."""
     W = _check_world_size(world_size)
+    D = _check_world_size(data_parallel, "data_parallel")
+    if D * W > launch.MAX_WORLD:
+        raise ValueError(f"data_parallel * world_size must be at most {launch.MAX_WORLD}, got {D} * {W}")
     q, k, v = (np.asarray(x) for x in (q, k, v))
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim != 4:
@@ -86,8 +117,11 @@ def _prepare(q, k, v, world_size, *, is_causal, scale, layout, return_lse, timeo
     if seq % W:
         raise ValueError(f"the global sequence length ({seq}) must be divisible by world_size ({W}); "
                          f"pad the sequence to a multiple of {W}")
+    if q.shape[0] % D:
+        raise ValueError(f"the batch ({q.shape[0]}) must be divisible by data_parallel ({D}): each ring takes an "
+                         "equal slice of it")
     S = seq // W
-    per_rank = lambda x: (x.shape[0], S, x.shape[2], x.shape[3])  # noqa: E731
+    per_rank = lambda x: (x.shape[0] // D, S, x.shape[2], x.shape[3])  # noqa: E731
     spec = check_attention_args(per_rank(q), per_rank(k), per_rank(v), q.dtype, k.dtype, v.dtype,
                                 is_causal=is_causal, scale=scale, layout=layout, backend="fused",
                                 backends=("fused",), return_lse=return_lse)
@@ -98,28 +132,22 @@ def _prepare(q, k, v, world_size, *, is_causal, scale, layout, return_lse, timeo
     timeout_s = check_timeout(timeout_s)
     if timeout_s is None:
         timeout_s = launch.timeout_ns() / 1e9  # RING_ATTENTION_TIMEOUT_S, as on GPUs
-    perm = layout_permutation(seq, W, layout)
-
-    def shards(x):
-        x = x[:, perm]
-        return [np.ascontiguousarray(x[:, r * S:(r + 1) * S]) for r in range(W)]
-
-    return _Call(spec, W, perm, shards(q), shards(k), shards(v), return_lse, float(timeout_s))
+    call = _Call(spec, W, layout_permutation(seq, W, layout), [], [], [], return_lse, float(timeout_s),
+                 data_parallel=D)
+    return dataclasses.replace(call, q_shards=call.shard(q), k_shards=call.shard(k), v_shards=call.shard(v))
 
 
-def _prepare_grad(q, k, v, dout, world_size, *, is_causal, scale, layout, timeout_s, dlse=None) -> _Call:
+def _prepare_grad(q, k, v, dout, world_size, *, is_causal, scale, layout, timeout_s, dlse=None,
+                  data_parallel=1) -> _Call:
     """``_prepare`` plus the checks and shards of ``dout`` (q's shape and dtype) and ``dlse`` (lse's shape,
     [batch, heads, seq], any float dtype; None: lse carries no gradient)."""
     call = _prepare(q, k, v, world_size, is_causal=is_causal, scale=scale, layout=layout, return_lse=False,
-                    timeout_s=timeout_s)
+                    timeout_s=timeout_s, data_parallel=data_parallel)
     q, dout = np.asarray(q), np.asarray(dout)
     if dout.shape != q.shape:
         raise ValueError(f"dout must have q's shape {q.shape} (the gradient of the output), got {dout.shape}")
     if dout.dtype != q.dtype:
         raise TypeError(f"dout must have q's dtype {q.dtype}, got {dout.dtype}; cast it (e.g. .astype(q.dtype))")
-    S = call.spec.seq_local
-    d = dout[:, call.perm]
-    shards = [np.ascontiguousarray(d[:, r * S:(r + 1) * S]) for r in range(call.world_size)]
     dlse_shards = None
     if dlse is not None:
         dlse = np.asarray(dlse)
@@ -127,31 +155,24 @@ def _prepare_grad(q, k, v, dout, world_size, *, is_causal, scale, layout, timeou
         if dlse.shape != want or not np.issubdtype(dlse.dtype, np.floating):
             raise ValueError(f"dlse must be a float array of lse's shape {want} ([batch, heads, seq]), got "
                              f"{dlse.dtype} {dlse.shape}")
-        dl = dlse.astype(np.float32)[:, :, call.perm]
-        dlse_shards = [np.ascontiguousarray(dl[:, :, r * S:(r + 1) * S]) for r in range(call.world_size)]
-    return _Call(call.spec, call.world_size, call.perm, call.q_shards, call.k_shards, call.v_shards, False,
-                 call.timeout_s, shards, dlse_shards)
+        dlse_shards = call.shard(dlse.astype(np.float32), seq_axis=2)
+    return dataclasses.replace(call, dout_shards=call.shard(dout), dlse_shards=dlse_shards)
 
 
 def _finish(call: _Call, results):
     """Check every rank's status (raises RingAttentionTimeout), gather, undo the layout permutation."""
-    for rank, (_, _, status) in enumerate(results):
-        launch.check_status(status, rank, call.timeout_s)
-    inv = inverse_permutation(call.perm)
-    out = np.concatenate([r[0] for r in results], axis=1)[:, inv]
+    call.check([r[2] for r in results])
+    out = call.gather([r[0] for r in results])
     if not call.return_lse:
         return out
-    lse = np.concatenate([r[1] for r in results], axis=2)[:, :, inv].astype(np.float32, copy=False)
-    return out, lse
+    return out, call.gather([r[1] for r in results], seq_axis=2).astype(np.float32, copy=False)
 
 
 def _finish_grad(call: _Call, results):
     """Check every rank's forward and backward status, gather (dq, dk, dv), undo the layout permutation."""
     for which in (3, 4):
-        for rank, r in enumerate(results):
-            launch.check_status(r[which], rank, call.timeout_s)
-    inv = inverse_permutation(call.perm)
-    return tuple(np.concatenate([r[i] for r in results], axis=1)[:, inv] for i in range(3))
+        call.check([r[which] for r in results])
+    return tuple(call.gather([r[i] for r in results]) for i in range(3))
 
 
 # ------------------------------------------------------------------------------------ execution
@@ -192,11 +213,11 @@ def _worker_main(conn, world_size, workspace_bytes):
             if job is None:
                 job = _local_job(world_size, workspace_bytes)
             if msg[0] == "grad":
-                _, spec, qs, ks, vs, dos, dls, timeout_s = msg
-                reply = ("ok", job.run_grad(spec, qs, ks, vs, dos, timeout_s=timeout_s, dlse_shards=dls))
+                _, spec, qs, ks, vs, dos, dls, timeout_s, rings = msg
+                reply = ("ok", job.run_grad(spec, qs, ks, vs, dos, timeout_s=timeout_s, dlse_shards=dls, rings=rings))
             else:
-                _, spec, qs, ks, vs, timeout_s = msg
-                reply = ("ok", job.run(spec, qs, ks, vs, timeout_s=timeout_s))
+                _, spec, qs, ks, vs, timeout_s, rings = msg
+                reply = ("ok", job.run(spec, qs, ks, vs, timeout_s=timeout_s, rings=rings))
         except BaseException as e:  # sent back and re-raised in the parent
             reply = ("err", e)
         try:
@@ -232,12 +253,12 @@ class _SubprocessJob:
         child.close()
         self._finalizer = weakref.finalize(self, _shutdown_worker, self._proc, self._conn)
 
-    def run(self, spec, q_shards, k_shards, v_shards, *, timeout_s):
-        return self._request(("run", spec, q_shards, k_shards, v_shards, timeout_s), timeout_s)
+    def run(self, spec, q_shards, k_shards, v_shards, *, timeout_s, rings=None):
+        return self._request(("run", spec, q_shards, k_shards, v_shards, timeout_s, rings), timeout_s)
 
-    def run_grad(self, spec, q_shards, k_shards, v_shards, dout_shards, *, timeout_s, dlse_shards=None):
-        return self._request(("grad", spec, q_shards, k_shards, v_shards, dout_shards, dlse_shards, timeout_s),
-                             2 * timeout_s)
+    def run_grad(self, spec, q_shards, k_shards, v_shards, dout_shards, *, timeout_s, dlse_shards=None, rings=None):
+        return self._request(("grad", spec, q_shards, k_shards, v_shards, dout_shards, dlse_shards, timeout_s,
+                              rings), 2 * timeout_s)
 
     def _request(self, msg, timeout_s):
         self._conn.send(msg)
@@ -281,8 +302,9 @@ class SimulatedRing:
     when the object is garbage-collected).
     """
 
-    def __init__(self, world_size: int, *, workspace_bytes: int | None = None):
+    def __init__(self, world_size: int, *, workspace_bytes: int | None = None, data_parallel: int = 1):
         self.world_size = _check_world_size(world_size)
+        self.data_parallel = _check_world_size(data_parallel, "data_parallel")
         self.workspace_bytes = workspace_bytes
         self.statuses = None
         self._job = None
@@ -301,18 +323,19 @@ class SimulatedRing:
         if self._job is None:
             from ring_core import interpret
 
+            ranks = self.world_size * self.data_parallel
             if interpret.interpreter_usable():
-                self._job = _local_job(self.world_size, self.workspace_bytes)
+                self._job = _local_job(ranks, self.workspace_bytes)
             else:
-                self._job = _SubprocessJob(self.world_size, self.workspace_bytes)
+                self._job = _SubprocessJob(ranks, self.workspace_bytes)
         return self._job
 
     def __call__(self, q, k, v, *, is_causal=False, scale=None, layout="contiguous", return_lse=False,
                  timeout_s=60.0):
         call = _prepare(q, k, v, self.world_size, is_causal=is_causal, scale=scale, layout=layout,
-                        return_lse=return_lse, timeout_s=timeout_s)
+                        return_lse=return_lse, timeout_s=timeout_s, data_parallel=self.data_parallel)
         return self._complete(call, _finish, 2, lambda job: job.run(
-            call.spec, call.q_shards, call.k_shards, call.v_shards, timeout_s=call.timeout_s))
+            call.spec, call.q_shards, call.k_shards, call.v_shards, timeout_s=call.timeout_s, rings=call.rings))
 
     def _complete(self, call, finish, status_index: int, run):
         """Run ``run(job)`` under the lock, keep every rank's last status (``status_index`` in a rank's
@@ -330,10 +353,10 @@ class SimulatedRing:
         """Like ``simulate_ring_attention_grad`` on these heaps: the forward and then the backward kernel
         (two calls: ``epoch`` grows by 2). Returns global ``(dq, dk, dv)``."""
         call = _prepare_grad(q, k, v, dout, self.world_size, is_causal=is_causal, scale=scale, layout=layout,
-                             timeout_s=timeout_s, dlse=dlse)
+                             timeout_s=timeout_s, dlse=dlse, data_parallel=self.data_parallel)
         return self._complete(call, _finish_grad, 4, lambda job: job.run_grad(
             call.spec, call.q_shards, call.k_shards, call.v_shards, call.dout_shards, timeout_s=call.timeout_s,
-            dlse_shards=call.dlse_shards))
+            dlse_shards=call.dlse_shards, rings=call.rings))
 
     def close(self):
         if isinstance(self._job, _SubprocessJob):
@@ -353,7 +376,7 @@ def simulate_job(world_size: int, *, workspace_bytes: int | None = None) -> Simu
 
 
 def simulate_ring_attention(q, k, v, world_size, *, is_causal=False, scale=None, layout="contiguous",
-                            return_lse=False, timeout_s=60.0):
+                            return_lse=False, timeout_s=60.0, data_parallel=1):
     """Ring attention over ``world_size`` simulated ranks, computed by the real fused kernel on the CPU.
 
     Args:
@@ -366,6 +389,8 @@ def simulate_ring_attention(q, k, v, world_size, *, is_causal=False, scale=None,
       is_causal, scale, layout, return_lse: as in ``jax_ring.ring_attention`` (causal in global order).
       timeout_s: bound in seconds on every wait inside the kernel (None: RING_ATTENTION_TIMEOUT_S, else
         300); a rank that never arrives raises ``ring_core.launch.RingAttentionTimeout``.
+      data_parallel: run that many rings of ``world_size`` ranks at once on one job's heaps (a
+        ``data_parallel x world_size`` mesh: ring d takes the d-th of ``data_parallel`` equal batch slices).
 
     Returns:
       ``out`` (numpy, q's dtype, [batch, seq, num_heads, head_dim], natural order), or ``(out, lse)`` with
@@ -384,7 +409,7 @@ def simulate_ring_attention(q, k, v, world_size, *, is_causal=False, scale=None,
         >>> bool(np.allclose(out, ref_out, atol=1e-5) and np.allclose(lse, ref_lse, atol=1e-5))
         True
     """
-    ring = SimulatedRing(world_size)
+    ring = SimulatedRing(world_size, data_parallel=data_parallel)
     try:
         return ring(q, k, v, is_causal=is_causal, scale=scale, layout=layout, return_lse=return_lse,
                     timeout_s=timeout_s)
@@ -393,7 +418,7 @@ def simulate_ring_attention(q, k, v, world_size, *, is_causal=False, scale=None,
 
 
 def simulate_ring_attention_grad(q, k, v, dout, world_size, *, is_causal=False, scale=None, layout="contiguous",
-                                 timeout_s=60.0, dlse=None):
+                                 timeout_s=60.0, dlse=None, data_parallel=1):
     """Gradients of ring attention over ``world_size`` simulated ranks, computed by the real fused
     backward kernel (``ring_core.kernel_bwd``) on the CPU, after the real forward kernel.
 
@@ -401,7 +426,7 @@ def simulate_ring_attention_grad(q, k, v, dout, world_size, *, is_causal=False, 
       q, k, v: global arrays as in ``simulate_ring_attention`` (natural token order; float16, bfloat16 or
         float32).
       dout: the gradient of the output, q's shape and dtype.
-      world_size, is_causal, scale, layout, timeout_s: as in ``simulate_ring_attention``.
+      world_size, is_causal, scale, layout, timeout_s, data_parallel: as in ``simulate_ring_attention``.
       dlse: optional gradient of the lse output ([batch, heads, seq], natural order); None: lse carries none.
 
     Returns:
@@ -422,7 +447,7 @@ def simulate_ring_attention_grad(q, k, v, dout, world_size, *, is_causal=False, 
         >>> all(np.allclose(g, r, atol=1e-5) for g, r in zip(grads, ref))
         True
     """
-    ring = SimulatedRing(world_size)
+    ring = SimulatedRing(world_size, data_parallel=data_parallel)
     try:
         return ring.grad(q, k, v, dout, is_causal=is_causal, scale=scale, layout=layout, timeout_s=timeout_s,
                          dlse=dlse)

@@ -164,6 +164,50 @@ def private_handle_passing():
             shutil.rmtree(sock_dir, ignore_errors=True)
 
 
+# ------------------------------------------------------------------------------------------ ring slots
+# Each frontend has its own slots: JAX assigns them the same way in every process without communicating
+# (every process lowers the same programs, and registers every ring of a mesh axis, its own or not), which
+# only works if nothing else writes into its part; torch agrees on each group's slot with the group's
+# members at the group's first fused call.
+FRONTEND_SLOTS = {"jax": range(0, launch.RING_SLOTS // 2), "torch": range(launch.RING_SLOTS // 2, launch.RING_SLOTS)}
+
+
+class RingSlots:
+    """Which slot of the heap (its control words and flags, ring_core.launch.HeapLayout) each ring uses.
+
+    A ring is its members' global ranks in ring order. Rings that share a rank need different slots (each
+    slot holds one call counter per rank); rings that share none may use the same one. ``assign`` gives a
+    new ring the lowest slot of its frontend's range that no registered ring sharing a member uses, nor any
+    slot in ``taken``; a ring keeps its slot until the heap is released."""
+
+    def __init__(self):
+        self._slots = {}  # (frontend, members) -> slot
+
+    def get(self, frontend: str, members) -> int | None:
+        return self._slots.get((frontend, tuple(members)))
+
+    def used_by(self, frontend: str, rank: int) -> set:
+        """Slots of the registered rings of ``frontend`` that ``rank`` belongs to."""
+        return {s for (f, m), s in self._slots.items() if f == frontend and rank in m}
+
+    def assign(self, frontend: str, members, taken=()) -> int:
+        members = tuple(int(m) for m in members)
+        if len(set(members)) != len(members):
+            raise ValueError(f"a ring lists a rank twice ({members}): every member must be another process")
+        key = (frontend, members)
+        if key in self._slots:
+            return self._slots[key]
+        busy = set(taken) | {s for (f, m), s in self._slots.items() if f == frontend and set(m) & set(members)}
+        free = [s for s in FRONTEND_SLOTS[frontend] if s not in busy]
+        if not free:
+            raise RuntimeError(
+                f"rank(s) of the ring {list(members)} already take part in {len(FRONTEND_SLOTS[frontend])} other "
+                f"{frontend} rings on this heap, the most one heap serves; use fewer distinct rings (process "
+                "groups / mesh axes) per process, or shutdown() and initialize() to forget them")
+        self._slots[key] = free[0]
+        return free[0]
+
+
 def check_heap_size(heap_size):
     """None (then RING_ATTENTION_HEAP_BYTES or 4 GiB) or an int of at least twice iris's slack; returns it."""
     if heap_size is None:
@@ -177,7 +221,62 @@ def check_heap_size(heap_size):
     return int(heap_size)
 
 
-class SymmetricHeap:
+class HeapRings:
+    """What a fused call needs of this process's heap, given where every process maps every heap: the
+    rings' slots, each ring's context array, launch plans, the first kept failure. ``SymmetricHeap`` is the
+    GPU heap; tests build one over CPU buffers (``workspace`` a torch uint8 tensor starting ``base_off``
+    bytes from this process's heap base)."""
+
+    def __init__(self, rank: int, all_bases, layout: launch.HeapLayout, workspace, base_off: int = 0):
+        self.rank = rank
+        self.world_size = len(all_bases)
+        self.all_bases = [[int(b) for b in bases] for bases in all_bases]  # [process][rank]: base as mapped there
+        self.layout = layout
+        self.workspace = workspace
+        self.base_off = base_off
+        self.device = workspace.device
+        self.rings = RingSlots()
+        self._ctx = {}  # (members, slot) -> this process's context tensor for that ring
+
+    def ctx_row(self, process: int, members, slot: int) -> np.ndarray:
+        """The context array (ring_core.launch.make_ctx) of global rank ``process`` in the ring ``members``
+        (global ranks in ring order) on ring slot ``slot``, with the heap bases as mapped in *that* process.
+        The same in every process (every process gathered every process's view), so a frontend can bake a
+        table of rows into a program that must be the same on all processes (JAX multi-controller)."""
+        members = [int(m) for m in members]
+        return launch.make_ctx([self.all_bases[process][m] for m in members], members.index(process), self.layout,
+                               slot)
+
+    def ctx(self, members, slot: int):
+        """This process's context tensor (on its device) for the ring ``members`` on slot ``slot``; cached."""
+        import torch
+
+        key = (tuple(members), slot)
+        if key not in self._ctx:
+            self._ctx[key] = torch.from_numpy(self.ctx_row(self.rank, members, slot)).to(self.device)
+        return self._ctx[key]
+
+    def plan(self, spec, ring_size: int, **kw) -> launch.LaunchPlan:
+        return launch.plan(spec, ring_size, self.layout, **kw)
+
+    def plan_bwd(self, spec, ring_size: int, **kw) -> launch.BwdLaunchPlan:
+        """The backward kernel's launch (ring_core.launch.plan_bwd); raises HeapTooSmallError."""
+        return launch.plan_bwd(spec, ring_size, self.layout, **kw)
+
+    def take_error(self):
+        """The status words (ring_core.launch.check_status) of the first fused call that failed on this rank
+        since the last take_error() or reset(), or None; clears them. Waits for this device first."""
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        status = launch.take_sticky(self.workspace, self.layout, self.base_off)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return status
+
+
+class SymmetricHeap(HeapRings):
     def __init__(self, heap_size: int | None = None):
         import torch
         import torch.distributed as dist
@@ -197,34 +296,23 @@ class SymmetricHeap:
         with private_handle_passing():  # see "handle passing (security)" above
             self.iris = iris.iris(heap_size, allocator_type=allocator)
         self.heap_size = heap_size
-        self.rank = self.iris.get_rank()
-        self.world_size = self.iris.get_num_ranks()
-        if self.world_size > launch.MAX_WORLD:
-            raise ValueError(f"at most {launch.MAX_WORLD} ranks are supported, got {self.world_size}")
-        self.device = torch.device("cuda", torch.cuda.current_device())
+        rank, world_size = self.iris.get_rank(), self.iris.get_num_ranks()
+        if world_size > launch.MAX_WORLD:
+            raise ValueError(f"at most {launch.MAX_WORLD} ranks are supported, got {world_size}")
         ws = heap_size - launch.HEAP_SLACK
-        self.workspace = self.iris.zeros(ws, dtype=torch.uint8)
+        workspace = self.iris.zeros(ws, dtype=torch.uint8)
         # Heap bases as mapped in *this* process: a peer's heap sits at a different virtual address in
-        # every process, so each process's view is gathered (ctx_table needs all of them).
-        self.bases = [int(b) for b in self.iris.get_heap_bases().cpu().tolist()]
-        base_off = self.workspace.data_ptr() - self.bases[self.rank]
-        views = [None] * self.world_size
-        dist.all_gather_object(views, (base_off, self.bases))
+        # every process, so each process's view is gathered (ctx_row needs all of them).
+        bases = [int(b) for b in self.iris.get_heap_bases().cpu().tolist()]
+        base_off = workspace.data_ptr() - bases[rank]
+        views = [None] * world_size
+        dist.all_gather_object(views, (base_off, bases))
         if len({v[0] for v in views}) != 1:
             raise RuntimeError(f"symmetric heap workspace offsets differ across ranks: {[v[0] for v in views]}")
-        self.all_bases = [v[1] for v in views]
-        self.base_off = base_off
-        self.layout = launch.HeapLayout.for_workspace(ws, base_off)
-        self.ctx = torch.from_numpy(launch.make_ctx(self.bases, self.rank, self.layout)).to(self.device)
+        super().__init__(rank, [v[1] for v in views], launch.HeapLayout.for_workspace(ws, base_off), workspace,
+                         base_off)
         torch.cuda.synchronize()
         dist.barrier()
-
-    def ctx_table(self) -> np.ndarray:
-        """Every rank's context array (row r: rank r's own view of the heap bases), [world_size, n] int64.
-
-        Identical in every process, so a frontend can bake it into a program that must be the same on
-        all processes (JAX multi-controller) and pick the row on device."""
-        return np.stack([launch.make_ctx(self.all_bases[r], r, self.layout) for r in range(self.world_size)])
 
     def reset(self):
         """Collective (every rank must call it, with no fused call in flight): zero the control words and
@@ -239,29 +327,12 @@ class SymmetricHeap:
         torch.cuda.synchronize()
         dist.barrier()
 
-    def take_error(self):
-        """The status words (ring_core.launch.check_status) of the first fused call that failed on this rank
-        since the last take_error() or reset(), or None; clears them. Waits for this GPU first."""
-        import torch
-
-        torch.cuda.synchronize()
-        status = launch.take_sticky(self.workspace, self.layout, self.base_off)
-        torch.cuda.synchronize()
-        return status
-
-    def plan(self, spec, **kw) -> launch.LaunchPlan:
-        return launch.plan(spec, self.world_size, self.layout, **kw)
-
-    def plan_bwd(self, spec, **kw) -> launch.BwdLaunchPlan:
-        """The backward kernel's launch (ring_core.launch.plan_bwd); raises HeapTooSmallError."""
-        return launch.plan_bwd(spec, self.world_size, self.layout, **kw)
-
     def close(self):
         import torch
 
         torch.cuda.synchronize()
         self.workspace = None
-        self.ctx = None
+        self._ctx = {}
         ctx, self.iris = self.iris, None
         if ctx is not None:
             ctx.__del__()

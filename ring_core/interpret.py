@@ -208,15 +208,37 @@ def _to_numpy(t, dtype: str) -> np.ndarray:
 
 class SimulatedJob:
     """``world_size`` simulated ranks whose heaps persist across calls (so the epoch protocol that
-    separates consecutive calls is exercised too)."""
+    separates consecutive calls is exercised too).
+
+    A call runs one ring over every rank, or several rings at once (``rings``: lists of ranks in ring order,
+    no rank in two), each on its own heap slot (ring_core.heap.RingSlots, assigned as the JAX frontend does);
+    a rank may take part in different rings in different calls."""
 
     def __init__(self, world_size: int, workspace_bytes: int | None = None):
+        from ring_core.heap import RingSlots
+
         if world_size < 1 or world_size > launch.MAX_WORLD:
             raise ValueError(f"world_size must be in 1..{launch.MAX_WORLD}, got {world_size}")
         self.world_size = world_size
         self.heaps = None
         self.layout = None
         self._workspace = workspace_bytes
+        self.slots = RingSlots()
+
+    def _rings(self, rings):
+        """[(members, slot)] of a call's rings (default: one ring over every rank, in rank order)."""
+        rings = [tuple(int(m) for m in r) for r in (rings or [range(self.world_size)])]
+        flat = [m for r in rings for m in r]
+        if len(set(flat)) != len(flat) or not all(0 <= m < self.world_size for m in flat):
+            raise ValueError(f"rings {rings} must be disjoint lists of ranks in [0, {self.world_size})")
+        return [(r, self.slots.assign("jax", r)) for r in rings]
+
+    def ring_of(self, rings, rank: int):
+        """(members, position, slot) of ``rank``'s ring among ``self._rings(rings)``."""
+        for members, slot in rings:
+            if rank in members:
+                return members, members.index(rank), slot
+        raise ValueError(f"rank {rank} is in no ring of {rings}")
 
     def _ensure_heaps(self, need: int):
         """Heaps whose receive region holds ``need`` bytes (fresh heaps restart the epoch count)."""
@@ -227,6 +249,14 @@ class SimulatedJob:
         size = self._workspace or (need + (2 << 20))
         self.layout = launch.HeapLayout.for_workspace(size)
         self.heaps = [torch.zeros(size, dtype=torch.uint8) for _ in range(self.world_size)]
+
+    def ctx(self, rank: int, ring):
+        """The context array of ``rank`` in ``ring`` = (members, position, slot) (one address space)."""
+        import torch
+
+        members, position, slot = ring
+        return torch.from_numpy(launch.make_ctx([self.heaps[m].data_ptr() for m in members], position, self.layout,
+                                                slot))
 
     def take_error(self, rank: int):
         """What ``SymmetricHeap.take_error`` returns on GPUs, for simulated ``rank``."""
@@ -246,29 +276,39 @@ class SimulatedJob:
             raise ValueError(f"{len(specs)} specs for {self.world_size} ranks")
         return specs
 
-    def _setup(self, spec, need, make_plan, absent_ranks, absent_started):
-        """(per-rank specs, per-rank plans, heap bases) for one call, on heaps that fit every rank's ``need``;
-        publishes the signatures of ``absent_ranks`` when they ``absent_started``."""
+    def _setup(self, spec, need, make_plan, absent_ranks, absent_started, rings=None):
+        """(per-rank specs, per-rank plans, per-rank rings) for one call, on heaps that fit every rank's
+        ``need``; publishes the signatures of ``absent_ranks`` when they ``absent_started``."""
         specs = self._per_rank(spec)
-        self._ensure_heaps(max(need(sp, self.world_size) for sp in specs))
-        plans = [make_plan(sp, self.world_size, self.layout, interpret=True) for sp in specs]
+        rings = self._rings(rings)
+        ring_of = [self.ring_of(rings, r) for r in range(self.world_size)]
+        self._ensure_heaps(max(need(sp, len(ring[0])) for sp, ring in zip(specs, ring_of)))
+        plans = [make_plan(sp, len(ring[0]), self.layout, interpret=True) for sp, ring in zip(specs, ring_of)]
         if absent_started:
-            self._publish_started(plans, absent_ranks)
-        return specs, plans, [h.data_ptr() for h in self.heaps]
+            self._publish_started(plans, absent_ranks, ring_of)
+        return specs, plans, ring_of
 
-    def _publish_started(self, plans, absent_ranks):
+    def _ctl_words(self, rank: int, slot: int):
+        """``rank``'s control words of ring slot ``slot`` (an int32 view of its heap)."""
+        import torch
+
+        off = self.layout.ctl_off_of(slot)
+        return self.heaps[rank][off:off + launch.CTL_BYTES].view(torch.int32)
+
+    def _publish_started(self, plans, absent_ranks, ring_of):
         """For ranks that started the call and then stopped: write their signatures for this call into
-        every other rank's inbox, as their kernel's first program would have (ring_core.kernel._check_call)."""
+        their ring peers' inboxes, as their kernel's first program would have (ring_core.kernel._check_call)."""
         import torch
 
         for a in absent_ranks:
             words = plans[a].signature()
-            for r, h in enumerate(self.heaps):
+            members, position, slot = ring_of[a]
+            for r in members:
                 if r == a:
                     continue
-                ctl = h[self.layout.ctl_off:self.layout.ctl_off + launch.CTL_BYTES].view(torch.int32)
+                ctl = self._ctl_words(r, slot)
                 words[0] = int(ctl[launch.CTL_EPOCH]) + 1
-                ctl[launch.CTL_SIG + a * launch.SIG_WORDS:][:launch.SIG_WORDS] = torch.from_numpy(words)
+                ctl[launch.CTL_SIG + position * launch.SIG_WORDS:][:launch.SIG_WORDS] = torch.from_numpy(words)
 
     def _launch(self, kernel, launch_rank, absent_ranks, timeout_s):
         """Run ``launch_rank(r)`` (one kernel launch on rank r, returning that rank's results) on one
@@ -288,11 +328,12 @@ class SimulatedJob:
                 errors[r] = e
                 # Tell every rank's kernel at once (their waits give up when the error word is set)
                 # instead of letting them spin until their timeout.
-                for h in self.heaps:
-                    word = h[self.layout.ctl_off + 4 * launch.CTL_ERROR:][:8].view(torch.int32)
-                    if int(word[0]) == launch.ERR_NONE:
-                        word[1] = r
-                        word[0] = launch.ERR_PEER_FAILED
+                for h in range(self.world_size):
+                    for slot in range(launch.RING_SLOTS):
+                        word = self._ctl_words(h, slot)[launch.CTL_ERROR:][:2]
+                        if int(word[0]) == launch.ERR_NONE:
+                            word[1] = r
+                            word[0] = launch.ERR_PEER_FAILED
 
         # Patch triton.language once for the whole job (see module docstring).
         scope = interp._patch_lang(kernel.fn)
@@ -314,22 +355,22 @@ class SimulatedJob:
         return results
 
     def run(self, spec, q_shards, k_shards, v_shards, *, timeout_s: float = 60.0, absent_ranks=(),
-            absent_started: bool = False, sticky_errors: bool = False):
+            absent_started: bool = False, sticky_errors: bool = False, rings=None):
         """Run one call on every rank (except ``absent_ranks``, to simulate a rank that never arrives; with
         ``absent_started`` they started the call, published its signature and then stopped). ``spec`` is
-        an AttentionSpec, or one per rank (ranks that disagree). Shards are numpy arrays in each rank's
-        dtype; ``sticky_errors`` as the kernel's STICKY_ERRORS. Returns per-rank (out, lse, status) numpy
-        arrays."""
+        an AttentionSpec, or one per rank (ranks that disagree); ``rings`` as in the class docstring (each
+        rank's shard is its shard in its ring). Shards are numpy arrays in each rank's dtype;
+        ``sticky_errors`` as the kernel's STICKY_ERRORS. Returns per-rank (out, lse, status) numpy arrays."""
         import torch
 
         kernel = ensure_interpreter()
-        specs, plans, bases = self._setup(spec, launch.recv_bytes, launch.plan, absent_ranks, absent_started)
+        specs, plans, ring_of = self._setup(spec, launch.recv_bytes, launch.plan, absent_ranks, absent_started, rings)
 
         def launch_rank(r):
             sp, plan = specs[r], plans[r]
             (o_shape, _), (l_shape, _), (s_shape, _) = plan.out_shapes
             q, k, v = (_to_torch(x[r], sp.dtype) for x in (q_shards, k_shards, v_shards))
-            ctx = torch.from_numpy(launch.make_ctx(bases, r, self.layout))
+            ctx = self.ctx(r, ring_of[r])
             out = torch.zeros(o_shape, dtype=q.dtype)
             lse = torch.zeros(l_shape, dtype=torch.float32)
             status = torch.zeros(s_shape, dtype=torch.int32)  # zeroed, as on the GPU paths
@@ -340,16 +381,17 @@ class SimulatedJob:
         return self._launch(kernel, launch_rank, absent_ranks, timeout_s)
 
     def run_bwd(self, spec, q_shards, k_shards, v_shards, out_shards, lse_shards, dout_shards, *,
-                timeout_s: float = 60.0, absent_ranks=(), absent_started: bool = False, dlse_shards=None):
+                timeout_s: float = 60.0, absent_ranks=(), absent_started: bool = False, dlse_shards=None,
+                rings=None):
         """Run one backward call on every rank (except ``absent_ranks``). ``out``/``lse`` are the forward's
-        per-rank results, ``dlse`` the gradients of lse (float32; None: zeros); ``spec`` and
-        ``absent_started`` as in ``run``. Returns per-rank (dq, dk, dv, status) numpy arrays
+        per-rank results, ``dlse`` the gradients of lse (float32; None: zeros); ``spec``,
+        ``absent_started`` and ``rings`` as in ``run``. Returns per-rank (dq, dk, dv, status) numpy arrays
         (gradients in each rank's dtype)."""
         import torch
 
         kernel = ensure_interpreter_bwd()
-        specs, plans, bases = self._setup(spec, lambda sp, w: launch.bwd_recv_bytes(sp, w)[2], launch.plan_bwd,
-                                          absent_ranks, absent_started)
+        specs, plans, ring_of = self._setup(spec, lambda sp, w: launch.bwd_recv_bytes(sp, w)[2], launch.plan_bwd,
+                                            absent_ranks, absent_started, rings)
 
         def launch_rank(r):
             sp, plan = specs[r], plans[r]
@@ -357,7 +399,7 @@ class SimulatedJob:
                                                                   dout_shards))
             lse = _to_torch(lse_shards[r], "float32")
             dlse = torch.zeros_like(lse) if dlse_shards is None else _to_torch(dlse_shards[r], "float32")
-            ctx = torch.from_numpy(launch.make_ctx(bases, r, self.layout))
+            ctx = self.ctx(r, ring_of[r])
             outs = [torch.zeros(shape, dtype=q.dtype if dt == sp.dtype else getattr(torch, dt))
                     for shape, dt in plan.out_shapes]  # dq, dk, dv, delta (scratch), status (zeroed, as on GPUs)
             kernel[plan.grid](q, k, v, o, do, lse, dlse, ctx, *plan.scalars(timeout_s), *outs,
@@ -368,14 +410,14 @@ class SimulatedJob:
         return self._launch(kernel, launch_rank, absent_ranks, timeout_s)
 
     def run_grad(self, spec: AttentionSpec, q_shards, k_shards, v_shards, dout_shards, *, timeout_s: float = 60.0,
-                 dlse_shards=None):
+                 dlse_shards=None, rings=None):
         """The forward then the backward kernel on every rank, on the same heaps (two epochs).
         Returns per-rank (dq, dk, dv, forward status, backward status)."""
         # Heaps that fit the backward first: growing them between the two calls would restart the epochs.
-        self._ensure_heaps(max(launch.bwd_recv_bytes(spec, self.world_size)[2],
-                               launch.recv_bytes(spec, self.world_size)))
-        launch.plan_bwd(spec, self.world_size, self.layout, interpret=True)  # HeapTooSmallError before any run
-        fwd = self.run(spec, q_shards, k_shards, v_shards, timeout_s=timeout_s)
+        size = max(len(members) for members, _ in self._rings(rings))
+        self._ensure_heaps(max(launch.bwd_recv_bytes(spec, size)[2], launch.recv_bytes(spec, size)))
+        launch.plan_bwd(spec, size, self.layout, interpret=True)  # HeapTooSmallError before any run
+        fwd = self.run(spec, q_shards, k_shards, v_shards, timeout_s=timeout_s, rings=rings)
         bwd = self.run_bwd(spec, q_shards, k_shards, v_shards, [f[0] for f in fwd], [f[1] for f in fwd],
-                           dout_shards, timeout_s=timeout_s, dlse_shards=dlse_shards)
+                           dout_shards, timeout_s=timeout_s, dlse_shards=dlse_shards, rings=rings)
         return [(*b[:3], f[2], b[3]) for f, b in zip(fwd, bwd)]

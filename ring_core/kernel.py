@@ -58,6 +58,26 @@ call of another shape) never satisfies a later wait; the flag region never holds
 finish counters are reset by the last program, after every other program of the call is done, and the
 next kernel on this rank starts after this one completes (same stream).
 
+Several rings on one heap
+-------------------------
+A ring is the ranks of one process group (torch) or one mesh axis (JAX: one ring per position along the
+other axes), in ring order; the kernel sees only its own ring (``W``, ``rank`` = its position, the members'
+heap bases, offsets: ring_core.launch.make_ctx). Each ring has a *slot* of the heap: its own control words
+(epoch, counters, error record, barrier, signature inboxes) and flags (ring_core.heap.RingSlots gives rings
+that share a rank different slots). Rings with no rank in common touch disjoint memory, so they run at once
+(a 2 x 2 mesh's two sequence rings) and each argument above holds for each of them. Rings that share a rank
+t also share t's receive region, yet never write it at the same time: a peer pushes into t only after its
+call check saw t's signature of *this* ring's current call (``_check_call``: no unit is pushed before it
+passes), which t publishes when its kernel for that call starts, i.e. after t's previous kernel, of any ring,
+completed (one stream per rank); and a completed kernel of t has passed its end barrier, after which the
+peers of that ring push into t again only for their next call, which waits for t's next signature in that
+ring. So at any time only the ring whose call t runs writes t's receive region, and flags, holding epochs of
+their own slot's counter, are never confused between rings. Deadlock: a wait in a ring depends only on the
+ring's own members making the same call (the argument above), so rings cannot wait on each other, unless a
+program issues its ring calls in orders that differ between ranks (NCCL's rule; the timeout reports it).
+(Two frontends in one process use different slots and must not run their calls at the same time: keep them
+on one stream or synchronise between them.)
+
 Never corrupts silently
 -----------------------
 A tile whose wait gave up, or whose call failed the call check, writes NaN into its rows of ``out`` and

@@ -3,9 +3,16 @@
 Heap layout (byte offsets from this rank's heap base; identical on every rank because the workspace is
 the first, same-sized allocation on every rank's symmetric heap):
 
-    [ctl_off,   +CTL_BYTES)        control words: epoch, claim/finish counters, error record, barrier
-    [flags_off, +flag_capacity*4)  one int32 epoch flag per pushed unit; never holds data
-    [recv_off,  +recv_capacity)    receive slots: [W-1][K|V][B][HKV][S][D] in the input dtype
+    [ctl_off,   +RING_SLOTS*CTL_BYTES)        control words of each ring slot: epoch, claim/finish counters,
+                                              error record, barrier, signature inboxes
+    [flags_off, +RING_SLOTS*flag_capacity*4)  each ring slot's int32 epoch flags (one per pushed unit); never data
+    [recv_off,  +recv_capacity)               receive slots, shared by the rings: [W-1][K|V][B][HKV][S][D]
+
+A ring (the ranks of one process group or mesh axis, in ring order) uses one slot: its own control words
+and flags, so that several rings run on one heap, each with its own call counter (ring_core.heap.RingSlots
+picks the slot; ring_core.kernel explains why rings sharing a rank may share its receive region). The
+kernels see only their ring: its size W, this rank's position in it, its members' heap bases and the
+slot's offsets (make_ctx).
 
 Kernel argument order (what jax-triton passes, and the torch launcher passes the same list):
     q, k, v, ctx | B, S, sm_scale, timeout_ns | out, lse, status | constexprs
@@ -39,7 +46,8 @@ ERR_EPOCH = 7  # a peer is at another call (counters apart after an earlier time
 ERR_START_TIMEOUT = 8  # a peer never published its signature: it did not start this call
 STATUS_WORDS = 4 + 2 * SIG_WORDS  # status output: error code, peer rank, ring step, epoch, then the two
 #                                   signatures of a mismatch (peer's, this rank's; zero otherwise)
-CTL_BYTES = 8192
+CTL_BYTES = 8192  # one ring slot's control words
+RING_SLOTS = 8  # rings one heap serves, each with its own control words and flags
 ALIGN = 256
 MAX_FLAG_BYTES = 16 << 20
 HEAP_SLACK = 8 << 20  # heap bytes left to iris for its own small allocations (outside the workspace)
@@ -62,6 +70,10 @@ def _align(x: int) -> int:
 
 @dataclass(frozen=True)
 class HeapLayout:
+    """Byte offsets of the workspace's regions from the heap base. ``ctl_off`` / ``flags_off``: ring slot
+    0's control words and flags (``ctl_off_of`` / ``flags_off_of`` for a slot); ``flag_capacity``: flags
+    per slot."""
+
     workspace_bytes: int
     ctl_off: int
     flags_off: int
@@ -71,22 +83,34 @@ class HeapLayout:
 
     @property
     def protocol_region(self) -> tuple:
-        """(start, end) byte offsets of the control words and flags: zeroing them (on every rank, with no
-        call in flight) returns the protocol to its initial state; they never hold data."""
+        """(start, end) byte offsets of every slot's control words and flags: zeroing them (on every rank,
+        with no call in flight) returns the protocol to its initial state; they never hold data."""
         return self.ctl_off, self.recv_off
+
+    def ctl_off_of(self, slot: int) -> int:
+        return self.ctl_off + self._slot(slot) * CTL_BYTES
+
+    def flags_off_of(self, slot: int) -> int:
+        return self.flags_off + self._slot(slot) * self.flag_capacity * 4
+
+    @staticmethod
+    def _slot(slot: int) -> int:
+        if not 0 <= slot < RING_SLOTS:
+            raise ValueError(f"ring slot {slot} is not in [0, {RING_SLOTS})")
+        return slot
 
     @staticmethod
     def for_workspace(workspace_bytes: int, base_off: int = 0) -> "HeapLayout":
         """Split a workspace of ``workspace_bytes`` (at ``base_off`` from the heap base) into regions.
-        A sixty-fourth of it (at least 64 KiB, at most 16 MiB) holds flags."""
-        flags_bytes = _align(min(MAX_FLAG_BYTES, max(64 << 10, workspace_bytes // 64)))
+        A sixty-fourth of it (at least 64 KiB, at most 16 MiB) holds flags, shared equally by the slots."""
+        slot_flag_bytes = _align(min(MAX_FLAG_BYTES, max(64 << 10, workspace_bytes // 64)) // RING_SLOTS)
         ctl_off = _align(base_off)
-        flags_off = ctl_off + CTL_BYTES
-        recv_off = _align(flags_off + flags_bytes)
+        flags_off = ctl_off + RING_SLOTS * CTL_BYTES
+        recv_off = _align(flags_off + RING_SLOTS * slot_flag_bytes)
         recv_capacity = base_off + workspace_bytes - recv_off
         if recv_capacity <= 0:
             raise ValueError(f"workspace of {workspace_bytes} bytes is too small for the control and flag regions")
-        return HeapLayout(workspace_bytes, ctl_off, flags_off, flags_bytes // 4, recv_off, recv_capacity)
+        return HeapLayout(workspace_bytes, ctl_off, flags_off, slot_flag_bytes // 4, recv_off, recv_capacity)
 
 
 @dataclass(frozen=True)
@@ -188,7 +212,7 @@ def timeout_ns(timeout_s: float | None = None) -> int:
 def heap_bytes_for(recv_need: int) -> int:
     """A heap size (``initialize(heap_size=...)``) whose workspace holds ``recv_need`` receive bytes: the
     receive slots plus the largest flag region, the control words, alignment and iris's slack, in MiB."""
-    total = recv_need + CTL_BYTES + MAX_FLAG_BYTES + 2 * ALIGN + HEAP_SLACK
+    total = recv_need + RING_SLOTS * CTL_BYTES + MAX_FLAG_BYTES + 2 * ALIGN + HEAP_SLACK
     return -(-total // (1 << 20)) << 20
 
 
@@ -222,10 +246,13 @@ def plan(spec: AttentionSpec, world_size: int, heap: HeapLayout, *, interpret: b
     return LaunchPlan(spec, world_size, cfg, chunk_blocks, grid, need, flags)
 
 
-def make_ctx(heap_bases, rank: int, heap: HeapLayout) -> np.ndarray:
-    """The per-rank context array the kernel reads: heap bases, rank, region offsets (int64)."""
+def make_ctx(heap_bases, rank: int, heap: HeapLayout, slot: int = 0) -> np.ndarray:
+    """The context array the kernel reads on one rank of a ring (int64): the heap bases of the ring's members
+    in ring order, as mapped in this rank's process; this rank's position in the ring; the offsets of the
+    ring slot's control words and flags, and of the receive region."""
     bases = np.asarray(heap_bases, dtype=np.uint64).astype(np.int64)
-    return np.concatenate([bases, np.array([rank, heap.ctl_off, heap.flags_off, heap.recv_off], np.int64)])
+    return np.concatenate([bases, np.array([rank, heap.ctl_off_of(slot), heap.flags_off_of(slot), heap.recv_off],
+                                           np.int64)])
 
 
 class RingAttentionTimeout(RuntimeError):
@@ -265,10 +292,15 @@ def describe_signature(words) -> str:
             f"{w[7]}] {dtype}, {mask}, scale {scale:.6g}, chunks of {w[11]} rows, blocks of {w[12]}")
 
 
-def check_status(status, rank: int, timeout_s: float | None = None) -> None:
-    """Turn the kernel's status words (code, peer, step, epoch, signatures) into an exception on the host."""
+def check_status(status, rank: int, timeout_s: float | None = None, members=None) -> None:
+    """Turn the kernel's status words (code, peer, step, epoch, signatures) into an exception on the host.
+    ``rank`` and the peer in the status are positions in the ring; ``members`` (the ring's global ranks in
+    ring order) names them by their global ranks instead."""
     words = np.asarray(status).reshape(-1)
     code, peer, step, epoch = (int(x) for x in words[:4])
+    if members is not None:
+        rank = int(members[rank])
+        peer = int(members[peer]) if 0 <= peer < len(members) else peer
     if code == ERR_NONE and epoch > 0:
         return
     if code in (ERR_MISMATCH, ERR_EPOCH):
@@ -341,18 +373,20 @@ assert (CTL_STICKY + STATUS_WORDS) * 4 <= CTL_BYTES
 
 
 def take_sticky(heap_bytes, heap: HeapLayout, base_off: int = 0):
-    """Read and clear a rank's kept status (CTL_STICKY): ``heap_bytes`` is a torch uint8 tensor holding
-    the rank's workspace, starting ``base_off`` bytes from the heap base. Returns the status words (for
-    check_status) or None when no call failed since the last take."""
+    """Read and clear a rank's first kept status (CTL_STICKY), looking at the ring slots in order:
+    ``heap_bytes`` is a torch uint8 tensor holding the rank's workspace, starting ``base_off`` bytes from
+    the heap base. Returns the status words (for check_status) or None when no call failed since the last
+    take."""
     import torch
 
-    start = heap.ctl_off - base_off + 4 * CTL_STICKY
-    words = heap_bytes[start:start + 4 * STATUS_WORDS].view(torch.int32)
-    status = words.cpu().numpy().copy()
-    if status[0] == ERR_NONE:
-        return None
-    words.zero_()
-    return status
+    for slot in range(RING_SLOTS):
+        start = heap.ctl_off_of(slot) - base_off + 4 * CTL_STICKY
+        words = heap_bytes[start:start + 4 * STATUS_WORDS].view(torch.int32)
+        status = words.cpu().numpy().copy()
+        if status[0] != ERR_NONE:
+            words.zero_()
+            return status
+    return None
 ERR_PARTIAL_TIMEOUT = 4  # status code: a peer's partial dK/dV never arrived
 ERR_LOCAL_TIMEOUT = 5  # status code: this rank's own delta rows never all arrived (cannot happen but bounded)
 
@@ -491,8 +525,9 @@ def plan_bwd(spec: AttentionSpec, world_size: int, heap: HeapLayout, *, interpre
     if flags > heap.flag_capacity:
         raise HeapTooSmallError(
             f"this backward call needs {flags} flags ({flags * 4} bytes: one per K/V block of every peer) but "
-            f"the heap's flag region holds {heap.flag_capacity}; call initialize(heap_size=...) with a larger "
-            f"heap (the flag region is 1/64 of it, at most {MAX_FLAG_BYTES} bytes), or use fewer tokens per call")
+            f"a ring's flag region holds {heap.flag_capacity}; call initialize(heap_size=...) with a larger heap "
+            f"(the flag region is 1/64 of it, at most {MAX_FLAG_BYTES} bytes, shared by {RING_SLOTS} ring slots), "
+            "or use fewer tokens per call")
     n_dq = spec.batch * spec.num_heads * math.ceil(S / cfg.dq_block_m)
     n_part = (W - 1) * spec.batch * spec.num_kv_heads * n_kv_blocks
     n_final = spec.batch * spec.num_kv_heads * n_kv_blocks

@@ -37,31 +37,24 @@ class _InterpretedPlan:
         return self._plan.constexprs(interpret=True, **kw)
 
 
-class _CpuHeap:
-    """What the frontends use of ring_core.heap.SymmetricHeap, over one CPU buffer (world size 1)."""
+class _CpuHeap(heap_mod.HeapRings):
+    """ring_core.heap.SymmetricHeap's view for the frontends (rings, contexts, plans, kept errors) over one
+    CPU buffer (world size 1); records the plans asked for."""
 
     def __init__(self, size=4 << 20):
         import torch
 
-        self.world_size, self.rank, self.device = 1, 0, torch.device("cpu")
-        self.layout = launch.HeapLayout.for_workspace(size)
         self.buf = torch.zeros(size, dtype=torch.uint8)
-        self.ctx = torch.from_numpy(launch.make_ctx([self.buf.data_ptr()], 0, self.layout))
+        super().__init__(0, [[self.buf.data_ptr()]], launch.HeapLayout.for_workspace(size), self.buf)
         self.plans = []
 
-    def ctx_table(self):
-        return launch.make_ctx([self.buf.data_ptr()], 0, self.layout)[None]
-
-    def plan(self, spec, **kw):
+    def plan(self, spec, ring_size, **kw):
         self.plans.append(("fwd", spec))
-        return _InterpretedPlan(launch.plan(spec, self.world_size, self.layout, **kw))
+        return _InterpretedPlan(super().plan(spec, ring_size, **kw))
 
-    def plan_bwd(self, spec, **kw):
+    def plan_bwd(self, spec, ring_size, **kw):
         self.plans.append(("bwd", spec))
-        return _InterpretedPlan(launch.plan_bwd(spec, self.world_size, self.layout, **kw))
-
-    def take_error(self):
-        return launch.take_sticky(self.buf, self.layout)
+        return _InterpretedPlan(super().plan_bwd(spec, ring_size, **kw))
 
 
 @pytest.fixture
@@ -71,6 +64,12 @@ def cpu_heap(monkeypatch):
     monkeypatch.setattr(heap_mod, "_heap", h)
     monkeypatch.setattr(heap_mod, "_release_hooks", [])
     return h
+
+
+def _check_now(status, ring, timeout_s):
+    """torch_bridge.fused._track without the deferral: raise a failed call's status at once."""
+    members, position, _ = ring
+    launch.check_status(status.numpy(), position, timeout_s, members=members)
 
 
 def _torch_dtypes():
@@ -133,8 +132,7 @@ def test_jax_and_torch_fused_gradients(cpu_heap, monkeypatch, dtype, causal, H, 
     launches = []
     monkeypatch.setattr(jfused, "_import_jax_triton", lambda: _fake_jax_triton(launches))
     monkeypatch.setattr(jfused, "fused_available", lambda: True)
-    monkeypatch.setattr(tfused, "_track", lambda status, rank, timeout_s: launch.check_status(
-        status.numpy(), rank, timeout_s))
+    monkeypatch.setattr(tfused, "_track", _check_now)
     monkeypatch.setattr(torch_bridge.api, "_fused_available", lambda: True)
 
     ref = testing.random_inputs(3, 1, S, H, HKV, D, dtype, with_dout=True)
@@ -196,13 +194,12 @@ def test_torch_fused_checks_backward_heap_before_forward(cpu_heap, monkeypatch):
     import torch_bridge
     from torch_bridge import fused as tfused
 
-    small = _CpuHeap(size=80_000)
+    small = _CpuHeap(size=launch.RING_SLOTS * launch.CTL_BYTES + (64 << 10) + 10_000)  # ~10 KB of receive space
     monkeypatch.setattr(heap_mod, "_heap", small)
-    monkeypatch.setattr(tfused, "_track", lambda status, rank, timeout_s: launch.check_status(
-        status.numpy(), rank, timeout_s))
+    monkeypatch.setattr(tfused, "_track", _check_now)
     monkeypatch.setattr(torch_bridge.api, "_fused_available", lambda: True)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-    small.world_size = 2  # plan for two ranks (nothing is launched on this path)
+    monkeypatch.setattr(tfused, "ring_of", lambda h, group: ((0, 1), 0, 4))  # two ranks: nothing is launched
     x = torch.zeros(1, 16, 1, 64, dtype=torch.float16)  # K/V 4 KiB fit the 10 KB; + float32 partials do not
     with pytest.raises(launch.HeapTooSmallError, match="backward call needs"):
         torch_bridge.ring_attention(x.clone().requires_grad_(), x.clone(), x.clone(), backend="fused")
@@ -246,3 +243,91 @@ def test_jax_error_modes(cpu_heap, monkeypatch, mode):
     with pytest.raises(launch.RingAttentionTimeout, match=r"call #7\) gave up .* K/V shard of rank 1"):
         jax_ring.check_errors()
     jax_ring.check_errors()
+
+
+@pytest.fixture
+def jax_fused(cpu_heap, monkeypatch):
+    """jax_ring's fused path on the CPU heap: jax-triton replaced by the interpreter in a host callback (whose
+    outputs, like jax-triton's, are typed the same on every device). Returns the list of launches."""
+    from jax_ring import fused as jfused
+
+    launches = []
+    monkeypatch.setattr(jfused, "_import_jax_triton", lambda: _fake_jax_triton(launches))
+    monkeypatch.setattr(jfused, "fused_available", lambda: True)
+    return launches
+
+
+def test_jax_fused_under_jax_defaults(jax_fused):
+    """shard_map's default check_vma: outputs and gradients typed like q, k, v (varying along the ring's
+    axis); gradients taken outside the shard_map (as model code does), inside it with jax.vjp, through
+    jax.checkpoint and jax.value_and_grad, all equal and right against float64."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    import jax_ring
+    from jax_ring import _platform
+
+    mesh = Mesh(np.array(jax.devices("cpu")[:1]), ("sp",))
+    ref = testing.random_inputs(8, 1, 24, 4, 2, 16, "float32", with_dout=True)
+    q, k, v, do = (jnp.asarray(x) for x in ref)
+    seen = {}
+
+    def attn(q, k, v):
+        out, lse = jax_ring.ring_attention(q, k, v, axis_name="sp", backend="fused", is_causal=True, return_lse=True)
+        seen["out"], seen["lse"] = _platform.varying_axes(out), _platform.varying_axes(lse)
+        return out
+
+    spec = P(None, "sp")
+    f = jax.shard_map(attn, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)  # check_vma: JAX's default
+    loss = lambda q, k, v: jnp.sum(f(q, k, v) * do)  # noqa: E731
+    outside = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    assert seen == {"out": {"sp"}, "lse": {"sp"}}
+    testing.check_grads("grad outside shard_map", [np.asarray(g, np.float64) for g in outside], *ref, "float32",
+                        is_causal=True)
+
+    def body_vjp(q, k, v, do):
+        _, pull = jax.vjp(attn, q, k, v)
+        return pull(do)
+
+    inside = jax.jit(jax.shard_map(body_vjp, mesh=mesh, in_specs=(spec,) * 4, out_specs=(spec,) * 3))(q, k, v, do)
+    remat = jax.shard_map(jax.checkpoint(attn), mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
+    value, again = jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(remat(q, k, v) * do), argnums=(0, 1, 2)))(q, k, v)
+    for a, b, c in zip(outside, inside, again):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
+    assert np.isclose(float(value), float(loss(q, k, v)))
+
+
+def test_jax_fused_under_vmap_says_what_to_do(jax_fused):
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    import jax_ring
+
+    mesh = Mesh(np.array(jax.devices("cpu")[:1]), ("sp",))
+    x = jnp.zeros((3, 1, 8, 2, 16), jnp.float32)  # a mapped axis in front of [batch, seq, heads, dim]
+    f = jax.shard_map(lambda q: jax_ring.ring_attention(q, q, q, axis_name="sp", backend="fused"), mesh=mesh,
+                      in_specs=P(None, None, "sp"), out_specs=P(None, None, "sp"))
+    with pytest.raises(ValueError, match="does not run under jax.vmap.*Fold the mapped axis into the batch axis"):
+        jax.vmap(f)(x)
+    assert not jax_fused  # raised before any launch
+
+
+def test_jax_fused_on_a_mesh_of_two_axes(jax_fused):
+    """A ("dp", "sp") mesh: the context row is picked by the device's position over both axes (1 x 1 here:
+    one CPU device; tests/test_rings.py builds the table of larger meshes)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    import jax_ring
+
+    mesh = Mesh(np.array(jax.devices("cpu")[:1]).reshape(1, 1), ("dp", "sp"))
+    ref = testing.random_inputs(9, 2, 16, 2, 1, 8, "float32")
+    spec = P("dp", "sp")
+    f = jax.jit(jax.shard_map(lambda q, k, v: jax_ring.ring_attention(q, k, v, axis_name="sp", backend="fused"),
+                              mesh=mesh, in_specs=(spec,) * 3, out_specs=spec))
+    out = np.asarray(f(*(jnp.asarray(x) for x in ref)), np.float64)
+    testing.check_attention("dp x sp mesh", out, None, *ref, "float32", is_causal=False)

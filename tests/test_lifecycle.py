@@ -180,7 +180,7 @@ def test_torch_shutdown_releases_the_heap_then_raises_a_pending_timeout(fake_hea
     monkeypatch.setattr(heap, "init_torch_distributed_from_env", lambda: (0, 2, 0))
     h = torch_bridge.initialize(64 << 20)
     status = torch.tensor([launch.ERR_KV_TIMEOUT, 1, 1, 3], dtype=torch.int32)  # as a timed-out call leaves it
-    monkeypatch.setattr(fused, "_pending", [(_DoneEvent(), status, 0, 5.0)])
+    monkeypatch.setattr(fused, "_pending", [(_DoneEvent(), status, 0, 5.0, (0, 1))])
     with pytest.raises(launch.RingAttentionTimeout, match=r"rank 0 \(call #3\) gave up after 5 s waiting for the "
                                                           r"K/V shard of rank 1 at ring step 1"):
         torch_bridge.shutdown()

@@ -292,7 +292,7 @@ def test_a_mismatch_sends_nothing():
 
 def test_heap_too_small():
     W, B, S, H, HKV, D = 2, 1, 64, 2, 2, 64
-    tiny = 80_000  # control (4 KiB) + flags (64 KiB) + about 10 KB of receive space
+    tiny = launch.RING_SLOTS * launch.CTL_BYTES + (64 << 10) + 10_000  # control, flags, ~10 KB of receive space
     spec, shards = _spec_and_shards(W, B, S, H, HKV, D, "float32", is_causal=False)
     need = launch.recv_bytes(spec, W)
     assert need == (W - 1) * 2 * B * HKV * S * D * 4

@@ -79,7 +79,7 @@ class _FusedRing(torch.autograd.Function):
         from torch_bridge import fused
 
         if any(ctx.needs_input_grad[:3]):
-            fused.check_backward_fits(spec)  # HeapTooSmallError now, not after the forward ran
+            fused.check_backward_fits(spec, group)  # HeapTooSmallError now, not after the forward ran
         out, lse = fused.forward(q, k, v, spec, group, timeout_s)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (spec, group, timeout_s)

@@ -16,30 +16,42 @@ from ring_core import heap as _heap
 from ring_core import launch
 
 SYNC_ENV = "RING_ATTENTION_SYNC_ERRORS"
-_pending = []  # (event, pinned status, rank, timeout_s)
+_pending = []  # (event, pinned status, ring position, timeout_s, ring members)
 _free_pinned = []  # pinned status buffers to reuse: pinning one costs about as much as a whole small call
 
 
-def _check_group(group):
-    if group is not None and group is not dist.group.WORLD:
-        raise ValueError("the fused backend runs over the default (world) process group; pass group=None")
+def ring_of(h, group):
+    """(members, this rank's position, heap slot) of the ring over ``group`` (None: every process), members
+    in group-rank order. The first fused call over a group agrees on its slot with the group's members (a
+    collective over the group, once: ring_core.heap.RingSlots)."""
+    if group is None or group is dist.group.WORLD:
+        members = tuple(range(h.world_size))
+    else:
+        members = tuple(dist.get_process_group_ranks(group))
+    slot = h.rings.get("torch", members)
+    if slot is None:
+        used = [h.rings.used_by("torch", h.rank)]
+        if len(members) > 1:
+            used = [None] * len(members)
+            dist.all_gather_object(used, h.rings.used_by("torch", h.rank), group=group)
+        slot = h.rings.assign("torch", members, taken=set().union(*used))
+    return members, members.index(h.rank), slot
 
 
 def initialize(heap_size: int | None = None, group=None):
-    """Create this process's iris symmetric heap and return it. Collective: every rank calls it.
+    """Create this process's iris symmetric heap and return it. Collective: every rank of the job calls it.
 
     Initialises torch.distributed from the launcher's environment (RANK, WORLD_SIZE, LOCAL_RANK,
     LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) if the program has not: NCCL where every rank has its own
     GPU, gloo where ranks share one (rank r uses GPU ``LOCAL_RANK % visible GPUs``, see ``ring_core.gpus``);
     a process group created here is destroyed at interpreter exit (never earlier), one the program
-    created is left alone. The fused backend runs over
-    all processes of the job: ``group`` must be None or the default group.
+    created is left alone. The heap spans every process of the job and serves rings over any process
+    groups (``ring_attention(..., group=...)``); ``group`` is accepted for compatibility and unused.
 
     Calling it again returns the same heap (a different ``heap_size`` raises RuntimeError: ``shutdown()``
     first); after ``shutdown()`` it creates a new heap on the same process group. Until it has run,
     ``backend="fused"`` raises and ``backend="auto"`` uses the torch reference ring.
     """
-    _check_group(group)
     heap_size = _heap.check_heap_size(heap_size) if heap_size is not None else None
     _heap.init_torch_distributed_from_env()
     return _heap.initialize(heap_size)
@@ -76,14 +88,14 @@ def _drain(wait: bool):
     global _pending
     keep = []
     first_error = None
-    for ev, st, rank, timeout_s in _pending:
+    for ev, st, rank, timeout_s, members in _pending:
         if wait:
             ev.synchronize()
         elif not ev.query():
-            keep.append((ev, st, rank, timeout_s))
+            keep.append((ev, st, rank, timeout_s, members))
             continue
         try:
-            launch.check_status(st.numpy(), rank, timeout_s)
+            launch.check_status(st.numpy(), rank, timeout_s, members=members)
         except RuntimeError as e:  # RingAttentionTimeout, or a call that never completed
             first_error = first_error or e
         finally:
@@ -99,48 +111,52 @@ def check_errors():
 
 
 def _prepare(q, spec, group, config, *, backward: bool):
-    """(heap, launch plan) for a fused launch on this rank, after the checks that need the heap; reports
-    errors of finished earlier calls. Raises HeapTooSmallError before anything is launched."""
+    """(launch plan, context tensor, ring) for a fused launch on this rank over ``group``, after the checks
+    that need the heap; reports errors of finished earlier calls. Raises HeapTooSmallError before anything
+    is launched."""
     h = _heap.get()
-    _check_group(group)
     if q.device != h.device:
         raise ValueError(f"inputs are on {q.device} but this rank's heap is on {h.device}; move them there")
     _drain(wait=False)
-    return h, (h.plan_bwd(spec, config=config) if backward else h.plan(spec, config=config))
+    ring = members, _, slot = ring_of(h, group)
+    plan = h.plan_bwd if backward else h.plan
+    return plan(spec, len(members), config=config), h.ctx(members, slot), ring
 
 
 def forward(q, k, v, spec, group=None, timeout_s: float | None = None, config=None):
     """Launch the fused kernel on this rank's shards; returns (out, lse). Inputs already validated.
     ``config`` (a ring_core.launch.KernelConfig) overrides the tuned defaults: for tuning only."""
-    h, p = _prepare(q, spec, group, config, backward=False)
+    p, ctx, ring = _prepare(q, spec, group, config, backward=False)
     from ring_core.kernel import ring_attn_fwd_kernel
 
     q, k, v = (x.contiguous() for x in (q, k, v))
     out = torch.empty_like(q)
     lse = torch.empty((spec.batch, spec.num_heads, spec.seq_local), dtype=torch.float32, device=q.device)
     status = torch.zeros((launch.STATUS_WORDS,), dtype=torch.int32, device=q.device)  # see check_status
-    ring_attn_fwd_kernel[p.grid](q, k, v, h.ctx, *p.scalars(timeout_s), out, lse, status,
+    ring_attn_fwd_kernel[p.grid](q, k, v, ctx, *p.scalars(timeout_s), out, lse, status,
                                  num_warps=p.config.num_warps, num_stages=p.config.num_stages,
                                  **p.constexprs(interpret=False))
-    _track(status, h.rank, timeout_s)
+    _track(status, ring, timeout_s)
     return out, lse
 
 
-def _track(status, rank, timeout_s):
-    """Check ``status`` at the next call / check_errors() (at once with RING_ATTENTION_SYNC_ERRORS=1),
-    without a host sync now."""
+def _track(status, ring, timeout_s):
+    """Check ``status`` of a call on ``ring`` at the next call / check_errors() (at once with
+    RING_ATTENTION_SYNC_ERRORS=1), without a host sync now."""
     st = _free_pinned.pop() if _free_pinned else torch.empty(status.shape, dtype=status.dtype).pin_memory()
     st.copy_(status, non_blocking=True)
     ev = torch.cuda.Event()
     ev.record()
-    _pending.append((ev, st, rank, timeout_s))
+    members, position, _ = ring
+    _pending.append((ev, st, position, timeout_s, members))
     if os.environ.get(SYNC_ENV) == "1":
         check_errors()
 
 
-def check_backward_fits(spec):
-    """Raise HeapTooSmallError now if the backward of a call with ``spec`` would not fit the heap."""
-    _heap.get().plan_bwd(spec)
+def check_backward_fits(spec, group=None):
+    """Raise HeapTooSmallError now if the backward of a call with ``spec`` over ``group`` would not fit the heap."""
+    h = _heap.get()
+    h.plan_bwd(spec, len(ring_of(h, group)[0]))
 
 
 def backward(q, k, v, out, lse, dout, spec, group=None, timeout_s: float | None = None, config=None, dlse=None):
@@ -149,7 +165,7 @@ def backward(q, k, v, out, lse, dout, spec, group=None, timeout_s: float | None 
     (dq, dk, dv). Same launch maths (ring_core.launch.plan_bwd) and argument
     list as the JAX launcher (jax_ring.fused.backward). ``config`` (a ring_core.launch.BwdKernelConfig)
     overrides the defaults: for tuning only."""
-    h, p = _prepare(q, spec, group, config, backward=True)
+    p, ctx, ring = _prepare(q, spec, group, config, backward=True)
     from ring_core.kernel_bwd import ring_attn_bwd_kernel
 
     q, k, v, out = (x.contiguous() for x in (q, k, v, out))
@@ -162,8 +178,8 @@ def backward(q, k, v, out, lse, dout, spec, group=None, timeout_s: float | None 
     dv = torch.empty(dkv_shape, dtype=q.dtype, device=q.device)
     delta = torch.empty(delta_shape, dtype=torch.float32, device=q.device)  # scratch: rowsum(dO * O)
     status = torch.zeros(status_shape, dtype=torch.int32, device=q.device)  # see check_status
-    ring_attn_bwd_kernel[p.grid](q, k, v, out, dout, lse, dlse, h.ctx, *p.scalars(timeout_s), dq, dk, dv, delta, status,
-                                 num_warps=p.config.num_warps, num_stages=p.config.num_stages,
+    ring_attn_bwd_kernel[p.grid](q, k, v, out, dout, lse, dlse, ctx, *p.scalars(timeout_s), dq, dk, dv, delta,
+                                 status, num_warps=p.config.num_warps, num_stages=p.config.num_stages,
                                  **p.constexprs(interpret=False))
-    _track(status, h.rank, timeout_s)
+    _track(status, ring, timeout_s)
     return dq, dk, dv
