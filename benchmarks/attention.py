@@ -1008,7 +1008,7 @@ def _jax_ring(env, case, data, body, note) -> Prepared:
     spec = P(None, AXIS)
     args = data.jax_sharded()
     fn = jax.shard_map(_jax_step(case, body), mesh=env.mesh, in_specs=(spec,) * len(args[0]),
-                       out_specs=spec if case.mode == "fwd" else (spec,) * 4, check_vma=False)
+                       out_specs=spec if case.mode == "fwd" else (spec,) * 4)
     return _jax_compiled(env, case, fn, args, lambda name, x: torch.from_dlpack(x.addressable_shards[0].data),
                          note, ring_shapes(case))
 
