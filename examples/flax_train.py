@@ -3,37 +3,42 @@ the same model trained on one device.
 
 GPUs (one process per GPU, fused forward and backward kernels):
     python -m jax_ring.launch --nproc-per-node 2 examples/flax_train.py
-CPU (2 simulated devices, reference ring):
-    python examples/flax_train.py --cpu
+    python -m jax_ring.launch --nproc-per-node 4 examples/flax_train.py --dp 2     # data x sequence parallel
+CPU (2 simulated devices per data-parallel group, reference ring):
+    python examples/flax_train.py --cpu [--dp 2]
 
-Every device holds the same weights and its zigzag shard of every training sequence (balanced causal work);
-the next-token targets are taken on the whole sequence before it is sharded, so the tokens at the edges of
-a shard keep their true successors. Inside ``jax.shard_map`` each device differentiates the sum of its own
-tokens' cross-entropy (divided by the global token count) with ``jax.grad``; ring attention's backward
-returns to every device the gradients of its K/V from all devices' queries, so the ``psum`` of the
-per-device loss and gradients is the loss and gradient of the whole sequence. The same model, with dense
-causal attention on the full sequence, is trained on one device from the same initial weights and data;
-the two loss curves must agree (float32 throughout).
+The devices form a ("dp", "sp") mesh. Every device holds the same weights; each "dp" index takes its slice of
+the batch, and ring attention runs over "sp", each device holding its zigzag shard of every sequence (balanced
+causal work); the next-token targets are taken on the whole sequence before it is sharded, so the tokens at
+the edges of a shard keep their true successors. Inside ``jax.shard_map`` (under JAX's defaults, check_vma
+on) the loss is the ``psum`` over both axes of every device's tokens' cross-entropy (divided by the global
+token count), and ``jax.value_and_grad`` of it gives the gradient of the whole batch: the weights are the
+same on every device, so JAX sums their per-device gradients itself, and ring attention's backward returns
+to every device the gradients of its K/V from all devices' queries. The same model, with dense causal
+attention on the full sequences, is trained on one device from the same initial weights and data; the two
+loss curves must agree (float32 throughout). The gradient sum is an XLA collective across the processes:
+it needs a GPU per process (NCCL; ranks sharing one GPU cannot run it, see the README).
 
 The model is written with ``flax.linen``, which imports on every jax this project supports (flax 0.12's
 ``nnx`` does not import on jax 0.11).
 """
 
 import argparse
-import functools
 import os
 from typing import Callable
 
 import numpy as np
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-p.add_argument("--cpu", action="store_true", help="2 simulated CPU devices and backend='xla'")
+p.add_argument("--cpu", action="store_true", help="2 x dp simulated CPU devices and backend='xla'")
+p.add_argument("--dp", type=int, default=1, help="data-parallel groups (the devices are dp x sp)")
 p.add_argument("--seq", type=int, default=1024, help="global sequence length")
 p.add_argument("--steps", type=int, default=8)
 p.add_argument("--batch", type=int, default=2)
 args = p.parse_args()
 if args.cpu:
-    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + f" --xla_force_host_platform_device_count={2 * args.dp}")
 
 import jax_ring  # noqa: E402
 
@@ -50,7 +55,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 VOCAB, D_MODEL, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 256, 128, 4, 2, 32, 2
 backend = "xla" if args.cpu else "fused"
-mesh = Mesh(np.array(jax.devices()), ("sp",))  # devices in process order
+mesh = Mesh(np.array(jax.devices()).reshape(args.dp, -1), ("dp", "sp"))
 W = mesh.shape["sp"]
 
 
@@ -92,27 +97,27 @@ init_params = jax.tree.map(np.asarray, TinyLM(dense_attention).init(jax.random.k
 tx = optax.adamw(3e-3)
 
 
-def loss_and_grads(params, tokens, targets, attention, n_tokens=None):
-    """(sum of these tokens' next-token cross-entropy / n_tokens, its gradient with respect to params);
-    n_tokens: the whole sequence's token count (default: these tokens')."""
-    n_tokens = n_tokens or targets.size
+def token_loss(params, tokens, targets, attention, n_tokens):
+    """The sum of these tokens' next-token cross-entropy / n_tokens."""
+    logits = TinyLM(attention).apply(params, tokens)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).sum() / n_tokens
 
-    def loss(params):
-        logits = TinyLM(attention).apply(params, tokens)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).sum() / n_tokens
 
-    return jax.value_and_grad(loss)(params)
+def dense_loss_and_grads(params, tokens, targets):
+    return jax.value_and_grad(token_loss)(params, tokens, targets, dense_attention, targets.size)
 
 
 def sequence_parallel_loss_and_grads(params, tokens, targets):
-    """Global arrays in, zigzag-sharded over "sp"; every device's share of the loss and gradient, summed."""
+    """Global arrays in: the batch over "dp", the zigzag-ordered sequence over "sp"; the loss of the whole
+    batch (every device's tokens, summed over both axes) and its gradient."""
     n_tokens = targets.size
 
     def local(params, tokens, targets):
-        return jax.lax.psum(loss_and_grads(params, tokens, targets, ring_attention, n_tokens), "sp")
+        loss = lambda p: jax.lax.psum(token_loss(p, tokens, targets, ring_attention, n_tokens), ("dp", "sp"))  # noqa
+        return jax.value_and_grad(loss)(params)
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(None, "sp"), P(None, "sp")), out_specs=P(),
-                         check_vma=False)(params, tokens, targets)
+    data = P("dp", "sp")
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), data, data), out_specs=P())(params, tokens, targets)
 
 
 def train_step(compute_loss_and_grads):
@@ -131,8 +136,9 @@ def on_mesh(x, spec):
 
 
 def zigzag_shards(x):
-    """A global [batch, seq] host array, reordered into the zigzag layout and sharded over "sp"."""
-    return on_mesh(jax_ring.to_layout(x, "zigzag", W), P(None, "sp"))
+    """A global [batch, seq] host array, reordered into the zigzag layout, the batch sharded over "dp" and the
+    sequence over "sp"."""
+    return on_mesh(jax_ring.to_layout(x, "zigzag", W), P("dp", "sp"))
 
 
 # Learnable data: each sequence follows t -> (5 t + 3) mod VOCAB from a random start.
@@ -142,7 +148,7 @@ for t in range(args.seq):
     data[..., t + 1] = (5 * data[..., t] + 3) % VOCAB
 
 ring_step = train_step(sequence_parallel_loss_and_grads)
-dense_step = train_step(functools.partial(loss_and_grads, attention=dense_attention))
+dense_step = train_step(dense_loss_and_grads)
 ring_params = jax.tree.map(lambda x: on_mesh(x, P()), init_params)
 dense_params = jax.device_put(init_params, jax.local_devices()[0])
 ring_opt, dense_opt = jax.jit(tx.init)(ring_params), jax.jit(tx.init)(dense_params)
@@ -155,7 +161,7 @@ for step in range(args.steps):
     dense_params, dense_opt, dense_loss = dense_step(dense_params, dense_opt, inputs, targets)
     losses.append((float(ring_loss), float(dense_loss)))
     if jax.process_index() == 0:
-        print(f"step {step}: loss ring ({W} devices, backend={backend}) {losses[-1][0]:.6f}, "
+        print(f"step {step}: loss ring ({args.dp} x {W} devices, backend={backend}) {losses[-1][0]:.6f}, "
               f"one device {losses[-1][1]:.6f}", flush=True)
 
 worst = max(abs(a - b) for a, b in losses)

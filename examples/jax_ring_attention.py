@@ -66,7 +66,7 @@ def ring(q, k, v):
 @jax.jit
 def sharded_layer(params, x):
     body = lambda x: attention_layer(params, x, ring)
-    return jax.shard_map(body, mesh=mesh, in_specs=P(None, "sp"), out_specs=P(None, "sp"), check_vma=False)(x)
+    return jax.shard_map(body, mesh=mesh, in_specs=P(None, "sp"), out_specs=P(None, "sp"))(x)
 
 
 params = init_params(jax.random.key(0))

@@ -3,12 +3,14 @@ model trained on one device.
 
 GPUs (fused forward and backward kernels):  torchrun --nproc-per-node 2 examples/torch_train.py
 CPU (gloo, reference ring):                  torchrun --nproc-per-node 2 examples/torch_train.py --cpu
+Data parallel x sequence parallel (2 x 2):   torchrun --nproc-per-node 4 examples/torch_train.py --dp 2
 
-Every rank holds the same weights and its zigzag shard of every training sequence (balanced causal work).
-The loss is the mean next-token cross-entropy over the whole sequence: each rank sums its own tokens', the
-sum is all-reduced, and so are the weight gradients, which makes every step equal to a step on the whole
-sequence. The same model, with dense causal attention on the full sequence, is trained on this device
-from the same initial weights and data; the two loss curves must agree (float32 throughout).
+The ranks form a ("dp", "sp") DeviceMesh: every rank holds the same weights; each "dp" group takes its slice
+of the batch, and the ring attention runs over the "sp" group, each rank holding its zigzag shard of every
+sequence (balanced causal work). The loss is the mean next-token cross-entropy over the whole batch: each rank
+sums its own tokens', the sum is all-reduced, and so are the weight gradients, which makes every step equal to
+a step on the whole batch. The same model, with dense causal attention on the full sequences, is trained on
+this device from the same initial weights and data; the two loss curves must agree (float32 throughout).
 """
 
 import argparse
@@ -19,19 +21,21 @@ import torch.nn.functional as F
 from torch import nn
 
 import torch_bridge
+from torch.distributed.device_mesh import init_device_mesh
 
 p = argparse.ArgumentParser()
 p.add_argument("--cpu", action="store_true", help="gloo on CPU and backend='torch'")
 p.add_argument("--seq", type=int, default=1024, help="global sequence length")
 p.add_argument("--steps", type=int, default=8)
 p.add_argument("--batch", type=int, default=2)
+p.add_argument("--dp", type=int, default=1, help="data-parallel groups (the ranks are dp x sp)")
 args = p.parse_args()
 
 VOCAB, D_MODEL, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 256, 128, 4, 2, 32, 2
 
 
 def ring_attention(q, k, v):
-    return torch_bridge.ring_attention(q, k, v, is_causal=True, layout="zigzag", backend=BACKEND)
+    return torch_bridge.ring_attention(q, k, v, group=SP_GROUP, is_causal=True, layout="zigzag", backend=BACKEND)
 
 
 def dense_attention(q, k, v):
@@ -80,10 +84,13 @@ if args.cpu:
     dist.init_process_group("gloo")
     dev, BACKEND = torch.device("cpu"), "torch"
 else:
-    torch_bridge.initialize()  # NCCL process group from torchrun's environment + the iris heap
+    torch_bridge.initialize()  # process group from torchrun's environment (NCCL, or gloo on a shared GPU) + heap
     dev, BACKEND = torch.device("cuda", torch.cuda.current_device()), "fused"
-rank, W = dist.get_rank(), dist.get_world_size()
-S = args.seq // W
+rank = dist.get_rank()
+mesh = init_device_mesh(dev.type, (args.dp, dist.get_world_size() // args.dp), mesh_dim_names=("dp", "sp"))
+SP_GROUP = mesh.get_group("sp")
+W, sp_rank, dp_rank = mesh.size(1), mesh.get_local_rank("sp"), mesh.get_local_rank("dp")
+S, B = args.seq // W, args.batch // args.dp
 
 torch.manual_seed(0)  # same weights and data on every rank
 ring_model = TinyLM(ring_attention).to(dev)
@@ -101,14 +108,15 @@ n_tokens = args.batch * args.seq
 losses = []
 for step in range(args.steps):
     inputs, targets = data[step, :, :-1], data[step, :, 1:]
-    # Sequence parallel: this rank's zigzag shard of the inputs and of their next-token targets.
-    local_in = torch_bridge.to_layout(inputs, "zigzag", W, seq_axis=1)[:, rank * S:(rank + 1) * S]
-    local_tg = torch_bridge.to_layout(targets, "zigzag", W, seq_axis=1)[:, rank * S:(rank + 1) * S]
+    # This dp group's batch slice; sequence parallel: this rank's zigzag shard of it and of its targets.
+    rows = slice(dp_rank * B, (dp_rank + 1) * B)
+    local_in = torch_bridge.to_layout(inputs[rows], "zigzag", W, seq_axis=1)[:, sp_rank * S:(sp_rank + 1) * S]
+    local_tg = torch_bridge.to_layout(targets[rows], "zigzag", W, seq_axis=1)[:, sp_rank * S:(sp_rank + 1) * S]
     logits = ring_model(local_in)
     loss_sum = F.cross_entropy(logits.reshape(-1, VOCAB), local_tg.reshape(-1), reduction="sum")
     opt_ring.zero_grad()
     (loss_sum / n_tokens).backward()
-    for prm in ring_model.parameters():  # every rank's tokens contribute to every weight
+    for prm in ring_model.parameters():  # every rank's tokens contribute to every weight (all dp x sp ranks)
         dist.all_reduce(prm.grad)
     opt_ring.step()
     total = loss_sum.detach().clone()
@@ -121,7 +129,7 @@ for step in range(args.steps):
     opt_dense.step()
     losses.append((ring_loss, dense_loss.item()))
     if rank == 0:
-        print(f"step {step}: loss ring ({W} ranks, backend={BACKEND}) {ring_loss:.6f}, "
+        print(f"step {step}: loss ring ({args.dp} x {W} ranks, backend={BACKEND}) {ring_loss:.6f}, "
               f"one device {dense_loss.item():.6f}", flush=True)
 
 worst = max(abs(a - b) for a, b in losses)

@@ -58,7 +58,9 @@ def ring_attention(q, k, v, *, axis_name, is_causal=False, scale=None, layout="c
       q: this rank's queries, [batch, seq_local, num_heads, head_dim].
       k, v: this rank's keys / values, [batch, seq_local, num_kv_heads, head_dim]; ``num_heads`` must be a
         multiple of ``num_kv_heads`` (GQA / MQA; K/V heads are never repeated in memory).
-      axis_name: the mesh axis that shards the sequence (the world size W is its size).
+      axis_name: the mesh axis that shards the sequence (the world size W is its size). It may be one axis
+        of several: each position along the other axes (e.g. each "dp" index of a ("dp", "sp") mesh) runs
+        its own ring, all at once.
       is_causal: causal masking in *global* token order, whatever the layout.
       scale: score multiplier, default ``1/sqrt(head_dim)``.
       layout: which global tokens this rank holds: ``"contiguous"`` (rank r: tokens [r*S, (r+1)*S)) or
@@ -67,9 +69,10 @@ def ring_attention(q, k, v, *, axis_name, is_causal=False, scale=None, layout="c
       return_lse: also return ``lse``, float32 [batch, num_heads, seq_local]: the natural log of the softmax
         denominator over the whole global sequence (scores already multiplied by ``scale``).
       backend: ``"auto"`` (the fused kernel where available, else ``"xla"``), ``"fused"`` (the Triton + iris
-        kernel through jax-triton; needs ``jax_ring.initialize()`` on GPUs, the mesh axis listing devices in
-        process order; its gradients, through out and lse, come from the fused backward kernel) or
-        ``"xla"`` (the pure-JAX reference ring: K/V go round with ``lax.ppermute``, float32 maths).
+        kernel through jax-triton; needs ``jax_ring.initialize()`` on GPUs, one device per process in the mesh;
+        its gradients, through out and lse, come from the fused backward kernel; works under shard_map's
+        default check_vma; not under jax.vmap) or ``"xla"`` (the pure-JAX reference ring: K/V go round with
+        ``lax.ppermute``, float32 maths).
       timeout_s: bound in seconds on every wait inside the fused kernel (default: RING_ATTENTION_TIMEOUT_S
         when traced, else 300); an expired wait raises ``ring_core.launch.RingAttentionTimeout`` naming the
         missing rank and ring step. Baked into the compiled program. The xla ring has no waits of its own.

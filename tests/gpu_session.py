@@ -27,6 +27,8 @@ Stages (``NAME[:SECONDS]``; the default time limit is in brackets):
                install them first, see the README)                                 [300]
   flax         examples/flax_train.py alone                                        [120]
   limits       tests/gpu_shared_limits.py: what works between ranks sharing a GPU   [240]
+  rings        tests/gpu_rings.py: 2 x 2 meshes, DeviceMesh groups, torch.compile (--nproc 4) [300]
+  train-dp     examples/torch_train.py --dp 2 (data x sequence parallel; --nproc 4)  [180]
   tune-bwd     benchmarks/tune.py --kernel bwd, bf16 D128 seq_local 16k            [420]
   tune-fwd256  benchmarks/tune.py --kernel fwd, bf16 D256 seq_local 4k (checked) and 16k [240]
 
@@ -75,6 +77,8 @@ STAGES = {
                        LAUNCH + ["examples/flax_train.py"]]),  # last: it needs the extra wheels
     "flax": (120, [LAUNCH + ["examples/flax_train.py"]]),
     "limits": (240, [LAUNCH + ["tests/gpu_shared_limits.py", "--out", "{out}"]]),
+    "rings": (300, [LAUNCH + ["tests/gpu_rings.py", "--out", "{out}"]]),
+    "train-dp": (180, [TORCHRUN + ["examples/torch_train.py", "--dp", "2"]]),
     "tune-bwd": (420, [LAUNCH + ["-m", "benchmarks.tune", "--kernel", "bwd", "--head-dims", "128", "--seq", "16384",
                                  "--csv", "{out}/tune_backward.csv"]]),
     "tune-fwd256": (240, [LAUNCH + ["-m", "benchmarks.tune", "--kernel", "fwd", "--head-dims", "256",

@@ -28,10 +28,17 @@ def test_torch_example_on_two_cpu_ranks(script, expect):
     assert expect in out
 
 
+def test_torch_train_data_x_sequence_parallel_on_four_cpu_ranks():
+    out = _run(["-m", "torch.distributed.run", "--nproc-per-node", "4", "examples/torch_train.py", "--cpu",
+                "--dp", "2", "--seq", "128", "--steps", "3"])
+    assert "loss ring (2 x 2 ranks" in out and "max |loss difference| over 3 steps" in out
+
+
 def test_jax_example_on_cpu():
     assert "max |ring - dense|" in _run(["examples/jax_ring_attention.py", "--cpu", "--seq", "256"])
 
 
-def test_flax_train_example_on_cpu():
-    out = _run(["examples/flax_train.py", "--cpu", "--seq", "256", "--steps", "4"])
-    assert "max |loss difference| over 4 steps" in out
+@pytest.mark.parametrize("dp", [1, 2])
+def test_flax_train_example_on_cpu(dp):
+    out = _run(["examples/flax_train.py", "--cpu", "--seq", "256", "--steps", "4", "--dp", str(dp)])
+    assert f"loss ring ({dp} x 2 devices" in out and "max |loss difference| over 4 steps" in out
