@@ -84,7 +84,7 @@ def main():
             def body(q, k, v):
                 return jax_ring.ring_attention(q, k, v, axis_name="sp", backend=backend, return_lse=True, **kw)
             jax_fns[key] = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(None, "sp"),) * 3,
-                                                 out_specs=(P(None, "sp"), P(None, None, "sp")), check_vma=False))
+                                                 out_specs=(P(None, "sp"), P(None, None, "sp"))))
         g = lambda x: jax.make_array_from_process_local_data(
             sh, jnp.asarray(x, dtype=jdt[dt]), (x.shape[0], x.shape[1] * W, *x.shape[2:]))
         out, lse = jax_fns[key](g(q), g(k), g(v))
@@ -175,8 +175,7 @@ def main():
             oa = jax_ring.ring_attention(qa, ka, va, axis_name="sp", backend="fused", is_causal=True, layout="zigzag")
             ob = jax_ring.ring_attention(qb, kb, vb, axis_name="sp", backend="fused")
             return oa, ob
-        f2 = jax.jit(jax.shard_map(two, mesh=mesh, in_specs=(P(None, "sp"),) * 6, out_specs=(P(None, "sp"),) * 2,
-                                   check_vma=False))
+        f2 = jax.jit(jax.shard_map(two, mesh=mesh, in_specs=(P(None, "sp"),) * 6, out_specs=(P(None, "sp"),) * 2))
         g = lambda x: jax.make_array_from_process_local_data(sh, jnp.asarray(x, dtype=jnp.bfloat16),
                                                              (x.shape[0], x.shape[1] * W, *x.shape[2:]))
         oa, ob = f2(*(g(x[:, ia]) for x in (qa, ka, va)), *(g(x[:, ib]) for x in (qb, kb, vb)))
@@ -203,7 +202,7 @@ def main():
             o = jax_ring.ring_attention(q, k, v, axis_name="sp", backend="fused", is_causal=True, layout="zigzag")
             return jnp.sum(o * do)
         gf = jax.jit(jax.shard_map(jax.grad(loss, argnums=(0, 1, 2)), mesh=mesh, in_specs=(P(None, "sp"),) * 4,
-                                   out_specs=(P(None, "sp"),) * 3, check_vma=False))
+                                   out_specs=(P(None, "sp"),) * 3))
         g32 = lambda x: jax.make_array_from_process_local_data(sh, jnp.asarray(x[:, idx], dtype=jnp.float32),
                                                                (x.shape[0], x.shape[1], *x.shape[2:]))
         grads = gf(g32(q), g32(k), g32(v), g32(do))
@@ -235,7 +234,7 @@ def main():
                     return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32)) + jnp.sum(lse * dl)
                 grad_fns[key] = jax.jit(jax.shard_map(jax.grad(loss, argnums=(0, 1, 2)), mesh=mesh,
                                                       in_specs=(P(None, "sp"),) * 4 + (P(None, None, "sp"),),
-                                                      out_specs=(P(None, "sp"),) * 3, check_vma=False))
+                                                      out_specs=(P(None, "sp"),) * 3))
             def g(x, dtype=jdt[dt], axis=1):
                 shape = list(x.shape)
                 shape[axis] *= W

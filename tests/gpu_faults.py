@@ -239,7 +239,7 @@ class Job:
 
             self._jax_fns[key] = jax.jit(jax.shard_map(jax.grad(loss, argnums=(0, 1, 2)), mesh=mesh,
                                                        in_specs=(P(None, "sp"),) * 4,
-                                                       out_specs=(P(None, "sp"),) * 3, check_vma=False))
+                                                       out_specs=(P(None, "sp"),) * 3))
         grads = self._jax_fns[key](*(glob(x) for x in (*xs, dout)))
         jax.effects_barrier()
         return [np.asarray(g.addressable_shards[0].data.astype(jnp.float32)) for g in grads]
@@ -278,8 +278,7 @@ class Job:
                                                layout=layout, return_lse=True, timeout_s=timeout_s)
 
             self._jax_fns[key] = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(None, "sp"),) * 3,
-                                                       out_specs=(P(None, "sp"), P(None, None, "sp")),
-                                                       check_vma=False))
+                                                       out_specs=(P(None, "sp"), P(None, None, "sp"))))
         out, lse = self._jax_fns[key](*(glob(x) for x in xs))
         out.block_until_ready()
         jax.effects_barrier()  # the status callback has run (and raised if the kernel gave up)
@@ -453,7 +452,7 @@ def section_concurrent(job: Job):
             return out, lax.psum(y * 2.0, "sp")
 
         f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(None, "sp"),) * 3 + (P("sp"),),
-                                  out_specs=(P(None, "sp"), P()), check_vma=False))
+                                  out_specs=(P(None, "sp"), P())))
         sh = NamedSharding(mesh, P(None, "sp"))
 
         def glob(x):  # global natural-order array -> this rank's shard of a global jax array

@@ -365,8 +365,7 @@ def test_cudnn_style_ring_merges_blocks_exactly(cpu_mesh, world, causal):
         return bench.cudnn_ring_attention(q, k, v, axis_name="sp", world=world, is_causal=causal,
                                           block_attention=bench.xla_block_attention)
 
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(None, "sp"),) * 3, out_specs=P(None, "sp"),
-                              check_vma=False))
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(None, "sp"),) * 3, out_specs=P(None, "sp")))
     out = f(*(jax_ring.to_layout(x, layout, world) for x in (q, k, v)))
     out = np.asarray(jax_ring.from_layout(np.asarray(out), layout, world))
     ref, _ = dense_attention(q, k, v, is_causal=causal)
@@ -396,8 +395,7 @@ def test_cudnn_style_ring_gradients_by_autodiff_equal_dense(cpu_mesh, world, cau
                                           block_attention=bench.xla_block_attention)
 
     spec = P(None, "sp")
-    f = jax.jit(jax.shard_map(bench._jax_step(case, body), mesh=mesh, in_specs=(spec,) * 4, out_specs=(spec,) * 4,
-                              check_vma=False))
+    f = jax.jit(jax.shard_map(bench._jax_step(case, body), mesh=mesh, in_specs=(spec,) * 4, out_specs=(spec,) * 4))
     got = f(*(jax_ring.to_layout(x, layout, world) for x in (q, k, v, dout)))
     got = [np.asarray(jax_ring.from_layout(np.asarray(x), layout, world)) for x in got]
     out, pull = jax.vjp(lambda q, k, v: dense_attention(q, k, v, is_causal=causal)[0], q, k, v)

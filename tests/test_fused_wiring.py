@@ -167,7 +167,7 @@ def test_jax_and_torch_fused_gradients(cpu_heap, monkeypatch, dtype, causal, H, 
 
     grad = jax.jit(jax.shard_map(jax.grad(loss, argnums=(0, 1, 2)), mesh=mesh,
                                  in_specs=(P(None, "sp"),) * 4 + (P(None, None, "sp"),),
-                                 out_specs=(P(None, "sp"),) * 3, check_vma=False))
+                                 out_specs=(P(None, "sp"),) * 3))
     j_grads = [np.asarray(g) for g in grad(*(jnp.asarray(x) for x in (q, k, v, do, dl)))]
     names = [entry["name"] for entry in launches]
     assert names == ["ring_attn_fwd", "ring_attn_bwd"], names
@@ -228,7 +228,7 @@ def test_jax_error_modes(cpu_heap, monkeypatch, mode):
         return jnp.sum(jax_ring.ring_attention(q, k, v, axis_name="sp", backend="fused", is_causal=True))
 
     f = jax.shard_map(jax.grad(loss, argnums=(0, 1, 2)), mesh=mesh, in_specs=(P(None, "sp"),) * 3,
-                      out_specs=(P(None, "sp"),) * 3, check_vma=False)
+                      out_specs=(P(None, "sp"),) * 3)
     q, k, v = (jnp.asarray(x, jnp.float32) for x in testing.random_inputs(5, 1, 8, 2, 1, 16, "float32"))
     text = str(jax.make_jaxpr(f)(q, k, v))
     assert ("debug_callback" in text) == (mode == "call"), text[:2000]

@@ -178,7 +178,8 @@ def test_heap_too_small_for_backward():
     spec, shards = _spec_and_shards(W, B, S, H, HKV, D, "float16", is_causal=False)
     kv, part_off, need = launch.bwd_recv_bytes(spec, W)
     assert kv == launch.recv_bytes(spec, W) and need == part_off + 2 * kv  # partials in float32: twice fp16
-    workspace = 80_000  # control (4 KiB) + flags (64 KiB) + about 10 KB of receive space: fits K/V only
+    # control (8 ring slots of 8 KiB) + flags (64 KiB) + about 10 KB of receive space: fits K/V only
+    workspace = launch.RING_SLOTS * launch.CTL_BYTES + (64 << 10) + 10_000
     assert kv <= launch.HeapLayout.for_workspace(workspace).recv_capacity < need
     job = simulate._local_job(W, workspace)
     with pytest.raises(HeapTooSmallError, match=rf"backward call needs {need} bytes.*partial dK and dV in float32"
