@@ -441,17 +441,17 @@ def enumerate_cases(args, world: int) -> list:
 def heap_bytes_needed(cases, world: int) -> int:
     """A heap size that fits the fused kernel's receive slots for every case, the backward's (K/V and the
     float32 partial dK/dV) in fwd+bwd cases (at least the 4 GiB default)."""
-    from ring_core import heap, launch
+    from ring_core import heap, plans
     from ring_core.validate import AttentionSpec
 
     def need(c):
         spec = AttentionSpec(batch=c.batch, seq_local=c.seq_local, num_heads=c.heads, num_kv_heads=c.kv_heads,
                              head_dim=c.head_dim, dtype=c.dtype, scale=1.0 / math.sqrt(c.head_dim),
                              is_causal=c.causal, layout=c.layout)
-        fwd = launch.recv_bytes(spec, world)
-        return fwd if c.mode == "fwd" else max(fwd, launch.bwd_recv_bytes(spec, world)[2])
+        fwd = plans.recv_bytes(spec, world)
+        return fwd if c.mode == "fwd" else max(fwd, plans.bwd_recv_bytes(spec, world)[2])
 
-    return max(heap.DEFAULT_HEAP_BYTES, launch.heap_bytes_for(max(need(c) for c in cases)))
+    return max(heap.DEFAULT_HEAP_BYTES, plans.heap_bytes_for(max(need(c) for c in cases)))
 
 
 # ----------------------------------------------------------------------------------------- ratios, CSV

@@ -9,7 +9,7 @@ quantiles of the slowest rank's CUDA-event time, TFLOP/s per GPU (causal counts 
 counts 2.5 forwards). The forward is checked against the torch reference ring (at seq_local <=
 --check-max-seq), the backward's dq/dk/dv against those of the backward's default config (the default itself
 is checked against float64 by tests/gpu_checks.py). The winners become the tables in
-ring_core.launch.KernelConfig.get_default and BwdKernelConfig.get_default (the choice is cached there, never
+ring_core.control.KernelConfig.get_default and BwdKernelConfig.get_default (the choice is cached there, never
 autotuned per call). torch SDPA with the cuDNN backend on the same per-GPU work (non-causal: S_local queries
 against S_global keys; forward, or backward alone) is printed beside them as the limit.
 """
@@ -22,7 +22,7 @@ import os
 
 import torch_bridge
 from benchmarks.attention import Case, cuda_timed, flops_per_gpu, summarize_times, tflops
-from ring_core import launch, validate
+from ring_core import plans, validate
 
 # Forward: (block_m, block_n, num_warps, num_stages, seg_blocks)
 CANDIDATES = {
@@ -52,9 +52,9 @@ BWD_CANDIDATES = {
 def _config(kernel: str, c: tuple):
     if kernel == "fwd":
         bm, bn, nw, ns, seg = c
-        return launch.KernelConfig(block_m=bm, block_n=bn, chunk_blocks=max(1, 128 // bn), push_rows=32,
+        return plans.KernelConfig(block_m=bm, block_n=bn, chunk_blocks=max(1, 128 // bn), push_rows=32,
                                    num_warps=nw, num_stages=ns, seg_blocks=seg)
-    return launch.BwdKernelConfig(*c)
+    return plans.BwdKernelConfig(*c)
 
 
 def main():

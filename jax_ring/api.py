@@ -74,10 +74,10 @@ def ring_attention(q, k, v, *, axis_name, is_causal=False, scale=None, layout="c
         default check_vma; not under jax.vmap) or ``"xla"`` (the pure-JAX reference ring: K/V go round with
         ``lax.ppermute``, float32 maths).
       timeout_s: bound in seconds on every wait inside the fused kernel (default: RING_ATTENTION_TIMEOUT_S
-        when traced, else 300); an expired wait raises ``ring_core.launch.RingAttentionTimeout`` naming the
+        when traced, else 300); an expired wait raises ``ring_core.control.RingAttentionTimeout`` naming the
         missing rank and ring step. Baked into the compiled program. The xla ring has no waits of its own.
         Ranks whose fused calls differ (shapes, dtype, flags, layout, scale) raise
-        ``ring_core.launch.RingAttentionMismatch`` naming both calls (found before any data moves).
+        ``ring_core.control.RingAttentionMismatch`` naming both calls (found before any data moves).
         With RING_ATTENTION_JAX_ERRORS=deferred (read when tracing) the call does not raise: the failure
         is kept for ``jax_ring.check_errors()`` and what the call could not compute is NaN.
 

@@ -104,13 +104,13 @@ def check_errors():
     for programs traced with RING_ATTENTION_JAX_ERRORS=deferred (their calls run without a host callback
     and do not raise by themselves; what a failed call could not compute is NaN). Waits for this GPU's
     work first. Local: call it on every rank, e.g. once per training step; the exception is the one the
-    call would have raised (ring_core.launch.RingAttentionTimeout / RingAttentionMismatch)."""
-    from ring_core import launch
+    call would have raised (ring_core.control.RingAttentionTimeout / RingAttentionMismatch)."""
+    from ring_core import control
 
     h = _heap.get()
     status = h.take_error()
     if status is not None:
-        launch.check_status(status, h.rank)
+        control.check_status(status, h.rank)
 
 
 def is_initialized() -> bool:

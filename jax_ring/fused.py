@@ -27,7 +27,7 @@ from jax.interpreters import mlir
 
 from jax_ring import _platform
 from ring_core import heap as _heap
-from ring_core import launch
+from ring_core import control
 
 try:
     from jax.extend.core import Primitive
@@ -76,7 +76,7 @@ def _raise_status(status, ctx, ring_size: int, timeout_s):
     """Host callback: raise the failure in ``status``, naming ranks by their global ranks (from the ring's
     members, which the context row carries after what the kernel reads)."""
     row = np.asarray(ctx).view(np.int64)
-    launch.check_status(np.asarray(status), int(row[ring_size]), timeout_s,
+    control.check_status(np.asarray(status), int(row[ring_size]), timeout_s,
                         members=row[ring_size + 4:2 * ring_size + 4])
 
 
@@ -163,6 +163,12 @@ def _launch_context(spec, axis_name, world_size: int, *, backward: bool):
     return p, ctx
 
 
+def _scalars(p, timeout_s):
+    """The plan's runtime scalars, as jax-triton must get them: it types a Python float as float64, so the
+    kernel's fp32 scalars (the scale) travel as numpy float32 (torch's launcher types a float as fp32)."""
+    return [np.float32(v) if t == "fp32" else v for v, t in zip(p.scalars(timeout_s), p.scalar_types)]
+
+
 def _typed_like(outs, inputs, axis_name):
     """The kernel's outputs typed as computed from ``inputs`` over the ring: varying along every axis an
     input varies along, and along the ring's axis (see the module docstring)."""
@@ -178,17 +184,16 @@ def forward(q, k, v, spec, axis_name, world_size: int, timeout_s: float | None =
     p, ctx = _launch_context(spec, axis_name, world_size, backward=False)
     deferred = errors_deferred()
     b, s, hq, d = q.shape
-    scal = p.scalars(timeout_s)
-    scal = (scal[0], scal[1], np.float32(scal[2]), scal[3])  # float32 scale, as the torch launch passes it
+    scal = _scalars(p, timeout_s)
     out, lse, status = jt.triton_call(
         q, k, v, ctx, *scal,
         kernel=ring_attn_fwd_kernel,
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
                    jax.ShapeDtypeStruct((b, hq, s), jnp.float32),
-                   jax.ShapeDtypeStruct((launch.STATUS_WORDS,), jnp.int32)],
+                   jax.ShapeDtypeStruct((control.STATUS_WORDS,), jnp.int32)],
         grid=p.grid, num_warps=p.config.num_warps, num_stages=p.config.num_stages,
         zeroed_outputs=(2,),  # status: all zero unless the kernel's last program wrote it (check_status)
-        name="ring_attn_fwd", **p.constexprs(interpret=False, sticky_errors=deferred))
+        name="ring_attn_fwd", **p.constexprs(sticky_errors=deferred))
     if not deferred:  # else the kernel keeps a failure for jax_ring.check_errors()
         jax.debug.callback(_raise_status, status, ctx, world_size, timeout_s)
     return tuple(_typed_like((out, lse), (q, k, v), axis_name))
@@ -197,22 +202,21 @@ def forward(q, k, v, spec, axis_name, world_size: int, timeout_s: float | None =
 def backward(q, k, v, out, lse, dout, dlse, spec, axis_name, world_size: int, timeout_s: float | None = None):
     """Run the fused backward kernel (ring_core.kernel_bwd) on this rank's shards inside shard_map, from the
     forward's ``out`` and ``lse`` and the cotangents ``dout`` and ``dlse``; returns (dq, dk, dv), typed as
-    q, k and v. Same context row, launch maths (ring_core.launch.plan_bwd) and argument list as the torch
+    q, k and v. Same context row, launch maths (ring_core.control.plan_bwd) and argument list as the torch
     launcher (torch_bridge.fused.backward)."""
     jt = _import_jax_triton()
     from ring_core.kernel_bwd import ring_attn_bwd_kernel
 
     p, ctx = _launch_context(spec, axis_name, world_size, backward=True)
     deferred = errors_deferred()
-    scal = p.scalars(timeout_s)
-    scal = (scal[0], scal[1], np.float32(scal[2]), *scal[3:])  # float32 scale, as the torch launch passes it
+    scal = _scalars(p, timeout_s)
     dq, dk, dv, _, status = jt.triton_call(
         q, k, v, out, dout, lse, dlse.astype(jnp.float32), ctx, *scal,
         kernel=ring_attn_bwd_kernel,
         out_shape=[jax.ShapeDtypeStruct(shape, jnp.dtype(dt)) for shape, dt in p.out_shapes],
         grid=p.grid, num_warps=p.config.num_warps, num_stages=p.config.num_stages,
         zeroed_outputs=(4,),  # status: all zero unless the kernel's last program wrote it (check_status)
-        name="ring_attn_bwd", **p.constexprs(interpret=False, sticky_errors=deferred))
+        name="ring_attn_bwd", **p.constexprs(sticky_errors=deferred))
     if not deferred:  # else the kernel keeps a failure for jax_ring.check_errors()
         jax.debug.callback(_raise_status, status, ctx, world_size, timeout_s)
     return tuple(_platform.vary(g, _platform.varying_axes(x)) for g, x in ((dq, q), (dk, k), (dv, v)))

@@ -32,13 +32,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ring_core import launch
+from ring_core import control, plans
 from ring_core.layout import LAYOUTS, inverse_permutation, layout_permutation
 from ring_core.validate import AttentionSpec, check_attention_args, check_timeout
 
 __all__ = ["simulate_ring_attention", "simulate_ring_attention_grad", "simulate_job", "SimulatedRing"]
 
-FUSED_DTYPES = tuple(launch.ELEM_BYTES)  # ("float16", "bfloat16", "float32")
+FUSED_DTYPES = tuple(plans.ELEM_BYTES)  # ("float16", "bfloat16", "float32")
 
 
 # --------------------------------------------------------------------------------- argument handling
@@ -82,14 +82,14 @@ class _Call:
         """Raise the first failure a rank reported (ring positions named by the job's rank numbers)."""
         for members in self.rings:
             for position, rank in enumerate(members):
-                launch.check_status(statuses[rank], position, self.timeout_s, members=members)
+                control.check_status(statuses[rank], position, self.timeout_s, members=members)
 
 
 def _check_world_size(world_size, name: str = "world_size") -> int:
     if isinstance(world_size, bool) or not isinstance(world_size, (int, np.integer)):
         raise TypeError(f"{name} must be an int, got {type(world_size).__name__}")
-    if not 1 <= int(world_size) <= launch.MAX_WORLD:
-        raise ValueError(f"{name} must be in 1..{launch.MAX_WORLD}, got {world_size}")
+    if not 1 <= int(world_size) <= control.MAX_WORLD:
+        raise ValueError(f"{name} must be in 1..{control.MAX_WORLD}, got {world_size}")
     return int(world_size)
 
 
@@ -97,8 +97,8 @@ def _prepare(q, k, v, world_size, *, is_causal, scale, layout, return_lse, timeo
     """Every check, then the layout permutation and the shards; raises before any simulation runs."""
     W = _check_world_size(world_size)
     D = _check_world_size(data_parallel, "data_parallel")
-    if D * W > launch.MAX_WORLD:
-        raise ValueError(f"data_parallel * world_size must be at most {launch.MAX_WORLD}, got {D} * {W}")
+    if D * W > control.MAX_WORLD:
+        raise ValueError(f"data_parallel * world_size must be at most {control.MAX_WORLD}, got {D} * {W}")
     q, k, v = (np.asarray(x) for x in (q, k, v))
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim != 4:
@@ -131,7 +131,7 @@ def _prepare(q, k, v, world_size, *, is_causal, scale, layout, return_lse, timeo
                         f"for a {spec.dtype} result")
     timeout_s = check_timeout(timeout_s)
     if timeout_s is None:
-        timeout_s = launch.timeout_ns() / 1e9  # RING_ATTENTION_TIMEOUT_S, as on GPUs
+        timeout_s = control.timeout_ns() / 1e9  # RING_ATTENTION_TIMEOUT_S, as on GPUs
     call = _Call(spec, W, layout_permutation(seq, W, layout), [], [], [], return_lse, float(timeout_s),
                  data_parallel=D)
     return dataclasses.replace(call, q_shards=call.shard(q), k_shards=call.shard(k), v_shards=call.shard(v))
@@ -295,7 +295,7 @@ class SimulatedRing:
 
     ``workspace_bytes`` fixes the per-rank workspace (default: grown to fit each call, which allocates
     fresh heaps and so restarts the epoch count); a call that needs more raises
-    ``ring_core.launch.HeapTooSmallError`` before anything runs. ``statuses`` holds every rank's status
+    ``ring_core.control.HeapTooSmallError`` before anything runs. ``statuses`` holds every rank's status
     words (error code, peer rank, ring step, epoch) of the last call, ``epoch`` that call's epoch (the
     number of calls the current heaps have completed). In a process that already compiled the kernel for
     a GPU the ranks run in a spawned subprocess (``uses_subprocess``); ``close()`` stops it (also done
@@ -388,7 +388,7 @@ def simulate_ring_attention(q, k, v, world_size, *, is_causal=False, scale=None,
         ``layout="zigzag"``).
       is_causal, scale, layout, return_lse: as in ``jax_ring.ring_attention`` (causal in global order).
       timeout_s: bound in seconds on every wait inside the kernel (None: RING_ATTENTION_TIMEOUT_S, else
-        300); a rank that never arrives raises ``ring_core.launch.RingAttentionTimeout``.
+        300); a rank that never arrives raises ``ring_core.control.RingAttentionTimeout``.
       data_parallel: run that many rings of ``world_size`` ranks at once on one job's heaps (a
         ``data_parallel x world_size`` mesh: ring d takes the d-th of ``data_parallel`` equal batch slices).
 

@@ -38,7 +38,7 @@ import threading
 
 import numpy as np
 
-from ring_core import launch
+from ring_core import control, plans
 
 DEFAULT_HEAP_BYTES = 4 << 30
 HEAP_ENV = "RING_ATTENTION_HEAP_BYTES"
@@ -169,11 +169,11 @@ def private_handle_passing():
 # (every process lowers the same programs, and registers every ring of a mesh axis, its own or not), which
 # only works if nothing else writes into its part; torch agrees on each group's slot with the group's
 # members at the group's first fused call.
-FRONTEND_SLOTS = {"jax": range(0, launch.RING_SLOTS // 2), "torch": range(launch.RING_SLOTS // 2, launch.RING_SLOTS)}
+FRONTEND_SLOTS = {"jax": range(0, control.RING_SLOTS // 2), "torch": range(control.RING_SLOTS // 2, control.RING_SLOTS)}
 
 
 class RingSlots:
-    """Which slot of the heap (its control words and flags, ring_core.launch.HeapLayout) each ring uses.
+    """Which slot of the heap (its control words and flags, ring_core.control.HeapLayout) each ring uses.
 
     A ring is its members' global ranks in ring order. Rings that share a rank need different slots (each
     slot holds one call counter per rank); rings that share none may use the same one. ``assign`` gives a
@@ -216,8 +216,8 @@ def check_heap_size(heap_size):
             heap_size = DEFAULT_HEAP_BYTES if raw is None else int(raw)
         except ValueError:
             raise ValueError(f"{HEAP_ENV}={raw!r} is not a number of bytes") from None
-    if isinstance(heap_size, bool) or not isinstance(heap_size, (int, np.integer)) or heap_size < 2 * launch.HEAP_SLACK:
-        raise ValueError(f"heap_size must be an int of at least {2 * launch.HEAP_SLACK} bytes, got {heap_size!r}")
+    if isinstance(heap_size, bool) or not isinstance(heap_size, (int, np.integer)) or heap_size < 2 * control.HEAP_SLACK:
+        raise ValueError(f"heap_size must be an int of at least {2 * control.HEAP_SLACK} bytes, got {heap_size!r}")
     return int(heap_size)
 
 
@@ -227,7 +227,7 @@ class HeapRings:
     GPU heap; tests build one over CPU buffers (``workspace`` a torch uint8 tensor starting ``base_off``
     bytes from this process's heap base)."""
 
-    def __init__(self, rank: int, all_bases, layout: launch.HeapLayout, workspace, base_off: int = 0):
+    def __init__(self, rank: int, all_bases, layout: control.HeapLayout, workspace, base_off: int = 0):
         self.rank = rank
         self.world_size = len(all_bases)
         self.all_bases = [[int(b) for b in bases] for bases in all_bases]  # [process][rank]: base as mapped there
@@ -239,12 +239,12 @@ class HeapRings:
         self._ctx = {}  # (members, slot) -> this process's context tensor for that ring
 
     def ctx_row(self, process: int, members, slot: int) -> np.ndarray:
-        """The context array (ring_core.launch.make_ctx) of global rank ``process`` in the ring ``members``
+        """The context array (ring_core.control.make_ctx) of global rank ``process`` in the ring ``members``
         (global ranks in ring order) on ring slot ``slot``, with the heap bases as mapped in *that* process.
         The same in every process (every process gathered every process's view), so a frontend can bake a
         table of rows into a program that must be the same on all processes (JAX multi-controller)."""
         members = [int(m) for m in members]
-        return launch.make_ctx([self.all_bases[process][m] for m in members], members.index(process), self.layout,
+        return control.make_ctx([self.all_bases[process][m] for m in members], members.index(process), self.layout,
                                slot)
 
     def ctx(self, members, slot: int):
@@ -256,21 +256,21 @@ class HeapRings:
             self._ctx[key] = torch.from_numpy(self.ctx_row(self.rank, members, slot)).to(self.device)
         return self._ctx[key]
 
-    def plan(self, spec, ring_size: int, **kw) -> launch.LaunchPlan:
-        return launch.plan(spec, ring_size, self.layout, **kw)
+    def plan(self, spec, ring_size: int, **kw) -> plans.LaunchPlan:
+        return plans.plan(spec, ring_size, self.layout, **kw)
 
-    def plan_bwd(self, spec, ring_size: int, **kw) -> launch.BwdLaunchPlan:
-        """The backward kernel's launch (ring_core.launch.plan_bwd); raises HeapTooSmallError."""
-        return launch.plan_bwd(spec, ring_size, self.layout, **kw)
+    def plan_bwd(self, spec, ring_size: int, **kw) -> plans.LaunchPlan:
+        """The backward kernel's launch (ring_core.plans.plan_bwd); raises HeapTooSmallError."""
+        return plans.plan_bwd(spec, ring_size, self.layout, **kw)
 
     def take_error(self):
-        """The status words (ring_core.launch.check_status) of the first fused call that failed on this rank
+        """The status words (ring_core.control.check_status) of the first fused call that failed on this rank
         since the last take_error() or reset(), or None; clears them. Waits for this device first."""
         import torch
 
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        status = launch.take_sticky(self.workspace, self.layout, self.base_off)
+        status = control.take_sticky(self.workspace, self.layout, self.base_off)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         return status
@@ -297,9 +297,9 @@ class SymmetricHeap(HeapRings):
             self.iris = iris.iris(heap_size, allocator_type=allocator)
         self.heap_size = heap_size
         rank, world_size = self.iris.get_rank(), self.iris.get_num_ranks()
-        if world_size > launch.MAX_WORLD:
-            raise ValueError(f"at most {launch.MAX_WORLD} ranks are supported, got {world_size}")
-        ws = heap_size - launch.HEAP_SLACK
+        if world_size > control.MAX_WORLD:
+            raise ValueError(f"at most {control.MAX_WORLD} ranks are supported, got {world_size}")
+        ws = heap_size - control.HEAP_SLACK
         workspace = self.iris.zeros(ws, dtype=torch.uint8)
         # Heap bases as mapped in *this* process: a peer's heap sits at a different virtual address in
         # every process, so each process's view is gathered (ctx_row needs all of them).
@@ -309,7 +309,7 @@ class SymmetricHeap(HeapRings):
         dist.all_gather_object(views, (base_off, bases))
         if len({v[0] for v in views}) != 1:
             raise RuntimeError(f"symmetric heap workspace offsets differ across ranks: {[v[0] for v in views]}")
-        super().__init__(rank, [v[1] for v in views], launch.HeapLayout.for_workspace(ws, base_off), workspace,
+        super().__init__(rank, [v[1] for v in views], control.HeapLayout.for_workspace(ws, base_off), workspace,
                          base_off)
         torch.cuda.synchronize()
         dist.barrier()

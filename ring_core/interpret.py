@@ -20,7 +20,7 @@ import threading
 
 import numpy as np
 
-from ring_core import launch
+from ring_core import control, plans
 from ring_core.validate import AttentionSpec
 
 
@@ -217,8 +217,8 @@ class SimulatedJob:
     def __init__(self, world_size: int, workspace_bytes: int | None = None):
         from ring_core.heap import RingSlots
 
-        if world_size < 1 or world_size > launch.MAX_WORLD:
-            raise ValueError(f"world_size must be in 1..{launch.MAX_WORLD}, got {world_size}")
+        if world_size < 1 or world_size > control.MAX_WORLD:
+            raise ValueError(f"world_size must be in 1..{control.MAX_WORLD}, got {world_size}")
         self.world_size = world_size
         self.heaps = None
         self.layout = None
@@ -247,7 +247,7 @@ class SimulatedJob:
         if self.layout is not None and self.layout.recv_capacity >= need:
             return
         size = self._workspace or (need + (2 << 20))
-        self.layout = launch.HeapLayout.for_workspace(size)
+        self.layout = control.HeapLayout.for_workspace(size)
         self.heaps = [torch.zeros(size, dtype=torch.uint8) for _ in range(self.world_size)]
 
     def ctx(self, rank: int, ring):
@@ -255,12 +255,12 @@ class SimulatedJob:
         import torch
 
         members, position, slot = ring
-        return torch.from_numpy(launch.make_ctx([self.heaps[m].data_ptr() for m in members], position, self.layout,
+        return torch.from_numpy(control.make_ctx([self.heaps[m].data_ptr() for m in members], position, self.layout,
                                                 slot))
 
     def take_error(self, rank: int):
         """What ``SymmetricHeap.take_error`` returns on GPUs, for simulated ``rank``."""
-        return launch.take_sticky(self.heaps[rank], self.layout)
+        return control.take_sticky(self.heaps[rank], self.layout)
 
     def reset(self):
         """Zero every rank's control words and flags (what ``SymmetricHeap.reset`` does on GPUs)."""
@@ -283,32 +283,32 @@ class SimulatedJob:
         rings = self._rings(rings)
         ring_of = [self.ring_of(rings, r) for r in range(self.world_size)]
         self._ensure_heaps(max(need(sp, len(ring[0])) for sp, ring in zip(specs, ring_of)))
-        plans = [make_plan(sp, len(ring[0]), self.layout, interpret=True) for sp, ring in zip(specs, ring_of)]
+        launches = [make_plan(sp, len(ring[0]), self.layout, interpret=True) for sp, ring in zip(specs, ring_of)]
         if absent_started:
-            self._publish_started(plans, absent_ranks, ring_of)
-        return specs, plans, ring_of
+            self._publish_started(launches, absent_ranks, ring_of)
+        return specs, launches, ring_of
 
     def _ctl_words(self, rank: int, slot: int):
         """``rank``'s control words of ring slot ``slot`` (an int32 view of its heap)."""
         import torch
 
         off = self.layout.ctl_off_of(slot)
-        return self.heaps[rank][off:off + launch.CTL_BYTES].view(torch.int32)
+        return self.heaps[rank][off:off + control.CTL_BYTES].view(torch.int32)
 
-    def _publish_started(self, plans, absent_ranks, ring_of):
+    def _publish_started(self, launches, absent_ranks, ring_of):
         """For ranks that started the call and then stopped: write their signatures for this call into
-        their ring peers' inboxes, as their kernel's first program would have (ring_core.kernel._check_call)."""
+        their ring peers' inboxes, as their kernel's first program would have (ring_core.protocol.check_call)."""
         import torch
 
         for a in absent_ranks:
-            words = plans[a].signature()
+            words = launches[a].signature()
             members, position, slot = ring_of[a]
             for r in members:
                 if r == a:
                     continue
                 ctl = self._ctl_words(r, slot)
-                words[0] = int(ctl[launch.CTL_EPOCH]) + 1
-                ctl[launch.CTL_SIG + position * launch.SIG_WORDS:][:launch.SIG_WORDS] = torch.from_numpy(words)
+                words[0] = int(ctl[control.CTL_EPOCH]) + 1
+                ctl[control.CTL_SIG + position * control.SIG_WORDS:][:control.SIG_WORDS] = torch.from_numpy(words)
 
     def _launch(self, kernel, launch_rank, absent_ranks, timeout_s):
         """Run ``launch_rank(r)`` (one kernel launch on rank r, returning that rank's results) on one
@@ -329,11 +329,11 @@ class SimulatedJob:
                 # Tell every rank's kernel at once (their waits give up when the error word is set)
                 # instead of letting them spin until their timeout.
                 for h in range(self.world_size):
-                    for slot in range(launch.RING_SLOTS):
-                        word = self._ctl_words(h, slot)[launch.CTL_ERROR:][:2]
-                        if int(word[0]) == launch.ERR_NONE:
+                    for slot in range(control.RING_SLOTS):
+                        word = self._ctl_words(h, slot)[control.CTL_ERROR:][:2]
+                        if int(word[0]) == control.ERR_NONE:
                             word[1] = r
-                            word[0] = launch.ERR_PEER_FAILED
+                            word[0] = control.ERR_PEER_FAILED
 
         # Patch triton.language once for the whole job (see module docstring).
         scope = interp._patch_lang(kernel.fn)
@@ -364,10 +364,11 @@ class SimulatedJob:
         import torch
 
         kernel = ensure_interpreter()
-        specs, plans, ring_of = self._setup(spec, launch.recv_bytes, launch.plan, absent_ranks, absent_started, rings)
+        specs, launches, ring_of = self._setup(spec, plans.recv_bytes, plans.plan, absent_ranks, absent_started,
+                                               rings)
 
         def launch_rank(r):
-            sp, plan = specs[r], plans[r]
+            sp, plan = specs[r], launches[r]
             (o_shape, _), (l_shape, _), (s_shape, _) = plan.out_shapes
             q, k, v = (_to_torch(x[r], sp.dtype) for x in (q_shards, k_shards, v_shards))
             ctx = self.ctx(r, ring_of[r])
@@ -375,7 +376,7 @@ class SimulatedJob:
             lse = torch.zeros(l_shape, dtype=torch.float32)
             status = torch.zeros(s_shape, dtype=torch.int32)  # zeroed, as on the GPU paths
             kernel[plan.grid](q, k, v, ctx, *plan.scalars(timeout_s), out, lse, status,
-                              **plan.constexprs(interpret=True, sticky_errors=sticky_errors))
+                              **plan.constexprs(sticky_errors=sticky_errors))
             return _to_numpy(out, sp.dtype), lse.numpy(), status.numpy()
 
         return self._launch(kernel, launch_rank, absent_ranks, timeout_s)
@@ -390,11 +391,11 @@ class SimulatedJob:
         import torch
 
         kernel = ensure_interpreter_bwd()
-        specs, plans, ring_of = self._setup(spec, lambda sp, w: launch.bwd_recv_bytes(sp, w)[2], launch.plan_bwd,
+        specs, launches, ring_of = self._setup(spec, lambda sp, w: plans.bwd_recv_bytes(sp, w)[2], plans.plan_bwd,
                                             absent_ranks, absent_started, rings)
 
         def launch_rank(r):
-            sp, plan = specs[r], plans[r]
+            sp, plan = specs[r], launches[r]
             q, k, v, o, do = (_to_torch(x[r], sp.dtype) for x in (q_shards, k_shards, v_shards, out_shards,
                                                                   dout_shards))
             lse = _to_torch(lse_shards[r], "float32")
@@ -403,7 +404,7 @@ class SimulatedJob:
             outs = [torch.zeros(shape, dtype=q.dtype if dt == sp.dtype else getattr(torch, dt))
                     for shape, dt in plan.out_shapes]  # dq, dk, dv, delta (scratch), status (zeroed, as on GPUs)
             kernel[plan.grid](q, k, v, o, do, lse, dlse, ctx, *plan.scalars(timeout_s), *outs,
-                              **plan.constexprs(interpret=True))
+                              **plan.constexprs())
             dq, dk, dv, _, status = outs
             return (*(_to_numpy(x, sp.dtype) for x in (dq, dk, dv)), status.numpy())
 
@@ -415,8 +416,8 @@ class SimulatedJob:
         Returns per-rank (dq, dk, dv, forward status, backward status)."""
         # Heaps that fit the backward first: growing them between the two calls would restart the epochs.
         size = max(len(members) for members, _ in self._rings(rings))
-        self._ensure_heaps(max(launch.bwd_recv_bytes(spec, size)[2], launch.recv_bytes(spec, size)))
-        launch.plan_bwd(spec, size, self.layout, interpret=True)  # HeapTooSmallError before any run
+        self._ensure_heaps(max(plans.bwd_recv_bytes(spec, size)[2], plans.recv_bytes(spec, size)))
+        plans.plan_bwd(spec, size, self.layout, interpret=True)  # HeapTooSmallError before any run
         fwd = self.run(spec, q_shards, k_shards, v_shards, timeout_s=timeout_s, rings=rings)
         bwd = self.run_bwd(spec, q_shards, k_shards, v_shards, [f[0] for f in fwd], [f[1] for f in fwd],
                            dout_shards, timeout_s=timeout_s, dlse_shards=dlse_shards, rings=rings)

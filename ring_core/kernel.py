@@ -1,97 +1,20 @@
 """The fused ring-attention forward kernel: one Triton source, used by both frontends and the simulator.
 
-Every rank runs this kernel on its own Q shard. K/V shards reach the other ranks through iris remote
-stores issued from inside the kernel, signalled with release/acquire flags, while the same programs do
-the attention math; the softmax is merged online across ring steps. One launch per call.
+Every rank runs this kernel on its own Q shard; the K/V of the other ranks of its ring arrive through the
+ring protocol (ring_core.protocol: call check, pushes, flags, end barrier, and why it cannot deadlock or
+race), while the same programs do the attention math; the softmax is merged online across ring steps.
+One launch per call.
 
-Protocol (per call; "epoch" = this rank's call counter + 1, equal on every rank of a job)
-----------------------------------------------------------------------------------------
-* Call check. Before anything is pushed or waited for, every rank checks that every peer makes the same
-  call: the first program of the call publishes the call's signature (kernel, world size, shapes, dtype,
-  causal/layout, scale, chunking; ``_call_words``) into its inbox slot on every peer, and every program
-  waits (bounded) for every peer's signature of this epoch and compares (``_check_call``). On a
-  difference (or a peer at another epoch) the rank records the error with both signatures and pushes
-  nothing, so a peer's differently sized receive slots are never written; every later wait gives up at
-  once. Every rank sees the difference, so every rank raises, and the epochs stay in step.
-* Push work. The local K/V is cut into *units* (peer distance d in 1..W-1, batch, kv head, chunk of
-  CHUNK_BLOCKS*BLOCK_N rows), ordered nearest ring neighbour first. Programs *claim* units through an
-  atomic counter in the control region and copy a claimed unit into the receive slot ``d-1`` of rank
-  ``rank+d`` with ``iris.store``; then they publish it by writing ``epoch`` into that unit's flag on the
-  receiver with a release ``iris.atomic_xchg`` (system scope, after a CTA barrier so every thread's stores
-  are ordered before it). Under causal masking a unit that the receiver can never see (its first
-  position after the receiver's last query position) is claimed but neither copied nor flagged: no tile
-  of the receiver waits for it.
-* Compute. A program owns one (batch, head, BLOCK_M query rows) tile. Ring step 0 uses the local K/V and
-  waits for nothing; during it the program claims one push unit every SEG_BLOCKS K/V blocks (overlap;
-  the claims sit between the software-pipelined inner loops). Before its first wait a program drains the
-  claim counter (pushes until no unit is left). Ring step t >= 1 processes the K/V of rank ``rank-t``:
-  before its loops over K/V blocks it waits (acquire; one vector poll over the chunk flags) until the
-  flag of every chunk it will read equals ``epoch`` (not inside the loops: see the comment there).
-  Positions grow with the local row in both layouts, so the K/V a tile sees is a prefix of the source's
-  shard: blocks every query sees whole run in an unmasked loop, the diagonal and tail in a masked one,
-  and blocks causal masking hides completely are neither waited for, loaded nor computed.
-* End. The last program to finish (atomic finish counter) tells every peer "I am done with this epoch"
-  (release flag in the peer's barrier slot), waits for the same from every peer, copies the error record
-  into ``status``, resets the claim/finish counters and stores ``epoch`` as the new call counter.
-
-Why it cannot deadlock
-----------------------
-A program waits only for (0) the peers' signatures, (a) flags of units pushed by the source rank, and
-(b) the end barrier. (0) A signature is published by whichever program of the peer's kernel claims the
-publishing first, before it waits for anything; so it is published as soon as any program there runs.
-(a) Units are pushed by programs that claimed them; claiming and pushing never wait on anything, and
-every program drains the claim counter before its first wait. So all units of rank s are pushed as soon
-as *any* program of the kernel on rank s runs; no wait depends on a particular program being resident.
-Hence it holds for any grid size, however many CTAs the GPU holds at once, in whatever order the hardware
-dispatches them, and while other kernels occupy SMs (they delay but cannot block us unless they
-themselves wait for this kernel on another rank, which is a program-order bug the timeout reports).
-(b) Every program finishes once its (a)-waits are met, so each rank's last program reaches the barrier.
-No cycle exists, and in the Triton interpreter (programs of a rank run one after another) the first
-program pushes everything before waiting, so one thread per rank completes too.
-
-Why a call cannot race the next call on the same buffers and flags
-------------------------------------------------------------------
-Receive slots and flags of rank t are written by peers during call N+1 only after they passed the end
-barrier of call N, which t's last program enters only after all of t's programs (the only readers of
-those slots) finished. Flags hold epochs, which only grow, so a flag left from an earlier call (or by a
-call of another shape) never satisfies a later wait; the flag region never holds data. The claim and
-finish counters are reset by the last program, after every other program of the call is done, and the
-next kernel on this rank starts after this one completes (same stream).
-
-Several rings on one heap
--------------------------
-A ring is the ranks of one process group (torch) or one mesh axis (JAX: one ring per position along the
-other axes), in ring order; the kernel sees only its own ring (``W``, ``rank`` = its position, the members'
-heap bases, offsets: ring_core.launch.make_ctx). Each ring has a *slot* of the heap: its own control words
-(epoch, counters, error record, barrier, signature inboxes) and flags (ring_core.heap.RingSlots gives rings
-that share a rank different slots). Rings with no rank in common touch disjoint memory, so they run at once
-(a 2 x 2 mesh's two sequence rings) and each argument above holds for each of them. Rings that share a rank
-t also share t's receive region, yet never write it at the same time: a peer pushes into t only after its
-call check saw t's signature of *this* ring's current call (``_check_call``: no unit is pushed before it
-passes), which t publishes when its kernel for that call starts, i.e. after t's previous kernel, of any ring,
-completed (one stream per rank); and a completed kernel of t has passed its end barrier, after which the
-peers of that ring push into t again only for their next call, which waits for t's next signature in that
-ring. So at any time only the ring whose call t runs writes t's receive region, and flags, holding epochs of
-their own slot's counter, are never confused between rings. Deadlock: a wait in a ring depends only on the
-ring's own members making the same call (the argument above), so rings cannot wait on each other, unless a
-program issues its ring calls in orders that differ between ranks (NCCL's rule; the timeout reports it).
-(Two frontends in one process use different slots and must not run their calls at the same time: keep them
-on one stream or synchronise between them.)
-
-Never corrupts silently
------------------------
-A tile whose wait gave up, or whose call failed the call check, writes NaN into its rows of ``out`` and
-``lse``: a failed call is always raised on the host, and (torch reports it at the next call) whatever
-reads the outputs before that sees NaN, never a plausible wrong value. Tiles that got all they needed
-write their right result even when the call failed elsewhere (e.g. at the end barrier). The backward
-does the same for dq, dk and dv (``ring_core.kernel_bwd``).
-
-Never hangs
------------
-Every wait is bounded: by ``timeout_ns`` of %globaltimer on the GPU, by a poll count in the Triton
-interpreter. A timeout writes (code, peer rank, ring step, chunk) into the control region (first error
-wins), makes every later wait on this rank give up at once, and the last program copies the record into
-``status``, which the host turns into an exception.
+Tiles. A program owns one (batch, head, BLOCK_M query rows) tile; the heads sharing a kv head run side by
+side (L2 reuse) and, causal, the heaviest query blocks first (ring_core.tiles.heavy_first). Ring step 0
+uses the local K/V and waits for nothing; during it the program claims one push unit every SEG_BLOCKS K/V
+blocks (overlap; the claims sit between the software-pipelined inner loops), and before its first wait it
+drains the claim counter. Ring step t >= 1 processes the K/V of rank ``rank-t`` from receive slot t-1,
+after waiting (one vector poll, ``protocol.wait_chunks``) for every chunk it will read. Positions grow
+with the local row in both layouts, so the K/V a tile sees is a prefix of the source's shard: blocks every
+query sees whole run in an unmasked loop, the diagonal and tail in a masked one, and blocks causal masking
+hides completely are neither waited for, loaded nor computed. A tile whose wait gave up, or whose call
+failed the call check, writes NaN into its rows of ``out`` and ``lse``.
 
 Numerics: scores and the softmax are float32; fp16/bf16 dots run on tensor cores with float32
 accumulation, probabilities rounded to the input dtype for P@V (as flash-attention does); float32 inputs
@@ -101,377 +24,13 @@ use ``input_precision=DOT_PRECISION`` ("ieee" by default: exact float32 products
 import triton
 import triton.language as tl
 
-import iris
+from ring_core import control
 
-try:  # %globaltimer for the bounded waits on NVIDIA; never traced in the interpreter (INTERPRET=True)
-    from triton.language.extra.cuda import globaltimer as _globaltimer
-except ImportError:  # pragma: no cover
-    _globaltimer = None
+from ring_core.protocol import (block_range, call_words, check_call, claim_push, drain_pushes, end_call, positions,
+                                ring_context, wait_chunks)
+from ring_core.tiles import dot, heavy_first, load_kv
 
-# Control-region word indices and error codes are documented in ring_core.launch (CTL_*, ERR_*); the
-# older ones appear here as literals (0 epoch, 1 claim, 2 finish, 3..6 error record, 8 + p barrier).
-from ring_core import launch as _launch  # noqa: E402
-
-_CTL_SIG_CLAIM = tl.constexpr(_launch.CTL_SIG_CLAIM)
-_CTL_ERR_SIG = tl.constexpr(_launch.CTL_ERR_SIG)
-_CTL_SIG = tl.constexpr(_launch.CTL_SIG)
-_SIG_WORDS = tl.constexpr(_launch.SIG_WORDS)
-_ERR_MISMATCH = tl.constexpr(_launch.ERR_MISMATCH)
-_ERR_EPOCH = tl.constexpr(_launch.ERR_EPOCH)
-_ERR_START = tl.constexpr(_launch.ERR_START_TIMEOUT)
-_CTL_STICKY = tl.constexpr(_launch.CTL_STICKY)
-_STATUS_WORDS = tl.constexpr(_launch.STATUS_WORDS)
-
-
-@triton.jit
-def _start_clock(INTERPRET: tl.constexpr):
-    if INTERPRET:
-        return 0  # no clock in the interpreter: _still_waiting counts polls instead
-    else:
-        return _globaltimer()
-
-
-@triton.jit
-def _still_waiting(ok, polls, t0, ctl, timeout_ns, INTERPRET: tl.constexpr):
-    """The bound of every spin-wait, after ``polls`` polls: 0 once this rank has recorded an error (nothing
-    downstream can be trusted) or ``timeout_ns`` has passed since ``t0``; else ``ok`` unchanged."""
-    if (polls % 64) == 0:
-        if tl.atomic_add(ctl + 3, 0, sem="relaxed", scope="gpu") != 0:
-            ok = ok * 0
-        if not INTERPRET:
-            if _globaltimer() - t0 > timeout_ns:
-                ok = ok * 0
-    if INTERPRET:
-        # No clock in the interpreter: count polls. One costs about 0.3 ms of host time on the 2-core CI
-        # machines (measured 0.38 ms), so the limit is approximate there.
-        if polls > timeout_ns // 300000:
-            ok = ok * 0
-    return ok
-
-
-@triton.jit
-def _poll_ge(ptr, target, ctl, timeout_ns, INTERPRET: tl.constexpr):
-    """Spin (acquire, system scope) until ``*ptr >= target``; returns 1 if met, 0 on timeout or if this
-    rank already recorded an error (then nothing downstream is trustworthy, so give up at once)."""
-    val = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
-    err = tl.atomic_add(ctl + 3, 0, sem="relaxed", scope="gpu")
-    ok = (err == 0).to(tl.int32)
-    polls = ok * 0
-    t0 = _start_clock(INTERPRET)
-    while (val < target) & (ok == 1):
-        val = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
-        polls += 1
-        ok = _still_waiting(ok, polls, t0, ctl, timeout_ns, INTERPRET)
-    return ok & (val >= target).to(tl.int32)
-
-
-@triton.jit
-def _poll_all_ge(ptrs, mask, target, ctl, timeout_ns, INTERPRET: tl.constexpr, N: tl.constexpr):
-    """Vector form of ``_poll_ge``: spin until every masked ``*ptrs >= target``, polling all of them in one
-    round trip (the threads of the CTA share the N flags) instead of one flag after another: a tile reads up
-    to hundreds of chunks per ring step, and sequential polls cost about a microsecond each. Returns
-    (1 if met else 0, index of the first flag still short)."""
-    val = tl.atomic_add(ptrs, 0, mask=mask, sem="acquire", scope="sys")
-    short = mask & (val < target)
-    n_short = tl.sum(short.to(tl.int32), axis=0)
-    err = tl.atomic_add(ctl + 3, 0, sem="relaxed", scope="gpu")
-    ok = (err == 0).to(tl.int32)
-    polls = ok * 0
-    t0 = _start_clock(INTERPRET)
-    while (n_short > 0) & (ok == 1):
-        val = tl.atomic_add(ptrs, 0, mask=short, sem="acquire", scope="sys")
-        short = short & (val < target)
-        n_short = tl.sum(short.to(tl.int32), axis=0)
-        polls += 1
-        ok = _still_waiting(ok, polls, t0, ctl, timeout_ns, INTERPRET)
-    first = tl.min(tl.where(short, tl.arange(0, N), N), axis=0)
-    return ok & (n_short == 0).to(tl.int32), first
-
-
-@triton.jit
-def _record_error(ctl, code, peer, step, chunk):
-    """Record (code, peer, step, chunk) unless an error is already recorded (first error wins); returns
-    whether this one was recorded."""
-    won = tl.atomic_cas(ctl + 3, 0, code, sem="acq_rel", scope="gpu")
-    if won == 0:
-        tl.atomic_xchg(ctl + 4, peer, sem="relaxed", scope="gpu")
-        tl.atomic_xchg(ctl + 5, step, sem="relaxed", scope="gpu")
-        tl.atomic_xchg(ctl + 6, chunk, sem="relaxed", scope="gpu")
-    return won == 0
-
-
-@triton.jit
-def _call_words(KIND: tl.constexpr, B, S, sm_scale, W: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr,
-                D: tl.constexpr, SIG_DTYPE: tl.constexpr, CAUSAL: tl.constexpr, ZIGZAG: tl.constexpr,
-                CHUNK_ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    """This call's signature words 1..12 (word 0, the epoch, is left 0): ring_core.launch.call_signature
-    builds the same words on the host, which is how the host describes a mismatch."""
-    i = tl.arange(0, _SIG_WORDS)
-    zero = i * 0
-    w = tl.where(i == 1, KIND, zero)
-    w = tl.where(i == 2, W, w)
-    w = tl.where(i == 3, zero + B, w)  # B, S: runtime scalars (or the constant 1 Triton specialised)
-    w = tl.where(i == 4, zero + S, w)
-    w = tl.where(i == 5, H, w)
-    w = tl.where(i == 6, HKV, w)
-    w = tl.where(i == 7, D, w)
-    w = tl.where(i == 8, SIG_DTYPE, w)
-    if CAUSAL:
-        w = tl.where(i == 9, w + 1, w)
-    if ZIGZAG:
-        w = tl.where(i == 9, w + 2, w)
-    w = tl.where(i == 10, (zero.to(tl.float32) + sm_scale).to(tl.int32, bitcast=True), w)  # scale's bits
-    w = tl.where(i == 11, CHUNK_ROWS, w)
-    w = tl.where(i == 12, BLOCK, w)
-    return w
-
-
-@triton.jit
-def _check_call(ctl, heap_bases, rank, epoch, words, timeout_ns, W: tl.constexpr, INTERPRET: tl.constexpr):
-    """Before anything is pushed to or read from a peer: make sure every rank makes the same call.
-
-    The first program of the call on this rank publishes the signature ``words`` (see _call_words) into
-    this rank's inbox slot on every peer (words, then the epoch with a release). Every program then waits
-    (bounded) for every peer's slot to hold this epoch and compares. Returns 1 if all agree. Otherwise
-    records ERR_MISMATCH (a field differs; detail: index of the first differing word), ERR_EPOCH (a peer
-    is at another call) or ERR_START_TIMEOUT, with both signatures for the host's message, and returns
-    0: the caller then sends nothing, so a peer's differently sized buffers are never written.
-
-    A peer overwrites its slot here only for its next call, which it starts after the end barrier of
-    this one, i.e. after every program of this rank has finished: a slot never changes while read."""
-    i = tl.arange(0, _SIG_WORDS)
-    mine = tl.where(i == 0, epoch, words)
-    if tl.atomic_add(ctl + _CTL_SIG_CLAIM, 1, sem="relaxed", scope="gpu") == 0:
-        for p in tl.static_range(W):
-            if p != rank:
-                iris.store(ctl + _CTL_SIG + rank * _SIG_WORDS + i, mine, rank, p, heap_bases, mask=i > 0)
-        tl.debug_barrier()  # every thread's words before the epoch (cumulativity through bar.sync)
-        for p in tl.static_range(W):
-            if p != rank:
-                iris.atomic_xchg(ctl + _CTL_SIG + rank * _SIG_WORDS, epoch, rank, p, heap_bases, sem="release",
-                                 scope="sys")
-    ok = epoch * 0 + 1
-    for p in tl.static_range(W):
-        if p != rank:
-            slot = ctl + _CTL_SIG + p * _SIG_WORDS
-            if _poll_ge(slot, epoch, ctl, timeout_ns, INTERPRET) == 0:
-                _record_error(ctl, _ERR_START, p, 0, -1)
-                ok = ok * 0
-            else:
-                tl.debug_barrier()  # the loads below after the acquire (cumulativity through bar.sync)
-                theirs = tl.load(slot + i, volatile=True)
-                diff = (theirs != mine) & (i > 0)
-                their_epoch = tl.sum(tl.where(i == 0, theirs, 0), axis=0)
-                code = tl.where(their_epoch != epoch, _ERR_EPOCH,
-                                tl.where(tl.sum(diff.to(tl.int32), axis=0) > 0, _ERR_MISMATCH, 0))
-                if code != 0:
-                    if _record_error(ctl, code, p, tl.min(tl.where(diff, i, _SIG_WORDS), axis=0), 0):
-                        tl.store(ctl + _CTL_ERR_SIG + i, theirs)
-                        tl.store(ctl + _CTL_ERR_SIG + _SIG_WORDS + i, mine)
-                    ok = ok * 0
-    return ok
-
-
-@triton.jit
-def _finish_call(ctl, status_ptr, heap_bases, rank, epoch, timeout_ns, W: tl.constexpr, INTERPRET: tl.constexpr,
-                 STICKY_ERRORS: tl.constexpr):
-    """The end of a call, run by the last program of this rank once every other one has finished: tell
-    every peer, wait for every peer (the end barrier), copy the error record into ``status``, reset the
-    shared counters and store ``epoch`` as the new call counter. With STICKY_ERRORS (JAX programs traced
-    without a host callback per call) the first failed call's status is also kept in the control region
-    until the host takes it (ring_core.heap.SymmetricHeap.take_error).
-
-    After an error every wait gives up at once, the barrier's too, except after a mismatch: the peers are
-    alive and in the same call then (they published its signature), so the barrier waits for them as
-    usual (bounded). Otherwise a rank could start its next call and overwrite its signature while a peer
-    still compared it with this call's, and that peer would report the ranks' counters apart instead of
-    the mismatch every rank reports."""
-    tl.debug_barrier()  # every thread's loads below after the acquiring finish count
-    held = tl.atomic_xchg(ctl + 3, 0, sem="acq_rel", scope="gpu")  # the error record, out of the way ...
-    held_peer = tl.atomic_add(ctl + 4, 0, sem="relaxed", scope="gpu")
-    held_step = tl.atomic_add(ctl + 5, 0, sem="relaxed", scope="gpu")
-    if (held != 0) & (held != _ERR_MISMATCH):
-        tl.atomic_xchg(ctl + 3, held, sem="relaxed", scope="gpu")  # ... unless the barrier must give up
-    for p in tl.static_range(W):
-        if p != rank:
-            iris.atomic_xchg(ctl + 8 + rank, epoch, rank, p, heap_bases, sem="release", scope="sys")
-    for p in tl.static_range(W):
-        if p != rank:
-            ok = _poll_ge(ctl + 8 + p, epoch, ctl, timeout_ns, INTERPRET)
-            if ok == 0:
-                _record_error(ctl, 2, p, W, -1)
-    code = tl.atomic_xchg(ctl + 3, 0, sem="acq_rel", scope="gpu")
-    peer = tl.atomic_xchg(ctl + 4, 0, sem="relaxed", scope="gpu")
-    step = tl.atomic_xchg(ctl + 5, 0, sem="relaxed", scope="gpu")
-    first = held != 0  # the first error wins
-    tl.store(status_ptr + 0, tl.where(first, held, code))
-    tl.store(status_ptr + 1, tl.where(first, held_peer, peer))
-    tl.store(status_ptr + 2, tl.where(first, held_step, step))
-    tl.store(status_ptr + 3, epoch)
-    sig = tl.arange(0, 2 * _SIG_WORDS)
-    tl.store(status_ptr + 4 + sig, tl.load(ctl + _CTL_ERR_SIG + sig, volatile=True))
-    tl.store(ctl + _CTL_ERR_SIG + sig, sig * 0)
-    final = tl.where(first, held, code)
-    if STICKY_ERRORS and final != 0:
-        if tl.atomic_cas(ctl + _CTL_STICKY, 0, final, sem="acq_rel", scope="gpu") == 0:
-            tl.debug_barrier()  # this program's status stores above before the loads below
-            words = tl.arange(0, 64)
-            keep = (words > 0) & (words < _STATUS_WORDS)
-            tl.store(ctl + _CTL_STICKY + words, tl.load(status_ptr + words, mask=keep, volatile=True), mask=keep)
-    tl.atomic_xchg(ctl + 6, 0, sem="relaxed", scope="gpu")
-    tl.atomic_xchg(ctl + 1, 0, sem="relaxed", scope="gpu")
-    tl.atomic_xchg(ctl + _CTL_SIG_CLAIM, 0, sem="relaxed", scope="gpu")
-    tl.atomic_xchg(ctl + 2, 0, sem="relaxed", scope="gpu")
-    tl.atomic_xchg(ctl + 0, epoch, sem="release", scope="gpu")
-
-
-@triton.jit
-def _last_pos(rank, S, W: tl.constexpr, ZIGZAG: tl.constexpr):
-    """Global position of ``rank``'s last local row: the largest, positions grow with the row index."""
-    return _positions(rank * 0 + S - 1, rank, S, W, ZIGZAG)
-
-
-@triton.jit
-def _push_unit(u, k_ptr, v_ptr, recv_ptr, flags_ptr, heap_bases, rank, epoch, B, S, n_chunks,
-                  W: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                  CHUNK_ROWS: tl.constexpr, PUSH_ROWS: tl.constexpr, PUSH_VEC: tl.constexpr,
-                  CAUSAL: tl.constexpr, ZIGZAG: tl.constexpr):
-    per_peer = B * HKV * n_chunks
-    d = u // per_peer + 1
-    rem = u % per_peer
-    bh = rem // n_chunks  # b * HKV + hkv
-    c = rem % n_chunks
-    b = bh // HKV
-    hkv = bh % HKV
-    peer = (rank + d) % W
-    slot = d - 1
-    needed = True
-    if CAUSAL:
-        # The receiver sees a row only if its position is <= the receiver's last query position.
-        needed = _positions(c * CHUNK_ROWS, rank, S, W, ZIGZAG) <= _last_pos(peer, S, W, ZIGZAG)
-    if needed:
-        offs_r = tl.arange(0, PUSH_ROWS)
-        offs_d = tl.arange(0, BLOCK_D)
-        dmask = offs_d < D
-        src_base = b.to(tl.int64) * S * HKV * D + hkv * D
-        dst_k = ((slot * 2 * B + b).to(tl.int64) * HKV + hkv) * S * D
-        dst_v = dst_k + (b * 0 + B).to(tl.int64) * HKV * S * D  # B may arrive as a Python int (== 1)
-        r_end = tl.minimum(S, (c + 1) * CHUNK_ROWS)
-        for r0 in range(c * CHUNK_ROWS, r_end, PUSH_ROWS):
-            rows = r0 + offs_r
-            m = (rows < r_end)[:, None] & dmask[None, :]
-            src = src_base + rows[:, None].to(tl.int64) * (HKV * D) + offs_d[None, :]
-            dst = rows[:, None].to(tl.int64) * D + offs_d[None, :]
-            # hint: rows start 16-byte aligned in the peer's slot (launch.bwd_store_hint), so the remote
-            # stores are 16-byte vectors; Triton cannot see that through iris's address translation.
-            kt = tl.load(k_ptr + src, mask=m)
-            iris.store(recv_ptr + dst_k + dst, kt, rank, peer, heap_bases, mask=m, hint=(1, PUSH_VEC))
-            vt = tl.load(v_ptr + src, mask=m)
-            iris.store(recv_ptr + dst_v + dst, vt, rank, peer, heap_bases, mask=m, hint=(1, PUSH_VEC))
-        # Every thread's stores must be ordered before the release below (cumulativity through bar.sync).
-        tl.debug_barrier()
-        iris.atomic_xchg(flags_ptr + (slot * B * HKV + bh) * n_chunks + c, epoch, rank, peer, heap_bases,
-                         sem="release", scope="sys")
-
-
-@triton.jit
-def _drain_pushes(ctl, n_units, k_ptr, v_ptr, recv, flags, heap_bases, rank, epoch, B, S, n_chunks,
-                  W: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                  CHUNK_ROWS: tl.constexpr, PUSH_ROWS: tl.constexpr, PUSH_VEC: tl.constexpr,
-                  CAUSAL: tl.constexpr, ZIGZAG: tl.constexpr):
-    """Push until no unit is left unclaimed. Called before a task's first wait (see the module docstring)."""
-    u = tl.atomic_add(ctl + 1, 1, sem="relaxed", scope="gpu")
-    while u < n_units:
-        _push_unit(u, k_ptr, v_ptr, recv, flags, heap_bases, rank, epoch, B, S, n_chunks,
-                      W, HKV, D, BLOCK_D, CHUNK_ROWS, PUSH_ROWS, PUSH_VEC, CAUSAL, ZIGZAG)
-        u = tl.atomic_add(ctl + 1, 1, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def _dot(a, b, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
-    if INTERPRET:
-        # Triton's interpreter multiplies bf16 tensors as their raw uint16 bits; float32 operands give
-        # the tensor-core result (bf16/fp16 products are exact in float32, accumulation is float32).
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    elif a.dtype == tl.float32:
-        return tl.dot(a, b, input_precision=DOT_PRECISION)
-    else:
-        return tl.dot(a, b)
-
-
-@triton.jit
-def _heavy_first(m_blk, n_m, CAUSAL: tl.constexpr):
-    """Query block ``m_blk`` of ``n_m`` in the order tiles are taken. Causal: heaviest first (the work of a
-    query tile grows with its local row in both layouts), so the grid's last programs are its lightest and
-    the GPU's tail is short (flash-attention does the same)."""
-    if CAUSAL:
-        m_blk = n_m - 1 - m_blk
-    return m_blk
-
-
-@triton.jit
-def _positions(rows, rank, S, W: tl.constexpr, ZIGZAG: tl.constexpr):
-    if ZIGZAG:
-        c = S // 2
-        return tl.where(rows < c, rank * c + rows, (2 * W - 1 - rank) * c + (rows - c))
-    else:
-        return rank * S + rows
-
-
-@triton.jit
-def _visible_rows(x, src, S, W: tl.constexpr, ZIGZAG: tl.constexpr):
-    """How many of rank ``src``'s local rows have a global position <= ``x``. Positions increase with the
-    local row in both layouts (zigzag: chunk ``src`` comes before chunk ``2W-1-src``), so these rows are
-    a prefix of the shard; causal work is a prefix of K/V blocks, and no block beyond it is touched."""
-    if ZIGZAG:
-        c = S // 2
-        n1 = tl.minimum(tl.maximum(x - src * c + 1, 0), c)
-        n2 = tl.minimum(tl.maximum(x - (2 * W - 1 - src) * c + 1, 0), c)
-        return n1 + n2
-    else:
-        return tl.minimum(tl.maximum(x - src * S + 1, 0), S)
-
-
-@triton.jit
-def _block_range(q_pos_min, q_pos_max, src, S, W: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                 ZIGZAG: tl.constexpr):
-    """For queries at positions [q_pos_min, q_pos_max] against rank ``src``'s K/V: (rows any of them sees,
-    blocks to visit, blocks every one of them sees whole). Blocks [n_full, n_hi) need masks."""
-    if CAUSAL:
-        seen = _visible_rows(q_pos_max, src, S, W, ZIGZAG)
-        n_full = _visible_rows(q_pos_min, src, S, W, ZIGZAG) // BLOCK_N
-    else:
-        seen = S
-        n_full = S // BLOCK_N
-    return seen, tl.cdiv(seen, BLOCK_N), n_full
-
-
-@triton.jit
-def _claim_push(ctl, n_units, k_ptr, v_ptr, recv, flags, heap_bases, rank, epoch, B, S, n_chunks,
-                W: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                CHUNK_ROWS: tl.constexpr, PUSH_ROWS: tl.constexpr, VEC: tl.constexpr, CAUSAL: tl.constexpr,
-                ZIGZAG: tl.constexpr):
-    """Claim one push unit, if any is left, and push it (overlap in ring step 0; never waits)."""
-    u0 = tl.atomic_add(ctl + 1, 1, sem="relaxed", scope="gpu")
-    if u0 < n_units:
-        _push_unit(u0, k_ptr, v_ptr, recv, flags, heap_bases, rank, epoch, B, S, n_chunks,
-                   W, HKV, D, BLOCK_D, CHUNK_ROWS, PUSH_ROWS, VEC, CAUSAL, ZIGZAG)
-
-
-@triton.jit
-def _load_kv(k_base, v_base, kv_off, row_ok, dmask, MASKED: tl.constexpr, FULL_D: tl.constexpr):
-    """One K and one V block. MASKED: only rows with ``row_ok``; otherwise every row exists and needs no mask
-    (a maskless load is what lets the unmasked loops vectorise and pipeline fully)."""
-    if MASKED:
-        k = tl.load(k_base + kv_off, mask=row_ok[:, None] & dmask[None, :], other=0.0)
-        v = tl.load(v_base + kv_off, mask=row_ok[:, None] & dmask[None, :], other=0.0)
-    elif FULL_D:
-        k = tl.load(k_base + kv_off)
-        v = tl.load(v_base + kv_off)
-    else:
-        k = tl.load(k_base + kv_off, mask=dmask[None, :], other=0.0)
-        v = tl.load(v_base + kv_off, mask=dmask[None, :], other=0.0)
-    return k, v
+KIND_FWD = tl.constexpr(control.KIND_FWD)
 
 
 @triton.jit
@@ -489,12 +48,12 @@ def _attn_blocks(acc, l_i, m_i, q, q_pos, k_base, v_base, lo, hi, src, S, qk_sca
         # runtime stride made bf16/fp16 loads 2-byte scalars, which cannot be pipelined as async copies.
         kv_off = rows_n[:, None].to(tl.int64) * ROW_STRIDE + offs_d[None, :]
         n_valid = rows_n < S
-        k, v = _load_kv(k_base, v_base, kv_off, n_valid, dmask, MASKED, BLOCK_D == D)
-        qk = _dot(q, tl.trans(k), DOT_PRECISION, INTERPRET)
+        k, v = load_kv(k_base, v_base, kv_off, n_valid, dmask, MASKED, BLOCK_D == D)
+        qk = dot(q, tl.trans(k), DOT_PRECISION, INTERPRET)
         if MASKED:
             valid = n_valid[None, :]
             if CAUSAL:
-                valid = valid & (_positions(rows_n, src, S, W, ZIGZAG)[None, :] <= q_pos[:, None])
+                valid = valid & (positions(rows_n, src, S, W, ZIGZAG)[None, :] <= q_pos[:, None])
             qk = tl.where(valid, qk, float("-inf"))
         # scale >= 0 (validated), so max(qk) * scale is the maximum of the scaled scores.
         m_new = tl.maximum(m_i, tl.max(qk, axis=1) * qk_scale)
@@ -506,7 +65,7 @@ def _attn_blocks(acc, l_i, m_i, q, q_pos, k_base, v_base, lo, hi, src, S, qk_sca
         p = tl.math.exp2(qk * qk_scale - m_new_safe[:, None])
         alpha = tl.math.exp2(m_i - m_new_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, INTERPRET)
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_PRECISION, INTERPRET)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -523,7 +82,7 @@ def ring_attn_fwd_kernel(
     W: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     CHUNK_BLOCKS: tl.constexpr, PUSH_ROWS: tl.constexpr, SEG_BLOCKS: tl.constexpr, POLL_N: tl.constexpr,
-    VEC: tl.constexpr,
+    PUSH_VEC: tl.constexpr,
     CAUSAL: tl.constexpr, ZIGZAG: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SIG_DTYPE: tl.constexpr, STICKY_ERRORS: tl.constexpr,
 ):
@@ -532,19 +91,11 @@ def ring_attn_fwd_kernel(
     LOG2E: tl.constexpr = 1.4426950408889634
     LN2: tl.constexpr = 0.6931471805599453
 
-    # ---- per-rank context: heap bases, rank, heap layout -------------------------------------------
-    ctx = ctx_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
-    heap_bases = ctx_ptr.to(tl.pointer_type(tl.uint64), bitcast=True)
-    rank = tl.load(ctx + W).to(tl.int32)
-    my_base = tl.load(heap_bases + rank)
-    ctl = (my_base + tl.load(ctx + W + 1).to(tl.uint64)).to(tl.pointer_type(tl.int32), bitcast=True)
-    flags = (my_base + tl.load(ctx + W + 2).to(tl.uint64)).to(tl.pointer_type(tl.int32), bitcast=True)
-    recv = (my_base + tl.load(ctx + W + 3).to(tl.uint64)).to(tl.pointer_type(q_ptr.dtype.element_ty),
-                                                            bitcast=True)
+    # ---- this rank's ring: heap bases, position, its slot's control words and flags, receive region --
+    heap_bases, rank, ctl, flags, recv_addr, epoch = ring_context(ctx_ptr, W)
     # Heap bases are allocation-granularity aligned and the receive region starts ALIGN (256) bytes in
-    # (ring_core.launch); saying so lets Triton vectorise and pipeline the loads from the receive slots.
-    recv = tl.multiple_of(recv, 16)
-    epoch = tl.load(ctl + 0) + 1
+    # (ring_core.control); saying so lets Triton vectorise and pipeline the loads from the receive slots.
+    recv = tl.multiple_of(recv_addr.to(tl.pointer_type(q_ptr.dtype.element_ty), bitcast=True), 16)
 
     n_m = tl.cdiv(S, BLOCK_M)
     n_chunks = tl.cdiv(S, CHUNK_ROWS)
@@ -552,8 +103,8 @@ def ring_attn_fwd_kernel(
     call_ok = epoch * 0 + 1
     if W > 1:
         # Every rank must make this same call; if not, push nothing (every later wait then gives up at once).
-        words = _call_words(1, B, S, sm_scale, W, H, HKV, D, SIG_DTYPE, CAUSAL, ZIGZAG, CHUNK_ROWS, BLOCK_N)
-        call_ok = _check_call(ctl, heap_bases, rank, epoch, words, timeout_ns, W, INTERPRET)
+        words = call_words(KIND_FWD, B, S, sm_scale, W, H, HKV, D, SIG_DTYPE, CAUSAL, ZIGZAG, CHUNK_ROWS, BLOCK_N)
+        call_ok = check_call(ctl, heap_bases, rank, epoch, words, timeout_ns, W, INTERPRET)
     n_units = n_units * call_ok
     valid = call_ok  # 0 once a wait of this tile gave up: its result is then not computed from the right data
 
@@ -561,7 +112,7 @@ def ring_attn_fwd_kernel(
     pid = tl.program_id(0)
     g = pid % G
     t = pid // G
-    m_blk = _heavy_first(t % n_m, n_m, CAUSAL)
+    m_blk = heavy_first(t % n_m, n_m, CAUSAL)
     t = t // n_m
     hkv = t % HKV
     b = t // HKV
@@ -574,7 +125,7 @@ def ring_attn_fwd_kernel(
     dmask = offs_d < D
     q_off = ((b.to(tl.int64) * S + offs_m[:, None]) * H + h) * D + offs_d[None, :]
     q = tl.load(q_ptr + q_off, mask=m_valid[:, None] & dmask[None, :], other=0.0)
-    q_pos = _positions(offs_m, rank, S, W, ZIGZAG)
+    q_pos = positions(offs_m, rank, S, W, ZIGZAG)
     q_pos_max = tl.max(tl.where(m_valid, q_pos, -1), axis=0)
 
     qk_scale = sm_scale * LOG2E
@@ -587,7 +138,7 @@ def ring_attn_fwd_kernel(
         src = (rank - step + W) % W
         # K/V blocks [0, n_full) are seen whole by every query of the tile; [n_full, n_hi) need masks;
         # blocks from n_hi on are hidden by causality: never waited for, loaded or computed.
-        _, n_hi, n_full = _block_range(q_pos_min, q_pos_max, src, S, W, BLOCK_N, CAUSAL, ZIGZAG)
+        _, n_hi, n_full = block_range(q_pos_min, q_pos_max, src, S, W, BLOCK_N, CAUSAL, ZIGZAG)
         if step == 0:
             k_base = k_ptr + b.to(tl.int64) * S * HKV * D + hkv * D
             v_base = v_ptr + b.to(tl.int64) * S * HKV * D + hkv * D
@@ -595,8 +146,8 @@ def ring_attn_fwd_kernel(
                 # Overlap: claim and push one unit of the local K/V every SEG_BLOCKS blocks. The claims
                 # sit between the pipelined inner loops, never inside them.
                 for seg in range(0, n_full, SEG_BLOCKS):
-                    _claim_push(ctl, n_units, k_ptr, v_ptr, recv, flags, heap_bases, rank, epoch, B, S, n_chunks,
-                                W, HKV, D, BLOCK_D, CHUNK_ROWS, PUSH_ROWS, VEC, CAUSAL, ZIGZAG)
+                    claim_push(ctl, n_units, k_ptr, v_ptr, recv, flags, heap_bases, rank, epoch, B, S, n_chunks,
+                                W, HKV, D, BLOCK_D, CHUNK_ROWS, PUSH_ROWS, PUSH_VEC, CAUSAL, ZIGZAG)
                     acc, l_i, m_i = _attn_blocks(acc, l_i, m_i, q, q_pos, k_base, v_base, seg,
                                                  tl.minimum(seg + SEG_BLOCKS, n_full), src, S, qk_scale, offs_n,
                                                  offs_d, HKV * D, W, D, BLOCK_N, BLOCK_D, False, CAUSAL, ZIGZAG, INTERPRET,
@@ -614,26 +165,13 @@ def ring_attn_fwd_kernel(
             v_base = k_base + (b * 0 + B).to(tl.int64) * HKV * S * D
             if step == 1:
                 # Never wait while push units are unclaimed: this is what makes the protocol
-                # independent of which programs are resident (see module docstring).
-                _drain_pushes(ctl, n_units, k_ptr, v_ptr, recv, flags, heap_bases, rank, epoch, B, S, n_chunks,
-                              W, HKV, D, BLOCK_D, CHUNK_ROWS, PUSH_ROWS, VEC, CAUSAL, ZIGZAG)
-            # Wait for every chunk this tile will read *before* the loops that read them. Triton's software
-            # pipeliner issues a loop's loads several iterations ahead, so an acquire inside the loop would
-            # not order the loads of later iterations: they could read a slot before its data arrived.
-            # An earlier version did that: on 2xH200 its pipelined fp32 loop read slots still holding the
-            # previous call's data (tests/test_kernel_ir.py now checks this never recurs).
-            n_need = tl.cdiv(n_hi, CHUNK_BLOCKS)
+                # independent of which programs are resident (ring_core.protocol).
+                drain_pushes(ctl, n_units, k_ptr, v_ptr, recv, flags, heap_bases, rank, epoch, B, S, n_chunks,
+                              W, HKV, D, BLOCK_D, CHUNK_ROWS, PUSH_ROWS, PUSH_VEC, CAUSAL, ZIGZAG)
+            # Every chunk this tile will read, before the loops that read them (protocol.wait_chunks says why).
             flag0 = flags + ((step - 1) * B * HKV + b * HKV + hkv) * n_chunks
-            offs_poll = tl.arange(0, POLL_N)
-            for c0 in range(0, n_need, POLL_N):
-                ok, first = _poll_all_ge(flag0 + c0 + offs_poll, c0 + offs_poll < n_need, epoch, ctl, timeout_ns,
-                                         INTERPRET, POLL_N)
-                if ok == 0:
-                    _record_error(ctl, 1, src, step, c0 + first)
-                    valid = valid * 0
-            # Each flag was acquired by one thread; the barrier orders every thread's loads below after all
-            # of those acquires (cumulativity through bar.sync).
-            tl.debug_barrier()
+            valid = valid * wait_chunks(flag0, tl.cdiv(n_hi, CHUNK_BLOCKS), epoch, ctl, timeout_ns, src, step,
+                                        INTERPRET, POLL_N)
             acc, l_i, m_i = _attn_blocks(acc, l_i, m_i, q, q_pos, k_base, v_base, 0, n_full, src, S, qk_scale,
                                          offs_n, offs_d, D, W, D, BLOCK_N, BLOCK_D, False, CAUSAL, ZIGZAG, INTERPRET,
                                          DOT_PRECISION)
@@ -649,8 +187,4 @@ def ring_attn_fwd_kernel(
     lse = tl.where(valid != 0, (m_i + tl.math.log2(l_safe)) * LN2, float("nan"))
     tl.store(lse_ptr + (b.to(tl.int64) * H + h) * S + offs_m, lse, mask=m_valid)
 
-    tl.debug_barrier()
-    done = tl.atomic_add(ctl + 2, 1, sem="acq_rel", scope="gpu")
-    if done == tl.num_programs(0) - 1:
-        # Last program of this rank: every program here has finished reading its receive slots.
-        _finish_call(ctl, status_ptr, heap_bases, rank, epoch, timeout_ns, W, INTERPRET, STICKY_ERRORS)
+    end_call(ctl, status_ptr, heap_bases, rank, epoch, timeout_ns, W, INTERPRET, STICKY_ERRORS, False)

@@ -50,38 +50,8 @@ fused call, forward or backward, so it is equal on every rank of a job that make
   epoch, waits for the same from every peer, copies the error record into ``status``, resets the
   counters (claim, finish, ticket, delta) and stores ``epoch`` as the new call counter.
 
-Why it cannot deadlock
-----------------------
-Waits: (a) K/V flags (dQ and partial tasks), (b) the delta count (partial and final tasks), (c) partial
-flags (final tasks), (d) the end barrier. Producers never wait on a final task; nothing waits on work
-that is assigned to one particular program.
-(a) As in the forward: claiming and pushing never wait, and every task drains the claim counter before
-its first wait, so all units of rank s are pushed as soon as any program of the kernel on s runs.
-(b) A task waiting for delta holds a ticket later than every dQ ticket, so every dQ task is held by a
-program that has started (tickets are taken at program start); a dQ task publishes delta before its
-first wait, so the count completes whatever else is waiting.
-(c) A final task on rank s waits for partial tasks on rank r. On r, partial tickets come before final
-tickets, and partial tasks wait only on (a) and (b), which complete; so r's programs finish every dQ and
-partial task they hold and take the next tickets until every partial task has run, whether or not
-final tasks of r are resident and waiting. This is why tasks come from tickets and not from program
-ids: with program ids, final programs could fill every SM of both ranks, each waiting for partial
-programs that the GPU never gets to run (the dispatch order of program ids is not guaranteed). With
-tickets, any program that runs holds the lowest task not yet taken (the argument of CUB's decoupled
-look-back, which takes tile ids the same way).
-(d) Every program finishes once (a)-(c) are met, so each rank's last program reaches the barrier.
-Hence it holds for any grid size, SM occupancy or dispatch order, and while other kernels occupy SMs.
-In the Triton interpreter (a rank's programs run one after another, tickets in program-id order) the
-first program pushes everything, dQ programs precede the rest, and partial tasks of every rank precede
-its final tasks, so one thread per rank completes too.
-
-Why a call cannot race the next call on the same buffers and flags
-------------------------------------------------------------------
-As in the forward: receive slots (K/V and partials) and flags of rank t are written by peers during call
-N+1 only after they passed the end barrier of call N, which t's last program enters only after all of
-t's programs (the only readers of those slots) finished. Flags hold epochs, which only grow (forward and
-backward calls share the counter), so a flag left by an earlier call of either kind never satisfies a
-later wait. The counters are reset by the last program, after every other program of the call is done.
-delta is an output of this call, so no call reads another's.
+Why it cannot deadlock, and why a call cannot race the next: ring_core.protocol (the forward's arguments,
+then the backward's waits: why tasks come from tickets).
 
 Never hangs
 -----------
@@ -107,18 +77,16 @@ import triton.language as tl
 
 import iris
 
-from ring_core import launch as _launch
-from ring_core.kernel import (_block_range, _call_words, _check_call, _claim_push, _dot, _drain_pushes,
-                              _finish_call, _heavy_first, _last_pos, _load_kv, _poll_ge, _positions, _record_error,
-                              _visible_rows)
+from ring_core import control
+from ring_core.protocol import (CTL_BWD_DELTA, CTL_BWD_TICKET, CTL_ERROR, ERR_KV_TIMEOUT, ERR_PEER_FAILED,
+                                block_range, call_words, check_call, claim_push, drain_pushes, end_call, last_pos,
+                                poll_ge, positions, record_error, record_peer_error, ring_context, visible_rows,
+                                wait_chunks)
+from ring_core.tiles import dot, heavy_first, load_kv
 
-# Control words and error codes, from ring_core.launch (the one place that lays out the heap).
-_CTL_TICKET = tl.constexpr(_launch.CTL_BWD_TICKET)
-_CTL_DELTA = tl.constexpr(_launch.CTL_BWD_DELTA)
-_ERR_KV = tl.constexpr(_launch.ERR_KV_TIMEOUT)
-_ERR_PEER = tl.constexpr(_launch.ERR_PEER_FAILED)
-_ERR_PARTIAL = tl.constexpr(_launch.ERR_PARTIAL_TIMEOUT)
-_ERR_LOCAL = tl.constexpr(_launch.ERR_LOCAL_TIMEOUT)
+KIND_BWD = tl.constexpr(control.KIND_BWD)
+ERR_PARTIAL_TIMEOUT = tl.constexpr(control.ERR_PARTIAL_TIMEOUT)
+ERR_LOCAL_TIMEOUT = tl.constexpr(control.ERR_LOCAL_TIMEOUT)
 _LOG2E = tl.constexpr(1.4426950408889634)
 
 
@@ -139,19 +107,19 @@ def _dq_blocks(dq, q, do, lse2, delta, q_pos, q_pos_max, k_base, v_base, lo, hi,
         row_ok = rows_n < S
         if MASKED:
             if CAUSAL:
-                k_pos = _positions(rows_n, src, S, W, ZIGZAG)
+                k_pos = positions(rows_n, src, S, W, ZIGZAG)
                 row_ok = row_ok & (k_pos <= q_pos_max)  # rows the tile cannot see: maybe never sent, not read
-        k, v = _load_kv(k_base, v_base, kv_off, row_ok, dmask, MASKED, BLOCK_D == D)
-        qk = _dot(q, tl.trans(k), DOT_PRECISION, INTERPRET)
+        k, v = load_kv(k_base, v_base, kv_off, row_ok, dmask, MASKED, BLOCK_D == D)
+        qk = dot(q, tl.trans(k), DOT_PRECISION, INTERPRET)
         p = tl.math.exp2(qk * qk_scale - lse2[:, None])
         if MASKED:
             valid = row_ok[None, :]
             if CAUSAL:
                 valid = valid & (k_pos[None, :] <= q_pos[:, None])
             p = tl.where(valid, p, 0.0)
-        dp = _dot(do, tl.trans(v), DOT_PRECISION, INTERPRET)
+        dp = dot(do, tl.trans(v), DOT_PRECISION, INTERPRET)
         ds = p * (dp - delta[:, None])
-        dq += _dot(ds.to(k.dtype), k, DOT_PRECISION, INTERPRET)
+        dq += dot(ds.to(k.dtype), k, DOT_PRECISION, INTERPRET)
     return dq
 
 
@@ -183,17 +151,17 @@ def _dkdv_blocks(dk, dv, k, v, k_pos, q_ptr, do_ptr, lse_ptr, delta_ptr, q_base,
                 do = tl.load(do_ptr + q_off, mask=dmask[None, :], other=0.0)
             lse2 = tl.load(lse_ptr + row_base + rows) * _LOG2E
             dl = tl.load(delta_ptr + row_base + rows)
-        qkT = _dot(k, tl.trans(q), DOT_PRECISION, INTERPRET)  # [BLOCK_N, BLOCK_M]
+        qkT = dot(k, tl.trans(q), DOT_PRECISION, INTERPRET)  # [BLOCK_N, BLOCK_M]
         pT = tl.math.exp2(qkT * qk_scale - lse2[None, :])
         if MASKED:
             validT = m_valid[None, :]
             if CAUSAL:
-                validT = validT & (k_pos[:, None] <= _positions(rows, rank, S, W, ZIGZAG)[None, :])
+                validT = validT & (k_pos[:, None] <= positions(rows, rank, S, W, ZIGZAG)[None, :])
             pT = tl.where(validT, pT, 0.0)
-        dv += _dot(pT.to(do.dtype), do, DOT_PRECISION, INTERPRET)
-        dpT = _dot(v, tl.trans(do), DOT_PRECISION, INTERPRET)
+        dv += dot(pT.to(do.dtype), do, DOT_PRECISION, INTERPRET)
+        dpT = dot(v, tl.trans(do), DOT_PRECISION, INTERPRET)
         dsT = pT * (dpT - dl[None, :])
-        dk += _dot(dsT.to(q.dtype), q, DOT_PRECISION, INTERPRET)
+        dk += dot(dsT.to(q.dtype), q, DOT_PRECISION, INTERPRET)
     return dk, dv
 
 
@@ -209,54 +177,47 @@ def ring_attn_bwd_kernel(
     W: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
     DQ_BLOCK_M: tl.constexpr, DQ_BLOCK_N: tl.constexpr, KV_BLOCK_N: tl.constexpr, KV_BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr, CHUNK_BLOCKS: tl.constexpr, PUSH_ROWS: tl.constexpr, SEG_BLOCKS: tl.constexpr,
-    PUSH_VEC: tl.constexpr, PART_VEC: tl.constexpr,
+    PUSH_VEC: tl.constexpr, PART_VEC: tl.constexpr, POLL_N: tl.constexpr,
     CAUSAL: tl.constexpr, ZIGZAG: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SIG_DTYPE: tl.constexpr, STICKY_ERRORS: tl.constexpr,
 ):
     G: tl.constexpr = H // HKV
     CHUNK_ROWS: tl.constexpr = CHUNK_BLOCKS * KV_BLOCK_N
 
-    # ---- per-rank context: heap bases, rank, heap layout -------------------------------------------
-    ctx = ctx_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
-    heap_bases = ctx_ptr.to(tl.pointer_type(tl.uint64), bitcast=True)
-    rank = tl.load(ctx + W).to(tl.int32)
-    my_base = tl.load(heap_bases + rank)
-    ctl = (my_base + tl.load(ctx + W + 1).to(tl.uint64)).to(tl.pointer_type(tl.int32), bitcast=True)
-    flags = (my_base + tl.load(ctx + W + 2).to(tl.uint64)).to(tl.pointer_type(tl.int32), bitcast=True)
-    recv_addr = my_base + tl.load(ctx + W + 3).to(tl.uint64)
+    # ---- this rank's ring: heap bases, position, its slot's control words and flags, receive region --
+    heap_bases, rank, ctl, flags, recv_addr, epoch = ring_context(ctx_ptr, W)
     # Heap bases are allocation-granularity aligned, the receive region starts ALIGN (256) bytes in and
-    # part_off is a multiple of ALIGN (ring_core.launch): saying so lets Triton vectorise their loads.
+    # part_off is a multiple of ALIGN (ring_core.control): saying so lets Triton vectorise their loads.
     recv = tl.multiple_of(recv_addr.to(tl.pointer_type(q_ptr.dtype.element_ty), bitcast=True), 16)
     part = (recv_addr + (rank * 0 + part_off).to(tl.uint64)).to(tl.pointer_type(tl.float32), bitcast=True)
     part = tl.multiple_of(part, 16)
-    epoch = tl.load(ctl + 0) + 1
 
     n_chunks = tl.cdiv(S, CHUNK_ROWS)
     n_units = (W - 1) * B * HKV * n_chunks  # K/V push units; also the number of K/V flags
     call_ok = epoch * 0 + 1
     if W > 1:
-        # Every rank must make this same call (ring_core.kernel._check_call); if not, nothing is sent to a
+        # Every rank must make this same call (ring_core.protocol.check_call); if not, nothing is sent to a
         # peer (no K/V push, no partial) and every later wait gives up at once.
-        words = _call_words(2, B, S, sm_scale, W, H, HKV, D, SIG_DTYPE, CAUSAL, ZIGZAG, CHUNK_ROWS, KV_BLOCK_N)
-        call_ok = _check_call(ctl, heap_bases, rank, epoch, words, timeout_ns, W, INTERPRET)
+        words = call_words(KIND_BWD, B, S, sm_scale, W, H, HKV, D, SIG_DTYPE, CAUSAL, ZIGZAG, CHUNK_ROWS, KV_BLOCK_N)
+        call_ok = check_call(ctl, heap_bases, rank, epoch, words, timeout_ns, W, INTERPRET)
     n_push = n_units * call_ok  # units to push: none after a mismatch
     n_kvb = tl.cdiv(S, KV_BLOCK_N)
     n_dq = B * H * tl.cdiv(S, DQ_BLOCK_M)
     n_part = (W - 1) * B * HKV * n_kvb
     B64 = (rank * 0 + B).to(tl.int64)
-    my_last = _last_pos(rank, S, W, ZIGZAG)
+    my_last = last_pos(rank, S, W, ZIGZAG)
     qk_scale = sm_scale * _LOG2E
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
 
-    tid = tl.atomic_add(ctl + _CTL_TICKET, 1, sem="relaxed", scope="gpu")
+    tid = tl.atomic_add(ctl + CTL_BWD_TICKET, 1, sem="relaxed", scope="gpu")
     valid = call_ok  # 0 once a wait of this task gave up: its result is then written as NaN
     if tid < n_dq:
         # ================================ dQ task ===================================================
         g = tid % G
         t = tid // G
         n_m = tl.cdiv(S, DQ_BLOCK_M)
-        m_blk = _heavy_first(t % n_m, n_m, CAUSAL)
+        m_blk = heavy_first(t % n_m, n_m, CAUSAL)
         t = t // n_m
         hkv = t % HKV
         b = t // HKV
@@ -275,9 +236,9 @@ def ring_attn_bwd_kernel(
         tl.store(delta_ptr + row_off, delta, mask=m_valid)
         # Every thread's delta stores before the count (cumulativity through bar.sync), then publish.
         tl.debug_barrier()
-        tl.atomic_add(ctl + _CTL_DELTA, 1, sem="release", scope="gpu")
+        tl.atomic_add(ctl + CTL_BWD_DELTA, 1, sem="release", scope="gpu")
         lse2 = tl.load(lse_ptr + row_off, mask=m_valid, other=0.0) * _LOG2E
-        q_pos = _positions(offs_m, rank, S, W, ZIGZAG)
+        q_pos = positions(offs_m, rank, S, W, ZIGZAG)
         q_pos_max = tl.max(tl.where(m_valid, q_pos, -1), axis=0)
         q_pos_min = tl.min(tl.where(m_valid, q_pos, 2147483647), axis=0)
         offs_n = tl.arange(0, DQ_BLOCK_N)
@@ -286,7 +247,7 @@ def ring_attn_bwd_kernel(
             src = (rank - step + W) % W
             # K/V blocks [0, n_full) are seen whole by every query of the tile; [n_full, n_hi) need masks;
             # rows from ``seen`` on are hidden by causality: never waited for, loaded or computed.
-            seen, n_hi, n_full = _block_range(q_pos_min, q_pos_max, src, S, W, DQ_BLOCK_N, CAUSAL, ZIGZAG)
+            seen, n_hi, n_full = block_range(q_pos_min, q_pos_max, src, S, W, DQ_BLOCK_N, CAUSAL, ZIGZAG)
             if step == 0:
                 k_base = k_ptr + b.to(tl.int64) * S * HKV * D + hkv * D
                 v_base = v_ptr + b.to(tl.int64) * S * HKV * D + hkv * D
@@ -294,7 +255,7 @@ def ring_attn_bwd_kernel(
                     # Overlap: claim and push one unit of the local K/V every SEG_BLOCKS blocks; the claims
                     # sit between the pipelined loops, never inside them.
                     for seg in range(0, n_full, SEG_BLOCKS):
-                        _claim_push(ctl, n_push, k_ptr, v_ptr, recv, flags, heap_bases, rank, epoch, B, S, n_chunks,
+                        claim_push(ctl, n_push, k_ptr, v_ptr, recv, flags, heap_bases, rank, epoch, B, S, n_chunks,
                                     W, HKV, D, BLOCK_D, CHUNK_ROWS, PUSH_ROWS, PUSH_VEC, CAUSAL, ZIGZAG)
                         dq = _dq_blocks(dq, q, do, lse2, delta, q_pos, q_pos_max, k_base, v_base, seg,
                                         tl.minimum(seg + SEG_BLOCKS, n_full), src, S, qk_scale, offs_n, offs_d,
@@ -317,20 +278,14 @@ def ring_attn_bwd_kernel(
                 k_base = recv + ((slot * 2 * B + b).to(tl.int64) * HKV + hkv) * S * D
                 v_base = k_base + B64 * HKV * S * D
                 if step == 1:
-                    _drain_pushes(ctl, n_push, k_ptr, v_ptr, recv, flags, heap_bases, rank, epoch, B, S,
+                    drain_pushes(ctl, n_push, k_ptr, v_ptr, recv, flags, heap_bases, rank, epoch, B, S,
                                   n_chunks, W, HKV, D, BLOCK_D, CHUNK_ROWS, PUSH_ROWS, PUSH_VEC, CAUSAL, ZIGZAG)
-                # Wait for every chunk this tile can see *before* the loops that read them: the software
-                # pipeliner issues a loop's loads ahead of its iterations (see ring_core.kernel). Every chunk
-                # that holds a row < seen starts at a position the tile sees, so its owner pushed it.
+                # Every chunk this tile can see, before the loops that read them (protocol.wait_chunks says
+                # why). Every chunk that holds a row < seen starts at a position the tile sees, so its owner
+                # pushed it.
                 flag0 = flags + (slot * B * HKV + b * HKV + hkv) * n_chunks
-                for c in range(0, tl.cdiv(seen, CHUNK_ROWS)):
-                    ok = _poll_ge(flag0 + c, epoch, ctl, timeout_ns, INTERPRET)
-                    if ok == 0:
-                        _record_error(ctl, _ERR_KV, src, step, c)
-                        valid = valid * 0
-                # Each flag was acquired by one thread: the barrier orders every thread's loads below after
-                # all of those acquires (cumulativity through bar.sync).
-                tl.debug_barrier()
+                valid = valid * wait_chunks(flag0, tl.cdiv(seen, CHUNK_ROWS), epoch, ctl, timeout_ns, src, step,
+                                            INTERPRET, POLL_N)
                 dq = _dq_blocks(dq, q, do, lse2, delta, q_pos, q_pos_max, k_base, v_base, 0, n_full, src, S,
                                 qk_scale, offs_n, offs_d, D, W, D, DQ_BLOCK_N, BLOCK_D, False, CAUSAL, ZIGZAG,
                                 INTERPRET, DOT_PRECISION)
@@ -352,23 +307,23 @@ def ring_attn_bwd_kernel(
         hkv = bh % HKV
         src = (rank - d + W) % W
         # Never wait while push units are unclaimed (module docstring, (a)).
-        _drain_pushes(ctl, n_push, k_ptr, v_ptr, recv, flags, heap_bases, rank, epoch, B, S,
+        drain_pushes(ctl, n_push, k_ptr, v_ptr, recv, flags, heap_bases, rank, epoch, B, S,
                       n_chunks, W, HKV, D, BLOCK_D, CHUNK_ROWS, PUSH_ROWS, PUSH_VEC, CAUSAL, ZIGZAG)
-        inputs_ok = _poll_ge(ctl + _CTL_DELTA, n_dq, ctl, timeout_ns, INTERPRET)
+        inputs_ok = poll_ge(ctl + CTL_BWD_DELTA, n_dq, ctl, timeout_ns, INTERPRET)
         if inputs_ok == 0:
-            _record_error(ctl, _ERR_LOCAL, rank, d, n_blk)
+            record_error(ctl, ERR_LOCAL_TIMEOUT, rank, d, n_blk)
 
         n0 = n_blk * KV_BLOCK_N
         rows_n = n0 + tl.arange(0, KV_BLOCK_N)
         n_valid = rows_n < S
-        k_pos = _positions(rows_n, src, S, W, ZIGZAG)
-        k_pos_min = _positions(n0, src, S, W, ZIGZAG)
+        k_pos = positions(rows_n, src, S, W, ZIGZAG)
+        k_pos_min = positions(n0, src, S, W, ZIGZAG)
         n_mk = tl.cdiv(S, KV_BLOCK_M)
         if CAUSAL:
             # Local query blocks [i_lo, n_mk) see some key of this block; from i_full on, all of them.
-            k_pos_max = _positions(tl.minimum(n0 + KV_BLOCK_N, S) - 1, src, S, W, ZIGZAG)
-            i_lo = _visible_rows(k_pos_min - 1, rank, S, W, ZIGZAG) // KV_BLOCK_M
-            i_full = tl.maximum(tl.cdiv(_visible_rows(k_pos_max - 1, rank, S, W, ZIGZAG), KV_BLOCK_M), i_lo)
+            k_pos_max = positions(tl.minimum(n0 + KV_BLOCK_N, S) - 1, src, S, W, ZIGZAG)
+            i_lo = visible_rows(k_pos_min - 1, rank, S, W, ZIGZAG) // KV_BLOCK_M
+            i_full = tl.maximum(tl.cdiv(visible_rows(k_pos_max - 1, rank, S, W, ZIGZAG), KV_BLOCK_M), i_lo)
             block_needed = k_pos_min <= my_last
             row_ok = n_valid & (k_pos <= my_last)  # rows no local query sees: maybe never sent, not read
         else:
@@ -389,12 +344,12 @@ def ring_attn_bwd_kernel(
                 for c in range(n0 // CHUNK_ROWS, c_end):
                     chunk_needed = True
                     if CAUSAL:
-                        chunk_needed = _positions(c * CHUNK_ROWS, src, S, W, ZIGZAG) <= my_last
+                        chunk_needed = positions(c * CHUNK_ROWS, src, S, W, ZIGZAG) <= my_last
                     if chunk_needed:
                         flag = flags + (slot * B * HKV + b * HKV + hkv) * n_chunks + c
-                        ok = _poll_ge(flag, epoch, ctl, timeout_ns, INTERPRET)
+                        ok = poll_ge(flag, epoch, ctl, timeout_ns, INTERPRET)
                         if ok == 0:
-                            _record_error(ctl, _ERR_KV, src, d, c)
+                            record_error(ctl, ERR_KV_TIMEOUT, src, d, c)
                             inputs_ok = inputs_ok * 0
         else:
             k_base = k_ptr + bkv
@@ -439,10 +394,7 @@ def ring_attn_bwd_kernel(
                 if inputs_ok == 0:
                     # Published anyway (the owner must not wait out its timeout), but marked untrustworthy:
                     # the owner's status will say this rank failed.
-                    won = iris.atomic_cas(ctl + 3, 0, _ERR_PEER, rank, src, heap_bases, sem="acq_rel", scope="sys")
-                    if won == 0:
-                        iris.atomic_xchg(ctl + 4, rank, rank, src, heap_bases, sem="relaxed", scope="sys")
-                        iris.atomic_xchg(ctl + 5, d, rank, src, heap_bases, sem="relaxed", scope="sys")
+                    record_peer_error(ctl, heap_bases, rank, src, ERR_PEER_FAILED, d)
                 iris.atomic_xchg(flags + n_units + (slot * B * HKV + bh) * n_kvb + n_blk, epoch, rank, src,
                                  heap_bases, sem="release", scope="sys")
         else:
@@ -452,17 +404,17 @@ def ring_attn_bwd_kernel(
                 if r != rank:
                     peer_sends = True
                     if CAUSAL:
-                        peer_sends = k_pos_min <= _last_pos(r, S, W, ZIGZAG)
+                        peer_sends = k_pos_min <= last_pos(r, S, W, ZIGZAG)
                     if peer_sends:
                         rslot = (r - rank + W) % W - 1
                         flag = flags + n_units + (rslot * B * HKV + bh) * n_kvb + n_blk
-                        ok = _poll_ge(flag, epoch, ctl, timeout_ns, INTERPRET)
+                        ok = poll_ge(flag, epoch, ctl, timeout_ns, INTERPRET)
                         if ok == 0:
-                            _record_error(ctl, _ERR_PARTIAL, r, rslot + 1, n_blk)
+                            record_error(ctl, ERR_PARTIAL_TIMEOUT, r, rslot + 1, n_blk)
             tl.debug_barrier()
             # Valid only if every input arrived and nothing failed: a peer that sent an untrustworthy partial
             # marked this rank's error word (ERR_PEER) before publishing it, so the acquires above see it.
-            err_now = tl.atomic_add(ctl + 3, 0, sem="acquire", scope="gpu")
+            err_now = tl.atomic_add(ctl + CTL_ERROR, 0, sem="acquire", scope="gpu")
             valid = inputs_ok * call_ok * (err_now == 0).to(tl.int32)
             # Sum in rank order, the local contribution at its place: the same order on every run.
             for which in tl.static_range(2):
@@ -477,7 +429,7 @@ def ring_attn_bwd_kernel(
                     else:
                         peer_sends = True
                         if CAUSAL:
-                            peer_sends = k_pos_min <= _last_pos(r, S, W, ZIGZAG)
+                            peer_sends = k_pos_min <= last_pos(r, S, W, ZIGZAG)
                         if peer_sends:
                             rslot = (r - rank + W) % W - 1
                             src_off = ((rslot * 2 * B + which * B + b).to(tl.int64) * HKV + hkv) * S * D
@@ -491,9 +443,4 @@ def ring_attn_bwd_kernel(
                     tl.store(dv_ptr + out_off, total.to(dv_ptr.dtype.element_ty), mask=out_mask)
 
     # ---- end: the last program of this rank meets every peer, reports, resets -----------------------
-    tl.debug_barrier()
-    done = tl.atomic_add(ctl + 2, 1, sem="acq_rel", scope="gpu")
-    if done == tl.num_programs(0) - 1:
-        tl.atomic_xchg(ctl + _CTL_TICKET, 0, sem="relaxed", scope="gpu")
-        tl.atomic_xchg(ctl + _CTL_DELTA, 0, sem="relaxed", scope="gpu")
-        _finish_call(ctl, status_ptr, heap_bases, rank, epoch, timeout_ns, W, INTERPRET, STICKY_ERRORS)
+    end_call(ctl, status_ptr, heap_bases, rank, epoch, timeout_ns, W, INTERPRET, STICKY_ERRORS, True)

@@ -95,7 +95,7 @@ class Report:
 def expect_timeout_message(err: BaseException, *, rank: int, peer: int, timeout_s: float) -> str:
     """Check that ``err`` is the fused kernel's timeout, raised on ``rank`` and naming ``peer`` (and the ring
     step or the end barrier) and the limit; returns the message."""
-    from ring_core.launch import RingAttentionTimeout
+    from ring_core.control import RingAttentionTimeout
 
     msg = str(err)
     if not isinstance(err, RingAttentionTimeout) and "RingAttentionTimeout" not in msg:
@@ -477,7 +477,7 @@ def section_mismatch(job: Job):
     """Ranks that disagree: rank 1's torch call has another seq_local, then rank 1's JAX call another
     is_causal. Every rank raises RingAttentionMismatch naming the field (the kernel finds it before any
     data moves); then right calls through both frontends, without reset()."""
-    from ring_core.launch import RingAttentionMismatch
+    from ring_core.control import RingAttentionMismatch
 
     a, rank = job.args, job.rank
     dtype, layout = "bfloat16", "contiguous"

@@ -134,17 +134,17 @@ def test_cpu_smoke_defaults_are_tiny_and_run_every_method():
 
 
 def test_heap_covers_the_largest_case():
-    from ring_core import heap, launch
+    from ring_core import heap, plans
 
     small = [bench.Case(1, 32, 32, 128, 4096, False, "bfloat16")]
     assert bench.heap_bytes_needed(small, 2) == heap.DEFAULT_HEAP_BYTES
     big = [bench.Case(1, 32, 32, 128, 1 << 20, False, "bfloat16")]
     need = 2 * (1 << 20) * 32 * 128 * 2
-    assert bench.heap_bytes_needed(big, 2) == launch.heap_bytes_for(need) > need
+    assert bench.heap_bytes_needed(big, 2) == plans.heap_bytes_for(need) > need
     # the backward also receives float32 partial dK/dV: K/V (2 bytes) + partials (4 bytes) per element
     big_step = [bench.Case(1, 32, 32, 128, 1 << 20, False, "bfloat16", "fwd+bwd")]
     with_step = bench.heap_bytes_needed(big + big_step, 2)
-    assert with_step >= launch.heap_bytes_for(need * 3) > bench.heap_bytes_needed(big, 2)
+    assert with_step >= plans.heap_bytes_for(need * 3) > bench.heap_bytes_needed(big, 2)
 
 
 # ------------------------------------------------------------------------------------- ratios, CSV

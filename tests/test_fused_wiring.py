@@ -19,22 +19,9 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from ring_core import heap as heap_mod  # noqa: E402
-from ring_core import interpret, launch, reference, testing  # noqa: E402
+from ring_core import control, interpret, plans, reference, testing  # noqa: E402
 
 TORCH_DTYPES = {}  # filled on first use (torch is imported lazily)
-
-
-class _InterpretedPlan:
-    """A launch plan whose constexprs always select the interpreter's code paths (no %globaltimer)."""
-
-    def __init__(self, plan):
-        self._plan = plan
-
-    def __getattr__(self, name):
-        return getattr(self._plan, name)
-
-    def constexprs(self, *, interpret, **kw):
-        return self._plan.constexprs(interpret=True, **kw)
 
 
 class _CpuHeap(heap_mod.HeapRings):
@@ -45,16 +32,19 @@ class _CpuHeap(heap_mod.HeapRings):
         import torch
 
         self.buf = torch.zeros(size, dtype=torch.uint8)
-        super().__init__(0, [[self.buf.data_ptr()]], launch.HeapLayout.for_workspace(size), self.buf)
+        super().__init__(0, [[self.buf.data_ptr()]], control.HeapLayout.for_workspace(size), self.buf)
         self.plans = []
 
-    def plan(self, spec, ring_size, **kw):
+    def plan(self, spec, ring_size, config=None):
+        """The interpreter's code paths with the GPU's default tiles (not the simulator's small ones)."""
         self.plans.append(("fwd", spec))
-        return _InterpretedPlan(super().plan(spec, ring_size, **kw))
+        return super().plan(spec, ring_size, config=config or plans.KernelConfig.get_default(spec, ring_size),
+                            interpret=True)
 
-    def plan_bwd(self, spec, ring_size, **kw):
+    def plan_bwd(self, spec, ring_size, config=None):
         self.plans.append(("bwd", spec))
-        return _InterpretedPlan(super().plan_bwd(spec, ring_size, **kw))
+        return super().plan_bwd(spec, ring_size, config=config or plans.BwdKernelConfig.get_default(spec, ring_size),
+                                interpret=True)
 
 
 @pytest.fixture
@@ -69,7 +59,7 @@ def cpu_heap(monkeypatch):
 def _check_now(status, ring, timeout_s):
     """torch_bridge.fused._track without the deferral: raise a failed call's status at once."""
     members, position, _ = ring
-    launch.check_status(status.numpy(), position, timeout_s, members=members)
+    control.check_status(status.numpy(), position, timeout_s, members=members)
 
 
 def _torch_dtypes():
@@ -172,13 +162,13 @@ def test_jax_and_torch_fused_gradients(cpu_heap, monkeypatch, dtype, causal, H, 
     names = [entry["name"] for entry in launches]
     assert names == ["ring_attn_fwd", "ring_attn_bwd"], names
     fwd_call, bwd_call = launches
-    assert bwd_call["zeroed"] == (4,) and bwd_call["out"][4] == ((launch.STATUS_WORDS,), "int32")
+    assert bwd_call["zeroed"] == (4,) and bwd_call["out"][4] == ((control.STATUS_WORDS,), "int32")
     assert bwd_call["out"][3] == ((1, H, S), "float32")  # delta scratch
     assert isinstance(bwd_call["scalars"][2], np.float32)  # the scale travels as float32 in both frontends
     # The GPU's default tiles (not the simulator's small ones) ran here, in the interpreter.
     spec = cpu_heap.plans[-1][1]
-    assert bwd_call["grid"] == launch.plan_bwd(spec, 1, cpu_heap.layout).grid
-    assert bwd_call["constexprs"]["KV_BLOCK_N"] == launch.BwdKernelConfig.get_default(spec, 1).kv_block_n
+    assert bwd_call["grid"] == plans.plan_bwd(spec, 1, cpu_heap.layout).grid
+    assert bwd_call["constexprs"]["KV_BLOCK_N"] == plans.BwdKernelConfig.get_default(spec, 1).kv_block_n
 
     # ---- the same kernel with the same arguments: bit-identical gradients
     for n, a, b in zip("qkv", j_grads, t_grads):
@@ -194,14 +184,14 @@ def test_torch_fused_checks_backward_heap_before_forward(cpu_heap, monkeypatch):
     import torch_bridge
     from torch_bridge import fused as tfused
 
-    small = _CpuHeap(size=launch.RING_SLOTS * launch.CTL_BYTES + (64 << 10) + 10_000)  # ~10 KB of receive space
+    small = _CpuHeap(size=control.RING_SLOTS * control.CTL_BYTES + (64 << 10) + 10_000)  # ~10 KB of receive space
     monkeypatch.setattr(heap_mod, "_heap", small)
     monkeypatch.setattr(tfused, "_track", _check_now)
     monkeypatch.setattr(torch_bridge.api, "_fused_available", lambda: True)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     monkeypatch.setattr(tfused, "ring_of", lambda h, group: ((0, 1), 0, 4))  # two ranks: nothing is launched
     x = torch.zeros(1, 16, 1, 64, dtype=torch.float16)  # K/V 4 KiB fit the 10 KB; + float32 partials do not
-    with pytest.raises(launch.HeapTooSmallError, match="backward call needs"):
+    with pytest.raises(control.HeapTooSmallError, match="backward call needs"):
         torch_bridge.ring_attention(x.clone().requires_grad_(), x.clone(), x.clone(), backend="fused")
     assert small.plans == [("bwd", small.plans[0][1])]
 
@@ -236,11 +226,11 @@ def test_jax_error_modes(cpu_heap, monkeypatch, mode):
     assert [c["constexprs"]["STICKY_ERRORS"] for c in launches] == [mode == "deferred"] * 2  # fwd, bwd
     jax_ring.check_errors()  # nothing failed
     # A failure kept by the kernel (here written by hand: one rank cannot fail) is raised once.
-    status = np.zeros(launch.STATUS_WORDS, np.int32)
-    status[:4] = (launch.ERR_KV_TIMEOUT, 1, 1, 7)
-    start = cpu_heap.layout.ctl_off + 4 * launch.CTL_STICKY
-    cpu_heap.buf[start:start + 4 * launch.STATUS_WORDS] = torch.from_numpy(status.view(np.uint8).copy())
-    with pytest.raises(launch.RingAttentionTimeout, match=r"call #7\) gave up .* K/V shard of rank 1"):
+    status = np.zeros(control.STATUS_WORDS, np.int32)
+    status[:4] = (control.ERR_KV_TIMEOUT, 1, 1, 7)
+    start = cpu_heap.layout.ctl_off + 4 * control.CTL_STICKY
+    cpu_heap.buf[start:start + 4 * control.STATUS_WORDS] = torch.from_numpy(status.view(np.uint8).copy())
+    with pytest.raises(control.RingAttentionTimeout, match=r"call #7\) gave up .* K/V shard of rank 1"):
         jax_ring.check_errors()
     jax_ring.check_errors()
 

@@ -160,12 +160,12 @@ def test_fault_script_imports_lightly_and_checks_its_arguments():
 def test_fault_script_timeout_message_check():
     import numpy as np
 
-    from ring_core import launch
+    from ring_core import control
 
     gf = _script("gpu_faults")
-    for status in ((launch.ERR_KV_TIMEOUT, 1, 1, 4), (launch.ERR_BARRIER_TIMEOUT, 1, 0, 4)):
-        with pytest.raises(launch.RingAttentionTimeout) as info:
-            launch.check_status(np.array(status, np.int32), rank=0, timeout_s=5.0)
+    for status in ((control.ERR_KV_TIMEOUT, 1, 1, 4), (control.ERR_BARRIER_TIMEOUT, 1, 0, 4)):
+        with pytest.raises(control.RingAttentionTimeout) as info:
+            control.check_status(np.array(status, np.int32), rank=0, timeout_s=5.0)
         gf.expect_timeout_message(info.value, rank=0, peer=1, timeout_s=5.0)
         # JAX re-raises the callback's exception inside its own error type: the text is what is checked.
         gf.expect_timeout_message(RuntimeError(f"INTERNAL: callback failed: RingAttentionTimeout: {info.value}"),

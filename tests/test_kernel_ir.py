@@ -37,7 +37,7 @@ COMPILE = textwrap.dedent("""
     from triton.backends.nvidia.compiler import get_ptxas
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from ring_core import launch, validate
+    from ring_core import control, plans, validate
     from ring_core.kernel import ring_attn_fwd_kernel
     from ring_core.kernel_bwd import ring_attn_bwd_kernel
     TT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -46,18 +46,18 @@ COMPILE = textwrap.dedent("""
         spec = validate.check_attention_args((1, 514, 4, d), (1, 514, hkv, d), (1, 514, hkv, d), dt, dt, dt,
                                              is_causal=causal, scale=None, layout=layout, backend="fused",
                                              backends=("fused",))
-        heap = launch.HeapLayout.for_workspace(1 << 30)
+        heap = control.HeapLayout.for_workspace(1 << 30)
         t = TT[dt]
         if name.startswith("bwd "):
-            kernel, p = ring_attn_bwd_kernel, launch.plan_bwd(spec, 2, heap)
+            kernel, p = ring_attn_bwd_kernel, plans.plan_bwd(spec, 2, heap)
             sig = dict(q_ptr="*" + t, k_ptr="*" + t, v_ptr="*" + t, o_ptr="*" + t, do_ptr="*" + t, lse_ptr="*fp32",
                        dlse_ptr="*fp32", ctx_ptr="*i32", B="i32", S="i32", sm_scale="fp32", timeout_ns="i64", part_off="i32",
                        dq_ptr="*" + t, dk_ptr="*" + t, dv_ptr="*" + t, delta_ptr="*fp32", status_ptr="*i32")
         else:
-            kernel, p = ring_attn_fwd_kernel, launch.plan(spec, 2, heap)
+            kernel, p = ring_attn_fwd_kernel, plans.plan(spec, 2, heap)
             sig = dict(q_ptr="*" + t, k_ptr="*" + t, v_ptr="*" + t, ctx_ptr="*i32", B="i32", S="i32",
                        sm_scale="fp32", timeout_ns="i64", out_ptr="*" + t, lse_ptr="*fp32", status_ptr="*i32")
-        consts = p.constexprs(interpret=False, sticky_errors=name.endswith("sticky"))
+        consts = p.constexprs(sticky_errors=name.endswith("sticky"))
         sig.update({k: "constexpr" for k in consts})
         names = list(sig)
         attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if sig[n].startswith("*")}

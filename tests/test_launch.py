@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ring_core import launch
+from ring_core import control, plans
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -62,14 +62,14 @@ def test_initialize_without_a_launcher_says_how_to_start_one(monkeypatch):
     ((3, 2, 0, 5), "because rank 2 failed"),
 ])
 def test_status_becomes_an_error_naming_rank_and_step(status, fragment):
-    with pytest.raises(launch.RingAttentionTimeout, match=fragment):
-        launch.check_status(np.array(status, np.int32), rank=0, timeout_s=1.5)
+    with pytest.raises(control.RingAttentionTimeout, match=fragment):
+        control.check_status(np.array(status, np.int32), rank=0, timeout_s=1.5)
 
 
 def test_status_of_a_kernel_that_never_completed_is_an_error():
     with pytest.raises(RuntimeError, match="did not complete"):
-        launch.check_status(np.zeros(4, np.int32), rank=1)
-    launch.check_status(np.array([0, 0, 0, 3], np.int32), rank=1)  # a completed call passes
+        control.check_status(np.zeros(4, np.int32), rank=1)
+    control.check_status(np.array([0, 0, 0, 3], np.int32), rank=1)  # a completed call passes
 
 
 @pytest.mark.parametrize("need", [1, 10 << 20, 3 << 30])
@@ -78,12 +78,12 @@ def test_suggested_heap_size_holds_the_call(need):
     at least ``need`` receive bytes, with the flag region grown for the bigger workspace."""
     from ring_core.validate import check_attention_args
 
-    suggested = launch.heap_bytes_for(need)
-    layout = launch.HeapLayout.for_workspace(suggested - launch.HEAP_SLACK, base_off=4096 + 17)
+    suggested = plans.heap_bytes_for(need)
+    layout = control.HeapLayout.for_workspace(suggested - control.HEAP_SLACK, base_off=4096 + 17)
     assert layout.recv_capacity >= need
     spec = check_attention_args((1, 4096, 8, 128), (1, 4096, 8, 128), (1, 4096, 8, 128), "bfloat16", "bfloat16",
                                 "bfloat16", is_causal=False, scale=None, layout="contiguous", backend="fused",
                                 backends=("fused",))
-    small = launch.HeapLayout.for_workspace(1 << 20)
-    with pytest.raises(launch.HeapTooSmallError, match=rf"at least {launch.heap_bytes_for(launch.recv_bytes(spec, 2))}"):
-        launch.plan(spec, 2, small)
+    small = control.HeapLayout.for_workspace(1 << 20)
+    with pytest.raises(control.HeapTooSmallError, match=rf"at least {plans.heap_bytes_for(plans.recv_bytes(spec, 2))}"):
+        plans.plan(spec, 2, small)

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ring_core import heap, launch
+from ring_core import control, heap
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -179,9 +179,9 @@ def test_torch_shutdown_releases_the_heap_then_raises_a_pending_timeout(fake_hea
 
     monkeypatch.setattr(heap, "init_torch_distributed_from_env", lambda: (0, 2, 0))
     h = torch_bridge.initialize(64 << 20)
-    status = torch.tensor([launch.ERR_KV_TIMEOUT, 1, 1, 3], dtype=torch.int32)  # as a timed-out call leaves it
+    status = torch.tensor([control.ERR_KV_TIMEOUT, 1, 1, 3], dtype=torch.int32)  # as a timed-out call leaves it
     monkeypatch.setattr(fused, "_pending", [(_DoneEvent(), status, 0, 5.0, (0, 1))])
-    with pytest.raises(launch.RingAttentionTimeout, match=r"rank 0 \(call #3\) gave up after 5 s waiting for the "
+    with pytest.raises(control.RingAttentionTimeout, match=r"rank 0 \(call #3\) gave up after 5 s waiting for the "
                                                           r"K/V shard of rank 1 at ring step 1"):
         torch_bridge.shutdown()
     assert h.closed and not heap.is_initialized() and fused._pending == []

@@ -12,7 +12,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from ring_core import heap as heap_mod  # noqa: E402
-from ring_core import launch, testing  # noqa: E402
+from ring_core import control, testing  # noqa: E402
 from ring_core.heap import FRONTEND_SLOTS, RingSlots  # noqa: E402
 
 
@@ -26,7 +26,7 @@ def test_rings_sharing_no_rank_share_a_slot_and_the_others_do_not():
     assert slots.used_by("jax", 0) == {0, 1, 2} and slots.used_by("jax", 3) == {0, 1}
     assert slots.assign("torch", [0, 1]) == FRONTEND_SLOTS["torch"][0]  # the frontends never share a slot
     assert set(FRONTEND_SLOTS["jax"]).isdisjoint(FRONTEND_SLOTS["torch"])
-    assert set(FRONTEND_SLOTS["jax"]) | set(FRONTEND_SLOTS["torch"]) == set(range(launch.RING_SLOTS))
+    assert set(FRONTEND_SLOTS["jax"]) | set(FRONTEND_SLOTS["torch"]) == set(range(control.RING_SLOTS))
 
 
 def test_slots_run_out_with_a_clear_error():
@@ -62,7 +62,7 @@ def _heap(world: int, size: int = 1 << 20):
     import torch
 
     return heap_mod.HeapRings(0, [[1000 * p + m for m in range(world)] for p in range(world)],
-                              launch.HeapLayout.for_workspace(size), torch.zeros(8, dtype=torch.uint8))
+                              control.HeapLayout.for_workspace(size), torch.zeros(8, dtype=torch.uint8))
 
 
 def _mesh(process_of_position, shape, names):
@@ -174,7 +174,7 @@ def test_several_rings_at_once_and_a_rank_in_rings_of_two_axes():
             testing.check_attention(f"{axis} ring {members}", out.astype(np.float64), None, *ref, "float32",
                                     is_causal=True)
             for pos, r in enumerate(members):
-                launch.check_status(results[r][2], pos, members=members)
+                control.check_status(results[r][2], pos, members=members)
                 assert int(results[r][2][3]) == epochs[axis]  # this slot's call count
 
 
@@ -187,10 +187,10 @@ def test_a_ring_whose_rank_never_comes_leaves_the_other_ring_alone():
     rings = [[0, 1], [2, 3]]
     spec, (qs, ks, vs) = testing.spec_and_shards(60, 2, 1, 8, 2, 1, 16, "float32", is_causal=False)
     results = job.run(spec, qs + qs, ks + ks, vs + vs, rings=rings, absent_ranks=(1,), timeout_s=3)
-    with pytest.raises(launch.RingAttentionTimeout, match="rank 0 .* rank 1 to start"):
-        launch.check_status(results[0][2], 0, 3, members=rings[0])
+    with pytest.raises(control.RingAttentionTimeout, match="rank 0 .* rank 1 to start"):
+        control.check_status(results[0][2], 0, 3, members=rings[0])
     for pos, r in enumerate(rings[1]):
-        launch.check_status(results[r][2], pos, members=rings[1])
+        control.check_status(results[r][2], pos, members=rings[1])
 
 
 def test_simulator_data_parallel_forward_and_gradients():
@@ -216,7 +216,7 @@ def _torch_slots_task(rank, world):
 
     from torch_bridge import fused
 
-    h = heap_mod.HeapRings(rank, [[0] * world] * world, launch.HeapLayout.for_workspace(1 << 20),
+    h = heap_mod.HeapRings(rank, [[0] * world] * world, control.HeapLayout.for_workspace(1 << 20),
                            torch.zeros(8, dtype=torch.uint8))
     groups = {name: [dist.new_group(r) for r in rs] for name, rs in
               (("sp", [[0, 1], [2, 3]]), ("dp", [[0, 2], [1, 3]]), ("mid", [[1, 2]]))}  # every rank creates all

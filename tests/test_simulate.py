@@ -24,9 +24,9 @@ import pytest  # noqa: E402
 
 from jax_ring import simulate  # noqa: E402
 from jax_ring.simulate import SimulatedRing, simulate_job, simulate_ring_attention  # noqa: E402
-from ring_core import interpret, launch, reference, testing  # noqa: E402
+from ring_core import control, interpret, plans, reference, testing  # noqa: E402
 from ring_core import layout as L  # noqa: E402
-from ring_core.launch import HeapTooSmallError, RingAttentionMismatch, RingAttentionTimeout  # noqa: E402
+from ring_core.control import HeapTooSmallError, RingAttentionMismatch, RingAttentionTimeout  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -136,9 +136,9 @@ def test_absent_rank_times_out(is_causal, started, what):
     results = _simulated_job(2).run(spec, *shards, timeout_s=timeout_s, absent_ranks=(1,), absent_started=started)
     assert results[1] is None
     out, lse, status = results[0]
-    assert status[0] != launch.ERR_NONE and status[1] == 1 and status[3] == 1
+    assert status[0] != control.ERR_NONE and status[1] == 1 and status[3] == 1
     with pytest.raises(RingAttentionTimeout, match=what) as info:
-        launch.check_status(status, 0, timeout_s)
+        control.check_status(status, 0, timeout_s)
     assert "rank 0" in str(info.value) and "rank 1" in str(info.value) and "reset()" in str(info.value)
     if is_causal:  # rank 0's queries see only its own keys: right, although the end barrier failed
         assert np.isfinite(out).all() and np.isfinite(lse).all()
@@ -167,7 +167,7 @@ def test_sticky_errors_keep_the_first_failure_until_taken():
         kept = job.take_error(r)
         assert kept is not None and kept.tolist() == res[r][2].tolist()  # the whole status, signatures too
         with pytest.raises(RingAttentionMismatch, match="first difference: seq_local"):
-            launch.check_status(kept, r)
+            control.check_status(kept, r)
         assert job.take_error(r) is None  # taken
 
 
@@ -180,12 +180,12 @@ def test_reset_brings_ranks_back_in_step_on_the_same_heaps():
     # Rank 1 never publishes rank 0's epoch. Rank 1 either sees rank 0's signature of this epoch (the
     # counters are apart) or, if it looks first, rank 0's of the call it missed, which matches; but that
     # call sent nothing (rank 0's own check failed), so rank 1's K/V wait gives up. Both say: reset().
-    assert int(res[0][2][0]) == launch.ERR_START_TIMEOUT
-    assert int(res[1][2][0]) in (launch.ERR_EPOCH, launch.ERR_KV_TIMEOUT)
+    assert int(res[0][2][0]) == control.ERR_START_TIMEOUT
+    assert int(res[1][2][0]) in (control.ERR_EPOCH, control.ERR_KV_TIMEOUT)
     for r in range(2):
         with pytest.raises(RuntimeError, match=r"(?i)call reset\(\)") as e:
-            launch.check_status(res[r][2], r, 0.02)
-        if int(res[r][2][0]) == launch.ERR_EPOCH:
+            control.check_status(res[r][2], r, 0.02)
+        if int(res[r][2][0]) == control.ERR_EPOCH:
             assert isinstance(e.value, RingAttentionMismatch) and "rank 0 is at another call" in str(e.value)
     job.reset()
     res = job.run(spec, *shards)
@@ -229,17 +229,17 @@ def _mismatched_call(job, overrides, seed=0):
 def test_ranks_that_disagree_are_found_before_anything_moves(overrides, field):
     job = _simulated_job(2)
     specs, res = _mismatched_call(job, overrides)
-    plans = [launch.plan(sp, 2, job.layout, interpret=True) for sp in specs]
+    launches = [plans.plan(sp, 2, job.layout, interpret=True) for sp in specs]
     for r in range(2):
         status = res[r][2]
-        assert int(status[0]) == launch.ERR_MISMATCH and int(status[1]) == 1 - r and int(status[3]) == 1
+        assert int(status[0]) == control.ERR_MISMATCH and int(status[1]) == 1 - r and int(status[3]) == 1
         assert np.isnan(res[r][0].astype(np.float32)).all() and np.isnan(res[r][1]).all()  # nothing computed
-        # The kernel built the same signature words as the host (launch.call_signature), epoch included.
-        theirs, mine = status[4:4 + launch.SIG_WORDS], status[4 + launch.SIG_WORDS:]
-        assert mine[1:].tolist() == plans[r].signature()[1:].tolist() and mine[0] == 1
-        assert theirs[1:].tolist() == plans[1 - r].signature()[1:].tolist() and theirs[0] == 1
+        # The kernel built the same signature words as the host (control.call_signature), epoch included.
+        theirs, mine = status[4:4 + control.SIG_WORDS], status[4 + control.SIG_WORDS:]
+        assert mine[1:].tolist() == launches[r].signature()[1:].tolist() and mine[0] == 1
+        assert theirs[1:].tolist() == launches[1 - r].signature()[1:].tolist() and theirs[0] == 1
         with pytest.raises(RingAttentionMismatch, match=rf"disagree on call #1 \(first difference: {field}\)") as e:
-            launch.check_status(status, r, 5.0)
+            control.check_status(status, r, 5.0)
         msg = str(e.value)
         assert f"Rank {1 - r} made the forward call #1" in msg and "no reset() needed" in msg
     # Nothing was pushed: no receive byte of either rank changed. The ranks are still in step: the next
@@ -263,11 +263,11 @@ def test_one_rank_of_four_that_differs_makes_every_rank_raise():
     mixed = [[(o if r == 2 else b)[r] for r in range(W)] for b, o in zip(shards, odd_shards)]
     job = _simulated_job(W)
     res = job.run(specs, *mixed, timeout_s=5.0)
-    assert [int(r[2][0]) for r in res] == [launch.ERR_MISMATCH] * W
+    assert [int(r[2][0]) for r in res] == [control.ERR_MISMATCH] * W
     assert [int(r[2][1]) for r in res] == [2, 2, 0, 2] and {int(r[2][3]) for r in res} == {1}
     for r in range(W):
         with pytest.raises(RingAttentionMismatch, match=r"first difference: heads"):
-            launch.check_status(res[r][2], r, 5.0)
+            control.check_status(res[r][2], r, 5.0)
     res = job.run(base, *shards)
     assert [int(r[2][0]) for r in res] == [0] * W and {int(r[2][3]) for r in res} == {2}
     q, k, v = (np.concatenate(x, axis=1) for x in shards)
@@ -292,9 +292,9 @@ def test_a_mismatch_sends_nothing():
 
 def test_heap_too_small():
     W, B, S, H, HKV, D = 2, 1, 64, 2, 2, 64
-    tiny = launch.RING_SLOTS * launch.CTL_BYTES + (64 << 10) + 10_000  # control, flags, ~10 KB of receive space
+    tiny = control.RING_SLOTS * control.CTL_BYTES + (64 << 10) + 10_000  # control, flags, ~10 KB of receive space
     spec, shards = _spec_and_shards(W, B, S, H, HKV, D, "float32", is_causal=False)
-    need = launch.recv_bytes(spec, W)
+    need = plans.recv_bytes(spec, W)
     assert need == (W - 1) * 2 * B * HKV * S * D * 4
     job = _simulated_job(W, workspace_bytes=tiny)
     with pytest.raises(HeapTooSmallError, match=rf"needs {need} bytes.*initialize\(heap_size=\.\.\.\) with at least"):

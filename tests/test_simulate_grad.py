@@ -24,8 +24,8 @@ import pytest  # noqa: E402
 
 from jax_ring import simulate  # noqa: E402
 from jax_ring.simulate import SimulatedRing, simulate_job, simulate_ring_attention_grad  # noqa: E402
-from ring_core import launch, reference, testing, validate  # noqa: E402
-from ring_core.launch import HeapTooSmallError, RingAttentionTimeout  # noqa: E402
+from ring_core import control, plans, reference, testing, validate  # noqa: E402
+from ring_core.control import HeapTooSmallError, RingAttentionTimeout  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -131,7 +131,7 @@ def test_absent_rank_times_out_in_backward(is_causal, started, what):
                       absent_ranks=(1,), absent_started=started)
     assert res[1] is None
     dq, dk, dv, status = res[0]
-    assert status[0] != launch.ERR_NONE and status[1] == 1 and status[3] == 2
+    assert status[0] != control.ERR_NONE and status[1] == 1 and status[3] == 2
     # What could not be computed is NaN: everything when rank 1 never started; with rank 1 started and
     # gone, the K/V it never sent (non-causal: all of dq), or its partials (causal: dk, dv; dq is right).
     if started and is_causal:
@@ -141,7 +141,7 @@ def test_absent_rank_times_out_in_backward(is_causal, started, what):
     else:
         assert all(np.isnan(g).all() for g in (dq, dk, dv))
     with pytest.raises(RingAttentionTimeout, match=what) as info:
-        launch.check_status(status, 0, timeout_s)
+        control.check_status(status, 0, timeout_s)
     assert "rank 0" in str(info.value) and "reset()" in str(info.value)
     # reset() brings the ranks back in step on the same heaps.
     job.reset()
@@ -160,9 +160,9 @@ def test_backward_calls_that_disagree_are_found_before_anything_moves():
     res = job.run_bwd([spec, dataclasses.replace(spec, scale=0.25)], qs, ks, vs, outs, lses, dos, timeout_s=5.0)
     for r in range(2):
         status = res[r][3]
-        assert int(status[0]) == launch.ERR_MISMATCH and int(status[1]) == 1 - r and int(status[3]) == 2
-        with pytest.raises(launch.RingAttentionMismatch, match=r"call #2 \(first difference: scale\)") as e:
-            launch.check_status(status, r, 5.0)
+        assert int(status[0]) == control.ERR_MISMATCH and int(status[1]) == 1 - r and int(status[3]) == 2
+        with pytest.raises(control.RingAttentionMismatch, match=r"call #2 \(first difference: scale\)") as e:
+            control.check_status(status, r, 5.0)
         assert "made the backward call #2" in str(e.value)
     res = job.run_bwd(spec, qs, ks, vs, outs, lses, dos)
     assert [r[3].tolist()[:4] for r in res] == [[0, 0, 0, 3]] * 2
@@ -176,11 +176,11 @@ def test_heap_too_small_for_backward():
     before anything runs; the forward alone still runs on it."""
     W, B, S, H, HKV, D = 2, 1, 20, 2, 1, 64
     spec, shards = _spec_and_shards(W, B, S, H, HKV, D, "float16", is_causal=False)
-    kv, part_off, need = launch.bwd_recv_bytes(spec, W)
-    assert kv == launch.recv_bytes(spec, W) and need == part_off + 2 * kv  # partials in float32: twice fp16
+    kv, part_off, need = plans.bwd_recv_bytes(spec, W)
+    assert kv == plans.recv_bytes(spec, W) and need == part_off + 2 * kv  # partials in float32: twice fp16
     # control (8 ring slots of 8 KiB) + flags (64 KiB) + about 10 KB of receive space: fits K/V only
-    workspace = launch.RING_SLOTS * launch.CTL_BYTES + (64 << 10) + 10_000
-    assert kv <= launch.HeapLayout.for_workspace(workspace).recv_capacity < need
+    workspace = control.RING_SLOTS * control.CTL_BYTES + (64 << 10) + 10_000
+    assert kv <= control.HeapLayout.for_workspace(workspace).recv_capacity < need
     job = simulate._local_job(W, workspace)
     with pytest.raises(HeapTooSmallError, match=rf"backward call needs {need} bytes.*partial dK and dV in float32"
                                                 rf".*initialize\(heap_size=\.\.\.\) with at least"):
@@ -215,8 +215,8 @@ def test_plan_bwd_layout():
     spec = validate.check_attention_args((2, 100, 8, 80), (2, 100, 2, 80), (2, 100, 2, 80), "bfloat16", "bfloat16",
                                          "bfloat16", is_causal=True, scale=None, layout="zigzag", backend="fused",
                                          backends=("fused",))
-    heap = launch.HeapLayout.for_workspace(64 << 20)
-    p = launch.plan_bwd(spec, 4, heap)
+    heap = control.HeapLayout.for_workspace(64 << 20)
+    p = plans.plan_bwd(spec, 4, heap)
     c = p.config
     n_kvb = -(-100 // c.kv_block_n)
     assert p.n_dq_tasks == 2 * 8 * -(-100 // c.dq_block_m)
@@ -224,11 +224,11 @@ def test_plan_bwd_layout():
     assert p.grid == (p.n_dq_tasks + p.n_partial_tasks + p.n_final_tasks,)
     n_chunks = -(-n_kvb // p.chunk_blocks)
     assert p.flags_needed == 3 * 2 * 2 * (n_chunks + n_kvb) <= heap.flag_capacity
-    assert p.kv_bytes == launch.recv_bytes(spec, 4) and p.part_off % launch.ALIGN == 0
+    assert p.kv_bytes == plans.recv_bytes(spec, 4) and p.part_off % control.ALIGN == 0
     assert p.recv_bytes == p.part_off + 3 * 2 * 2 * 2 * 100 * 80 * 4 <= heap.recv_capacity
     assert p.scalars(1.0) == (2, 100, spec.scale, 10 ** 9, p.part_off)
-    assert launch.CTL_BWD_DELTA * 4 < launch.CTL_BYTES and launch.CTL_BWD_TICKET >= launch.CTL_WORDS
-    one = launch.plan_bwd(spec, 1, heap)
+    assert control.CTL_BWD_DELTA * 4 < control.CTL_BYTES and control.CTL_BWD_TICKET >= control.CTL_WORDS
+    one = plans.plan_bwd(spec, 1, heap)
     assert one.recv_bytes == 0 and one.n_partial_tasks == 0 and one.flags_needed == 0
 
 

@@ -119,9 +119,9 @@ def ring_attention(q, k, v, *, group=None, is_causal=False, scale=None, layout="
     Without an initialised process group (or with a group of one) it runs locally with no communication.
 
     ``timeout_s`` bounds every wait inside the fused kernel (default RING_ATTENTION_TIMEOUT_S, else 300 s);
-    an expired wait raises ``ring_core.launch.RingAttentionTimeout`` naming the missing rank and ring step,
+    an expired wait raises ``ring_core.control.RingAttentionTimeout`` naming the missing rank and ring step,
     at the next call or ``check_errors()`` (at once with RING_ATTENTION_SYNC_ERRORS=1). Ranks whose fused
-    calls differ (shapes, dtype, flags, layout, scale) raise ``ring_core.launch.RingAttentionMismatch`` the
+    calls differ (shapes, dtype, flags, layout, scale) raise ``ring_core.control.RingAttentionMismatch`` the
     same way, naming both calls; the kernel finds it before any data moves. The torch ring is bounded by
     its process group's own timeout instead.
 

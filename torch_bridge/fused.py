@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ring_core import heap as _heap
-from ring_core import launch
+from ring_core import control
 
 SYNC_ENV = "RING_ATTENTION_SYNC_ERRORS"
 _pending = []  # (event, pinned status, ring position, timeout_s, ring members)
@@ -95,7 +95,7 @@ def _drain(wait: bool):
             keep.append((ev, st, rank, timeout_s, members))
             continue
         try:
-            launch.check_status(st.numpy(), rank, timeout_s, members=members)
+            control.check_status(st.numpy(), rank, timeout_s, members=members)
         except RuntimeError as e:  # RingAttentionTimeout, or a call that never completed
             first_error = first_error or e
         finally:
@@ -125,17 +125,17 @@ def _prepare(q, spec, group, config, *, backward: bool):
 
 def forward(q, k, v, spec, group=None, timeout_s: float | None = None, config=None):
     """Launch the fused kernel on this rank's shards; returns (out, lse). Inputs already validated.
-    ``config`` (a ring_core.launch.KernelConfig) overrides the tuned defaults: for tuning only."""
+    ``config`` (a ring_core.control.KernelConfig) overrides the tuned defaults: for tuning only."""
     p, ctx, ring = _prepare(q, spec, group, config, backward=False)
     from ring_core.kernel import ring_attn_fwd_kernel
 
     q, k, v = (x.contiguous() for x in (q, k, v))
     out = torch.empty_like(q)
     lse = torch.empty((spec.batch, spec.num_heads, spec.seq_local), dtype=torch.float32, device=q.device)
-    status = torch.zeros((launch.STATUS_WORDS,), dtype=torch.int32, device=q.device)  # see check_status
+    status = torch.zeros((control.STATUS_WORDS,), dtype=torch.int32, device=q.device)  # see check_status
     ring_attn_fwd_kernel[p.grid](q, k, v, ctx, *p.scalars(timeout_s), out, lse, status,
                                  num_warps=p.config.num_warps, num_stages=p.config.num_stages,
-                                 **p.constexprs(interpret=False))
+                                 **p.constexprs())
     _track(status, ring, timeout_s)
     return out, lse
 
@@ -162,8 +162,8 @@ def check_backward_fits(spec, group=None):
 def backward(q, k, v, out, lse, dout, spec, group=None, timeout_s: float | None = None, config=None, dlse=None):
     """Launch the fused backward kernel (ring_core.kernel_bwd) on this rank's shards, from the forward's
     ``out`` and ``lse`` and the gradients ``dout`` and ``dlse`` (None: lse carries none); returns
-    (dq, dk, dv). Same launch maths (ring_core.launch.plan_bwd) and argument
-    list as the JAX launcher (jax_ring.fused.backward). ``config`` (a ring_core.launch.BwdKernelConfig)
+    (dq, dk, dv). Same launch maths (ring_core.control.plan_bwd) and argument
+    list as the JAX launcher (jax_ring.fused.backward). ``config`` (a ring_core.control.BwdKernelConfig)
     overrides the defaults: for tuning only."""
     p, ctx, ring = _prepare(q, spec, group, config, backward=True)
     from ring_core.kernel_bwd import ring_attn_bwd_kernel
@@ -180,6 +180,6 @@ def backward(q, k, v, out, lse, dout, spec, group=None, timeout_s: float | None 
     status = torch.zeros(status_shape, dtype=torch.int32, device=q.device)  # see check_status
     ring_attn_bwd_kernel[p.grid](q, k, v, out, dout, lse, dlse, ctx, *p.scalars(timeout_s), dq, dk, dv, delta,
                                  status, num_warps=p.config.num_warps, num_stages=p.config.num_stages,
-                                 **p.constexprs(interpret=False))
+                                 **p.constexprs())
     _track(status, ring, timeout_s)
     return dq, dk, dv

@@ -1,0 +1,288 @@
+"""Tile sizes and launch plans: everything a launch of either kernel needs, in one place for both frontends
+and the simulator (grid, block sizes, constexprs, scalars and their types, output shapes, heap need).
+
+Kernel argument order (what jax-triton passes, and the torch launcher passes the same list: inputs, runtime
+scalars, outputs, constexprs):
+
+    forward:  q, k, v, ctx | B, S, sm_scale, timeout_ns | out, lse, status | constexprs
+    backward: q, k, v, out, dout, lse, dlse, ctx | B, S, sm_scale, timeout_ns, part_off |
+              dq, dk, dv, delta, status | constexprs
+              (dlse: the cotangent of lse, float32 [B, H, S]; zeros when lse carries no gradient)
+
+Heap use of one call (regions of ring_core.control.HeapLayout; flags in the ring's slot):
+    forward   receive region [W-1][K|V][B][HKV][S][D] (input dtype); a flag per pushed chunk
+    backward  the same K/V, then from ``part_off`` the peers' partial dK/dV [W-1][dK|dV][B][HKV][S][D] in
+              float32; a flag per pushed chunk, then one per partial block
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ring_core import control
+from ring_core.control import HeapLayout, HeapTooSmallError
+from ring_core.validate import AttentionSpec
+
+ELEM_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+
+
+# ------------------------------------------------------------------------------------------- tile configs
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tuning knobs of the forward kernel (hashable: usable as a static argument)."""
+
+    block_m: int
+    block_n: int
+    chunk_blocks: int
+    push_rows: int
+    num_warps: int
+    num_stages: int
+    seg_blocks: int = 4  # K/V blocks computed between two push claims in ring step 0
+
+    @staticmethod
+    def get_default(spec: AttentionSpec, world_size: int, *, interpret: bool = False) -> "KernelConfig":
+        if interpret:
+            # Small tiles: many blocks, chunks and push units even at the tiny sizes CI can afford.
+            return KernelConfig(block_m=16, block_n=16, chunk_blocks=1, push_rows=16, num_warps=4, num_stages=1,
+                                seg_blocks=2)
+        # Measured on 2xH200 (benchmarks/tune.py, results/tune_forward_2xH200_2026-11-30.csv, bf16,
+        # 32 heads, seq_local 4k/16k, causal and not): the best or within 1-2 % of the best candidate.
+        # fp32 tiles take twice the shared memory: fewer stages keep them under Hopper's 227 KiB
+        # (fp32, D=128, 3 stages measured 224.5 KiB when compiled for sm_90).
+        wide = spec.dtype == "float32"
+        if spec.head_dim <= 64:
+            if wide:
+                return KernelConfig(block_m=128, block_n=64, chunk_blocks=2, push_rows=64, num_warps=4, num_stages=2)
+            return KernelConfig(block_m=128, block_n=64, chunk_blocks=2, push_rows=64, num_warps=4, num_stages=4)
+        if spec.head_dim <= 128:
+            if wide:
+                return KernelConfig(block_m=128, block_n=64, chunk_blocks=2, push_rows=32, num_warps=8, num_stages=2)
+            # 128x128 tiles, 3 stages: 224 KiB of shared memory for D=128 (fits; one CTA per SM).
+            return KernelConfig(block_m=128, block_n=128, chunk_blocks=1, push_rows=32, num_warps=8, num_stages=3,
+                                seg_blocks=8)
+        return KernelConfig(block_m=64, block_n=32, chunk_blocks=4, push_rows=16, num_warps=4,
+                            num_stages=1 if wide else 2)
+
+
+@dataclass(frozen=True)
+class BwdKernelConfig:
+    """Tuning knobs of the backward kernel (hashable: usable as a static argument).
+
+    dq tasks take ``dq_block_m`` query rows and step over the K/V in ``dq_block_n`` rows; dK/dV tasks take
+    ``kv_block_n`` K/V rows and step over the local queries in ``kv_block_m`` rows (FA2's split).
+    K/V travel in chunks of ``chunk_blocks * kv_block_n`` rows, ``push_rows`` rows per store; a dQ task
+    claims one push unit every ``seg_blocks`` blocks of its local K/V."""
+
+    dq_block_m: int
+    dq_block_n: int
+    kv_block_n: int
+    kv_block_m: int
+    chunk_blocks: int
+    push_rows: int
+    num_warps: int
+    num_stages: int
+    seg_blocks: int = 4
+
+    @staticmethod
+    def get_default(spec: AttentionSpec, world_size: int, *, interpret: bool = False) -> "BwdKernelConfig":
+        if interpret:
+            # Small tiles: several blocks, chunks and tasks even at the tiny sizes CI can afford.
+            return BwdKernelConfig(16, 16, 16, 16, chunk_blocks=1, push_rows=16, num_warps=4, num_stages=1,
+                                   seg_blocks=2)
+        # Other head dims and fp32: not tuned on a GPU yet. Shared memory when compiled for sm_90 with Triton
+        # 3.6 (tests/test_kernel_ir.py checks <= 227 KiB), every loop with a dot software-pipelined: D64 fp32
+        # 80 KiB, fp16 65 KiB; D128 bf16 161 KiB, fp32 145 KiB; D256 bf16 99 KiB, fp32 132 KiB.
+        stages = 2 if spec.dtype == "float32" else 3
+        if spec.head_dim <= 64:
+            return BwdKernelConfig(64, 64, 64, 64, chunk_blocks=2, push_rows=64, num_warps=4, num_stages=stages)
+        if spec.head_dim <= 128 and spec.dtype != "float32":
+            # Measured on 2xH200 (benchmarks/tune.py --kernel bwd, bf16 D128 H32 seq_local 16k), after the wgmma
+            # fix (results/tune_backward_2xH200_2026-11-30b.csv): the best of seven, 60 ms (full) and 31 ms
+            # (causal) against 68 and 36 with 2 stages; 81 and 37 before the fix (..._2026-11-30.csv).
+            return BwdKernelConfig(128, 64, 128, 64, chunk_blocks=1, push_rows=32, num_warps=8, num_stages=3)
+        if spec.head_dim <= 128:
+            return BwdKernelConfig(64, 64, 64, 64, chunk_blocks=2, push_rows=32, num_warps=8, num_stages=stages)
+        return BwdKernelConfig(32, 32, 32, 32, chunk_blocks=4, push_rows=16, num_warps=4, num_stages=stages)
+
+
+# --------------------------------------------------------------------------------------------- launch plans
+@dataclass(frozen=True)
+class LaunchPlan:
+    """One launch of either kernel (``kind``: control.KIND_FWD or KIND_BWD), made by ``plan`` / ``plan_bwd``:
+    grid, tiles, how the K/V travel (chunks of ``chunk_blocks`` blocks of ``block`` rows), the heap's need,
+    and the kernel's constexprs, scalars (with their Triton types) and outputs. ``interpret``: the code paths
+    of the Triton interpreter (no %globaltimer, float32 dots)."""
+
+    kind: int
+    spec: AttentionSpec
+    world_size: int
+    config: KernelConfig | BwdKernelConfig
+    chunk_blocks: int
+    block: int
+    grid: tuple
+    recv_bytes: int
+    flags_needed: int
+    interpret: bool = False
+    part_off: int = 0  # backward: byte offset of the partial dK/dV region in the receive region
+    n_dq_tasks: int = 0  # backward: tasks of each kind, in ticket order
+    n_partial_tasks: int = 0
+    n_final_tasks: int = 0
+
+    @property
+    def chunk_rows(self) -> int:
+        return self.chunk_blocks * self.block
+
+    @property
+    def kv_bytes(self) -> int:
+        """Receive bytes of the peers' K/V (the backward's partials follow from ``part_off``)."""
+        return recv_bytes(self.spec, self.world_size)
+
+    def constexprs(self, *, sticky_errors: bool = False) -> dict:
+        """The kernel's constexprs; ``sticky_errors``: keep a failed call's status on the heap for the host
+        (deferred errors, ring_core.control.errors_mode)."""
+        s, c = self.spec, self.config
+        shared = dict(
+            W=self.world_size, H=s.num_heads, HKV=s.num_kv_heads, D=s.head_dim, BLOCK_D=block_d(s.head_dim),
+            CHUNK_BLOCKS=self.chunk_blocks, PUSH_ROWS=c.push_rows, SEG_BLOCKS=c.seg_blocks, POLL_N=control.POLL_N,
+            PUSH_VEC=store_hint(s.head_dim, ELEM_BYTES[s.dtype]), CAUSAL=s.is_causal, ZIGZAG=s.layout == "zigzag",
+            INTERPRET=self.interpret, DOT_PRECISION="ieee", SIG_DTYPE=control.DTYPE_CODES[s.dtype],
+            STICKY_ERRORS=sticky_errors,
+        )
+        if self.kind == control.KIND_FWD:
+            return dict(shared, BLOCK_M=c.block_m, BLOCK_N=c.block_n)
+        return dict(shared, DQ_BLOCK_M=c.dq_block_m, DQ_BLOCK_N=c.dq_block_n, KV_BLOCK_N=c.kv_block_n,
+                    KV_BLOCK_M=c.kv_block_m, PART_VEC=store_hint(s.head_dim, 4))
+
+    def signature(self):
+        """This call's signature words (ring_core.control.call_signature), as the kernel builds them."""
+        return control.call_signature(self.kind, self.world_size, self.spec, self.chunk_rows, self.block)
+
+    def scalars(self, timeout_s: float | None = None) -> tuple:
+        """The runtime scalars, in argument order; their Triton types are ``scalar_types``."""
+        s = self.spec
+        base = (s.batch, s.seq_local, float(s.scale), control.timeout_ns(timeout_s))
+        return base if self.kind == control.KIND_FWD else (*base, self.part_off)
+
+    @property
+    def scalar_types(self) -> tuple:
+        """Triton types of ``scalars`` (a launcher that types Python floats otherwise, as jax-triton does,
+        converts by these)."""
+        base = ("i32", "i32", "fp32", "i64")
+        return base if self.kind == control.KIND_FWD else (*base, "i32")
+
+    @property
+    def out_shapes(self):
+        """(shape, dtype name) of the outputs, in argument order: forward out, lse, status; backward dq, dk,
+        dv, delta (scratch), status."""
+        s = self.spec
+        q = (s.batch, s.seq_local, s.num_heads, s.head_dim)
+        rows = (s.batch, s.num_heads, s.seq_local)
+        status = ((control.STATUS_WORDS,), "int32")
+        if self.kind == control.KIND_FWD:
+            return (q, s.dtype), (rows, "float32"), status
+        kv = (s.batch, s.seq_local, s.num_kv_heads, s.head_dim)
+        return (q, s.dtype), (kv, s.dtype), (kv, s.dtype), (rows, "float32"), status
+
+
+def store_hint(head_dim: int, itemsize: int) -> int:
+    """iris.store's alignment hint for rows of ``head_dim`` elements of ``itemsize`` bytes written into a
+    peer's receive region (K/V pushes, float32 partials): 16 (16-byte aligned groups of 16 contiguous
+    elements) when every row starts 16-byte aligned, else 1 (no claim). Without it the remote stores were
+    2-byte scalars over NVLink (benchmarks/NOTES.md, v1b)."""
+    return 16 if (head_dim * itemsize) % 16 == 0 else 1
+
+
+def block_d(head_dim: int) -> int:
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
+def heap_bytes_for(recv_need: int) -> int:
+    """A heap size (``initialize(heap_size=...)``) whose workspace holds ``recv_need`` receive bytes: the
+    receive slots plus the largest flag region, the control words, alignment and iris's slack, in MiB."""
+    total = recv_need + control.RING_SLOTS * control.CTL_BYTES + control.MAX_FLAG_BYTES + 2 * control.ALIGN \
+        + control.HEAP_SLACK
+    return -(-total // (1 << 20)) << 20
+
+
+def recv_bytes(spec: AttentionSpec, world_size: int) -> int:
+    """Receive bytes of one forward call: the peers' K/V."""
+    return (world_size - 1) * 2 * spec.batch * spec.num_kv_heads * spec.seq_local * spec.head_dim * ELEM_BYTES[spec.dtype]
+
+
+def bwd_recv_bytes(spec: AttentionSpec, world_size: int) -> tuple:
+    """(K/V bytes, byte offset of the partial-dK/dV region, total receive bytes) of one backward call."""
+    kv = recv_bytes(spec, world_size)
+    part_off = control._align(kv)
+    part = (world_size - 1) * 2 * spec.batch * spec.num_kv_heads * spec.seq_local * spec.head_dim * 4
+    return kv, part_off, (part_off + part) if world_size > 1 else 0
+
+
+def _fused_dtype(spec: AttentionSpec):
+    if spec.dtype not in ELEM_BYTES:
+        raise TypeError(f"the fused kernel supports float16, bfloat16 and float32 inputs, got {spec.dtype}; "
+                        "use a reference backend for float64")
+
+
+def _chunking(what: str, n_blocks: int, chunk_blocks: int, flags_for, capacity: int) -> tuple:
+    """(chunk_blocks, flags): the chunk size doubled until the flags the call needs (``flags_for(n_chunks)``)
+    fit a ring slot's ``capacity``; HeapTooSmallError when even one chunk needs too many."""
+    while True:
+        n_chunks = math.ceil(n_blocks / chunk_blocks)
+        flags = flags_for(n_chunks)
+        if flags <= capacity:
+            return chunk_blocks, flags
+        if n_chunks == 1:
+            raise HeapTooSmallError(
+                f"this {what} needs {flags} flags ({flags * 4} bytes: one per K/V block of every peer) but a "
+                f"ring's flag region holds {capacity}; call initialize(heap_size=...) with a larger heap (the "
+                f"flag region is 1/64 of it, at most {control.MAX_FLAG_BYTES} bytes, shared by "
+                f"{control.RING_SLOTS} ring slots), or use fewer tokens per call")
+        chunk_blocks *= 2
+
+
+def _too_small(what: str, need: int, have: int, spec: AttentionSpec, world_size: int, detail: str):
+    return HeapTooSmallError(
+        f"this {what} needs {need} bytes of symmetric-heap receive space ({world_size - 1} peers x K and V of "
+        f"[{spec.batch}, {spec.seq_local}, {spec.num_kv_heads}, {spec.head_dim}] {spec.dtype}{detail}) but the "
+        f"heap reserves {have}; call initialize(heap_size=...) with at least {heap_bytes_for(need)} bytes "
+        f"(before the first call, or after shutdown())")
+
+
+def plan(spec: AttentionSpec, world_size: int, heap: HeapLayout, *, interpret: bool = False,
+         config: KernelConfig | None = None) -> LaunchPlan:
+    """The forward's launch; raises HeapTooSmallError (before anything runs) when the heap is short."""
+    _fused_dtype(spec)
+    cfg = config or KernelConfig.get_default(spec, world_size, interpret=interpret)
+    need = recv_bytes(spec, world_size)
+    if need > heap.recv_capacity:
+        raise _too_small("call", need, heap.recv_capacity, spec, world_size, "")
+    per_chunk = (world_size - 1) * spec.batch * spec.num_kv_heads
+    chunk_blocks, flags = _chunking("call", math.ceil(spec.seq_local / cfg.block_n), cfg.chunk_blocks,
+                                    lambda n_chunks: per_chunk * n_chunks, heap.flag_capacity)
+    grid = (spec.batch * spec.num_heads * math.ceil(spec.seq_local / cfg.block_m),)
+    return LaunchPlan(control.KIND_FWD, spec, world_size, cfg, chunk_blocks, cfg.block_n, grid, need, flags,
+                      interpret)
+
+
+def plan_bwd(spec: AttentionSpec, world_size: int, heap: HeapLayout, *, interpret: bool = False,
+             config: BwdKernelConfig | None = None) -> LaunchPlan:
+    """The backward's launch; raises HeapTooSmallError (before anything runs) when the heap is short of
+    receive space or flags."""
+    _fused_dtype(spec)
+    cfg = config or BwdKernelConfig.get_default(spec, world_size, interpret=interpret)
+    kv, part_off, need = bwd_recv_bytes(spec, world_size)
+    if need > heap.recv_capacity:
+        raise _too_small("backward call", need, heap.recv_capacity, spec, world_size,
+                         f": {kv} bytes, plus their partial dK and dV in float32: {need - part_off} bytes")
+    S, W = spec.seq_local, world_size
+    n_kv_blocks = math.ceil(S / cfg.kv_block_n)
+    per_chunk = (W - 1) * spec.batch * spec.num_kv_heads
+    part_flags = per_chunk * n_kv_blocks
+    chunk_blocks, flags = _chunking("backward call", n_kv_blocks, cfg.chunk_blocks,
+                                    lambda n_chunks: per_chunk * n_chunks + part_flags, heap.flag_capacity)
+    n_dq = spec.batch * spec.num_heads * math.ceil(S / cfg.dq_block_m)
+    n_part = (W - 1) * spec.batch * spec.num_kv_heads * n_kv_blocks
+    n_final = spec.batch * spec.num_kv_heads * n_kv_blocks
+    return LaunchPlan(control.KIND_BWD, spec, W, cfg, chunk_blocks, cfg.kv_block_n, (n_dq + n_part + n_final,),
+                      need, flags, interpret, part_off, n_dq, n_part, n_final)
