@@ -242,6 +242,52 @@ def test_module_equals_function(torch_group, world):
     assert all(_run(torch_group, case, _module_task))
 
 
+def _compile_task(rank, world, case: Case):
+    """torch.compile over the torch ring: fullgraph=True raises, saying what to do, before anything is sent;
+    without fullgraph each exchange runs eagerly between graphs and out and the gradients are eager's."""
+    import torch._dynamo
+
+    from torch_bridge.reference import NOT_COMPILABLE
+
+    torch._dynamo.reset()
+    q, k, v, dout = _global_inputs(case)
+    do = _shard(dout, case, rank)
+
+    def f(q, k, v):
+        return _call(case, q * 2, k, v, return_lse=False).relu()
+
+    def run(g):
+        ql, kl, vl = (_shard(x, case, rank, requires_grad=True) for x in (q, k, v))
+        out = g(ql, kl, vl)
+        out.backward(do)
+        return [out.detach()] + [x.grad for x in (ql, kl, vl)]
+
+    try:
+        torch.compile(f, fullgraph=True, backend="aot_eager")(*(_shard(x, case, rank) for x in (q, k, v)))
+        err = None
+    except torch._dynamo.exc.Unsupported as e:
+        err = str(e)
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    same = all(torch.equal(a, b) for a, b in zip(run(f), run(torch.compile(f, backend=counting))))
+    torch._dynamo.reset()
+    return err is not None and NOT_COMPILABLE in err, same, len(graphs)
+
+
+def test_compile(torch_group):
+    """What dynamo does with the torch ring's point-to-point exchange (batch_isend_irecv): it cannot put it
+    in a graph, so torch_bridge.reference runs it eagerly (torch.compiler.disable with a reason)."""
+    case = Case(2, True, Z, 1, 4, 4, 2, 16, F32)
+    for clear_error, same, n_graphs in _run(torch_group, case, _compile_task):
+        assert clear_error, "fullgraph=True did not raise reference.NOT_COMPILABLE"
+        assert same, "compiled (graph breaks) differs from eager"
+        assert n_graphs >= 1  # the math around the ring still compiles
+
+
 def test_module_repr_and_early_checks():
     m = torch_bridge.RingAttention(is_causal=True, layout="zigzag")
     assert "zigzag" in repr(m) and "is_causal=True" in repr(m)

@@ -22,6 +22,18 @@ from ring_core.layout import global_positions
 from ring_core.validate import AttentionSpec
 
 
+# torch.compile: dynamo cannot put batch_isend_irecv into a graph (torch 2.11 fails inside it, on
+# ProcessGroup._get_backend; torch 2.13 only with the experimental TORCHDYNAMO_ENABLE_P2P_COMPILATION=1,
+# which leaves the sends' work unwaited). So the exchange always runs eagerly: without fullgraph it is a
+# graph break, with fullgraph=True dynamo raises this message.
+NOT_COMPILABLE = (
+    "backend='torch' exchanges K/V with torch.distributed point-to-point (batch_isend_irecv), which "
+    "torch.compile cannot capture in a graph; compile without fullgraph=True (each exchange then runs eagerly "
+    "between graphs), or use backend='fused' (CUDA tensors after torch_bridge.initialize()), which compiles "
+    "with fullgraph=True")
+
+
+@torch.compiler.disable(reason=NOT_COMPILABLE)
 def _sendrecv(x: torch.Tensor, dst: int, src: int, group) -> torch.Tensor:
     """Send ``x`` to global rank ``dst`` and return what global rank ``src`` sent; both posted together."""
     x = x.contiguous()
