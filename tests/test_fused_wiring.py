@@ -2,10 +2,10 @@
 (torch_bridge.fused and the jax-triton call of jax_ring.fused) drive the real kernels in the Triton
 interpreter, on one rank whose "heap" is a CPU buffer.
 
-What this checks that the simulator does not: the autograd layers (torch.autograd.Function, jax.custom_vjp)
-save what the backward needs and return the gradients in the right places; both frontends pass the kernels
-the same argument lists, scalars, output shapes and zeroed status, from the one plan in ring_core.launch;
-and so JAX and torch give bit-identical gradients. jax-triton itself needs a GPU: here its ``triton_call``
+What this checks that the simulator does not: the autograd layers (the register_autograd of the torch custom
+ops ring_attention::fwd/bwd, jax.custom_vjp) save what the backward needs and return the gradients in the
+right places; both frontends pass the kernels the same argument lists, scalars, output shapes and zeroed
+status, from the one plan in ring_core.launch; and so JAX and torch give bit-identical gradients. jax-triton itself needs a GPU: here its ``triton_call``
 is replaced by a host callback that launches the kernel with exactly the arguments it was given
 (scalars converted as jax-triton converts them), with the GPU's default tile sizes. One rank only: the interpreter runs one kernel at a time
 per callback, so ranks could not meet. The multi-rank protocol is tested by test_simulate*.py.
@@ -142,7 +142,7 @@ def test_jax_and_torch_fused_gradients(cpu_heap, monkeypatch, dtype, causal, H, 
     kw = dict(is_causal=causal, scale=None)
     dl = (np.random.default_rng(4).standard_normal((1, H, S)) if use_lse else np.zeros((1, H, S))).astype(np.float32)
 
-    # ---- torch: the autograd Function and torch_bridge.fused's launchers (CPU tensors, interpreter)
+    # ---- torch: the custom ops and torch_bridge.fused's launchers (CPU tensors, interpreter)
     tq, tk, tv = (interpret._to_torch(x, dtype).requires_grad_() for x in (q, k, v))
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # let backend="fused" through
     out, lse = torch_bridge.ring_attention(tq, tk, tv, backend="fused", return_lse=True, **kw)

@@ -241,9 +241,8 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, dout, dlse):
+    # Autograd passes zeros for the gradient of an output that was not used (out or lse), eager and compiled.
     q, k, v, out, lse = ctx.saved_tensors
-    if dout is None:  # only lse was used
-        dout = torch.zeros_like(out)
     dq, dk, dv = _bwd_op(q, k, v, out, lse, dout, dlse, *ctx.args)
     return dq, dk, dv, None, None, None, None, None, None
 
@@ -254,8 +253,9 @@ _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 def ring_attention_fused(q, k, v, *, spec: AttentionSpec, group=None, timeout_s: float | None = None):
     """(out, lse) from the fused kernel, differentiable through the fused backward kernel (from the
     gradients of out and lse); inputs already validated (``spec``). Traceable by torch.compile without a
-    graph break: all that runs here at trace time is the group's name and whether a backward will follow,
-    so the backward's heap need is checked now (HeapTooSmallError before the forward runs)."""
+    graph break: all it computes before the op is the group's name and whether a backward will follow, in
+    which case the fwd op checks the backward's heap need before it launches (HeapTooSmallError before the
+    forward runs, as in eager)."""
     check_backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     return _fwd_op(q, k, v, spec.scale, spec.is_causal, spec.layout, group_to_name(group), timeout_s,
                    check_backward)
