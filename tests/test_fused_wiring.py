@@ -144,13 +144,13 @@ def test_jax_and_torch_fused_gradients(cpu_heap, monkeypatch, dtype, causal, H, 
 
     # ---- torch: the custom ops and torch_bridge.fused's launchers (CPU tensors, interpreter)
     tq, tk, tv = (interpret._to_torch(x, dtype).requires_grad_() for x in (q, k, v))
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # let backend="fused" through
+    monkeypatch.setattr(torch_bridge.api, "_on_gpu", lambda x: True)  # let backend="fused" through
     out, lse = torch_bridge.ring_attention(tq, tk, tv, backend="fused", return_lse=True, **kw)
     if use_lse:
         torch.autograd.backward([out, lse], [interpret._to_torch(do, dtype), torch.from_numpy(dl)])
     else:
         out.backward(interpret._to_torch(do, dtype))
-    monkeypatch.undo()  # is_cuda and the rest; the heap again for JAX below
+    monkeypatch.undo()  # _on_gpu and the rest; the heap again for JAX below
     monkeypatch.setattr(heap_mod, "_heap", cpu_heap)
     monkeypatch.setattr(heap_mod, "_release_hooks", [])
     monkeypatch.setattr(jfused, "_import_jax_triton", lambda: _fake_jax_triton(launches))
@@ -201,7 +201,7 @@ def test_torch_fused_checks_backward_heap_before_forward(cpu_heap, monkeypatch):
     monkeypatch.setattr(tfused, "_track", lambda status, rank, timeout_s: launch.check_status(
         status.numpy(), rank, timeout_s))
     monkeypatch.setattr(torch_bridge.api, "_fused_available", lambda: True)
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch_bridge.api, "_on_gpu", lambda x: True)
     small.world_size = 2  # plan for two ranks (nothing is launched on this path)
     x = torch.zeros(1, 16, 1, 64, dtype=torch.float16)  # K/V 4 KiB fit the 10 KB; + float32 partials do not
     with pytest.raises(launch.HeapTooSmallError, match="backward call needs"):
