@@ -5,8 +5,8 @@ The fused forward and backward are the custom ops ``ring_attention::fwd`` / ``ri
 a CPU buffer (the ``cpu_heap`` fixture of tests/test_fused_wiring.py), and the checks are: compiled with
 fullgraph=True (one graph, nothing of the launch traced), forward and gradients bit-identical to eager
 (aot_eager and, where a C++ compiler exists, inductor), under torch.utils.checkpoint too, with automatic
-dynamic shapes, the backward's heap check still raised before the forward runs, and ``opcheck`` of both
-ops. What dynamo does with the torch reference ring (point-to-point) is tested in test_torch_reference.py;
+dynamic shapes, the backward's heap check still raised before the forward runs, user errors under
+compile, and ``opcheck`` of both ops. What dynamo does with the torch reference ring (point-to-point) is tested in test_torch_reference.py;
 backend="auto" on CPU without a process group (world size 1) is checked here.
 
 The fused path needs no GPU for any of this, but one thing cannot be checked on CPU: the status copy and
@@ -44,7 +44,6 @@ def fused_cpu(cpu_heap, monkeypatch):
     """backend='fused' through the interpreter for CPU tensors, eager and compiled; a fresh dynamo cache."""
     monkeypatch.setattr(tfused, "_track", lambda status, rank, timeout_s: launch.check_status(
         status.numpy(), rank, timeout_s))
-    monkeypatch.setattr(torch_bridge.api, "_fused_available", lambda: True)
     monkeypatch.setattr(torch_bridge.api, "_on_gpu", lambda x: True)
     torch._dynamo.reset()
     yield cpu_heap
@@ -115,7 +114,7 @@ def test_fullgraph_one_graph_two_ops(fused_cpu):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_compiled_matches_eager(fused_cpu, backend):
+def test_compiled_matches_eager(fused_cpu, monkeypatch, backend):
     """A small module around RingAttention(backend="fused"), compiled with fullgraph=True: out, lse and the
     gradients (from both) bit-identical to eager; the same heap checks and launches as eager. The module
     scales q (a pointwise kernel that inductor generates; one rounding either way, so still bitwise) and
@@ -130,6 +129,13 @@ def test_compiled_matches_eager(fused_cpu, backend):
             k, v = kv.unbind(2)
             return self.attn(q * 1.5, k, v)
 
+    if backend == "inductor":
+        # Scalar C++ kernels: before its first kernel inductor probes the CPU's vector ISAs by compiling a test
+        # program for each (20-35 s of this test on a loaded 2-core machine, against 2-6 s without); vector
+        # code would change nothing here (one multiply per element, no reduction).
+        import torch._inductor.cpu_vec_isa as vec_isa
+
+        monkeypatch.setattr(vec_isa, "valid_vec_isa_list", lambda: [])
     model = Attn()
     q, k, v, do, dl = _inputs(1, 2, 5, 2, 1, 24, "float32")
     kv = torch.stack([k, v], 2).detach().requires_grad_()
@@ -197,6 +203,28 @@ def test_dynamic_shapes(fused_cpu):
         q, k, v, do, _ = _inputs(s, 1, s, 2, 1, 16, "float32", requires_grad=False)
         assert torch.equal(compiled(q, k, v), attn(q, k, v)), s
     assert len(graphs) == 2
+
+
+def test_errors_under_compile(fused_cpu, monkeypatch):
+    """User errors found while dynamo traces the Python around the op (argument checks, no heap): dynamo
+    raises its own Unsupported ("Observed exception") with fullgraph=True, our message inside; without
+    fullgraph the frame falls back to eager, which raises our exception itself."""
+    bad = (torch.zeros(1, 4, 3, 16), torch.zeros(1, 4, 2, 16), torch.zeros(1, 4, 2, 16))  # 3 heads, 2 kv heads
+    for fullgraph, exc in ((True, torch._dynamo.exc.Unsupported), (False, ValueError)):
+        torch._dynamo.reset()
+        f = torch.compile(lambda q, k, v: torch_bridge.ring_attention(q, k, v, backend="fused"),
+                          fullgraph=fullgraph, backend="aot_eager")
+        with pytest.raises(exc, match="must be a multiple of num_kv_heads"):
+            f(*bad)
+    # A model compiled while the heap existed, after shutdown(): the guard on the heap fails, the new trace
+    # raises saying to call initialize(); once a heap exists again it runs.
+    q, k, v, *_ = _inputs(6, 1, 4, 2, 1, 16, "float32", requires_grad=False)
+    want = f(q, k, v)
+    monkeypatch.setattr(heap_mod, "_heap", None)
+    with pytest.raises(RuntimeError, match=r"call torch_bridge.initialize\(\)"):
+        f(q, k, v)
+    monkeypatch.setattr(heap_mod, "_heap", fused_cpu)
+    assert torch.equal(f(q, k, v), want)
 
 
 def test_heap_too_small_for_backward_compiled(fused_cpu, monkeypatch):
