@@ -6,8 +6,9 @@ a CPU buffer (the ``cpu_heap`` fixture of tests/test_fused_wiring.py), and the c
 fullgraph=True (one graph, nothing of the launch traced), forward and gradients bit-identical to eager
 (aot_eager and, where a C++ compiler exists, inductor), under torch.utils.checkpoint too, with automatic
 dynamic shapes, the backward's heap check still raised before the forward runs, user errors under
-compile, and ``opcheck`` of both ops. What dynamo does with the torch reference ring (point-to-point) is tested in test_torch_reference.py;
-backend="auto" on CPU without a process group (world size 1) is checked here.
+compile, and ``opcheck`` of both ops. backend="auto" on CPU without a process group (world size 1) is
+checked here too; what dynamo does with the torch reference ring's point-to-point exchange, in
+test_torch_reference.py (test_compile).
 
 The fused path needs no GPU for any of this, but one thing cannot be checked on CPU: the status copy and
 event of ``torch_bridge.fused._track`` (pinned memory, CUDA events) are replaced by an immediate check, as
