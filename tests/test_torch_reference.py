@@ -243,11 +243,12 @@ def test_module_equals_function(torch_group, world):
 
 
 def _compile_task(rank, world, case: Case):
-    """torch.compile over the torch ring: fullgraph=True raises, saying what to do, before anything is sent;
-    without fullgraph each exchange runs eagerly between graphs and out and the gradients are eager's."""
+    """torch.compile(fullgraph=True) over a layer around the torch ring: one graph with the W-1 exchanges as
+    ring_attention::shift ops; out and the gradients bit-identical to eager; opcheck of the shift op (its
+    checks run the exchange, alike on every rank)."""
     import torch._dynamo
-
-    from torch_bridge.reference import NOT_COMPILABLE
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
 
     torch._dynamo.reset()
     q, k, v, dout = _global_inputs(case)
@@ -262,30 +263,27 @@ def _compile_task(rank, world, case: Case):
         out.backward(do)
         return [out.detach()] + [x.grad for x in (ql, kl, vl)]
 
-    try:
-        torch.compile(f, fullgraph=True, backend="aot_eager")(*(_shard(x, case, rank) for x in (q, k, v)))
-        err = None
-    except torch._dynamo.exc.Unsupported as e:
-        err = str(e)
-    graphs = []
+    shifts = []
 
-    def counting(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
+    def count(gm, example_inputs):
+        shifts.append(sum(n.target == torch.ops.ring_attention.shift.default for n in gm.graph.nodes))
+        return make_boxed_func(gm.forward)
 
-    same = all(torch.equal(a, b) for a, b in zip(run(f), run(torch.compile(f, backend=counting))))
+    want = run(f)
+    got = run(torch.compile(f, fullgraph=True, backend=aot_autograd(fw_compiler=count, bw_compiler=count)))
+    x = _shard(k, case, rank, requires_grad=True)
+    torch.library.opcheck(torch.ops.ring_attention.shift.default, (x, (rank + 1) % world, (rank - 1) % world, ""))
     torch._dynamo.reset()
-    return err is not None and NOT_COMPILABLE in err, same, len(graphs)
+    return all(torch.equal(a, b) for a, b in zip(want, got)), shifts
 
 
 def test_compile(torch_group):
-    """What dynamo does with the torch ring's point-to-point exchange (batch_isend_irecv): it cannot put it
-    in a graph, so torch_bridge.reference runs it eagerly (torch.compiler.disable with a reason)."""
+    """torch.compile over backend='torch': dynamo cannot trace batch_isend_irecv, so each exchange is the
+    custom op ring_attention::shift, and the ring compiles whole (fullgraph=True), forward and backward."""
     case = Case(2, True, Z, 1, 4, 4, 2, 16, F32)
-    for clear_error, same, n_graphs in _run(torch_group, case, _compile_task):
-        assert clear_error, "fullgraph=True did not raise reference.NOT_COMPILABLE"
-        assert same, "compiled (graph breaks) differs from eager"
-        assert n_graphs >= 1  # the math around the ring still compiles
+    for same, shifts in _run(torch_group, case, _compile_task):
+        assert same, "compiled differs from eager"
+        assert shifts == [case.world - 1] * 2, shifts  # forward graph, backward graph
 
 
 def test_module_repr_and_early_checks():

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from ring_core import heap as _heap
 from ring_core import launch
 from ring_core.validate import AttentionSpec, dtype_name
+from torch_bridge.groups import group_from_name, group_to_name
 
 SYNC_ENV = "RING_ATTENTION_SYNC_ERRORS"
 _pending = []  # (event, pinned status, rank, timeout_s)
@@ -30,21 +31,6 @@ def _check_group(group):
     if group is not None and group is not dist.group.WORLD:
         raise ValueError("the fused backend runs over the default (world) process group; pass group=None")
 
-
-# The process group as the custom ops' schema carries it (a str), and back: the one place that maps
-# groups for the ops. "" is the default (world) group, else the group's registered name
-# (``group.group_name``), which torch.distributed resolves in the process that runs the op.
-def group_to_name(group) -> str:
-    _check_group(group)
-    return "" if group is None or group is dist.group.WORLD else group.group_name
-
-
-def group_from_name(name: str):
-    if not name:
-        return None
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return _resolve_process_group(name)
 
 
 def initialize(heap_size: int | None = None, group=None):
@@ -194,7 +180,7 @@ def backward(q, k, v, out, lse, dout, spec, group=None, timeout_s: float | None 
 # that torch.compile (fullgraph too) sees two opaque ops with exact fake outputs and traces nothing of the
 # launch, and eager autograd runs the same ops. Their arguments are schema types: the spec's shape fields
 # and dtype come from the tensors, scale / is_causal / layout travel as they are, the process group by
-# name (group_to_name) and timeout_s as float? (None: RING_ATTENTION_TIMEOUT_S when launched).
+# name (torch_bridge.groups) and timeout_s as float? (None: RING_ATTENTION_TIMEOUT_S when launched).
 # cudagraph_unsafe: every call does host work (the status copy and event of _track, the check of earlier
 # calls in _drain), which a CUDA graph replay would skip; inductor keeps such ops out of its CUDA graphs.
 _OP_TAGS = (torch.Tag.cudagraph_unsafe,)
