@@ -7,8 +7,8 @@ fullgraph=True (one graph, nothing of the launch traced), forward and gradients 
 (aot_eager and, where a C++ compiler exists, inductor), under torch.utils.checkpoint too, with automatic
 dynamic shapes, the backward's heap check still raised before the forward runs, user errors under
 compile, and ``opcheck`` of both ops. backend="auto" on CPU without a process group (world size 1) is
-checked here too; what dynamo does with the torch reference ring's point-to-point exchange, in
-test_torch_reference.py (test_compile).
+checked here too; the torch reference ring over 2 ranks (its exchange, the op ``ring_attention::shift``)
+in test_torch_reference.py (test_compile).
 
 The fused path needs no GPU for any of this, but one thing cannot be checked on CPU: the status copy and
 event of ``torch_bridge.fused._track`` (pinned memory, CUDA events) are replaced by an immediate check, as
@@ -115,35 +115,23 @@ def test_fullgraph_one_graph_two_ops(fused_cpu):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_compiled_matches_eager(fused_cpu, monkeypatch, backend):
-    """A small module around RingAttention(backend="fused"), compiled with fullgraph=True: out, lse and the
-    gradients (from both) bit-identical to eager; the same heap checks and launches as eager. The module
-    scales q (a pointwise kernel that inductor generates; one rounding either way, so still bitwise) and
-    passes K/V as strided views of one tensor."""
-
-    class Attn(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.attn = torch_bridge.RingAttention(backend="fused", return_lse=True, timeout_s=30)
-
-        def forward(self, q, kv):
-            k, v = kv.unbind(2)
-            return self.attn(q * 1.5, k, v)
-
-    if backend == "inductor":
-        # Scalar C++ kernels: before its first kernel inductor probes the CPU's vector ISAs by compiling a test
-        # program for each (20-35 s of this test on a loaded 2-core machine, against 2-6 s without); vector
-        # code would change nothing here (one multiply per element, no reduction).
-        import torch._inductor.cpu_vec_isa as vec_isa
-
-        monkeypatch.setattr(vec_isa, "valid_vec_isa_list", lambda: [])
-    model = Attn()
+def test_compiled_matches_eager(fused_cpu, backend):
+    """RingAttention(backend="fused") compiled with fullgraph=True: out, lse and the gradients (from both)
+    bit-identical to eager; the same heap checks and launches as eager. With aot_eager, inside a function
+    that scales q (one rounding either way, so still bitwise) and passes K/V as strided views of one tensor.
+    With inductor, alone: inductor's first C++ kernel in a process costs 20-35 s here (it first compiles a
+    probe for each vector ISA of the CPU), and its C++ code is not what is tested."""
+    attn = torch_bridge.RingAttention(backend="fused", return_lse=True, timeout_s=30)
     q, k, v, do, dl = _inputs(1, 2, 5, 2, 1, 24, "float32")
-    kv = torch.stack([k, v], 2).detach().requires_grad_()
-    want = _fwd_bwd(model, q, kv, do, dl)
+    if backend == "aot_eager":
+        kv = torch.stack([k, v], 2).detach().requires_grad_()
+        model, inputs, names = (lambda q, kv: attn(q * 1.5, *kv.unbind(2))), (q, kv), ("out", "lse", "dq", "dkv")
+    else:
+        model, inputs, names = attn, (q, k, v), NAMES
+    want = _fwd_bwd(model, *inputs, do, dl)
     n = len(fused_cpu.plans)
-    got = _fwd_bwd(torch.compile(model, fullgraph=True, backend=backend), q, kv, do, dl)
-    _assert_identical(got, want, ("out", "lse", "dq", "dkv"))
+    got = _fwd_bwd(torch.compile(model, fullgraph=True, backend=backend), *inputs, do, dl)
+    _assert_identical(got, want, names)
     assert [p[0] for p in fused_cpu.plans[n:]] == ["bwd", "fwd", "bwd"]  # as eager: heap check, fwd, bwd
 
 
