@@ -3,8 +3,8 @@ model trained on one device.
 
 GPUs (fused forward and backward kernels):  torchrun --nproc-per-node 2 examples/torch_train.py
 CPU (gloo, reference ring):                  torchrun --nproc-per-node 2 examples/torch_train.py --cpu
-``--compile`` trains the ring model under torch.compile (on GPUs with fullgraph=True: the fused kernels are
-two custom ops; on CPU the reference ring's exchanges run eagerly between graphs).
+``--compile`` trains the ring model under torch.compile(fullgraph=True): the fused kernels (GPUs) and the
+reference ring's exchanges (CPU) are custom ops in the graph.
 
 Every rank holds the same weights and its zigzag shard of every training sequence (balanced causal work).
 The loss is the mean next-token cross-entropy over the whole sequence: each rank sums its own tokens', the
@@ -27,7 +27,7 @@ p.add_argument("--cpu", action="store_true", help="gloo on CPU and backend='torc
 p.add_argument("--seq", type=int, default=1024, help="global sequence length")
 p.add_argument("--steps", type=int, default=8)
 p.add_argument("--batch", type=int, default=2)
-p.add_argument("--compile", action="store_true", help="torch.compile the ring model (fullgraph=True on GPUs)")
+p.add_argument("--compile", action="store_true", help="torch.compile(fullgraph=True) the ring model")
 args = p.parse_args()
 
 VOCAB, D_MODEL, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 256, 128, 4, 2, 32, 2
@@ -94,7 +94,7 @@ dense_model = TinyLM(dense_attention).to(dev)
 dense_model.load_state_dict(ring_model.state_dict())
 opt_ring = torch.optim.AdamW(ring_model.parameters(), lr=3e-3)
 if args.compile:
-    ring_model = torch.compile(ring_model, fullgraph=not args.cpu)
+    ring_model = torch.compile(ring_model, fullgraph=True)
 opt_dense = torch.optim.AdamW(dense_model.parameters(), lr=3e-3)
 # Learnable data: each sequence follows t -> (5 t + 3) mod VOCAB from a random start.
 start = torch.randint(0, VOCAB, (args.steps, args.batch, 1), device=dev)
