@@ -286,6 +286,21 @@ def test_compile(torch_group):
         assert shifts == [case.world - 1] * 2, shifts  # forward graph, backward graph
 
 
+def _double_backward_task(rank, world):
+    from torch_bridge.reference import ring_shift
+
+    x = (torch.arange(4.0) + 10 * rank).requires_grad_()
+    y = ring_shift(x, (rank + 1) % world, (rank - 1) % world)
+    (g,) = torch.autograd.grad((y ** 3).sum(), x, create_graph=True)  # 3 y^2, sent back to x's rank
+    (h,) = torch.autograd.grad(g.sum(), x)  # the gradient of sum(3 x^2): 6 x
+    return torch.equal(y, (torch.arange(4.0) + 10 * ((rank - 1) % world))), torch.equal(h, 6 * x.detach())
+
+
+def test_shift_double_backward(torch_group):
+    """The shift's backward is the shift op again, so a second derivative through it works."""
+    assert torch_group(2).run(_double_backward_task) == [(True, True)] * 2
+
+
 def test_module_repr_and_early_checks():
     m = torch_bridge.RingAttention(is_causal=True, layout="zigzag")
     assert "zigzag" in repr(m) and "is_causal=True" in repr(m)
