@@ -108,6 +108,9 @@ def ring_attention(q, k, v, *, group=None, is_causal=False, scale=None, layout="
     Inputs may be non-contiguous or oddly strided (transposed, sliced, expanded views): every backend
     reads them as they are or makes contiguous copies; the outputs are always contiguous.
 
+    ``torch.compile(fullgraph=True)`` traces it on every backend without a graph break: the fused kernels
+    and the torch ring's exchange are custom ops (``ring_attention::fwd``, ``::bwd``, ``::shift``).
+
     Example (one process; under torch.distributed each rank passes its shard):
 
     >>> import torch, torch_bridge

@@ -32,7 +32,6 @@ def _check_group(group):
         raise ValueError("the fused backend runs over the default (world) process group; pass group=None")
 
 
-
 def initialize(heap_size: int | None = None, group=None):
     """Create this process's iris symmetric heap and return it. Collective: every rank calls it.
 
