@@ -4,6 +4,8 @@ model trained on one device.
 GPUs (fused forward and backward kernels):  torchrun --nproc-per-node 2 examples/torch_train.py
 CPU (gloo, reference ring):                  torchrun --nproc-per-node 2 examples/torch_train.py --cpu
 Data parallel x sequence parallel (2 x 2):   torchrun --nproc-per-node 4 examples/torch_train.py --dp 2
+``--compile`` trains the ring model under torch.compile(fullgraph=True): the fused kernels (GPUs) and the
+reference ring's exchanges (CPU) are custom ops in the graph.
 
 The ranks form a ("dp", "sp") DeviceMesh: every rank holds the same weights; each "dp" group takes its slice
 of the batch, and the ring attention runs over the "sp" group, each rank holding its zigzag shard of every
@@ -29,6 +31,7 @@ p.add_argument("--seq", type=int, default=1024, help="global sequence length")
 p.add_argument("--steps", type=int, default=8)
 p.add_argument("--batch", type=int, default=2)
 p.add_argument("--dp", type=int, default=1, help="data-parallel groups (the ranks are dp x sp)")
+p.add_argument("--compile", action="store_true", help="torch.compile(fullgraph=True) the ring model")
 args = p.parse_args()
 
 VOCAB, D_MODEL, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 256, 128, 4, 2, 32, 2
@@ -97,6 +100,8 @@ ring_model = TinyLM(ring_attention).to(dev)
 dense_model = TinyLM(dense_attention).to(dev)
 dense_model.load_state_dict(ring_model.state_dict())
 opt_ring = torch.optim.AdamW(ring_model.parameters(), lr=3e-3)
+if args.compile:
+    ring_model = torch.compile(ring_model, fullgraph=True)
 opt_dense = torch.optim.AdamW(dense_model.parameters(), lr=3e-3)
 # Learnable data: each sequence follows t -> (5 t + 3) mod VOCAB from a random start.
 start = torch.randint(0, VOCAB, (args.steps, args.batch, 1), device=dev)

@@ -2,10 +2,11 @@
 (torch_bridge.fused and the jax-triton call of jax_ring.fused) drive the real kernels in the Triton
 interpreter, on one rank whose "heap" is a CPU buffer.
 
-What this checks that the simulator does not: the autograd layers (torch.autograd.Function, jax.custom_vjp)
-save what the backward needs and return the gradients in the right places; both frontends pass the kernels
-the same argument lists, scalars, output shapes and zeroed status, from the one plan in ring_core.launch;
-and so JAX and torch give bit-identical gradients. jax-triton itself needs a GPU: here its ``triton_call``
+What this checks that the simulator does not: the autograd layers (the register_autograd of the torch custom
+ops ring_attention::fwd/bwd, jax.custom_vjp) save what the backward needs and return the gradients in the
+right places; both frontends pass the kernels the same argument lists, scalars, output shapes and zeroed
+status, from the one plan in ring_core.plans; and so JAX and torch give bit-identical gradients. jax-triton
+itself needs a GPU: here its ``triton_call``
 is replaced by a host callback that launches the kernel with exactly the arguments it was given
 (scalars converted as jax-triton converts them), with the GPU's default tile sizes. One rank only: the interpreter runs one kernel at a time
 per callback, so ranks could not meet. The multi-rank protocol is tested by test_simulate*.py.
@@ -130,15 +131,15 @@ def test_jax_and_torch_fused_gradients(cpu_heap, monkeypatch, dtype, causal, H, 
     kw = dict(is_causal=causal, scale=None)
     dl = (np.random.default_rng(4).standard_normal((1, H, S)) if use_lse else np.zeros((1, H, S))).astype(np.float32)
 
-    # ---- torch: the autograd Function and torch_bridge.fused's launchers (CPU tensors, interpreter)
+    # ---- torch: the custom ops and torch_bridge.fused's launchers (CPU tensors, interpreter)
     tq, tk, tv = (interpret._to_torch(x, dtype).requires_grad_() for x in (q, k, v))
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # let backend="fused" through
+    monkeypatch.setattr(torch_bridge.api, "_on_gpu", lambda x: True)  # let backend="fused" through
     out, lse = torch_bridge.ring_attention(tq, tk, tv, backend="fused", return_lse=True, **kw)
     if use_lse:
         torch.autograd.backward([out, lse], [interpret._to_torch(do, dtype), torch.from_numpy(dl)])
     else:
         out.backward(interpret._to_torch(do, dtype))
-    monkeypatch.undo()  # is_cuda and the rest; the heap again for JAX below
+    monkeypatch.undo()  # _on_gpu and the rest; the heap again for JAX below
     monkeypatch.setattr(heap_mod, "_heap", cpu_heap)
     monkeypatch.setattr(heap_mod, "_release_hooks", [])
     monkeypatch.setattr(jfused, "_import_jax_triton", lambda: _fake_jax_triton(launches))
@@ -188,7 +189,7 @@ def test_torch_fused_checks_backward_heap_before_forward(cpu_heap, monkeypatch):
     monkeypatch.setattr(heap_mod, "_heap", small)
     monkeypatch.setattr(tfused, "_track", _check_now)
     monkeypatch.setattr(torch_bridge.api, "_fused_available", lambda: True)
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch_bridge.api, "_on_gpu", lambda x: True)
     monkeypatch.setattr(tfused, "ring_of", lambda h, group: ((0, 1), 0, 4))  # two ranks: nothing is launched
     x = torch.zeros(1, 16, 1, 64, dtype=torch.float16)  # K/V 4 KiB fit the 10 KB; + float32 partials do not
     with pytest.raises(control.HeapTooSmallError, match="backward call needs"):

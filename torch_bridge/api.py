@@ -54,8 +54,14 @@ def _group_info(group):
     return rank, world, peers
 
 
+def _on_gpu(x) -> bool:
+    """Whether ``x`` is where the fused kernel runs (a CUDA device). One function, so that the CPU tests can
+    route CPU tensors to the fused launchers (the Triton interpreter) in eager and under torch.compile."""
+    return x.is_cuda
+
+
 def _resolve_backend(backend: str, q, spec) -> str:
-    fusable = q.is_cuda and spec.dtype != "float64"
+    fusable = _on_gpu(q) and spec.dtype != "float64"
     if backend == "auto":
         return "fused" if fusable and _fused_available() else "torch"
     if backend == "fused":
@@ -63,37 +69,11 @@ def _resolve_backend(backend: str, q, spec) -> str:
             raise RuntimeError(
                 "backend='fused' needs the symmetric heap: call torch_bridge.initialize() once per process "
                 "(one process per GPU, started by torchrun or python -m jax_ring.launch); or use backend='torch'")
-        if not q.is_cuda:
+        if not _on_gpu(q):
             raise ValueError(f"backend='fused' needs CUDA tensors, got {q.device}; move q, k, v to this rank's GPU")
         if spec.dtype == "float64":
             raise TypeError("backend='fused' supports float16, bfloat16 and float32; use backend='torch' for float64")
     return backend
-
-
-class _FusedRing(torch.autograd.Function):
-    """Forward: the fused kernel; saves q, k, v, out and lse. Backward: the fused backward kernel
-    (ring_core.kernel_bwd), the same launch as JAX's, from the gradients of out and of lse."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, spec, rank, world, peers, group, timeout_s):
-        from torch_bridge import fused
-
-        if any(ctx.needs_input_grad[:3]):
-            fused.check_backward_fits(spec, group)  # HeapTooSmallError now, not after the forward ran
-        out, lse = fused.forward(q, k, v, spec, group, timeout_s)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (spec, group, timeout_s)
-        return out, lse
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dout, dlse):
-        from torch_bridge import fused
-
-        q, k, v, out, lse = ctx.saved_tensors
-        spec, group, timeout_s = ctx.args
-        dq, dk, dv = fused.backward(q, k, v, out, lse, dout, spec, group, timeout_s, dlse=dlse)
-        return dq, dk, dv, None, None, None, None, None, None
 
 
 def ring_attention(q, k, v, *, group=None, is_causal=False, scale=None, layout="contiguous", return_lse=False,
@@ -128,6 +108,9 @@ def ring_attention(q, k, v, *, group=None, is_causal=False, scale=None, layout="
     Inputs may be non-contiguous or oddly strided (transposed, sliced, expanded views): every backend
     reads them as they are or makes contiguous copies; the outputs are always contiguous.
 
+    ``torch.compile(fullgraph=True)`` traces it on every backend without a graph break: the fused kernels
+    and the torch ring's exchange are custom ops (``ring_attention::fwd``, ``::bwd``, ``::shift``).
+
     Example (one process; under torch.distributed each rank passes its shard):
 
     >>> import torch, torch_bridge
@@ -147,7 +130,9 @@ def ring_attention(q, k, v, *, group=None, is_causal=False, scale=None, layout="
     if backend == "torch":
         out, lse = ring_attention_torch(q, k, v, spec, rank, world, peers, group)
     else:
-        out, lse = _FusedRing.apply(q, k, v, spec, rank, world, peers, group, timeout_s)
+        from torch_bridge import fused
+
+        out, lse = fused.ring_attention_fused(q, k, v, spec=spec, group=group, timeout_s=timeout_s)
     return (out, lse) if return_lse else out
 
 

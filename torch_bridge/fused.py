@@ -3,17 +3,24 @@
 Errors found by the kernel (a bounded wait that expired) come back in a small status tensor. Checking it
 at once would cost a host sync per call, so it is copied to pinned memory asynchronously and checked at
 the next call, at ``check_errors()`` (which waits), or at once when RING_ATTENTION_SYNC_ERRORS=1.
+
+Layers: ``forward`` / ``backward`` are the raw launchers; the torch.library custom ops
+``ring_attention::fwd`` / ``ring_attention::bwd`` call them and carry the autograd formula (what
+torch.compile sees); ``ring_attention_fused`` is what ``torch_bridge.ring_attention`` calls.
 """
 
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from ring_core import heap as _heap
 from ring_core import control
+from ring_core.validate import AttentionSpec, dtype_name
+from torch_bridge.groups import group_from_name, group_to_name
 
 SYNC_ENV = "RING_ATTENTION_SYNC_ERRORS"
 _pending = []  # (event, pinned status, ring position, timeout_s, ring members)
@@ -183,3 +190,75 @@ def backward(q, k, v, out, lse, dout, spec, group=None, timeout_s: float | None 
                                  **p.constexprs())
     _track(status, ring, timeout_s)
     return dq, dk, dv
+
+
+# ---------------------------------------------------------------- the autograd layer: two custom ops
+# ring_attention::fwd and ring_attention::bwd wrap the launchers above as torch.library custom ops, so
+# that torch.compile (fullgraph too) sees two opaque ops with exact fake outputs and traces nothing of the
+# launch, and eager autograd runs the same ops. Their arguments are schema types: the spec's shape fields
+# and dtype come from the tensors, scale / is_causal / layout travel as they are, the process group by
+# name (torch_bridge.groups) and timeout_s as float? (None: RING_ATTENTION_TIMEOUT_S when launched).
+# cudagraph_unsafe: every call does host work (the status copy and event of _track, the check of earlier
+# calls in _drain), which a CUDA graph replay would skip; inductor keeps such ops out of its CUDA graphs.
+_OP_TAGS = (torch.Tag.cudagraph_unsafe,)
+
+
+def _spec_of(q, k, scale: float, is_causal: bool, layout: str) -> AttentionSpec:
+    """The AttentionSpec that ring_core.validate.check_attention_args gave for these arguments."""
+    b, s, h, d = q.shape
+    return AttentionSpec(b, s, h, k.shape[2], d, dtype_name(q.dtype), scale, is_causal, layout)
+
+
+@torch.library.custom_op("ring_attention::fwd", mutates_args=(), tags=_OP_TAGS)
+def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, is_causal: bool, layout: str,
+            group_name: str, timeout_s: Optional[float], check_backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    spec = _spec_of(q, k, scale, is_causal, layout)
+    if check_backward:
+        check_backward_fits(spec, group_from_name(group_name))  # HeapTooSmallError before the forward runs
+    return forward(q, k, v, spec, group_from_name(group_name), timeout_s)
+
+
+@_fwd_op.register_fake
+def _(q, k, v, scale, is_causal, layout, group_name, timeout_s, check_backward):
+    b, s, h, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((b, h, s), dtype=torch.float32)
+
+
+@torch.library.custom_op("ring_attention::bwd", mutates_args=(), tags=_OP_TAGS)
+def _bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+            dout: torch.Tensor, dlse: Optional[torch.Tensor], scale: float, is_causal: bool, layout: str,
+            group_name: str, timeout_s: Optional[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    spec = _spec_of(q, k, scale, is_causal, layout)
+    return backward(q, k, v, out, lse, dout, spec, group_from_name(group_name), timeout_s, dlse=dlse)
+
+
+@_bwd_op.register_fake
+def _(q, k, v, out, lse, dout, dlse, scale, is_causal, layout, group_name, timeout_s):
+    return q.new_empty(q.shape), q.new_empty(k.shape), q.new_empty(k.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, scale, is_causal, layout, group_name, timeout_s, _ = inputs
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.args = (scale, is_causal, layout, group_name, timeout_s)
+
+
+def _backward(ctx, dout, dlse):
+    # Autograd passes zeros for the gradient of an output that was not used (out or lse), eager and compiled.
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = _bwd_op(q, k, v, out, lse, dout, dlse, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def ring_attention_fused(q, k, v, *, spec: AttentionSpec, group=None, timeout_s: float | None = None):
+    """(out, lse) from the fused kernel, differentiable through the fused backward kernel (from the
+    gradients of out and lse); inputs already validated (``spec``). Traceable by torch.compile without a
+    graph break: all it computes before the op is the group's name and whether a backward will follow, in
+    which case the fwd op checks the backward's heap need before it launches (HeapTooSmallError before the
+    forward runs, as in eager)."""
+    check_backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    return _fwd_op(q, k, v, spec.scale, spec.is_causal, spec.layout, group_to_name(group), timeout_s,
+                   check_backward)

@@ -1,7 +1,8 @@
 """The reference ring (``backend="torch"``): K/V travel around the ring over torch.distributed point-to-point.
 
-Built from one differentiable communication op (``ring_shift``, a ``torch.autograd.Function``) and ordinary
-torch ops, so autograd gives the gradients of full attention. Blockwise attention runs in float32
+Built from one differentiable communication op (``ring_shift``: the custom op ``ring_attention::shift`` with
+its autograd formula) and ordinary torch ops, so autograd gives the gradients of full attention, and
+torch.compile (fullgraph=True too) traces the whole ring. Blockwise attention runs in float32
 (float64 for float64 inputs) and blocks are merged by online softmax.
 
 Why the backward pass cannot deadlock: every rank builds the same graph (same number of ``ring_shift`` nodes,
@@ -20,6 +21,7 @@ import torch.distributed as dist
 
 from ring_core.layout import global_positions
 from ring_core.validate import AttentionSpec
+from torch_bridge.groups import group_from_name, group_to_name
 
 
 def _sendrecv(x: torch.Tensor, dst: int, src: int, group) -> torch.Tensor:
@@ -36,25 +38,38 @@ def _sendrecv(x: torch.Tensor, dst: int, src: int, group) -> torch.Tensor:
     return out.to(x.device) if staged else out
 
 
-class _RingShift(torch.autograd.Function):
-    """Forward: send to ``dst``, receive from ``src``. Backward: the gradient goes the other way round."""
+# The exchange as a custom op: dynamo cannot trace batch_isend_irecv (torch 2.11 fails inside it, on
+# ProcessGroup._get_backend; torch 2.13 only with the experimental TORCHDYNAMO_ENABLE_P2P_COMPILATION=1,
+# which left a send unwaited at exit), but it can put an opaque op in the graph, so the whole ring compiles
+# with fullgraph=True. The shifts stay in one order on every rank under compile too: each consumes the
+# previous one's output (forward) or gradient (backward). cudagraph_unsafe: the exchange is posted and
+# waited for from the host.
+@torch.library.custom_op("ring_attention::shift", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
+def _shift_op(x: torch.Tensor, dst: int, src: int, group_name: str) -> torch.Tensor:
+    return _sendrecv(x, dst, src, group_from_name(group_name))
 
-    @staticmethod
-    def forward(ctx, x, dst, src, group):
-        ctx.peers = (dst, src)
-        ctx.group = group
-        return _sendrecv(x, dst, src, group)
 
-    @staticmethod
-    def backward(ctx, grad):
-        dst, src = ctx.peers
-        # Through .apply again so that double backward (create_graph=True) also works.
-        return _RingShift.apply(grad, src, dst, ctx.group), None, None, None
+@_shift_op.register_fake
+def _(x, dst, src, group_name):
+    return x.new_empty(x.shape)
+
+
+def _shift_setup_context(ctx, inputs, output):
+    _, dst, src, group_name = inputs
+    ctx.back = (src, dst, group_name)  # the gradient goes the other way round
+
+
+def _shift_backward(ctx, grad):
+    # The op again (not a bare _sendrecv), so that double backward (create_graph=True) also works.
+    return _shift_op(grad, *ctx.back), None, None, None
+
+
+_shift_op.register_autograd(_shift_backward, setup_context=_shift_setup_context)
 
 
 def ring_shift(x: torch.Tensor, dst: int, src: int, group=None) -> torch.Tensor:
     """Differentiable point-to-point shift; ``dst``/``src`` are *global* ranks. Every rank must call it."""
-    return _RingShift.apply(x, dst, src, group)
+    return _shift_op(x, dst, src, group_to_name(group))
 
 
 def ring_attention_torch(q, k, v, spec: AttentionSpec, rank: int, world_size: int, peers=None, group=None):
