@@ -47,8 +47,9 @@ def allowed(q_pos, k_pos, *, is_causal: bool, window=NO_WINDOW, q_segment_ids=No
     >>> allowed(np.arange(4), np.arange(4), is_causal=True, window=(1, -1)).astype(int).tolist()
     [[1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1]]
     >>> seg = np.array([[0, 0, 1, -1]])
-    >>> allowed(np.arange(4), np.arange(4), is_causal=False, q_segment_ids=seg, k_segment_ids=seg)[0, 0, 0].astype(int).tolist()
-    [[1, 1, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 0]]
+    >>> m = allowed(np.arange(4), np.arange(4), is_causal=False, q_segment_ids=seg, k_segment_ids=seg)
+    >>> m.shape, m[0, 0, 0].astype(int).tolist()
+    ((1, 1, 1, 4, 4), [[1, 1, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 0]])
     """
     if (q_segment_ids is None) != (k_segment_ids is None):
         raise ValueError("pass both q_segment_ids and k_segment_ids, or neither")

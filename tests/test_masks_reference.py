@@ -201,6 +201,14 @@ def test_segment_ids_from_cu_seqlens_bad(cu, seq_len, exc, fragment):
         masks.segment_ids_from_cu_seqlens(cu, seq_len)
 
 
+def test_doctests():
+    import doctest
+
+    for mod in (masks, validate):
+        res = doctest.testmod(mod)
+        assert res.failed == 0 and res.attempted > 0, mod.__name__
+
+
 # ------------------------------------------------------------------------------------- validation
 Q, KV = (2, 6, 4, 16), (2, 6, 2, 16)
 
@@ -247,3 +255,255 @@ def test_segment_ids_dtype_names_of_frameworks():
         assert _check(segment_ids_shape=(2, 6), segment_ids_dtype=dt).segmented
     with pytest.raises(TypeError, match="int32.*got dtype int64"):
         _check(segment_ids_shape=torch.zeros(2, 6, dtype=torch.int64).shape, segment_ids_dtype=torch.int64)
+
+
+# ------------------------------------------------------------------------------------------ rings
+class Case(NamedTuple):
+    world: int
+    layout: str
+    is_causal: bool
+    window: tuple
+    heads: int
+    kv_heads: int
+    head_dim: int
+    seq_local: int
+    dtype: str
+    seg: str  # none | packed (random lengths, padding at the end and inside) | pad (one sequence, then padding) | cu
+    batch: int = 1
+
+    @property
+    def id(self):
+        return (f"W{self.world}-{self.layout[:3]}-{'causal' if self.is_causal else 'full'}-w{self.window[0]},"
+                f"{self.window[1]}-h{self.heads}kv{self.kv_heads}-d{self.head_dim}-s{self.seq_local}-{self.dtype}"
+                f"-{self.seg}-b{self.batch}")
+
+
+C, Z = "contiguous", "zigzag"
+# Windows reach across shard boundaries (seq_local 1-7), segments too (lengths up to 1.5 shards).
+RING_CASES = [
+    Case(1, C, True, (3, -1), 4, 2, 16, 7, "float32", "packed", 2),
+    Case(1, Z, False, (1, 2), 2, 1, 16, 6, "float32", "pad"),
+    Case(2, C, False, (-1, -1), 4, 2, 16, 5, "float32", "packed"),
+    Case(2, Z, True, (-1, -1), 4, 1, 16, 6, "bfloat16", "packed"),
+    Case(2, C, True, (0, 0), 2, 2, 16, 3, "float32", "none"),
+    Case(2, Z, False, (4, 1), 4, 2, 32, 4, "float32", "none", 2),
+    Case(3, C, False, (2, 5), 2, 1, 16, 3, "float32", "cu"),
+    Case(3, Z, True, (5, -1), 4, 2, 16, 4, "bfloat16", "pad"),
+    Case(4, C, True, (6, -1), 4, 2, 16, 3, "float32", "packed"),
+    Case(4, Z, False, (-1, 3), 2, 2, 16, 4, "float32", "packed", 2),
+    Case(4, Z, True, (3, -1), 4, 1, 16, 2, "float32", "cu"),
+    Case(4, C, False, (0, 0), 2, 1, 16, 1, "float32", "packed"),
+]
+TORCH_ONLY = [Case(2, C, True, (2, -1), 2, 1, 16, 5, "float64", "packed"),
+              Case(3, Z, False, (-1, -1), 4, 2, 16, 4, "float64", "pad", 2)]
+
+
+def _case_inputs(case: Case):
+    """Natural-order globals: q, k, v, dout (rounded to the dtype), dlse (non-zero on padding rows too) and
+    the segment ids (None for seg="none")."""
+    seed = zlib.crc32(case.id.encode())
+    b, n = case.batch, case.world * case.seq_local
+    q, k, v, dout = testing.random_inputs(seed, b, n, case.heads, case.kv_heads, case.head_dim, case.dtype,
+                                          with_dout=True)
+    dlse = np.random.default_rng(seed + 1).standard_normal((b, case.heads, n))
+    rng = np.random.default_rng(seed + 2)
+    if case.seg == "none":
+        seg = None
+    elif case.seg == "packed":
+        seg = testing.random_segment_ids(seed, b, n, max_len=max(2, 3 * case.seq_local // 2))
+        seg[0, -1] = -1
+        if n >= 4:
+            seg[-1, n // 2] = -1  # padding inside a row, on a middle rank
+    elif case.seg == "pad":
+        lengths = rng.integers(max(1, n // 3), n, size=b)
+        seg = np.where(np.arange(n)[None] < lengths[:, None], 0, -1).astype(np.int32)
+    else:  # cu: flash-attn varlen lengths, the same packing in every batch row
+        cu = np.concatenate([[0], np.cumsum(rng.integers(1, case.seq_local + 2, size=n))])
+        cu = cu[cu <= n - 1]
+        seg = np.repeat(masks.segment_ids_from_cu_seqlens(cu, n)[None], b, 0)
+    return q, k, v, dout, dlse, seg
+
+
+def _spec(case: Case, backend):
+    shp = lambda h: (case.batch, case.seq_local, h, case.head_dim)
+    seg = case.seg != "none"
+    return validate.check_attention_args(
+        shp(case.heads), shp(case.kv_heads), shp(case.kv_heads), case.dtype, case.dtype, case.dtype,
+        is_causal=case.is_causal, scale=None, layout=case.layout, backend=backend, backends=(backend,),
+        window_size=case.window, segment_ids_shape=(case.batch, case.seq_local) if seg else None,
+        segment_ids_dtype="int32" if seg else None)
+
+
+def _to_layout(x, case, axis=1):
+    return np.take(x, layout_permutation(x.shape[axis], case.world, case.layout), axis=axis)
+
+
+def _from_layout(x, case, axis=1):
+    return np.take(x, np.argsort(layout_permutation(x.shape[axis], case.world, case.layout)), axis=axis)
+
+
+def _check_ring(name, case: Case, out, lse, grads):
+    """Ring results (natural order, float64 numpy) against the float64 reference; padding rows exact."""
+    q, k, v, dout, dlse, seg = _case_inputs(case)
+    mask = dict(segment_ids=seg, window=case.window)
+    for x in (out, *grads):
+        assert np.isfinite(x).all(), f"{name}: NaN/Inf"
+    assert not np.isnan(lse).any() and not np.isposinf(lse).any(), f"{name}: lse NaN/+Inf"
+    testing.check_attention(name, out, lse, q, k, v, case.dtype, is_causal=case.is_causal, **mask)
+    testing.check_grads(name, grads, q, k, v, dout, case.dtype, is_causal=case.is_causal, dlse=dlse, **mask)
+    if seg is not None:
+        pad = seg < 0
+        assert (out[pad] == 0).all() and np.isneginf(lse.transpose(0, 2, 1)[pad]).all(), name
+        assert np.isfinite(lse.transpose(0, 2, 1)[~pad]).all(), name
+        for n, g in zip("qkv", grads):
+            assert (g[pad] == 0).all(), f"{name}: d{n} of padding tokens not 0"
+    else:
+        assert np.isfinite(lse).all()
+
+
+# -------------------------------------------------------------------- xla ring
+def _xla_ring(mesh, case: Case):
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    from jax_ring import _platform
+    from jax_ring.reference import ring_attention_xla
+
+    q, k, v, dout, dlse, seg = _case_inputs(case)
+    jdt = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[case.dtype]
+    args = [jnp.asarray(_to_layout(x, case), jnp.float32).astype(jdt) for x in (q, k, v)]
+    cots = (jnp.asarray(_to_layout(dout, case), jnp.float32).astype(jdt),
+            jnp.asarray(_to_layout(dlse, case, axis=2), jnp.float32))
+    spec = _spec(case, "xla")
+    ax = "sp"
+    if seg is None:
+        seg_arg, seg_spec = (), ()
+    else:
+        seg_arg, seg_spec = (jnp.asarray(_to_layout(seg, case), jnp.int32),), (P(None, ax),)
+
+    def ring(q, k, v, *seg):
+        return ring_attention_xla(q, k, v, axis_name=ax, spec=spec, return_lse=True,
+                                  segment_ids=seg[0] if seg else None)
+
+    f = _platform.shard_map(ring, mesh=mesh, in_specs=(P(None, ax),) * 3 + seg_spec,
+                            out_specs=(P(None, ax), P(None, None, ax)))
+
+    @jax.jit
+    def fwd_bwd(q, k, v, cots, *seg):
+        (out, lse), pull = jax.vjp(lambda q, k, v: f(q, k, v, *seg), q, k, v)
+        return out, lse, pull(cots)
+
+    out, lse, grads = fwd_bwd(*args, cots, *seg_arg)
+    for g, x in zip(grads, args):
+        assert g.dtype == x.dtype and g.shape == x.shape
+    assert out.dtype == jdt and lse.dtype == jnp.float32
+    to_np = lambda x, axis=1: _from_layout(np.asarray(jnp.asarray(x, jnp.float32), np.float64), case, axis)
+    return to_np(out), to_np(lse, 2), [to_np(g) for g in grads]
+
+
+@pytest.mark.parametrize("case", RING_CASES, ids=lambda c: c.id)
+def test_xla_ring(cpu_mesh, case):
+    out, lse, grads = _xla_ring(cpu_mesh(case.world), case)
+    _check_ring(f"xla {case.id}", case, out, lse, grads)
+
+
+def test_xla_dense_attention_masks():
+    """jax_ring.reference.dense_attention (one device) takes the same masks; padding stays NaN-free."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_ring.reference import dense_attention
+
+    case = Case(1, C, True, (2, -1), 4, 2, 16, 8, "float32", "packed", 2)
+    q, k, v, dout, dlse, seg = _case_inputs(case)
+    f = lambda q, k, v: dense_attention(q, k, v, is_causal=True, window=(2, -1), segment_ids=jnp.asarray(seg))
+    (out, lse), pull = jax.vjp(f, *(jnp.asarray(x, jnp.float32) for x in (q, k, v)))
+    grads = pull((jnp.asarray(dout, jnp.float32), jnp.asarray(dlse, jnp.float32)))
+    as64 = lambda x: np.asarray(x, np.float64)
+    _check_ring("dense", case, as64(out), as64(lse), [as64(g) for g in grads])
+
+
+def test_xla_ring_segment_ids_must_match_spec(cpu_mesh):
+    import jax.numpy as jnp
+
+    from jax_ring.reference import ring_attention_xla
+
+    case = Case(1, C, False, (-1, -1), 2, 2, 16, 4, "float32", "packed")
+    x = jnp.zeros((1, 4, 2, 16))
+    with pytest.raises(ValueError, match="segment_ids given but spec.segmented is False"):
+        ring_attention_xla(x, x, x, axis_name="sp", spec=_spec(case._replace(seg="none"), "xla"),
+                           segment_ids=jnp.zeros((1, 4), jnp.int32))
+    with pytest.raises(ValueError, match="segment_ids missing"):
+        ring_attention_xla(x, x, x, axis_name="sp", spec=_spec(case, "xla"))
+
+
+# -------------------------------------------------------------------- torch ring
+def _torch_task(rank, world, case: Case):
+    import torch
+
+    from torch_bridge.reference import ring_attention_torch
+
+    dt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}[case.dtype]
+    q, k, v, dout, dlse, seg = _case_inputs(case)
+    sl = slice(rank * case.seq_local, (rank + 1) * case.seq_local)
+    shard = lambda x, axis=1: torch.from_numpy(np.ascontiguousarray(
+        np.take(_to_layout(x, case, axis), np.arange(x.shape[axis])[sl], axis=axis)))
+    ql, kl, vl = (shard(x).to(dt).requires_grad_() for x in (q, k, v))
+    seg_l = None if seg is None else shard(seg)
+    assert seg_l is None or seg_l.dtype == torch.int32
+    peers = ((rank + 1) % world, (rank - 1) % world) if world > 1 else None
+    out, lse = ring_attention_torch(ql, kl, vl, _spec(case, "torch"), rank, world, peers, segment_ids=seg_l)
+    assert out.dtype == dt and lse.dtype == (torch.float64 if dt == torch.float64 else torch.float32)
+    torch.autograd.backward((out, lse), (shard(dout).to(dt), shard(dlse, 2).to(lse.dtype)))
+    to_np = lambda t: t.detach().to(torch.float64).numpy()
+    return to_np(out), to_np(lse), [to_np(t.grad) for t in (ql, kl, vl)]
+
+
+@pytest.mark.parametrize("case", RING_CASES + TORCH_ONLY, ids=lambda c: c.id)
+def test_torch_ring(torch_group, case):
+    res = [_torch_task(0, 1, case)] if case.world == 1 else torch_group(case.world).run(_torch_task, case)
+    cat = lambda i, axis=1, j=None: _from_layout(
+        np.concatenate([r[i] if j is None else r[i][j] for r in res], axis=axis), case, axis)
+    _check_ring(f"torch {case.id}", case, cat(0), cat(1, 2), [cat(2, 1, j) for j in range(3)])
+
+
+def test_torch_ring_segment_ids_must_match_spec():
+    import torch
+
+    from torch_bridge.reference import ring_attention_torch
+
+    case = Case(1, C, False, (-1, -1), 2, 2, 16, 4, "float32", "packed")
+    x = torch.zeros(1, 4, 2, 16)
+    with pytest.raises(ValueError, match="segment_ids given but spec.segmented is False"):
+        ring_attention_torch(x, x, x, _spec(case._replace(seg="none"), "torch"), 0, 1,
+                             segment_ids=torch.zeros(1, 4, dtype=torch.int32))
+    with pytest.raises(ValueError, match="segment_ids missing"):
+        ring_attention_torch(x, x, x, _spec(case, "torch"), 0, 1)
+
+
+def _torch_partial_task(rank, world, case: Case):
+    """autograd.grad for q only, then for k and v only (q not requiring grad): the riders add no backward
+    exchange, so pruned graphs stay matched across ranks; both agree with a full backward."""
+    import torch
+
+    from torch_bridge.reference import ring_attention_torch
+
+    q, k, v, dout, _, seg = _case_inputs(case)
+    shard = lambda x: torch.from_numpy(np.ascontiguousarray(
+        _to_layout(x, case)[:, rank * case.seq_local:(rank + 1) * case.seq_local]))
+    ql, kl, vl = (shard(x).float().requires_grad_() for x in (q, k, v))
+    do, seg_l = shard(dout).float(), shard(seg)
+    peers = ((rank + 1) % world, (rank - 1) % world)
+    call = lambda q: ring_attention_torch(q, kl, vl, _spec(case, "torch"), rank, world, peers, segment_ids=seg_l)[0]
+    (dq_only,) = torch.autograd.grad((call(ql) * do).sum(), [ql])
+    dk_only, dv_only = torch.autograd.grad((call(ql.detach()) * do).sum(), [kl, vl])
+    (call(ql) * do).sum().backward()
+    return [t.detach().numpy() for t in (dq_only, ql.grad, dk_only, kl.grad, dv_only, vl.grad)]
+
+
+def test_torch_ring_partial_grads_with_segments(torch_group):
+    case = Case(3, Z, True, (3, -1), 2, 1, 16, 4, "float32", "packed")
+    for res in torch_group(3).run(_torch_partial_task, case, timeout=60):
+        for a, b in zip(res[::2], res[1::2]):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
