@@ -107,8 +107,9 @@ def attention_grad(q, k, v, dout, *, is_causal=False, scale=None, compute_dtype=
     (``dlse`` [b, h, s] optional: lse then carries no gradient); dk/dv summed over each kv head's group.
     ``round_dtype`` (for ``attention_grad_lowp``): round what a kernel in that dtype rounds, the output that
     delta reads and the P and dS that enter the matmuls. Masks as in ``attention``: a row that attends
-    nothing has P = 0, so its dq is 0 and it gives nothing to dk/dv, whatever its dout and dlse (the
-    gradient of lse = -inf is taken as 0: lse does not depend on any input there)."""
+    nothing has P = 0, so its dq is 0 and it gives nothing to dk/dv for any finite dout; its dlse is selected
+    away, not multiplied (lse = -inf is a constant there), so even a non-finite dlse on such a row is ignored,
+    as the rings' ``where`` ignores it."""
     rnd = (lambda x: x) if round_dtype is None else (lambda x: round_to(x, round_dtype).astype(compute_dtype))
     q, k, v, dout = (np.asarray(x, dtype=compute_dtype) for x in (q, k, v, dout))
     b, s, h, d = q.shape
@@ -124,8 +125,9 @@ def attention_grad(q, k, v, dout, *, is_causal=False, scale=None, compute_dtype=
     dv = _einsum("bkgqs,bqkgd->bskd", p_mm, do)
     dp = _einsum("bqkgd,bskd->bkgqs", do, v)
     delta = np.moveaxis((do * out).sum(-1), 1, 3)[..., None]  # [b, hkv, g, sq, 1]
-    if dlse is not None:  # d lse_i / d s_ij = p_ij
-        delta = delta - np.asarray(dlse, dtype=compute_dtype).reshape(b, hkv, g, s)[..., None]
+    if dlse is not None:  # d lse_i / d s_ij = p_ij; none on a row that attends nothing
+        dlse = np.asarray(dlse, dtype=compute_dtype).reshape(b, hkv, g, s)[..., None]
+        delta = delta - np.where(attends, dlse, 0)
     ds = rnd(p * (dp - delta))
     dq = _einsum("bkgqs,bskd->bqkgd", ds, k).reshape(b, s, h, d) * scale
     dk = _einsum("bkgqs,bqkgd->bskd", ds, q.reshape(b, s, hkv, g, d)) * scale
