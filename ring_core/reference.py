@@ -3,6 +3,10 @@
 ``attention`` computes in float64 (or in a chosen dtype pipeline, see ``attention_lowp``); ``attention_grad``
 gives float64 gradients. Arrays are [batch, seq, heads, head_dim] in natural (global) token order, k and v
 with ``num_kv_heads`` heads; ``lse`` is [batch, heads, seq].
+
+Masks: ``is_causal``, ``segment_ids`` (int32 [batch, seq], natural order; negative = padding) and ``window``
+(``(left, right)``, flash-attn's ``window_size``), all by the one rule of ``ring_core.masks.allowed``. A row
+that attends nothing (a padding token) has out 0 and lse -inf and neither takes nor gives gradient; no NaN.
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
+
+from ring_core import masks, validate
 
 
 def _einsum(spec, *ops):
@@ -32,91 +38,113 @@ def round_to(x, dtype: str) -> np.ndarray:
     return np.asarray(x, dtype=np.float64).astype(np_dtype(dtype)).astype(np.float64)
 
 
-def _scores(q, k, scale, is_causal):
+def _scores(q, k, scale, is_causal, segment_ids=None, window=None):
+    """Scaled scores [b, hkv, g, sq, sk] with -inf where ``masks.allowed`` masks (q, k in natural order)."""
     b, s, h, d = q.shape
     hkv = k.shape[2]
     qg = q.reshape(b, s, hkv, h // hkv, d)
     sc = _einsum("bqkgd,bskd->bkgqs", qg, k) * scale  # [b, hkv, g, sq, sk]
-    if is_causal:
-        sq, sk = q.shape[1], k.shape[1]
-        mask = np.arange(sk)[None, :] > np.arange(sq)[:, None]
-        sc = np.where(mask, -np.inf, sc)
-    return sc
+    seg = None if segment_ids is None else np.asarray(segment_ids)
+    mask = masks.allowed(np.arange(s), np.arange(k.shape[1]), is_causal=is_causal,
+                         window=validate.check_window(window),
+                         q_segment_ids=seg, k_segment_ids=seg)
+    return sc if mask is None else np.where(mask, sc, -np.inf)
 
 
-def attention(q, k, v, *, is_causal=False, scale=None, compute_dtype=np.float64):
-    """Dense softmax attention; returns (out [b,s,h,d], lse [b,h,s]) in ``compute_dtype``."""
+def _softmax_parts(sc):
+    """(p, m, l, attends): exp(sc - m) with the row max m (0 for a row that attends nothing, so that its p is
+    exp(-inf) = 0, not NaN), the row sums l, and whether each row attends anything (l > 0). Keepdims."""
+    m = sc.max(-1, keepdims=True)
+    m = np.where(m == -np.inf, 0, m).astype(sc.dtype)
+    p = np.exp(sc - m)
+    l = p.sum(-1, keepdims=True)
+    return p, m, l, l > 0
+
+
+def _lse(m, l, attends):
+    """log-sum-exp per row, -inf for a row that attends nothing."""
+    return np.where(attends, m + np.log(np.where(attends, l, 1)), -np.inf).astype(m.dtype)
+
+
+def attention(q, k, v, *, is_causal=False, scale=None, compute_dtype=np.float64, segment_ids=None, window=None):
+    """Dense softmax attention; returns (out [b,s,h,d], lse [b,h,s]) in ``compute_dtype``.
+
+    ``segment_ids`` int [b, s] (natural order; negative = padding) and ``window`` (left, right) mask as in
+    ``ring_core.masks``; a row that attends nothing gets out 0 and lse -inf."""
     q, k, v = (np.asarray(x, dtype=compute_dtype) for x in (q, k, v))
     b, s, h, d = q.shape
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    sc = _scores(q, k, compute_dtype(scale), is_causal)
-    m = sc.max(-1, keepdims=True)
-    p = np.exp(sc - m)
-    l = p.sum(-1, keepdims=True)
-    out = _einsum("bkgqs,bskd->bqkgd", p / l, v).reshape(b, s, h, d)
-    lse = (m + np.log(l))[..., 0].reshape(b, h, s)
+    sc = _scores(q, k, compute_dtype(scale), is_causal, segment_ids, window)
+    p, m, l, attends = _softmax_parts(sc)
+    out = _einsum("bkgqs,bskd->bqkgd", p / np.where(attends, l, 1), v).reshape(b, s, h, d)
+    lse = _lse(m, l, attends)[..., 0].reshape(b, h, s)
     return out, lse
 
 
-def attention_lowp(q, k, v, dtype: str, *, is_causal=False, scale=None):
+def attention_lowp(q, k, v, dtype: str, *, is_causal=False, scale=None, segment_ids=None, window=None):
     """What a careful kernel in ``dtype`` computes: float32 scores and softmax, probabilities rounded to
     ``dtype`` before P@V, float32 accumulation, output rounded to ``dtype``. Its error against ``attention``
-    is the yardstick for kernel error (see ring_core.testing)."""
+    is the yardstick for kernel error (see ring_core.testing). Masks as in ``attention``."""
     if dtype in ("float32", "float64"):
-        out, lse = attention(q, k, v, is_causal=is_causal, scale=scale, compute_dtype=np.dtype(dtype).type)
+        out, lse = attention(q, k, v, is_causal=is_causal, scale=scale, compute_dtype=np.dtype(dtype).type,
+                             segment_ids=segment_ids, window=window)
         return out.astype(np.float64), lse.astype(np.float64)
     q, k, v = (round_to(x, dtype).astype(np.float32) for x in (q, k, v))
     b, s, h, d = q.shape
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    sc = _scores(q, k, np.float32(scale), is_causal)
-    m = sc.max(-1, keepdims=True)
-    p = np.exp(sc - m)
-    l = p.sum(-1, keepdims=True)
+    sc = _scores(q, k, np.float32(scale), is_causal, segment_ids, window)
+    p, m, l, attends = _softmax_parts(sc)
     pv = _einsum("bkgqs,bskd->bqkgd", round_to(p, dtype).astype(np.float32), v)
-    l_q = np.moveaxis(l[..., 0], 3, 1)[..., None]  # [b, sq, hkv, g, 1]
+    l_q = np.moveaxis(np.where(attends, l, 1)[..., 0], 3, 1)[..., None]  # [b, sq, hkv, g, 1]
     out = round_to((pv / l_q).reshape(b, s, h, d), dtype)
-    lse = (m + np.log(l))[..., 0].reshape(b, h, s).astype(np.float64)
+    lse = _lse(m, l, attends)[..., 0].reshape(b, h, s).astype(np.float64)
     return out, lse
 
 
 def attention_grad(q, k, v, dout, *, is_causal=False, scale=None, compute_dtype=np.float64, dlse=None,
-                   round_dtype=None):
+                   round_dtype=None, segment_ids=None, window=None):
     """Gradients (dq, dk, dv) of ``sum(out * dout) + sum(lse * dlse)`` with ``out, lse = attention(q, k, v)``
     (``dlse`` [b, h, s] optional: lse then carries no gradient); dk/dv summed over each kv head's group.
     ``round_dtype`` (for ``attention_grad_lowp``): round what a kernel in that dtype rounds, the output that
-    delta reads and the P and dS that enter the matmuls."""
+    delta reads and the P and dS that enter the matmuls. Masks as in ``attention``: a row that attends
+    nothing has P = 0, so its dq is 0 and it gives nothing to dk/dv for any finite dout; its dlse is selected
+    away, not multiplied (lse = -inf is a constant there), so even a non-finite dlse on such a row is ignored,
+    as the rings' ``where`` ignores it."""
     rnd = (lambda x: x) if round_dtype is None else (lambda x: round_to(x, round_dtype).astype(compute_dtype))
     q, k, v, dout = (np.asarray(x, dtype=compute_dtype) for x in (q, k, v, dout))
     b, s, h, d = q.shape
     hkv = k.shape[2]
     g = h // hkv
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    sc = _scores(q, k, compute_dtype(scale), is_causal)
-    p = np.exp(sc - sc.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)  # [b, hkv, g, sq, sk]
+    sc = _scores(q, k, compute_dtype(scale), is_causal, segment_ids, window)
+    p, _, l, attends = _softmax_parts(sc)
+    p /= np.where(attends, l, 1)  # [b, hkv, g, sq, sk]
     do = dout.reshape(b, s, hkv, g, d)
     p_mm = rnd(p)  # P as it enters the matmuls
     out = rnd(_einsum("bkgqs,bskd->bqkgd", p_mm, v))
     dv = _einsum("bkgqs,bqkgd->bskd", p_mm, do)
     dp = _einsum("bqkgd,bskd->bkgqs", do, v)
     delta = np.moveaxis((do * out).sum(-1), 1, 3)[..., None]  # [b, hkv, g, sq, 1]
-    if dlse is not None:  # d lse_i / d s_ij = p_ij
-        delta = delta - np.asarray(dlse, dtype=compute_dtype).reshape(b, hkv, g, s)[..., None]
+    if dlse is not None:  # d lse_i / d s_ij = p_ij; none on a row that attends nothing
+        dlse = np.asarray(dlse, dtype=compute_dtype).reshape(b, hkv, g, s)[..., None]
+        delta = delta - np.where(attends, dlse, 0)
     ds = rnd(p * (dp - delta))
     dq = _einsum("bkgqs,bskd->bqkgd", ds, k).reshape(b, s, h, d) * scale
     dk = _einsum("bkgqs,bqkgd->bskd", ds, q.reshape(b, s, hkv, g, d)) * scale
     return dq, dk, dv
 
 
-def attention_grad_lowp(q, k, v, dout, dtype: str, *, is_causal=False, scale=None, dlse=None):
+def attention_grad_lowp(q, k, v, dout, dtype: str, *, is_causal=False, scale=None, dlse=None, segment_ids=None,
+                        window=None):
     """What a careful backward kernel in ``dtype`` computes (as flash-attention's backward does): float32
     scores, softmax and accumulation from ``dtype`` inputs (``dlse`` float32); the forward's output, P and dS
     rounded to ``dtype`` where they enter delta and the matmuls; gradients rounded to ``dtype``. Its error
     against ``attention_grad`` is the yardstick for gradient error of a ``dtype`` kernel, as
-    ``attention_lowp``'s is for the forward."""
+    ``attention_lowp``'s is for the forward. Masks as in ``attention``."""
+    mask = dict(segment_ids=segment_ids, window=window)
     if dtype == "float64":
-        return attention_grad(q, k, v, dout, is_causal=is_causal, scale=scale, dlse=dlse)
+        return attention_grad(q, k, v, dout, is_causal=is_causal, scale=scale, dlse=dlse, **mask)
     q, k, v, dout = (round_to(x, dtype) for x in (q, k, v, dout))
     grads = attention_grad(q, k, v, dout, is_causal=is_causal, scale=scale, compute_dtype=np.float32, dlse=dlse,
-                           round_dtype=None if dtype == "float32" else dtype)
+                           round_dtype=None if dtype == "float32" else dtype, **mask)
     return tuple(round_to(x, dtype) for x in grads)

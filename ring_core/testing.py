@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ring_core import reference, validate
+from ring_core import masks, reference, validate
 
 # dtype -> slack for out, for lse (always float32), for gradients.
 TOLERANCES = {
@@ -21,13 +21,17 @@ TOLERANCES = {
 
 
 def max_abs_err(x, ref) -> float:
+    """max |x - ref|; inf where ``x`` is NaN or infinite, except where ``ref`` holds the same infinity (the
+    lse of a row that attends nothing is -inf in both)."""
     x = np.asarray(x, dtype=np.float64)
     ref = np.asarray(ref, dtype=np.float64)
     if x.shape != ref.shape:
         raise AssertionError(f"shape {x.shape} != reference shape {ref.shape}")
-    if not np.isfinite(x).all():
+    same_inf = np.isinf(ref) & (x == ref)
+    if not (np.isfinite(x) | same_inf).all():
         return float("inf")
-    return float(np.max(np.abs(x - ref))) if x.size else 0.0
+    diff = np.abs(x[~same_inf] - ref[~same_inf])
+    return float(diff.max()) if diff.size else 0.0
 
 
 def check(name: str, got, ref64, lowp, dtype: str, kind: str = "out") -> float:
@@ -42,19 +46,23 @@ def check(name: str, got, ref64, lowp, dtype: str, kind: str = "out") -> float:
     return err
 
 
-def check_attention(name, out, lse, q, k, v, dtype, *, is_causal, scale=None):
-    """Compare ``out`` (and ``lse`` unless None), given in global natural order, with the references."""
-    out64, lse64 = reference.attention(q, k, v, is_causal=is_causal, scale=scale)
-    outl, lsel = reference.attention_lowp(q, k, v, dtype, is_causal=is_causal, scale=scale)
+def check_attention(name, out, lse, q, k, v, dtype, *, is_causal, scale=None, segment_ids=None, window=None):
+    """Compare ``out`` (and ``lse`` unless None), given in global natural order, with the references
+    (``segment_ids`` [b, s] and ``window`` as in ``reference.attention``, natural order too)."""
+    mask = dict(segment_ids=segment_ids, window=window)
+    out64, lse64 = reference.attention(q, k, v, is_causal=is_causal, scale=scale, **mask)
+    outl, lsel = reference.attention_lowp(q, k, v, dtype, is_causal=is_causal, scale=scale, **mask)
     err = check(f"{name} out", out, out64, outl, dtype, "out")
     if lse is not None:
         check(f"{name} lse", lse, lse64, lsel, dtype, "lse")
     return err
 
 
-def check_grads(name, grads, q, k, v, dout, dtype, *, is_causal, scale=None, dlse=None):
-    ref = reference.attention_grad(q, k, v, dout, is_causal=is_causal, scale=scale, dlse=dlse)
-    low = reference.attention_grad_lowp(q, k, v, dout, dtype, is_causal=is_causal, scale=scale, dlse=dlse)
+def check_grads(name, grads, q, k, v, dout, dtype, *, is_causal, scale=None, dlse=None, segment_ids=None,
+                window=None):
+    mask = dict(segment_ids=segment_ids, window=window)
+    ref = reference.attention_grad(q, k, v, dout, is_causal=is_causal, scale=scale, dlse=dlse, **mask)
+    low = reference.attention_grad_lowp(q, k, v, dout, dtype, is_causal=is_causal, scale=scale, dlse=dlse, **mask)
     return max(check(f"{name} d{n}", g, r, l, dtype, "grad") for n, g, r, l in zip("qkv", grads, ref, low))
 
 
@@ -65,6 +73,22 @@ def random_inputs(seed, batch, seq, heads, kv_heads, head_dim, dtype: str, *, wi
     if with_dout:
         shapes.append((batch, seq, heads, head_dim))
     return tuple(reference.round_to(rng.standard_normal(s), dtype) for s in shapes)
+
+
+def random_segment_ids(seed, batch, seq, *, max_len=None, padding=True) -> np.ndarray:
+    """int32 [batch, seq] segment ids in natural order: each row packs sequences of random lengths
+    (1..``max_len``, default about seq/3) back to back, with ids 0, 1, ..., and, with ``padding``, ends in a
+    few padding tokens (-1), sometimes none."""
+    rng = np.random.default_rng(seed)
+    max_len = max(1, seq // 3) if max_len is None else max_len
+    rows = []
+    for _ in range(batch):
+        end = seq - (int(rng.integers(0, max(1, seq // 4) + 1)) if padding else 0)
+        lens = []
+        while sum(lens) < end:
+            lens.append(min(int(rng.integers(1, max_len + 1)), end - sum(lens)))
+        rows.append(masks.segment_ids_from_cu_seqlens(np.concatenate([[0], np.cumsum(lens, dtype=np.int64)]), seq))
+    return np.stack(rows).astype(np.int32)
 
 
 def sharded_inputs(seed, world_size, batch, seq_local, heads, kv_heads, head_dim, dtype: str, *, with_dout=False):

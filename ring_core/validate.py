@@ -27,6 +27,9 @@ class AttentionSpec:
     scale: float
     is_causal: bool
     layout: str
+    # Masks beyond causal (ring_core.masks); the defaults mean none, so every caller that predates them works.
+    window: tuple = (-1, -1)  # (left, right) in global token order, -1 = unbounded (ring_core.validate.check_window)
+    segmented: bool = False  # whether segment ids come with the call (int32 [batch, seq_local] per rank)
 
     @property
     def group(self) -> int:
@@ -66,12 +69,54 @@ def check_timeout(timeout_s):
     return float(timeout_s)
 
 
+def check_window(window_size) -> tuple:
+    """flash-attn's ``window_size=(left, right)``: query i attends keys j with i - left <= j <= i + right in
+    global token order, -1 = unbounded on that side; None = (-1, -1), no window. Returns two Python ints.
+
+    >>> check_window(None), check_window((128, 0))
+    ((-1, -1), (128, 0))
+    """
+    if window_size is None:
+        return (-1, -1)
+    how = ("pass window_size=(left, right) with two Python ints >= -1 (-1 = unbounded on that side; "
+           "e.g. (255, 0) for a causal sliding window of 256 tokens), or None for no window")
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise TypeError(f"window_size must be a pair (left, right), got {_type_name(window_size)} {window_size!r}; "
+                        f"{how}")
+    sides = []
+    for side, w in zip(("left", "right"), window_size):
+        if isinstance(w, (bool, np.bool_)) or not isinstance(w, (int, np.integer)):
+            raise TypeError(f"window_size's {side} side must be a Python int, got {_type_name(w)} {w!r}; {how}")
+        if w < -1:
+            raise ValueError(f"window_size's {side} side must be >= -1, got {int(w)}; {how}")
+        sides.append(int(w))
+    return tuple(sides)
+
+
+def check_segment_ids(shape, dtype, batch: int, seq_local: int, what: str = "segment_ids") -> None:
+    """Segment ids are int32 ``[batch, seq_local]``: one id per token of this rank's shard, in the shard's
+    (layout) order, serving both its queries and its keys; a negative id marks a padding token."""
+    name = dtype_name(dtype)
+    if name != "int32":
+        raise TypeError(f"{what} must be int32 (one segment id per token; negative = padding), got dtype {name}; "
+                        "cast it (torch: .to(torch.int32), jax/numpy: .astype('int32'))")
+    shape = tuple(int(n) for n in shape)
+    if shape != (batch, seq_local):
+        raise ValueError(f"{what} must have shape [batch, seq_local] = [{batch}, {seq_local}] (this rank's tokens, "
+                         f"in the layout's order, like q's first two dimensions), got shape {shape}")
+
+
 _DIM_NAMES = ("batch", "seq_local", "heads", "head_dim")
 
 
 def check_attention_args(q_shape, k_shape, v_shape, q_dtype, k_dtype, v_dtype, *, is_causal, scale, layout,
-                         backend, backends, return_lse=False) -> AttentionSpec:
+                         backend, backends, return_lse=False, window_size=None, segment_ids_shape=None,
+                         segment_ids_dtype=None) -> AttentionSpec:
     """Validate one call's arguments; ``backends`` lists the backends this frontend accepts.
+
+    ``window_size`` as in ``check_window``; ``segment_ids_shape`` / ``segment_ids_dtype``: those of the call's
+    segment ids (None: no segment ids), checked by ``check_segment_ids``. The defaults mean no mask beyond
+    ``is_causal``.
 
     Empty inputs (any dimension 0) are rejected, as flash-attn rejects batch 0: in a ring an empty shard
     means the sequence was split wrongly, and one rank skipping the exchange would leave its peers waiting.
@@ -133,4 +178,10 @@ def check_attention_args(q_shape, k_shape, v_shape, q_dtype, k_dtype, v_dtype, *
                             f"pass it as a static Python number: {str(e).splitlines()[0]}") from None
         if not math.isfinite(scale) or scale < 0:
             raise ValueError(f"scale must be finite and >= 0, got {scale}")
-    return AttentionSpec(b, s, h, hkv, d, names[0], scale, is_causal, layout)
+    window = check_window(window_size)
+    segmented = segment_ids_shape is not None
+    if segmented:
+        check_segment_ids(segment_ids_shape, segment_ids_dtype, b, s)
+    elif segment_ids_dtype is not None:
+        raise TypeError("segment_ids_dtype was given without segment_ids_shape; pass both (or neither)")
+    return AttentionSpec(b, s, h, hkv, d, names[0], scale, is_causal, layout, window, segmented)

@@ -272,7 +272,7 @@ def _compile_task(rank, world, case: Case):
     want = run(f)
     got = run(torch.compile(f, fullgraph=True, backend=aot_autograd(fw_compiler=count, bw_compiler=count)))
     x = _shard(k, case, rank, requires_grad=True)
-    torch.library.opcheck(torch.ops.ring_attention.shift.default, (x, (rank + 1) % world, (rank - 1) % world, ""))
+    torch.library.opcheck(torch.ops.ring_attention.shift.default, ([x], (rank + 1) % world, (rank - 1) % world, ""))
     torch._dynamo.reset()
     return all(torch.equal(a, b) for a, b in zip(want, got)), shifts
 
