@@ -169,6 +169,18 @@ def _scalars(p, timeout_s):
     return [np.float32(v) if t == "fp32" else v for v, t in zip(p.scalars(timeout_s), p.scalar_types)]
 
 
+def _segment_ids(spec, segment_ids):
+    """What the kernels get as ``seg_ptr``: this rank's segment ids (int32 [batch, seq_local], layout order) when
+    ``spec.segmented``, else a one-element dummy that the kernels never read (SEGMENTED=False)."""
+    if spec.segmented != (segment_ids is not None):
+        given = "were given" if segment_ids is not None else "were not given"
+        raise ValueError(f"spec.segmented is {spec.segmented} but segment_ids {given}: pass this rank's segment ids "
+                         "exactly when the spec says so")
+    if segment_ids is None:
+        return jnp.zeros((1,), jnp.int32)
+    return segment_ids.astype(jnp.int32)
+
+
 def _typed_like(outs, inputs, axis_name):
     """The kernel's outputs typed as computed from ``inputs`` over the ring: varying along every axis an
     input varies along, and along the ring's axis (see the module docstring)."""
@@ -176,8 +188,10 @@ def _typed_like(outs, inputs, axis_name):
     return [_platform.vary(o, axes) for o in outs]
 
 
-def forward(q, k, v, spec, axis_name, world_size: int, timeout_s: float | None = None):
-    """Run the fused kernel on this rank's shards inside shard_map; returns (out, lse)."""
+def forward(q, k, v, spec, axis_name, world_size: int, timeout_s: float | None = None, segment_ids=None):
+    """Run the fused kernel on this rank's shards inside shard_map; returns (out, lse). ``segment_ids``: this
+    rank's ids (int32 [batch, seq_local], layout order) when ``spec.segmented``, else None; the window is
+    ``spec.window``."""
     jt = _import_jax_triton()
     from ring_core.kernel import ring_attn_fwd_kernel
 
@@ -186,7 +200,7 @@ def forward(q, k, v, spec, axis_name, world_size: int, timeout_s: float | None =
     b, s, hq, d = q.shape
     scal = _scalars(p, timeout_s)
     out, lse, status = jt.triton_call(
-        q, k, v, ctx, *scal,
+        q, k, v, _segment_ids(spec, segment_ids), ctx, *scal,
         kernel=ring_attn_fwd_kernel,
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
                    jax.ShapeDtypeStruct((b, hq, s), jnp.float32),
@@ -199,11 +213,12 @@ def forward(q, k, v, spec, axis_name, world_size: int, timeout_s: float | None =
     return tuple(_typed_like((out, lse), (q, k, v), axis_name))
 
 
-def backward(q, k, v, out, lse, dout, dlse, spec, axis_name, world_size: int, timeout_s: float | None = None):
+def backward(q, k, v, out, lse, dout, dlse, spec, axis_name, world_size: int, timeout_s: float | None = None,
+             segment_ids=None):
     """Run the fused backward kernel (ring_core.kernel_bwd) on this rank's shards inside shard_map, from the
     forward's ``out`` and ``lse`` and the cotangents ``dout`` and ``dlse``; returns (dq, dk, dv), typed as
     q, k and v. Same context row, launch maths (ring_core.control.plan_bwd) and argument list as the torch
-    launcher (torch_bridge.fused.backward)."""
+    launcher (torch_bridge.fused.backward). ``segment_ids`` as in ``forward`` (no gradient: ids are ints)."""
     jt = _import_jax_triton()
     from ring_core.kernel_bwd import ring_attn_bwd_kernel
 
@@ -211,7 +226,7 @@ def backward(q, k, v, out, lse, dout, dlse, spec, axis_name, world_size: int, ti
     deferred = errors_deferred()
     scal = _scalars(p, timeout_s)
     dq, dk, dv, _, status = jt.triton_call(
-        q, k, v, out, dout, lse, dlse.astype(jnp.float32), ctx, *scal,
+        q, k, v, out, dout, lse, dlse.astype(jnp.float32), _segment_ids(spec, segment_ids), ctx, *scal,
         kernel=ring_attn_bwd_kernel,
         out_shape=[jax.ShapeDtypeStruct(shape, jnp.dtype(dt)) for shape, dt in p.out_shapes],
         grid=p.grid, num_warps=p.config.num_warps, num_stages=p.config.num_stages,

@@ -9,7 +9,8 @@ the first, same-sized allocation on every rank's symmetric heap):
                                               error record, barrier, signature inboxes
     [flags_off, +RING_SLOTS*flag_capacity*4)  each ring slot's int32 epoch flags (one per pushed unit); never data
     [recv_off,  +recv_capacity)               receive slots, shared by the rings: [W-1][K|V][B][HKV][S][D]
-                                              (the backward adds the peers' float32 partial dK/dV after them)
+                                              (with segment ids, the peers' ids follow: [W-1][B][HKV][S] int32;
+                                              the backward adds the peers' float32 partial dK/dV after them)
 
 A ring (the ranks of one process group or mesh axis, in ring order) uses one slot: its own control words
 and flags, so that several rings run on one heap, each with its own call counter (ring_core.heap.RingSlots
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ring_core import masks
 from ring_core.validate import AttentionSpec
 
 # ---- control words of a ring slot (int32 indices; the kernels use these names, ring_core.protocol) ----------
@@ -180,18 +182,24 @@ def errors_mode(default: str) -> str:
 
 
 SIG_FIELDS = ("epoch", "kernel", "world", "batch", "seq_local", "heads", "kv_heads", "head_dim", "dtype", "flags",
-              "scale", "chunk_rows", "block")
+              "scale", "chunk_rows", "block", "window_left", "window_right")
+# Word 9 ("flags"): 1 causal, 2 zigzag, 4 segment ids. Words 13, 14: the window's sides as the kernels apply them
+# (masks.kernel_window) plus one, so that 0 is unbounded and a call without a window keeps the words it had.
 
 
 def call_signature(kind: int, world_size: int, spec: AttentionSpec, chunk_rows: int, block: int) -> np.ndarray:
     """The SIG_WORDS int32 words by which ranks check, inside the kernel and before anything moves, that
     they make the same call: word 0 the epoch (the kernel fills it in), then ``SIG_FIELDS``. The kernels
     build the same words from their own arguments (ring_core.protocol.call_words); ``chunk_rows`` and
-    ``block`` fix how the K/V (and the backward's partials) are cut into flagged pieces."""
+    ``block`` fix how the K/V (and the backward's partials) are cut into flagged pieces. Ranks that disagree
+    on segment ids would size their receive regions differently; ranks that disagree on the window would wait
+    for chunks their peers never send: both are found here, before anything moves."""
     w = np.zeros(SIG_WORDS, np.int32)
-    w[1:13] = [kind, world_size, spec.batch, spec.seq_local, spec.num_heads, spec.num_kv_heads, spec.head_dim,
-               DTYPE_CODES[spec.dtype], int(spec.is_causal) | (int(spec.layout == "zigzag") << 1),
-               np.float32(spec.scale).view(np.int32), chunk_rows, block]
+    left, right = masks.kernel_window(spec.is_causal, spec.window, world_size * spec.seq_local)
+    w[1:15] = [kind, world_size, spec.batch, spec.seq_local, spec.num_heads, spec.num_kv_heads, spec.head_dim,
+               DTYPE_CODES[spec.dtype], int(spec.is_causal) | (int(spec.layout == "zigzag") << 1)
+               | (int(spec.segmented) << 2), np.float32(spec.scale).view(np.int32), chunk_rows, block, left + 1,
+               right + 1]
     return w
 
 
@@ -203,6 +211,10 @@ def describe_signature(words) -> str:
     scale = float(np.array(w[10], np.int32).view(np.float32))
     mask = ("causal " + ("zigzag" if w[9] & 2 else "contiguous")) if w[9] & 1 else (
         "non-causal " + ("zigzag" if w[9] & 2 else "contiguous"))
+    if w[13] or w[14]:
+        mask += f", window ({w[13] - 1}, {w[14] - 1})"
+    if w[9] & 4:
+        mask += ", segment ids"
     return (f"{kind} call #{w[0]}: world {w[2]}, q [{w[3]}, {w[4]}, {w[5]}, {w[7]}], k/v [{w[3]}, {w[4]}, {w[6]}, "
             f"{w[7]}] {dtype}, {mask}, scale {scale:.6g}, chunks of {w[11]} rows, blocks of {w[12]}")
 
@@ -226,7 +238,8 @@ def check_status(status, rank: int, timeout_s: float | None = None, members=None
                 f"fused ring attention on rank {rank}: the ranks disagree on call #{epoch} (first difference: "
                 f"{field}). Rank {peer} made the {describe_signature(theirs)}; rank {rank} made the "
                 f"{describe_signature(mine)}. Every rank must make the same calls (shapes, dtype, is_causal, "
-                f"layout, scale, forward/backward) in the same order. The kernel found this before any data "
+                f"layout, scale, window, segment ids or none, forward/backward) in the same order. The kernel "
+                f"found this before any data "
                 f"moved between the ranks: nothing was corrupted, this call's outputs are not valid, and the "
                 f"ranks are still in step (no reset() needed).")
         raise RingAttentionMismatch(

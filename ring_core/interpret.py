@@ -354,12 +354,27 @@ class SimulatedJob:
                 raise RuntimeError(f"simulated rank {r} failed: {e!r}") from e
         return results
 
+    @staticmethod
+    def _seg(spec, seg_shards, r):
+        """Rank ``r``'s segment ids for the kernel (int32 [B, S]); a one-element dummy when the call has none."""
+        import torch
+
+        if not spec.segmented:
+            return torch.zeros(1, dtype=torch.int32)
+        if seg_shards is None or seg_shards[r] is None:
+            raise ValueError(f"rank {r}'s call has segment ids (spec.segmented) but no seg_shards were given")
+        seg = np.ascontiguousarray(seg_shards[r], dtype=np.int32)
+        if seg.shape != (spec.batch, spec.seq_local):
+            raise ValueError(f"rank {r}'s segment ids have shape {seg.shape}, not {(spec.batch, spec.seq_local)}")
+        return torch.from_numpy(seg.copy())
+
     def run(self, spec, q_shards, k_shards, v_shards, *, timeout_s: float = 60.0, absent_ranks=(),
-            absent_started: bool = False, sticky_errors: bool = False, rings=None):
+            absent_started: bool = False, sticky_errors: bool = False, rings=None, seg_shards=None):
         """Run one call on every rank (except ``absent_ranks``, to simulate a rank that never arrives; with
         ``absent_started`` they started the call, published its signature and then stopped). ``spec`` is
         an AttentionSpec, or one per rank (ranks that disagree); ``rings`` as in the class docstring (each
-        rank's shard is its shard in its ring). Shards are numpy arrays in each rank's dtype;
+        rank's shard is its shard in its ring). Shards are numpy arrays in each rank's dtype; ``seg_shards``
+        each rank's segment ids (int32 [B, S], layout order) where its spec is ``segmented``;
         ``sticky_errors`` as the kernel's STICKY_ERRORS. Returns per-rank (out, lse, status) numpy arrays."""
         import torch
 
@@ -371,11 +386,12 @@ class SimulatedJob:
             sp, plan = specs[r], launches[r]
             (o_shape, _), (l_shape, _), (s_shape, _) = plan.out_shapes
             q, k, v = (_to_torch(x[r], sp.dtype) for x in (q_shards, k_shards, v_shards))
+            seg = self._seg(sp, seg_shards, r)
             ctx = self.ctx(r, ring_of[r])
             out = torch.zeros(o_shape, dtype=q.dtype)
             lse = torch.zeros(l_shape, dtype=torch.float32)
             status = torch.zeros(s_shape, dtype=torch.int32)  # zeroed, as on the GPU paths
-            kernel[plan.grid](q, k, v, ctx, *plan.scalars(timeout_s), out, lse, status,
+            kernel[plan.grid](q, k, v, seg, ctx, *plan.scalars(timeout_s), out, lse, status,
                               **plan.constexprs(sticky_errors=sticky_errors))
             return _to_numpy(out, sp.dtype), lse.numpy(), status.numpy()
 
@@ -383,11 +399,11 @@ class SimulatedJob:
 
     def run_bwd(self, spec, q_shards, k_shards, v_shards, out_shards, lse_shards, dout_shards, *,
                 timeout_s: float = 60.0, absent_ranks=(), absent_started: bool = False, dlse_shards=None,
-                rings=None):
+                rings=None, seg_shards=None):
         """Run one backward call on every rank (except ``absent_ranks``). ``out``/``lse`` are the forward's
         per-rank results, ``dlse`` the gradients of lse (float32; None: zeros); ``spec``,
-        ``absent_started`` and ``rings`` as in ``run``. Returns per-rank (dq, dk, dv, status) numpy arrays
-        (gradients in each rank's dtype)."""
+        ``absent_started``, ``rings`` and ``seg_shards`` as in ``run``. Returns per-rank (dq, dk, dv, status)
+        numpy arrays (gradients in each rank's dtype)."""
         import torch
 
         kernel = ensure_interpreter_bwd()
@@ -400,10 +416,11 @@ class SimulatedJob:
                                                                   dout_shards))
             lse = _to_torch(lse_shards[r], "float32")
             dlse = torch.zeros_like(lse) if dlse_shards is None else _to_torch(dlse_shards[r], "float32")
+            seg = self._seg(sp, seg_shards, r)
             ctx = self.ctx(r, ring_of[r])
             outs = [torch.zeros(shape, dtype=q.dtype if dt == sp.dtype else getattr(torch, dt))
                     for shape, dt in plan.out_shapes]  # dq, dk, dv, delta (scratch), status (zeroed, as on GPUs)
-            kernel[plan.grid](q, k, v, o, do, lse, dlse, ctx, *plan.scalars(timeout_s), *outs,
+            kernel[plan.grid](q, k, v, o, do, lse, dlse, seg, ctx, *plan.scalars(timeout_s), *outs,
                               **plan.constexprs())
             dq, dk, dv, _, status = outs
             return (*(_to_numpy(x, sp.dtype) for x in (dq, dk, dv)), status.numpy())
@@ -411,14 +428,15 @@ class SimulatedJob:
         return self._launch(kernel, launch_rank, absent_ranks, timeout_s)
 
     def run_grad(self, spec: AttentionSpec, q_shards, k_shards, v_shards, dout_shards, *, timeout_s: float = 60.0,
-                 dlse_shards=None, rings=None):
+                 dlse_shards=None, rings=None, seg_shards=None):
         """The forward then the backward kernel on every rank, on the same heaps (two epochs).
         Returns per-rank (dq, dk, dv, forward status, backward status)."""
         # Heaps that fit the backward first: growing them between the two calls would restart the epochs.
         size = max(len(members) for members, _ in self._rings(rings))
         self._ensure_heaps(max(plans.bwd_recv_bytes(spec, size)[2], plans.recv_bytes(spec, size)))
         plans.plan_bwd(spec, size, self.layout, interpret=True)  # HeapTooSmallError before any run
-        fwd = self.run(spec, q_shards, k_shards, v_shards, timeout_s=timeout_s, rings=rings)
+        fwd = self.run(spec, q_shards, k_shards, v_shards, timeout_s=timeout_s, rings=rings, seg_shards=seg_shards)
         bwd = self.run_bwd(spec, q_shards, k_shards, v_shards, [f[0] for f in fwd], [f[1] for f in fwd],
-                           dout_shards, timeout_s=timeout_s, dlse_shards=dlse_shards, rings=rings)
+                           dout_shards, timeout_s=timeout_s, dlse_shards=dlse_shards, rings=rings,
+                           seg_shards=seg_shards)
         return [(*b[:3], f[2], b[3]) for f, b in zip(fwd, bwd)]

@@ -16,6 +16,14 @@ query sees whole run in an unmasked loop, the diagonal and tail in a masked one,
 hides completely are neither waited for, loaded nor computed. A tile whose wait gave up, or whose call
 failed the call check, writes NaN into its rows of ``out`` and ``lse``.
 
+Masks beyond causal (constexprs WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED; ring_core.protocol says what
+travels, what is skipped and what is still waited for): with a window the rows a tile sees form at most two
+runs per source, whose blocks run masked at their edges and unmasked inside, and nothing else is waited for
+or read; with segment ids a range pass over the K/V blocks' ids (after the wait: they travel with the
+chunk) narrows the loops to the blocks that can hold a pair, and unmasks those that hold the tile's one
+document only. A padding row (negative id) attends nothing: out 0, lse -inf (l = 0, m = -inf: the masked
+loop shifts such rows by 0, so no NaN). WINDOW = SEGMENTED = False compiles to the kernel without them.
+
 Numerics: scores and the softmax are float32; fp16/bf16 dots run on tensor cores with float32
 accumulation, probabilities rounded to the input dtype for P@V (as flash-attention does); float32 inputs
 use ``input_precision=DOT_PRECISION`` ("ieee" by default: exact float32 products, no TF32).
@@ -26,8 +34,9 @@ import triton.language as tl
 
 from ring_core import control
 
-from ring_core.protocol import (block_range, call_words, check_call, claim_push, drain_pushes, end_call, positions,
-                                ring_context, wait_chunks)
+from ring_core.protocol import (block_range, call_words, check_call, claim_push, drain_pushes, end_call, in_rows,
+                                positions, ring_context, row_blocks, rows_within, seg_blocks, tile_ids, wait_chunks,
+                                wait_rows)
 from ring_core.tiles import dot, heavy_first, load_kv
 
 KIND_FWD = tl.constexpr(control.KIND_FWD)
@@ -35,12 +44,18 @@ KIND_FWD = tl.constexpr(control.KIND_FWD)
 
 @triton.jit
 def _attn_blocks(acc, l_i, m_i, q, q_pos, k_base, v_base, lo, hi, src, S, qk_scale, offs_n, offs_d,
+                 lo1, hi1, lo2, hi2, q_seg, s_lo, s_hi, seg_k,
                  ROW_STRIDE: tl.constexpr, W: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, ZIGZAG: tl.constexpr, INTERPRET: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr):
+                 DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr, WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr,
+                 SEGMENTED: tl.constexpr):
     """Online softmax over K/V blocks [lo, hi). MASKED=False: every row of every block exists and every
     query of the tile sees every key (no masks, so the loop is a plain one that Triton software-pipelines);
-    MASKED=True: the tail block and the causal diagonal. Nothing in here waits: see the caller."""
+    MASKED=True: the tail block, the causal diagonal and the window's and segments' edges. With a window or
+    segment ids, a masked block reads only rows some query of the tile may attend: rows in [lo1, hi1) |
+    [lo2, hi2) (by position; other rows may not have been sent) whose segment id (at ``seg_k``) lies in the
+    tile's [s_lo, s_hi]; the other rows load as 0, so no value of a row the tile cannot attend reaches it.
+    Nothing in here waits: see the caller."""
     dmask = offs_d < D
     for j in range(lo, hi):
         rows_n = j * BLOCK_N + offs_n
@@ -48,12 +63,27 @@ def _attn_blocks(acc, l_i, m_i, q, q_pos, k_base, v_base, lo, hi, src, S, qk_sca
         # runtime stride made bf16/fp16 loads 2-byte scalars, which cannot be pipelined as async copies.
         kv_off = rows_n[:, None].to(tl.int64) * ROW_STRIDE + offs_d[None, :]
         n_valid = rows_n < S
+        if MASKED:
+            if WINDOW or SEGMENTED:
+                n_valid = n_valid & in_rows(rows_n, lo1, hi1, lo2, hi2)
+            if SEGMENTED:
+                k_seg = tl.load(seg_k + rows_n, mask=n_valid, other=-1)
+                n_valid = n_valid & (k_seg >= s_lo) & (k_seg <= s_hi)
         k, v = load_kv(k_base, v_base, kv_off, n_valid, dmask, MASKED, BLOCK_D == D)
         qk = dot(q, tl.trans(k), DOT_PRECISION, INTERPRET)
         if MASKED:
             valid = n_valid[None, :]
+            if CAUSAL or WINDOW:
+                k_pos = positions(rows_n, src, S, W, ZIGZAG)
             if CAUSAL:
-                valid = valid & (positions(rows_n, src, S, W, ZIGZAG)[None, :] <= q_pos[:, None])
+                valid = valid & (k_pos[None, :] <= q_pos[:, None])
+            if WINDOW:
+                if WIN_LEFT >= 0:
+                    valid = valid & (k_pos[None, :] >= q_pos[:, None] - WIN_LEFT)
+                if WIN_RIGHT >= 0:
+                    valid = valid & (k_pos[None, :] <= q_pos[:, None] + WIN_RIGHT)
+            if SEGMENTED:
+                valid = valid & (q_seg[:, None] == k_seg[None, :])  # k_seg >= s_lo >= 0: padding attends nothing
             qk = tl.where(valid, qk, float("-inf"))
         # scale >= 0 (validated), so max(qk) * scale is the maximum of the scaled scores.
         m_new = tl.maximum(m_i, tl.max(qk, axis=1) * qk_scale)
@@ -73,7 +103,7 @@ def _attn_blocks(acc, l_i, m_i, q, q_pos, k_base, v_base, lo, hi, src, S, qk_sca
 @triton.jit
 def ring_attn_fwd_kernel(
     # inputs
-    q_ptr, k_ptr, v_ptr, ctx_ptr,
+    q_ptr, k_ptr, v_ptr, seg_ptr, ctx_ptr,
     # runtime scalars
     B, S, sm_scale, timeout_ns,
     # outputs
@@ -85,6 +115,7 @@ def ring_attn_fwd_kernel(
     PUSH_VEC: tl.constexpr,
     CAUSAL: tl.constexpr, ZIGZAG: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SIG_DTYPE: tl.constexpr, STICKY_ERRORS: tl.constexpr,
+    WINDOW: tl.constexpr, WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SEGMENTED: tl.constexpr,
 ):
     G: tl.constexpr = H // HKV
     CHUNK_ROWS: tl.constexpr = CHUNK_BLOCKS * BLOCK_N
@@ -96,6 +127,12 @@ def ring_attn_fwd_kernel(
     # Heap bases are allocation-granularity aligned and the receive region starts ALIGN (256) bytes in
     # (ring_core.control); saying so lets Triton vectorise and pipeline the loads from the receive slots.
     recv = tl.multiple_of(recv_addr.to(tl.pointer_type(q_ptr.dtype.element_ty), bitcast=True), 16)
+    if SEGMENTED:
+        # The peers' segment ids follow their K/V: [W-1][B][HKV][S] int32 (ring_core.plans.seg_bytes).
+        seg_recv = (recv + (rank * 0 + B).to(tl.int64) * (2 * (W - 1) * HKV * D) * S).to(
+            tl.pointer_type(tl.int32), bitcast=True)
+    else:
+        seg_recv = seg_ptr  # never read
 
     n_m = tl.cdiv(S, BLOCK_M)
     n_chunks = tl.cdiv(S, CHUNK_ROWS)
@@ -103,7 +140,8 @@ def ring_attn_fwd_kernel(
     call_ok = epoch * 0 + 1
     if W > 1:
         # Every rank must make this same call; if not, push nothing (every later wait then gives up at once).
-        words = call_words(KIND_FWD, B, S, sm_scale, W, H, HKV, D, SIG_DTYPE, CAUSAL, ZIGZAG, CHUNK_ROWS, BLOCK_N)
+        words = call_words(KIND_FWD, B, S, sm_scale, W, H, HKV, D, SIG_DTYPE, CAUSAL, ZIGZAG, CHUNK_ROWS, BLOCK_N,
+                           WIN_LEFT, WIN_RIGHT, SEGMENTED)
         call_ok = check_call(ctl, heap_bases, rank, epoch, words, timeout_ns, W, INTERPRET)
     n_units = n_units * call_ok
     valid = call_ok  # 0 once a wait of this tile gave up: its result is then not computed from the right data
@@ -127,6 +165,14 @@ def ring_attn_fwd_kernel(
     q = tl.load(q_ptr + q_off, mask=m_valid[:, None] & dmask[None, :], other=0.0)
     q_pos = positions(offs_m, rank, S, W, ZIGZAG)
     q_pos_max = tl.max(tl.where(m_valid, q_pos, -1), axis=0)
+    seg_q = seg_ptr + b.to(tl.int64) * S  # this rank's ids of batch b (SEGMENTED only)
+    if SEGMENTED:
+        q_seg, s_lo, s_hi, t_id = tile_ids(seg_q, offs_m, m_valid)
+    else:
+        q_seg = offs_m * 0
+        s_lo = m_blk * 0
+        s_hi = s_lo
+        t_id = s_lo
 
     qk_scale = sm_scale * LOG2E
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -136,51 +182,100 @@ def ring_attn_fwd_kernel(
     q_pos_min = tl.min(tl.where(m_valid, q_pos, 2147483647), axis=0)
     for step in tl.static_range(W):
         src = (rank - step + W) % W
-        # K/V blocks [0, n_full) are seen whole by every query of the tile; [n_full, n_hi) need masks;
-        # blocks from n_hi on are hidden by causality: never waited for, loaded or computed.
-        _, n_hi, n_full = block_range(q_pos_min, q_pos_max, src, S, W, BLOCK_N, CAUSAL, ZIGZAG)
+        if WINDOW or SEGMENTED:
+            # K/V rows some query of the tile may see by position: [lo1, hi1) | [lo2, hi2) (two runs for a zigzag
+            # tile holding rows of both chunks); every query sees [f_lo, f_hi). Blocks [nf_lo, nf_hi) run unmasked,
+            # [j_lo, nf_lo) and [nf_hi, j_hi) masked; every other block is neither waited for, loaded nor computed.
+            lo1, hi1, lo2, hi2, f_lo, f_hi = rows_within(m_blk * BLOCK_M, tl.minimum(m_blk * BLOCK_M + BLOCK_M, S),
+                                                         rank, src, S, W, ZIGZAG, CAUSAL, WIN_LEFT, WIN_RIGHT, True)
+            if SEGMENTED:
+                # A tile of padding rows attends nothing: no wait, no load, out 0 and lse -inf.
+                keep = (s_hi >= 0).to(tl.int32)
+                lo1, hi1, lo2, hi2, f_lo, f_hi = (lo1 * keep, hi1 * keep, lo2 * keep, hi2 * keep, f_lo * keep,
+                                                  f_hi * keep)
+            j_lo, n_full_lo, n_full, n_hi = row_blocks(lo1, hi1, lo2, hi2, f_lo, f_hi, BLOCK_N)
+        else:
+            # K/V blocks [0, n_full) are seen whole by every query of the tile; [n_full, n_hi) need masks;
+            # blocks from n_hi on are hidden by causality: never waited for, loaded or computed.
+            _, n_hi, n_full = block_range(q_pos_min, q_pos_max, src, S, W, BLOCK_N, CAUSAL, ZIGZAG)
+            j_lo = n_full * 0
+            n_full_lo = j_lo
+            lo1, hi1, lo2, hi2 = j_lo, j_lo, j_lo, j_lo
         if step == 0:
             k_base = k_ptr + b.to(tl.int64) * S * HKV * D + hkv * D
             v_base = v_ptr + b.to(tl.int64) * S * HKV * D + hkv * D
+            seg_k = seg_q
+            if SEGMENTED:
+                j_lo, n_full_lo, n_full, n_hi = seg_blocks(seg_k, j_lo, n_hi, lo1, hi1, lo2, hi2, n_full_lo, n_full,
+                                                           s_lo, s_hi, t_id, BLOCK_N)
+            if WINDOW or SEGMENTED:
+                acc, l_i, m_i = _attn_blocks(acc, l_i, m_i, q, q_pos, k_base, v_base, j_lo, n_full_lo, src, S,
+                                             qk_scale, offs_n, offs_d, lo1, hi1, lo2, hi2, q_seg, s_lo, s_hi, seg_k,
+                                             HKV * D, W, D, BLOCK_N, BLOCK_D, True, CAUSAL, ZIGZAG, INTERPRET,
+                                             DOT_PRECISION, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)
             if W > 1:
                 # Overlap: claim and push one unit of the local K/V every SEG_BLOCKS blocks. The claims
                 # sit between the pipelined inner loops, never inside them.
-                for seg in range(0, n_full, SEG_BLOCKS):
-                    claim_push(ctl, n_units, k_ptr, v_ptr, recv, flags, heap_bases, rank, epoch, B, S, n_chunks,
-                                W, HKV, D, BLOCK_D, CHUNK_ROWS, PUSH_ROWS, PUSH_VEC, CAUSAL, ZIGZAG)
+                for seg in range(n_full_lo, n_full, SEG_BLOCKS):
+                    claim_push(ctl, n_units, k_ptr, v_ptr, seg_ptr, recv, seg_recv, flags, heap_bases, rank, epoch,
+                               B, S, n_chunks, W, HKV, D, BLOCK_D, CHUNK_ROWS, PUSH_ROWS, PUSH_VEC, CAUSAL, ZIGZAG,
+                               WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)
                     acc, l_i, m_i = _attn_blocks(acc, l_i, m_i, q, q_pos, k_base, v_base, seg,
                                                  tl.minimum(seg + SEG_BLOCKS, n_full), src, S, qk_scale, offs_n,
-                                                 offs_d, HKV * D, W, D, BLOCK_N, BLOCK_D, False, CAUSAL, ZIGZAG, INTERPRET,
-                                                 DOT_PRECISION)
+                                                 offs_d, lo1, hi1, lo2, hi2, q_seg, s_lo, s_hi, seg_k, HKV * D, W, D,
+                                                 BLOCK_N, BLOCK_D, False, CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION,
+                                                 WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)
             else:
-                acc, l_i, m_i = _attn_blocks(acc, l_i, m_i, q, q_pos, k_base, v_base, 0, n_full,
-                                             src, S, qk_scale, offs_n, offs_d, HKV * D, W, D, BLOCK_N, BLOCK_D, False,
-                                             CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION)
+                acc, l_i, m_i = _attn_blocks(acc, l_i, m_i, q, q_pos, k_base, v_base, n_full_lo, n_full,
+                                             src, S, qk_scale, offs_n, offs_d, lo1, hi1, lo2, hi2, q_seg, s_lo, s_hi,
+                                             seg_k, HKV * D, W, D, BLOCK_N, BLOCK_D, False, CAUSAL, ZIGZAG, INTERPRET,
+                                             DOT_PRECISION, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)
             acc, l_i, m_i = _attn_blocks(acc, l_i, m_i, q, q_pos, k_base, v_base, n_full, n_hi,
-                                         src, S, qk_scale, offs_n, offs_d, HKV * D, W, D, BLOCK_N, BLOCK_D, True,
-                                         CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION)
+                                         src, S, qk_scale, offs_n, offs_d, lo1, hi1, lo2, hi2, q_seg, s_lo, s_hi, seg_k,
+                                         HKV * D, W, D, BLOCK_N, BLOCK_D, True, CAUSAL, ZIGZAG, INTERPRET,
+                                         DOT_PRECISION, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)
         else:
             slot = step - 1
             k_base = recv + ((slot * 2 * B + b).to(tl.int64) * HKV + hkv) * S * D
             v_base = k_base + (b * 0 + B).to(tl.int64) * HKV * S * D
+            seg_k = seg_recv + ((slot * B + b).to(tl.int64) * HKV + hkv) * S
             if step == 1:
-                # Never wait while push units are unclaimed: this is what makes the protocol
-                # independent of which programs are resident (ring_core.protocol).
-                drain_pushes(ctl, n_units, k_ptr, v_ptr, recv, flags, heap_bases, rank, epoch, B, S, n_chunks,
-                              W, HKV, D, BLOCK_D, CHUNK_ROWS, PUSH_ROWS, PUSH_VEC, CAUSAL, ZIGZAG)
+                # Never wait, nor end, while push units are unclaimed: this is what makes the protocol
+                # independent of which programs are resident (ring_core.protocol). Every program passes here,
+                # also one that needs nothing from any peer.
+                drain_pushes(ctl, n_units, k_ptr, v_ptr, seg_ptr, recv, seg_recv, flags, heap_bases, rank, epoch, B, S,
+                             n_chunks, W, HKV, D, BLOCK_D, CHUNK_ROWS, PUSH_ROWS, PUSH_VEC, CAUSAL, ZIGZAG, WINDOW,
+                             WIN_LEFT, WIN_RIGHT, SEGMENTED)
             # Every chunk this tile will read, before the loops that read them (protocol.wait_chunks says why).
             flag0 = flags + ((step - 1) * B * HKV + b * HKV + hkv) * n_chunks
-            valid = valid * wait_chunks(flag0, tl.cdiv(n_hi, CHUNK_BLOCKS), epoch, ctl, timeout_ns, src, step,
-                                        INTERPRET, POLL_N)
-            acc, l_i, m_i = _attn_blocks(acc, l_i, m_i, q, q_pos, k_base, v_base, 0, n_full, src, S, qk_scale,
-                                         offs_n, offs_d, D, W, D, BLOCK_N, BLOCK_D, False, CAUSAL, ZIGZAG, INTERPRET,
-                                         DOT_PRECISION)
+            if WINDOW or SEGMENTED:
+                # The chunks holding rows the tile may see by position (none: no wait): each was pushed, since
+                # its rows are seen by a query of this rank (protocol.chunk_needed). Segment ids are read after
+                # the wait (they travel with the chunk), so they narrow the loops, never the wait.
+                valid = valid * wait_rows(flag0, lo1, hi1, lo2, hi2, CHUNK_ROWS, epoch, ctl, timeout_ns, src, step,
+                                          INTERPRET, POLL_N)
+                if SEGMENTED:
+                    j_lo, n_full_lo, n_full, n_hi = seg_blocks(seg_k, j_lo, n_hi, lo1, hi1, lo2, hi2, n_full_lo,
+                                                               n_full, s_lo, s_hi, t_id, BLOCK_N)
+                acc, l_i, m_i = _attn_blocks(acc, l_i, m_i, q, q_pos, k_base, v_base, j_lo, n_full_lo, src, S,
+                                             qk_scale, offs_n, offs_d, lo1, hi1, lo2, hi2, q_seg, s_lo, s_hi, seg_k, D,
+                                             W, D, BLOCK_N, BLOCK_D, True, CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION,
+                                             WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)
+            else:
+                valid = valid * wait_chunks(flag0, 0, tl.cdiv(n_hi, CHUNK_BLOCKS), epoch, ctl, timeout_ns, src, step,
+                                            INTERPRET, POLL_N)
+            acc, l_i, m_i = _attn_blocks(acc, l_i, m_i, q, q_pos, k_base, v_base, n_full_lo, n_full, src, S, qk_scale,
+                                         offs_n, offs_d, lo1, hi1, lo2, hi2, q_seg, s_lo, s_hi, seg_k, D, W, D, BLOCK_N,
+                                         BLOCK_D, False, CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION, WINDOW, WIN_LEFT,
+                                         WIN_RIGHT, SEGMENTED)
             acc, l_i, m_i = _attn_blocks(acc, l_i, m_i, q, q_pos, k_base, v_base, n_full, n_hi, src, S,
-                                         qk_scale, offs_n, offs_d, D, W, D, BLOCK_N, BLOCK_D, True, CAUSAL, ZIGZAG,
-                                         INTERPRET, DOT_PRECISION)
+                                         qk_scale, offs_n, offs_d, lo1, hi1, lo2, hi2, q_seg, s_lo, s_hi, seg_k, D, W,
+                                         D, BLOCK_N, BLOCK_D, True, CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION, WINDOW,
+                                         WIN_LEFT, WIN_RIGHT, SEGMENTED)
 
     # ---- epilogue ----------------------------------------------------------------------------------
-    # A tile whose waits gave up (the call failed) writes NaN, never a plausible-looking wrong value.
+    # A tile whose waits gave up (the call failed) writes NaN, never a plausible-looking wrong value. A row that
+    # attended nothing (padding) has l = 0 and m = -inf: out 0, lse -inf.
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = tl.where(valid != 0, acc / l_safe[:, None], float("nan"))
     tl.store(out_ptr + q_off, out.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & dmask[None, :])

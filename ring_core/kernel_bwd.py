@@ -28,7 +28,8 @@ fused call, forward or backward, so it is equal on every rank of a job that make
   dQ tasks claim one unit every SEG_BLOCKS K/V blocks while they work on the local K/V; every task drains
   the counter (pushes until none is left) before its first wait.
 * delta = rowsum(dO * O) - dlse (float32; dlse, the cotangent of the forward's lse, is zero unless the
-  caller differentiates through lse: d lse_i / d s_ij = P_ij, so it adds P * dlse to dS). A dQ task
+  caller differentiates through lse: d lse_i / d s_ij = P_ij, so it adds P * dlse to dS; on a padding row,
+  whose lse is the constant -inf, dlse is selected away, so its delta is 0 whatever dlse holds). A dQ task
   computes it for its rows before anything else, stores it in the ``delta`` scratch output and counts
   itself in CTL_BWD_DELTA (release, after a CTA barrier); partial and final tasks wait (acquire) until
   all dQ tasks have counted, before their loop over the local queries. No second launch, and each value
@@ -38,12 +39,16 @@ fused call, forward or backward, so it is equal on every rank of a job that make
   Positions grow with the local row in both layouts, so under causal masking the K/V rows a tile sees
   are a prefix of the source's shard and the query blocks that see a K/V block are a suffix of the local
   shard: loops run over ranges of blocks, unmasked (plain loops Triton software-pipelines) where every
-  query sees every key and masked on the diagonal and the tail; hidden blocks are never touched.
+  query sees every key and masked on the diagonal and the tail; hidden blocks are never touched. Windows
+  and segment ids narrow the ranges as in the forward (ring_core.protocol); a padding row recomputes P with
+  lse 0 in place of -inf (P is masked to 0 there, never exp(inf)), so it takes and gives no gradient.
 * Partial tasks wait for the flags of the chunks of their K/V block, compute the block's dK/dV over all
   local queries of the G heads sharing the kv head, store them (float32) into receive slot ``d-1`` of
   the partial region of rank ``rank-d`` with ``iris.store`` and publish them with a release flag holding
-  ``epoch`` (flags after the K/V flags). A block that no local query can see (causal) is neither
-  computed nor sent, and its owner does not wait for it (both sides evaluate the same test).
+  ``epoch`` (flags after the K/V flags). A block that no local query can see (causal, window) is neither
+  computed nor sent, and its owner does not wait for it (both sides evaluate the same test). It runs over
+  the local query blocks within reach of its keys only; with segment ids, over those whose ids can meet
+  the block's (its partial is still sent: the owner cannot know this rank's ids).
 * Final tasks compute the local contribution, then wait for the flags of the peers' partials of their
   block, and add everything in rank order (ranks 0..W-1, the local one at its place), scale dK.
 * End, exactly as in the forward: the last program to finish tells every peer it is done with this
@@ -79,9 +84,10 @@ import iris
 
 from ring_core import control
 from ring_core.protocol import (CTL_BWD_DELTA, CTL_BWD_TICKET, CTL_ERROR, ERR_KV_TIMEOUT, ERR_PEER_FAILED,
-                                block_range, call_words, check_call, claim_push, drain_pushes, end_call, last_pos,
-                                poll_ge, positions, record_error, record_peer_error, ring_context, visible_rows,
-                                wait_chunks)
+                                block_range, call_words, check_call, chunk_needed, claim_push, drain_pushes, end_call,
+                                in_rows, last_pos, poll_ge, positions, record_error, record_peer_error, ring_context,
+                                row_blocks, rows_seen, rows_within, seg_blocks, tile_ids, visible_rows, wait_chunks,
+                                wait_rows)
 from ring_core.tiles import dot, heavy_first, load_kv
 
 KIND_BWD = tl.constexpr(control.KIND_BWD)
@@ -92,13 +98,17 @@ _LOG2E = tl.constexpr(1.4426950408889634)
 
 @triton.jit
 def _dq_blocks(dq, q, do, lse2, delta, q_pos, q_pos_max, k_base, v_base, lo, hi, src, S, qk_scale, offs_n, offs_d,
+               lo1, hi1, lo2, hi2, q_seg, s_lo, s_hi, seg_k,
                ROW_STRIDE: tl.constexpr, W: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_D: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, ZIGZAG: tl.constexpr,
-               INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr):
+               INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr, WIN_LEFT: tl.constexpr,
+               WIN_RIGHT: tl.constexpr, SEGMENTED: tl.constexpr):
     """dQ of one query tile over K/V blocks [lo, hi) of rank ``src``. MASKED=False: every row of every block
     exists and every query of the tile sees every key (no masks: a plain loop Triton can software-pipeline;
-    query rows past the shard have q = dO = 0, so they add nothing); MASKED=True: the tail block and the
-    causal diagonal. Nothing in here waits: the caller acquired every chunk these blocks read."""
+    query rows past the shard have q = dO = 0, so they add nothing); MASKED=True: the tail block, the causal
+    diagonal and the window's and segments' edges, reading only rows the tile may attend (as the forward's
+    ``_attn_blocks``: rows in [lo1, hi1) | [lo2, hi2) whose id lies in [s_lo, s_hi]). Nothing in here waits:
+    the caller acquired every chunk these blocks read."""
     dmask = offs_d < D
     for j in range(lo, hi):
         rows_n = j * BLOCK_N + offs_n
@@ -106,9 +116,15 @@ def _dq_blocks(dq, q, do, lse2, delta, q_pos, q_pos_max, k_base, v_base, lo, hi,
         kv_off = rows_n[:, None].to(tl.int64) * ROW_STRIDE + offs_d[None, :]
         row_ok = rows_n < S
         if MASKED:
-            if CAUSAL:
+            if CAUSAL or WINDOW:
                 k_pos = positions(rows_n, src, S, W, ZIGZAG)
+            if WINDOW or SEGMENTED:
+                row_ok = row_ok & in_rows(rows_n, lo1, hi1, lo2, hi2)  # rows the tile cannot see: maybe never sent
+            elif CAUSAL:
                 row_ok = row_ok & (k_pos <= q_pos_max)  # rows the tile cannot see: maybe never sent, not read
+            if SEGMENTED:
+                k_seg = tl.load(seg_k + rows_n, mask=row_ok, other=-1)
+                row_ok = row_ok & (k_seg >= s_lo) & (k_seg <= s_hi)
         k, v = load_kv(k_base, v_base, kv_off, row_ok, dmask, MASKED, BLOCK_D == D)
         qk = dot(q, tl.trans(k), DOT_PRECISION, INTERPRET)
         p = tl.math.exp2(qk * qk_scale - lse2[:, None])
@@ -116,6 +132,13 @@ def _dq_blocks(dq, q, do, lse2, delta, q_pos, q_pos_max, k_base, v_base, lo, hi,
             valid = row_ok[None, :]
             if CAUSAL:
                 valid = valid & (k_pos[None, :] <= q_pos[:, None])
+            if WINDOW:
+                if WIN_LEFT >= 0:
+                    valid = valid & (k_pos[None, :] >= q_pos[:, None] - WIN_LEFT)
+                if WIN_RIGHT >= 0:
+                    valid = valid & (k_pos[None, :] <= q_pos[:, None] + WIN_RIGHT)
+            if SEGMENTED:
+                valid = valid & (q_seg[:, None] == k_seg[None, :])
             p = tl.where(valid, p, 0.0)
         dp = dot(do, tl.trans(v), DOT_PRECISION, INTERPRET)
         ds = p * (dp - delta[:, None])
@@ -124,14 +147,17 @@ def _dq_blocks(dq, q, do, lse2, delta, q_pos, q_pos_max, k_base, v_base, lo, hi,
 
 
 @triton.jit
-def _dkdv_blocks(dk, dv, k, v, k_pos, q_ptr, do_ptr, lse_ptr, delta_ptr, q_base, row_base, lo, hi, rank, S, qk_scale,
-                 offs_m, offs_d, H: tl.constexpr, W: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_D: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, ZIGZAG: tl.constexpr,
-                 INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _dkdv_blocks(dk, dv, k, v, k_pos, k_seg, q_ptr, do_ptr, lse_ptr, delta_ptr, seg_q, q_base, row_base, lo, hi,
+                 rank, S, qk_scale, offs_m, offs_d, H: tl.constexpr, W: tl.constexpr, D: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                 ZIGZAG: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr,
+                 WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SEGMENTED: tl.constexpr):
     """The contribution of local query blocks [lo, hi) of one head (``q_base``: its offset in q/dO,
     ``row_base``: in lse/delta) to dK/dV of one K/V block. MASKED=False: every query row exists and sees
     every key of the block (K/V rows past the shard only touch their own dK/dV rows, never stored);
-    MASKED=True: the causal diagonal and the tail block. Nothing in here waits: delta was acquired before."""
+    MASKED=True: the causal diagonal, the window's and segments' edges and the tail block (``seg_q``: the
+    local queries' ids; ``k_seg``: the block's, -1 on rows no local query can see). Nothing in here waits:
+    delta was acquired before."""
     dmask = offs_d < D
     for i in range(lo, hi):
         rows = i * BLOCK_M + offs_m
@@ -141,6 +167,8 @@ def _dkdv_blocks(dk, dv, k, v, k_pos, q_ptr, do_ptr, lse_ptr, delta_ptr, q_base,
             q = tl.load(q_ptr + q_off, mask=m_valid[:, None] & dmask[None, :], other=0.0)
             do = tl.load(do_ptr + q_off, mask=m_valid[:, None] & dmask[None, :], other=0.0)
             lse2 = tl.load(lse_ptr + row_base + rows, mask=m_valid, other=0.0) * _LOG2E
+            if SEGMENTED:
+                lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2)  # padding rows: P = 0 below, not exp(inf) * 0
             dl = tl.load(delta_ptr + row_base + rows, mask=m_valid, other=0.0)
         else:
             if BLOCK_D == D:
@@ -157,6 +185,15 @@ def _dkdv_blocks(dk, dv, k, v, k_pos, q_ptr, do_ptr, lse_ptr, delta_ptr, q_base,
             validT = m_valid[None, :]
             if CAUSAL:
                 validT = validT & (k_pos[:, None] <= positions(rows, rank, S, W, ZIGZAG)[None, :])
+            if WINDOW:
+                q_pos = positions(rows, rank, S, W, ZIGZAG)
+                if WIN_LEFT >= 0:
+                    validT = validT & (k_pos[:, None] >= q_pos[None, :] - WIN_LEFT)
+                if WIN_RIGHT >= 0:
+                    validT = validT & (k_pos[:, None] <= q_pos[None, :] + WIN_RIGHT)
+            if SEGMENTED:
+                q_seg = tl.load(seg_q + rows, mask=m_valid, other=-1)
+                validT = validT & (k_seg[:, None] == q_seg[None, :]) & (k_seg[:, None] >= 0)
             pT = tl.where(validT, pT, 0.0)
         dv += dot(pT.to(do.dtype), do, DOT_PRECISION, INTERPRET)
         dpT = dot(v, tl.trans(do), DOT_PRECISION, INTERPRET)
@@ -168,7 +205,7 @@ def _dkdv_blocks(dk, dv, k, v, k_pos, q_ptr, do_ptr, lse_ptr, delta_ptr, q_base,
 @triton.jit
 def ring_attn_bwd_kernel(
     # inputs
-    q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, dlse_ptr, ctx_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, dlse_ptr, seg_ptr, ctx_ptr,
     # runtime scalars
     B, S, sm_scale, timeout_ns, part_off,
     # outputs (delta: float32 [B, H, S] scratch)
@@ -180,6 +217,7 @@ def ring_attn_bwd_kernel(
     PUSH_VEC: tl.constexpr, PART_VEC: tl.constexpr, POLL_N: tl.constexpr,
     CAUSAL: tl.constexpr, ZIGZAG: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SIG_DTYPE: tl.constexpr, STICKY_ERRORS: tl.constexpr,
+    WINDOW: tl.constexpr, WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SEGMENTED: tl.constexpr,
 ):
     G: tl.constexpr = H // HKV
     CHUNK_ROWS: tl.constexpr = CHUNK_BLOCKS * KV_BLOCK_N
@@ -191,6 +229,12 @@ def ring_attn_bwd_kernel(
     recv = tl.multiple_of(recv_addr.to(tl.pointer_type(q_ptr.dtype.element_ty), bitcast=True), 16)
     part = (recv_addr + (rank * 0 + part_off).to(tl.uint64)).to(tl.pointer_type(tl.float32), bitcast=True)
     part = tl.multiple_of(part, 16)
+    if SEGMENTED:
+        # The peers' segment ids follow their K/V: [W-1][B][HKV][S] int32 (ring_core.plans.seg_bytes).
+        seg_recv = (recv + (rank * 0 + B).to(tl.int64) * (2 * (W - 1) * HKV * D) * S).to(
+            tl.pointer_type(tl.int32), bitcast=True)
+    else:
+        seg_recv = seg_ptr  # never read
 
     n_chunks = tl.cdiv(S, CHUNK_ROWS)
     n_units = (W - 1) * B * HKV * n_chunks  # K/V push units; also the number of K/V flags
@@ -198,7 +242,8 @@ def ring_attn_bwd_kernel(
     if W > 1:
         # Every rank must make this same call (ring_core.protocol.check_call); if not, nothing is sent to a
         # peer (no K/V push, no partial) and every later wait gives up at once.
-        words = call_words(KIND_BWD, B, S, sm_scale, W, H, HKV, D, SIG_DTYPE, CAUSAL, ZIGZAG, CHUNK_ROWS, KV_BLOCK_N)
+        words = call_words(KIND_BWD, B, S, sm_scale, W, H, HKV, D, SIG_DTYPE, CAUSAL, ZIGZAG, CHUNK_ROWS, KV_BLOCK_N,
+                           WIN_LEFT, WIN_RIGHT, SEGMENTED)
         call_ok = check_call(ctl, heap_bases, rank, epoch, words, timeout_ns, W, INTERPRET)
     n_push = n_units * call_ok  # units to push: none after a mismatch
     n_kvb = tl.cdiv(S, KV_BLOCK_N)
@@ -231,67 +276,132 @@ def ring_attn_bwd_kernel(
         o = tl.load(o_ptr + q_off, mask=qmask, other=0.0)
         row_off = (b.to(tl.int64) * H + h) * S + offs_m
         # The cotangent of lse enters every dS through delta: dS = P * (dP - (rowsum(dO * O) - dlse)).
-        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1) - tl.load(dlse_ptr + row_off, mask=m_valid,
-                                                                             other=0.0)
+        if SEGMENTED:
+            # A padding row's lse is the constant -inf: its dlse is selected away (not multiplied: it may be
+            # inf or NaN there), so its delta is 0 (its out is 0) and it takes and gives no gradient.
+            dlse = tl.load(dlse_ptr + row_off, mask=m_valid, other=0.0)
+            dlse = tl.where(tl.load(lse_ptr + row_off, mask=m_valid, other=0.0) == float("-inf"), 0.0, dlse)
+            delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1) - dlse
+        else:
+            delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1) - tl.load(dlse_ptr + row_off, mask=m_valid,
+                                                                                 other=0.0)
         tl.store(delta_ptr + row_off, delta, mask=m_valid)
         # Every thread's delta stores before the count (cumulativity through bar.sync), then publish.
         tl.debug_barrier()
         tl.atomic_add(ctl + CTL_BWD_DELTA, 1, sem="release", scope="gpu")
         lse2 = tl.load(lse_ptr + row_off, mask=m_valid, other=0.0) * _LOG2E
+        if SEGMENTED:
+            lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2)  # padding rows: P = 0 (masked), never exp(inf)
         q_pos = positions(offs_m, rank, S, W, ZIGZAG)
         q_pos_max = tl.max(tl.where(m_valid, q_pos, -1), axis=0)
         q_pos_min = tl.min(tl.where(m_valid, q_pos, 2147483647), axis=0)
+        seg_q = seg_ptr + b.to(tl.int64) * S  # this rank's ids of batch b (SEGMENTED only)
+        if SEGMENTED:
+            q_seg, s_lo, s_hi, t_id = tile_ids(seg_q, offs_m, m_valid)
+        else:
+            q_seg = offs_m * 0
+            s_lo = m_blk * 0
+            s_hi = s_lo
+            t_id = s_lo
         offs_n = tl.arange(0, DQ_BLOCK_N)
         dq = tl.zeros([DQ_BLOCK_M, BLOCK_D], tl.float32)
         for step in tl.static_range(W):
             src = (rank - step + W) % W
-            # K/V blocks [0, n_full) are seen whole by every query of the tile; [n_full, n_hi) need masks;
-            # rows from ``seen`` on are hidden by causality: never waited for, loaded or computed.
-            seen, n_hi, n_full = block_range(q_pos_min, q_pos_max, src, S, W, DQ_BLOCK_N, CAUSAL, ZIGZAG)
+            if WINDOW or SEGMENTED:
+                # As in the forward: rows [lo1, hi1) | [lo2, hi2) some query of the tile sees by position,
+                # [f_lo, f_hi) every one; blocks [n_full_lo, n_full) unmasked, [j_lo, n_full_lo) and
+                # [n_full, n_hi) masked, no other block waited for, loaded or computed.
+                lo1, hi1, lo2, hi2, f_lo, f_hi = rows_within(m_blk * DQ_BLOCK_M,
+                                                             tl.minimum(m_blk * DQ_BLOCK_M + DQ_BLOCK_M, S), rank, src,
+                                                             S, W, ZIGZAG, CAUSAL, WIN_LEFT, WIN_RIGHT, True)
+                if SEGMENTED:
+                    keep = (s_hi >= 0).to(tl.int32)  # a tile of padding rows attends nothing: dq 0, no wait
+                    lo1, hi1, lo2, hi2, f_lo, f_hi = (lo1 * keep, hi1 * keep, lo2 * keep, hi2 * keep, f_lo * keep,
+                                                      f_hi * keep)
+                j_lo, n_full_lo, n_full, n_hi = row_blocks(lo1, hi1, lo2, hi2, f_lo, f_hi, DQ_BLOCK_N)
+                seen = n_hi * 0  # unused
+            else:
+                # K/V blocks [0, n_full) are seen whole by every query of the tile; [n_full, n_hi) need masks;
+                # rows from ``seen`` on are hidden by causality: never waited for, loaded or computed.
+                seen, n_hi, n_full = block_range(q_pos_min, q_pos_max, src, S, W, DQ_BLOCK_N, CAUSAL, ZIGZAG)
+                j_lo = n_full * 0
+                n_full_lo = j_lo
+                lo1, hi1, lo2, hi2 = j_lo, j_lo, j_lo, j_lo
             if step == 0:
                 k_base = k_ptr + b.to(tl.int64) * S * HKV * D + hkv * D
                 v_base = v_ptr + b.to(tl.int64) * S * HKV * D + hkv * D
+                seg_k = seg_q
+                if SEGMENTED:
+                    j_lo, n_full_lo, n_full, n_hi = seg_blocks(seg_k, j_lo, n_hi, lo1, hi1, lo2, hi2, n_full_lo,
+                                                               n_full, s_lo, s_hi, t_id, DQ_BLOCK_N)
+                if WINDOW or SEGMENTED:
+                    dq = _dq_blocks(dq, q, do, lse2, delta, q_pos, q_pos_max, k_base, v_base, j_lo, n_full_lo, src,
+                                    S, qk_scale, offs_n, offs_d, lo1, hi1, lo2, hi2, q_seg, s_lo, s_hi, seg_k, HKV * D,
+                                    W, D, DQ_BLOCK_N, BLOCK_D, True, CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION, WINDOW,
+                                    WIN_LEFT, WIN_RIGHT, SEGMENTED)
+                    dq = dq * (sm_scale * 0.0 + 1.0)  # see below (C7515)
                 if W > 1:
                     # Overlap: claim and push one unit of the local K/V every SEG_BLOCKS blocks; the claims
                     # sit between the pipelined loops, never inside them.
-                    for seg in range(0, n_full, SEG_BLOCKS):
-                        claim_push(ctl, n_push, k_ptr, v_ptr, recv, flags, heap_bases, rank, epoch, B, S, n_chunks,
-                                    W, HKV, D, BLOCK_D, CHUNK_ROWS, PUSH_ROWS, PUSH_VEC, CAUSAL, ZIGZAG)
+                    for seg in range(n_full_lo, n_full, SEG_BLOCKS):
+                        claim_push(ctl, n_push, k_ptr, v_ptr, seg_ptr, recv, seg_recv, flags, heap_bases, rank, epoch,
+                                   B, S, n_chunks, W, HKV, D, BLOCK_D, CHUNK_ROWS, PUSH_ROWS, PUSH_VEC, CAUSAL, ZIGZAG,
+                                   WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)
                         dq = _dq_blocks(dq, q, do, lse2, delta, q_pos, q_pos_max, k_base, v_base, seg,
                                         tl.minimum(seg + SEG_BLOCKS, n_full), src, S, qk_scale, offs_n, offs_d,
-                                        HKV * D, W, D, DQ_BLOCK_N, BLOCK_D, False, CAUSAL, ZIGZAG, INTERPRET,
-                                        DOT_PRECISION)
+                                        lo1, hi1, lo2, hi2, q_seg, s_lo, s_hi, seg_k, HKV * D, W, D, DQ_BLOCK_N,
+                                        BLOCK_D, False, CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION, WINDOW, WIN_LEFT,
+                                        WIN_RIGHT, SEGMENTED)
                     # dq times exactly 1 (sm_scale is finite): without a non-wgmma definition of the
                     # accumulator between this loop nest and the next loop, ptxas serialises every wgmma of
                     # the kernel (warning C7515): each k-step of every matmul then waits for the one before
                     # (tests/test_kernel_ir.py checks that this stays away).
                     dq = dq * (sm_scale * 0.0 + 1.0)
                 else:
-                    dq = _dq_blocks(dq, q, do, lse2, delta, q_pos, q_pos_max, k_base, v_base, 0, n_full, src, S,
-                                    qk_scale, offs_n, offs_d, HKV * D, W, D, DQ_BLOCK_N, BLOCK_D, False, CAUSAL,
-                                    ZIGZAG, INTERPRET, DOT_PRECISION)
+                    dq = _dq_blocks(dq, q, do, lse2, delta, q_pos, q_pos_max, k_base, v_base, n_full_lo, n_full, src,
+                                    S, qk_scale, offs_n, offs_d, lo1, hi1, lo2, hi2, q_seg, s_lo, s_hi, seg_k, HKV * D,
+                                    W, D, DQ_BLOCK_N, BLOCK_D, False, CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION, WINDOW,
+                                    WIN_LEFT, WIN_RIGHT, SEGMENTED)
                 dq = _dq_blocks(dq, q, do, lse2, delta, q_pos, q_pos_max, k_base, v_base, n_full, n_hi, src, S,
-                                qk_scale, offs_n, offs_d, HKV * D, W, D, DQ_BLOCK_N, BLOCK_D, True, CAUSAL, ZIGZAG,
-                                INTERPRET, DOT_PRECISION)
+                                qk_scale, offs_n, offs_d, lo1, hi1, lo2, hi2, q_seg, s_lo, s_hi, seg_k, HKV * D, W, D,
+                                DQ_BLOCK_N, BLOCK_D, True, CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION, WINDOW, WIN_LEFT,
+                                WIN_RIGHT, SEGMENTED)
             else:
                 slot = step - 1
                 k_base = recv + ((slot * 2 * B + b).to(tl.int64) * HKV + hkv) * S * D
                 v_base = k_base + B64 * HKV * S * D
+                seg_k = seg_recv + ((slot * B + b).to(tl.int64) * HKV + hkv) * S
                 if step == 1:
-                    drain_pushes(ctl, n_push, k_ptr, v_ptr, recv, flags, heap_bases, rank, epoch, B, S,
-                                  n_chunks, W, HKV, D, BLOCK_D, CHUNK_ROWS, PUSH_ROWS, PUSH_VEC, CAUSAL, ZIGZAG)
+                    # Every task passes here, also one that needs nothing from any peer (module docstring, (a)).
+                    drain_pushes(ctl, n_push, k_ptr, v_ptr, seg_ptr, recv, seg_recv, flags, heap_bases, rank, epoch, B,
+                                 S, n_chunks, W, HKV, D, BLOCK_D, CHUNK_ROWS, PUSH_ROWS, PUSH_VEC, CAUSAL, ZIGZAG,
+                                 WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)
                 # Every chunk this tile can see, before the loops that read them (protocol.wait_chunks says
-                # why). Every chunk that holds a row < seen starts at a position the tile sees, so its owner
-                # pushed it.
+                # why). Every chunk that holds a row the tile sees holds one that a query of this rank sees, so
+                # its owner pushed it (protocol.chunk_needed; causal: it starts at a position the tile sees).
                 flag0 = flags + (slot * B * HKV + b * HKV + hkv) * n_chunks
-                valid = valid * wait_chunks(flag0, tl.cdiv(seen, CHUNK_ROWS), epoch, ctl, timeout_ns, src, step,
-                                            INTERPRET, POLL_N)
-                dq = _dq_blocks(dq, q, do, lse2, delta, q_pos, q_pos_max, k_base, v_base, 0, n_full, src, S,
-                                qk_scale, offs_n, offs_d, D, W, D, DQ_BLOCK_N, BLOCK_D, False, CAUSAL, ZIGZAG,
-                                INTERPRET, DOT_PRECISION)
+                if WINDOW or SEGMENTED:
+                    valid = valid * wait_rows(flag0, lo1, hi1, lo2, hi2, CHUNK_ROWS, epoch, ctl, timeout_ns, src,
+                                              step, INTERPRET, POLL_N)
+                    if SEGMENTED:  # ids travel with their chunk: read after the wait, they narrow loops, not waits
+                        j_lo, n_full_lo, n_full, n_hi = seg_blocks(seg_k, j_lo, n_hi, lo1, hi1, lo2, hi2, n_full_lo,
+                                                                   n_full, s_lo, s_hi, t_id, DQ_BLOCK_N)
+                    dq = _dq_blocks(dq, q, do, lse2, delta, q_pos, q_pos_max, k_base, v_base, j_lo, n_full_lo, src,
+                                    S, qk_scale, offs_n, offs_d, lo1, hi1, lo2, hi2, q_seg, s_lo, s_hi, seg_k, D, W, D,
+                                    DQ_BLOCK_N, BLOCK_D, True, CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION, WINDOW,
+                                    WIN_LEFT, WIN_RIGHT, SEGMENTED)
+                    dq = dq * (sm_scale * 0.0 + 1.0)  # (C7515, above)
+                else:
+                    valid = valid * wait_chunks(flag0, 0, tl.cdiv(seen, CHUNK_ROWS), epoch, ctl, timeout_ns, src,
+                                                step, INTERPRET, POLL_N)
+                dq = _dq_blocks(dq, q, do, lse2, delta, q_pos, q_pos_max, k_base, v_base, n_full_lo, n_full, src, S,
+                                qk_scale, offs_n, offs_d, lo1, hi1, lo2, hi2, q_seg, s_lo, s_hi, seg_k, D, W, D,
+                                DQ_BLOCK_N, BLOCK_D, False, CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION, WINDOW, WIN_LEFT,
+                                WIN_RIGHT, SEGMENTED)
                 dq = _dq_blocks(dq, q, do, lse2, delta, q_pos, q_pos_max, k_base, v_base, n_full, n_hi, src, S,
-                                qk_scale, offs_n, offs_d, D, W, D, DQ_BLOCK_N, BLOCK_D, True, CAUSAL, ZIGZAG,
-                                INTERPRET, DOT_PRECISION)
+                                qk_scale, offs_n, offs_d, lo1, hi1, lo2, hi2, q_seg, s_lo, s_hi, seg_k, D, W, D,
+                                DQ_BLOCK_N, BLOCK_D, True, CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION, WINDOW, WIN_LEFT,
+                                WIN_RIGHT, SEGMENTED)
         dq = tl.where(valid != 0, dq * sm_scale, float("nan"))  # NaN, not a wrong value, if a wait gave up
         tl.store(dq_ptr + q_off, dq.to(dq_ptr.dtype.element_ty), mask=qmask)
     else:
@@ -307,19 +417,39 @@ def ring_attn_bwd_kernel(
         hkv = bh % HKV
         src = (rank - d + W) % W
         # Never wait while push units are unclaimed (module docstring, (a)).
-        drain_pushes(ctl, n_push, k_ptr, v_ptr, recv, flags, heap_bases, rank, epoch, B, S,
-                      n_chunks, W, HKV, D, BLOCK_D, CHUNK_ROWS, PUSH_ROWS, PUSH_VEC, CAUSAL, ZIGZAG)
+        drain_pushes(ctl, n_push, k_ptr, v_ptr, seg_ptr, recv, seg_recv, flags, heap_bases, rank, epoch, B, S,
+                     n_chunks, W, HKV, D, BLOCK_D, CHUNK_ROWS, PUSH_ROWS, PUSH_VEC, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT,
+                     WIN_RIGHT, SEGMENTED)
         inputs_ok = poll_ge(ctl + CTL_BWD_DELTA, n_dq, ctl, timeout_ns, INTERPRET)
         if inputs_ok == 0:
             record_error(ctl, ERR_LOCAL_TIMEOUT, rank, d, n_blk)
 
         n0 = n_blk * KV_BLOCK_N
+        n1 = tl.minimum(n0 + KV_BLOCK_N, S)
         rows_n = n0 + tl.arange(0, KV_BLOCK_N)
         n_valid = rows_n < S
         k_pos = positions(rows_n, src, S, W, ZIGZAG)
         k_pos_min = positions(n0, src, S, W, ZIGZAG)
         n_mk = tl.cdiv(S, KV_BLOCK_M)
-        if CAUSAL:
+        if WINDOW or SEGMENTED:
+            # Local query rows that see some key of the block by position ([ql1, qh1) | [ql2, qh2): query
+            # blocks [i_lo, i_hi)) and those that see every key ([i_full, i_fend): unmasked).
+            ql1, qh1, ql2, qh2, qf_lo, qf_hi = rows_within(n0, n1, src, rank, S, W, ZIGZAG, CAUSAL, WIN_LEFT, WIN_RIGHT,
+                                                           False)
+            i_lo, i_full, i_fend, i_hi = row_blocks(ql1, qh1, ql2, qh2, qf_lo, qf_hi, KV_BLOCK_M)
+            if WINDOW:
+                # Rows of this block some local query sees by position (others may not have been sent: not read).
+                sl1, sh1, sl2, sh2, _, _ = rows_within(0, S, rank, src, S, W, ZIGZAG, CAUSAL, WIN_LEFT, WIN_RIGHT,
+                                                       True)
+                block_needed = rows_seen(n0, n1, src, rank, S, W, ZIGZAG, CAUSAL, WIN_LEFT, WIN_RIGHT)
+                row_ok = n_valid & in_rows(rows_n, sl1, sh1, sl2, sh2)
+            elif CAUSAL:
+                block_needed = k_pos_min <= my_last
+                row_ok = n_valid & (k_pos <= my_last)
+            else:
+                block_needed = True
+                row_ok = n_valid
+        elif CAUSAL:
             # Local query blocks [i_lo, n_mk) see some key of this block; from i_full on, all of them.
             k_pos_max = positions(tl.minimum(n0 + KV_BLOCK_N, S) - 1, src, S, W, ZIGZAG)
             i_lo = visible_rows(k_pos_min - 1, rank, S, W, ZIGZAG) // KV_BLOCK_M
@@ -336,16 +466,19 @@ def ring_attn_bwd_kernel(
             slot = d - 1
             k_base = recv + ((slot * 2 * B + b).to(tl.int64) * HKV + hkv) * S * D
             v_base = k_base + B64 * HKV * S * D
+            seg_k = seg_recv + ((slot * B + b).to(tl.int64) * HKV + hkv) * S
             row_stride = rank * 0 + D
             if block_needed:
-                # The chunks holding this block's rows that some local query sees (pushed: they start at a
-                # position <= my_last).
+                # The chunks holding this block's rows that some local query sees (pushed: the pusher made the
+                # same test).
                 c_end = (tl.minimum(n0 + KV_BLOCK_N, S) - 1) // CHUNK_ROWS + 1
                 for c in range(n0 // CHUNK_ROWS, c_end):
-                    chunk_needed = True
-                    if CAUSAL:
-                        chunk_needed = positions(c * CHUNK_ROWS, src, S, W, ZIGZAG) <= my_last
-                    if chunk_needed:
+                    chunk_need = True
+                    if WINDOW:
+                        chunk_need = chunk_needed(c, src, rank, S, CHUNK_ROWS, W, ZIGZAG, CAUSAL, WIN_LEFT, WIN_RIGHT)
+                    elif CAUSAL:
+                        chunk_need = positions(c * CHUNK_ROWS, src, S, W, ZIGZAG) <= my_last
+                    if chunk_need:
                         flag = flags + (slot * B * HKV + b * HKV + hkv) * n_chunks + c
                         ok = poll_ge(flag, epoch, ctl, timeout_ns, INTERPRET)
                         if ok == 0:
@@ -354,6 +487,7 @@ def ring_attn_bwd_kernel(
         else:
             k_base = k_ptr + bkv
             v_base = v_ptr + bkv
+            seg_k = seg_ptr + b.to(tl.int64) * S
             row_stride = rank * 0 + HKV * D
         tl.debug_barrier()  # every thread's loads below after the acquires above (see the dQ task)
         dk = tl.zeros([KV_BLOCK_N, BLOCK_D], tl.float32)
@@ -365,20 +499,47 @@ def ring_attn_bwd_kernel(
             v = tl.load(v_base + kv_off, mask=kv_mask, other=0.0)
             offs_mk = tl.arange(0, KV_BLOCK_M)
             n_mfull = S // KV_BLOCK_M
+            seg_q = seg_ptr + b.to(tl.int64) * S  # the local queries' ids (SEGMENTED only)
+            if SEGMENTED:
+                # The block's ids (after the wait: they travel with it) narrow the local query blocks to those
+                # that may hold a pair (protocol.seg_blocks); the partial is sent all the same (its owner cannot
+                # know this rank's ids, so it waits for it whenever positions say a local query sees the block).
+                k_seg, s_lo, s_hi, t_id = tile_ids(seg_k, rows_n, row_ok)
+                i_lo, i_full, i_fend, i_hi = seg_blocks(seg_q, i_lo, i_hi, ql1, qh1, ql2, qh2, i_full, i_fend, s_lo,
+                                                        s_hi, t_id, KV_BLOCK_M)
+            else:
+                k_seg = k_pos  # unused
             # Fixed order: head g of the group, then local query blocks (deterministic accumulation).
             for g in range(0, G):
                 h = hkv * G + g
                 q_base = b.to(tl.int64) * S * H * D + h * D
                 row_base = (b.to(tl.int64) * H + h) * S
-                dk, dv = _dkdv_blocks(dk, dv, k, v, k_pos, q_ptr, do_ptr, lse_ptr, delta_ptr, q_base, row_base,
-                                      i_lo, tl.minimum(i_full, n_mk), rank, S, qk_scale, offs_mk, offs_d, H, W, D,
-                                      KV_BLOCK_M, BLOCK_D, True, CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION)
-                dk, dv = _dkdv_blocks(dk, dv, k, v, k_pos, q_ptr, do_ptr, lse_ptr, delta_ptr, q_base, row_base,
-                                      i_full, n_mfull, rank, S, qk_scale, offs_mk, offs_d, H, W, D,
-                                      KV_BLOCK_M, BLOCK_D, False, CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION)
-                dk, dv = _dkdv_blocks(dk, dv, k, v, k_pos, q_ptr, do_ptr, lse_ptr, delta_ptr, q_base, row_base,
-                                      tl.maximum(i_full, n_mfull), n_mk, rank, S, qk_scale, offs_mk, offs_d, H, W,
-                                      D, KV_BLOCK_M, BLOCK_D, True, CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION)
+                if WINDOW or SEGMENTED:
+                    dk, dv = _dkdv_blocks(dk, dv, k, v, k_pos, k_seg, q_ptr, do_ptr, lse_ptr, delta_ptr, seg_q, q_base,
+                                          row_base, i_lo, i_full, rank, S, qk_scale, offs_mk, offs_d, H, W, D,
+                                          KV_BLOCK_M, BLOCK_D, True, CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION, WINDOW,
+                                          WIN_LEFT, WIN_RIGHT, SEGMENTED)
+                    dk, dv = _dkdv_blocks(dk, dv, k, v, k_pos, k_seg, q_ptr, do_ptr, lse_ptr, delta_ptr, seg_q, q_base,
+                                          row_base, i_full, i_fend, rank, S, qk_scale, offs_mk, offs_d, H, W, D,
+                                          KV_BLOCK_M, BLOCK_D, False, CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION, WINDOW,
+                                          WIN_LEFT, WIN_RIGHT, SEGMENTED)
+                    dk, dv = _dkdv_blocks(dk, dv, k, v, k_pos, k_seg, q_ptr, do_ptr, lse_ptr, delta_ptr, seg_q, q_base,
+                                          row_base, i_fend, i_hi, rank, S, qk_scale, offs_mk, offs_d, H, W, D,
+                                          KV_BLOCK_M, BLOCK_D, True, CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION, WINDOW,
+                                          WIN_LEFT, WIN_RIGHT, SEGMENTED)
+                else:
+                    dk, dv = _dkdv_blocks(dk, dv, k, v, k_pos, k_seg, q_ptr, do_ptr, lse_ptr, delta_ptr, seg_q, q_base,
+                                          row_base, i_lo, tl.minimum(i_full, n_mk), rank, S, qk_scale, offs_mk, offs_d,
+                                          H, W, D, KV_BLOCK_M, BLOCK_D, True, CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION,
+                                          WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)
+                    dk, dv = _dkdv_blocks(dk, dv, k, v, k_pos, k_seg, q_ptr, do_ptr, lse_ptr, delta_ptr, seg_q, q_base,
+                                          row_base, i_full, n_mfull, rank, S, qk_scale, offs_mk, offs_d, H, W, D,
+                                          KV_BLOCK_M, BLOCK_D, False, CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION, WINDOW,
+                                          WIN_LEFT, WIN_RIGHT, SEGMENTED)
+                    dk, dv = _dkdv_blocks(dk, dv, k, v, k_pos, k_seg, q_ptr, do_ptr, lse_ptr, delta_ptr, seg_q, q_base,
+                                          row_base, tl.maximum(i_full, n_mfull), n_mk, rank, S, qk_scale, offs_mk,
+                                          offs_d, H, W, D, KV_BLOCK_M, BLOCK_D, True, CAUSAL, ZIGZAG, INTERPRET,
+                                          DOT_PRECISION, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)
 
         part_rows = rows_n[:, None].to(tl.int64) * D + offs_d[None, :]
         out_mask = n_valid[:, None] & dmask[None, :]
@@ -403,7 +564,9 @@ def ring_attn_bwd_kernel(
             for r in tl.static_range(W):
                 if r != rank:
                     peer_sends = True
-                    if CAUSAL:
+                    if WINDOW:
+                        peer_sends = rows_seen(n0, n1, rank, r, S, W, ZIGZAG, CAUSAL, WIN_LEFT, WIN_RIGHT)
+                    elif CAUSAL:
                         peer_sends = k_pos_min <= last_pos(r, S, W, ZIGZAG)
                     if peer_sends:
                         rslot = (r - rank + W) % W - 1
@@ -428,7 +591,9 @@ def ring_attn_bwd_kernel(
                         total += local
                     else:
                         peer_sends = True
-                        if CAUSAL:
+                        if WINDOW:
+                            peer_sends = rows_seen(n0, n1, rank, r, S, W, ZIGZAG, CAUSAL, WIN_LEFT, WIN_RIGHT)
+                        elif CAUSAL:
                             peer_sends = k_pos_min <= last_pos(r, S, W, ZIGZAG)
                         if peer_sends:
                             rslot = (r - rank + W) % W - 1

@@ -32,6 +32,24 @@ def is_masked(*, is_causal: bool, window=NO_WINDOW, segmented: bool = False) -> 
     return bool(is_causal) or tuple(window) != NO_WINDOW or bool(segmented)
 
 
+def kernel_window(is_causal: bool, window, seq_global: int) -> tuple:
+    """The window as the fused kernels apply it: ``(left, right)`` with a side that masks nothing set to -1, so
+    that calls that mask alike carry the same window (their call signatures agree) and a window that masks
+    nothing costs nothing. A side that reaches every token of a sequence of ``seq_global`` tokens (at least
+    ``seq_global - 1``) is unbounded; under ``is_causal`` the right side is (causal masking already hides every
+    key after the query). Also keeps ``position + side`` within int32 in the kernels.
+
+    >>> kernel_window(True, (128, 0), 4096), kernel_window(False, (8000, 3), 4096)
+    ((128, -1), (-1, 3))
+    """
+    left, right = (int(w) for w in window)
+    if left >= seq_global - 1:
+        left = -1
+    if is_causal or right >= seq_global - 1:
+        right = -1
+    return left, right
+
+
 def allowed(q_pos, k_pos, *, is_causal: bool, window=NO_WINDOW, q_segment_ids=None, k_segment_ids=None,
             head_axes: int = 2):
     """Where query tokens attend key tokens: a boolean array, True = attend; None when nothing is masked.

@@ -4,15 +4,22 @@ and the simulator (grid, block sizes, constexprs, scalars and their types, outpu
 Kernel argument order (what jax-triton passes, and the torch launcher passes the same list: inputs, runtime
 scalars, outputs, constexprs):
 
-    forward:  q, k, v, ctx | B, S, sm_scale, timeout_ns | out, lse, status | constexprs
-    backward: q, k, v, out, dout, lse, dlse, ctx | B, S, sm_scale, timeout_ns, part_off |
+    forward:  q, k, v, seg, ctx | B, S, sm_scale, timeout_ns | out, lse, status | constexprs
+    backward: q, k, v, out, dout, lse, dlse, seg, ctx | B, S, sm_scale, timeout_ns, part_off |
               dq, dk, dv, delta, status | constexprs
-              (dlse: the cotangent of lse, float32 [B, H, S]; zeros when lse carries no gradient)
+              (dlse: the cotangent of lse, float32 [B, H, S]; zeros when lse carries no gradient;
+              seg: this rank's segment ids, int32 [B, S] in layout order, read only with SEGMENTED (else any
+              int32 array: the launchers pass a one-element dummy))
+
+The window is a pair of constexprs (WIN_LEFT, WIN_RIGHT, as ring_core.masks.kernel_window gives them; WINDOW
+says whether there is one), not runtime scalars: a kernel is compiled per window, which is one or two per model
+(a local and a global layer type), and in exchange every test on an unbounded side folds away.
 
 Heap use of one call (regions of ring_core.control.HeapLayout; flags in the ring's slot):
-    forward   receive region [W-1][K|V][B][HKV][S][D] (input dtype); a flag per pushed chunk
-    backward  the same K/V, then from ``part_off`` the peers' partial dK/dV [W-1][dK|dV][B][HKV][S][D] in
-              float32; a flag per pushed chunk, then one per partial block
+    forward   receive region [W-1][K|V][B][HKV][S][D] (input dtype), with segment ids then the peers' ids
+              [W-1][B][HKV][S] int32 (each pushed chunk carries its rows' ids); a flag per pushed chunk
+    backward  the same K/V (and ids), then from ``part_off`` the peers' partial dK/dV [W-1][dK|dV][B][HKV][S][D]
+              in float32; a flag per pushed chunk, then one per partial block
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ring_core import control
+from ring_core import control, masks
 from ring_core.control import HeapLayout, HeapTooSmallError
 from ring_core.validate import AttentionSpec
 
@@ -135,8 +142,15 @@ class LaunchPlan:
 
     @property
     def kv_bytes(self) -> int:
-        """Receive bytes of the peers' K/V (the backward's partials follow from ``part_off``)."""
-        return recv_bytes(self.spec, self.world_size)
+        """Receive bytes of the peers' K/V (then their segment ids, if any; the backward's partials follow from
+        ``part_off``)."""
+        return kv_bytes(self.spec, self.world_size)
+
+    @property
+    def window(self) -> tuple:
+        """(left, right) as the kernels apply it (ring_core.masks.kernel_window): (-1, -1) when nothing is masked
+        by position beyond ``is_causal``."""
+        return masks.kernel_window(self.spec.is_causal, self.spec.window, self.world_size * self.spec.seq_local)
 
     def constexprs(self, *, sticky_errors: bool = False) -> dict:
         """The kernel's constexprs; ``sticky_errors``: keep a failed call's status on the heap for the host
@@ -147,7 +161,8 @@ class LaunchPlan:
             CHUNK_BLOCKS=self.chunk_blocks, PUSH_ROWS=c.push_rows, SEG_BLOCKS=c.seg_blocks, POLL_N=control.POLL_N,
             PUSH_VEC=store_hint(s.head_dim, ELEM_BYTES[s.dtype]), CAUSAL=s.is_causal, ZIGZAG=s.layout == "zigzag",
             INTERPRET=self.interpret, DOT_PRECISION="ieee", SIG_DTYPE=control.DTYPE_CODES[s.dtype],
-            STICKY_ERRORS=sticky_errors,
+            STICKY_ERRORS=sticky_errors, WINDOW=self.window != masks.NO_WINDOW, WIN_LEFT=self.window[0],
+            WIN_RIGHT=self.window[1], SEGMENTED=bool(s.segmented),
         )
         if self.kind == control.KIND_FWD:
             return dict(shared, BLOCK_M=c.block_m, BLOCK_N=c.block_n)
@@ -205,15 +220,28 @@ def heap_bytes_for(recv_need: int) -> int:
     return -(-total // (1 << 20)) << 20
 
 
-def recv_bytes(spec: AttentionSpec, world_size: int) -> int:
-    """Receive bytes of one forward call: the peers' K/V."""
+def kv_bytes(spec: AttentionSpec, world_size: int) -> int:
+    """Receive bytes of the peers' K/V."""
     return (world_size - 1) * 2 * spec.batch * spec.num_kv_heads * spec.seq_local * spec.head_dim * ELEM_BYTES[spec.dtype]
 
 
+def seg_bytes(spec: AttentionSpec, world_size: int) -> int:
+    """Receive bytes of the peers' segment ids (0 without): int32 [W-1][B][HKV][S], right after the K/V. Each
+    pushed K/V chunk carries its rows' ids (so one acquire covers both); per kv head, so that a chunk's ids
+    are written by the unit that flags it, at 4 / (4 * head_dim) of the K/V's bytes or less."""
+    return (world_size - 1) * spec.batch * spec.num_kv_heads * spec.seq_local * 4 if spec.segmented else 0
+
+
+def recv_bytes(spec: AttentionSpec, world_size: int) -> int:
+    """Receive bytes of one forward call: the peers' K/V and, with segment ids, theirs."""
+    return kv_bytes(spec, world_size) + seg_bytes(spec, world_size)
+
+
 def bwd_recv_bytes(spec: AttentionSpec, world_size: int) -> tuple:
-    """(K/V bytes, byte offset of the partial-dK/dV region, total receive bytes) of one backward call."""
-    kv = recv_bytes(spec, world_size)
-    part_off = control._align(kv)
+    """(K/V bytes, byte offset of the partial-dK/dV region, total receive bytes) of one backward call (the
+    segment ids, if any, between the K/V and the partials)."""
+    kv = kv_bytes(spec, world_size)
+    part_off = control._align(kv + seg_bytes(spec, world_size))
     part = (world_size - 1) * 2 * spec.batch * spec.num_kv_heads * spec.seq_local * spec.head_dim * 4
     return kv, part_off, (part_off + part) if world_size > 1 else 0
 
@@ -242,6 +270,8 @@ def _chunking(what: str, n_blocks: int, chunk_blocks: int, flags_for, capacity: 
 
 
 def _too_small(what: str, need: int, have: int, spec: AttentionSpec, world_size: int, detail: str):
+    if spec.segmented:
+        detail = f"{detail}, and their segment ids: {seg_bytes(spec, world_size)} bytes"
     return HeapTooSmallError(
         f"this {what} needs {need} bytes of symmetric-heap receive space ({world_size - 1} peers x K and V of "
         f"[{spec.batch}, {spec.seq_local}, {spec.num_kv_heads}, {spec.head_dim}] {spec.dtype}{detail}) but the "

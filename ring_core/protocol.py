@@ -10,8 +10,8 @@ Protocol (per call; "epoch" = this rank's call counter + 1, equal on every rank 
 ----------------------------------------------------------------------------------------
 * Call check. Before anything is pushed or waited for, every rank checks that every peer makes the same
   call: the first program of the call publishes the call's signature (kernel, world size, shapes, dtype,
-  causal/layout, scale, chunking; ``call_words``) into its inbox slot on every peer, and every program
-  waits (bounded) for every peer's signature of this epoch and compares (``check_call``). On a
+  causal/layout/segment ids, scale, chunking, window; ``call_words``) into its inbox slot on every peer, and
+  every program waits (bounded) for every peer's signature of this epoch and compares (``check_call``). On a
   difference (or a peer at another epoch) the rank records the error with both signatures and pushes
   nothing, so a peer's differently sized receive slots are never written; every later wait gives up at
   once. Every rank sees the difference, so every rank raises, and the epochs stay in step.
@@ -22,19 +22,70 @@ Protocol (per call; "epoch" = this rank's call counter + 1, equal on every rank 
   receiver with a release ``iris.atomic_xchg`` (system scope, after a CTA barrier so every thread's stores
   are ordered before it). Under causal masking a unit that the receiver can never see (its first
   position after the receiver's last query position) is claimed but neither copied nor flagged: no tile
-  of the receiver waits for it.
+  of the receiver waits for it. With a window, the same for a unit none of whose rows any query of the
+  receiver sees by position (``chunk_needed``). With segment ids, a unit also carries its rows' ids.
 * Compute. A program owns one (batch, head, BLOCK_M query rows) tile. Ring step 0 uses the local K/V and
   waits for nothing; during it the program claims one push unit every SEG_BLOCKS K/V blocks (overlap;
   the claims sit between the software-pipelined inner loops). Before its first wait a program drains the
-  claim counter (pushes until no unit is left). Ring step t >= 1 processes the K/V of rank ``rank-t``:
+  claim counter (pushes until no unit is left), and every program drains it at ring step 1 whether or not
+  it then waits (a tile may need nothing from any peer). Ring step t >= 1 processes the K/V of rank ``rank-t``:
   before its loops over K/V blocks it waits (acquire; one vector poll over the chunk flags) until the
   flag of every chunk it will read equals ``epoch`` (not inside the loops: see the comment there).
   Positions grow with the local row in both layouts, so the K/V a tile sees is a prefix of the source's
   shard: blocks every query sees whole run in an unmasked loop, the diagonal and tail in a masked one,
-  and blocks causal masking hides completely are neither waited for, loaded nor computed.
+  and blocks causal masking hides completely are neither waited for, loaded nor computed (windows and
+  segment ids: below).
 * End. The last program to finish (atomic finish counter) tells every peer "I am done with this epoch"
   (release flag in the peer's barrier slot), waits for the same from every peer, copies the error record
   into ``status``, resets the claim/finish counters and stores ``epoch`` as the new call counter.
+
+Windows and segment ids (issue 20): what travels, what is skipped, what is still waited for
+-----------------------------------------------------------------------------------------
+The rule is ring_core.masks.allowed's, in global positions. The window is a pair of constexprs (as
+ring_core.masks.kernel_window normalises it: a side that masks nothing is -1, the right side under causal
+masking too); segment ids are an int32 input, this rank's tokens in layout order, serving its queries and
+its keys.
+
+* Windows are positions, known to every rank without data, like causal masking. Positions grow with the
+  local row in both layouts, so the keys of a source shard within reach of one run of consecutive query
+  positions are one run of rows (``span_rows``); a tile's rows are one run of positions (contiguous) or two
+  (a zigzag tile that holds rows of both chunks of its shard: ``query_intervals``), so the rows it may see
+  are at most two runs [lo1, hi1) | [lo2, hi2), and those every one of its queries sees one run
+  (``rows_within``). Blocks within the latter run unmasked (the plain pipelined loop), blocks that meet the
+  former but not wholly the latter masked (a masked loop before the unmasked one and one after it), no other
+  block is waited for, loaded or computed, and a masked block loads only rows of the runs (the others may not
+  have been sent, and no value of a row the tile cannot attend should reach it). A tile waits for exactly the
+  chunks that hold rows of its runs (``wait_rows``): none at all for a ring step it does not need.
+  Pushes: a chunk is sent and flagged iff some query of the receiver sees one of its rows (``chunk_needed``,
+  the runs of the receiver's whole shard). A tile's runs lie within its shard's (the runs are monotone in the
+  query positions), so every chunk a tile waits for is pushed. The backward applies the same tests to dQ
+  tiles; a partial task computes and sends its K/V block's partial iff some local query sees a row of the
+  block (``rows_seen``), the owner's final task waits for it iff the same function of (owner, peer) says so;
+  the partial task reads only the block's rows that local queries see (the chunks it waits for are those the
+  pusher sent by the same test), and runs over the local query blocks within reach of the block's keys
+  (``span_rows`` transposed: masked edges, unmasked middle).
+* Segment ids are values: a rank knows its own, not its peers'. They travel with the K/V: each pushed chunk
+  carries its rows' ids into an int32 part of the receive region ([W-1][B][HKV][S], after the K/V: one copy
+  per kv head, so that the unit that flags a chunk wrote its ids, 1/D of the K/V's bytes), stored before the
+  chunk's release flag, so the acquire that covers the K/V covers the ids. What segment ids skip without
+  data not yet there: a tile of padding rows only (its own ids: it attends nothing, waits for nothing, loads
+  nothing). What they skip once the chunk has arrived: compute and loads. Before a ring step's loops a range
+  pass (``seg_blocks``, vectorised over 2048 ids at a time) takes each K/V block's [min, max] of non-padding
+  ids against the tile's [s_lo, s_hi]: a block whose range does not meet the tile's holds no attended pair,
+  and the loops run only over the blocks from the first that meets it to the last; blocks (of the position-
+  whole ones) whose every row carries the tile's one id, when it has one, run unmasked. With ids
+  non-decreasing in position (packed sequences, ``segment_ids_from_cu_seqlens``) this is exact: the blocks
+  that meet a tile are one run, so are those of its one id; with any other ids the masked loop still masks
+  every pair, it only skips less. In a masked block, rows whose id lies outside [s_lo, s_hi] (padding too)
+  load as 0. The backward's dK/dV tasks do the same over the local query blocks against their K/V block's
+  ids.
+  Still waited for, and why: every chunk the *positions* say a tile may see. A receiver cannot read a chunk's
+  ids before the chunk's flag, and pushing the ids ahead with flags of their own would add a wait (for the
+  ids) per ring step to save one that usually costs nothing: every rank pushes all its units at the start of
+  the call, so a tile's wait overlaps its ring step 0 and the transfers of the earlier steps. Segment ids
+  never decide a push, nor whether a partial is sent: the sender would need its receiver's ids, i.e. a wait
+  before pushing, which would break the argument below (pushes never wait). A partial whose block no local
+  query attends is sent as zeros (its owner, not knowing this rank's ids, waits for it).
 
 Why it cannot deadlock
 ----------------------
@@ -42,11 +93,19 @@ A program waits only for (0) the peers' signatures, (a) flags of units pushed by
 (b) the end barrier. (0) A signature is published by whichever program of the peer's kernel claims the
 publishing first, before it waits for anything; so it is published as soon as any program there runs.
 (a) Units are pushed by programs that claimed them; claiming and pushing never wait on anything, and
-every program drains the claim counter before its first wait. So all units of rank s are pushed as soon
+every program drains the claim counter before its first wait, and before it ends even if it never waits
+(a tile of padding rows, or one whose window sees no peer, waits for nothing). So all units of rank s are
+pushed as soon
 as *any* program of the kernel on rank s runs; no wait depends on a particular program being resident.
 Hence it holds for any grid size, however many CTAs the GPU holds at once, in whatever order the hardware
 dispatches them, and while other kernels occupy SMs (they delay but cannot block us unless they
 themselves wait for this kernel on another rank, which is a program-order bug the timeout reports).
+With a window or segment ids, no unit that is waited for goes unpushed: a tile waits only for chunks that hold
+a row its queries see by position, and the pusher sends every chunk that holds a row some query of the
+receiver sees by position (``chunk_needed``; a tile's queries are some of its shard's, and the rows within
+reach grow with the query positions). Both depend on positions and constexprs only, never on data, and the
+call check makes every rank use the same window and chunking. Segment ids are read only after the wait that
+covers them and narrow only the loops after it, so they change no wait.
 (b) Every program finishes once its (a)-waits are met, so each rank's last program reaches the barrier.
 No cycle exists, and in the Triton interpreter (programs of a rank run one after another) the first
 program pushes everything before waiting, so one thread per rank completes too.
@@ -101,7 +160,10 @@ Waits: (a) K/V flags (dQ and partial tasks), (b) the delta count (partial and fi
 flags (final tasks), (d) the end barrier. Producers never wait on a final task; nothing waits on work
 that is assigned to one particular program.
 (a) As in the forward: claiming and pushing never wait, and every task drains the claim counter before
-its first wait, so all units of rank s are pushed as soon as any program of the kernel on s runs.
+its first wait (dQ tasks at ring step 1 whether or not they wait), so all units of rank s are pushed as soon
+as any program of the kernel on s runs. A dQ or partial task waits only for chunks the pusher sends (the same
+position test as the forward); a final task waits for a peer's partial iff the peer's partial task sends it
+(one function, ``rows_seen``, of the same arguments on both sides; segment ids never decide a send).
 (b) A task waiting for delta holds a ticket later than every dQ ticket, so every dQ task is held by a
 program that has started (tickets are taken at program start); a dQ task publishes delta before its
 first wait, so the count completes whatever else is waiting.
@@ -262,8 +324,9 @@ def record_error(ctl, code, peer, step, chunk):
 @triton.jit
 def call_words(KIND: tl.constexpr, B, S, sm_scale, W: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr,
                D: tl.constexpr, SIG_DTYPE: tl.constexpr, CAUSAL: tl.constexpr, ZIGZAG: tl.constexpr,
-               CHUNK_ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    """This call's signature words 1..12 (word 0, the epoch, is left 0): ring_core.control.call_signature
+               CHUNK_ROWS: tl.constexpr, BLOCK: tl.constexpr, WIN_LEFT: tl.constexpr,
+               WIN_RIGHT: tl.constexpr, SEGMENTED: tl.constexpr):
+    """This call's signature words 1..14 (word 0, the epoch, is left 0): ring_core.control.call_signature
     builds the same words on the host, which is how the host describes a mismatch."""
     i = tl.arange(0, SIG_WORDS)
     zero = i * 0
@@ -279,9 +342,15 @@ def call_words(KIND: tl.constexpr, B, S, sm_scale, W: tl.constexpr, H: tl.conste
         w = tl.where(i == 9, w + 1, w)
     if ZIGZAG:
         w = tl.where(i == 9, w + 2, w)
+    if SEGMENTED:
+        w = tl.where(i == 9, w + 4, w)
     w = tl.where(i == 10, (zero.to(tl.float32) + sm_scale).to(tl.int32, bitcast=True), w)  # scale's bits
     w = tl.where(i == 11, CHUNK_ROWS, w)
     w = tl.where(i == 12, BLOCK, w)
+    if WIN_LEFT >= 0:  # the window's sides + 1: 0 (no word written) is unbounded
+        w = tl.where(i == 13, WIN_LEFT + 1, w)
+    if WIN_RIGHT >= 0:
+        w = tl.where(i == 14, WIN_RIGHT + 1, w)
     return w
 
 
@@ -427,11 +496,183 @@ def block_range(q_pos_min, q_pos_max, src, S, W: tl.constexpr, BLOCK_N: tl.const
     return seen, tl.cdiv(seen, BLOCK_N), n_full
 
 
+# ---- masks beyond causal: windows by position, segment ids by value ---------------------------------------------
+BIG_ID = tl.constexpr(2147483647)
+
+
 @triton.jit
-def push_unit(u, k_ptr, v_ptr, recv_ptr, flags_ptr, heap_bases, rank, epoch, B, S, n_chunks,
+def query_intervals(r0, r1, rank, S, W: tl.constexpr, ZIGZAG: tl.constexpr):
+    """The global positions of ``rank``'s local rows [r0, r1) (r0 < r1) as two runs of consecutive positions,
+    [a1, b1] then [a2, b2], either empty (a > b): zigzag, the rows in the shard's first chunk, then those in its
+    second; contiguous, one run (the second empty)."""
+    if ZIGZAG:
+        c = S // 2
+        a1 = rank * c + r0
+        b1 = rank * c + tl.minimum(r1, c) - 1
+        base2 = (2 * W - 2 - rank) * c  # position of row r >= c: base2 + r
+        a2 = base2 + tl.maximum(r0, c)
+        b2 = base2 + r1 - 1
+    else:
+        a1 = rank * S + r0
+        b1 = rank * S + r1 - 1
+        a2 = a1 * 0 + 1
+        b2 = a1 * 0
+    return a1, b1, a2, b2
+
+
+@triton.jit
+def span_rows(a, b, src, S, W: tl.constexpr, ZIGZAG: tl.constexpr, CAUSAL: tl.constexpr, WIN_LEFT: tl.constexpr,
+              WIN_RIGHT: tl.constexpr, KEYS: tl.constexpr):
+    """Rows [lo, hi) of rank ``src``'s shard within reach of positions a..b (hi <= lo: none). Positions grow with
+    the local row in both layouts, so the rows at positions in an interval are one run.
+    KEYS: src's keys within reach of queries at a..b, positions [a - left, b + right] (right = 0 under causal
+    masking; an unbounded side, -1, reaches the shard's end). For a <= b those are the keys *some* query in
+    a..b sees; called with a = the largest query position and b = the smallest, those *every* one sees.
+    Not KEYS, the transpose: src's queries within reach of keys at a..b, positions [a - right, b + left]."""
+    lo = a * 0
+    hi = a * 0 + S
+    if KEYS:
+        if WIN_LEFT >= 0:
+            lo = visible_rows(a - WIN_LEFT - 1, src, S, W, ZIGZAG)
+        if CAUSAL:
+            hi = visible_rows(b, src, S, W, ZIGZAG)
+        elif WIN_RIGHT >= 0:
+            hi = visible_rows(b + WIN_RIGHT, src, S, W, ZIGZAG)
+    else:
+        if CAUSAL:
+            lo = visible_rows(a - 1, src, S, W, ZIGZAG)
+        elif WIN_RIGHT >= 0:
+            lo = visible_rows(a - WIN_RIGHT - 1, src, S, W, ZIGZAG)
+        if WIN_LEFT >= 0:
+            hi = visible_rows(b + WIN_LEFT, src, S, W, ZIGZAG)
+    return lo, hi
+
+
+@triton.jit
+def rows_within(r0, r1, owner, other, S, W: tl.constexpr, ZIGZAG: tl.constexpr, CAUSAL: tl.constexpr,
+                WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, KEYS: tl.constexpr):
+    """For the tokens of ``owner``'s local rows [r0, r1) (KEYS: queries; else keys), the rows of rank ``other``
+    (KEYS: its keys; else its queries) that the mask's positions let meet them: ``[lo1, hi1) | [lo2, hi2)``,
+    the rows some token of each run (``query_intervals``) reaches, each (0, 0) when empty, the first run's
+    before the second's (lo1 <= lo2, hi1 <= hi2); and ``[f_lo, f_hi)`` ((0, 0) when empty), the rows every
+    token of [r0, r1) reaches. Causal masking and the window only: segment ids are values, not positions."""
+    a1, b1, a2, b2 = query_intervals(r0, r1, owner, S, W, ZIGZAG)
+    lo1, hi1 = span_rows(a1, b1, other, S, W, ZIGZAG, CAUSAL, WIN_LEFT, WIN_RIGHT, KEYS)
+    ne1 = (hi1 > lo1) & (a1 <= b1)
+    lo2, hi2 = span_rows(a2, b2, other, S, W, ZIGZAG, CAUSAL, WIN_LEFT, WIN_RIGHT, KEYS)
+    ne2 = (hi2 > lo2) & (a2 <= b2)
+    first = tl.where(a1 <= b1, a1, a2)
+    last = tl.where(a2 <= b2, b2, b1)
+    f_lo, f_hi = span_rows(last, first, other, S, W, ZIGZAG, CAUSAL, WIN_LEFT, WIN_RIGHT, KEYS)
+    nef = f_hi > f_lo
+    return (tl.where(ne1, lo1, 0), tl.where(ne1, hi1, 0), tl.where(ne2, lo2, 0), tl.where(ne2, hi2, 0),
+            tl.where(nef, f_lo, 0), tl.where(nef, f_hi, 0))
+
+
+@triton.jit
+def overlaps(r0, r1, lo, hi):
+    """Whether rows [r0, r1) meet the run [lo, hi)."""
+    return (hi > lo) & (r0 < hi) & (r1 > lo)
+
+
+@triton.jit
+def in_rows(rows, lo1, hi1, lo2, hi2):
+    return ((rows >= lo1) & (rows < hi1)) | ((rows >= lo2) & (rows < hi2))
+
+
+@triton.jit
+def row_blocks(lo1, hi1, lo2, hi2, f_lo, f_hi, BLOCK: tl.constexpr):
+    """(j_lo, nf_lo, nf_hi, j_hi): blocks of BLOCK rows [j_lo, j_hi) cover the rows [lo1, hi1) | [lo2, hi2)
+    (``rows_within``); the blocks [nf_lo, nf_hi), inside them, lie whole within [f_lo, f_hi). Between j_lo
+    and j_hi, blocks outside [nf_lo, nf_hi) need masks."""
+    lo = tl.where(hi1 > lo1, lo1, lo2)
+    hi = tl.where(hi2 > lo2, hi2, hi1)
+    j_lo = lo // BLOCK
+    j_hi = tl.maximum(tl.cdiv(hi, BLOCK), j_lo)
+    nf_lo = tl.minimum(tl.maximum(tl.cdiv(f_lo, BLOCK), j_lo), j_hi)
+    nf_hi = tl.maximum(tl.minimum(f_hi // BLOCK, j_hi), nf_lo)
+    return j_lo, nf_lo, nf_hi, j_hi
+
+
+@triton.jit
+def rows_seen(r0, r1, src, dst, S, W: tl.constexpr, ZIGZAG: tl.constexpr, CAUSAL: tl.constexpr,
+              WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr):
+    """With a window: whether some query of rank ``dst`` sees, by position, a row of rank ``src``'s K/V rows
+    [r0, r1). Both sides of every skipped transfer decide with it: the pusher whether to send and flag a chunk
+    and a receiving task whether to wait for it (``chunk_needed``); a backward partial task whether to compute
+    and send its block's partial, and the block's owner whether to wait for it. One function, so the sides
+    agree."""
+    lo1, hi1, lo2, hi2, _, _ = rows_within(0, S, dst, src, S, W, ZIGZAG, CAUSAL, WIN_LEFT, WIN_RIGHT, True)
+    return overlaps(r0, r1, lo1, hi1) | overlaps(r0, r1, lo2, hi2)
+
+
+@triton.jit
+def chunk_needed(c, src, dst, S, CHUNK_ROWS, W: tl.constexpr, ZIGZAG: tl.constexpr, CAUSAL: tl.constexpr,
+                 WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr):
+    """With a window: whether rank ``src`` pushes chunk ``c`` of its K/V to rank ``dst`` (``rows_seen``)."""
+    return rows_seen(c * CHUNK_ROWS, tl.minimum(S, c * CHUNK_ROWS + CHUNK_ROWS), src, dst, S, W, ZIGZAG, CAUSAL,
+                     WIN_LEFT, WIN_RIGHT)
+
+
+@triton.jit
+def tile_ids(seg_base, rows, row_ok):
+    """A tile's segment ids and what the skipping needs of them: (ids (-1 where not ``row_ok``), s_lo, s_hi, t):
+    [s_lo, s_hi] bounds its non-padding ids (s_hi < 0: every row is padding, the tile attends nothing); t is its
+    one id when every row carries the same id >= 0, else -2."""
+    ids = tl.load(seg_base + rows, mask=row_ok, other=-1)
+    s_lo = tl.min(tl.where(ids >= 0, ids, BIG_ID), axis=0)
+    s_hi = tl.max(ids, axis=0)
+    u_lo = tl.min(tl.where(row_ok, ids, BIG_ID), axis=0)
+    t = tl.where((u_lo == s_hi) & (u_lo >= 0), u_lo, -2)
+    return ids, s_lo, s_hi, t
+
+
+@triton.jit
+def seg_blocks(seg_base, j_lo, j_hi, lo1, hi1, lo2, hi2, nf_lo, nf_hi, s_lo, s_hi, t, BLOCK: tl.constexpr):
+    """The range pass of segment ids, before a loop over blocks [j_lo, j_hi) of BLOCK rows of the other side
+    (keys for a query tile, queries for a K/V block), whose ids are at ``seg_base`` and which may be read only
+    in rows [lo1, hi1) | [lo2, hi2) (rows another rank did not send are never read). A block whose non-padding
+    ids all lie outside [s_lo, s_hi] (the tile's, ``tile_ids``) holds no pair the tile attends. Returns
+    (first, f_first, f_end, end): every block that may hold one lies in [first, end), so the loops skip the
+    rest (neither loaded nor computed); [f_first, f_end) within it are the blocks of [nf_lo, nf_hi) (whole
+    by position) whose every row carries the tile's one id t: no mask, the plain loop. Exact for packed
+    sequences (ids non-decreasing with the position: the blocks that meet the tile are one run, and so are
+    those of its one id); for any other ids the loops still mask each pair, they only skip less."""
+    RB: tl.constexpr = 2048 // BLOCK  # blocks per vector step (2048 ids)
+    offs_b = tl.arange(0, RB)
+    offs_r = tl.arange(0, BLOCK)
+    first = j_hi
+    end = j_lo
+    f_first = j_hi
+    f_end = j_lo
+    n_full = j_lo * 0
+    for j0 in range(j_lo, j_hi, RB):
+        blk = j0 + offs_b
+        rows = blk[:, None] * BLOCK + offs_r[None, :]
+        ok = in_rows(rows, lo1, hi1, lo2, hi2) & (blk < j_hi)[:, None]
+        ids = tl.load(seg_base + rows, mask=ok, other=-1)
+        mine = ok & (ids >= 0)
+        k_min = tl.min(tl.where(mine, ids, BIG_ID), axis=1)
+        k_max = tl.max(tl.where(mine, ids, -1), axis=1)
+        a_min = tl.min(tl.where(ok, ids, BIG_ID), axis=1)
+        hit = (k_min <= s_hi) & (k_max >= s_lo)
+        full = hit & (a_min == t) & (k_max == t) & (blk >= nf_lo) & (blk < nf_hi)
+        first = tl.minimum(first, tl.min(tl.where(hit, blk, j_hi), axis=0))
+        end = tl.maximum(end, tl.max(tl.where(hit, blk + 1, j_lo), axis=0))
+        f_first = tl.minimum(f_first, tl.min(tl.where(full, blk, j_hi), axis=0))
+        f_end = tl.maximum(f_end, tl.max(tl.where(full, blk + 1, j_lo), axis=0))
+        n_full += tl.sum(full.to(tl.int32), axis=0)
+    end = tl.maximum(end, first)
+    one_run = (n_full > 0) & (n_full == f_end - f_first)
+    return first, tl.where(one_run, f_first, end), tl.where(one_run, f_end, end), end
+
+
+@triton.jit
+def push_unit(u, k_ptr, v_ptr, seg_ptr, recv_ptr, seg_recv, flags_ptr, heap_bases, rank, epoch, B, S, n_chunks,
               W: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
               CHUNK_ROWS: tl.constexpr, PUSH_ROWS: tl.constexpr, PUSH_VEC: tl.constexpr,
-              CAUSAL: tl.constexpr, ZIGZAG: tl.constexpr):
+              CAUSAL: tl.constexpr, ZIGZAG: tl.constexpr, WINDOW: tl.constexpr, WIN_LEFT: tl.constexpr,
+              WIN_RIGHT: tl.constexpr, SEGMENTED: tl.constexpr):
     per_peer = B * HKV * n_chunks
     d = u // per_peer + 1
     rem = u % per_peer
@@ -442,7 +683,9 @@ def push_unit(u, k_ptr, v_ptr, recv_ptr, flags_ptr, heap_bases, rank, epoch, B, 
     peer = (rank + d) % W
     slot = d - 1
     needed = True
-    if CAUSAL:
+    if WINDOW:
+        needed = chunk_needed(c, rank, peer, S, CHUNK_ROWS, W, ZIGZAG, CAUSAL, WIN_LEFT, WIN_RIGHT)
+    elif CAUSAL:
         # The receiver sees a row only if its position is <= the receiver's last query position.
         needed = positions(c * CHUNK_ROWS, rank, S, W, ZIGZAG) <= last_pos(peer, S, W, ZIGZAG)
     if needed:
@@ -464,6 +707,11 @@ def push_unit(u, k_ptr, v_ptr, recv_ptr, flags_ptr, heap_bases, rank, epoch, B, 
             iris.store(recv_ptr + dst_k + dst, kt, rank, peer, heap_bases, mask=m, hint=(1, PUSH_VEC))
             vt = tl.load(v_ptr + src, mask=m)
             iris.store(recv_ptr + dst_v + dst, vt, rank, peer, heap_bases, mask=m, hint=(1, PUSH_VEC))
+            if SEGMENTED:
+                # The rows' segment ids ride with them, before the same release: one acquire covers both.
+                ids = tl.load(seg_ptr + b.to(tl.int64) * S + rows, mask=rows < r_end)
+                dst_s = ((slot * B + b).to(tl.int64) * HKV + hkv) * S
+                iris.store(seg_recv + dst_s + rows, ids, rank, peer, heap_bases, mask=rows < r_end)
         # Every thread's stores must be ordered before the release below (cumulativity through bar.sync).
         tl.debug_barrier()
         iris.atomic_xchg(flags_ptr + (slot * B * HKV + bh) * n_chunks + c, epoch, rank, peer, heap_bases,
@@ -471,34 +719,39 @@ def push_unit(u, k_ptr, v_ptr, recv_ptr, flags_ptr, heap_bases, rank, epoch, B, 
 
 
 @triton.jit
-def claim_push(ctl, n_units, k_ptr, v_ptr, recv, flags, heap_bases, rank, epoch, B, S, n_chunks,
+def claim_push(ctl, n_units, k_ptr, v_ptr, seg_ptr, recv, seg_recv, flags, heap_bases, rank, epoch, B, S, n_chunks,
                W: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                CHUNK_ROWS: tl.constexpr, PUSH_ROWS: tl.constexpr, VEC: tl.constexpr, CAUSAL: tl.constexpr,
-               ZIGZAG: tl.constexpr):
+               ZIGZAG: tl.constexpr, WINDOW: tl.constexpr, WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr,
+               SEGMENTED: tl.constexpr):
     """Claim one push unit, if any is left, and push it (overlap in ring step 0; never waits)."""
     u0 = tl.atomic_add(ctl + CTL_CLAIM, 1, sem="relaxed", scope="gpu")
     if u0 < n_units:
-        push_unit(u0, k_ptr, v_ptr, recv, flags, heap_bases, rank, epoch, B, S, n_chunks,
-                  W, HKV, D, BLOCK_D, CHUNK_ROWS, PUSH_ROWS, VEC, CAUSAL, ZIGZAG)
+        push_unit(u0, k_ptr, v_ptr, seg_ptr, recv, seg_recv, flags, heap_bases, rank, epoch, B, S, n_chunks,
+                  W, HKV, D, BLOCK_D, CHUNK_ROWS, PUSH_ROWS, VEC, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT,
+                  SEGMENTED)
 
 
 @triton.jit
-def drain_pushes(ctl, n_units, k_ptr, v_ptr, recv, flags, heap_bases, rank, epoch, B, S, n_chunks,
-                 W: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+def drain_pushes(ctl, n_units, k_ptr, v_ptr, seg_ptr, recv, seg_recv, flags, heap_bases, rank, epoch, B, S,
+                 n_chunks, W: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                  CHUNK_ROWS: tl.constexpr, PUSH_ROWS: tl.constexpr, PUSH_VEC: tl.constexpr,
-                 CAUSAL: tl.constexpr, ZIGZAG: tl.constexpr):
-    """Push until no unit is left unclaimed. Called before a task's first wait (see the module docstring)."""
+                 CAUSAL: tl.constexpr, ZIGZAG: tl.constexpr, WINDOW: tl.constexpr, WIN_LEFT: tl.constexpr,
+                 WIN_RIGHT: tl.constexpr, SEGMENTED: tl.constexpr):
+    """Push until no unit is left unclaimed. Called by every task before its first wait and before it ends,
+    whether or not it waits at all (see the module docstring)."""
     u = tl.atomic_add(ctl + CTL_CLAIM, 1, sem="relaxed", scope="gpu")
     while u < n_units:
-        push_unit(u, k_ptr, v_ptr, recv, flags, heap_bases, rank, epoch, B, S, n_chunks,
-                  W, HKV, D, BLOCK_D, CHUNK_ROWS, PUSH_ROWS, PUSH_VEC, CAUSAL, ZIGZAG)
+        push_unit(u, k_ptr, v_ptr, seg_ptr, recv, seg_recv, flags, heap_bases, rank, epoch, B, S, n_chunks,
+                  W, HKV, D, BLOCK_D, CHUNK_ROWS, PUSH_ROWS, PUSH_VEC, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT,
+                  SEGMENTED)
         u = tl.atomic_add(ctl + CTL_CLAIM, 1, sem="relaxed", scope="gpu")
 
 
 
 @triton.jit
-def wait_chunks(flag0, n_need, epoch, ctl, timeout_ns, src, step, INTERPRET: tl.constexpr, POLL_N: tl.constexpr):
-    """Wait (acquire) until the flags ``flag0[0:n_need]`` hold ``epoch``: the chunks of rank ``src``'s K/V that
+def wait_chunks(flag0, c_lo, c_hi, epoch, ctl, timeout_ns, src, step, INTERPRET: tl.constexpr, POLL_N: tl.constexpr):
+    """Wait (acquire) until the flags ``flag0[c_lo:c_hi]`` hold ``epoch``: the chunks of rank ``src``'s K/V that
     a tile of ring step ``step`` reads, POLL_N flags per vector poll (one round trip for many chunks; polled
     one after another they cost about a microsecond each). Call it *before* the loops that read the chunks,
     never inside them: Triton's software pipeliner issues a loop's loads several iterations ahead, so an
@@ -507,8 +760,8 @@ def wait_chunks(flag0, n_need, epoch, ctl, timeout_ns, src, step, INTERPRET: tl.
     this never recurs). Returns 1, or 0 after recording ERR_KV_TIMEOUT (a wait gave up)."""
     ok_all = epoch * 0 + 1
     offs = tl.arange(0, POLL_N)
-    for c0 in range(0, n_need, POLL_N):
-        ok, first = poll_all_ge(flag0 + c0 + offs, c0 + offs < n_need, epoch, ctl, timeout_ns, INTERPRET, POLL_N)
+    for c0 in range(c_lo, c_hi, POLL_N):
+        ok, first = poll_all_ge(flag0 + c0 + offs, c0 + offs < c_hi, epoch, ctl, timeout_ns, INTERPRET, POLL_N)
         if ok == 0:
             record_error(ctl, ERR_KV_TIMEOUT, src, step, c0 + first)
             ok_all = ok_all * 0
@@ -516,6 +769,19 @@ def wait_chunks(flag0, n_need, epoch, ctl, timeout_ns, src, step, INTERPRET: tl.
     # acquires (cumulativity through bar.sync).
     tl.debug_barrier()
     return ok_all
+
+
+@triton.jit
+def wait_rows(flag0, lo1, hi1, lo2, hi2, CHUNK_ROWS: tl.constexpr, epoch, ctl, timeout_ns, src, step,
+              INTERPRET: tl.constexpr, POLL_N: tl.constexpr):
+    """``wait_chunks`` for the chunks that hold rows [lo1, hi1) | [lo2, hi2) (``rows_within``: empty runs are
+    (0, 0), the first before the second): those and no others, each once."""
+    c1_lo = lo1 // CHUNK_ROWS
+    c1_hi = tl.where(hi1 > lo1, tl.cdiv(hi1, CHUNK_ROWS), c1_lo)
+    c2_lo = tl.maximum(lo2 // CHUNK_ROWS, c1_hi)
+    c2_hi = tl.maximum(tl.where(hi2 > lo2, tl.cdiv(hi2, CHUNK_ROWS), c2_lo), c2_lo)
+    ok = wait_chunks(flag0, c1_lo, c1_hi, epoch, ctl, timeout_ns, src, step, INTERPRET, POLL_N)
+    return ok * wait_chunks(flag0, c2_lo, c2_hi, epoch, ctl, timeout_ns, src, step, INTERPRET, POLL_N)
 
 
 @triton.jit

@@ -51,11 +51,12 @@ COMPILE = textwrap.dedent("""
         if name.startswith("bwd "):
             kernel, p = ring_attn_bwd_kernel, plans.plan_bwd(spec, 2, heap)
             sig = dict(q_ptr="*" + t, k_ptr="*" + t, v_ptr="*" + t, o_ptr="*" + t, do_ptr="*" + t, lse_ptr="*fp32",
-                       dlse_ptr="*fp32", ctx_ptr="*i32", B="i32", S="i32", sm_scale="fp32", timeout_ns="i64", part_off="i32",
-                       dq_ptr="*" + t, dk_ptr="*" + t, dv_ptr="*" + t, delta_ptr="*fp32", status_ptr="*i32")
+                       dlse_ptr="*fp32", seg_ptr="*i32", ctx_ptr="*i32", B="i32", S="i32", sm_scale="fp32",
+                       timeout_ns="i64", part_off="i32", dq_ptr="*" + t, dk_ptr="*" + t, dv_ptr="*" + t,
+                       delta_ptr="*fp32", status_ptr="*i32")
         else:
             kernel, p = ring_attn_fwd_kernel, plans.plan(spec, 2, heap)
-            sig = dict(q_ptr="*" + t, k_ptr="*" + t, v_ptr="*" + t, ctx_ptr="*i32", B="i32", S="i32",
+            sig = dict(q_ptr="*" + t, k_ptr="*" + t, v_ptr="*" + t, seg_ptr="*i32", ctx_ptr="*i32", B="i32", S="i32",
                        sm_scale="fp32", timeout_ns="i64", out_ptr="*" + t, lse_ptr="*fp32", status_ptr="*i32")
         consts = p.constexprs(sticky_errors=name.endswith("sticky"))
         sig.update({k: "constexpr" for k in consts})

@@ -130,17 +130,32 @@ def _prepare(q, spec, group, config, *, backward: bool):
     return plan(spec, len(members), config=config), h.ctx(members, slot), ring
 
 
-def forward(q, k, v, spec, group=None, timeout_s: float | None = None, config=None):
+def _segment_ids(spec, segment_ids, device):
+    """What the kernels get as ``seg_ptr``: this rank's segment ids (int32 [batch, seq_local], layout order) when
+    ``spec.segmented``, else a one-element dummy that the kernels never read (SEGMENTED=False)."""
+    if spec.segmented != (segment_ids is not None):
+        given = "were given" if segment_ids is not None else "were not given"
+        raise ValueError(f"spec.segmented is {spec.segmented} but segment_ids {given}: pass this rank's segment ids "
+                         "exactly when the spec says so")
+    if segment_ids is None:
+        return torch.zeros((1,), dtype=torch.int32, device=device)
+    return segment_ids.to(device=device, dtype=torch.int32).contiguous()
+
+
+def forward(q, k, v, spec, group=None, timeout_s: float | None = None, config=None, segment_ids=None):
     """Launch the fused kernel on this rank's shards; returns (out, lse). Inputs already validated.
-    ``config`` (a ring_core.control.KernelConfig) overrides the tuned defaults: for tuning only."""
+    ``config`` (a ring_core.control.KernelConfig) overrides the tuned defaults: for tuning only.
+    ``segment_ids``: this rank's ids (int32 [batch, seq_local], layout order) when ``spec.segmented``, else
+    None; the window is ``spec.window``."""
     p, ctx, ring = _prepare(q, spec, group, config, backward=False)
     from ring_core.kernel import ring_attn_fwd_kernel
 
+    seg = _segment_ids(spec, segment_ids, q.device)
     q, k, v = (x.contiguous() for x in (q, k, v))
     out = torch.empty_like(q)
     lse = torch.empty((spec.batch, spec.num_heads, spec.seq_local), dtype=torch.float32, device=q.device)
     status = torch.zeros((control.STATUS_WORDS,), dtype=torch.int32, device=q.device)  # see check_status
-    ring_attn_fwd_kernel[p.grid](q, k, v, ctx, *p.scalars(timeout_s), out, lse, status,
+    ring_attn_fwd_kernel[p.grid](q, k, v, seg, ctx, *p.scalars(timeout_s), out, lse, status,
                                  num_warps=p.config.num_warps, num_stages=p.config.num_stages,
                                  **p.constexprs())
     _track(status, ring, timeout_s)
@@ -166,15 +181,17 @@ def check_backward_fits(spec, group=None):
     h.plan_bwd(spec, len(ring_of(h, group)[0]))
 
 
-def backward(q, k, v, out, lse, dout, spec, group=None, timeout_s: float | None = None, config=None, dlse=None):
+def backward(q, k, v, out, lse, dout, spec, group=None, timeout_s: float | None = None, config=None, dlse=None,
+             segment_ids=None):
     """Launch the fused backward kernel (ring_core.kernel_bwd) on this rank's shards, from the forward's
     ``out`` and ``lse`` and the gradients ``dout`` and ``dlse`` (None: lse carries none); returns
     (dq, dk, dv). Same launch maths (ring_core.control.plan_bwd) and argument
     list as the JAX launcher (jax_ring.fused.backward). ``config`` (a ring_core.control.BwdKernelConfig)
-    overrides the defaults: for tuning only."""
+    overrides the defaults: for tuning only. ``segment_ids`` as in ``forward``."""
     p, ctx, ring = _prepare(q, spec, group, config, backward=True)
     from ring_core.kernel_bwd import ring_attn_bwd_kernel
 
+    seg = _segment_ids(spec, segment_ids, q.device)
     q, k, v, out = (x.contiguous() for x in (q, k, v, out))
     dout = dout.to(q.dtype).contiguous()
     lse = lse.to(torch.float32).contiguous()
@@ -185,7 +202,7 @@ def backward(q, k, v, out, lse, dout, spec, group=None, timeout_s: float | None 
     dv = torch.empty(dkv_shape, dtype=q.dtype, device=q.device)
     delta = torch.empty(delta_shape, dtype=torch.float32, device=q.device)  # scratch: rowsum(dO * O)
     status = torch.zeros(status_shape, dtype=torch.int32, device=q.device)  # see check_status
-    ring_attn_bwd_kernel[p.grid](q, k, v, out, dout, lse, dlse, ctx, *p.scalars(timeout_s), dq, dk, dv, delta,
+    ring_attn_bwd_kernel[p.grid](q, k, v, out, dout, lse, dlse, seg, ctx, *p.scalars(timeout_s), dq, dk, dv, delta,
                                  status, num_warps=p.config.num_warps, num_stages=p.config.num_stages,
                                  **p.constexprs())
     _track(status, ring, timeout_s)
