@@ -59,6 +59,7 @@ class _Call:
     dout_shards: list | None = None
     dlse_shards: list | None = None
     data_parallel: int = 1
+    seg_shards: list | None = None  # per-rank segment ids (int32 [B, S], layout order), or None
 
     @property
     def rings(self) -> list:
@@ -93,8 +94,10 @@ def _check_world_size(world_size, name: str = "world_size") -> int:
     return int(world_size)
 
 
-def _prepare(q, k, v, world_size, *, is_causal, scale, layout, return_lse, timeout_s, data_parallel=1) -> _Call:
-    """Every check, then the layout permutation and the shards; raises before any simulation runs."""
+def _prepare(q, k, v, world_size, *, is_causal, scale, layout, return_lse, timeout_s, data_parallel=1,
+             segment_ids=None, window_size=None) -> _Call:
+    """Every check, then the layout permutation and the shards; raises before any simulation runs.
+    ``segment_ids``: global int32 [batch, seq] in natural order (sharded like q), or None."""
     W = _check_world_size(world_size)
     D = _check_world_size(data_parallel, "data_parallel")
     if D * W > control.MAX_WORLD:
@@ -122,9 +125,17 @@ def _prepare(q, k, v, world_size, *, is_causal, scale, layout, return_lse, timeo
                          "equal slice of it")
     S = seq // W
     per_rank = lambda x: (x.shape[0] // D, S, x.shape[2], x.shape[3])  # noqa: E731
+    seg_shape = seg_dtype = None
+    if segment_ids is not None:
+        segment_ids = np.asarray(segment_ids)
+        if segment_ids.shape != (q.shape[0], seq):
+            raise ValueError(f"segment_ids must be a global array [batch, seq] = [{q.shape[0]}, {seq}] in natural "
+                             f"token order (one id per token; negative = padding), got shape {segment_ids.shape}")
+        seg_shape, seg_dtype = (q.shape[0] // D, S), segment_ids.dtype
     spec = check_attention_args(per_rank(q), per_rank(k), per_rank(v), q.dtype, k.dtype, v.dtype,
                                 is_causal=is_causal, scale=scale, layout=layout, backend="fused",
-                                backends=("fused",), return_lse=return_lse)
+                                backends=("fused",), return_lse=return_lse, window_size=window_size,
+                                segment_ids_shape=seg_shape, segment_ids_dtype=seg_dtype)
     if spec.dtype not in FUSED_DTYPES:
         raise TypeError(f"the fused kernel supports float16, bfloat16 and float32 inputs, got {spec.dtype}; "
                         f"cast q, k and v (e.g. .astype(np.float32)) or use ring_core.reference.attention "
@@ -134,15 +145,17 @@ def _prepare(q, k, v, world_size, *, is_causal, scale, layout, return_lse, timeo
         timeout_s = control.timeout_ns() / 1e9  # RING_ATTENTION_TIMEOUT_S, as on GPUs
     call = _Call(spec, W, layout_permutation(seq, W, layout), [], [], [], return_lse, float(timeout_s),
                  data_parallel=D)
-    return dataclasses.replace(call, q_shards=call.shard(q), k_shards=call.shard(k), v_shards=call.shard(v))
+    return dataclasses.replace(call, q_shards=call.shard(q), k_shards=call.shard(k), v_shards=call.shard(v),
+                               seg_shards=None if segment_ids is None else call.shard(segment_ids))
 
 
 def _prepare_grad(q, k, v, dout, world_size, *, is_causal, scale, layout, timeout_s, dlse=None,
-                  data_parallel=1) -> _Call:
+                  data_parallel=1, segment_ids=None, window_size=None) -> _Call:
     """``_prepare`` plus the checks and shards of ``dout`` (q's shape and dtype) and ``dlse`` (lse's shape,
     [batch, heads, seq], any float dtype; None: lse carries no gradient)."""
     call = _prepare(q, k, v, world_size, is_causal=is_causal, scale=scale, layout=layout, return_lse=False,
-                    timeout_s=timeout_s, data_parallel=data_parallel)
+                    timeout_s=timeout_s, data_parallel=data_parallel, segment_ids=segment_ids,
+                    window_size=window_size)
     q, dout = np.asarray(q), np.asarray(dout)
     if dout.shape != q.shape:
         raise ValueError(f"dout must have q's shape {q.shape} (the gradient of the output), got {dout.shape}")
@@ -213,11 +226,12 @@ def _worker_main(conn, world_size, workspace_bytes):
             if job is None:
                 job = _local_job(world_size, workspace_bytes)
             if msg[0] == "grad":
-                _, spec, qs, ks, vs, dos, dls, timeout_s, rings = msg
-                reply = ("ok", job.run_grad(spec, qs, ks, vs, dos, timeout_s=timeout_s, dlse_shards=dls, rings=rings))
+                _, spec, qs, ks, vs, dos, dls, timeout_s, rings, segs = msg
+                reply = ("ok", job.run_grad(spec, qs, ks, vs, dos, timeout_s=timeout_s, dlse_shards=dls, rings=rings,
+                                            seg_shards=segs))
             else:
-                _, spec, qs, ks, vs, timeout_s, rings = msg
-                reply = ("ok", job.run(spec, qs, ks, vs, timeout_s=timeout_s, rings=rings))
+                _, spec, qs, ks, vs, timeout_s, rings, segs = msg
+                reply = ("ok", job.run(spec, qs, ks, vs, timeout_s=timeout_s, rings=rings, seg_shards=segs))
         except BaseException as e:  # sent back and re-raised in the parent
             reply = ("err", e)
         try:
@@ -253,12 +267,13 @@ class _SubprocessJob:
         child.close()
         self._finalizer = weakref.finalize(self, _shutdown_worker, self._proc, self._conn)
 
-    def run(self, spec, q_shards, k_shards, v_shards, *, timeout_s, rings=None):
-        return self._request(("run", spec, q_shards, k_shards, v_shards, timeout_s, rings), timeout_s)
+    def run(self, spec, q_shards, k_shards, v_shards, *, timeout_s, rings=None, seg_shards=None):
+        return self._request(("run", spec, q_shards, k_shards, v_shards, timeout_s, rings, seg_shards), timeout_s)
 
-    def run_grad(self, spec, q_shards, k_shards, v_shards, dout_shards, *, timeout_s, dlse_shards=None, rings=None):
+    def run_grad(self, spec, q_shards, k_shards, v_shards, dout_shards, *, timeout_s, dlse_shards=None, rings=None,
+                 seg_shards=None):
         return self._request(("grad", spec, q_shards, k_shards, v_shards, dout_shards, dlse_shards, timeout_s,
-                              rings), 2 * timeout_s)
+                              rings, seg_shards), 2 * timeout_s)
 
     def _request(self, msg, timeout_s):
         self._conn.send(msg)
@@ -331,11 +346,13 @@ class SimulatedRing:
         return self._job
 
     def __call__(self, q, k, v, *, is_causal=False, scale=None, layout="contiguous", return_lse=False,
-                 timeout_s=60.0):
+                 timeout_s=60.0, segment_ids=None, window_size=None):
         call = _prepare(q, k, v, self.world_size, is_causal=is_causal, scale=scale, layout=layout,
-                        return_lse=return_lse, timeout_s=timeout_s, data_parallel=self.data_parallel)
+                        return_lse=return_lse, timeout_s=timeout_s, data_parallel=self.data_parallel,
+                        segment_ids=segment_ids, window_size=window_size)
         return self._complete(call, _finish, 2, lambda job: job.run(
-            call.spec, call.q_shards, call.k_shards, call.v_shards, timeout_s=call.timeout_s, rings=call.rings))
+            call.spec, call.q_shards, call.k_shards, call.v_shards, timeout_s=call.timeout_s, rings=call.rings,
+            seg_shards=call.seg_shards))
 
     def _complete(self, call, finish, status_index: int, run):
         """Run ``run(job)`` under the lock, keep every rank's last status (``status_index`` in a rank's
@@ -349,14 +366,16 @@ class SimulatedRing:
             raise RuntimeError(f"simulated ranks disagree on the call epoch: {sorted(epochs)}")
         return result
 
-    def grad(self, q, k, v, dout, *, is_causal=False, scale=None, layout="contiguous", timeout_s=60.0, dlse=None):
+    def grad(self, q, k, v, dout, *, is_causal=False, scale=None, layout="contiguous", timeout_s=60.0, dlse=None,
+             segment_ids=None, window_size=None):
         """Like ``simulate_ring_attention_grad`` on these heaps: the forward and then the backward kernel
         (two calls: ``epoch`` grows by 2). Returns global ``(dq, dk, dv)``."""
         call = _prepare_grad(q, k, v, dout, self.world_size, is_causal=is_causal, scale=scale, layout=layout,
-                             timeout_s=timeout_s, dlse=dlse, data_parallel=self.data_parallel)
+                             timeout_s=timeout_s, dlse=dlse, data_parallel=self.data_parallel,
+                             segment_ids=segment_ids, window_size=window_size)
         return self._complete(call, _finish_grad, 4, lambda job: job.run_grad(
             call.spec, call.q_shards, call.k_shards, call.v_shards, call.dout_shards, timeout_s=call.timeout_s,
-            dlse_shards=call.dlse_shards, rings=call.rings))
+            dlse_shards=call.dlse_shards, rings=call.rings, seg_shards=call.seg_shards))
 
     def close(self):
         if isinstance(self._job, _SubprocessJob):
@@ -376,7 +395,7 @@ def simulate_job(world_size: int, *, workspace_bytes: int | None = None) -> Simu
 
 
 def simulate_ring_attention(q, k, v, world_size, *, is_causal=False, scale=None, layout="contiguous",
-                            return_lse=False, timeout_s=60.0, data_parallel=1):
+                            return_lse=False, timeout_s=60.0, data_parallel=1, segment_ids=None, window_size=None):
     """Ring attention over ``world_size`` simulated ranks, computed by the real fused kernel on the CPU.
 
     Args:
@@ -391,6 +410,11 @@ def simulate_ring_attention(q, k, v, world_size, *, is_causal=False, scale=None,
         300); a rank that never arrives raises ``ring_core.control.RingAttentionTimeout``.
       data_parallel: run that many rings of ``world_size`` ranks at once on one job's heaps (a
         ``data_parallel x world_size`` mesh: ring d takes the d-th of ``data_parallel`` equal batch slices).
+      segment_ids: packed sequences: global int32 [batch, seq] in natural order (sharded like q); query i
+        attends key j only where both carry the same id; a negative id is padding (out 0, lse -inf).
+        ``ring_core.masks.segment_ids_from_cu_seqlens`` makes them from flash-attn's ``cu_seqlens``.
+      window_size: ``(left, right)``, flash-attn's sliding window in global token order (-1: unbounded side);
+        None: no window. The rule is ``ring_core.masks.allowed``'s.
 
     Returns:
       ``out`` (numpy, q's dtype, [batch, seq, num_heads, head_dim], natural order), or ``(out, lse)`` with
@@ -412,13 +436,13 @@ def simulate_ring_attention(q, k, v, world_size, *, is_causal=False, scale=None,
     ring = SimulatedRing(world_size, data_parallel=data_parallel)
     try:
         return ring(q, k, v, is_causal=is_causal, scale=scale, layout=layout, return_lse=return_lse,
-                    timeout_s=timeout_s)
+                    timeout_s=timeout_s, segment_ids=segment_ids, window_size=window_size)
     finally:
         ring.close()
 
 
 def simulate_ring_attention_grad(q, k, v, dout, world_size, *, is_causal=False, scale=None, layout="contiguous",
-                                 timeout_s=60.0, dlse=None, data_parallel=1):
+                                 timeout_s=60.0, dlse=None, data_parallel=1, segment_ids=None, window_size=None):
     """Gradients of ring attention over ``world_size`` simulated ranks, computed by the real fused
     backward kernel (``ring_core.kernel_bwd``) on the CPU, after the real forward kernel.
 
@@ -426,8 +450,10 @@ def simulate_ring_attention_grad(q, k, v, dout, world_size, *, is_causal=False, 
       q, k, v: global arrays as in ``simulate_ring_attention`` (natural token order; float16, bfloat16 or
         float32).
       dout: the gradient of the output, q's shape and dtype.
-      world_size, is_causal, scale, layout, timeout_s, data_parallel: as in ``simulate_ring_attention``.
+      world_size, is_causal, scale, layout, timeout_s, data_parallel, segment_ids, window_size: as in
+        ``simulate_ring_attention``.
       dlse: optional gradient of the lse output ([batch, heads, seq], natural order); None: lse carries none.
+        Ignored on padding rows (their lse is the constant -inf), even where it is not finite.
 
     Returns:
       ``(dq, dk, dv)``: numpy, the inputs' dtype and shapes, natural order; the gradients of
@@ -450,6 +476,6 @@ def simulate_ring_attention_grad(q, k, v, dout, world_size, *, is_causal=False, 
     ring = SimulatedRing(world_size, data_parallel=data_parallel)
     try:
         return ring.grad(q, k, v, dout, is_causal=is_causal, scale=scale, layout=layout, timeout_s=timeout_s,
-                         dlse=dlse)
+                         dlse=dlse, segment_ids=segment_ids, window_size=window_size)
     finally:
         ring.close()
