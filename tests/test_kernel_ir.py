@@ -16,6 +16,11 @@ Properties:
   non wgmma instructions defining accumulator registers") means every k-step of every matmul in the kernel
   waits for the one before. The backward had it until 2026-11-30 (a dQ loop nest followed by another loop).
 
+The cases with a window or segment ids (issue 20) compile the masked variants (WINDOW, SEGMENTED): more K/V
+loops (a masked one before the unmasked one), the segment ids' range pass and the ids pushed with the K/V; the
+same properties must hold. Run this file under both Triton versions the project meets: the GPU machine's 3.6
+(``/work/venv36/bin/python -m pytest tests/test_kernel_ir.py``) and CI's.
+
 Pointer arguments are compiled as 16-byte aligned, as jax-triton declares them and as torch's launcher
 specialises aligned tensors.
 """
@@ -42,10 +47,13 @@ COMPILE = textwrap.dedent("""
     from ring_core.kernel_bwd import ring_attn_bwd_kernel
     TT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
     out = {}
-    for name, (dt, d, hkv, causal, layout) in json.loads(sys.argv[1]).items():
+    for name, (dt, d, hkv, causal, layout, *masks) in json.loads(sys.argv[1]).items():
+        window, segmented = masks or (None, False)
         spec = validate.check_attention_args((1, 514, 4, d), (1, 514, hkv, d), (1, 514, hkv, d), dt, dt, dt,
                                              is_causal=causal, scale=None, layout=layout, backend="fused",
-                                             backends=("fused",))
+                                             backends=("fused",), window_size=window,
+                                             segment_ids_shape=(1, 514) if segmented else None,
+                                             segment_ids_dtype="int32" if segmented else None)
         heap = control.HeapLayout.for_workspace(1 << 30)
         t = TT[dt]
         if name.startswith("bwd "):
@@ -73,11 +81,12 @@ COMPILE = textwrap.dedent("""
             ptxas = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", src, "-o",
                                     os.path.join(tmp, "k.cubin")], capture_output=True, text=True)
         out[name] = dict(ttgir=ck.asm["ttgir"], shared=ck.metadata.shared, ptxas=ptxas.stderr,
-                         stores=sorted(set(re.findall(r"st\\.global(?:\\.[a-z0-9]+)*", ck.asm["ptx"]))))
+                         stores=sorted(set(re.findall(r"st\\.global(?:\\.[a-z0-9]+)*", ck.asm["ptx"]))),
+                         constexprs={k: v for k, v in consts.items() if k in ("WINDOW", "SEGMENTED")})
     print(json.dumps(out))
 """)
 
-CASES = {  # name: (dtype, head_dim, kv_heads, causal, layout)
+CASES = {  # name: (dtype, head_dim, kv_heads, causal, layout[, window, segmented])
     "fp32 d64 mqa": ("float32", 64, 1, False, "contiguous"),
     "bf16 d128": ("bfloat16", 128, 4, False, "contiguous"),
     "bf16 d128 causal zigzag": ("bfloat16", 128, 4, True, "zigzag"),
@@ -89,6 +98,13 @@ CASES = {  # name: (dtype, head_dim, kv_heads, causal, layout)
     "bwd fp16 d80 gqa causal": ("float16", 80, 2, True, "contiguous"),
     # JAX's deferred error mode (STICKY_ERRORS): the end-of-call path that keeps a failure on the heap.
     "bwd bf16 d128 causal zigzag sticky": ("bfloat16", 128, 4, True, "zigzag"),
+    # Issue 20: a causal sliding window, segment ids (packed sequences), and both, forward and backward.
+    "bf16 d128 causal window": ("bfloat16", 128, 4, True, "contiguous", (300, -1), False),
+    "fp16 d64 gqa segmented zigzag": ("float16", 64, 2, False, "zigzag", None, True),
+    "bf16 d128 window segmented zigzag": ("bfloat16", 128, 4, False, "zigzag", (200, 40), True),
+    "bwd bf16 d128 causal zigzag window": ("bfloat16", 128, 4, True, "zigzag", (300, -1), False),
+    "bwd fp16 d64 gqa segmented": ("float16", 64, 2, True, "contiguous", None, True),
+    "bwd bf16 d128 window segmented": ("bfloat16", 128, 4, False, "contiguous", (200, 40), True),
 }
 
 
@@ -129,9 +145,12 @@ def test_no_acquire_inside_pipelined_loop(compiled, name):
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_every_kv_loop_is_pipelined(compiled, name):
     # Innermost loops with a dot are the K/V loops: per ring step, an unmasked and a masked one (step 0
-    # also nests its unmasked loop in the push-claim loop). All must issue async copies ahead.
+    # also nests its unmasked loop in the push-claim loop; a window or segment ids add a masked one before
+    # the unmasked one). All must issue async copies ahead.
     kv_loops = [b for b in _loops(compiled[name]["ttgir"]) if "dot" in b and b.count("scf.for") == 1]
-    assert len(kv_loops) >= 4
+    masked = any(compiled[name]["constexprs"].values())
+    assert masked == (len(CASES[name]) > 5)
+    assert len(kv_loops) >= (6 if masked else 4)
     for body in kv_loops:
         assert "ttg.async_copy_global_to_local" in body, "a K/V loop is not software-pipelined"
 
