@@ -22,7 +22,7 @@ the same ``shard_map`` as their forward. ``--pass fwd,fwd+bwd`` runs both, one a
 Methods, each timed in the same process group on the same inputs:
 
 * ``torch_fused`` / ``jax_fused``: ``torch_bridge`` / ``jax_ring`` ``backend="fused"`` (this project);
-* ``jax_fused_deferred``: ``jax_fused`` traced with ``RING_ATTENTION_JAX_ERRORS=deferred``: no host callback
+* ``jax_fused_deferred``: ``jax_fused`` traced with ``RING_ATTENTION_ERRORS=deferred``: no host callback
   after each call; ``jax_ring.check_errors()`` after the timed calls raises a kept failure (the cost of
   the per-call check is the difference to ``jax_fused``);
 * ``torch_ref`` / ``jax_xla``: the reference rings (``backend="torch"``, ``backend="xla"``; float32
@@ -131,7 +131,7 @@ METHODS = {  # also the order in which a case runs them (the first ring methods 
     "torch_fused": MethodInfo("torch", "fused", "torch_bridge.ring_attention(backend='fused')"),
     "jax_fused": MethodInfo("jax", "fused", "jax_ring.ring_attention(backend='fused') in shard_map"),
     "jax_fused_deferred": MethodInfo("jax", "fused", "jax_fused without the per-call host callback "
-                                                     "(RING_ATTENTION_JAX_ERRORS=deferred)"),
+                                                     "(RING_ATTENTION_ERRORS=deferred)"),
     "torch_ref": MethodInfo("torch", "reference", "torch_bridge backend='torch' (p2p ring, float32 maths)"),
     "jax_xla": MethodInfo("jax", "reference", "jax_ring backend='xla' (ppermute ring, float32 maths)"),
     "jax_cudnn_ring": MethodInfo("jax", "peer", "pure-JAX ppermute ring, cuDNN per block, LSE merge"),
@@ -1047,7 +1047,7 @@ def build_jax_fused_deferred(env, args, case, data, stack, **_):
     """``jax_fused`` traced in the deferred error mode (read by jax_ring at trace time, which happens here):
     no host callback per call; a kept failure is raised by ``jax_ring.check_errors()`` after the timed calls."""
     import jax_ring
-    from jax_ring.fused import ERRORS_ENV
+    from ring_core.control import ERRORS_ENV
 
     old = os.environ.get(ERRORS_ENV)
     os.environ[ERRORS_ENV] = "deferred"
