@@ -1,16 +1,16 @@
 """The machinery of the ring-attention benchmark (issue 4): cases and their FLOPs, the job's set-up (Env and
 its collectives), the inputs, timing, the check, the rows, the CSV log and its ratio columns.
 
-``benchmarks.attention`` is the command line that drives it and implements every method it times. The
-methods are named here (METHODS: the CSV's ``method``, ``framework`` and ``kind`` columns, and the order a
-case runs them in) and built there (``attention.BUILDERS``): a builder gets this process's Env, the
+``benchmarks.attention`` is the command line that drives it; ``benchmarks.peers`` implements every method it
+times. The methods are named here (METHODS: the CSV's ``method``, ``framework`` and ``kind`` columns, and the
+order a case runs them in) and built there (``peers.BUILDERS``): a builder gets this process's Env, the
 arguments, the Case, its CaseData and an ExitStack for the contexts it enters, and returns a Prepared (its
 calls, what the check compares, a note, the shape), or raises Unavailable saying why it cannot run here.
 
 Passes (``--pass``, the CSV's ``pass`` column, PASSES): ``fwd`` times the forward alone; ``fwd+bwd`` times
 one training step of attention per call: the forward, then the gradients of q, k and v for that input set's
 ``dout`` (random normal, one per input set, drawn after q, k, v, so these are the fwd pass's inputs). How
-each method takes them is in ``benchmarks.attention``.
+each method takes them is in ``benchmarks.peers``.
 
 Timing: ``--warmup`` calls (the first one on input set 0 is also timed alone: ``first_call_s``; JAX
 programs are compiled ahead of it: ``compile_s``), then ``--iters`` calls rotating over
@@ -83,7 +83,7 @@ class MethodInfo:
 
 
 # Every method a run may time, in the order a case runs them (the first ring methods serve as the check's
-# anchor); each is implemented in benchmarks.attention (attention.BUILDERS, under the same name).
+# anchor); each is implemented in benchmarks.peers (peers.BUILDERS, under the same name).
 METHODS = {
     "torch_fused": MethodInfo("torch", "fused", "torch_bridge.ring_attention(backend='fused')"),
     "jax_fused": MethodInfo("jax", "fused", "jax_ring.ring_attention(backend='fused') in shard_map"),
@@ -140,10 +140,10 @@ class Unavailable(RuntimeError):
 
 @dataclasses.dataclass
 class Prepared:
-    """What a method's builder (benchmarks.attention) returns: its calls and what the check compares of them."""
+    """What a method's builder (benchmarks.peers) returns: its calls and what the check compares of them."""
 
     run: object  # run(i) -> the call's result on input set i % n: out, or (out, dq, dk, dv) in fwd+bwd
-    local_out: object  # result -> {name: torch [b, s_local, h, d] comparable with the anchor's} (see attention._comparable)
+    local_out: object  # result -> {name: torch [b, s_local, h, d] comparable with the anchor's} (see peers._comparable)
     note: str = ""
     compile_s: float | None = None
     shape: str = ""
@@ -606,7 +606,7 @@ def max_abs_diff(local: dict, anchor: dict) -> tuple:
 
 
 def _attempt(env, args, case, name, build, data, anchor, **kw) -> Result:
-    """Build (``build``: the method's builder, attention.BUILDERS), first call (checked against the anchor),
+    """Build (``build``: the method's builder, peers.BUILDERS), first call (checked against the anchor),
     warm-up and timed calls of one method. Every rank takes part in the same collectives whatever fails
     where, so that no rank waits for a skipped one."""
     res = Result()

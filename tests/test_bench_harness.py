@@ -1,4 +1,4 @@
-"""CPU tests of the benchmark harness's logic (benchmarks/harness.py, attention.py, plot.py): FLOP counts and
+"""CPU tests of the benchmark harness's logic (benchmarks/harness.py, peers.py, attention.py, plot.py): FLOP counts and
 the single-GPU share, quantiles, arguments and cases (both passes), ratios (keyed by pass), the CSV log
 (and CSVs older than the ``pass`` column), the gradient check's bookkeeping, the plot's grouping, the
 pure-JAX cuDNN-style ring (its LSE merging and its autodiff, run here with dense XLA blocks) against
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from benchmarks import attention as cli
-from benchmarks import harness
+from benchmarks import harness, peers
 from benchmarks import plot as bplot
 
 
@@ -35,7 +35,7 @@ def test_flops_per_gpu_counts_the_rank_rectangle_and_half_when_causal():
 def test_single_gpu_share_has_the_ring_rank_flops(world, causal, kv_heads):
     case = harness.Case(1, 32, kv_heads, 64, 2048, causal, "float16")
     for rank in range(world):
-        prob = cli.limit_problem(case, world, rank)
+        prob = peers.limit_problem(case, world, rank)
         assert prob.flops(case.batch, case.head_dim) == harness.flops_per_gpu(case, world)
         assert prob.causal == causal and prob.q_heads // prob.kv_heads == 32 // kv_heads
         if causal:  # H/W heads over the whole sequence; rank r takes the r-th slice of heads
@@ -51,14 +51,14 @@ def test_fwd_bwd_counts_three_and_a_half_forwards(causal):
     assert harness.flops_per_gpu(step, 2) == 3.5 * harness.flops_per_gpu(fwd, 2)
     assert harness.flops_per_gpu(step, 2) == 3.5 * 4 * 2 * 32 * 4096 * 8192 * 128 / (2 if causal else 1)
     for rank in range(2):  # the single-GPU share keeps the ring rank's FLOPs in fwd+bwd too
-        prob = cli.limit_problem(step, 2, rank)
+        prob = peers.limit_problem(step, 2, rank)
         assert prob.flops(step.batch, step.head_dim, step.mode) == harness.flops_per_gpu(step, 2)
     assert "fwd+bwd" in step.label() and step.label().replace("fwd+bwd", "fwd") == fwd.label()
 
 
 def test_causal_share_needs_heads_divisible_by_world():
     with pytest.raises(harness.Unavailable, match="divisible"):
-        cli.limit_problem(harness.Case(1, 32, 1, 64, 1024, True, "bfloat16"), 2)  # MQA: 1 kv head for 2 GPUs
+        peers.limit_problem(harness.Case(1, 32, 1, 64, 1024, True, "bfloat16"), 2)  # MQA: 1 kv head for 2 GPUs
 
 
 def test_summarize_times_median_and_quantiles():
@@ -276,18 +276,18 @@ def test_gradient_check_bookkeeping():
     assert harness.max_abs_diff({"out": a["dq"]}, a) == (-1.0, -1.0, ())
     assert harness._compared(("out",)) == "" and harness._compared(("dq",)) == " (dq)"
     step, fwd = (harness.Case(1, 2, 2, 8, 4, False, "bfloat16", m) for m in ("fwd+bwd", "fwd"))
-    grads = cli._comparable(step, lambda name, x: x * 2)(("out", 1, 2, 3))
+    grads = peers._comparable(step, lambda name, x: x * 2)(("out", 1, 2, 3))
     assert grads == {"dq": 2, "dk": 4, "dv": 6}  # fwd+bwd compares the gradients, not the output
-    assert cli._comparable(fwd, lambda name, x: x)(7) == {"out": 7}
-    share = cli._share_convert(cli.limit_problem(step, 2), lambda x: -x)
-    assert cli._comparable(step, share)(("out", 1, 2, 3)) == {"dq": -1}  # its dK/dV are partial sums
+    assert peers._comparable(fwd, lambda name, x: x)(7) == {"out": 7}
+    share = peers._share_convert(peers.limit_problem(step, 2), lambda x: -x)
+    assert peers._comparable(step, share)(("out", 1, 2, 3)) == {"dq": -1}  # its dK/dV are partial sums
     causal = harness.Case(1, 2, 2, 8, 4, True, "bfloat16", "fwd+bwd")
-    assert cli._comparable(causal, cli._share_convert(cli.limit_problem(causal, 2), lambda x: x))(
+    assert peers._comparable(causal, peers._share_convert(peers.limit_problem(causal, 2), lambda x: x))(
         ("out", 1, 2, 3)) == {}
     rep = torch.arange(2 * 4 * 3 * 5, dtype=torch.float32).reshape(2, 4, 3, 5)  # [b, h=4, s, d], kv_heads 2
     gqa = harness.Case(1, 4, 2, 5, 3, False, "float16")
-    (_, k2, _), = cli._repeat_kv([(None, rep[:, :2], rep[:, :2])], gqa, dim=1)
-    assert torch.equal(cli._fold_kv(k2, gqa, dim=1), 2 * rep[:, :2])  # each kv head was used twice
+    (_, k2, _), = peers._repeat_kv([(None, rep[:, :2], rep[:, :2])], gqa, dim=1)
+    assert torch.equal(peers._fold_kv(k2, gqa, dim=1), 2 * rep[:, :2])  # each kv head was used twice
 
 
 def test_sdpa_methods_call_the_sdpa_current_at_call_time(monkeypatch):
@@ -298,13 +298,13 @@ def test_sdpa_methods_call_the_sdpa_current_at_call_time(monkeypatch):
     case = harness.Case(1, 4, 2, 8, 6, True, "float32", "fwd+bwd")
     q, do = torch.randn(1, 6, 4, 8), torch.randn(1, 6, 4, 8)
     k, v = torch.randn(1, 6, 2, 8), torch.randn(1, 6, 2, 8)
-    sets, douts, attn, gqa = cli._sdpa_inputs(case, [(q, k, v)], [do], False, True)
+    sets, douts, attn, gqa = peers._sdpa_inputs(case, [(q, k, v)], [do], False, True)
     assert gqa and [x.shape for x in (*sets[0], douts[0])] == [(1, 4, 6, 8), (1, 2, 6, 8), (1, 2, 6, 8), (1, 4, 6, 8)]
     seen = []
     monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **kw: seen.append(kw) or a[0])
     attn(*sets[0])
     assert seen == [{"is_causal": True, "enable_gqa": True}]
-    sets, _, attn, gqa = cli._sdpa_inputs(case, [(q, k, v)], [do], True, False)  # the GQA retry: heads repeated
+    sets, _, attn, gqa = peers._sdpa_inputs(case, [(q, k, v)], [do], True, False)  # the GQA retry: heads repeated
     attn(*sets[0])
     assert not gqa and sets[0][1].shape == (1, 4, 6, 8) and seen[-1] == {"is_causal": False}
 
@@ -363,8 +363,8 @@ def test_cudnn_style_ring_merges_blocks_exactly(cpu_mesh, world, causal):
     layout = "zigzag" if causal else "contiguous"
 
     def body(q, k, v):
-        return cli.cudnn_ring_attention(q, k, v, axis_name="sp", world=world, is_causal=causal,
-                                          block_attention=cli.xla_block_attention)
+        return peers.cudnn_ring_attention(q, k, v, axis_name="sp", world=world, is_causal=causal,
+                                          block_attention=peers.xla_block_attention)
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(None, "sp"),) * 3, out_specs=P(None, "sp")))
     out = f(*(jax_ring.to_layout(x, layout, world) for x in (q, k, v)))
@@ -392,11 +392,11 @@ def test_cudnn_style_ring_gradients_by_autodiff_equal_dense(cpu_mesh, world, cau
     case = harness.Case(1, h, hkv, d, s_g // world, causal, "float32", "fwd+bwd")
 
     def body(q, k, v):
-        return cli.cudnn_ring_attention(q, k, v, axis_name="sp", world=world, is_causal=causal,
-                                          block_attention=cli.xla_block_attention)
+        return peers.cudnn_ring_attention(q, k, v, axis_name="sp", world=world, is_causal=causal,
+                                          block_attention=peers.xla_block_attention)
 
     spec = P(None, "sp")
-    f = jax.jit(jax.shard_map(cli._jax_step(case, body), mesh=mesh, in_specs=(spec,) * 4, out_specs=(spec,) * 4))
+    f = jax.jit(jax.shard_map(peers._jax_step(case, body), mesh=mesh, in_specs=(spec,) * 4, out_specs=(spec,) * 4))
     got = f(*(jax_ring.to_layout(x, layout, world) for x in (q, k, v, dout)))
     got = [np.asarray(jax_ring.from_layout(np.asarray(x), layout, world)) for x in got]
     out, pull = jax.vjp(lambda q, k, v: dense_attention(q, k, v, is_causal=causal)[0], q, k, v)
@@ -412,14 +412,14 @@ def test_lse_probe_refuses_blocks_whose_lse_carries_no_gradient():
     rng = np.random.default_rng(3)
     q = rng.standard_normal((1, 8, 4, 16), dtype=np.float32)
     k, v = (rng.standard_normal((1, 8, 2, 16), dtype=np.float32) for _ in range(2))
-    cli.check_lse_differentiates(env, cli.xla_block_attention, q, k, v)  # dense XLA blocks: fine
+    peers.check_lse_differentiates(env, peers.xla_block_attention, q, k, v)  # dense XLA blocks: fine
 
     def dropped(q, k, v, is_causal, scale):
-        out, lse = cli.xla_block_attention(q, k, v, is_causal, scale)
+        out, lse = peers.xla_block_attention(q, k, v, is_causal, scale)
         return out, jax.lax.stop_gradient(lse)
 
     with pytest.raises(harness.Unavailable, match="LSE"):
-        cli.check_lse_differentiates(env, dropped, q, k, v)
+        peers.check_lse_differentiates(env, dropped, q, k, v)
 
 
 # ------------------------------------------------------------------------------ the whole harness on CPU
