@@ -21,7 +21,7 @@ import os
 
 
 import torch_bridge
-from benchmarks.attention import Case, cuda_timed, flops_per_gpu, summarize_times, tflops
+from benchmarks.harness import Case, cuda_timed, flops_per_gpu, summarize_times, tflops
 from ring_core import plans, validate
 
 # Forward: (block_m, block_n, num_warps, num_stages, seg_blocks)
