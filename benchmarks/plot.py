@@ -24,7 +24,7 @@ import sys
 if __package__ in (None, ""):  # run as a script path: make `benchmarks` importable from the repository root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.attention import METHODS, PASSES, RATIOS, compute_ratios, upgrade_rows  # noqa: E402
+from benchmarks.harness import METHODS, PASSES, RATIOS, compute_ratios, upgrade_rows  # noqa: E402
 
 CASE_FIELDS = ("causal", "dtype", "head_dim", "heads", "kv_heads", "batch")
 PANEL_KEY = ("pass", *CASE_FIELDS)

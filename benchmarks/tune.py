@@ -9,7 +9,7 @@ quantiles of the slowest rank's CUDA-event time, TFLOP/s per GPU (causal counts 
 counts 2.5 forwards). The forward is checked against the torch reference ring (at seq_local <=
 --check-max-seq), the backward's dq/dk/dv against those of the backward's default config (the default itself
 is checked against float64 by tests/gpu_checks.py). The winners become the tables in
-ring_core.control.KernelConfig.get_default and BwdKernelConfig.get_default (the choice is cached there, never
+ring_core.plans.KernelConfig.get_default and BwdKernelConfig.get_default (the choice is cached there, never
 autotuned per call). torch SDPA with the cuDNN backend on the same per-GPU work (non-causal: S_local queries
 against S_global keys; forward, or backward alone) is printed beside them as the limit.
 """
@@ -21,7 +21,7 @@ import os
 
 
 import torch_bridge
-from benchmarks.attention import Case, cuda_timed, flops_per_gpu, summarize_times, tflops
+from benchmarks.harness import Case, cuda_timed, flops_per_gpu, summarize_times, tflops
 from ring_core import plans, validate
 
 # Forward: (block_m, block_n, num_warps, num_stages, seg_blocks)
@@ -113,7 +113,7 @@ def main():
                     sets = [(q, k, v, *fused.forward(q, k, v, spec)[:2], torch.randn_like(q)) for q, k, v in sets]
                     with torch.no_grad():
                         ref = fused.backward(*sets[0][:5], sets[0][5], spec)
-                    fused.check_errors()
+                    torch_bridge.check_errors()
                 elif S <= a.check_max_seq:
                     with torch.no_grad():
                         ref = (torch_bridge.ring_attention(*sets[0], is_causal=causal, layout=lay, backend="torch"),)
@@ -150,7 +150,7 @@ def main():
                             row["max_diff_vs_ref"] = err
                             assert err < 0.05, f"config {cfg} differs from the reference by {err}"
                         med, q20, q80 = timeit(f, sets)
-                        fused.check_errors()
+                        torch_bridge.check_errors()
                         row.update(ms=med, ms_q20=q20, ms_q80=q80, tflops=tflops(fl, med))
                     except Exception as e:  # noqa: BLE001 - a config that fails to compile/run is reported
                         row["error"] = f"{type(e).__name__}: {str(e)[:200]}"

@@ -1,5 +1,6 @@
 """Public JAX entry points: ``ring_attention`` (inside ``jax.shard_map``), ``ring_attention_sharded`` (global
-arrays, wraps the shard_map) and the layout helpers ``to_layout`` / ``from_layout``.
+arrays, wraps the shard_map) and the layout helpers ``to_layout`` / ``from_layout``; and the autograd layer of
+the fused backend (a ``jax.custom_vjp`` over the raw ops of jax_ring.fused). The twin of torch_bridge.api.
 
 Every user error raises ValueError / TypeError before any work, naming the argument and the fix.
 """
@@ -13,10 +14,13 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from ring_core.layout import LAYOUTS, inverse_permutation, layout_permutation
-from ring_core.validate import check_attention_args, check_timeout
+from ring_core import heap as _heap
+from ring_core import plans
+from ring_core.layout import inverse_permutation, layout_permutation
+from ring_core.validate import (check_attention_args, check_fused_dtype, check_global_seq, check_layout_call,
+                                check_timeout)
 
-from jax_ring import _platform
+from jax_ring import _platform, fused
 from jax_ring.reference import ring_attention_xla
 
 JAX_BACKENDS = ("auto", "fused", "xla")
@@ -24,34 +28,88 @@ JAX_BACKENDS = ("auto", "fused", "xla")
 
 def _fused_available() -> bool:
     """Whether the fused Triton + iris kernel can run here (GPU JAX and ``jax_ring.initialize()`` done)."""
-    from jax_ring import fused
-
     return fused.fused_available()
 
 
-def _resolve_backend(backend: str, dtype=None) -> str:
-    fusable = dtype is None or jnp.dtype(dtype) != jnp.float64
+def _resolve_backend(backend: str, spec) -> str:
+    fusable = spec.dtype != "float64" and plans.fused_supports(spec)
     if backend == "auto":
         return "fused" if fusable and _fused_available() else "xla"
     if backend == "fused":
         if not _fused_available():
             raise RuntimeError(
                 "backend='fused' needs NVIDIA GPUs and the symmetric heap: call jax_ring.initialize() once per "
-                "process (one process per GPU, started with python -m jax_ring.launch or torchrun) before "
+                "process (one process per rank, started with python -m jax_ring.launch or torchrun) before "
                 "using JAX; or use backend='xla'")
-        if not fusable:
-            raise TypeError("backend='fused' supports float16, bfloat16 and float32; use backend='xla' for float64")
+        check_fused_dtype(spec.dtype, "backend='xla'")
+        plans.check_fused_supports(spec, "backend='xla'")
     return backend
 
 
-def _validate(q, k, v, *, is_causal, scale, layout, backend, return_lse):
-    return check_attention_args(q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, is_causal=is_causal,
-                                scale=scale, layout=layout, backend=backend, backends=JAX_BACKENDS,
-                                return_lse=return_lse)
+# --------------------------------------------------------------------------- the fused backend's autograd
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _fused(q, k, v, spec, axis_name, world_size, timeout_s):
+    return fused.forward(q, k, v, spec, axis_name, world_size, timeout_s)
+
+
+def _fused_fwd(q, k, v, spec, axis_name, world_size, timeout_s):
+    _heap.get().plan_bwd(spec, world_size)  # a heap too small for the backward raises now, before anything runs
+    out, lse = fused.forward(q, k, v, spec, axis_name, world_size, timeout_s)
+    return (out, lse), (q, k, v, out, lse)
+
+
+def _fused_bwd(spec, axis_name, world_size, timeout_s, res, cts):
+    """The fused backward kernel from the saved q, k, v, out and lse, with the cotangents of both out and lse
+    (zeros for lse unless the caller uses it)."""
+    q, k, v, out, lse = res
+    dout, dlse = cts
+    return fused.backward(q, k, v, out, lse, dout.astype(q.dtype), dlse, spec, axis_name, world_size, timeout_s)
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+def _forget_compiled_programs():
+    """Release hook (ring_core.heap.on_release): a program traced with the fused backend baked the heap's
+    addresses into its constants (the context table), so after shutdown() running it again would write into
+    released memory. Clearing JAX's caches makes the next call trace again, which raises without a heap and
+    otherwise takes the new heap's addresses."""
+    jax.clear_caches()
+    _sharded_fn.cache_clear()
+
+
+def _ring_attention_fused(q, k, v, spec, axis_name, world_size, timeout_s):
+    if _platform.under_vmap():
+        raise ValueError(
+            "jax_ring.ring_attention(backend='fused') does not run under jax.vmap: the kernel takes a batch axis "
+            "of its own. Fold the mapped axis into the batch axis instead (q.reshape(-1, *q.shape[-3:]) and back), "
+            "or use backend='xla'")
+    _heap.on_release(_forget_compiled_programs)
+    return _fused(q, k, v, spec, axis_name, world_size, timeout_s)
+
+
+# ------------------------------------------------------------------------------------------ public API
+def _run(q, k, v, segment_ids, spec, *, axis_name, return_lse, backend, timeout_s):
+    """A validated call (``spec``) inside shard_map."""
+    backend = _resolve_backend(backend, spec)
+    world = _platform.axis_size(axis_name)  # ValueError (how to fix it) outside shard_map / wrong name
+    if backend == "xla":
+        return ring_attention_xla(q, k, v, axis_name=axis_name, spec=spec, return_lse=return_lse,
+                                  segment_ids=segment_ids)
+    out, lse = _ring_attention_fused(q, k, v, spec, axis_name, world, timeout_s)
+    return (out, lse) if return_lse else out
+
+
+def _validate(q, k, v, segment_ids, local=lambda shape: shape, **kw):
+    """The call's AttentionSpec (``local``: a global array's shape -> this rank's)."""
+    return check_attention_args(local(q.shape), local(k.shape), local(v.shape), q.dtype, k.dtype, v.dtype,
+                                backends=JAX_BACKENDS, **kw,
+                                segment_ids_shape=None if segment_ids is None else local(segment_ids.shape),
+                                segment_ids_dtype=None if segment_ids is None else segment_ids.dtype)
 
 
 def ring_attention(q, k, v, *, axis_name, is_causal=False, scale=None, layout="contiguous", return_lse=False,
-                   backend="auto", timeout_s=None):
+                   backend="auto", timeout_s=None, segment_ids=None, window_size=None):
     """Exact softmax attention over a sequence sharded along mesh axis ``axis_name``; call inside ``jax.shard_map``.
 
     Args:
@@ -67,7 +125,8 @@ def ring_attention(q, k, v, *, axis_name, is_causal=False, scale=None, layout="c
         ``"zigzag"`` (2W chunks of S/2; rank r holds chunk r then chunk 2W-1-r; S even). Use ``to_layout``
         to put a global array in that order before sharding it.
       return_lse: also return ``lse``, float32 [batch, num_heads, seq_local]: the natural log of the softmax
-        denominator over the whole global sequence (scores already multiplied by ``scale``).
+        denominator over the whole global sequence (scores already multiplied by ``scale``); ``-inf`` on rows
+        that attend nothing (padding).
       backend: ``"auto"`` (the fused kernel where available, else ``"xla"``), ``"fused"`` (the Triton + iris
         kernel through jax-triton; needs ``jax_ring.initialize()`` on GPUs, one device per process in the mesh;
         its gradients, through out and lse, come from the fused backward kernel; works under shard_map's
@@ -78,8 +137,16 @@ def ring_attention(q, k, v, *, axis_name, is_causal=False, scale=None, layout="c
         missing rank and ring step. Baked into the compiled program. The xla ring has no waits of its own.
         Ranks whose fused calls differ (shapes, dtype, flags, layout, scale) raise
         ``ring_core.control.RingAttentionMismatch`` naming both calls (found before any data moves).
-        With RING_ATTENTION_JAX_ERRORS=deferred (read when tracing) the call does not raise: the failure
+        With RING_ATTENTION_ERRORS=deferred (read when tracing) the call does not raise: the failure
         is kept for ``jax_ring.check_errors()`` and what the call could not compute is NaN.
+      segment_ids: packed sequences: int32 [batch, seq_local], this rank's tokens' segment ids in the layout's
+        order (as q's tokens; one array serves this rank's queries and keys, so they cannot disagree). Query i
+        attends key j only where their ids are equal; a negative id marks padding: that row attends nothing
+        (out 0, lse -inf, no gradient in or out). Put a global array in layout order with ``to_layout``;
+        ``segment_ids_from_cu_seqlens`` makes one from flash-attn's ``cu_seqlens``. None: one segment.
+      window_size: sliding window ``(left, right)``, flash-attn's meaning in global token order: query i
+        attends keys j with ``i - left <= j <= i + right``; -1 unbounded on that side; None: no window. With
+        ``is_causal``, keys after the query stay masked.
 
     Returns:
       ``out`` with q's shape and dtype, or ``(out, lse)`` with ``return_lse=True``.
@@ -103,29 +170,23 @@ def ring_attention(q, k, v, *, axis_name, is_causal=False, scale=None, layout="c
         out = jax_ring.from_layout(out, "zigzag", 4)                        # back to natural order
     """
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
-    spec = _validate(q, k, v, is_causal=is_causal, scale=scale, layout=layout, backend=backend,
-                     return_lse=return_lse)
-    timeout_s = check_timeout(timeout_s)
-    backend = _resolve_backend(backend, q.dtype)
-    world = _platform.axis_size(axis_name)  # ValueError (how to fix it) outside shard_map / wrong name
-    if backend == "xla":
-        return ring_attention_xla(q, k, v, axis_name=axis_name, spec=spec, return_lse=return_lse)
-    from jax_ring.fused import ring_attention_fused
-
-    return ring_attention_fused(q, k, v, axis_name=axis_name, spec=spec, world_size=world, return_lse=return_lse,
-                                timeout_s=timeout_s)
+    segment_ids = None if segment_ids is None else jnp.asarray(segment_ids)
+    spec = _validate(q, k, v, segment_ids, is_causal=is_causal, scale=scale, layout=layout, backend=backend,
+                     return_lse=return_lse, window_size=window_size)
+    return _run(q, k, v, segment_ids, spec, axis_name=axis_name, return_lse=return_lse, backend=backend,
+                timeout_s=check_timeout(timeout_s))
 
 
 def ring_attention_sharded(q, k, v, *, mesh, axis_name, is_causal=False, scale=None, layout="contiguous",
-                           return_lse=False, backend="auto", timeout_s=None):
+                           return_lse=False, backend="auto", timeout_s=None, segment_ids=None, window_size=None):
     """``ring_attention`` on global arrays: shards the sequence over ``mesh`` axis ``axis_name`` and runs the ring.
 
-    ``q``, ``k``, ``v`` are global, [batch, seq_global, heads, head_dim], and must ALREADY be in ``layout``
-    order: for ``layout="zigzag"`` pass ``to_layout(x, "zigzag", W)`` and put the result back in natural order
-    with ``from_layout(out, "zigzag", W)`` (``lse`` is [batch, heads, seq_global]: use ``seq_axis=2``).
-    For ``"contiguous"`` both are the identity. ``seq_global`` must be a multiple of W (2W for zigzag).
-    Other keywords as in ``ring_attention``; the shard_map uses in_specs ``P(None, axis_name)``, out_specs
-    ``P(None, axis_name)`` for out and ``P(None, None, axis_name)`` for lse.
+    ``q``, ``k``, ``v`` (and ``segment_ids``, [batch, seq_global]) are global, [batch, seq_global, heads,
+    head_dim], and must ALREADY be in ``layout`` order: for ``layout="zigzag"`` pass ``to_layout(x, "zigzag",
+    W)`` and put the result back in natural order with ``from_layout(out, "zigzag", W)`` (``lse`` is [batch,
+    heads, seq_global]: use ``seq_axis=2``). For ``"contiguous"`` both are the identity. ``seq_global`` must
+    be a multiple of W (2W for zigzag). Other keywords as in ``ring_attention``; the shard_map uses in_specs
+    ``P(None, axis_name)``, out_specs ``P(None, axis_name)`` for out and ``P(None, None, axis_name)`` for lse.
 
     Example (2 CPU devices)::
 
@@ -149,45 +210,32 @@ def ring_attention_sharded(q, k, v, *, mesh, axis_name, is_causal=False, scale=N
         raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh (axes {names}); "
                          "pass the name of the mesh axis that should shard the sequence")
     world = int(mesh.shape[axis_name])
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.ndim == 4:
-            need = 2 * world if layout == "zigzag" else world
-            if x.shape[1] % need:
-                raise ValueError(
-                    f"{name} has seq_global={x.shape[1]}, not a multiple of {need} "
-                    f"({'2*' if layout == 'zigzag' else ''}world_size, world_size={world} on axis {axis_name!r}); "
-                    "pad the sequence")
-    local = lambda x: (*x.shape[:1], x.shape[1] // world, *x.shape[2:]) if x.ndim == 4 else x.shape
-    spec = check_attention_args(local(q), local(k), local(v), q.dtype, k.dtype, v.dtype, is_causal=is_causal,
-                                scale=scale, layout=layout, backend=backend, backends=JAX_BACKENDS,
-                                return_lse=return_lse)
+    if layout in ("contiguous", "zigzag"):  # else check_attention_args names the bad layout
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            if x.ndim == 4:
+                check_global_seq(x.shape[1], world, layout, f"{name} has seq_global", f" on axis {axis_name!r}")
+    segment_ids = None if segment_ids is None else jnp.asarray(segment_ids)
+    spec = _validate(q, k, v, segment_ids, local=lambda shape: (*shape[:1], shape[1] // world, *shape[2:])
+                     if len(shape) >= 2 else shape, is_causal=is_causal, scale=scale, layout=layout,
+                     backend=backend, return_lse=return_lse, window_size=window_size)
     timeout_s = check_timeout(timeout_s)
-    _resolve_backend(backend, q.dtype)
-    # spec.scale: a hashable Python float (the caller may pass a numpy / concrete jax scalar).
-    return _sharded_fn(mesh, axis_name, spec.is_causal, spec.scale, layout, return_lse, backend, timeout_s)(q, k, v)
+    _resolve_backend(backend, spec)  # errors now, not when traced
+    fn = _sharded_fn(mesh, axis_name, spec, return_lse, backend, timeout_s)
+    return fn(q, k, v) if segment_ids is None else fn(q, k, v, jnp.asarray(segment_ids))
 
 
 @functools.lru_cache(maxsize=64)
-def _sharded_fn(mesh, axis_name, is_causal, scale, layout, return_lse, backend, timeout_s):
-    """The jitted shard_map for one configuration (cached: eager shard_map would dispatch op by op)."""
+def _sharded_fn(mesh, axis_name, spec, return_lse, backend, timeout_s):
+    """The jitted shard_map for one validated configuration (cached: eager shard_map would dispatch op by op)."""
 
-    def body(q, k, v):
-        return ring_attention(q, k, v, axis_name=axis_name, is_causal=is_causal, scale=scale, layout=layout,
-                              return_lse=return_lse, backend=backend, timeout_s=timeout_s)
+    def body(q, k, v, *segment_ids):
+        return _run(q, k, v, segment_ids[0] if segment_ids else None, spec, axis_name=axis_name,
+                    return_lse=return_lse, backend=backend, timeout_s=timeout_s)
 
-    out_specs = (P(None, axis_name), P(None, None, axis_name)) if return_lse else P(None, axis_name)
-    return jax.jit(_platform.shard_map(body, mesh=mesh, in_specs=(P(None, axis_name),) * 3, out_specs=out_specs))
-
-
-def _check_layout_args(x, layout, world_size, seq_axis):
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    if isinstance(world_size, bool) or not isinstance(world_size, (int, np.integer)) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    ndim = np.ndim(x)
-    if not isinstance(seq_axis, (int, np.integer)) or not -ndim <= seq_axis < ndim:
-        raise ValueError(f"seq_axis={seq_axis!r} is out of range for an array of rank {ndim}")
-    return int(seq_axis) % ndim
+    seq = P(None, axis_name)
+    out_specs = (seq, P(None, None, axis_name)) if return_lse else seq
+    in_specs = (seq,) * (4 if spec.segmented else 3)
+    return jax.jit(_platform.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
 
 
 def _take(x, idx, axis):
@@ -200,13 +248,14 @@ def to_layout(x, layout, world_size, seq_axis=1):
     """Reorder a global array from natural token order into ``layout`` order along ``seq_axis``.
 
     Sharding the result contiguously over ``world_size`` ranks gives each rank the tokens ``layout`` assigns
-    it. numpy in, numpy out; anything else becomes a jax array. ``from_layout`` undoes it.
+    it. numpy in, numpy out; anything else becomes a jax array. ``from_layout`` undoes it. Segment ids
+    ([batch, seq]) are reordered the same way.
 
     >>> import numpy as np
     >>> to_layout(np.arange(8)[None], "zigzag", 2).tolist()   # rank 0: chunks 0, 3; rank 1: chunks 1, 2
     [[0, 1, 6, 7, 2, 3, 4, 5]]
     """
-    axis = _check_layout_args(x, layout, world_size, seq_axis)
+    axis = check_layout_call(layout, world_size, seq_axis, np.ndim(x))
     return _take(x, layout_permutation(np.shape(x)[axis], int(world_size), layout), axis)
 
 
@@ -217,6 +266,20 @@ def from_layout(x, layout, world_size, seq_axis=1):
     >>> from_layout(np.array([[0, 1, 6, 7, 2, 3, 4, 5]]), "zigzag", 2).tolist()
     [[0, 1, 2, 3, 4, 5, 6, 7]]
     """
-    axis = _check_layout_args(x, layout, world_size, seq_axis)
+    axis = check_layout_call(layout, world_size, seq_axis, np.ndim(x))
     perm = layout_permutation(np.shape(x)[axis], int(world_size), layout)
     return _take(x, inverse_permutation(perm), axis)
+
+
+def segment_ids_from_cu_seqlens(cu_seqlens, seq_len):
+    """flash-attn's varlen convention to segment ids: ``cu_seqlens`` [n + 1] (0, then the end of each packed
+    sequence) gives int32 [seq_len] ids 0..n-1, tokens after the last sequence -1 (padding); [batch, n + 1]
+    gives [batch, seq_len]. A jax array (numpy in, numpy out).
+
+    >>> segment_ids_from_cu_seqlens(np.array([0, 3, 5]), 6).tolist()
+    [0, 0, 0, 1, 1, -1]
+    """
+    from ring_core.masks import segment_ids_from_cu_seqlens as ids
+
+    out = ids(np.asarray(cu_seqlens), seq_len)
+    return out if isinstance(cu_seqlens, (np.ndarray, list, tuple)) else jnp.asarray(out)

@@ -1,4 +1,6 @@
-"""backend='fused' for JAX: the shared kernels (ring_core.kernel, ring_core.kernel_bwd) as jax-triton custom calls.
+"""backend='fused' for JAX, the raw ops: the shared kernels (ring_core.kernel, ring_core.kernel_bwd) as jax-triton
+custom calls (``forward``, ``backward``); the autograd layer that calls them is in jax_ring.api. The twin of
+torch_bridge.fused.
 
 Per-rank values (this rank's position in its ring, the heap bases of the ring's members as mapped in its
 process) reach the kernel as an on-device array: a program baked with per-process constants would differ
@@ -15,7 +17,6 @@ Under shard_map's default check_vma, the kernels' outputs are typed like values 
 
 from __future__ import annotations
 
-import functools
 import os
 
 import numpy as np
@@ -61,17 +62,6 @@ def _import_jax_triton():
     return jax_triton
 
 
-def _forget_compiled_programs():
-    """Release hook (ring_core.heap.on_release): a program traced with the fused backend baked the heap's
-    addresses into its constants (the context table), so after shutdown() running it again would write into
-    released memory. Clearing JAX's caches makes the next call trace again, which raises without a heap and
-    otherwise takes the new heap's addresses."""
-    from jax_ring import api
-
-    jax.clear_caches()
-    api._sharded_fn.cache_clear()
-
-
 def _raise_status(status, ctx, ring_size: int, timeout_s):
     """Host callback: raise the failure in ``status``, naming ranks by their global ranks (from the ring's
     members, which the context row carries after what the kernel reads)."""
@@ -80,18 +70,10 @@ def _raise_status(status, ctx, ring_size: int, timeout_s):
                         members=row[ring_size + 4:2 * ring_size + 4])
 
 
-ERRORS_ENV = "RING_ATTENTION_JAX_ERRORS"
-
-
 def errors_deferred() -> bool:
-    """How a fused call traced now reports a failure (read at trace time, from RING_ATTENTION_JAX_ERRORS):
-    "call" (default): a host callback after every call raises from the call; "deferred": no callback (it
-    costs 0.1-0.9 ms a call): the kernel keeps the first failure on the heap, ``jax_ring.check_errors()``
-    raises it, and the outputs a failed call could not compute are NaN meanwhile."""
-    mode = os.environ.get(ERRORS_ENV, "call")
-    if mode not in ("call", "deferred"):
-        raise ValueError(f"{ERRORS_ENV} must be 'call' or 'deferred', got {mode!r}")
-    return mode == "deferred"
+    """Whether a fused call traced now keeps its failure for ``jax_ring.check_errors()`` instead of raising
+    from the call (ring_core.control.errors_mode; JAX's default "call")."""
+    return control.errors_mode("call") == "deferred"
 
 
 # ---------------------------------------------------------------------------- the ring's context row
@@ -157,7 +139,6 @@ mlir.register_lowering(ring_ctx_p, _ring_ctx_lowering)
 def _launch_context(spec, axis_name, world_size: int, *, backward: bool):
     """(launch plan, this device's context row) for a fused launch inside shard_map."""
     h = _heap.get()
-    _heap.on_release(_forget_compiled_programs)  # the table is baked into the program
     p = h.plan_bwd(spec, world_size) if backward else h.plan(spec, world_size)  # HeapTooSmallError at trace time
     ctx = ring_ctx_p.bind(_platform.mesh_position(), axis_name=axis_name, ring_size=world_size)
     return p, ctx
@@ -181,6 +162,11 @@ def _segment_ids(spec, segment_ids):
     return segment_ids.astype(jnp.int32)
 
 
+def _out_shapes(p):
+    """The launch's outputs (ring_core.plans.LaunchPlan.out_shapes), the last one the status (zeroed_outputs)."""
+    return [jax.ShapeDtypeStruct(shape, jnp.dtype(dt)) for shape, dt in p.out_shapes]
+
+
 def _typed_like(outs, inputs, axis_name):
     """The kernel's outputs typed as computed from ``inputs`` over the ring: varying along every axis an
     input varies along, and along the ring's axis (see the module docstring)."""
@@ -188,28 +174,30 @@ def _typed_like(outs, inputs, axis_name):
     return [_platform.vary(o, axes) for o in outs]
 
 
+def _launch(kernel, name: str, inputs, spec, axis_name, world_size: int, timeout_s, *, backward: bool):
+    """One fused launch inside shard_map: the inputs, this device's context row and the plan's scalars in
+    the kernel's argument order (ring_core.plans); the outputs (the status last, zeroed: the kernel's last
+    program writes it), checked by a host callback unless errors are deferred."""
+    jt = _import_jax_triton()
+    p, ctx = _launch_context(spec, axis_name, world_size, backward=backward)
+    deferred = errors_deferred()
+    *outs, status = jt.triton_call(
+        *inputs, ctx, *_scalars(p, timeout_s), kernel=kernel, out_shape=_out_shapes(p), grid=p.grid,
+        num_warps=p.config.num_warps, num_stages=p.config.num_stages, zeroed_outputs=(len(p.out_shapes) - 1,),
+        name=name, **p.constexprs(sticky_errors=deferred))
+    if not deferred:  # else the kernel keeps a failure for jax_ring.check_errors()
+        jax.debug.callback(_raise_status, status, ctx, world_size, timeout_s)
+    return outs
+
+
 def forward(q, k, v, spec, axis_name, world_size: int, timeout_s: float | None = None, segment_ids=None):
     """Run the fused kernel on this rank's shards inside shard_map; returns (out, lse). ``segment_ids``: this
     rank's ids (int32 [batch, seq_local], layout order) when ``spec.segmented``, else None; the window is
     ``spec.window``."""
-    jt = _import_jax_triton()
     from ring_core.kernel import ring_attn_fwd_kernel
 
-    p, ctx = _launch_context(spec, axis_name, world_size, backward=False)
-    deferred = errors_deferred()
-    b, s, hq, d = q.shape
-    scal = _scalars(p, timeout_s)
-    out, lse, status = jt.triton_call(
-        q, k, v, _segment_ids(spec, segment_ids), ctx, *scal,
-        kernel=ring_attn_fwd_kernel,
-        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
-                   jax.ShapeDtypeStruct((b, hq, s), jnp.float32),
-                   jax.ShapeDtypeStruct((control.STATUS_WORDS,), jnp.int32)],
-        grid=p.grid, num_warps=p.config.num_warps, num_stages=p.config.num_stages,
-        zeroed_outputs=(2,),  # status: all zero unless the kernel's last program wrote it (check_status)
-        name="ring_attn_fwd", **p.constexprs(sticky_errors=deferred))
-    if not deferred:  # else the kernel keeps a failure for jax_ring.check_errors()
-        jax.debug.callback(_raise_status, status, ctx, world_size, timeout_s)
+    out, lse = _launch(ring_attn_fwd_kernel, "ring_attn_fwd", (q, k, v, _segment_ids(spec, segment_ids)), spec,
+                       axis_name, world_size, timeout_s, backward=False)
     return tuple(_typed_like((out, lse), (q, k, v), axis_name))
 
 
@@ -217,54 +205,11 @@ def backward(q, k, v, out, lse, dout, dlse, spec, axis_name, world_size: int, ti
              segment_ids=None):
     """Run the fused backward kernel (ring_core.kernel_bwd) on this rank's shards inside shard_map, from the
     forward's ``out`` and ``lse`` and the cotangents ``dout`` and ``dlse``; returns (dq, dk, dv), typed as
-    q, k and v. Same context row, launch maths (ring_core.control.plan_bwd) and argument list as the torch
+    q, k and v. Same context row, launch maths (ring_core.plans.plan_bwd) and argument list as the torch
     launcher (torch_bridge.fused.backward). ``segment_ids`` as in ``forward`` (no gradient: ids are ints)."""
-    jt = _import_jax_triton()
     from ring_core.kernel_bwd import ring_attn_bwd_kernel
 
-    p, ctx = _launch_context(spec, axis_name, world_size, backward=True)
-    deferred = errors_deferred()
-    scal = _scalars(p, timeout_s)
-    dq, dk, dv, _, status = jt.triton_call(
-        q, k, v, out, dout, lse, dlse.astype(jnp.float32), _segment_ids(spec, segment_ids), ctx, *scal,
-        kernel=ring_attn_bwd_kernel,
-        out_shape=[jax.ShapeDtypeStruct(shape, jnp.dtype(dt)) for shape, dt in p.out_shapes],
-        grid=p.grid, num_warps=p.config.num_warps, num_stages=p.config.num_stages,
-        zeroed_outputs=(4,),  # status: all zero unless the kernel's last program wrote it (check_status)
-        name="ring_attn_bwd", **p.constexprs(sticky_errors=deferred))
-    if not deferred:  # else the kernel keeps a failure for jax_ring.check_errors()
-        jax.debug.callback(_raise_status, status, ctx, world_size, timeout_s)
+    dq, dk, dv, _ = _launch(ring_attn_bwd_kernel, "ring_attn_bwd",
+                            (q, k, v, out, dout, lse, dlse.astype(jnp.float32), _segment_ids(spec, segment_ids)),
+                            spec, axis_name, world_size, timeout_s, backward=True)  # _: delta, scratch
     return tuple(_platform.vary(g, _platform.varying_axes(x)) for g, x in ((dq, q), (dk, k), (dv, v)))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _fused(q, k, v, spec, axis_name, world_size, timeout_s):
-    return forward(q, k, v, spec, axis_name, world_size, timeout_s)
-
-
-def _fused_fwd(q, k, v, spec, axis_name, world_size, timeout_s):
-    _heap.get().plan_bwd(spec, world_size)  # a heap too small for the backward raises now, before anything runs
-    out, lse = forward(q, k, v, spec, axis_name, world_size, timeout_s)
-    return (out, lse), (q, k, v, out, lse)
-
-
-def _fused_bwd(spec, axis_name, world_size, timeout_s, res, cts):
-    q, k, v, out, lse = res
-    dout, dlse = cts
-    return backward(q, k, v, out, lse, dout.astype(q.dtype), dlse, spec, axis_name, world_size, timeout_s)
-
-
-_fused.defvjp(_fused_fwd, _fused_bwd)
-
-
-def ring_attention_fused(q, k, v, *, axis_name, spec, world_size: int, return_lse: bool = False,
-                         timeout_s: float | None = None):
-    """Fused forward; differentiable: the VJP runs the fused backward kernel from the saved q, k, v, out
-    and lse, with the cotangents of both out and lse (zeros for lse unless the caller uses it)."""
-    if _platform.under_vmap():
-        raise ValueError(
-            "jax_ring.ring_attention(backend='fused') does not run under jax.vmap: the kernel takes a batch axis "
-            "of its own. Fold the mapped axis into the batch axis instead (q.reshape(-1, *q.shape[-3:]) and back), "
-            "or use backend='xla'")
-    out, lse = _fused(q, k, v, spec, axis_name, world_size, timeout_s)
-    return (out, lse) if return_lse else out

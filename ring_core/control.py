@@ -278,8 +278,8 @@ def check_status(status, rank: int, timeout_s: float | None = None, members=None
 def take_sticky(heap_bytes, heap: HeapLayout, base_off: int = 0):
     """Read and clear a rank's first kept status (CTL_STICKY), looking at the ring slots in order:
     ``heap_bytes`` is a torch uint8 tensor holding the rank's workspace, starting ``base_off`` bytes from
-    the heap base. Returns the status words (for check_status) or None when no call failed since the last
-    take."""
+    the heap base. Returns (status words for check_status, ring slot), or None when no call failed since
+    the last take."""
     import torch
 
     for slot in range(RING_SLOTS):
@@ -288,5 +288,5 @@ def take_sticky(heap_bytes, heap: HeapLayout, base_off: int = 0):
         status = words.cpu().numpy().copy()
         if status[0] != ERR_NONE:
             words.zero_()
-            return status
+            return status, slot
     return None

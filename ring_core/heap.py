@@ -186,6 +186,10 @@ class RingSlots:
     def get(self, frontend: str, members) -> int | None:
         return self._slots.get((frontend, tuple(members)))
 
+    def ring_at(self, slot: int, rank: int):
+        """The registered ring of ``rank`` on ``slot`` (its members), or None."""
+        return next((m for (_, m), s in self._slots.items() if s == slot and rank in m), None)
+
     def used_by(self, frontend: str, rank: int) -> set:
         """Slots of the registered rings of ``frontend`` that ``rank`` belongs to."""
         return {s for (f, m), s in self._slots.items() if f == frontend and rank in m}
@@ -264,16 +268,20 @@ class HeapRings:
         return plans.plan_bwd(spec, ring_size, self.layout, **kw)
 
     def take_error(self):
-        """The status words (ring_core.control.check_status) of the first fused call that failed on this rank
-        since the last take_error() or reset(), or None; clears them. Waits for this device first."""
+        """(status words, ring members) of the first fused call that failed on this rank since the last
+        take_error() or reset(), for ring_core.control.check_status, or None; clears them. Waits for this
+        device first."""
         import torch
 
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        status = control.take_sticky(self.workspace, self.layout, self.base_off)
+        kept = control.take_sticky(self.workspace, self.layout, self.base_off)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        return status
+        if kept is None:
+            return None
+        status, slot = kept
+        return status, self.rings.ring_at(slot, self.rank)
 
 
 class SymmetricHeap(HeapRings):

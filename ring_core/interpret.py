@@ -259,8 +259,9 @@ class SimulatedJob:
                                                 slot))
 
     def take_error(self, rank: int):
-        """What ``SymmetricHeap.take_error`` returns on GPUs, for simulated ``rank``."""
-        return control.take_sticky(self.heaps[rank], self.layout)
+        """What ``HeapRings.take_error`` returns on GPUs, for simulated ``rank``: (status, ring members) or None."""
+        kept = control.take_sticky(self.heaps[rank], self.layout)
+        return None if kept is None else (kept[0], self.slots.ring_at(kept[1], rank))
 
     def reset(self):
         """Zero every rank's control words and flags (what ``SymmetricHeap.reset`` does on GPUs)."""

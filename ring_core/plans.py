@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from ring_core import control, masks
 from ring_core.control import HeapLayout, HeapTooSmallError
-from ring_core.validate import AttentionSpec
+from ring_core.validate import AttentionSpec, check_fused_dtype
 
 ELEM_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 
@@ -246,10 +246,22 @@ def bwd_recv_bytes(spec: AttentionSpec, world_size: int) -> tuple:
     return kv, part_off, (part_off + part) if world_size > 1 else 0
 
 
-def _fused_dtype(spec: AttentionSpec):
-    if spec.dtype not in ELEM_BYTES:
-        raise TypeError(f"the fused kernel supports float16, bfloat16 and float32 inputs, got {spec.dtype}; "
-                        "use a reference backend for float64")
+def fused_supports(spec: AttentionSpec) -> bool:
+    """Whether the frontends' fused backends take this call's masks (beyond ``is_causal``): not yet sliding
+    windows or segment ids (issue 20: the kernels and the simulator take them, the frontends' autograd layers
+    do not pass them yet; the reference backends do)."""
+    return spec.window == (-1, -1) and not spec.segmented
+
+
+def check_fused_supports(spec: AttentionSpec, reference: str) -> None:
+    if not fused_supports(spec):
+        raise NotImplementedError(
+            f"the fused kernels do not take segment_ids or window_size yet; use {reference} (backend='auto' "
+            "picks it for such calls)")
+
+
+def _fused_call(spec: AttentionSpec):
+    check_fused_dtype(spec.dtype, "a reference backend")
 
 
 def _chunking(what: str, n_blocks: int, chunk_blocks: int, flags_for, capacity: int) -> tuple:
@@ -282,7 +294,7 @@ def _too_small(what: str, need: int, have: int, spec: AttentionSpec, world_size:
 def plan(spec: AttentionSpec, world_size: int, heap: HeapLayout, *, interpret: bool = False,
          config: KernelConfig | None = None) -> LaunchPlan:
     """The forward's launch; raises HeapTooSmallError (before anything runs) when the heap is short."""
-    _fused_dtype(spec)
+    _fused_call(spec)
     cfg = config or KernelConfig.get_default(spec, world_size, interpret=interpret)
     need = recv_bytes(spec, world_size)
     if need > heap.recv_capacity:
@@ -299,7 +311,7 @@ def plan_bwd(spec: AttentionSpec, world_size: int, heap: HeapLayout, *, interpre
              config: BwdKernelConfig | None = None) -> LaunchPlan:
     """The backward's launch; raises HeapTooSmallError (before anything runs) when the heap is short of
     receive space or flags."""
-    _fused_dtype(spec)
+    _fused_call(spec)
     cfg = config or BwdKernelConfig.get_default(spec, world_size, interpret=interpret)
     kv, part_off, need = bwd_recv_bytes(spec, world_size)
     if need > heap.recv_capacity:

@@ -153,8 +153,7 @@ def check_attention_args(q_shape, k_shape, v_shape, q_dtype, k_dtype, v_dtype, *
         raise TypeError(f"q, k and v must share one dtype, got {names[0]}, {names[1]}, {names[2]}; cast them first")
     is_causal = _check_flag("is_causal", is_causal)
     _check_flag("return_lse", return_lse)
-    if not isinstance(layout, str) or layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    check_layout(layout)
     if layout == "zigzag" and s % 2:
         raise ValueError(
             f"layout='zigzag' needs an even seq_local (each rank holds two chunks), got {s}; "
@@ -185,3 +184,44 @@ def check_attention_args(q_shape, k_shape, v_shape, q_dtype, k_dtype, v_dtype, *
     elif segment_ids_dtype is not None:
         raise TypeError("segment_ids_dtype was given without segment_ids_shape; pass both (or neither)")
     return AttentionSpec(b, s, h, hkv, d, names[0], scale, is_causal, layout, window, segmented)
+
+
+FUSED_DTYPES = ("float16", "bfloat16", "float32")
+
+
+def check_fused_dtype(dtype, reference: str) -> None:
+    """The fused kernels take float16, bfloat16 and float32; TypeError naming ``reference`` (what to use for
+    float64) otherwise."""
+    name = dtype_name(dtype)
+    if name not in FUSED_DTYPES:
+        raise TypeError(f"the fused kernel supports float16, bfloat16 and float32 inputs, got {name}; use {reference} "
+                        f"for {name}")
+
+
+def check_layout(layout) -> str:
+    if not isinstance(layout, str) or layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    return layout
+
+
+def check_layout_call(layout, world_size, seq_axis, ndim: int) -> int:
+    """The arguments of ``to_layout`` / ``from_layout`` (both frontends); returns ``seq_axis`` as a
+    non-negative axis of an array of rank ``ndim``."""
+    check_layout(layout)
+    if isinstance(world_size, (bool, np.bool_)) or not isinstance(world_size, (int, np.integer)) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if isinstance(seq_axis, (bool, np.bool_)) or not isinstance(seq_axis, (int, np.integer)) \
+            or not -ndim <= seq_axis < ndim:
+        raise ValueError(f"seq_axis={seq_axis!r} is out of range for an array of rank {ndim}")
+    return int(seq_axis) % ndim
+
+
+def check_global_seq(seq: int, world_size: int, layout: str, what: str = "the global sequence length",
+                     where: str = "") -> int:
+    """A global sequence of ``seq`` tokens splits over ``world_size`` ranks (into 2 * world_size chunks for
+    zigzag); returns seq_local. ``what`` / ``where`` name the array and the mesh axis in the message."""
+    need = 2 * world_size if layout == "zigzag" else world_size
+    if seq % need:
+        raise ValueError(f"{what}={seq}, not a multiple of {need} ({'2*' if layout == 'zigzag' else ''}world_size, "
+                         f"world_size={world_size}{where}); pad the sequence")
+    return seq // world_size

@@ -99,7 +99,7 @@ TABLE = [
     Bad("layout-none", ValueError, r"layout must be one of .*got None", kw=dict(layout=None)),
     Bad("zigzag-odd-seq_local", ValueError, r"layout='zigzag' needs an even seq_local .*got 5", q=(1, 5, 4, 16),
         k=(1, 5, 2, 16), kw=dict(layout="zigzag"),
-        expect={"sim": (ValueError, r"global sequence length \(10\) to be a multiple of 2\*world_size \(4\)")}),
+        expect={"sim": (ValueError, r"global sequence length=10, not a multiple of 4 \(2\*world_size, world_size=2\)")}),
     # ---- scale: a finite number >= 0 (0 gives uniform weights), or None for 1/sqrt(head_dim)
     Bad("scale-negative", ValueError, r"scale must be finite and >= 0, got -1\.0", kw=dict(scale=-1.0)),
     Bad("scale-nan", ValueError, r"scale must be finite and >= 0, got nan", kw=dict(scale=float("nan"))),
@@ -164,7 +164,7 @@ TABLE = [
         kw=dict(world_size=0)),
     Bad("sim-world_size-float", TypeError, r"world_size must be an int, got float", frontends=("sim",),
         kw=dict(world_size=2.0)),
-    Bad("sim-seq-not-divisible", ValueError, r"global sequence length \(8\) must be divisible by world_size \(3\)",
+    Bad("sim-seq-not-divisible", ValueError, r"global sequence length=8, not a multiple of 3 \(world_size, world_size=3\); pad",
         frontends=("sim",), kw=dict(world_size=3)),
 ]
 

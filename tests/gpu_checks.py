@@ -332,7 +332,7 @@ def main():
         spec_big = validate.check_attention_args(tuple(ts[0].shape), tuple(ts[1].shape), tuple(ts[2].shape), dt, dt,
                                                  dt, is_causal=True, scale=None, layout="zigzag", backend="fused",
                                                  backends=("fused",))
-        programs = ring_heap.get().plan_bwd(spec_big).grid[0]
+        programs = ring_heap.get().plan_bwd(spec_big, W).grid[0]
         msg = [f"{programs} programs per rank"]
         for n, (e, e_lp) in worst.items():
             bound = 2 * e_lp + testing.TOLERANCES[dt]["grad"]

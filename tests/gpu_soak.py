@@ -29,7 +29,17 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_faults import Job, start_watchdog  # noqa: E402
 
 HEAD_DIMS = (16, 24, 32, 64, 80, 96, 128, 160, 192, 256)
-BIG = (1, 4096, 16, 4, 128, "bfloat16", True, "zigzag")
+BIG = (1, 4096, 16, 4, 128, "bfloat16", True, "zigzag")  # at W=2: 8k tokens, 16 heads
+
+
+def big_case(world: int) -> tuple:
+    """BIG at any world size: 8k tokens in all, 16 heads at W <= 2 and fewer above. Every rank computes the
+    float64 reference of the whole sequence, and W processes on one machine doing so at W=2's size per rank
+    ran it out of host memory (4 ranks on one GPU: a rank was killed)."""
+    b, s, h, hkv, d, dtype, causal, layout = BIG
+    seq_local = 2 * s // world // 2 * 2  # zigzag: even
+    heads = max(hkv, h * 2 // max(world, 2) // hkv * hkv)
+    return (b, seq_local, heads, hkv, d, dtype, causal, layout)
 
 
 def plan(seed: int, pool: int, variants: int):
@@ -80,7 +90,7 @@ def main(argv=None) -> int:
     job = Job(a, with_jax=not a.no_jax)
     start_watchdog(a.deadline, job.rank)
     torch = job.torch
-    configs = plan(a.seed, a.pool, a.variants) + [BIG]
+    configs = plan(a.seed, a.pool, a.variants) + [big_case(job.world)]
     from ring_core import reference, testing
 
     prepared = []  # (inputs, this rank's indices, float64 reference, same-precision reference) per config

@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_ring  # noqa: E402
 from bad_input_cases import BY_ID, WORLD, rows  # noqa: E402
-from jax_ring.simulate import SimulatedRing, simulate_ring_attention  # noqa: E402
+from ring_core.simulate import SimulatedRing, simulate_ring_attention  # noqa: E402
 from ring_core import testing  # noqa: E402
 
 AX = "sp"

@@ -1,4 +1,4 @@
-"""CPU tests of the benchmark harness's logic (benchmarks/attention.py, benchmarks/plot.py): FLOP counts and
+"""CPU tests of the benchmark harness's logic (benchmarks/harness.py, peers.py, attention.py, plot.py): FLOP counts and
 the single-GPU share, quantiles, arguments and cases (both passes), ratios (keyed by pass), the CSV log
 (and CSVs older than the ``pass`` column), the gradient check's bookkeeping, the plot's grouping, the
 pure-JAX cuDNN-style ring (its LSE merging and its autodiff, run here with dense XLA blocks) against
@@ -14,7 +14,8 @@ import types
 import numpy as np
 import pytest
 
-from benchmarks import attention as bench
+from benchmarks import attention as cli
+from benchmarks import harness, peers
 from benchmarks import plot as bplot
 
 
@@ -22,20 +23,20 @@ from benchmarks import plot as bplot
 
 
 def test_flops_per_gpu_counts_the_rank_rectangle_and_half_when_causal():
-    full = bench.Case(1, 32, 32, 128, 4096, False, "bfloat16")
-    assert bench.flops_per_gpu(full, 2) == 4 * 32 * 4096 * 8192 * 128
-    causal = bench.Case(1, 32, 8, 128, 4096, True, "bfloat16")
-    assert bench.flops_per_gpu(causal, 2) == 2 * 32 * 4096 * 8192 * 128  # GQA does not change the FLOPs
+    full = harness.Case(1, 32, 32, 128, 4096, False, "bfloat16")
+    assert harness.flops_per_gpu(full, 2) == 4 * 32 * 4096 * 8192 * 128
+    causal = harness.Case(1, 32, 8, 128, 4096, True, "bfloat16")
+    assert harness.flops_per_gpu(causal, 2) == 2 * 32 * 4096 * 8192 * 128  # GQA does not change the FLOPs
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("kv_heads", [32, 8])
 def test_single_gpu_share_has_the_ring_rank_flops(world, causal, kv_heads):
-    case = bench.Case(1, 32, kv_heads, 64, 2048, causal, "float16")
+    case = harness.Case(1, 32, kv_heads, 64, 2048, causal, "float16")
     for rank in range(world):
-        prob = bench.limit_problem(case, world, rank)
-        assert prob.flops(case.batch, case.head_dim) == bench.flops_per_gpu(case, world)
+        prob = peers.limit_problem(case, world, rank)
+        assert prob.flops(case.batch, case.head_dim) == harness.flops_per_gpu(case, world)
         assert prob.causal == causal and prob.q_heads // prob.kv_heads == 32 // kv_heads
         if causal:  # H/W heads over the whole sequence; rank r takes the r-th slice of heads
             assert (prob.q_len, prob.kv_len, prob.head_offset) == (2048 * world, 2048 * world, rank * 32 // world)
@@ -45,35 +46,35 @@ def test_single_gpu_share_has_the_ring_rank_flops(world, causal, kv_heads):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_fwd_bwd_counts_three_and_a_half_forwards(causal):
-    fwd = bench.Case(2, 32, 8, 128, 4096, causal, "bfloat16")
-    step = bench.Case(2, 32, 8, 128, 4096, causal, "bfloat16", "fwd+bwd")
-    assert bench.flops_per_gpu(step, 2) == 3.5 * bench.flops_per_gpu(fwd, 2)
-    assert bench.flops_per_gpu(step, 2) == 3.5 * 4 * 2 * 32 * 4096 * 8192 * 128 / (2 if causal else 1)
+    fwd = harness.Case(2, 32, 8, 128, 4096, causal, "bfloat16")
+    step = harness.Case(2, 32, 8, 128, 4096, causal, "bfloat16", "fwd+bwd")
+    assert harness.flops_per_gpu(step, 2) == 3.5 * harness.flops_per_gpu(fwd, 2)
+    assert harness.flops_per_gpu(step, 2) == 3.5 * 4 * 2 * 32 * 4096 * 8192 * 128 / (2 if causal else 1)
     for rank in range(2):  # the single-GPU share keeps the ring rank's FLOPs in fwd+bwd too
-        prob = bench.limit_problem(step, 2, rank)
-        assert prob.flops(step.batch, step.head_dim, step.mode) == bench.flops_per_gpu(step, 2)
+        prob = peers.limit_problem(step, 2, rank)
+        assert prob.flops(step.batch, step.head_dim, step.mode) == harness.flops_per_gpu(step, 2)
     assert "fwd+bwd" in step.label() and step.label().replace("fwd+bwd", "fwd") == fwd.label()
 
 
 def test_causal_share_needs_heads_divisible_by_world():
-    with pytest.raises(bench.Unavailable, match="divisible"):
-        bench.limit_problem(bench.Case(1, 32, 1, 64, 1024, True, "bfloat16"), 2)  # MQA: 1 kv head for 2 GPUs
+    with pytest.raises(harness.Unavailable, match="divisible"):
+        peers.limit_problem(harness.Case(1, 32, 1, 64, 1024, True, "bfloat16"), 2)  # MQA: 1 kv head for 2 GPUs
 
 
 def test_summarize_times_median_and_quantiles():
-    med, q20, q80 = bench.summarize_times([5.0, 1.0, 4.0, 2.0, 3.0])
+    med, q20, q80 = harness.summarize_times([5.0, 1.0, 4.0, 2.0, 3.0])
     assert (med, q20, q80) == (3.0, 1.8, 4.2)
-    assert bench.tflops(1e12, 1000.0) == pytest.approx(1.0)
+    assert harness.tflops(1e12, 1000.0) == pytest.approx(1.0)
     with pytest.raises(ValueError):
-        bench.summarize_times([])
+        harness.summarize_times([])
 
 
 # ---------------------------------------------------------------------------------- arguments, cases
 
 
 def test_defaults_are_the_issue_4_target_set():
-    a = bench.parse_args([])
-    cases = bench.enumerate_cases(a, 2)
+    a = cli.parse_args([])
+    cases = cli.enumerate_cases(a, 2)
     assert len(cases) == 8
     assert {(c.batch, c.heads, c.kv_heads, c.head_dim, c.dtype) for c in cases} == {(1, 32, 32, 128, "bfloat16")}
     assert sorted({c.seq_local for c in cases}) == [4096, 8192, 16384, 32768]
@@ -82,28 +83,28 @@ def test_defaults_are_the_issue_4_target_set():
     assert (a.warmup, a.iters, a.input_sets, a.ref_max_seq) == (2, 10, 3, 8192)
     assert a.passes == ["fwd"] and {c.mode for c in cases} == {"fwd"}
     assert a.csv.startswith("benchmarks/results/attention_")
-    assert bench.select_methods(a, 2) == list(bench.METHODS)
-    assert bench.select_methods(a, 1) == [m for m in bench.METHODS if m in bench.WORLD1_METHODS]
+    assert cli.select_methods(a, 2) == list(harness.METHODS)
+    assert cli.select_methods(a, 1) == [m for m in harness.METHODS if m in cli.WORLD1_METHODS]
 
 
 def test_every_axis_is_selectable():
-    a = bench.parse_args(["--seq", "4k,8k", "--kv-heads", "32,8", "--head-dim", "64,128", "--dtype", "bf16,fp16",
+    a = cli.parse_args(["--seq", "4k,8k", "--kv-heads", "32,8", "--head-dim", "64,128", "--dtype", "bf16,fp16",
                           "--causal", "yes", "--methods", "jax_fused,torch_cp,torch_fused", "--framework", "torch"])
-    cases = bench.enumerate_cases(a, 2)
+    cases = cli.enumerate_cases(a, 2)
     assert len(cases) == 2 * 2 * 2 * 2
     assert {c.seq_local for c in cases} == {4096, 8192} and all(c.causal for c in cases)
     assert {c.dtype for c in cases} == {"bfloat16", "float16"} and {c.kv_heads for c in cases} == {32, 8}
-    assert bench.select_methods(a, 2) == ["torch_fused", "torch_cp"]  # METHODS order, jax filtered out
+    assert cli.select_methods(a, 2) == ["torch_fused", "torch_cp"]  # METHODS order, jax filtered out
 
 
 def test_pass_option_runs_each_shape_in_each_pass():
-    a = bench.parse_args(["--seq", "4k,16k", "--causal", "yes", "--pass", "fwd, fwd+bwd,fwd"])
+    a = cli.parse_args(["--seq", "4k,16k", "--causal", "yes", "--pass", "fwd, fwd+bwd,fwd"])
     assert a.passes == ["fwd", "fwd+bwd"]  # spaces and repeats tolerated
-    cases = bench.enumerate_cases(a, 2)
+    cases = cli.enumerate_cases(a, 2)
     assert [(c.seq_local, c.mode) for c in cases] == [(4096, "fwd"), (4096, "fwd+bwd"), (16384, "fwd"),
                                                       (16384, "fwd+bwd")]
-    assert [c.mode for c in bench.enumerate_cases(bench.parse_args(["--pass", "fwd+bwd"]), 2)] == ["fwd+bwd"] * 8
-    assert "--pass" in bench.build_parser().format_help()
+    assert [c.mode for c in cli.enumerate_cases(cli.parse_args(["--pass", "fwd+bwd"]), 2)] == ["fwd+bwd"] * 8
+    assert "--pass" in cli.build_parser().format_help()
 
 
 @pytest.mark.parametrize("argv", [["--methods", "nope"], ["--dtype", "fp32"], ["--heads", "32", "--kv-heads", "5"],
@@ -111,40 +112,40 @@ def test_pass_option_runs_each_shape_in_each_pass():
                                   ["--pass", "fwd,"], ["--pass", ""]])
 def test_bad_arguments_are_refused(argv):
     with pytest.raises(SystemExit):
-        bench.parse_args(argv)
+        cli.parse_args(argv)
 
 
 def test_world1_runs_the_global_problems_on_one_process():
-    a = bench.parse_args(["--world1", "2", "--causal", "no"])
-    assert [c.seq_local for c in bench.enumerate_cases(a, 1)] == [8192, 16384, 32768, 65536]
+    a = cli.parse_args(["--world1", "2", "--causal", "no"])
+    assert [c.seq_local for c in cli.enumerate_cases(a, 1)] == [8192, 16384, 32768, 65536]
     with pytest.raises(SystemExit, match="one process"):
-        bench.enumerate_cases(a, 2)
+        cli.enumerate_cases(a, 2)
 
 
 def test_odd_causal_seq_is_refused():
     with pytest.raises(SystemExit, match="even"):
-        bench.enumerate_cases(bench.parse_args(["--seq", "4097", "--causal", "yes"]), 2)
+        cli.enumerate_cases(cli.parse_args(["--seq", "4097", "--causal", "yes"]), 2)
 
 
 def test_cpu_smoke_defaults_are_tiny_and_run_every_method():
-    a = bench.parse_args(["--cpu-smoke"])
-    assert max(c.seq_local for c in bench.enumerate_cases(a, 2)) <= 128 and a.csv is None
+    a = cli.parse_args(["--cpu-smoke"])
+    assert max(c.seq_local for c in cli.enumerate_cases(a, 2)) <= 128 and a.csv is None
     assert a.passes == ["fwd", "fwd+bwd"]  # the smoke covers the backward path too
-    assert bench.select_methods(a, 1) == list(bench.METHODS)
+    assert cli.select_methods(a, 1) == list(harness.METHODS)
 
 
 def test_heap_covers_the_largest_case():
     from ring_core import heap, plans
 
-    small = [bench.Case(1, 32, 32, 128, 4096, False, "bfloat16")]
-    assert bench.heap_bytes_needed(small, 2) == heap.DEFAULT_HEAP_BYTES
-    big = [bench.Case(1, 32, 32, 128, 1 << 20, False, "bfloat16")]
+    small = [harness.Case(1, 32, 32, 128, 4096, False, "bfloat16")]
+    assert harness.heap_bytes_needed(small, 2) == heap.DEFAULT_HEAP_BYTES
+    big = [harness.Case(1, 32, 32, 128, 1 << 20, False, "bfloat16")]
     need = 2 * (1 << 20) * 32 * 128 * 2
-    assert bench.heap_bytes_needed(big, 2) == plans.heap_bytes_for(need) > need
+    assert harness.heap_bytes_needed(big, 2) == plans.heap_bytes_for(need) > need
     # the backward also receives float32 partial dK/dV: K/V (2 bytes) + partials (4 bytes) per element
-    big_step = [bench.Case(1, 32, 32, 128, 1 << 20, False, "bfloat16", "fwd+bwd")]
-    with_step = bench.heap_bytes_needed(big + big_step, 2)
-    assert with_step >= plans.heap_bytes_for(need * 3) > bench.heap_bytes_needed(big, 2)
+    big_step = [harness.Case(1, 32, 32, 128, 1 << 20, False, "bfloat16", "fwd+bwd")]
+    with_step = harness.heap_bytes_needed(big + big_step, 2)
+    assert with_step >= plans.heap_bytes_for(need * 3) > harness.heap_bytes_needed(big, 2)
 
 
 # ------------------------------------------------------------------------------------- ratios, CSV
@@ -165,7 +166,7 @@ def test_ratios_same_run_and_case_and_scaling_from_world1_rows():
             _row("torch_cp", 999, run="r0"),  # another run: never a denominator here
             _row("torch_fused", 310, world=1, seq_local=8192, run="r9"),  # world-1 run of the same global problem
             _row("torch_fused", 320, world=1, seq_local=8192, run="r10")]  # ... again: the latest counts
-    out = {(r["run_id"], r["method"], r["world"]): r for r in bench.compute_ratios(rows)}
+    out = {(r["run_id"], r["method"], r["world"]): r for r in harness.compute_ratios(rows)}
     tf = out["r1", "torch_fused", "2"]
     assert tf["vs_cudnn_1gpu"] == 0.5  # against the faster single-GPU limit
     assert tf["vs_context_parallel"] == 1.5 and tf["vs_xla_ref"] == 5.0
@@ -173,10 +174,10 @@ def test_ratios_same_run_and_case_and_scaling_from_world1_rows():
     assert tf["scaling_eff"] == round(300 / 320, 3)
     jf = out["r1", "jax_fused", "2"]
     assert jf["vs_cudnn_1gpu"] == 0.4 and jf["scaling_eff"] == ""  # no world-1 jax_fused row
-    assert all(out["r1", "torch_cp", "2"][c] == "" for c in bench.RATIOS)  # only fused rows carry ratios
+    assert all(out["r1", "torch_cp", "2"][c] == "" for c in harness.RATIOS)  # only fused rows carry ratios
     assert out["r10", "torch_fused", "1"]["scaling_eff"] == ""
     assert rows[0].get("vs_cudnn_1gpu") is None  # inputs untouched
-    lines = bench.format_ratios([tf])
+    lines = harness.format_ratios([tf])
     assert lines and "0.50x cuDNN 1 GPU" in lines[0] and "scaling eff 0.94" in lines[0]
 
 
@@ -185,55 +186,55 @@ def test_ratios_only_compare_rows_of_the_same_pass():
             _row("torch_fused", 210, mode="fwd+bwd"), _row("torch_cp", 300, mode="fwd+bwd"),
             _row("jax_cudnn_1gpu", 250, mode="fwd+bwd"), _row("torch_cudnn_1gpu", 600, mode="fwd"),
             _row("torch_fused", 240, world=1, seq_local=8192, run="r9", mode="fwd+bwd")]
-    out = {(r["method"], bench.field(r, "pass"), r["world"]): r for r in bench.compute_ratios(rows)}
+    out = {(r["method"], harness.field(r, "pass"), r["world"]): r for r in harness.compute_ratios(rows)}
     fwd, step = out["torch_fused", "fwd", "2"], out["torch_fused", "fwd+bwd", "2"]
     assert (fwd["vs_context_parallel"], fwd["vs_cudnn_1gpu"], fwd["scaling_eff"]) == (1.5, 0.5, "")
     assert (step["vs_context_parallel"], step["vs_cudnn_1gpu"], step["scaling_eff"]) == (0.7, 0.84, 0.875)
-    assert bench.field({"pass": ""}, "pass") == bench.field({}, "pass") == "fwd"
-    assert bench.field({"pass": "fwd+bwd"}, "pass") == "fwd+bwd" and bench.field({}, "note") == ""
+    assert harness.field({"pass": ""}, "pass") == harness.field({}, "pass") == "fwd"
+    assert harness.field({"pass": "fwd+bwd"}, "pass") == "fwd+bwd" and harness.field({}, "note") == ""
 
 
 def test_ranks_sharing_a_gpu_are_labelled_and_scaled_by_the_whole_gpu(tmp_path):
     shared = dict(_row("torch_fused", 150), ranks_per_gpu="2")  # two ranks on one GPU, each at 150
     rows = [shared, _row("torch_fused", 320, world=1, seq_local=8192, run="r10")]
-    out = {r["world"]: r for r in bench.compute_ratios(rows)}
+    out = {r["world"]: r for r in harness.compute_ratios(rows)}
     assert out["2"]["scaling_eff"] == round(2 * 150 / 320, 3)  # the GPU's rate against one rank's on it
-    assert bench.field({}, "ranks_per_gpu") == "1"  # rows written before the column: a GPU per rank
-    old_columns = [c for c in bench.CSV_COLUMNS if c not in ("pass", "ranks_per_gpu")]
+    assert harness.field({}, "ranks_per_gpu") == "1"  # rows written before the column: a GPU per rank
+    old_columns = [c for c in harness.CSV_COLUMNS if c not in ("pass", "ranks_per_gpu")]
     path = tmp_path / "old.csv"
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=old_columns)
         w.writeheader()
         w.writerow({c: _row("torch_fused", 300).get(c, "") for c in old_columns})
-    assert [(r["pass"], r["ranks_per_gpu"]) for r in bench.CsvLog(str(path)).rows] == [("fwd", "1")]
+    assert [(r["pass"], r["ranks_per_gpu"]) for r in harness.CsvLog(str(path)).rows] == [("fwd", "1")]
 
 
 def test_csv_log_rewrites_after_every_row_and_keeps_earlier_runs(tmp_path):
     path = tmp_path / "sub" / "bench.csv"
-    log = bench.CsvLog(str(path))
+    log = harness.CsvLog(str(path))
     log.add(_row("torch_fused", 300))
     assert len(list(csv.DictReader(open(path)))) == 1  # on disk at once
     log.add(_row("torch_cp", 200))
     log.refresh_ratios()
-    again = bench.CsvLog(str(path))  # a second run appends
+    again = harness.CsvLog(str(path))  # a second run appends
     assert [r["method"] for r in again.rows] == ["torch_fused", "torch_cp"]
     assert again.rows[0]["vs_context_parallel"] == "1.5"
-    assert tuple(csv.DictReader(open(path)).fieldnames) == bench.CSV_COLUMNS
-    assert bench.CsvLog(str(path), overwrite=True).rows == []
+    assert tuple(csv.DictReader(open(path)).fieldnames) == harness.CSV_COLUMNS
+    assert harness.CsvLog(str(path), overwrite=True).rows == []
     other = tmp_path / "other.csv"
     other.write_text("a,b\n1,2\n")
     with pytest.raises(SystemExit, match="other columns"):
-        bench.CsvLog(str(other))
+        harness.CsvLog(str(other))
 
 
 def test_csvs_from_before_the_pass_column_load_as_fwd(tmp_path):
-    old_columns = [c for c in bench.CSV_COLUMNS if c != "pass"]
+    old_columns = [c for c in harness.CSV_COLUMNS if c != "pass"]
     path = tmp_path / "old.csv"
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=old_columns)
         w.writeheader()
         w.writerows([{c: r.get(c, "") for c in old_columns} for r in (_row("torch_fused", 300), _row("torch_cp", 200))])
-    log = bench.CsvLog(str(path))
+    log = harness.CsvLog(str(path))
     assert [r["pass"] for r in log.rows] == ["fwd", "fwd"]
     assert [r["pass"] for r in bplot.load_rows([str(path)])] == ["fwd", "fwd"]
     log.add(_row("torch_fused", 150, mode="fwd+bwd"))
@@ -242,51 +243,51 @@ def test_csvs_from_before_the_pass_column_load_as_fwd(tmp_path):
     with open(path, newline="") as f:
         reader = csv.DictReader(f)
         rows = list(reader)
-    assert tuple(reader.fieldnames) == bench.CSV_COLUMNS
+    assert tuple(reader.fieldnames) == harness.CSV_COLUMNS
     assert [(r["pass"], r["vs_context_parallel"]) for r in rows] == [("fwd", "1.5"), ("fwd", ""), ("fwd+bwd", "1.5"),
                                                                     ("fwd+bwd", "")]
-    results = os.path.join(os.path.dirname(bench.__file__), "results", "attention_2xH200_2026-11-30.csv")
+    results = os.path.join(os.path.dirname(harness.__file__), "results", "attention_2xH200_2026-11-30.csv")
     if os.path.exists(results):  # the checked-in results of the forward-only harness
-        assert {r["pass"] for r in bench.CsvLog(results).rows} == {"fwd"}
+        assert {r["pass"] for r in harness.CsvLog(results).rows} == {"fwd"}
         assert bplot.table(bplot.load_rows([results])).startswith("### fwd\n")
 
 
 def test_format_row_and_command_line():
     ok = dict(method="torch_fused", ms_median=10.0, ms_q20=9.5, ms_q80=11.0, tflops_per_gpu=123.4, max_abs_diff="",
               note="n")
-    assert "123.4 TFLOP/s/GPU" in bench.format_row(ok)
-    assert "ERROR boom" in bench.format_row(dict(method="torch_cp", error="boom"))
-    cmd = bench.command_line(["--seq", "4k", "--csv", "a b.csv"], 2)
+    assert "123.4 TFLOP/s/GPU" in harness.format_row(ok)
+    assert "ERROR boom" in harness.format_row(dict(method="torch_cp", error="boom"))
+    cmd = cli.command_line(["--seq", "4k", "--csv", "a b.csv"], 2)
     assert cmd == "python -m jax_ring.launch --nproc-per-node 2 -m benchmarks.attention --seq 4k --csv 'a b.csv'"
 
 
 def test_gradient_check_bookkeeping():
     torch = pytest.importorskip("torch")
-    a = {n: torch.ones(1, 4, 2, 8) for n in bench.GRADS}
+    a = {n: torch.ones(1, 4, 2, 8) for n in harness.GRADS}
     a["dq"][0, 0, 0, 0] = 2.0
     b = {"dq": a["dq"] + 0.05, "dk": a["dk"].clone()}  # no dv: compared over the names both have
     b["dk"][0, 1, 1, 3] -= 0.5
-    diff, excess, names = bench.max_abs_diff(b, a)
+    diff, excess, names = harness.max_abs_diff(b, a)
     assert (diff, names) == (pytest.approx(0.5), ("dq", "dk"))
-    assert excess == pytest.approx(0.5 / (bench.GRAD_WARN * 1.0))  # relative to each gradient's largest value
-    assert bench.max_abs_diff({"dq": b["dq"]}, a)[1] == pytest.approx(0.05 / (bench.GRAD_WARN * 2.0))  # < 1: fine
-    out_excess = bench.max_abs_diff({"out": b["dq"]}, {"out": a["dq"]})[1]
-    assert out_excess == pytest.approx(0.05 / bench.DIFF_WARN)  # the output's bound is absolute
-    assert bench.max_abs_diff({"out": a["dq"]}, a) == (-1.0, -1.0, ())
-    assert bench._compared(("out",)) == "" and bench._compared(("dq",)) == " (dq)"
-    step, fwd = (bench.Case(1, 2, 2, 8, 4, False, "bfloat16", m) for m in ("fwd+bwd", "fwd"))
-    grads = bench._comparable(step, lambda name, x: x * 2)(("out", 1, 2, 3))
+    assert excess == pytest.approx(0.5 / (harness.GRAD_WARN * 1.0))  # relative to each gradient's largest value
+    assert harness.max_abs_diff({"dq": b["dq"]}, a)[1] == pytest.approx(0.05 / (harness.GRAD_WARN * 2.0))  # < 1: fine
+    out_excess = harness.max_abs_diff({"out": b["dq"]}, {"out": a["dq"]})[1]
+    assert out_excess == pytest.approx(0.05 / harness.DIFF_WARN)  # the output's bound is absolute
+    assert harness.max_abs_diff({"out": a["dq"]}, a) == (-1.0, -1.0, ())
+    assert harness._compared(("out",)) == "" and harness._compared(("dq",)) == " (dq)"
+    step, fwd = (harness.Case(1, 2, 2, 8, 4, False, "bfloat16", m) for m in ("fwd+bwd", "fwd"))
+    grads = peers._comparable(step, lambda name, x: x * 2)(("out", 1, 2, 3))
     assert grads == {"dq": 2, "dk": 4, "dv": 6}  # fwd+bwd compares the gradients, not the output
-    assert bench._comparable(fwd, lambda name, x: x)(7) == {"out": 7}
-    share = bench._share_convert(bench.limit_problem(step, 2), lambda x: -x)
-    assert bench._comparable(step, share)(("out", 1, 2, 3)) == {"dq": -1}  # its dK/dV are partial sums
-    causal = bench.Case(1, 2, 2, 8, 4, True, "bfloat16", "fwd+bwd")
-    assert bench._comparable(causal, bench._share_convert(bench.limit_problem(causal, 2), lambda x: x))(
+    assert peers._comparable(fwd, lambda name, x: x)(7) == {"out": 7}
+    share = peers._share_convert(peers.limit_problem(step, 2), lambda x: -x)
+    assert peers._comparable(step, share)(("out", 1, 2, 3)) == {"dq": -1}  # its dK/dV are partial sums
+    causal = harness.Case(1, 2, 2, 8, 4, True, "bfloat16", "fwd+bwd")
+    assert peers._comparable(causal, peers._share_convert(peers.limit_problem(causal, 2), lambda x: x))(
         ("out", 1, 2, 3)) == {}
     rep = torch.arange(2 * 4 * 3 * 5, dtype=torch.float32).reshape(2, 4, 3, 5)  # [b, h=4, s, d], kv_heads 2
-    gqa = bench.Case(1, 4, 2, 5, 3, False, "float16")
-    (_, k2, _), = bench._repeat_kv([(None, rep[:, :2], rep[:, :2])], gqa, dim=1)
-    assert torch.equal(bench._fold_kv(k2, gqa, dim=1), 2 * rep[:, :2])  # each kv head was used twice
+    gqa = harness.Case(1, 4, 2, 5, 3, False, "float16")
+    (_, k2, _), = peers._repeat_kv([(None, rep[:, :2], rep[:, :2])], gqa, dim=1)
+    assert torch.equal(peers._fold_kv(k2, gqa, dim=1), 2 * rep[:, :2])  # each kv head was used twice
 
 
 def test_sdpa_methods_call_the_sdpa_current_at_call_time(monkeypatch):
@@ -294,16 +295,16 @@ def test_sdpa_methods_call_the_sdpa_current_at_call_time(monkeypatch):
     torch = pytest.importorskip("torch")
     import torch.nn.functional as F
 
-    case = bench.Case(1, 4, 2, 8, 6, True, "float32", "fwd+bwd")
+    case = harness.Case(1, 4, 2, 8, 6, True, "float32", "fwd+bwd")
     q, do = torch.randn(1, 6, 4, 8), torch.randn(1, 6, 4, 8)
     k, v = torch.randn(1, 6, 2, 8), torch.randn(1, 6, 2, 8)
-    sets, douts, attn, gqa = bench._sdpa_inputs(case, [(q, k, v)], [do], False, True)
+    sets, douts, attn, gqa = peers._sdpa_inputs(case, [(q, k, v)], [do], False, True)
     assert gqa and [x.shape for x in (*sets[0], douts[0])] == [(1, 4, 6, 8), (1, 2, 6, 8), (1, 2, 6, 8), (1, 4, 6, 8)]
     seen = []
     monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **kw: seen.append(kw) or a[0])
     attn(*sets[0])
     assert seen == [{"is_causal": True, "enable_gqa": True}]
-    sets, _, attn, gqa = bench._sdpa_inputs(case, [(q, k, v)], [do], True, False)  # the GQA retry: heads repeated
+    sets, _, attn, gqa = peers._sdpa_inputs(case, [(q, k, v)], [do], True, False)  # the GQA retry: heads repeated
     attn(*sets[0])
     assert not gqa and sets[0][1].shape == (1, 4, 6, 8) and seen[-1] == {"is_causal": False}
 
@@ -362,8 +363,8 @@ def test_cudnn_style_ring_merges_blocks_exactly(cpu_mesh, world, causal):
     layout = "zigzag" if causal else "contiguous"
 
     def body(q, k, v):
-        return bench.cudnn_ring_attention(q, k, v, axis_name="sp", world=world, is_causal=causal,
-                                          block_attention=bench.xla_block_attention)
+        return peers.cudnn_ring_attention(q, k, v, axis_name="sp", world=world, is_causal=causal,
+                                          block_attention=peers.xla_block_attention)
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(None, "sp"),) * 3, out_specs=P(None, "sp")))
     out = f(*(jax_ring.to_layout(x, layout, world) for x in (q, k, v)))
@@ -388,14 +389,14 @@ def test_cudnn_style_ring_gradients_by_autodiff_equal_dense(cpu_mesh, world, cau
     q, dout = (rng.standard_normal((1, s_g, h, d), dtype=np.float32) for _ in range(2))
     k, v = (rng.standard_normal((1, s_g, hkv, d), dtype=np.float32) for _ in range(2))
     layout = "zigzag" if causal else "contiguous"
-    case = bench.Case(1, h, hkv, d, s_g // world, causal, "float32", "fwd+bwd")
+    case = harness.Case(1, h, hkv, d, s_g // world, causal, "float32", "fwd+bwd")
 
     def body(q, k, v):
-        return bench.cudnn_ring_attention(q, k, v, axis_name="sp", world=world, is_causal=causal,
-                                          block_attention=bench.xla_block_attention)
+        return peers.cudnn_ring_attention(q, k, v, axis_name="sp", world=world, is_causal=causal,
+                                          block_attention=peers.xla_block_attention)
 
     spec = P(None, "sp")
-    f = jax.jit(jax.shard_map(bench._jax_step(case, body), mesh=mesh, in_specs=(spec,) * 4, out_specs=(spec,) * 4))
+    f = jax.jit(jax.shard_map(peers._jax_step(case, body), mesh=mesh, in_specs=(spec,) * 4, out_specs=(spec,) * 4))
     got = f(*(jax_ring.to_layout(x, layout, world) for x in (q, k, v, dout)))
     got = [np.asarray(jax_ring.from_layout(np.asarray(x), layout, world)) for x in got]
     out, pull = jax.vjp(lambda q, k, v: dense_attention(q, k, v, is_causal=causal)[0], q, k, v)
@@ -411,14 +412,14 @@ def test_lse_probe_refuses_blocks_whose_lse_carries_no_gradient():
     rng = np.random.default_rng(3)
     q = rng.standard_normal((1, 8, 4, 16), dtype=np.float32)
     k, v = (rng.standard_normal((1, 8, 2, 16), dtype=np.float32) for _ in range(2))
-    bench.check_lse_differentiates(env, bench.xla_block_attention, q, k, v)  # dense XLA blocks: fine
+    peers.check_lse_differentiates(env, peers.xla_block_attention, q, k, v)  # dense XLA blocks: fine
 
     def dropped(q, k, v, is_causal, scale):
-        out, lse = bench.xla_block_attention(q, k, v, is_causal, scale)
+        out, lse = peers.xla_block_attention(q, k, v, is_causal, scale)
         return out, jax.lax.stop_gradient(lse)
 
-    with pytest.raises(bench.Unavailable, match="LSE"):
-        bench.check_lse_differentiates(env, dropped, q, k, v)
+    with pytest.raises(harness.Unavailable, match="LSE"):
+        peers.check_lse_differentiates(env, dropped, q, k, v)
 
 
 # ------------------------------------------------------------------------------ the whole harness on CPU
@@ -437,7 +438,7 @@ def test_cpu_smoke_both_passes_through_the_launcher(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = list(csv.DictReader(open(out)))
     by = {(r["pass"], r["causal"], r["method"]): r for r in rows}
-    assert len(rows) == len(by) == 2 * 2 * len(bench.METHODS), f"{len(rows)} rows in {time.perf_counter() - t0:.0f} s"
+    assert len(rows) == len(by) == 2 * 2 * len(harness.METHODS), f"{len(rows)} rows in {time.perf_counter() - t0:.0f} s"
     gpu_only = {"torch_fused", "jax_fused", "jax_fused_deferred", "torch_cp"}
     for (mode, causal, method), r in by.items():
         assert (r["world"], r["seq_global"], r["kv_heads"]) == ("2", "128", "2")
@@ -446,11 +447,11 @@ def test_cpu_smoke_both_passes_through_the_launcher(tmp_path):
             continue
         assert not r["error"] and float(r["tflops_per_gpu"]) > 0, r
         fwd = by["fwd", causal, method]
-        assert float(r["flops_per_gpu"]) == pytest.approx(bench.PASSES[mode] * float(fwd["flops_per_gpu"]), rel=1e-5)
+        assert float(r["flops_per_gpu"]) == pytest.approx(harness.PASSES[mode] * float(fwd["flops_per_gpu"]), rel=1e-5)
         if method == "torch_ref":  # the first ring that ran is the anchor
             assert r["diff_vs"] == ("(anchor)" if mode == "fwd" else "(anchor) (dq,dk,dv)")
             continue
-        limit = bench.METHODS[method].kind == "limit"
+        limit = harness.METHODS[method].kind == "limit"
         if limit and causal == "1":  # other heads over every token: nothing to compare
             assert r["diff_vs"] == r["max_abs_diff"] == ""
             continue

@@ -58,7 +58,7 @@ def cpu_heap(monkeypatch):
 
 
 def _check_now(status, ring, timeout_s):
-    """torch_bridge.fused._track without the deferral: raise a failed call's status at once."""
+    """torch_bridge.lifecycle.track without the deferral: raise a failed call's status at once."""
     members, position, _ = ring
     control.check_status(status.numpy(), position, timeout_s, members=members)
 
@@ -123,7 +123,7 @@ def test_jax_and_torch_fused_gradients(cpu_heap, monkeypatch, dtype, causal, H, 
     launches = []
     monkeypatch.setattr(jfused, "_import_jax_triton", lambda: _fake_jax_triton(launches))
     monkeypatch.setattr(jfused, "fused_available", lambda: True)
-    monkeypatch.setattr(tfused, "_track", _check_now)
+    monkeypatch.setattr(torch_bridge.lifecycle, "track", _check_now)
     monkeypatch.setattr(torch_bridge.api, "_fused_available", lambda: True)
 
     ref = testing.random_inputs(3, 1, S, H, HKV, D, dtype, with_dout=True)
@@ -187,7 +187,7 @@ def test_torch_fused_checks_backward_heap_before_forward(cpu_heap, monkeypatch):
 
     small = _CpuHeap(size=control.RING_SLOTS * control.CTL_BYTES + (64 << 10) + 10_000)  # ~10 KB of receive space
     monkeypatch.setattr(heap_mod, "_heap", small)
-    monkeypatch.setattr(tfused, "_track", _check_now)
+    monkeypatch.setattr(torch_bridge.lifecycle, "track", _check_now)
     monkeypatch.setattr(torch_bridge.api, "_fused_available", lambda: True)
     monkeypatch.setattr(torch_bridge.api, "_on_gpu", lambda x: True)
     monkeypatch.setattr(tfused, "ring_of", lambda h, group: ((0, 1), 0, 4))  # two ranks: nothing is launched
@@ -199,7 +199,7 @@ def test_torch_fused_checks_backward_heap_before_forward(cpu_heap, monkeypatch):
 
 @pytest.mark.parametrize("mode", ["call", "deferred"])
 def test_jax_error_modes(cpu_heap, monkeypatch, mode):
-    """RING_ATTENTION_JAX_ERRORS: "call" puts a host callback after every fused launch; "deferred" none,
+    """RING_ATTENTION_ERRORS: "call" puts a host callback after every fused launch; "deferred" none,
     and tells the kernel to keep a failure on the heap, which jax_ring.check_errors() raises once."""
     import jax
     import jax.numpy as jnp
@@ -212,7 +212,7 @@ def test_jax_error_modes(cpu_heap, monkeypatch, mode):
     launches = []
     monkeypatch.setattr(jfused, "_import_jax_triton", lambda: _fake_jax_triton(launches))
     monkeypatch.setattr(jfused, "fused_available", lambda: True)
-    monkeypatch.setenv(jfused.ERRORS_ENV, mode)
+    monkeypatch.setenv(control.ERRORS_ENV, mode)
     mesh = Mesh(np.array(jax.devices("cpu")[:1]), ("sp",))
 
     def loss(q, k, v):

@@ -136,7 +136,7 @@ def test_soak_plan_is_valid_and_the_same_on_every_rank():
     # Configurations of one variant share the kernel (Triton's specialisation of batch and seq_local too).
     spec_class = lambda c: (c[0] == 1, c[1] == 1, c[1] % 16 == 0, *c[2:])  # noqa: E731
     assert len({spec_class(c) for c in plan}) <= 4
-    for b, s, h, hkv, d, dtype, causal, layout in plan + [gpu_soak.BIG]:
+    for b, s, h, hkv, d, dtype, causal, layout in plan + [gpu_soak.big_case(w) for w in (1, 2, 3, 4, 8)]:
         validate.check_attention_args((b, s, h, d), (b, s, hkv, d), (b, s, hkv, d), dtype, dtype, dtype,
                                       is_causal=causal, scale=None, layout=layout, backend="fused",
                                       backends=("fused",))

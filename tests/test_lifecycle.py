@@ -175,26 +175,26 @@ def test_torch_shutdown_releases_the_heap_then_raises_a_pending_timeout(fake_hea
     import torch
 
     import torch_bridge
-    from torch_bridge import fused
+    from torch_bridge import lifecycle
 
     monkeypatch.setattr(heap, "init_torch_distributed_from_env", lambda: (0, 2, 0))
     h = torch_bridge.initialize(64 << 20)
     status = torch.tensor([control.ERR_KV_TIMEOUT, 1, 1, 3], dtype=torch.int32)  # as a timed-out call leaves it
-    monkeypatch.setattr(fused, "_pending", [(_DoneEvent(), status, 0, 5.0, (0, 1))])
+    monkeypatch.setattr(lifecycle, "_pending", [(_DoneEvent(), status, 0, 5.0, (0, 1))])
     with pytest.raises(control.RingAttentionTimeout, match=r"rank 0 \(call #3\) gave up after 5 s waiting for the "
                                                           r"K/V shard of rank 1 at ring step 1"):
         torch_bridge.shutdown()
-    assert h.closed and not heap.is_initialized() and fused._pending == []
+    assert h.closed and not heap.is_initialized() and lifecycle._pending == []
     assert torch_bridge.shutdown() is False
 
 
 def test_jax_forgets_programs_that_baked_the_released_heap(fake_heap):
-    """jax_ring.fused registers a release hook when it traces a fused call (the heap's context table is
+    """jax_ring.api registers a release hook when it traces a fused call (the heap's context table is
     baked into the program). After shutdown, programs trace again instead of reusing the old addresses."""
     import jax
     import jax.numpy as jnp
 
-    from jax_ring import fused
+    from jax_ring import api
 
     traces = []
 
@@ -204,7 +204,7 @@ def test_jax_forgets_programs_that_baked_the_released_heap(fake_heap):
         return x + 1
 
     heap.initialize(64 << 20)
-    heap.on_release(fused._forget_compiled_programs)
+    heap.on_release(api._forget_compiled_programs)
     program(jnp.ones(3))
     program(jnp.ones(3))
     assert traces == [64 << 20]
@@ -306,7 +306,7 @@ def test_initialize_on_cpu_says_it_needs_gpus(tmp_path):
 def test_jax_initialize_without_a_coordinator_port_says_what_to_set(monkeypatch):
     # A program that created its own process group (no launcher environment) and several processes:
     # jax.distributed needs a coordinator port, and the message says how to give one.
-    import jax_ring.distributed as jd
+    import jax_ring.lifecycle as jd
     from ring_core import heap
 
     monkeypatch.setattr(heap, "is_initialized", lambda: False)

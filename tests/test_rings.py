@@ -151,7 +151,7 @@ def test_several_rings_at_once_and_a_rank_in_rings_of_two_axes():
     other axis (every rank again, another slot), then the first again; each call right against float64,
     each slot counting its own calls."""
     from ring_core import interpret
-    from jax_ring import simulate
+    from ring_core import simulate
 
     job = simulate._local_job(4, None)
     assert isinstance(job, interpret.SimulatedJob)
@@ -181,7 +181,7 @@ def test_several_rings_at_once_and_a_rank_in_rings_of_two_axes():
 def test_a_ring_whose_rank_never_comes_leaves_the_other_ring_alone():
     """Rings [0, 1] and [2, 3] at once, rank 1 absent: rank 0 times out naming rank 1 (its global rank),
     ring [2, 3] completes right."""
-    from jax_ring import simulate
+    from ring_core import simulate
 
     job = simulate._local_job(4, None)
     rings = [[0, 1], [2, 3]]
@@ -195,7 +195,7 @@ def test_a_ring_whose_rank_never_comes_leaves_the_other_ring_alone():
 
 def test_simulator_data_parallel_forward_and_gradients():
     """simulate_ring_attention(..., data_parallel=2): two rings of two ranks at once, each on half the batch."""
-    from jax_ring.simulate import simulate_ring_attention, simulate_ring_attention_grad
+    from ring_core.simulate import simulate_ring_attention, simulate_ring_attention_grad
 
     ref, (q, k, v, do) = testing.sharded_inputs(70, 2, 2, 6, 4, 2, 16, "float32", with_dout=True)
     out, lse = simulate_ring_attention(q, k, v, 2, is_causal=True, layout="zigzag", return_lse=True,

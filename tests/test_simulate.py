@@ -1,4 +1,4 @@
-"""CPU tests of the real fused kernel, run by jax_ring.simulate in the Triton interpreter (one thread per rank).
+"""CPU tests of the real fused kernel, run by ring_core.simulate in the Triton interpreter (one thread per rank).
 
 Every result is compared with the float64 numpy reference through ring_core.testing.check_attention (the one
 tolerance table). The interpreter is slow, so shapes are tiny; together the cases cover world sizes 1-4,
@@ -22,8 +22,8 @@ import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from jax_ring import simulate  # noqa: E402
-from jax_ring.simulate import SimulatedRing, simulate_job, simulate_ring_attention  # noqa: E402
+from ring_core import simulate  # noqa: E402
+from ring_core.simulate import SimulatedRing, simulate_job, simulate_ring_attention  # noqa: E402
 from ring_core import control, interpret, plans, reference, testing  # noqa: E402
 from ring_core import layout as L  # noqa: E402
 from ring_core.control import HeapTooSmallError, RingAttentionMismatch, RingAttentionTimeout  # noqa: E402
@@ -113,7 +113,7 @@ def test_consecutive_calls_share_heaps():
 
 
 def _simulated_job(world_size, workspace_bytes=None):
-    """A ring_core.interpret.SimulatedJob, with the interpreter set up as jax_ring.simulate does it."""
+    """A ring_core.interpret.SimulatedJob, with the interpreter set up as ring_core.simulate does it."""
     job = simulate._local_job(world_size, workspace_bytes)
     assert type(job).__name__ == "SimulatedJob"
     return job
@@ -164,10 +164,10 @@ def test_sticky_errors_keep_the_first_failure_until_taken():
     res = job.run([spec, odd], [shards[0][0], odd_shards[0][1]], [shards[1][0], odd_shards[1][1]],
                   [shards[2][0], odd_shards[2][1]], timeout_s=5.0, sticky_errors=True)
     for r in range(2):
-        kept = job.take_error(r)
-        assert kept is not None and kept.tolist() == res[r][2].tolist()  # the whole status, signatures too
+        kept, members = job.take_error(r)
+        assert kept.tolist() == res[r][2].tolist() and members == (0, 1)  # the whole status, and its ring
         with pytest.raises(RingAttentionMismatch, match="first difference: seq_local"):
-            control.check_status(kept, r)
+            control.check_status(kept, r, members=members)
         assert job.take_error(r) is None  # taken
 
 
@@ -316,7 +316,7 @@ def test_heap_too_small():
 
 
 def test_interpreter_fixes():
-    """jax_ring.simulate works around two Triton-interpreter problems (see its docstrings): first-call
+    """ring_core.simulate works around two Triton-interpreter problems (see its docstrings): first-call
     rewrites are serialized across rank threads, and float32 -> bfloat16 casts round to nearest even (the
     interpreter truncates; the GPU rounds)."""
     import torch
@@ -356,7 +356,7 @@ def test_docstring_example():
 
 
 def test_module_is_light():
-    """Loading jax_ring/simulate.py imports neither jax nor torch / triton / iris / the kernel."""
+    """Loading ring_core/simulate.py imports neither jax nor torch / triton / iris / the kernel."""
     code = textwrap.dedent(f"""
         import importlib.util, sys
         spec = importlib.util.spec_from_file_location("standalone_simulate", {simulate.__file__!r})
@@ -376,7 +376,7 @@ def test_falls_back_to_subprocess_when_kernel_compiled_for_gpu():
         import ring_core.kernel  # decorated for the GPU: this process cannot interpret it any more
         from ring_core import interpret, testing
         assert not interpret.interpreter_usable()
-        from jax_ring.simulate import SimulatedRing, simulate_ring_attention
+        from ring_core.simulate import SimulatedRing, simulate_ring_attention
         q, k, v = testing.random_inputs(0, 1, 8, 2, 1, 16, "float32")
         f32 = [x.astype(np.float32) for x in (q, k, v)]
         with SimulatedRing(2) as ring:

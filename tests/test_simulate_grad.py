@@ -1,4 +1,4 @@
-"""CPU tests of the real fused backward kernel (ring_core.kernel_bwd), run by jax_ring.simulate in the Triton
+"""CPU tests of the real fused backward kernel (ring_core.kernel_bwd), run by ring_core.simulate in the Triton
 interpreter (one thread per rank), after the real forward kernel.
 
 Every gradient is compared with float64 dense gradients through ring_core.testing.check_grads (the one
@@ -22,8 +22,8 @@ import textwrap  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from jax_ring import simulate  # noqa: E402
-from jax_ring.simulate import SimulatedRing, simulate_job, simulate_ring_attention_grad  # noqa: E402
+from ring_core import simulate  # noqa: E402
+from ring_core.simulate import SimulatedRing, simulate_job, simulate_ring_attention_grad  # noqa: E402
 from ring_core import control, plans, reference, testing, validate  # noqa: E402
 from ring_core.control import HeapTooSmallError, RingAttentionTimeout  # noqa: E402
 
@@ -197,7 +197,7 @@ def test_heap_too_small_for_backward():
 @pytest.mark.parametrize("overrides, exc, match", [
     (dict(dout=np.zeros((1, 12, 4, 16), np.float32)), ValueError, r"dout must have q's shape"),
     (dict(dout=np.zeros((1, 12, 4, 8), np.float16)), TypeError, r"dout must have q's dtype"),
-    (dict(world_size=5), ValueError, r"divisible by world_size"),
+    (dict(world_size=5), ValueError, r"not a multiple of 5 \(world_size, world_size=5\)"),
     (dict(q=np.zeros((1, 12, 4, 8), np.float64), k=np.zeros((1, 12, 2, 8), np.float64),
           v=np.zeros((1, 12, 2, 8), np.float64), dout=np.zeros((1, 12, 4, 8), np.float64)), TypeError, "float64"),
 ], ids=["dout-shape", "dout-dtype", "seq", "float64"])
@@ -249,7 +249,7 @@ def test_grad_falls_back_to_subprocess_when_kernel_compiled_for_gpu():
         import ring_core.kernel_bwd  # decorated for the GPU: this process cannot interpret it any more
         from ring_core import interpret, testing
         assert not interpret.interpreter_usable()
-        from jax_ring.simulate import SimulatedRing
+        from ring_core.simulate import SimulatedRing
         q, k, v, do = testing.random_inputs(0, 1, 8, 2, 1, 16, "float32", with_dout=True)
         f32 = [x.astype(np.float32) for x in (q, k, v, do)]
         with SimulatedRing(2) as ring:

@@ -1,5 +1,5 @@
 """CPU tests of the real fused kernels with packed sequences (segment ids) and sliding windows (issue 20), run by
-jax_ring.simulate in the Triton interpreter (one thread per rank).
+ring_core.simulate in the Triton interpreter (one thread per rank).
 
 * forward and gradients against the float64 reference (ring_core.testing.check_attention / check_grads with
   ``segment_ids=`` and ``window=``): world sizes 1-4, both layouts, GQA, odd seq_local, padding rows (exactly
@@ -27,9 +27,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from jax_ring import simulate  # noqa: E402
-from jax_ring.simulate import (SimulatedRing, simulate_ring_attention,  # noqa: E402
-                               simulate_ring_attention_grad)
+from ring_core import simulate  # noqa: E402
+from ring_core.simulate import (SimulatedRing, simulate_ring_attention,  # noqa: E402
+                                simulate_ring_attention_grad)
 from ring_core import control, masks, plans, reference, testing, validate  # noqa: E402
 from ring_core.control import HeapTooSmallError, RingAttentionMismatch  # noqa: E402
 

@@ -11,7 +11,7 @@ checked here too; the torch reference ring over 2 ranks (its exchange, the op ``
 in test_torch_reference.py (test_compile).
 
 The fused path needs no GPU for any of this, but one thing cannot be checked on CPU: the status copy and
-event of ``torch_bridge.fused._track`` (pinned memory, CUDA events) are replaced by an immediate check, as
+event of ``torch_bridge.lifecycle.track`` (pinned memory, CUDA events) are replaced by an immediate check, as
 in test_fused_wiring.py. They run inside the op's real implementation, which dynamo never traces.
 """
 
@@ -43,7 +43,7 @@ BACKENDS = ["aot_eager", pytest.param("inductor", marks=pytest.mark.skipif(
 @pytest.fixture
 def fused_cpu(cpu_heap, monkeypatch):
     """backend='fused' through the interpreter for CPU tensors, eager and compiled; a fresh dynamo cache."""
-    monkeypatch.setattr(tfused, "_track", _check_now)
+    monkeypatch.setattr(torch_bridge.lifecycle, "track", _check_now)
     monkeypatch.setattr(torch_bridge.api, "_on_gpu", lambda x: True)
     torch._dynamo.reset()
     yield cpu_heap

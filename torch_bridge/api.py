@@ -1,26 +1,32 @@
-"""Public PyTorch API: ``ring_attention``, ``RingAttention``, ``to_layout`` / ``from_layout``.
+"""Public PyTorch API: ``ring_attention``, ``RingAttention``, ``to_layout`` / ``from_layout``; and the autograd
+layer of the fused backend (the custom ops ``ring_attention::fwd`` / ``::bwd`` over the raw ops of
+torch_bridge.fused). The twin of jax_ring.api.
 
 One process per rank under torch.distributed; each rank passes its own shard of the sequence.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ring_core.layout import LAYOUTS, inverse_permutation, layout_permutation
-from ring_core.validate import check_attention_args, check_timeout
+from ring_core import plans
+from ring_core.layout import inverse_permutation, layout_permutation
+from ring_core.validate import (AttentionSpec, check_attention_args, check_fused_dtype, check_layout, check_layout_call,
+                                check_timeout, check_window, dtype_name)
+from torch_bridge import fused, lifecycle
+from torch_bridge.groups import group_from_name, group_to_name
 from torch_bridge.reference import ring_attention_torch
 
 BACKENDS = ("auto", "fused", "torch")
 
 
 def _fused_available() -> bool:
-    """Whether the fused Triton + iris kernel can run here (GPU and ``torch_bridge.initialize()``)."""
-    from torch_bridge import fused
-
-    return fused.fused_available()
+    """Whether the fused Triton + iris kernel can run here (``torch_bridge.initialize()`` done)."""
+    return lifecycle.fused_available()
 
 
 def _check_tensors(q, k, v):
@@ -61,23 +67,95 @@ def _on_gpu(x) -> bool:
 
 
 def _resolve_backend(backend: str, q, spec) -> str:
-    fusable = _on_gpu(q) and spec.dtype != "float64"
+    fusable = _on_gpu(q) and spec.dtype != "float64" and plans.fused_supports(spec)
     if backend == "auto":
         return "fused" if fusable and _fused_available() else "torch"
     if backend == "fused":
         if not _fused_available():
             raise RuntimeError(
                 "backend='fused' needs the symmetric heap: call torch_bridge.initialize() once per process "
-                "(one process per GPU, started by torchrun or python -m jax_ring.launch); or use backend='torch'")
+                "(one process per rank, started by torchrun or python -m torch_bridge.launch); or use backend='torch'")
         if not _on_gpu(q):
             raise ValueError(f"backend='fused' needs CUDA tensors, got {q.device}; move q, k, v to this rank's GPU")
-        if spec.dtype == "float64":
-            raise TypeError("backend='fused' supports float16, bfloat16 and float32; use backend='torch' for float64")
+        check_fused_dtype(spec.dtype, "backend='torch'")
+        plans.check_fused_supports(spec, "backend='torch'")
     return backend
 
 
+# ---------------------------------------------------------- the fused backend's autograd: two custom ops
+# ring_attention::fwd and ring_attention::bwd wrap the launchers above as torch.library custom ops, so
+# that torch.compile (fullgraph too) sees two opaque ops with exact fake outputs and traces nothing of the
+# launch, and eager autograd runs the same ops. Their arguments are schema types: the spec's shape fields
+# and dtype come from the tensors, scale / is_causal / layout travel as they are, the process group by
+# name (torch_bridge.groups) and timeout_s as float? (None: RING_ATTENTION_TIMEOUT_S when launched).
+# cudagraph_unsafe: every call does host work (the status copy and event of _track, the check of earlier
+# calls in _drain), which a CUDA graph replay would skip; inductor keeps such ops out of its CUDA graphs.
+_OP_TAGS = (torch.Tag.cudagraph_unsafe,)
+
+
+def _spec_of(q, k, scale: float, is_causal: bool, layout: str) -> AttentionSpec:
+    """The AttentionSpec that ring_core.validate.check_attention_args gave for these arguments."""
+    b, s, h, d = q.shape
+    return AttentionSpec(b, s, h, k.shape[2], d, dtype_name(q.dtype), scale, is_causal, layout)
+
+
+@torch.library.custom_op("ring_attention::fwd", mutates_args=(), tags=_OP_TAGS)
+def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, is_causal: bool, layout: str,
+            group_name: str, timeout_s: Optional[float], check_backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    spec = _spec_of(q, k, scale, is_causal, layout)
+    if check_backward:
+        fused.check_backward_fits(spec, group_from_name(group_name))  # HeapTooSmallError before the forward runs
+    return fused.forward(q, k, v, spec, group_from_name(group_name), timeout_s)
+
+
+@_fwd_op.register_fake
+def _(q, k, v, scale, is_causal, layout, group_name, timeout_s, check_backward):
+    b, s, h, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((b, h, s), dtype=torch.float32)
+
+
+@torch.library.custom_op("ring_attention::bwd", mutates_args=(), tags=_OP_TAGS)
+def _bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+            dout: torch.Tensor, dlse: Optional[torch.Tensor], scale: float, is_causal: bool, layout: str,
+            group_name: str, timeout_s: Optional[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    spec = _spec_of(q, k, scale, is_causal, layout)
+    return fused.backward(q, k, v, out, lse, dout, spec, group_from_name(group_name), timeout_s, dlse=dlse)
+
+
+@_bwd_op.register_fake
+def _(q, k, v, out, lse, dout, dlse, scale, is_causal, layout, group_name, timeout_s):
+    return q.new_empty(q.shape), q.new_empty(k.shape), q.new_empty(k.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, scale, is_causal, layout, group_name, timeout_s, _ = inputs
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.args = (scale, is_causal, layout, group_name, timeout_s)
+
+
+def _backward(ctx, dout, dlse):
+    # Autograd passes zeros for the gradient of an output that was not used (out or lse), eager and compiled.
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = _bwd_op(q, k, v, out, lse, dout, dlse, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _ring_attention_fused(q, k, v, *, spec: AttentionSpec, group=None, timeout_s: float | None = None):
+    """(out, lse) from the fused kernel, differentiable through the fused backward kernel (from the
+    gradients of out and lse); inputs already validated (``spec``). Traceable by torch.compile without a
+    graph break: all it computes before the op is the group's name and whether a backward will follow, in
+    which case the fwd op checks the backward's heap need before it launches (HeapTooSmallError before the
+    forward runs, as in eager)."""
+    check_backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    return _fwd_op(q, k, v, spec.scale, spec.is_causal, spec.layout, group_to_name(group), timeout_s,
+                   check_backward)
+
+
 def ring_attention(q, k, v, *, group=None, is_causal=False, scale=None, layout="contiguous", return_lse=False,
-                   backend="auto", timeout_s=None):
+                   backend="auto", timeout_s=None, segment_ids=None, window_size=None):
     """Softmax attention over a sequence sharded across the ranks of ``group``.
 
     Every rank of ``group`` calls this with its own shard: q ``[batch, seq_local, num_heads, head_dim]``,
@@ -100,10 +178,18 @@ def ring_attention(q, k, v, *, group=None, is_causal=False, scale=None, layout="
 
     ``timeout_s`` bounds every wait inside the fused kernel (default RING_ATTENTION_TIMEOUT_S, else 300 s);
     an expired wait raises ``ring_core.control.RingAttentionTimeout`` naming the missing rank and ring step,
-    at the next call or ``check_errors()`` (at once with RING_ATTENTION_SYNC_ERRORS=1). Ranks whose fused
+    at the next call or ``check_errors()`` (at once with RING_ATTENTION_ERRORS=call). Ranks whose fused
     calls differ (shapes, dtype, flags, layout, scale) raise ``ring_core.control.RingAttentionMismatch`` the
     same way, naming both calls; the kernel finds it before any data moves. The torch ring is bounded by
     its process group's own timeout instead.
+
+    ``segment_ids``: packed sequences: int32 ``[batch, seq_local]``, this rank's tokens' segment ids in the
+    layout's order (one tensor serves this rank's queries and keys, so they cannot disagree). Query i attends
+    key j only where their ids are equal; a negative id marks padding: that row attends nothing (out 0, lse
+    -inf, no gradient in or out). Give it on every rank of the group or on none; ``to_layout`` reorders a
+    global one and ``segment_ids_from_cu_seqlens`` makes one from flash-attn's ``cu_seqlens``. ``window_size``:
+    sliding window ``(left, right)``, flash-attn's meaning in global token order (query i attends keys j with
+    ``i - left <= j <= i + right``; -1 unbounded; None: no window).
 
     Inputs may be non-contiguous or oddly strided (transposed, sliced, expanded views): every backend
     reads them as they are or makes contiguous copies; the outputs are always contiguous.
@@ -121,18 +207,23 @@ def ring_attention(q, k, v, *, group=None, is_causal=False, scale=None, layout="
     (torch.Size([2, 8, 4, 64]), torch.Size([2, 4, 8]))
     """
     _check_tensors(q, k, v)
+    if segment_ids is not None:
+        if not isinstance(segment_ids, torch.Tensor):
+            raise TypeError(f"segment_ids must be a torch.Tensor, got {type(segment_ids).__name__}")
+        if segment_ids.device != q.device:
+            raise ValueError(f"segment_ids must be on q's device ({q.device}), got {segment_ids.device}")
     spec = check_attention_args(q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, is_causal=is_causal,
                                 scale=scale, layout=layout, backend=backend, backends=BACKENDS,
-                                return_lse=return_lse)
+                                return_lse=return_lse, window_size=window_size,
+                                segment_ids_shape=None if segment_ids is None else segment_ids.shape,
+                                segment_ids_dtype=None if segment_ids is None else segment_ids.dtype)
     timeout_s = check_timeout(timeout_s)
     rank, world, peers = _group_info(group)
     backend = _resolve_backend(backend, q, spec)
     if backend == "torch":
-        out, lse = ring_attention_torch(q, k, v, spec, rank, world, peers, group)
+        out, lse = ring_attention_torch(q, k, v, spec, rank, world, peers, group, segment_ids=segment_ids)
     else:
-        from torch_bridge import fused
-
-        out, lse = fused.ring_attention_fused(q, k, v, spec=spec, group=group, timeout_s=timeout_s)
+        out, lse = _ring_attention_fused(q, k, v, spec=spec, group=group, timeout_s=timeout_s)
     return (out, lse) if return_lse else out
 
 
@@ -147,11 +238,11 @@ class RingAttention(nn.Module):
     """
 
     def __init__(self, *, group=None, is_causal=False, scale=None, layout="contiguous", return_lse=False,
-                 backend="auto", timeout_s=None):
+                 backend="auto", timeout_s=None, window_size=None):
         super().__init__()
         # Fail at construction for what does not depend on the inputs.
-        if layout not in LAYOUTS:
-            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        check_layout(layout)
+        self.window_size = None if window_size is None else check_window(window_size)
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.group = group
@@ -162,26 +253,20 @@ class RingAttention(nn.Module):
         self.backend = backend
         self.timeout_s = check_timeout(timeout_s)
 
-    def forward(self, q, k, v):
+    def forward(self, q, k, v, segment_ids=None):
         return ring_attention(q, k, v, group=self.group, is_causal=self.is_causal, scale=self.scale,
                               layout=self.layout, return_lse=self.return_lse, backend=self.backend,
-                              timeout_s=self.timeout_s)
+                              timeout_s=self.timeout_s, segment_ids=segment_ids, window_size=self.window_size)
 
     def extra_repr(self) -> str:
         return (f"is_causal={self.is_causal}, scale={self.scale}, layout={self.layout!r}, "
-                f"return_lse={self.return_lse}, backend={self.backend!r}")
+                f"return_lse={self.return_lse}, backend={self.backend!r}, window_size={self.window_size}")
 
 
 def _perm(x, layout, world_size, seq_axis, inverse):
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    if isinstance(seq_axis, bool) or not isinstance(seq_axis, int) or not -x.dim() <= seq_axis < x.dim():
-        raise ValueError(f"seq_axis={seq_axis!r} is out of range for a tensor of rank {x.dim()}")
-    seq_axis %= x.dim()
+    seq_axis = check_layout_call(layout, world_size, seq_axis, x.dim())
     perm = layout_permutation(x.shape[seq_axis], world_size, layout)
     if inverse:
         perm = inverse_permutation(perm)
@@ -211,3 +296,21 @@ def from_layout(x, layout, world_size, seq_axis=1):
     True
     """
     return _perm(x, layout, world_size, seq_axis, inverse=True)
+
+
+def segment_ids_from_cu_seqlens(cu_seqlens, seq_len):
+    """flash-attn's varlen convention to segment ids: ``cu_seqlens`` [n + 1] (0, then the end of each packed
+    sequence) gives int32 [seq_len] ids 0..n-1, tokens after the last sequence -1 (padding); [batch, n + 1]
+    gives [batch, seq_len]. A tensor in, a tensor on its device out.
+
+    >>> import torch, torch_bridge
+    >>> torch_bridge.segment_ids_from_cu_seqlens(torch.tensor([0, 3, 5]), 6).tolist()
+    [0, 0, 0, 1, 1, -1]
+    """
+    import numpy as np
+
+    from ring_core.masks import segment_ids_from_cu_seqlens as ids
+
+    device = cu_seqlens.device if isinstance(cu_seqlens, torch.Tensor) else None
+    host = cu_seqlens.cpu().numpy() if isinstance(cu_seqlens, torch.Tensor) else np.asarray(cu_seqlens)
+    return torch.from_numpy(ids(host, seq_len)).to(device)

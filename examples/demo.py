@@ -1,4 +1,4 @@
-"""CPU demo: ``python -m jax_ring.demo``.
+"""CPU demo: ``python examples/demo.py`` (after ``pip install -e .``).
 
 Simulates 4 devices, runs causal zigzag GQA ring attention on a few-thousand-token sequence with the
 JAX reference ring (4 simulated XLA devices) and the same inputs through torch_bridge (4 gloo processes

@@ -1,4 +1,5 @@
-"""Run the real fused ring-attention kernel on the CPU: the Triton interpreter, one thread per simulated rank.
+"""Run the real fused ring-attention kernels on the CPU: the Triton interpreter, one thread per simulated rank
+(exported by both frontends: ``jax_ring.simulate_ring_attention``, ``torch_bridge.simulate_ring_attention``).
 
 ``simulate_ring_attention`` takes *global* arrays in natural token order, shards them over ``world_size``
 simulated ranks exactly as the frontends do (``layout_permutation`` then contiguous shards), runs the fused
@@ -33,12 +34,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from ring_core import control, plans
-from ring_core.layout import LAYOUTS, inverse_permutation, layout_permutation
-from ring_core.validate import AttentionSpec, check_attention_args, check_timeout
+from ring_core.layout import inverse_permutation, layout_permutation
+from ring_core.validate import (AttentionSpec, check_attention_args, check_fused_dtype, check_global_seq, check_layout,
+                                check_timeout)
 
 __all__ = ["simulate_ring_attention", "simulate_ring_attention_grad", "simulate_job", "SimulatedRing"]
 
-FUSED_DTYPES = tuple(plans.ELEM_BYTES)  # ("float16", "bfloat16", "float32")
 
 
 # --------------------------------------------------------------------------------- argument handling
@@ -111,15 +112,7 @@ def _prepare(q, k, v, world_size, *, is_causal, scale, layout, return_lse, timeo
     if k.shape[1] != seq or v.shape[1] != seq:
         raise ValueError(f"q, k and v must have the same global sequence length, got q {seq}, "
                          f"k {k.shape[1]}, v {v.shape[1]}")
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    if layout == "zigzag" and seq % (2 * W):
-        raise ValueError(
-            f"layout='zigzag' needs the global sequence length ({seq}) to be a multiple of 2*world_size "
-            f"({2 * W}); pad the sequence to a multiple of {2 * W} or use layout='contiguous'")
-    if seq % W:
-        raise ValueError(f"the global sequence length ({seq}) must be divisible by world_size ({W}); "
-                         f"pad the sequence to a multiple of {W}")
+    check_global_seq(seq, W, check_layout(layout), "the global sequence length")
     if q.shape[0] % D:
         raise ValueError(f"the batch ({q.shape[0]}) must be divisible by data_parallel ({D}): each ring takes an "
                          "equal slice of it")
@@ -136,10 +129,7 @@ def _prepare(q, k, v, world_size, *, is_causal, scale, layout, return_lse, timeo
                                 is_causal=is_causal, scale=scale, layout=layout, backend="fused",
                                 backends=("fused",), return_lse=return_lse, window_size=window_size,
                                 segment_ids_shape=seg_shape, segment_ids_dtype=seg_dtype)
-    if spec.dtype not in FUSED_DTYPES:
-        raise TypeError(f"the fused kernel supports float16, bfloat16 and float32 inputs, got {spec.dtype}; "
-                        f"cast q, k and v (e.g. .astype(np.float32)) or use ring_core.reference.attention "
-                        f"for a {spec.dtype} result")
+    check_fused_dtype(spec.dtype, "ring_core.reference.attention (or cast q, k and v, e.g. .astype(np.float32))")
     timeout_s = check_timeout(timeout_s)
     if timeout_s is None:
         timeout_s = control.timeout_ns() / 1e9  # RING_ATTENTION_TIMEOUT_S, as on GPUs
@@ -423,7 +413,7 @@ def simulate_ring_attention(q, k, v, world_size, *, is_causal=False, scale=None,
     Example (a few seconds on a CPU)::
 
         >>> import numpy as np
-        >>> from jax_ring.simulate import simulate_ring_attention
+        >>> from ring_core.simulate import simulate_ring_attention
         >>> from ring_core.reference import attention
         >>> rng = np.random.default_rng(0)
         >>> q = rng.standard_normal((1, 8, 2, 16)).astype(np.float32)
@@ -463,7 +453,7 @@ def simulate_ring_attention_grad(q, k, v, dout, world_size, *, is_causal=False, 
     Example (a few seconds on a CPU)::
 
         >>> import numpy as np
-        >>> from jax_ring.simulate import simulate_ring_attention_grad
+        >>> from ring_core.simulate import simulate_ring_attention_grad
         >>> from ring_core.reference import attention_grad
         >>> rng = np.random.default_rng(0)
         >>> q, dout = (rng.standard_normal((1, 8, 2, 16)).astype(np.float32) for _ in range(2))

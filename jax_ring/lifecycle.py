@@ -1,10 +1,12 @@
-"""Joining a job of one process per rank (one GPU each, or ranks sharing GPUs), and the symmetric heap's
-lifetime (GPU path)."""
+"""The fused backend's lifecycle in JAX: joining a job of one process per rank (one GPU each, or ranks sharing
+GPUs), the symmetric heap's lifetime (initialize, shutdown, reset) and the failures kept for check_errors
+(GPU path). The twin of torch_bridge.lifecycle."""
 
 from __future__ import annotations
 
 import os
 
+from ring_core import control
 from ring_core import heap as _heap
 
 
@@ -101,16 +103,15 @@ def reset():
 
 def check_errors():
     """Raise the first failure of a fused call on this rank since the last ``check_errors()`` or ``reset()``,
-    for programs traced with RING_ATTENTION_JAX_ERRORS=deferred (their calls run without a host callback
-    and do not raise by themselves; what a failed call could not compute is NaN). Waits for this GPU's
-    work first. Local: call it on every rank, e.g. once per training step; the exception is the one the
-    call would have raised (ring_core.control.RingAttentionTimeout / RingAttentionMismatch)."""
-    from ring_core import control
-
+    for programs traced with RING_ATTENTION_ERRORS=deferred (their calls run without a host callback and do
+    not raise by themselves; what a failed call could not compute is NaN). Waits for this GPU's work first.
+    Local: call it on every rank, e.g. once per training step; the exception is the one the call would have
+    raised (ring_core.control.RingAttentionTimeout / RingAttentionMismatch), naming global ranks."""
     h = _heap.get()
-    status = h.take_error()
-    if status is not None:
-        control.check_status(status, h.rank)
+    kept = h.take_error()
+    if kept is not None:
+        status, members = kept
+        control.check_status(status, members.index(h.rank) if members else h.rank, members=members)
 
 
 def is_initialized() -> bool:

@@ -1,0 +1,109 @@
+"""The fused backend's lifecycle in PyTorch: joining the job (initialize), the symmetric heap's lifetime (shutdown,
+reset) and the failures of fused calls (check_errors). The twin of jax_ring.lifecycle.
+
+Errors found by the kernel (a bounded wait that expired, ranks that disagree) come back in a small status
+tensor per launch. Checking it at once would cost a host sync per call, so it is copied to pinned memory
+asynchronously and checked at the next fused call, at ``check_errors()`` (which waits), or at once with
+RING_ATTENTION_ERRORS=call (ring_core.control.errors_mode; torch's default is "deferred").
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ring_core import control
+from ring_core import heap as _heap
+
+_pending = []  # (event, pinned status, ring position, timeout_s, ring members)
+_free_pinned = []  # pinned status buffers to reuse: pinning one costs about as much as a whole small call
+
+
+def initialize(heap_size: int | None = None, group=None):
+    """Create this process's iris symmetric heap and return it. Collective: every rank of the job calls it.
+
+    Initialises torch.distributed from the launcher's environment (RANK, WORLD_SIZE, LOCAL_RANK,
+    LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) if the program has not: NCCL where every rank has its own
+    GPU, gloo where ranks share one (rank r uses GPU ``LOCAL_RANK % visible GPUs``, see ``ring_core.gpus``);
+    a process group created here is destroyed at interpreter exit (never earlier), one the program
+    created is left alone. The heap spans every process of the job and serves rings over any process
+    groups (``ring_attention(..., group=...)``); ``group`` is accepted for compatibility and unused.
+
+    Calling it again returns the same heap (a different ``heap_size`` raises RuntimeError: ``shutdown()``
+    first); after ``shutdown()`` it creates a new heap on the same process group. Until it has run,
+    ``backend="fused"`` raises and ``backend="auto"`` uses the torch reference ring.
+    """
+    heap_size = _heap.check_heap_size(heap_size) if heap_size is not None else None
+    _heap.init_torch_distributed_from_env()
+    return _heap.initialize(heap_size)
+
+
+def shutdown() -> bool:
+    """Wait for outstanding fused calls, release the heap, then raise the first timeout they reported (if
+    any). Returns False when there was no heap, so a second call is harmless. Local: no communication. The
+    process group stays (``initialize()`` may follow); fused calls raise until it does."""
+    try:
+        check_errors()  # a timeout still raises, after the heap is released
+    finally:
+        released = _heap.shutdown()
+    return released
+
+
+def reset():
+    """Collective: after a reported timeout, call on every rank to bring the ranks' call counters back in
+    step (waits for outstanding calls; their errors are dropped, they were raised or are being handled).
+    Raises ``NotInitializedError`` (a RuntimeError) when there is no heap."""
+    global _pending
+    for ev, st, *_ in _pending:
+        ev.synchronize()
+        _free_pinned.append(st)
+    _pending = []
+    _heap.get().reset()
+
+
+def fused_available() -> bool:
+    return _heap.is_initialized()
+
+
+def report(wait: bool):
+    """Raise the first failure of the fused calls issued so far that have finished (``wait``: wait for all of
+    them first)."""
+    global _pending
+    keep = []
+    first_error = None
+    for ev, st, rank, timeout_s, members in _pending:
+        if wait:
+            ev.synchronize()
+        elif not ev.query():
+            keep.append((ev, st, rank, timeout_s, members))
+            continue
+        try:
+            control.check_status(st.numpy(), rank, timeout_s, members=members)
+        except RuntimeError as e:  # RingAttentionTimeout, or a call that never completed
+            first_error = first_error or e
+        finally:
+            _free_pinned.append(st)
+    _pending = keep
+    if first_error is not None:
+        raise first_error
+
+
+def check_errors():
+    """Wait for every fused call issued so far and raise the first timeout any of them reported."""
+    report(wait=True)
+
+
+def track(status, ring, timeout_s):
+    """Check ``status`` (the status words of a launch on ``ring``) at the next call or check_errors() (with
+    RING_ATTENTION_ERRORS=call: at once), without a host sync now."""
+    st = _free_pinned.pop() if _free_pinned else torch.empty(status.shape, dtype=status.dtype).pin_memory()
+    st.copy_(status, non_blocking=True)
+    ev = torch.cuda.Event()
+    ev.record()
+    members, position, _ = ring
+    _pending.append((ev, st, position, timeout_s, members))
+    if control.errors_mode("deferred") == "call":
+        check_errors()
+
+
+def is_initialized() -> bool:
+    return _heap.is_initialized()
