@@ -15,7 +15,6 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from ring_core import heap as _heap
-from ring_core import plans
 from ring_core.layout import inverse_permutation, layout_permutation
 from ring_core.validate import (check_attention_args, check_fused_dtype, check_global_seq, check_layout_call,
                                 check_timeout)
@@ -32,7 +31,7 @@ def _fused_available() -> bool:
 
 
 def _resolve_backend(backend: str, spec) -> str:
-    fusable = spec.dtype != "float64" and plans.fused_supports(spec)
+    fusable = spec.dtype != "float64"
     if backend == "auto":
         return "fused" if fusable and _fused_available() else "xla"
     if backend == "fused":
@@ -42,28 +41,33 @@ def _resolve_backend(backend: str, spec) -> str:
                 "process (one process per rank, started with python -m jax_ring.launch or torchrun) before "
                 "using JAX; or use backend='xla'")
         check_fused_dtype(spec.dtype, "backend='xla'")
-        plans.check_fused_supports(spec, "backend='xla'")
     return backend
 
 
 # --------------------------------------------------------------------------- the fused backend's autograd
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _fused(q, k, v, spec, axis_name, world_size, timeout_s):
-    return fused.forward(q, k, v, spec, axis_name, world_size, timeout_s)
+# segment_ids is an array input of the custom_vjp (not a nondiff_argnum, which must be hashable and static):
+# None, or this rank's int32 ids, which the backward kernel needs as the forward did. Integers carry no
+# gradient: the bwd rule returns None for them, which JAX (0.10 and 0.11 alike) turns into a symbolic zero
+# of their float0 cotangent type.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _fused(q, k, v, segment_ids, spec, axis_name, world_size, timeout_s):
+    return fused.forward(q, k, v, spec, axis_name, world_size, timeout_s, segment_ids=segment_ids)
 
 
-def _fused_fwd(q, k, v, spec, axis_name, world_size, timeout_s):
+def _fused_fwd(q, k, v, segment_ids, spec, axis_name, world_size, timeout_s):
     _heap.get().plan_bwd(spec, world_size)  # a heap too small for the backward raises now, before anything runs
-    out, lse = fused.forward(q, k, v, spec, axis_name, world_size, timeout_s)
-    return (out, lse), (q, k, v, out, lse)
+    out, lse = fused.forward(q, k, v, spec, axis_name, world_size, timeout_s, segment_ids=segment_ids)
+    return (out, lse), (q, k, v, segment_ids, out, lse)
 
 
 def _fused_bwd(spec, axis_name, world_size, timeout_s, res, cts):
-    """The fused backward kernel from the saved q, k, v, out and lse, with the cotangents of both out and lse
-    (zeros for lse unless the caller uses it)."""
-    q, k, v, out, lse = res
+    """The fused backward kernel from the saved q, k, v, segment ids, out and lse, with the cotangents of both
+    out and lse (zeros for lse unless the caller uses it); no cotangent for the segment ids."""
+    q, k, v, segment_ids, out, lse = res
     dout, dlse = cts
-    return fused.backward(q, k, v, out, lse, dout.astype(q.dtype), dlse, spec, axis_name, world_size, timeout_s)
+    dq, dk, dv = fused.backward(q, k, v, out, lse, dout.astype(q.dtype), dlse, spec, axis_name, world_size,
+                                timeout_s, segment_ids=segment_ids)
+    return dq, dk, dv, None
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
@@ -78,14 +82,14 @@ def _forget_compiled_programs():
     _sharded_fn.cache_clear()
 
 
-def _ring_attention_fused(q, k, v, spec, axis_name, world_size, timeout_s):
+def _ring_attention_fused(q, k, v, segment_ids, spec, axis_name, world_size, timeout_s):
     if _platform.under_vmap():
         raise ValueError(
             "jax_ring.ring_attention(backend='fused') does not run under jax.vmap: the kernel takes a batch axis "
             "of its own. Fold the mapped axis into the batch axis instead (q.reshape(-1, *q.shape[-3:]) and back), "
             "or use backend='xla'")
     _heap.on_release(_forget_compiled_programs)
-    return _fused(q, k, v, spec, axis_name, world_size, timeout_s)
+    return _fused(q, k, v, segment_ids, spec, axis_name, world_size, timeout_s)
 
 
 # ------------------------------------------------------------------------------------------ public API
@@ -96,7 +100,7 @@ def _run(q, k, v, segment_ids, spec, *, axis_name, return_lse, backend, timeout_
     if backend == "xla":
         return ring_attention_xla(q, k, v, axis_name=axis_name, spec=spec, return_lse=return_lse,
                                   segment_ids=segment_ids)
-    out, lse = _ring_attention_fused(q, k, v, spec, axis_name, world, timeout_s)
+    out, lse = _ring_attention_fused(q, k, v, segment_ids, spec, axis_name, world, timeout_s)
     return (out, lse) if return_lse else out
 
 
@@ -146,7 +150,9 @@ def ring_attention(q, k, v, *, axis_name, is_causal=False, scale=None, layout="c
         ``segment_ids_from_cu_seqlens`` makes one from flash-attn's ``cu_seqlens``. None: one segment.
       window_size: sliding window ``(left, right)``, flash-attn's meaning in global token order: query i
         attends keys j with ``i - left <= j <= i + right``; -1 unbounded on that side; None: no window. With
-        ``is_causal``, keys after the query stay masked.
+        ``is_causal``, keys after the query stay masked. Every backend takes both masks; the fused kernels
+        skip the work they hide (K/V rows outside the window are not sent, waited for, loaded or computed;
+        those of other segments not loaded or computed: ring_core/protocol.py).
 
     Returns:
       ``out`` with q's shape and dtype, or ``(out, lse)`` with ``return_lse=True``.

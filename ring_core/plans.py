@@ -246,20 +246,6 @@ def bwd_recv_bytes(spec: AttentionSpec, world_size: int) -> tuple:
     return kv, part_off, (part_off + part) if world_size > 1 else 0
 
 
-def fused_supports(spec: AttentionSpec) -> bool:
-    """Whether the frontends' fused backends take this call's masks (beyond ``is_causal``): not yet sliding
-    windows or segment ids (issue 20: the kernels and the simulator take them, the frontends' autograd layers
-    do not pass them yet; the reference backends do)."""
-    return spec.window == (-1, -1) and not spec.segmented
-
-
-def check_fused_supports(spec: AttentionSpec, reference: str) -> None:
-    if not fused_supports(spec):
-        raise NotImplementedError(
-            f"the fused kernels do not take segment_ids or window_size yet; use {reference} (backend='auto' "
-            "picks it for such calls)")
-
-
 def _fused_call(spec: AttentionSpec):
     check_fused_dtype(spec.dtype, "a reference backend")
 

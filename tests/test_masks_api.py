@@ -1,7 +1,8 @@
 """Packed sequences and sliding windows through both frontends' public API (CPU): ``segment_ids=`` and
-``window_size=`` reach the reference rings (xla, torch) and give the float64 reference's result; the fused
-backend refuses them until its kernels take them (``backend="auto"`` then picks the reference); bad segment ids
-raise before any work; ``segment_ids_from_cu_seqlens`` in both frontends."""
+``window_size=`` reach the reference rings (xla, torch) and the fused backend (its kernels in the Triton
+interpreter on one rank; ``backend="auto"`` picks it where it is available, masks or not) and give the float64
+reference's result; bad segment ids raise before any work; ``segment_ids_from_cu_seqlens`` in both frontends.
+Both fused autograd layers with masks, JAX against torch bit for bit: tests/test_fused_wiring.py."""
 
 import os
 
@@ -102,7 +103,10 @@ def test_torch_module_takes_the_window_at_construction_and_segment_ids_per_call(
         torch_bridge.RingAttention(window_size=(-2, 0))
 
 
-def test_fused_refuses_masks_and_auto_takes_the_reference(jax_fused, monkeypatch):
+def test_fused_takes_masks_and_auto_picks_it(jax_fused, monkeypatch):
+    """backend="fused" takes segment ids and windows in both frontends, and backend="auto" picks the fused
+    kernels for masked calls as for plain ones, where they are available (here: the interpreter on one rank);
+    the results are the float64 reference's."""
     import jax
     import jax.numpy as jnp
     import torch
@@ -110,6 +114,7 @@ def test_fused_refuses_masks_and_auto_takes_the_reference(jax_fused, monkeypatch
 
     import jax_ring
     import torch_bridge
+    from test_fused_wiring import _check_now
 
     q, k, v, _, seg = _inputs(5)
     qs, ks, vs = (jnp.asarray(x, jnp.float32) for x in (q, k, v))
@@ -121,19 +126,30 @@ def test_fused_refuses_masks_and_auto_takes_the_reference(jax_fused, monkeypatch
                           mesh=mesh, in_specs=(P(None, "sp"),) * 4, out_specs=P(None, "sp"))
         return jax.jit(f)(qs, ks, vs, jnp.asarray(seg))
 
-    with pytest.raises(NotImplementedError, match="do not take segment_ids or window_size yet; use backend='xla'"):
-        run("fused")
-    testing.check_attention("auto with masks", np.asarray(run("auto"), np.float64), None, q, k, v, "float32",
-                            is_causal=False, segment_ids=seg)
-    assert not jax_fused  # no fused launch: auto took the xla ring
+    for backend in ("fused", "auto"):
+        n = len(jax_fused)
+        testing.check_attention(f"jax {backend} with masks", np.asarray(run(backend), np.float64), None, q, k, v,
+                                "float32", is_causal=False, segment_ids=seg)
+        assert [c["name"] for c in jax_fused[n:]] == ["ring_attn_fwd"]  # the fused kernel ran
+        assert jax_fused[-1]["constexprs"]["SEGMENTED"]
     monkeypatch.setattr(torch_bridge.api, "_on_gpu", lambda x: True)
     monkeypatch.setattr(torch_bridge.api, "_fused_available", lambda: True)
+    monkeypatch.setattr(torch_bridge.lifecycle, "track", _check_now)
+    launched = []
+    monkeypatch.setattr(torch_bridge.fused, "forward", _recording(torch_bridge.fused.forward, launched))
     tq, tk, tv = (torch.from_numpy(x).float() for x in (q, k, v))
-    with pytest.raises(NotImplementedError, match="use backend='torch'"):
-        torch_bridge.ring_attention(tq, tk, tv, backend="fused", window_size=(3, 3))
-    out = torch_bridge.ring_attention(tq, tk, tv, window_size=(3, 3))  # auto: the torch ring
     want, _ = reference.attention(q, k, v, window=(3, 3))
-    np.testing.assert_allclose(out.double().numpy(), want, atol=1e-5)
+    for backend in ("fused", "auto"):
+        out = torch_bridge.ring_attention(tq, tk, tv, backend=backend, window_size=(3, 3))
+        np.testing.assert_allclose(out.double().numpy(), want, atol=1e-5)
+    assert [spec.window for spec in launched] == [(3, 3), (3, 3)]  # both calls took the fused kernel
+
+
+def _recording(launcher, specs):
+    def forward(q, k, v, spec, *args, **kwargs):
+        specs.append(spec)
+        return launcher(q, k, v, spec, *args, **kwargs)
+    return forward
 
 
 def test_bad_segment_ids_raise_before_any_work(cpu_mesh):

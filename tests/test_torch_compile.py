@@ -109,8 +109,9 @@ def test_fullgraph_one_graph_two_ops(fused_cpu):
     assert [n.target for n in fw.graph.nodes if n.target in (FWD, BWD)] == [FWD]
     assert [n.target for n in bw.graph.nodes if n.target in (FWD, BWD)] == [BWD]
     fwd_node = next(n for n in fw.graph.nodes if n.target == FWD)
-    # scale, is_causal, layout, group ("" = world), timeout (None: the environment's), check_backward
-    assert fwd_node.args[3:] == (0.25, True, "zigzag", "", None, True)
+    # segment ids (None: none), scale, is_causal, layout, window ([-1, -1]: none), group ("" = world), timeout
+    # (None: the environment's), check_backward
+    assert fwd_node.args[3:] == (None, 0.25, True, "zigzag", [-1, -1], "", None, True)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -233,13 +234,13 @@ def test_opcheck(fused_cpu):
     """torch.library.opcheck on both ops: schema (no input mutated or aliased), autograd registration,
     fake tensors against the real outputs, and AOTAutograd with dynamic shapes. Every check runs."""
     q, k, v, do, dl = _inputs(3, 1, 4, 2, 1, 16, "float32")
-    fwd_args = (q, k, v, 0.25, True, "contiguous", "", None, True)
+    fwd_args = (q, k, v, None, 0.25, True, "contiguous", [-1, -1], "", None, True)
     with torch.no_grad():
         out, lse = FWD(*fwd_args)
     torch.library.opcheck(FWD, fwd_args)
     for dlse in (dl, None):
-        torch.library.opcheck(BWD, (q.detach(), k.detach(), v.detach(), out, lse, do, dlse, 0.25, True,
-                                    "contiguous", "", 30.0))
+        torch.library.opcheck(BWD, (q.detach(), k.detach(), v.detach(), out, lse, do, dlse, None, 0.25, True,
+                                    "contiguous", [-1, -1], "", 30.0))
 
 
 def test_auto_on_cpu_compiles(monkeypatch):

@@ -13,7 +13,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ring_core import plans
 from ring_core.layout import inverse_permutation, layout_permutation
 from ring_core.validate import (AttentionSpec, check_attention_args, check_fused_dtype, check_layout, check_layout_call,
                                 check_timeout, check_window, dtype_name)
@@ -67,7 +66,7 @@ def _on_gpu(x) -> bool:
 
 
 def _resolve_backend(backend: str, q, spec) -> str:
-    fusable = _on_gpu(q) and spec.dtype != "float64" and plans.fused_supports(spec)
+    fusable = _on_gpu(q) and spec.dtype != "float64"
     if backend == "auto":
         return "fused" if fusable and _fused_available() else "torch"
     if backend == "fused":
@@ -78,7 +77,6 @@ def _resolve_backend(backend: str, q, spec) -> str:
         if not _on_gpu(q):
             raise ValueError(f"backend='fused' needs CUDA tensors, got {q.device}; move q, k, v to this rank's GPU")
         check_fused_dtype(spec.dtype, "backend='torch'")
-        plans.check_fused_supports(spec, "backend='torch'")
     return backend
 
 
@@ -86,72 +84,80 @@ def _resolve_backend(backend: str, q, spec) -> str:
 # ring_attention::fwd and ring_attention::bwd wrap the launchers above as torch.library custom ops, so
 # that torch.compile (fullgraph too) sees two opaque ops with exact fake outputs and traces nothing of the
 # launch, and eager autograd runs the same ops. Their arguments are schema types: the spec's shape fields
-# and dtype come from the tensors, scale / is_causal / layout travel as they are, the process group by
-# name (torch_bridge.groups) and timeout_s as float? (None: RING_ATTENTION_TIMEOUT_S when launched).
+# and dtype come from the tensors, scale / is_causal / layout travel as they are, the window as int[] (two
+# ints, (-1, -1): none), the segment ids as Tensor? (None: no ids; whether they are given is the spec's
+# ``segmented``), the process group by name (torch_bridge.groups) and timeout_s as float? (None:
+# RING_ATTENTION_TIMEOUT_S when launched). The ids are an input of the fwd op's autograd without a gradient
+# (integers): the backward returns None for them, and the bwd op gets them again from the saved tensors.
 # cudagraph_unsafe: every call does host work (the status copy and event of _track, the check of earlier
 # calls in _drain), which a CUDA graph replay would skip; inductor keeps such ops out of its CUDA graphs.
 _OP_TAGS = (torch.Tag.cudagraph_unsafe,)
 
 
-def _spec_of(q, k, scale: float, is_causal: bool, layout: str) -> AttentionSpec:
+def _spec_of(q, k, segment_ids, scale: float, is_causal: bool, layout: str, window) -> AttentionSpec:
     """The AttentionSpec that ring_core.validate.check_attention_args gave for these arguments."""
     b, s, h, d = q.shape
-    return AttentionSpec(b, s, h, k.shape[2], d, dtype_name(q.dtype), scale, is_causal, layout)
+    return AttentionSpec(b, s, h, k.shape[2], d, dtype_name(q.dtype), scale, is_causal, layout,
+                         (int(window[0]), int(window[1])), segment_ids is not None)
 
 
 @torch.library.custom_op("ring_attention::fwd", mutates_args=(), tags=_OP_TAGS)
-def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, is_causal: bool, layout: str,
-            group_name: str, timeout_s: Optional[float], check_backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    spec = _spec_of(q, k, scale, is_causal, layout)
+def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_ids: Optional[torch.Tensor], scale: float,
+            is_causal: bool, layout: str, window: list[int], group_name: str, timeout_s: Optional[float],
+            check_backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    spec = _spec_of(q, k, segment_ids, scale, is_causal, layout, window)
     if check_backward:
         fused.check_backward_fits(spec, group_from_name(group_name))  # HeapTooSmallError before the forward runs
-    return fused.forward(q, k, v, spec, group_from_name(group_name), timeout_s)
+    return fused.forward(q, k, v, spec, group_from_name(group_name), timeout_s, segment_ids=segment_ids)
 
 
 @_fwd_op.register_fake
-def _(q, k, v, scale, is_causal, layout, group_name, timeout_s, check_backward):
+def _(q, k, v, segment_ids, scale, is_causal, layout, window, group_name, timeout_s, check_backward):
     b, s, h, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((b, h, s), dtype=torch.float32)
 
 
 @torch.library.custom_op("ring_attention::bwd", mutates_args=(), tags=_OP_TAGS)
 def _bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-            dout: torch.Tensor, dlse: Optional[torch.Tensor], scale: float, is_causal: bool, layout: str,
-            group_name: str, timeout_s: Optional[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    spec = _spec_of(q, k, scale, is_causal, layout)
-    return fused.backward(q, k, v, out, lse, dout, spec, group_from_name(group_name), timeout_s, dlse=dlse)
+            dout: torch.Tensor, dlse: Optional[torch.Tensor], segment_ids: Optional[torch.Tensor], scale: float,
+            is_causal: bool, layout: str, window: list[int], group_name: str,
+            timeout_s: Optional[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    spec = _spec_of(q, k, segment_ids, scale, is_causal, layout, window)
+    return fused.backward(q, k, v, out, lse, dout, spec, group_from_name(group_name), timeout_s, dlse=dlse,
+                          segment_ids=segment_ids)
 
 
 @_bwd_op.register_fake
-def _(q, k, v, out, lse, dout, dlse, scale, is_causal, layout, group_name, timeout_s):
+def _(q, k, v, out, lse, dout, dlse, segment_ids, scale, is_causal, layout, window, group_name, timeout_s):
     return q.new_empty(q.shape), q.new_empty(k.shape), q.new_empty(k.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, scale, is_causal, layout, group_name, timeout_s, _ = inputs
-    ctx.save_for_backward(q, k, v, *output)
-    ctx.args = (scale, is_causal, layout, group_name, timeout_s)
+    q, k, v, segment_ids, scale, is_causal, layout, window, group_name, timeout_s, _ = inputs
+    ctx.save_for_backward(q, k, v, segment_ids, *output)
+    ctx.args = (scale, is_causal, layout, window, group_name, timeout_s)
 
 
 def _backward(ctx, dout, dlse):
     # Autograd passes zeros for the gradient of an output that was not used (out or lse), eager and compiled.
-    q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = _bwd_op(q, k, v, out, lse, dout, dlse, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None
+    q, k, v, segment_ids, out, lse = ctx.saved_tensors
+    dq, dk, dv = _bwd_op(q, k, v, out, lse, dout, dlse, segment_ids, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None, None, None, None  # none for the segment ids (integers)
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _ring_attention_fused(q, k, v, *, spec: AttentionSpec, group=None, timeout_s: float | None = None):
+def _ring_attention_fused(q, k, v, segment_ids=None, *, spec: AttentionSpec, group=None,
+                          timeout_s: float | None = None):
     """(out, lse) from the fused kernel, differentiable through the fused backward kernel (from the
     gradients of out and lse); inputs already validated (``spec``). Traceable by torch.compile without a
     graph break: all it computes before the op is the group's name and whether a backward will follow, in
     which case the fwd op checks the backward's heap need before it launches (HeapTooSmallError before the
     forward runs, as in eager)."""
     check_backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    return _fwd_op(q, k, v, spec.scale, spec.is_causal, spec.layout, group_to_name(group), timeout_s,
-                   check_backward)
+    return _fwd_op(q, k, v, segment_ids, spec.scale, spec.is_causal, spec.layout, list(spec.window),
+                   group_to_name(group), timeout_s, check_backward)
 
 
 def ring_attention(q, k, v, *, group=None, is_causal=False, scale=None, layout="contiguous", return_lse=False,
@@ -189,7 +195,9 @@ def ring_attention(q, k, v, *, group=None, is_causal=False, scale=None, layout="
     -inf, no gradient in or out). Give it on every rank of the group or on none; ``to_layout`` reorders a
     global one and ``segment_ids_from_cu_seqlens`` makes one from flash-attn's ``cu_seqlens``. ``window_size``:
     sliding window ``(left, right)``, flash-attn's meaning in global token order (query i attends keys j with
-    ``i - left <= j <= i + right``; -1 unbounded; None: no window).
+    ``i - left <= j <= i + right``; -1 unbounded; None: no window). Every backend takes both masks; the fused
+    kernels skip the work they hide (K/V rows outside the window are not sent, waited for, loaded or computed;
+    those of other segments not loaded or computed: ring_core/protocol.py).
 
     Inputs may be non-contiguous or oddly strided (transposed, sliced, expanded views): every backend
     reads them as they are or makes contiguous copies; the outputs are always contiguous.
@@ -223,7 +231,7 @@ def ring_attention(q, k, v, *, group=None, is_causal=False, scale=None, layout="
     if backend == "torch":
         out, lse = ring_attention_torch(q, k, v, spec, rank, world, peers, group, segment_ids=segment_ids)
     else:
-        out, lse = _ring_attention_fused(q, k, v, spec=spec, group=group, timeout_s=timeout_s)
+        out, lse = _ring_attention_fused(q, k, v, segment_ids, spec=spec, group=group, timeout_s=timeout_s)
     return (out, lse) if return_lse else out
 
 
