@@ -85,6 +85,7 @@ def _fake_jax_triton(launches):
         arrays = [a for a, s in zip(args, scalar) if not s]
         launches.append(dict(name=name, grid=grid, num_warps=num_warps, num_stages=num_stages,
                              zeroed=tuple(zeroed_outputs), out=[(o.shape, str(o.dtype)) for o in out_shape],
+                             inputs=[(tuple(a.shape), str(a.dtype)) for a in arrays],
                              scalars=[a for a, s in zip(args, scalar) if s], constexprs=constexprs))
 
         def host(*arrs):
@@ -175,6 +176,87 @@ def test_jax_and_torch_fused_gradients(cpu_heap, monkeypatch, dtype, causal, H, 
     for n, a, b in zip("qkv", j_grads, t_grads):
         assert a.dtype == b.dtype == np.dtype(reference.np_dtype(dtype))
         np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8), err_msg=f"jax vs torch d{n}")
+
+
+NAMES = ("out", "lse", "dq", "dk", "dv")
+
+
+@pytest.mark.parametrize("dtype, causal, layout, window, H, HKV, S, D", [
+    ("float32", True, "contiguous", (37, 0), 4, 2, 150, 16),  # a causal sliding window over several K/V blocks
+    ("bfloat16", False, "zigzag", (9, 70), 2, 1, 136, 32),  # asymmetric, non-causal
+])
+def test_jax_and_torch_fused_with_masks(cpu_heap, monkeypatch, dtype, causal, layout, window, H, HKV, S, D):
+    """Segment ids (packed documents crossing K/V blocks, then padding) and a sliding window through both
+    frontends' fused autograd layers (the ids an array input of jax.custom_vjp and a Tensor? of the torch
+    custom ops, the window in the spec): out, lse and the gradients right against float64, padding rows out 0,
+    lse -inf and zero gradients, and JAX and torch bit-identical. Both launches get SEGMENTED / WINDOW and
+    the ids themselves (int32 [batch, seq_local]), with the GPU's default tiles (several blocks here)."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    import jax_ring
+    import torch_bridge
+    from jax_ring import fused as jfused
+
+    launches = []
+    monkeypatch.setattr(torch_bridge.lifecycle, "track", _check_now)
+    monkeypatch.setattr(torch_bridge.api, "_fused_available", lambda: True)
+    monkeypatch.setattr(torch_bridge.api, "_on_gpu", lambda x: True)
+    monkeypatch.setattr(jfused, "_import_jax_triton", lambda: _fake_jax_triton(launches))
+    monkeypatch.setattr(jfused, "fused_available", lambda: True)
+
+    ref = testing.random_inputs(11, 1, S, H, HKV, D, dtype, with_dout=True)
+    q, k, v, do = (x.astype(reference.np_dtype(dtype)) for x in ref)
+    seg = testing.random_segment_ids(12, 1, S, max_len=S // 3)
+    seg[:, -7:] = -1  # padding, whatever random_segment_ids chose
+    pad = seg[0] < 0
+    dl = np.random.default_rng(13).standard_normal((1, H, S)).astype(np.float32)
+    kw = dict(is_causal=causal, layout=layout, window_size=window)
+    mask = dict(is_causal=causal, segment_ids=seg, window=window)
+
+    # ---- torch: the custom ops with segment_ids (Tensor?) and the window (int[])
+    tq, tk, tv = (interpret._to_torch(x, dtype).requires_grad_() for x in (q, k, v))
+    t_out, t_lse = torch_bridge.ring_attention(tq, tk, tv, backend="fused", return_lse=True,
+                                               segment_ids=torch.from_numpy(seg), **kw)
+    torch.autograd.backward([t_out, t_lse], [interpret._to_torch(do, dtype), torch.from_numpy(dl)])
+    t_res = [interpret._to_numpy(x.detach(), dtype) for x in (t_out,)] + [t_lse.detach().numpy()] + \
+        [interpret._to_numpy(x.grad, dtype) for x in (tq, tk, tv)]
+    assert [p[0] for p in cpu_heap.plans] == ["bwd", "fwd", "bwd"]
+    assert all(p[1].segmented and p[1].window == window for p in cpu_heap.plans)
+    testing.check_attention("torch fused masks", t_res[0].astype(np.float64), t_res[1].astype(np.float64),
+                            *ref[:3], dtype, **mask)
+    testing.check_grads("torch fused masks", [g.astype(np.float64) for g in t_res[2:]], *ref, dtype, dlse=dl,
+                        **mask)
+
+    # ---- JAX: the custom_vjp with the ids as an array input, the jax-triton calls
+    mesh = Mesh(np.array(jax.devices("cpu")[:1]), ("sp",))
+
+    def body(q, k, v, s, do, dl):
+        attn = lambda q, k, v: jax_ring.ring_attention(q, k, v, axis_name="sp", backend="fused",  # noqa: E731
+                                                        return_lse=True, segment_ids=s, **kw)
+        (out, lse), pull = jax.vjp(attn, q, k, v)
+        return (out, lse, *pull((do, dl)))
+
+    seq, rows = P(None, "sp"), P(None, None, "sp")
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(seq,) * 5 + (rows,), out_specs=(seq, rows) + (seq,) * 3))
+    j_res = [np.asarray(x) for x in f(*(jnp.asarray(x) for x in (q, k, v, seg, do, dl)))]
+    assert [c["name"] for c in launches] == ["ring_attn_fwd", "ring_attn_bwd"]
+    want = plans.plan_bwd(cpu_heap.plans[-1][1], 1, cpu_heap.layout).constexprs()
+    for c, at in zip(launches, (3, 7)):  # the ids after q, k, v (forward) / q, k, v, out, dout, lse, dlse
+        assert c["inputs"][at] == ((1, S), "int32"), c["inputs"]
+        assert c["constexprs"]["SEGMENTED"] and c["constexprs"]["WINDOW"]
+        assert (c["constexprs"]["WIN_LEFT"], c["constexprs"]["WIN_RIGHT"]) == (want["WIN_LEFT"], want["WIN_RIGHT"])
+    testing.check_attention("jax fused masks", j_res[0].astype(np.float64), j_res[1].astype(np.float64),
+                            *ref[:3], dtype, **mask)
+
+    # ---- padding rows, and the same kernels with the same arguments: bit-identical
+    assert (t_res[0][0, pad].astype(np.float32) == 0).all() and (t_res[1][0][:, pad] == -np.inf).all()
+    assert all((g[0, pad].astype(np.float32) == 0).all() for g in t_res[2:])
+    for n, a, b in zip(NAMES, j_res, t_res):
+        assert a.dtype == b.dtype and a.shape == b.shape, n
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8), err_msg=f"jax vs torch {n}")
 
 
 def test_torch_fused_checks_backward_heap_before_forward(cpu_heap, monkeypatch):
@@ -288,6 +370,31 @@ def test_jax_fused_under_jax_defaults(jax_fused):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
     assert np.isclose(float(value), float(loss(q, k, v)))
+
+
+def test_jax_fused_segment_ids_carry_no_gradient(jax_fused):
+    """The segment ids are an array input of the custom_vjp, without a gradient: asked for one anyway
+    (allow_int), JAX gives float0 zeros of their shape, and the other gradients are those of a call that
+    does not ask (the bwd rule returns None for the ids)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    import jax_ring
+
+    mesh = Mesh(np.array(jax.devices("cpu")[:1]), ("sp",))
+    q, k, v, do = (jnp.asarray(x, jnp.float32) for x in testing.random_inputs(10, 1, 16, 2, 1, 16, "float32",
+                                                                               with_dout=True))
+    seg = jnp.asarray(np.repeat([0, 1, 2, -1], 4)[None], jnp.int32)
+    f = jax.shard_map(lambda q, k, v, s: jax_ring.ring_attention(q, k, v, axis_name="sp", backend="fused",
+                                                                 segment_ids=s, window_size=(5, 5)),
+                      mesh=mesh, in_specs=(P(None, "sp"),) * 4, out_specs=P(None, "sp"))
+    loss = lambda q, k, v, s: jnp.sum(f(q, k, v, s) * do)  # noqa: E731
+    *grads, ds = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), allow_int=True))(q, k, v, seg)
+    assert ds.dtype == jax.dtypes.float0 and ds.shape == seg.shape
+    for a, b in zip(grads, jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v, seg)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert [c["name"] for c in jax_fused] == ["ring_attn_fwd", "ring_attn_bwd"] * 2
 
 
 def test_jax_fused_under_vmap_says_what_to_do(jax_fused):
