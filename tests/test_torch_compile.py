@@ -4,11 +4,11 @@ The fused forward and backward are the custom ops ``ring_attention::fwd`` / ``ri
 (torch_bridge.fused). Here they run the real kernels in the Triton interpreter on one rank whose "heap" is
 a CPU buffer (the ``cpu_heap`` fixture of tests/test_fused_wiring.py), and the checks are: compiled with
 fullgraph=True (one graph, nothing of the launch traced), forward and gradients bit-identical to eager
-(aot_eager and, where a C++ compiler exists, inductor), under torch.utils.checkpoint too, with automatic
-dynamic shapes, the backward's heap check still raised before the forward runs, user errors under
-compile, and ``opcheck`` of both ops. backend="auto" on CPU without a process group (world size 1) is
-checked here too; the torch reference ring over 2 ranks (its exchange, the op ``ring_attention::shift``)
-in test_torch_reference.py (test_compile).
+(aot_eager and, where a C++ compiler exists, inductor), with segment ids and a window too, under
+torch.utils.checkpoint too, with automatic dynamic shapes, the backward's heap check still raised before the
+forward runs, user errors under compile, and ``opcheck`` of both ops (with and without masks).
+backend="auto" on CPU without a process group (world size 1) is checked here too; the torch reference ring
+over 2 ranks (its exchange, the op ``ring_attention::shift``) in test_torch_reference.py (test_compile).
 
 The fused path needs no GPU for any of this, but one thing cannot be checked on CPU: the status copy and
 event of ``torch_bridge.lifecycle.track`` (pinned memory, CUDA events) are replaced by an immediate check, as
@@ -135,6 +135,53 @@ def test_compiled_matches_eager(fused_cpu, backend):
     assert [p[0] for p in fused_cpu.plans[n:]] == ["bwd", "fwd", "bwd"]  # as eager: heap check, fwd, bwd
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compiled_with_masks_matches_eager(fused_cpu, backend):
+    """Segment ids (an input of the compiled function: documents, then padding) and a sliding window (fixed
+    in the module, a constant of the graph), compiled with fullgraph=True: out, lse and the gradients
+    bit-identical to eager and right against float64; the ids reach both ops as a tensor input, the window
+    as [left, right], and every plan has both."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    from ring_core import layout
+
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    attn = torch_bridge.RingAttention(backend="fused", is_causal=True, layout="zigzag", window_size=(5, 0),
+                                      return_lse=True)
+    q, k, v, do, dl = _inputs(7, 1, 24, 4, 2, 16, "float32")
+    seg = torch.from_numpy(testing.random_segment_ids(8, 1, 24, max_len=8))
+    seg[:, -3:] = -1
+    model = lambda q, k, v, seg: attn(q, k, v, segment_ids=seg)  # noqa: E731
+    want = _fwd_bwd(lambda q, k, v: model(q, k, v, seg), q, k, v, do, dl)
+    n = len(fused_cpu.plans)
+    compiler = aot_autograd(fw_compiler=keep, bw_compiler=keep) if backend == "aot_eager" else backend
+    compiled = torch.compile(model, fullgraph=True, backend=compiler)
+    got = _fwd_bwd(lambda q, k, v: compiled(q, k, v, seg), q, k, v, do, dl)
+    _assert_identical(got, want, NAMES)
+    assert [p[0] for p in fused_cpu.plans[n:]] == ["bwd", "fwd", "bwd"]
+    assert all(p[1].segmented and p[1].window == (5, 0) for p in fused_cpu.plans[n:])
+    if backend == "aot_eager":
+        fw, bw = graphs
+        fwd_node = next(node for node in fw.graph.nodes if node.target == FWD)
+        bwd_node = next(node for node in bw.graph.nodes if node.target == BWD)
+        assert fwd_node.args[3].meta["val"].dtype == torch.int32 and fwd_node.args[7] == [5, 0]
+        assert bwd_node.args[7].meta["val"].dtype == torch.int32 and bwd_node.args[11] == [5, 0]
+    # At world size 1 the zigzag order is the natural one: the float64 reference applies as it is.
+    assert list(layout.layout_permutation(24, 1, "zigzag")) == list(range(24))
+    x64 = [x.detach().double().numpy() for x in (q, k, v, do)]
+    mask = dict(is_causal=True, segment_ids=seg.numpy(), window=(5, 0))
+    testing.check_attention("compiled masks", got[0].double().numpy(), got[1].double().numpy(), *x64[:3],
+                            "float32", **mask)
+    testing.check_grads("compiled masks", [g.double().numpy() for g in got[2:]], *x64, "float32", dlse=dl.numpy(),
+                        **mask)
+
+
 def test_checkpoint_compiled(fused_cpu):
     """torch.utils.checkpoint (use_reentrant=False) around a block with fused attention, compiled with
     fullgraph=True: the gradients of eager without checkpointing, bit for bit; the forward op runs again
@@ -234,13 +281,15 @@ def test_opcheck(fused_cpu):
     """torch.library.opcheck on both ops: schema (no input mutated or aliased), autograd registration,
     fake tensors against the real outputs, and AOTAutograd with dynamic shapes. Every check runs."""
     q, k, v, do, dl = _inputs(3, 1, 4, 2, 1, 16, "float32")
-    fwd_args = (q, k, v, None, 0.25, True, "contiguous", [-1, -1], "", None, True)
-    with torch.no_grad():
-        out, lse = FWD(*fwd_args)
-    torch.library.opcheck(FWD, fwd_args)
-    for dlse in (dl, None):
-        torch.library.opcheck(BWD, (q.detach(), k.detach(), v.detach(), out, lse, do, dlse, None, 0.25, True,
-                                    "contiguous", [-1, -1], "", 30.0))
+    seg = torch.tensor([[0, 0, 1, -1]], dtype=torch.int32)
+    for ids, window in ((None, [-1, -1]), (seg, [1, 0])):  # without masks; with segment ids and a window
+        fwd_args = (q, k, v, ids, 0.25, True, "contiguous", window, "", None, True)
+        with torch.no_grad():
+            out, lse = FWD(*fwd_args)
+        torch.library.opcheck(FWD, fwd_args)
+        for dlse in (dl, None):
+            torch.library.opcheck(BWD, (q.detach(), k.detach(), v.detach(), out, lse, do, dlse, ids, 0.25, True,
+                                        "contiguous", window, "", 30.0))
 
 
 def test_auto_on_cpu_compiles(monkeypatch):
