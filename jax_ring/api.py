@@ -16,8 +16,8 @@ from jax.sharding import PartitionSpec as P
 
 from ring_core import heap as _heap
 from ring_core.layout import inverse_permutation, layout_permutation
-from ring_core.validate import (check_attention_args, check_fused_dtype, check_global_seq, check_layout_call,
-                                check_timeout)
+from ring_core.validate import (check_attention_args, check_fused_dtype, check_global_seq, check_layout,
+                                check_layout_call, check_timeout)
 
 from jax_ring import _platform, fused
 from jax_ring.reference import ring_attention_xla
@@ -216,10 +216,10 @@ def ring_attention_sharded(q, k, v, *, mesh, axis_name, is_causal=False, scale=N
         raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh (axes {names}); "
                          "pass the name of the mesh axis that should shard the sequence")
     world = int(mesh.shape[axis_name])
-    if layout in ("contiguous", "zigzag"):  # else check_attention_args names the bad layout
-        for name, x in (("q", q), ("k", k), ("v", v)):
-            if x.ndim == 4:
-                check_global_seq(x.shape[1], world, layout, f"{name} has seq_global", f" on axis {axis_name!r}")
+    check_layout(layout)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim == 4:  # else check_attention_args names the bad rank
+            check_global_seq(x.shape[1], world, layout, f"{name} has seq_global", f" on axis {axis_name!r}")
     segment_ids = None if segment_ids is None else jnp.asarray(segment_ids)
     spec = _validate(q, k, v, segment_ids, local=lambda shape: (*shape[:1], shape[1] // world, *shape[2:])
                      if len(shape) >= 2 else shape, is_causal=is_causal, scale=scale, layout=layout,
