@@ -17,8 +17,7 @@ from jax.sharding import PartitionSpec as P
 from ring_core import heap as _heap
 from ring_core import plans
 from ring_core.layout import inverse_permutation, layout_permutation
-from ring_core.validate import (check_attention_args, check_fused_dtype, check_global_seq, check_layout,
-                                check_layout_call, check_timeout)
+from ring_core.validate import check_attention_args, check_global_seq, check_layout, check_layout_call, check_timeout
 
 from jax_ring import _platform, fused
 from jax_ring.reference import ring_attention_xla
@@ -32,7 +31,7 @@ def _fused_available() -> bool:
 
 
 def _resolve_backend(backend: str, spec) -> str:
-    fusable = spec.dtype != "float64" and plans.fused_supports(spec)
+    fusable = plans.fused_supports(spec)
     if backend == "auto":
         return "fused" if fusable and _fused_available() else "xla"
     if backend == "fused":
@@ -41,8 +40,7 @@ def _resolve_backend(backend: str, spec) -> str:
                 "backend='fused' needs NVIDIA GPUs and the symmetric heap: call jax_ring.initialize() once per "
                 "process (one process per rank, started with python -m jax_ring.launch or torchrun) before "
                 "using JAX; or use backend='xla'")
-        check_fused_dtype(spec.dtype, "backend='xla'")
-        plans.check_fused_supports(spec, "backend='xla'")
+        plans.check_fused(spec, "backend='xla'")
     return backend
 
 
