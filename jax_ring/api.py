@@ -219,7 +219,7 @@ def ring_attention_sharded(q, k, v, *, mesh, axis_name, is_causal=False, scale=N
     timeout_s = check_timeout(timeout_s)
     _resolve_backend(backend, spec)  # errors now, not when traced
     fn = _sharded_fn(mesh, axis_name, spec, return_lse, backend, timeout_s)
-    return fn(q, k, v) if segment_ids is None else fn(q, k, v, jnp.asarray(segment_ids))
+    return fn(q, k, v) if segment_ids is None else fn(q, k, v, segment_ids)
 
 
 @functools.lru_cache(maxsize=64)
