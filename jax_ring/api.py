@@ -15,9 +15,9 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from ring_core import heap as _heap
+from ring_core import plans
 from ring_core.layout import inverse_permutation, layout_permutation
-from ring_core.validate import (check_attention_args, check_fused_dtype, check_global_seq, check_layout,
-                                check_layout_call, check_timeout)
+from ring_core.validate import check_attention_args, check_global_seq, check_layout, check_layout_call, check_timeout
 
 from jax_ring import _platform, fused
 from jax_ring.reference import ring_attention_xla
@@ -31,7 +31,7 @@ def _fused_available() -> bool:
 
 
 def _resolve_backend(backend: str, spec) -> str:
-    fusable = spec.dtype != "float64"
+    fusable = plans.fused_supports(spec)
     if backend == "auto":
         return "fused" if fusable and _fused_available() else "xla"
     if backend == "fused":
@@ -40,7 +40,7 @@ def _resolve_backend(backend: str, spec) -> str:
                 "backend='fused' needs NVIDIA GPUs and the symmetric heap: call jax_ring.initialize() once per "
                 "process (one process per rank, started with python -m jax_ring.launch or torchrun) before "
                 "using JAX; or use backend='xla'")
-        check_fused_dtype(spec.dtype, "backend='xla'")
+        plans.check_fused(spec, "backend='xla'")
     return backend
 
 
@@ -227,7 +227,7 @@ def ring_attention_sharded(q, k, v, *, mesh, axis_name, is_causal=False, scale=N
     timeout_s = check_timeout(timeout_s)
     _resolve_backend(backend, spec)  # errors now, not when traced
     fn = _sharded_fn(mesh, axis_name, spec, return_lse, backend, timeout_s)
-    return fn(q, k, v) if segment_ids is None else fn(q, k, v, jnp.asarray(segment_ids))
+    return fn(q, k, v) if segment_ids is None else fn(q, k, v, segment_ids)
 
 
 @functools.lru_cache(maxsize=64)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from ring_core import control, masks
 from ring_core.control import HeapLayout, HeapTooSmallError
-from ring_core.validate import AttentionSpec, check_fused_dtype
+from ring_core.validate import FUSED_DTYPES, AttentionSpec, check_fused_dtype
 
 ELEM_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 
@@ -246,8 +246,15 @@ def bwd_recv_bytes(spec: AttentionSpec, world_size: int) -> tuple:
     return kv, part_off, (part_off + part) if world_size > 1 else 0
 
 
-def _fused_call(spec: AttentionSpec):
-    check_fused_dtype(spec.dtype, "a reference backend")
+def fused_supports(spec: AttentionSpec) -> bool:
+    """Whether the fused kernels take this call: float16, bfloat16 or float32 (every mask they take: causal,
+    windows, segment ids)."""
+    return spec.dtype in FUSED_DTYPES
+
+
+def check_fused(spec: AttentionSpec, reference: str) -> None:
+    """Raise, naming ``reference`` (what to use instead), where ``fused_supports(spec)`` is False (TypeError)."""
+    check_fused_dtype(spec.dtype, reference)
 
 
 def _chunking(what: str, n_blocks: int, chunk_blocks: int, flags_for, capacity: int) -> tuple:
@@ -280,7 +287,7 @@ def _too_small(what: str, need: int, have: int, spec: AttentionSpec, world_size:
 def plan(spec: AttentionSpec, world_size: int, heap: HeapLayout, *, interpret: bool = False,
          config: KernelConfig | None = None) -> LaunchPlan:
     """The forward's launch; raises HeapTooSmallError (before anything runs) when the heap is short."""
-    _fused_call(spec)
+    check_fused(spec, "a reference backend")
     cfg = config or KernelConfig.get_default(spec, world_size, interpret=interpret)
     need = recv_bytes(spec, world_size)
     if need > heap.recv_capacity:
@@ -297,7 +304,7 @@ def plan_bwd(spec: AttentionSpec, world_size: int, heap: HeapLayout, *, interpre
              config: BwdKernelConfig | None = None) -> LaunchPlan:
     """The backward's launch; raises HeapTooSmallError (before anything runs) when the heap is short of
     receive space or flags."""
-    _fused_call(spec)
+    check_fused(spec, "a reference backend")
     cfg = config or BwdKernelConfig.get_default(spec, world_size, interpret=interpret)
     kv, part_off, need = bwd_recv_bytes(spec, world_size)
     if need > heap.recv_capacity:

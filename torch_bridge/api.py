@@ -13,8 +13,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ring_core import plans
 from ring_core.layout import inverse_permutation, layout_permutation
-from ring_core.validate import (AttentionSpec, check_attention_args, check_fused_dtype, check_layout, check_layout_call,
+from ring_core.validate import (AttentionSpec, check_attention_args, check_layout, check_layout_call,
                                 check_timeout, check_window, dtype_name)
 from torch_bridge import fused, lifecycle
 from torch_bridge.groups import group_from_name, group_to_name
@@ -66,7 +67,7 @@ def _on_gpu(x) -> bool:
 
 
 def _resolve_backend(backend: str, q, spec) -> str:
-    fusable = _on_gpu(q) and spec.dtype != "float64"
+    fusable = _on_gpu(q) and plans.fused_supports(spec)
     if backend == "auto":
         return "fused" if fusable and _fused_available() else "torch"
     if backend == "fused":
@@ -76,7 +77,7 @@ def _resolve_backend(backend: str, q, spec) -> str:
                 "(one process per rank, started by torchrun or python -m torch_bridge.launch); or use backend='torch'")
         if not _on_gpu(q):
             raise ValueError(f"backend='fused' needs CUDA tensors, got {q.device}; move q, k, v to this rank's GPU")
-        check_fused_dtype(spec.dtype, "backend='torch'")
+        plans.check_fused(spec, "backend='torch'")
     return backend
 
 
