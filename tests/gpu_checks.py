@@ -12,7 +12,18 @@ Checks (every rank asserts; rank 0 writes a JSON summary under --out):
   5. bwd: the fused backward kernel (ring_core.kernel_bwd) through torch autograd and jax.grad: gradients
      against float64 dense gradients (dtypes, odd head dims, GQA/MQA, causal both layouts, odd seq_local,
      seq_local 1), JAX and torch bit-identical, every frontend bit-identical from run to run; and a backward
-     grid far larger than the GPU holds at once against a float32 dense reference computed on the GPU.
+     grid far larger than the GPU holds at once against a float32 dense reference computed on the GPU;
+  6. masks (issue 20): segment ids (packed documents, negative id = padding) and sliding windows
+     (``window_size=(left, right)``) through both frontends' fused kernels, forward and backward: out, lse,
+     dq, dk, dv against the float64 reference with the same masks (packed documents crossing shard
+     boundaries with padding rows, causal zigzag bf16 D128; packed non-causal contiguous fp16 GQA 8/2 with
+     an odd seq_local; a causal window crossing shard boundaries, contiguous D64; a two-sided window,
+     non-causal zigzag; a window with segment ids, batch 2; fp32), JAX and torch bit-identical, the
+     backward bit-identical from run to run, padding rows exactly out 0, lse -inf and zero gradients, no
+     NaN anywhere. ``--mask-cases`` runs a subset (indices into the section's table).
+
+Ranks may share a GPU (``shared``): then no XLA collective runs between them, so the xla reference ring is
+left out of the tables that use it.
 """
 
 import argparse
@@ -30,8 +41,10 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--calls", type=int, default=1000)
     ap.add_argument("--skip-big", action="store_true")
-    ap.add_argument("--sections", default="cases,jit,grads,bwd,soak,big",
-                    help="comma-separated subset of cases,jit,grads,bwd,soak,big (default: all)")
+    ap.add_argument("--sections", default="cases,jit,grads,bwd,masks,soak,big",
+                    help="comma-separated subset of cases,jit,grads,bwd,masks,soak,big (default: all)")
+    ap.add_argument("--mask-cases", default=None,
+                    help="masks section: comma-separated indices of its cases to run (default: all)")
     ap.add_argument("--heap-gib", type=float, default=8.0)
     a = ap.parse_args()
     sections = set(a.sections.split(","))
@@ -78,22 +91,36 @@ def main():
 
     sh = NamedSharding(mesh, P(None, "sp"))  # this rank's sequence shard of a global array
 
-    def run_jax(q, k, v, dt, backend, **kw):
-        key = (q.shape, k.shape, dt, backend, tuple(sorted(kw.items())))
+    def jax_ids(seg):
+        """() or (this rank's segment ids [B, S] (layout order) as the global array of the mesh,): the extra
+        input of a shard_map body that takes segment ids."""
+        if seg is None:
+            return ()
+        return (jax.make_array_from_process_local_data(sh, jnp.asarray(seg, dtype=jnp.int32),
+                                                       (seg.shape[0], seg.shape[1] * W)),)
+
+    def torch_ids(seg):
+        return None if seg is None else torch.as_tensor(seg, device=dev, dtype=torch.int32)
+
+    def run_jax(q, k, v, dt, backend, seg=None, **kw):
+        """``seg``: this rank's segment ids (int32 [B, S], layout order) or None."""
+        key = (q.shape, k.shape, dt, backend, seg is not None, tuple(sorted(kw.items())))
         if key not in jax_fns:
-            def body(q, k, v):
-                return jax_ring.ring_attention(q, k, v, axis_name="sp", backend=backend, return_lse=True, **kw)
-            jax_fns[key] = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(None, "sp"),) * 3,
+            def body(q, k, v, *ids):
+                return jax_ring.ring_attention(q, k, v, axis_name="sp", backend=backend, return_lse=True,
+                                               segment_ids=ids[0] if ids else None, **kw)
+            jax_fns[key] = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(None, "sp"),) * (3 + (seg is not None)),
                                                  out_specs=(P(None, "sp"), P(None, None, "sp"))))
         g = lambda x: jax.make_array_from_process_local_data(
             sh, jnp.asarray(x, dtype=jdt[dt]), (x.shape[0], x.shape[1] * W, *x.shape[2:]))
-        out, lse = jax_fns[key](g(q), g(k), g(v))
+        out, lse = jax_fns[key](g(q), g(k), g(v), *jax_ids(seg))
         return (np.asarray(out.addressable_shards[0].data.astype(jnp.float32)),
                 np.asarray(lse.addressable_shards[0].data), out.addressable_shards[0].data)
 
-    def run_torch(q, k, v, dt, backend, **kw):
+    def run_torch(q, k, v, dt, backend, seg=None, **kw):
         t = lambda x: torch.as_tensor(x, device=dev).to(tdt[dt])
-        out, lse = torch_bridge.ring_attention(t(q), t(k), t(v), backend=backend, return_lse=True, **kw)
+        out, lse = torch_bridge.ring_attention(t(q), t(k), t(v), backend=backend, return_lse=True,
+                                               segment_ids=torch_ids(seg), **kw)
         if backend == "fused":
             torch_bridge.check_errors()
         return out.float().cpu().numpy(), lse.float().cpu().numpy(), out
@@ -104,25 +131,54 @@ def main():
         x = np.asarray(x)
         return x.view(np.int16 if x.dtype.itemsize == 2 else np.int32)
 
-    def case(B, S, H, HKV, D, dt, causal, lay, scale=None, seed=0, refs=True):
+    def masked_rows(name, seg, out=None, lse=None, grads=()):
+        """Rows of padding (``seg`` < 0: this rank's ids [B, S], layout order) attend nothing and take part in
+        nothing: out exactly 0, lse exactly -inf, dq, dk and dv exactly 0 there; and no NaN anywhere (the other
+        lse are finite). ``grads``: (dq, dk, dv) as numpy arrays [B, S, heads, D]."""
+        pad = np.asarray(seg) < 0
+        if out is not None:
+            assert not np.isnan(out).any(), f"{name}: NaN in out"
+            assert (out[pad] == 0).all(), f"{name}: padding rows of out are not 0 (max {np.abs(out[pad]).max()})"
+        if lse is not None:
+            rows = np.moveaxis(lse, 1, 2)  # [B, S, H]
+            assert (rows[pad] == -np.inf).all(), f"{name}: lse of padding rows is not -inf"
+            assert np.isfinite(rows[~pad]).all(), f"{name}: lse not finite on rows that attend something"
+        for n, gr in zip("qkv", grads):
+            assert np.isfinite(gr).all(), f"{name}: d{n} not finite"
+            assert (gr[pad] == 0).all(), f"{name}: d{n} of padding rows is not 0 (max {np.abs(gr[pad]).max()})"
+
+    def mask_name(segs, window):
+        return (f" window={window}" if window is not None else "") + \
+            ("" if segs is None else f" segments({int((segs < 0).sum())} padding)")
+
+    def case(B, S, H, HKV, D, dt, causal, lay, scale=None, seed=0, refs=True, segs=None, window=None):
+        """``segs``: global segment ids [B, S * W] in natural order (each rank passes its layout shard), or
+        None; ``window``: window_size, or None."""
         q, k, v = testing.random_inputs(seed, B, S * W, H, HKV, D, dt)
         idx = shards(q, lay)
         ql, kl, vl = q[:, idx], k[:, idx], v[:, idx]
+        seg = None if segs is None else np.ascontiguousarray(segs[:, idx])
         kw = dict(is_causal=causal, layout=lay, scale=scale)
-        o64, l64 = reference.attention(q, k, v, is_causal=causal, scale=scale)
-        olp, llp = reference.attention_lowp(q, k, v, dt, is_causal=causal, scale=scale)
+        if window is not None:
+            kw["window_size"] = window
+        mask = dict(segment_ids=segs, window=window)
+        o64, l64 = reference.attention(q, k, v, is_causal=causal, scale=scale, **mask)
+        olp, llp = reference.attention_lowp(q, k, v, dt, is_causal=causal, scale=scale, **mask)
         loc = lambda o, l: (o[:, idx], l[:, :, idx])
         o64, l64 = loc(o64, l64)
         olp, llp = loc(olp, llp)
-        name = f"B{B} S{S} H{H}/{HKV} D{D} {dt} causal={causal} {lay} scale={scale}"
+        name = f"B{B} S{S} H{H}/{HKV} D{D} {dt} causal={causal} {lay} scale={scale}{mask_name(segs, window)}"
         res = {}
         backends = [("jax", "fused"), ("torch", "fused")] + ([("jax", "xla")] if refs and not shared else []) \
             + ([("torch", "torch")] if refs else [])
         # Every call first, then the checks: a rank whose check fails must still make the calls its peers make.
-        runs = {(fw, be): (run_jax if fw == "jax" else run_torch)(ql, kl, vl, dt, be, **kw) for fw, be in backends}
+        runs = {(fw, be): (run_jax if fw == "jax" else run_torch)(ql, kl, vl, dt, be, seg=seg, **kw)
+                for fw, be in backends}
         for (fw, be), (o, l, raw) in runs.items():
             err = testing.check(f"{fw}/{be} {name} out", o, o64, olp, dt, "out")
             testing.check(f"{fw}/{be} {name} lse", l, l64, llp, dt, "lse")
+            if seg is not None or window is not None:
+                masked_rows(f"{fw}/{be} {name}", np.zeros(o.shape[:2], np.int32) if seg is None else seg, o, l)
             res[(fw, be)] = (o, l, raw, err)
         jo, jl, jraw, _ = res[("jax", "fused")]
         to, tl_, traw, _ = res[("torch", "fused")]
@@ -136,6 +192,80 @@ def main():
             msg += "" if shared else f" xla {res[('jax', 'xla')][3]:.2e}"
             msg += f" |fused-{ref_be[1]}| {testing.max_abs_err(jo, res[ref_be][0]):.2e}"
         say(msg + " bit-identical jax/torch")
+
+    # ---- the fused backward through both frontends (the bwd and masks sections) ----------------------
+    grad_fns = {}
+
+    def grads_torch(ql, kl, vl, dol, dt, dl, seg=None, **kw):
+        """Gradients of sum(out * do) + sum(lse * dl) (dl: this rank's [B, H, S] shard, float32; ``seg``: this
+        rank's segment ids or None)."""
+        ts = [torch.as_tensor(x, device=dev).to(tdt[dt]).requires_grad_() for x in (ql, kl, vl)]
+        out, lse = torch_bridge.ring_attention(*ts, backend="fused", return_lse=True, segment_ids=torch_ids(seg),
+                                               **kw)
+        torch.autograd.backward([out, lse], [torch.as_tensor(dol, device=dev).to(tdt[dt]),
+                                             torch.as_tensor(dl, device=dev)])
+        torch_bridge.check_errors()
+        return [t.grad for t in ts]
+
+    def grads_jax(ql, kl, vl, dol, dt, dl, seg=None, **kw):
+        key = (ql.shape, kl.shape, dt, seg is not None, tuple(sorted(kw.items())))
+        if key not in grad_fns:
+            def loss(q, k, v, do, dl, *ids):
+                o, lse = jax_ring.ring_attention(q, k, v, axis_name="sp", backend="fused", return_lse=True,
+                                                 segment_ids=ids[0] if ids else None, **kw)
+                # d loss / d o == do and d loss / d lse == dl exactly (also where lse is -inf: padding rows)
+                return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32)) + jnp.sum(lse * dl)
+            grad_fns[key] = jax.jit(jax.shard_map(jax.grad(loss, argnums=(0, 1, 2)), mesh=mesh,
+                                                  in_specs=(P(None, "sp"),) * 4 + (P(None, None, "sp"),)
+                                                  + (P(None, "sp"),) * (seg is not None),
+                                                  out_specs=(P(None, "sp"),) * 3))
+        def g(x, dtype=jdt[dt], axis=1):
+            shape = list(x.shape)
+            shape[axis] *= W
+            return jax.make_array_from_process_local_data(
+                NamedSharding(mesh, P(*[None] * axis, "sp")), jnp.asarray(x, dtype=dtype), tuple(shape))
+        return [gr.addressable_shards[0].data
+                for gr in grad_fns[key](g(ql), g(kl), g(vl), g(dol), g(dl, jnp.float32, 2), *jax_ids(seg))]
+
+    def as_np(x):
+        return (x.float().cpu().numpy() if isinstance(x, torch.Tensor)
+                else np.asarray(x.astype(jnp.float32)))
+
+    def bwd_case(B, S, H, HKV, D, dt, causal, lay, scale=None, use_lse=False, segs=None, window=None):
+        """The fused backward through both frontends, twice each: gradients against float64, JAX and torch
+        bit-identical, each frontend bit-identical from run to run; with masks (``segs``: global ids [B, S * W],
+        natural order; ``window``), padding rows' gradients exactly 0 and no NaN. Raises AssertionError."""
+        name = (f"bwd B{B} S{S} H{H}/{HKV} D{D} {dt} causal={causal} {lay} scale={scale} lse-grad={use_lse}"
+                f"{mask_name(segs, window)}")
+        t1 = time.time()
+        q, k, v, do = testing.random_inputs(40 + len(name), B, S * W, H, HKV, D, dt, with_dout=True)
+        idx = shards(q, lay)
+        seg = None if segs is None else np.ascontiguousarray(segs[:, idx])
+        kw = dict(is_causal=causal, layout=lay, scale=scale)
+        if window is not None:
+            kw["window_size"] = window
+        mask = dict(segment_ids=segs, window=window)
+        dl = np.random.default_rng(len(name)).standard_normal((B, H, S * W)).astype(np.float32) * use_lse
+        ref = reference.attention_grad(q, k, v, do, is_causal=causal, scale=scale, dlse=dl, **mask)
+        low = reference.attention_grad_lowp(q, k, v, do, dt, is_causal=causal, scale=scale, dlse=dl, **mask)
+        local = [x[:, idx] for x in (q, k, v, do)] + [dt, np.ascontiguousarray(dl[:, :, idx])]
+        # Every call first, then the checks: a rank whose check fails must still make its peers' calls.
+        tg, jg, tg2, jg2 = (f(*local, seg=seg, **kw) for f in (grads_torch, grads_jax) * 2)
+        errs = []
+        for fw, gs in (("torch", tg), ("jax", jg)):
+            for n, gr, r, lo in zip("qkv", gs, ref, low):
+                errs.append(testing.check(f"{fw} fused {name} d{n}", as_np(gr), r[:, idx], lo[:, idx], dt,
+                                          "grad"))
+            if seg is not None or window is not None:
+                masked_rows(f"{fw} fused {name}", np.zeros((B, S), np.int32) if seg is None else seg,
+                            grads=[as_np(gr) for gr in gs])
+        for n, a_, b_ in zip("qkv", jg, tg):
+            assert np.array_equal(bits(a_), bits(b_)), f"{name}: jax and torch fused d{n} differ"
+        for n, a_, b_, c_, d_ in zip("qkv", tg, tg2, jg, jg2):
+            assert np.array_equal(bits(a_), bits(b_)), f"{name}: torch fused d{n} differs between runs"
+            assert np.array_equal(bits(c_), bits(d_)), f"{name}: jax fused d{n} differs between runs"
+        say(f"ok {name}: max grad err {max(errs):.2e}, jax/torch bit-identical, deterministic "
+            f"({time.time() - t1:.1f} s)")
 
     summary = {"world": W, "ranks_per_gpu": gpus.placement_from_env(torch.cuda.device_count()).ranks_per_gpu,
                "gpu": torch.cuda.get_device_name(), "cases": 0}
@@ -214,39 +344,6 @@ def main():
     # ---- the fused backward kernel ---------------------------------------------------------------
     if "bwd" in sections:
         t0 = time.time()
-        grad_fns = {}
-
-        def grads_torch(ql, kl, vl, dol, dt, dl, **kw):
-            """Gradients of sum(out * do) + sum(lse * dl) (dl: this rank's [B, H, S] shard, float32)."""
-            ts = [torch.as_tensor(x, device=dev).to(tdt[dt]).requires_grad_() for x in (ql, kl, vl)]
-            out, lse = torch_bridge.ring_attention(*ts, backend="fused", return_lse=True, **kw)
-            torch.autograd.backward([out, lse], [torch.as_tensor(dol, device=dev).to(tdt[dt]),
-                                                 torch.as_tensor(dl, device=dev)])
-            torch_bridge.check_errors()
-            return [t.grad for t in ts]
-
-        def grads_jax(ql, kl, vl, dol, dt, dl, **kw):
-            key = (ql.shape, kl.shape, dt, tuple(sorted(kw.items())))
-            if key not in grad_fns:
-                def loss(q, k, v, do, dl):
-                    o, lse = jax_ring.ring_attention(q, k, v, axis_name="sp", backend="fused", return_lse=True, **kw)
-                    # d loss / d o == do and d loss / d lse == dl exactly
-                    return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32)) + jnp.sum(lse * dl)
-                grad_fns[key] = jax.jit(jax.shard_map(jax.grad(loss, argnums=(0, 1, 2)), mesh=mesh,
-                                                      in_specs=(P(None, "sp"),) * 4 + (P(None, None, "sp"),),
-                                                      out_specs=(P(None, "sp"),) * 3))
-            def g(x, dtype=jdt[dt], axis=1):
-                shape = list(x.shape)
-                shape[axis] *= W
-                return jax.make_array_from_process_local_data(
-                    NamedSharding(mesh, P(*[None] * axis, "sp")), jnp.asarray(x, dtype=dtype), tuple(shape))
-            return [gr.addressable_shards[0].data
-                    for gr in grad_fns[key](g(ql), g(kl), g(vl), g(dol), g(dl, jnp.float32, 2))]
-
-        def as_np(x):
-            return (x.float().cpu().numpy() if isinstance(x, torch.Tensor)
-                    else np.asarray(x.astype(jnp.float32)))
-
         bwd_cases = [  # (B, S, H, HKV, D, dtype, causal, layout[, scale[, lse in the loss]])
             (1, 512, 8, 8, 128, "bfloat16", True, "zigzag"),
             (1, 300, 8, 2, 80, "float16", True, "contiguous"),
@@ -257,33 +354,8 @@ def main():
             (1, 256, 4, 1, 64, "float32", False, "contiguous"),  # last: its compile takes a minute
         ]
         for c in bwd_cases:
-            B, S, H, HKV, D, dt, causal, lay = c[:8]
-            scale = c[8] if len(c) > 8 else None
-            use_lse = len(c) > 9 and c[9]
-            name = f"bwd B{B} S{S} H{H}/{HKV} D{D} {dt} causal={causal} {lay} scale={scale} lse-grad={use_lse}"
-            t1 = time.time()
             try:
-                q, k, v, do = testing.random_inputs(40 + len(name), B, S * W, H, HKV, D, dt, with_dout=True)
-                idx = shards(q, lay)
-                kw = dict(is_causal=causal, layout=lay, scale=scale)
-                dl = np.random.default_rng(len(name)).standard_normal((B, H, S * W)).astype(np.float32) * use_lse
-                ref = reference.attention_grad(q, k, v, do, is_causal=causal, scale=scale, dlse=dl)
-                low = reference.attention_grad_lowp(q, k, v, do, dt, is_causal=causal, scale=scale, dlse=dl)
-                local = [x[:, idx] for x in (q, k, v, do)] + [dt, np.ascontiguousarray(dl[:, :, idx])]
-                # Every call first, then the checks: a rank whose check fails must still make its peers' calls.
-                tg, jg, tg2, jg2 = (f(*local, **kw) for f in (grads_torch, grads_jax) * 2)
-                errs = []
-                for fw, gs in (("torch", tg), ("jax", jg)):
-                    for n, gr, r, lo in zip("qkv", gs, ref, low):
-                        errs.append(testing.check(f"{fw} fused {name} d{n}", as_np(gr), r[:, idx], lo[:, idx], dt,
-                                                  "grad"))
-                for n, a_, b_ in zip("qkv", jg, tg):
-                    assert np.array_equal(bits(a_), bits(b_)), f"{name}: jax and torch fused d{n} differ"
-                for n, a_, b_, c_, d_ in zip("qkv", tg, tg2, jg, jg2):
-                    assert np.array_equal(bits(a_), bits(b_)), f"{name}: torch fused d{n} differs between runs"
-                    assert np.array_equal(bits(c_), bits(d_)), f"{name}: jax fused d{n} differs between runs"
-                say(f"ok {name}: max grad err {max(errs):.2e}, jax/torch bit-identical, deterministic "
-                    f"({time.time() - t1:.1f} s)")
+                bwd_case(*c[:8], scale=c[8] if len(c) > 8 else None, use_lse=len(c) > 9 and c[9])
             except AssertionError as e:
                 failed.append(str(e))
                 say(f"FAILED {c}: {e}", every_rank=True)
@@ -341,6 +413,55 @@ def main():
                 failed.append(f"big backward grid d{n}: err {e} > bound {bound}")
         say(f"bwd big grid: B{B} S{S} H{H}/{HKV} D{D} bf16 causal zigzag, {big_s:.2f} s first call; " + ", ".join(msg))
         summary.update(bwd_cases=len(bwd_cases), bwd_s=round(time.time() - t0, 1), bwd_big_first_call_s=round(big_s, 2))
+
+    # ---- masks: segment ids and sliding windows (issue 20) through both frontends' fused kernels ---------
+    if "masks" in sections:
+        t0 = time.time()
+
+        def segment_ids(kind, seed, B, n):
+            """Global segment ids [B, n] in natural order (None for None): documents of up to n/5 tokens packed
+            back to back, crossing shard boundaries; "padded" adds padding (id -1): a run of 160 tokens (more
+            than a 128-row query tile, so some tile of a rank may hold nothing else) a third of the way in,
+            and the last 37 tokens."""
+            if kind is None:
+                return None
+            ids = testing.random_segment_ids(seed, B, n, max_len=max(2, n // 5), padding=False)
+            if kind == "padded":
+                ids[:, n // 3:n // 3 + min(160, n // 6)] = -1
+                ids[:, n - 37:] = -1
+            return ids
+
+        # (B, S, H, HKV, D, dtype, causal, layout, window_size, segment ids). Every distinct shape, dtype and mask
+        # kind compiles new kernels (the window is a constexpr), so the table is short. The windows cross shard
+        # boundaries at any world size: (300, -1) at S=256 reaches into the previous rank's shard but not to its
+        # start (and, from 3 ranks, not into the one before: a ring step the kernel skips).
+        mask_cases = [
+            (1, 512, 8, 8, 128, "bfloat16", True, "zigzag", None, "padded"),
+            (1, 333, 8, 2, 80, "float16", False, "contiguous", None, "packed"),
+            (1, 256, 4, 1, 64, "bfloat16", True, "contiguous", (300, -1), None),
+            (1, 256, 4, 4, 128, "float16", False, "zigzag", (70, 45), None),
+            (2, 200, 4, 2, 128, "bfloat16", True, "zigzag", (150, -1), "padded"),
+            (1, 192, 4, 2, 64, "float32", False, "contiguous", (-1, 50), "packed"),  # last: fp32 compiles slowest
+        ]
+        chosen = (range(len(mask_cases)) if a.mask_cases is None
+                  else [int(i) for i in a.mask_cases.split(",") if i.strip()])
+        for i in chosen:
+            B, S, H, HKV, D, dt, causal, lay, window, kind = mask_cases[i]
+            segs = segment_ids(kind, 300 + i, B, S * W)
+            t1 = time.time()
+            # Forward then backward, each making every call before its checks; a failure of either is kept
+            # and the next part still runs, so every rank makes the same calls whatever fails where.
+            for part, run in (("fwd", lambda: case(B, S, H, HKV, D, dt, causal, lay, seed=200 + i, refs=False,
+                                                   segs=segs, window=window)),
+                              ("bwd", lambda: bwd_case(B, S, H, HKV, D, dt, causal, lay, use_lse=True, segs=segs,
+                                                       window=window))):
+                try:
+                    run()
+                except AssertionError as e:
+                    failed.append(f"masks case {i} {part}: {e}")
+                    say(f"FAILED masks case {i} {part} {mask_cases[i]}: {e}", every_rank=True)
+            say(f"   masks case {i}: {time.time() - t1:.1f} s")
+        summary.update(mask_cases=len(chosen), masks_s=round(time.time() - t0, 1))
 
     # ---- soak: consecutive calls with changing shapes through both frontends ----------------------
     if "soak" in sections:
