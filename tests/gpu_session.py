@@ -19,6 +19,8 @@ Stages (``NAME[:SECONDS]``; the default time limit is in brackets):
   checks       tests/gpu_checks.py, forward sections: cases, jit, grads, big       [540]
   checks-quick tests/gpu_checks.py, forward sections cases, jit, grads (no big grid) [300]
   checks-bwd   tests/gpu_checks.py --sections bwd                                  [300]
+  checks-masks tests/gpu_checks.py --sections masks: segment ids and windows, forward and
+               backward (6 cases; compiles dominate)                                [540]
   faults       tests/gpu_faults.py (timeout, concurrent, mismatch, bad_inputs, security) [240]
   bad_inputs   tests/gpu_faults.py --sections bad_inputs                           [150]
   kill         tests/gpu_faults.py --sections kill (ends rank 1)                   [90]
@@ -64,6 +66,7 @@ STAGES = {
     "checks": (540, [LAUNCH + ["tests/gpu_checks.py", "--sections", "cases,jit,grads,big", "--out", "{out}"]]),
     "checks-quick": (300, [LAUNCH + ["tests/gpu_checks.py", "--sections", "cases,jit,grads", "--out", "{out}"]]),
     "checks-bwd": (300, [LAUNCH + ["tests/gpu_checks.py", "--sections", "bwd", "--out", "{out}"]]),
+    "checks-masks": (540, [LAUNCH + ["tests/gpu_checks.py", "--sections", "masks", "--out", "{out}"]]),
     "faults": (240, [LAUNCH + ["tests/gpu_faults.py", "--deadline", "{limit_minus}", "--out", "{out}"]]),
     "bad_inputs": (150, [LAUNCH + ["tests/gpu_faults.py", "--sections", "bad_inputs", "--deadline", "{limit_minus}",
                                    "--out", "{out}"]]),

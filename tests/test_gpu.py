@@ -56,10 +56,10 @@ def _launch(what, script, tmp_path, args, timeout, env_extra=None, **kw):
 @pytest.mark.gpu
 def test_fused_on_gpus(tmp_path):
     calls = os.environ.get("RING_GPU_SOAK_CALLS", "1000")
-    r, out = _launch("the fused ring", "gpu_checks.py", tmp_path, ["--calls", calls], timeout=1500)
+    r, out = _launch("the fused ring", "gpu_checks.py", tmp_path, ["--calls", calls], timeout=2100)
     assert r.returncode == 0, "a GPU check failed (its output is above)"
     summary = json.loads((out / "gpu_checks.json").read_text())
-    assert summary["ok"] and summary["soak_bad"] == 0 and summary["cases"] >= 10
+    assert summary["ok"] and summary["soak_bad"] == 0 and summary["cases"] >= 10 and summary["mask_cases"] >= 6
 
 
 # ---------------------------------------------------------------------------------------------- faults
@@ -217,6 +217,8 @@ def test_session_stages_parse_and_fill_their_commands():
     assert cmd[cmd.index("--nproc-per-node") + 1] == "2"
     assert all(c[c.index("--nproc-per-node") + 1] == "4" for c in gs.commands("examples", 100, "/o", nproc=4))
     assert all("{" not in arg for name in gs.STAGES for c in gs.commands(name, 100, "/o") for arg in c)
+    (masks,) = gs.commands("checks-masks", 540, "/o")  # the masked kernels' checks alone
+    assert masks[masks.index("tests/gpu_checks.py") + 1:] == ["--sections", "masks", "--out", "/o"]
 
 
 def test_session_cache_survives_the_round_trip_in_parts(tmp_path):
