@@ -290,3 +290,16 @@ def take_sticky(heap_bytes, heap: HeapLayout, base_off: int = 0):
             words.zero_()
             return status, slot
     return None
+
+
+def ring_flags(heap_bytes, heap: HeapLayout, slot: int, n: int, base_off: int = 0) -> tuple:
+    """(epoch, flags) of ring slot ``slot`` on one rank: the slot's call counter (the epoch of the last call
+    that completed there) and its first ``n`` flag words (int32 numpy), read from ``heap_bytes`` as in
+    ``take_sticky``. After a call, a K/V flag holding that call's epoch marks a chunk it received
+    (``ring_core.plans.LaunchPlan.chunks_received`` decodes them)."""
+    import torch
+
+    ctl = heap.ctl_off_of(slot) - base_off + 4 * CTL_EPOCH
+    epoch = int(heap_bytes[ctl:ctl + 4].view(torch.int32).cpu().item())
+    start = heap.flags_off_of(slot) - base_off
+    return epoch, heap_bytes[start:start + 4 * n].view(torch.int32).cpu().numpy().copy()

@@ -267,6 +267,19 @@ class HeapRings:
         """The backward kernel's launch (ring_core.plans.plan_bwd); raises HeapTooSmallError."""
         return plans.plan_bwd(spec, ring_size, self.layout, **kw)
 
+    def ring_flags(self, frontend: str, members, n: int) -> tuple:
+        """(epoch, first ``n`` flag words) of the slot of the ring ``members`` (global ranks in ring order) of
+        ``frontend`` ("jax" or "torch") on this rank, after its last call (``ring_core.control.ring_flags``;
+        ``plans.LaunchPlan.chunks_received`` decodes them). Waits for this device first."""
+        import torch
+
+        slot = self.rings.get(frontend, members)
+        if slot is None:
+            raise ValueError(f"no {frontend} ring over {list(members)} has made a fused call on this heap")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return control.ring_flags(self.workspace, self.layout, slot, n, self.base_off)
+
     def take_error(self):
         """(status words, ring members) of the first fused call that failed on this rank since the last
         take_error() or reset(), for ring_core.control.check_status, or None; clears them. Waits for this

@@ -27,6 +27,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from ring_core import control, masks
 from ring_core.control import HeapLayout, HeapTooSmallError
 from ring_core.validate import FUSED_DTYPES, AttentionSpec, check_fused_dtype
@@ -151,6 +153,39 @@ class LaunchPlan:
         """(left, right) as the kernels apply it (ring_core.masks.kernel_window): (-1, -1) when nothing is masked
         by position beyond ``is_causal``."""
         return masks.kernel_window(self.spec.is_causal, self.spec.window, self.world_size * self.spec.seq_local)
+
+    @property
+    def n_chunks(self) -> int:
+        """K/V chunks of one (batch, kv head) of a shard: each is pushed (or not) and flagged as one unit."""
+        return math.ceil(self.spec.seq_local / self.chunk_rows)
+
+    @property
+    def kv_flags(self) -> int:
+        """Flag words of the K/V chunks, the first of the ring slot's flags: [W-1][B][HKV][n_chunks] (peer
+        distance d - 1 first), in both kernels (the backward's partial-dK/dV flags follow them)."""
+        return (self.world_size - 1) * self.spec.batch * self.spec.num_kv_heads * self.n_chunks
+
+    def chunks_received(self, flag_words, epoch: int):
+        """What this rank's kernel received in the call of ``epoch``, from the slot's first ``kv_flags`` flag
+        words after the call (``ring_core.control.ring_flags``; ``HeapRings.ring_flags`` on a GPU heap): a
+        numpy array [W] whose entry t >= 1 counts the K/V chunks (over batch and kv heads) that came from rank
+        ``rank - t``, i.e. at ring step t. Entry 0 is 0 (step 0 uses the local K/V).
+
+        This is where the kernels' decisions show: which chunks travel is decided on the device, chunk by
+        chunk, by causal masking and the window (``ring_core.protocol.chunk_needed``: a chunk is pushed iff
+        some query of the receiver sees one of its rows by position), and a tile waits for, loads and computes
+        exactly the chunks of its ring steps that reach its rows, all of which were pushed. So the ring steps a
+        rank runs (some tile waits, loads or computes there) are step 0 and those with a chunk received:
+        ``ring_steps_run``. Segment ids never decide a push: where they alone hide a step, it still runs its
+        waits (ring_core.protocol says why)."""
+        w = self.world_size
+        flags = np.asarray(flag_words)[:self.kv_flags].reshape(max(w - 1, 0), -1)
+        return np.concatenate([[0], (flags == epoch).sum(axis=1)]).astype(np.int64)
+
+    def ring_steps_run(self, flag_words, epoch: int) -> int:
+        """How many of the W ring steps this rank's kernel ran in the call of ``epoch`` (``chunks_received``):
+        1 + the steps whose K/V reached it."""
+        return 1 + int(np.count_nonzero(self.chunks_received(flag_words, epoch)[1:]))
 
     def constexprs(self, *, sticky_errors: bool = False) -> dict:
         """The kernel's constexprs; ``sticky_errors``: keep a failed call's status on the heap for the host

@@ -413,3 +413,46 @@ def test_a_rank_of_padding_waits_for_nothing_and_still_sends():
     n_chunks = -(-S // TILE)
     for r in range(W):  # every chunk of every rank reached every peer (ids are values: nothing skipped by them)
         assert (_kv_flags(job, r, W, n_chunks) == epoch).all()
+
+
+@pytest.mark.parametrize("is_causal, layout, window, steps", [
+    (True, "contiguous", (5, -1), lambda r, W: [0] if r == 0 else [0, 1]),  # one neighbour's last chunk
+    (True, "contiguous", None, lambda r, W: list(range(r + 1))),  # causal: only the ranks before
+    (True, "zigzag", None, lambda r, W: list(range(W))),  # zigzag: every rank sees some of every peer
+    # zigzag: rank r holds chunks r and 2W-1-r, whose neighbours are held by ranks r-1 and r+1 (step 1 and W-1)
+    (False, "zigzag", (3, 3), lambda r, W: [0] + [1] * (r > 0) + [W - 1] * (r < W - 1)),
+])
+def test_ring_steps_run_read_from_the_flags(is_causal, layout, window, steps):
+    """``LaunchPlan.chunks_received`` / ``ring_steps_run`` (what the benchmark reports as the ring steps the
+    kernel ran) decode the flags a call leaves, read through ``HeapRings.ring_flags``: forward and backward,
+    they name exactly the steps that mask positions reach (steps skipped receive nothing at all)."""
+    from ring_core import heap as heap_mod
+
+    W, S = 4, 32
+    job, call, res, ref = _run_job(W, S, is_causal=is_causal, layout=layout, window=window)
+    members = tuple(range(W))
+    views = [heap_mod.HeapRings(r, [[h.data_ptr() for h in job.heaps]] * W, job.layout, job.heaps[r])
+             for r in range(W)]
+    for v in views:
+        v.rings = job.slots  # the slot the simulated call used
+    fwd = plans.plan(call.spec, W, job.layout, interpret=True)
+    for r in range(W):
+        epoch, words = views[r].ring_flags("jax", members, fwd.kv_flags)
+        assert epoch == int(res[r][2][3]) == 1
+        got = fwd.chunks_received(words, epoch)
+        assert got[0] == 0 and [t for t in range(W) if t == 0 or got[t]] == steps(r, W), (r, got)
+        assert fwd.ring_steps_run(words, epoch) == len(steps(r, W))
+        if layout == "contiguous" and not window:  # causal: every chunk of every rank before this one
+            assert all(got[t] == fwd.n_chunks for t in steps(r, W)[1:])
+    # A gradient call on the same heaps, forward (epoch 2) then backward (epoch 3): the backward's K/V chunks
+    # are the first flags too.
+    _, xs = testing.sharded_inputs(5, W, 1, S, 2, 1, 16, "float32", with_dout=True)
+    gcall = simulate._prepare_grad(*xs, W, is_causal=is_causal, scale=None, layout=layout, timeout_s=30.0,
+                                   window_size=window)
+    job.run_grad(gcall.spec, gcall.q_shards, gcall.k_shards, gcall.v_shards, gcall.dout_shards, timeout_s=30.0)
+    bwd = plans.plan_bwd(gcall.spec, W, job.layout, interpret=True)
+    for r in range(W):
+        epoch, words = views[r].ring_flags("jax", members, bwd.kv_flags)
+        assert epoch == 3 and bwd.ring_steps_run(words, epoch) == len(steps(r, W))
+    with pytest.raises(ValueError, match="no torch ring"):
+        views[0].ring_flags("torch", members, 1)
