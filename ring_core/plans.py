@@ -179,7 +179,7 @@ class LaunchPlan:
         ``ring_steps_run``. Segment ids never decide a push: where they alone hide a step, it still runs its
         waits (ring_core.protocol says why)."""
         w = self.world_size
-        flags = np.asarray(flag_words)[:self.kv_flags].reshape(max(w - 1, 0), -1)
+        flags = np.asarray(flag_words)[:self.kv_flags].reshape(w - 1, self.kv_flags // max(w - 1, 1))
         return np.concatenate([[0], (flags == epoch).sum(axis=1)]).astype(np.int64)
 
     def ring_steps_run(self, flag_words, epoch: int) -> int:
