@@ -12,6 +12,18 @@ efficiency of the fused kernel can be computed; it appends rows to the same CSV.
 the whole path on CPU (gloo, XLA CPU) at tiny sizes, both passes unless ``--pass`` says otherwise;
 methods that need a GPU then write their reason.
 
+``--mask`` adds masked cases (issue 20): ``packed`` (documents packed back to back, segment ids; lengths drawn
+from ``--doc-lens``) and ``window`` (a sliding window, ``--window LEFT,RIGHT``), beside ``none``; only the methods
+that take masks run them (the fused kernel, the reference rings), their TFLOP/s count only the pairs the mask
+allows, and ratio columns compare them with the unmasked rate of the same run (``vs_dense``) and with the time
+of a world-1 run of the same per-rank work (``ms_vs_world1``; the harness's docstring defines them). The issue's
+targets, each a minute or two on 1-2 H200 (benchmarks/results/README.md has the commands):
+
+    python -m jax_ring.launch --nproc-per-node 2 -m benchmarks.attention --mask none,packed --causal yes \
+        --seq 16k --pass fwd --methods torch_fused --csv packed.csv           # then --pass fwd+bwd; then W=1
+    python -m jax_ring.launch --nproc-per-node 2 -m benchmarks.attention --mask window --window 4095,0 \
+        --causal yes --layout contiguous --seq 16k --pass fwd,fwd+bwd --methods torch_fused --csv window.csv
+
 ``--pass`` picks what one timed call does: ``fwd`` (default), the forward alone; ``fwd+bwd``, one training
 step of attention (the forward, then the gradients of q, k and v for a random dout); ``--pass fwd,fwd+bwd``
 runs both, one after the other per case.
@@ -31,7 +43,7 @@ import shlex
 import sys
 import time
 
-from benchmarks.harness import METHODS, PASSES, SHARED_NOTE, Case, CsvLog, run_case, setup, versions
+from benchmarks.harness import MASKS, METHODS, PASSES, SHARED_NOTE, Case, CsvLog, run_case, setup, versions
 from benchmarks.peers import BUILDERS
 
 # The default methods with one GPU process (as in --world1 runs): the fused kernel and the single-GPU limits.
@@ -39,9 +51,11 @@ WORLD1_METHODS = ("torch_fused", "jax_fused", "torch_cudnn_1gpu", "jax_cudnn_1gp
 DTYPE_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
                  "half": "float16"}
 TARGET_DEFAULTS = dict(seq="4096,8192,16384,32768", heads=32, kv_heads="32", head_dim="128", dtype="bfloat16",
-                       batch=1, iters=10, warmup=2, input_sets=3, ref_max_seq=8192, passes="fwd")
+                       batch=1, iters=10, warmup=2, input_sets=3, ref_max_seq=8192, passes="fwd",
+                       doc_lens="512-8192", window="4095,0")
 SMOKE_DEFAULTS = dict(seq="64,96", heads=4, kv_heads="4,2", head_dim="32", dtype="bfloat16",
-                      batch=1, iters=3, warmup=1, input_sets=2, ref_max_seq=1 << 30, passes="fwd,fwd+bwd")
+                      batch=1, iters=3, warmup=1, input_sets=2, ref_max_seq=1 << 30, passes="fwd,fwd+bwd",
+                      doc_lens="8-40", window="23,0")
 
 
 # -------------------------------------------------------------------------------------------- arguments
@@ -89,6 +103,38 @@ def _pass_list(text: str) -> list:
     return out
 
 
+def _mask_list(text: str) -> list:
+    out = []
+    for tok in str(text).split(","):
+        tok = tok.strip().lower()
+        if tok not in MASKS:
+            raise argparse.ArgumentTypeError(f"--mask takes {', '.join(MASKS)} (comma list), got {tok!r}")
+        if tok not in out:
+            out.append(tok)
+    return out
+
+
+def _window(text: str) -> tuple:
+    from ring_core.validate import check_window
+
+    try:
+        left, right = (int(t) for t in str(text).split(","))
+        return check_window((left, right))
+    except (ValueError, TypeError):
+        raise argparse.ArgumentTypeError(f"--window takes LEFT,RIGHT (flash-attn's window_size, -1 unbounded, "
+                                         f"e.g. 4095,0: a causal window of 4096 tokens), got {text!r}") from None
+
+
+def _doc_lens(text: str) -> tuple:
+    try:
+        lo, hi = (int(t) for t in str(text).split("-"))
+    except ValueError:
+        lo = hi = 0
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"--doc-lens takes LO-HI, 1 <= LO <= HI (e.g. 512-8192), got {text!r}")
+    return lo, hi
+
+
 def build_parser() -> argparse.ArgumentParser:
     d = TARGET_DEFAULTS
     ap = argparse.ArgumentParser(
@@ -108,6 +154,17 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", default=None, help=f"bf16 and/or fp16, comma list (default {d['dtype']})")
     ap.add_argument("--causal", default="both", choices=("both", "yes", "no"),
                     help="causal (zigzag layout), non-causal (contiguous) or both (default)")
+    ap.add_argument("--mask", dest="masks", default="none", metavar="MASK[,MASK]",
+                    help="none, packed (documents packed back to back: segment ids) and/or window (a sliding window), "
+                         "comma list (default none); only methods that take masks run the masked cases")
+    ap.add_argument("--window", default=None, metavar="LEFT,RIGHT",
+                    help=f"the window of --mask window: flash-attn's window_size, -1 unbounded (default "
+                         f"{TARGET_DEFAULTS['window']}: a causal window of 4096 tokens)")
+    ap.add_argument("--doc-lens", default=None, metavar="LO-HI",
+                    help=f"--mask packed: document lengths, drawn uniformly from LO..HI with a fixed seed (default "
+                         f"{TARGET_DEFAULTS['doc_lens']}; with --cpu-smoke {SMOKE_DEFAULTS['doc_lens']})")
+    ap.add_argument("--layout", default="auto", choices=("auto", "contiguous", "zigzag"),
+                    help="the sequence layout (default auto: zigzag when causal, else contiguous)")
     ap.add_argument("--pass", dest="passes", default=None, metavar="PASS[,PASS]",
                     help="what one timed call does: fwd, fwd+bwd (forward, then the gradients of q, k and v for a "
                          f"random dout), or both as a comma list fwd,fwd+bwd (default {d['passes']}; with "
@@ -149,6 +206,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         a.head_dim = _int_list(a.head_dim)
         a.dtype = _dtype_list(a.dtype)
         a.passes = _pass_list(a.passes)
+        a.masks = _mask_list(a.masks)
+        a.window = _window(a.window)
+        a.doc_lens = _doc_lens(a.doc_lens)
     except argparse.ArgumentTypeError as e:
         ap.error(str(e))
     for name in ("batch", "heads", "iters", "input_sets", "ref_max_seq"):
@@ -187,8 +247,8 @@ def select_methods(args, world: int) -> list:
 
 
 def enumerate_cases(args, world: int) -> list:
-    """Every case of the product of the axes (the passes of one shape run one after the other); with
-    --world1 W, seq_local is multiplied by W."""
+    """Every case of the product of the axes (the masks of one shape, and the passes of each, run one after the
+    other); with --world1 W, seq_local is multiplied by W."""
     if args.world1 is not None and world != 1:
         raise SystemExit(f"--world1 needs one process (launch with --nproc-per-node 1); this job has {world}")
     mult = args.world1 or 1
@@ -199,11 +259,15 @@ def enumerate_cases(args, world: int) -> list:
             for hkv in args.kv_heads:
                 for s in args.seq:
                     for c in causal:
-                        if c and s * mult % 2:
-                            raise SystemExit(f"causal cases use the zigzag layout, which needs an even seq_local; "
+                        layout = {"auto": "zigzag" if c else "contiguous"}.get(args.layout, args.layout)
+                        if layout == "zigzag" and s * mult % 2:
+                            raise SystemExit(f"the zigzag layout (causal cases' default) needs an even seq_local; "
                                              f"got {s * mult}")
-                        cases.extend(Case(args.batch, args.heads, hkv, d, s * mult, c, dtype, mode)
-                                     for mode in args.passes)
+                        for mask in args.masks:
+                            extra = dict(window=args.window) if mask == "window" else \
+                                dict(doc_lens=args.doc_lens) if mask == "packed" else {}
+                            cases.extend(Case(args.batch, args.heads, hkv, d, s * mult, c, dtype, mode, mask=mask,
+                                              layout=layout, **extra) for mode in args.passes)
     return cases
 
 

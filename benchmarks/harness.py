@@ -39,6 +39,24 @@ are speed ratios of the fused rows, fused TFLOP/s over the other method's, same 
 world-1 row of the same method, global problem and pass found anywhere in the file. A CSV written before
 the ``pass`` column existed is read as fwd rows (and rewritten with the column).
 
+Masks (issue 20; ``--mask``, the CSV's ``mask`` column): ``packed``, documents packed back to back (segment
+ids; their lengths drawn uniformly from ``--doc-lens`` with a fixed seed, DOC_SEED, the last one cut at the
+sequence's end), and ``window``, a sliding window (``--window LEFT,RIGHT``, flash-attn's window_size), beside
+``none``. Only the methods that take masks run them (MethodInfo.masks: the fused kernel and the reference
+rings); the others are skipped, saying so. A masked row's FLOPs count only the (query, key) pairs the mask
+allows, exactly (``allowed_pairs``: per rank, from the documents' bounds and the window; tested against
+``ring_core.masks.allowed``), over the world: ``4*H*D*pairs/W`` per GPU (x 3.5 in fwd+bwd), so its TFLOP/s
+are *effective* (useful work per second); ``pairs_per_gpu`` holds that mean (every row has it: a dense row's
+FLOPs keep the ``S_local*S_global/2`` convention, which differs from its exact causal count by 1/S_global).
+Their ratio columns: ``vs_dense``, the masked fused row's TFLOP/s over the same method's unmasked row of the
+same run, case and pass (run ``--mask none,packed`` for it); ``ms_vs_world1``, its time over the time of the
+latest world-1 row of the same method, mask, layout, seq_local and pass anywhere in the file (the same work per
+rank where the mask bounds each rank's reach: run the same command with one process). ``ring_steps``: the most
+ring steps any rank's fused kernel ran in the last timed call (read from the flags the kernel left:
+``ring_core.plans.LaunchPlan.ring_steps_run``); ``ring_steps_needed``: the most ring steps holding a pair the
+mask allows, for any rank (``allowed_pairs``; segment ids can make it smaller than ``ring_steps``: the kernel
+still waits for every chunk positions allow, ring_core/protocol.py).
+
 Several ranks may share one GPU (``python -m jax_ring.launch --nproc-per-node 4 ...`` on one GPU, see
 ``ring_core.gpus``): the real protocol then runs, but each rank has only its share of the SMs. Such rows
 say so in ``ranks_per_gpu`` and in ``note`` (they measure the protocol's overhead, not multi-GPU speed),
@@ -54,6 +72,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import dataclasses
+import functools
 import gc
 import math
 import os
@@ -80,17 +99,18 @@ class MethodInfo:
     framework: str  # "torch" or "jax"
     kind: str  # "fused", "reference", "peer" or "limit"
     summary: str
+    masks: bool = False  # takes segment ids and windows (runs the masked cases)
 
 
 # Every method a run may time, in the order a case runs them (the first ring methods serve as the check's
 # anchor); each is implemented in benchmarks.peers (peers.BUILDERS, under the same name).
 METHODS = {
-    "torch_fused": MethodInfo("torch", "fused", "torch_bridge.ring_attention(backend='fused')"),
-    "jax_fused": MethodInfo("jax", "fused", "jax_ring.ring_attention(backend='fused') in shard_map"),
+    "torch_fused": MethodInfo("torch", "fused", "torch_bridge.ring_attention(backend='fused')", True),
+    "jax_fused": MethodInfo("jax", "fused", "jax_ring.ring_attention(backend='fused') in shard_map", True),
     "jax_fused_deferred": MethodInfo("jax", "fused", "jax_fused without the per-call host callback "
-                                                     "(RING_ATTENTION_ERRORS=deferred)"),
-    "torch_ref": MethodInfo("torch", "reference", "torch_bridge backend='torch' (p2p ring, float32 maths)"),
-    "jax_xla": MethodInfo("jax", "reference", "jax_ring backend='xla' (ppermute ring, float32 maths)"),
+                                                     "(RING_ATTENTION_ERRORS=deferred)", True),
+    "torch_ref": MethodInfo("torch", "reference", "torch_bridge backend='torch' (p2p ring, float32 maths)", True),
+    "jax_xla": MethodInfo("jax", "reference", "jax_ring backend='xla' (ppermute ring, float32 maths)", True),
     "jax_cudnn_ring": MethodInfo("jax", "peer", "pure-JAX ppermute ring, cuDNN per block, LSE merge"),
     "torch_cp": MethodInfo("torch", "peer", "torch context_parallel over cuDNN SDPA"),
     "torch_cudnn_1gpu": MethodInfo("torch", "limit", "torch SDPA (cuDNN) on one GPU's share"),
@@ -110,25 +130,35 @@ RATIOS = {
     "vs_xla_ref": ("jax_xla",),
     "vs_torch_ref": ("torch_ref",),
 }
-CASE_KEY = ("run_id", "world", "batch", "heads", "kv_heads", "head_dim", "seq_local", "causal", "dtype", "pass")
-SCALING_KEY = ("method", "batch", "heads", "kv_heads", "head_dim", "seq_global", "causal", "dtype", "pass")
+CASE_KEY = ("run_id", "world", "batch", "heads", "kv_heads", "head_dim", "seq_local", "causal", "dtype", "pass",
+            "mask", "layout")
+SCALING_KEY = ("method", "batch", "heads", "kv_heads", "head_dim", "seq_global", "causal", "dtype", "pass", "mask",
+               "layout")
+# The masked rows' ratio columns (module docstring): vs_dense against the same run's unmasked row of the method,
+# ms_vs_world1 against the latest world-1 row with the same work per rank.
+MASK_RATIOS = ("vs_dense", "ms_vs_world1")
+WORLD1_KEY = ("method", "batch", "heads", "kv_heads", "head_dim", "seq_local", "causal", "dtype", "pass", "mask",
+              "layout")
+MASKS = ("none", "packed", "window")
+DOC_SEED = 20  # the packed documents' lengths: numpy's default_rng(DOC_SEED + batch row), the same in every run
 
 # What one timed call does, and its FLOPs as a multiple of the forward's. The flash-attention convention:
 # the backward is 2.5 forwards (five matmuls to the forward's two), so forward + backward counts 3.5.
 PASSES = {"fwd": 1.0, "fwd+bwd": 3.5}
 GRADS = ("dq", "dk", "dv")
 # Columns added since the first CSVs, with the value a row written without them means.
-LEGACY_DEFAULTS = {"pass": "fwd", "ranks_per_gpu": "1"}
+LEGACY_DEFAULTS = {"pass": "fwd", "ranks_per_gpu": "1", "mask": "none", "pairs_per_gpu": "", "ring_steps": "",
+                   "ring_steps_needed": "", "vs_dense": "", "ms_vs_world1": ""}
 SHARED_NOTE = "RANKS SHARE GPUS: protocol overhead, not multi-GPU speed"
 
 VERSION_COLUMNS = ("gpu", "python", "torch", "torch_cuda", "torch_cudnn", "triton", "jax", "jaxlib",
                    "jax_cuda_plugin", "jax_platform", "jax_cudnn")
 CSV_COLUMNS = (
     "run_id", "date", "world", "ranks_per_gpu", "method", "framework", "kind",
-    "batch", "heads", "kv_heads", "head_dim", "seq_local", "seq_global", "causal", "layout", "dtype", "pass",
-    "flops_per_gpu", "ms_median", "ms_q20", "ms_q80", "tflops_per_gpu",
+    "batch", "heads", "kv_heads", "head_dim", "seq_local", "seq_global", "causal", "layout", "dtype", "pass", "mask",
+    "flops_per_gpu", "pairs_per_gpu", "ms_median", "ms_q20", "ms_q80", "tflops_per_gpu",
     "iters", "warmup", "input_sets", "compile_s", "first_call_s", "max_abs_diff", "diff_vs",
-    *RATIOS, "scaling_eff",
+    "ring_steps", "ring_steps_needed", *RATIOS, "scaling_eff", *MASK_RATIOS,
     "shape", "note", "error",
     *VERSION_COLUMNS, "command",
 )
@@ -148,6 +178,7 @@ class Prepared:
     compile_s: float | None = None
     shape: str = ""
     finish: object = None  # called after the timed calls (surfaces errors reported asynchronously)
+    ring_steps: object = None  # fused methods: () -> the ring steps this rank's kernel ran in the last call
 
 
 # ------------------------------------------------------------------------------------------ cases, FLOPs
@@ -163,18 +194,44 @@ class Case:
     causal: bool
     dtype: str
     mode: str = "fwd"  # the pass one call times: a key of PASSES (the CSV's ``pass`` column)
+    mask: str = "none"  # MASKS: "packed" (segment ids, documents of doc_lens tokens) or "window" (window_size)
+    window: tuple = (-1, -1)  # mask "window": flash-attn's window_size (left, right)
+    doc_lens: tuple = (512, 8192)  # mask "packed": the documents' lengths, drawn uniformly from [lo, hi]
+    layout: str = ""  # "contiguous" or "zigzag"; "" = zigzag when causal (balanced causal work), else contiguous
+
+    def __post_init__(self):
+        if not self.layout:
+            object.__setattr__(self, "layout", "zigzag" if self.causal else "contiguous")
+        if self.mask not in MASKS:
+            raise ValueError(f"mask must be one of {MASKS}, got {self.mask!r}")
 
     @property
-    def layout(self) -> str:
-        return "zigzag" if self.causal else "contiguous"
+    def segmented(self) -> bool:
+        return self.mask == "packed"
+
+    @property
+    def window_size(self):
+        """The call's ``window_size`` (None without a window)."""
+        return tuple(self.window) if self.mask == "window" else None
+
+    @property
+    def mask_label(self) -> str:
+        """The CSV's ``mask`` column: none, packed(LO-HI), window(LEFT,RIGHT)."""
+        if self.mask == "packed":
+            return f"packed({self.doc_lens[0]}-{self.doc_lens[1]})"
+        if self.mask == "window":
+            return f"window({self.window[0]},{self.window[1]})"
+        return "none"
 
     def seq_global(self, world: int) -> int:
         return self.seq_local * world
 
     def label(self) -> str:
         dt = {"bfloat16": "bf16", "float16": "fp16"}.get(self.dtype, self.dtype)
+        lay = "" if self.layout == ("zigzag" if self.causal else "contiguous") else f" {self.layout}"
+        mask = "" if self.mask == "none" else f" {self.mask_label}"
         return (f"{dt} D{self.head_dim} H{self.heads}/{self.kv_heads} B{self.batch} S_local {self.seq_local} "
-                f"{'causal' if self.causal else 'full'} {self.mode}")
+                f"{'causal' if self.causal else 'full'}{lay}{mask} {self.mode}")
 
 
 def attention_flops(batch: int, heads: int, q_len: int, kv_len: int, head_dim: int, causal: bool,
@@ -187,9 +244,85 @@ def attention_flops(batch: int, heads: int, q_len: int, kv_len: int, head_dim: i
 
 def flops_per_gpu(case: Case, world: int) -> float:
     """Attention FLOPs one rank does: 4*B*H*S_local*S_global*D (two matmuls), half of that when causal;
-    x 3.5 for forward + backward."""
+    x 3.5 for forward + backward. Masked cases count the pairs the mask allows: 4*H*D*pairs_per_gpu (x 3.5)."""
+    if case.mask != "none":
+        return 4.0 * case.heads * case.head_dim * pairs_per_gpu(case, world) * PASSES[case.mode]
     return attention_flops(case.batch, case.heads, case.seq_local, case.seq_global(world), case.head_dim,
                            case.causal, case.mode)
+
+
+def packed_documents(case: Case, world: int) -> list:
+    """Each batch row's documents as flash-attn's ``cu_seqlens`` (int64, from 0 to S_global): lengths drawn
+    uniformly from ``case.doc_lens`` (numpy's ``default_rng(DOC_SEED + row)``), packed back to back, the last
+    one cut at the end (no padding). The same documents in every run; a longer sequence holds the shorter one's
+    documents first."""
+    s_g = case.seq_global(world)
+    lo, hi = case.doc_lens
+    rows = []
+    for b in range(case.batch):
+        rng = np.random.default_rng(DOC_SEED + b)
+        ends = [0]
+        while ends[-1] < s_g:
+            ends.append(min(s_g, ends[-1] + int(rng.integers(lo, hi + 1))))
+        rows.append(np.asarray(ends, np.int64))
+    return rows
+
+
+def segment_ids(case: Case, world: int):
+    """The case's segment ids, int32 [batch, S_global] in natural order (``packed_documents``), or None."""
+    if not case.segmented:
+        return None
+    from ring_core.masks import segment_ids_from_cu_seqlens
+
+    return segment_ids_from_cu_seqlens(packed_documents(case, world), case.seq_global(world))
+
+
+@functools.lru_cache(maxsize=64)
+def allowed_pairs(case: Case, world: int) -> np.ndarray:
+    """int64 [W, W]: the (query, key) pairs the case's mask allows (ring_core.masks.allowed's rule: causal, the
+    window, the documents) between rank r's queries and rank s's keys, summed over the batch, per head.
+
+    Exact, in O(S_global * W): a query at global position i attends the keys of one run of positions, its
+    document's (all, without documents) cut by the window and causality, and each rank's keys are one run of
+    positions (contiguous) or two (zigzag); so each (query, rank) count is the length of the runs' overlap."""
+    from ring_core import validate
+    from ring_core.layout import layout_permutation
+
+    s, s_g = case.seq_local, case.seq_global(world)
+    left, right = validate.check_window(case.window_size)
+    if case.causal:
+        right = 0
+    pos = np.arange(s_g, dtype=np.int64)
+    rank_of = np.empty(s_g, np.int64)
+    rank_of[layout_permutation(s_g, world, case.layout)] = np.arange(s_g) // s
+    if case.layout == "zigzag":
+        c = s // 2
+        runs = [[(r * c, (r + 1) * c - 1), ((2 * world - 1 - r) * c, (2 * world - r) * c - 1)] for r in range(world)]
+    else:
+        runs = [[(r * s, (r + 1) * s - 1)] for r in range(world)]
+    docs = packed_documents(case, world) if case.segmented else [np.array([0, s_g], np.int64)] * case.batch
+    pairs = np.zeros((world, world), np.int64)
+    for cu in docs:
+        d = np.searchsorted(cu, pos, side="right") - 1  # each token's document
+        lo, hi = cu[d], cu[d + 1] - 1
+        if left >= 0:
+            lo = np.maximum(lo, pos - left)
+        if right >= 0:
+            hi = np.minimum(hi, pos + right)
+        for src in range(world):
+            n = sum(np.clip(np.minimum(hi, b) - np.maximum(lo, a) + 1, 0, None) for a, b in runs[src])
+            pairs[:, src] += np.bincount(rank_of, weights=n, minlength=world).round().astype(np.int64)
+    return pairs
+
+
+def pairs_per_gpu(case: Case, world: int) -> float:
+    """The allowed (query, key) pairs of a rank's queries, per head, summed over the batch: the mean over ranks."""
+    return float(allowed_pairs(case, world).sum()) / world
+
+
+def ring_steps_needed(case: Case, world: int) -> int:
+    """The most ring steps of any rank that hold a pair the mask allows (step t of rank r: rank r-t's keys)."""
+    return int((allowed_pairs(case, world) > 0).sum(axis=1).max())
 
 
 def summarize_times(ms) -> tuple:
@@ -213,7 +346,8 @@ def heap_bytes_needed(cases, world: int) -> int:
     def need(c):
         spec = AttentionSpec(batch=c.batch, seq_local=c.seq_local, num_heads=c.heads, num_kv_heads=c.kv_heads,
                              head_dim=c.head_dim, dtype=c.dtype, scale=1.0 / math.sqrt(c.head_dim),
-                             is_causal=c.causal, layout=c.layout)
+                             is_causal=c.causal, layout=c.layout, window=c.window_size or (-1, -1),
+                             segmented=c.segmented)
         fwd = plans.recv_bytes(spec, world)
         return fwd if c.mode == "fwd" else max(fwd, plans.bwd_recv_bytes(spec, world)[2])
 
@@ -261,14 +395,17 @@ def compute_ratios(rows) -> list:
     by_case = {}
     for r in ok:
         by_case.setdefault(_key(r, CASE_KEY), {}).setdefault(r["method"], []).append(_num(r["tflops_per_gpu"]))
-    world1 = {}
+    world1, world1_ms, tflops_of = {}, {}, {}
     for r in ok:
         if str(r.get("world")) == "1":
             world1[_key(r, SCALING_KEY)] = _num(r["tflops_per_gpu"])  # the latest row wins
+            world1_ms[_key(r, WORLD1_KEY)] = _num(r.get("ms_median"))
+        tflops_of[(r["method"], *_key(r, CASE_KEY))] = _num(r["tflops_per_gpu"])
+    mask_at = CASE_KEY.index("mask")
     out = []
     for r in rows:
         r = dict(r)
-        for col in (*RATIOS, "scaling_eff"):
+        for col in (*RATIOS, "scaling_eff", *MASK_RATIOS):
             r[col] = ""
         mine = _num(r.get("tflops_per_gpu"))
         if METHODS.get(r.get("method"), MethodInfo("", "", "")).kind == "fused" and not r.get("error") and mine:
@@ -281,6 +418,15 @@ def compute_ratios(rows) -> list:
                 base = world1.get(_key(r, SCALING_KEY))
                 if base:  # ranks sharing a GPU: their GPU's rate (all of them) against one rank's on it
                     r["scaling_eff"] = round(mine * int(r.get("ranks_per_gpu") or 1) / base, 3)
+            if field(r, "mask") != "none":
+                dense = list(_key(r, CASE_KEY))
+                dense[mask_at] = "none"
+                base = tflops_of.get((r["method"], *dense))
+                if base:
+                    r["vs_dense"] = round(mine / base, 3)
+                base_ms, ms = world1_ms.get(_key(r, WORLD1_KEY)), _num(r.get("ms_median"))
+                if str(r.get("world")) != "1" and base_ms and ms:
+                    r["ms_vs_world1"] = round(ms / base_ms, 3)
         out.append(r)
     return out
 
@@ -335,11 +481,15 @@ def format_row(row: dict) -> str:
 def format_ratios(rows) -> list:
     """Printable ratio lines of the fused rows among ``rows`` (already passed through compute_ratios)."""
     names = {"vs_cudnn_1gpu": "cuDNN 1 GPU", "vs_context_parallel": "context_parallel", "vs_cudnn_ring": "cuDNN ring",
-             "vs_xla_ref": "xla ref", "vs_torch_ref": "torch ref", "scaling_eff": "scaling eff"}
+             "vs_xla_ref": "xla ref", "vs_torch_ref": "torch ref", "scaling_eff": "scaling eff",
+             "vs_dense": "the unmasked rate", "ms_vs_world1": "the world-1 time"}
     lines = []
     for r in rows:
         parts = [f"{_num(r[c]):.2f}x {n}" if c != "scaling_eff" else f"{n} {_num(r[c]):.2f}"
                  for c, n in names.items() if _num(r.get(c)) is not None]
+        if _num(r.get("ring_steps")) is not None:
+            parts.append(f"ring steps run {int(_num(r['ring_steps']))} (with allowed pairs "
+                         f"{r.get('ring_steps_needed') or '?'}) of {r.get('world')}")
         if parts:
             lines.append(f"    {r['method']}: " + ", ".join(parts))
     return lines
@@ -522,7 +672,9 @@ class CaseData:
     """The inputs of one case: ``--input-sets`` random-normal global (q, k, v), identical on every rank
     (torch_cp and the single-GPU share need the global tensors), and this rank's shards in the case's layout.
     In fwd+bwd, each set also has a random-normal ``dout`` (the output's cotangent), drawn after q, k, v so
-    that these are the fwd pass's. JAX views (zero-copy, DLPack) are made on first use."""
+    that these are the fwd pass's. A packed case's segment ids (``segment_ids``, the same for every input set):
+    ``local_ids``, this rank's int32 [b, s_local] in the layout's order. JAX views (zero-copy, DLPack) are made
+    on first use."""
 
     def __init__(self, env: Env, case: Case, n_sets: int, seed: int):
         torch = env.torch
@@ -532,6 +684,8 @@ class CaseData:
         dt = getattr(torch, case.dtype)
         s_g = case.seq_global(env.world)
         idx = layout_permutation(s_g, env.world, case.layout)[env.rank * case.seq_local:(env.rank + 1) * case.seq_local]
+        ids = segment_ids(case, env.world)
+        self.local_ids = None if ids is None else torch.as_tensor(ids[:, idx], device=env.device)
         idx = torch.as_tensor(idx, device=env.device)
         heads = (case.heads, case.kv_heads, case.kv_heads) + ((case.heads,) if case.mode == "fwd+bwd" else ())
         self.global_sets, self.local_sets, self.global_douts, self.local_douts = [], [], [], []
@@ -550,8 +704,8 @@ class CaseData:
         return self.env.jax.dlpack.from_dlpack(t.contiguous(), device=self.env.jax_device)
 
     def jax_sharded(self):
-        """The JAX rings' per-call arguments: the local shards (and dout in fwd+bwd) as global jax arrays
-        sharded over the mesh axis (sequence axis 1)."""
+        """The JAX rings' per-call arguments: the local shards (and dout in fwd+bwd; then a packed case's
+        segment ids) as global jax arrays sharded over the mesh axis (sequence axis 1)."""
         if self._jax_sharded is None:
             from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -562,7 +716,9 @@ class CaseData:
                 shape = (t.shape[0], t.shape[1] * self.env.world, *t.shape[2:])
                 return jax.make_array_from_single_device_arrays(shape, sh, [self.jax_local(t)])
 
-            self._jax_sharded = [tuple(glob(t) for t in s) for s in call_args(self.local_sets, self.local_douts)]
+            ids = () if self.local_ids is None else (glob(self.local_ids),)
+            self._jax_sharded = [(*(glob(t) for t in s), *ids)
+                                 for s in call_args(self.local_sets, self.local_douts)]
         return self._jax_sharded
 
 
@@ -582,6 +738,7 @@ class Result:
     diff_of: tuple = ()  # the names (out, or dq, dk, dv) the diff is the max over
     diff_excess: float = -1.0  # the worst diff over its warning bound (see max_abs_diff); above 1: flagged
     local: dict | None = None  # this rank's comparable results (copies), kept only when it may become the anchor
+    ring_steps: int | None = None  # fused: the most ring steps any rank's kernel ran in the last timed call
 
 
 def _fmt_exc(e: BaseException) -> str:
@@ -673,6 +830,14 @@ def _attempt(env, args, case, name, build, data, anchor, **kw) -> Result:
             res.phase = "timing"
             return res
         res.times = env.all_max(times)
+        if prep.ring_steps is not None:  # the same builder on every rank: all of them or none take part
+            steps = -1
+            try:
+                steps = prep.ring_steps()
+            except Exception as e:  # noqa: BLE001 - a missing count is a note, not a failed timing
+                res.note = f"{res.note}; ring steps unreadable: {_fmt_exc(e)}".lstrip("; ")
+            steps = env.all_max([steps])[0]
+            res.ring_steps = int(steps) if steps >= 0 else None
         return res
     finally:
         try:
@@ -709,12 +874,19 @@ def make_row(env, args, case, name, res: Result, meta: dict, anchor_name) -> dic
     info = METHODS[name]
     fl = flops_per_gpu(case, env.world)
     note = f"{SHARED_NOTE}; {res.note}" if env.ranks_per_gpu > 1 else res.note
+    pairs = allowed_pairs(case, env.world).sum(axis=1)
+    if case.mask != "none" and pairs.max() > 1.01 * pairs.mean():
+        note = f"{note}; allowed pairs per rank max/mean {pairs.max() / pairs.mean():.2f}".lstrip("; ")
     row = dict(meta, method=name, framework=info.framework, kind=info.kind, world=env.world,
                ranks_per_gpu=env.ranks_per_gpu, batch=case.batch,
                heads=case.heads, kv_heads=case.kv_heads, head_dim=case.head_dim, seq_local=case.seq_local,
                seq_global=case.seq_global(env.world), causal=int(case.causal), layout=case.layout, dtype=case.dtype,
-               flops_per_gpu=f"{fl:.6g}", iters=args.iters, warmup=args.warmup, input_sets=args.input_sets,
+               mask=case.mask_label, flops_per_gpu=f"{fl:.6g}", pairs_per_gpu=f"{pairs_per_gpu(case, env.world):.6g}",
+               ring_steps_needed=ring_steps_needed(case, env.world),
+               iters=args.iters, warmup=args.warmup, input_sets=args.input_sets,
                shape=res.shape, note=note, error=res.error or "", **{"pass": case.mode})
+    if res.ring_steps is not None:
+        row["ring_steps"] = res.ring_steps
     if res.compile_s is not None:
         row["compile_s"] = round(res.compile_s, 3)
     if res.first_call_s is not None:
@@ -736,11 +908,16 @@ def make_row(env, args, case, name, res: Result, meta: dict, anchor_name) -> dic
 def run_case(env, args, case, methods, log, meta) -> list:
     """Time ``methods`` ({name: builder}, in METHODS order) on one case; rows go to ``log`` (rank 0) and back."""
     env.print(f"\n== {case.label()}, W={env.world} (S_global {case.seq_global(env.world)}), "
-              f"{flops_per_gpu(case, env.world) / 1e12:.3f} TFLOP per GPU")
+              f"{flops_per_gpu(case, env.world) / 1e12:.3f} TFLOP per GPU"
+              + ("" if case.mask == "none" else f" (the allowed pairs only: {pairs_per_gpu(case, env.world):.4g} "
+                 f"per head per GPU; ring steps holding one: {ring_steps_needed(case, env.world)} of {env.world})"))
     todo = []
     for name in methods:
         if METHODS[name].kind == "reference" and case.seq_local > args.ref_max_seq:
             env.print(f"  {name:17s} skipped: seq_local > --ref-max-seq {args.ref_max_seq}")
+            continue
+        if case.mask != "none" and not METHODS[name].masks:
+            env.print(f"  {name:17s} skipped: takes no segment ids or windows")
             continue
         todo.append(name)
     data = err = None

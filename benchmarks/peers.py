@@ -219,7 +219,9 @@ def cudnn_block_attention():
 
 def ring_shapes(case: Case) -> str:
     b, s, d = case.batch, case.seq_local, case.head_dim
-    return f"q[{b},{s},{case.heads},{d}] kv[{b},{s},{case.kv_heads},{d}] {case.layout}{' causal' if case.causal else ''}"
+    mask = "" if case.mask == "none" else f" {case.mask_label}"
+    return (f"q[{b},{s},{case.heads},{d}] kv[{b},{s},{case.kv_heads},{d}] {case.layout}"
+            f"{' causal' if case.causal else ''}{mask}")
 
 
 def _comparable(case, convert):
@@ -264,14 +266,15 @@ def _torch_prepared(env, case, stack, attn, sets, douts, convert, note, shape, f
 
 
 def _jax_step(case, fn):
-    """What one JAX call runs: ``fn(q, k, v)`` (fwd), or (q, k, v, dout) -> (out, dq, dk, dv) by ``jax.vjp``
-    with dout as the output's cotangent (fwd+bwd)."""
+    """What one JAX call runs: ``fn(q, k, v[, ids])`` (fwd), or (q, k, v, dout[, ids]) -> (out, dq, dk, dv) by
+    ``jax.vjp`` with dout as the output's cotangent (fwd+bwd); ``ids``: a packed case's segment ids (no
+    gradient)."""
     if case.mode == "fwd":
         return fn
     import jax
 
-    def step(q, k, v, dout):
-        out, pull = jax.vjp(fn, q, k, v)
+    def step(q, k, v, dout, *ids):
+        out, pull = jax.vjp(lambda q, k, v: fn(q, k, v, *ids), q, k, v)
         return (out, *pull(dout))
 
     return step
@@ -305,6 +308,31 @@ def _jax_ring(env, case, data, body, note) -> Prepared:
 _NEEDS_GPU = "the fused kernel needs NVIDIA GPUs and the iris heap (not in --cpu-smoke)"
 
 
+def fused_ring_steps(env, case, frontend: str) -> int:
+    """How many ring steps this rank's fused kernel ran in the last call of ``case`` through ``frontend``
+    ("torch" or "jax", whose ring is every process in rank order): read from the flags the kernel left on the
+    heap, with the plan of that call's kernel (the backward's in fwd+bwd: the last call there;
+    ``ring_core.plans.LaunchPlan.ring_steps_run`` says why the flags show the steps the kernel ran)."""
+    from ring_core import heap, validate
+
+    b, s = case.batch, case.seq_local
+    q, kv = (b, s, case.heads, case.head_dim), (b, s, case.kv_heads, case.head_dim)
+    spec = validate.check_attention_args(q, kv, kv, case.dtype, case.dtype, case.dtype, is_causal=case.causal,
+                                         scale=None, layout=case.layout, backend="fused", backends=("fused",),
+                                         window_size=case.window_size,
+                                         segment_ids_shape=(b, s) if case.segmented else None,
+                                         segment_ids_dtype="int32" if case.segmented else None)
+    h = heap.get()
+    p = h.plan(spec, env.world) if case.mode == "fwd" else h.plan_bwd(spec, env.world)
+    epoch, flags = h.ring_flags(frontend, tuple(range(env.world)), p.kv_flags)
+    return p.ring_steps_run(flags, epoch)
+
+
+def _masks(case, data) -> dict:
+    """The masks of a ring call's keywords (none for an unmasked case)."""
+    return dict(window_size=case.window_size, segment_ids=data.local_ids)
+
+
 def build_torch_ring(env, args, case, data, stack, backend, **_):
     import torch_bridge
 
@@ -312,11 +340,15 @@ def build_torch_ring(env, args, case, data, stack, backend, **_):
         raise Unavailable(_NEEDS_GPU)
 
     def attn(q, k, v):
-        return torch_bridge.ring_attention(q, k, v, is_causal=case.causal, layout=case.layout, backend=backend)
+        return torch_bridge.ring_attention(q, k, v, is_causal=case.causal, layout=case.layout, backend=backend,
+                                           **_masks(case, data))
 
-    return _torch_prepared(env, case, stack, attn, data.local_sets, data.local_douts, lambda name, x: x,
+    prep = _torch_prepared(env, case, stack, attn, data.local_sets, data.local_douts, lambda name, x: x,
                            f"backend={backend}", ring_shapes(case),
                            finish=torch_bridge.check_errors if backend == "fused" else None)
+    if backend == "fused":
+        prep.ring_steps = functools.partial(fused_ring_steps, env, case, "torch")
+    return prep
 
 
 def build_jax_ring(env, args, case, data, stack, backend, **_):
@@ -325,11 +357,15 @@ def build_jax_ring(env, args, case, data, stack, backend, **_):
     if backend == "fused" and not env.cuda:
         raise Unavailable(_NEEDS_GPU)
 
-    def body(q, k, v):
+    def body(q, k, v, *ids):  # ids: a packed case's segment ids, the last argument of every call (jax_sharded)
         return jax_ring.ring_attention(q, k, v, axis_name=AXIS, is_causal=case.causal, layout=case.layout,
-                                       backend=backend)
+                                       backend=backend, window_size=case.window_size,
+                                       segment_ids=ids[0] if ids else None)
 
-    return _jax_ring(env, case, data, body, f"backend={backend}")
+    prep = _jax_ring(env, case, data, body, f"backend={backend}")
+    if backend == "fused":
+        prep.ring_steps = functools.partial(fused_ring_steps, env, case, "jax")
+    return prep
 
 
 def build_jax_fused_deferred(env, args, case, data, stack, **_):

@@ -1,6 +1,6 @@
 """Plot the harness's CSV: TFLOP/s per GPU against sequence length, one line per method (and world size),
-one panel per (pass, causal, dtype, head_dim, heads/kv_heads): the fwd and fwd+bwd timings of a case are
-side by side, never on one axis. Runs on a CPU machine (needs matplotlib: the ``bench`` extra); the GPU
+one panel per (pass, causal, dtype, head_dim, heads/kv_heads, mask, layout): the fwd and fwd+bwd timings of a
+case are side by side, never on one axis, and so are a masked case and its unmasked twin. Runs on a CPU machine (needs matplotlib: the ``bench`` extra); the GPU
 machine only writes the CSV.
 
     python -m benchmarks.plot benchmarks/results/x.csv --out benchmarks/results/x.png --table
@@ -24,9 +24,9 @@ import sys
 if __package__ in (None, ""):  # run as a script path: make `benchmarks` importable from the repository root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.harness import METHODS, PASSES, RATIOS, compute_ratios, upgrade_rows  # noqa: E402
+from benchmarks.harness import MASK_RATIOS, METHODS, PASSES, RATIOS, compute_ratios, upgrade_rows  # noqa: E402
 
-CASE_FIELDS = ("causal", "dtype", "head_dim", "heads", "kv_heads", "batch")
+CASE_FIELDS = ("causal", "dtype", "head_dim", "heads", "kv_heads", "batch", "mask", "layout")
 PANEL_KEY = ("pass", *CASE_FIELDS)
 STYLE = {  # method: (color, linestyle, marker)
     "torch_fused": ("tab:red", "-", "o"),
@@ -62,7 +62,7 @@ def latest(rows) -> list:
     for r in upgrade_rows(rows):
         if r.get("error") or _f(r.get("tflops_per_gpu")) is None:
             continue
-        key = (r["method"], r["world"], *(r[k] for k in PANEL_KEY), r["seq_local"])
+        key = (r["method"], r["world"], *(r.get(k, "") for k in PANEL_KEY), r["seq_local"])
         keep.pop(key, None)
         keep[key] = r  # re-inserted: the order of the file is kept, the last row wins
     return list(keep.values())
@@ -72,7 +72,7 @@ def panels(rows, x: str = "global") -> dict:
     """{panel key: {line label: [(seq, tflops), ...] sorted}} from the latest timed rows."""
     out = {}
     for r in latest(rows):
-        pkey = tuple(r[k] for k in PANEL_KEY)
+        pkey = tuple(r.get(k, "") for k in PANEL_KEY)
         info = METHODS.get(r["method"])
         share = info is not None and info.kind == "limit"
         label = f"{r['method']} ({'share of ' if share else ''}W={r['world']})"
@@ -86,9 +86,12 @@ def panels(rows, x: str = "global") -> dict:
 
 def case_title(ckey) -> str:
     """The case of a CASE_FIELDS tuple, in words."""
-    causal, dtype, d, h, hkv, b = ckey
-    mask = "causal (zigzag)" if str(causal) in ("1", "True") else "non-causal"
-    return f"{mask}, {dtype}, D={d}, H={h}/{hkv}" + (f", B={b}" if str(b) != "1" else "")
+    causal, dtype, d, h, hkv, b, mask, layout = ckey
+    default = "zigzag" if str(causal) in ("1", "True") else "contiguous"
+    lay = layout or default  # rows from before the layout could be chosen: the default
+    what = f"causal ({lay})" if str(causal) in ("1", "True") else "non-causal" + ("" if lay == default else f" ({lay})")
+    return (f"{what}, {dtype}, D={d}, H={h}/{hkv}" + (f", B={b}" if str(b) != "1" else "")
+            + ("" if mask in ("", "none") else f", {mask}"))
 
 
 def panel_title(pkey) -> str:
@@ -151,14 +154,14 @@ def plot(rows, out: str, x: str = "global", title: str | None = None) -> int:
 def table(rows) -> str:
     """Markdown: one table per pass (under a ``### pass`` heading) of the fused rows (latest per case) with
     TFLOP/s per GPU and ratios (each against the same pass's rows)."""
-    cols = (*RATIOS, "scaling_eff")
+    cols = (*RATIOS, "scaling_eff", *MASK_RATIOS)
     fused = [r for r in latest(compute_ratios(rows)) if METHODS.get(r["method"]) and METHODS[r["method"]].kind == "fused"]
     head = ["method", "W", "case", "seq_local", "TFLOP/s/GPU", *cols]
     blocks = []
     for name in sorted({r["pass"] for r in fused}, key=_pass_order):
         lines = [f"### {name}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for r in (r for r in fused if r["pass"] == name):
-            vals = [r["method"], r["world"], case_title(tuple(r[k] for k in CASE_FIELDS)), r["seq_local"],
+            vals = [r["method"], r["world"], case_title(tuple(r.get(k, "") for k in CASE_FIELDS)), r["seq_local"],
                     f"{_f(r['tflops_per_gpu']):.1f}",
                     *(f"{_f(r[c]):.2f}" if _f(r.get(c)) is not None else "–" for c in cols)]
             lines.append("| " + " | ".join(str(v) for v in vals) + " |")

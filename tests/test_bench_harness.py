@@ -5,6 +5,7 @@ pure-JAX cuDNN-style ring (its LSE merging and its autodiff, run here with dense
 dense attention, and the whole harness, fwd and fwd+bwd, through the launcher on CPU (--cpu-smoke)."""
 
 import csv
+import dataclasses
 import os
 import subprocess
 import sys
@@ -67,6 +68,133 @@ def test_summarize_times_median_and_quantiles():
     assert harness.tflops(1e12, 1000.0) == pytest.approx(1.0)
     with pytest.raises(ValueError):
         harness.summarize_times([])
+
+
+# ------------------------------------------------------------------------------- masks: exact pair counts
+
+
+def _pairs_by_rule(case, world):
+    """[W, W] allowed pairs counted from ring_core.masks.allowed's boolean mask (the one rule), rank by rank."""
+    from ring_core import masks, validate
+    from ring_core.layout import global_positions
+
+    ids = harness.segment_ids(case, world)
+    out = np.zeros((world, world), np.int64)
+    for r in range(world):
+        qp = global_positions(np, r, world, case.seq_local, case.layout)
+        for s in range(world):
+            kp = global_positions(np, s, world, case.seq_local, case.layout)
+            m = masks.allowed(qp, kp, is_causal=case.causal, window=validate.check_window(case.window_size),
+                              q_segment_ids=None if ids is None else ids[:, qp],
+                              k_segment_ids=None if ids is None else ids[:, kp])
+            out[r, s] = (qp.size * kp.size * case.batch if m is None
+                         else int(np.broadcast_to(m, (case.batch, 1, 1, qp.size, kp.size) if ids is not None
+                                                  else m.shape).sum() * (1 if ids is not None else case.batch)))
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("causal, mask, window, doc_lens", [
+    (True, "packed", (-1, -1), (5, 40)), (False, "packed", (-1, -1), (1, 70)),
+    (True, "window", (23, 0), (5, 40)), (False, "window", (30, 7), (5, 40)), (False, "window", (-1, 0), (5, 40)),
+    (True, "none", (-1, -1), (5, 40)), (False, "none", (-1, -1), (5, 40)),
+])
+def test_allowed_pairs_are_exact(world, layout, causal, mask, window, doc_lens):
+    """The benchmark's pair count (its FLOPs for masked cases, its ring_steps_needed) equals the count of
+    ring_core.masks.allowed's mask, for every (query rank, key rank), batch rows with their own documents."""
+    case = harness.Case(2, 4, 2, 16, 36, causal, "bfloat16", mask=mask, window=window, doc_lens=doc_lens,
+                        layout=layout)
+    got = harness.allowed_pairs(case, world)
+    assert got.dtype == np.int64 and got.shape == (world, world)
+    np.testing.assert_array_equal(got, _pairs_by_rule(case, world))
+    assert harness.pairs_per_gpu(case, world) == got.sum() / world
+    assert harness.ring_steps_needed(case, world) == (got > 0).sum(axis=1).max()
+
+
+def test_packed_documents_are_fixed_and_counted_into_the_flops():
+    case = harness.Case(2, 32, 8, 128, 16384, True, "bfloat16", mask="packed")
+    docs = harness.packed_documents(case, 2)
+    assert len(docs) == 2 and all(d[0] == 0 and d[-1] == 32768 for d in docs)
+    lens = np.concatenate([np.diff(d)[:-1] for d in docs])  # the last one of a row is cut at the end
+    assert lens.min() >= 512 and lens.max() <= 8192
+    assert not np.array_equal(docs[0][:3], docs[1][:3])  # each row its own documents ...
+    again = harness.packed_documents(case, 2)
+    assert all(np.array_equal(a, b) for a, b in zip(docs, again))  # ... the same in every run
+    w1 = harness.packed_documents(dataclasses.replace(case, batch=1), 1)[0]  # a shorter sequence: a prefix
+    np.testing.assert_array_equal(w1[:-1], docs[0][:len(w1) - 1])
+    ids = harness.segment_ids(case, 2)
+    assert ids.shape == (2, 32768) and ids.dtype == np.int32 and (ids >= 0).all()
+    assert harness.segment_ids(dataclasses.replace(case, mask="none"), 2) is None
+    # Effective FLOPs: 4 * H * D * (allowed pairs per rank, mean over ranks), x 3.5 in fwd+bwd
+    pairs = harness.allowed_pairs(case, 2)
+    assert harness.flops_per_gpu(case, 2) == 4 * 32 * 128 * pairs.sum() / 2
+    step = dataclasses.replace(case, mode="fwd+bwd")
+    assert harness.flops_per_gpu(step, 2) == pytest.approx(3.5 * harness.flops_per_gpu(case, 2))
+    dense = dataclasses.replace(case, mask="none")
+    assert harness.flops_per_gpu(dense, 2) == 2 * 2 * 32 * 16384 * 32768 * 128  # B=2; the dense convention is kept
+    share = harness.flops_per_gpu(case, 2) / harness.flops_per_gpu(dense, 2)
+    assert 0.1 < share < 0.3  # documents of 512-8192 tokens keep a small share of 32k causal pairs
+    assert "packed(512-8192)" in case.label() and case.mask_label == "packed(512-8192)"
+    assert case.layout == "zigzag" and case.window_size is None and case.segmented
+
+
+def test_causal_window_per_rank_work_and_ring_steps():
+    """The issue's window target: 4096 tokens, causal, contiguous, seq_local 16k: every rank but the first
+    holds 16384 x 4096 pairs (+ the diagonal) and reaches one neighbour; a world of one does less (its first
+    4096 queries see fewer keys)."""
+    case = harness.Case(1, 32, 32, 128, 16384, True, "bfloat16", mask="window", window=(4095, 0), layout="contiguous")
+    for world in (2, 4, 8):
+        pairs = harness.allowed_pairs(case, world)
+        assert pairs[1].sum() == 16384 * 4096 and pairs[1, 0] == 4095 * 4096 // 2  # 1 + ... + 4095 from rank 0
+        assert harness.ring_steps_needed(case, world) == 2
+    one = harness.allowed_pairs(case, 1).sum()
+    assert one == 4096 * 4097 // 2 + (16384 - 4096) * 4096
+    assert 16384 * 4096 / one == pytest.approx(1.143, abs=1e-3)
+    assert case.window_size == (4095, 0) and "contiguous window(4095,0)" in case.label()
+    assert harness.ring_steps_needed(dataclasses.replace(case, layout="zigzag"), 4) == 3  # both zigzag neighbours
+
+
+def test_masked_ratios_and_ring_steps_in_the_rows():
+    def row(method, tflops, mask="packed(512-8192)", world=2, run="r1", ms=None, mode="fwd"):
+        return dict(_row(method, tflops, world=world, seq_local=16384, run=run, mode=mode), mask=mask,
+                    layout="zigzag", ms_median="" if ms is None else str(ms))
+    rows = [row("torch_fused", 300, "none", ms=20.0), row("torch_fused", 250, ms=8.0), row("jax_fused", 240, ms=8.2),
+            row("torch_ref", 30, ms=80.0), row("torch_fused", 280, "none", mode="fwd+bwd"),
+            row("torch_fused", 230, mode="fwd+bwd"),
+            row("torch_fused", 270, world=1, run="r2", ms=6.0), row("torch_fused", 999, "none", world=1, run="r2", ms=1.0)]
+    out = {(r["method"], r["mask"], r["world"], r["pass"]): r for r in harness.compute_ratios(rows)}
+    packed = out["torch_fused", "packed(512-8192)", "2", "fwd"]
+    assert packed["vs_dense"] == round(250 / 300, 3)  # the same method's unmasked row of the same run and pass
+    assert packed["ms_vs_world1"] == round(8.0 / 6.0, 3)  # the world-1 run of the same per-rank work
+    assert out["torch_fused", "packed(512-8192)", "2", "fwd+bwd"]["vs_dense"] == round(230 / 280, 3)
+    assert out["jax_fused", "packed(512-8192)", "2", "fwd"]["vs_dense"] == ""  # no unmasked jax row
+    assert out["torch_fused", "none", "2", "fwd"]["vs_dense"] == out["torch_fused", "none", "2", "fwd"]["ms_vs_world1"] == ""
+    assert out["torch_ref", "packed(512-8192)", "2", "fwd"]["vs_dense"] == ""  # fused rows only
+    assert out["torch_fused", "packed(512-8192)", "1", "fwd"]["ms_vs_world1"] == ""
+    line = harness.format_ratios([dict(packed, ring_steps="2", ring_steps_needed="2", world="2")])[0]
+    assert "0.83x the unmasked rate" in line and "1.33x the world-1 time" in line and "ring steps run 2" in line
+
+
+def test_mask_arguments():
+    a = cli.parse_args(["--mask", "none, packed,none", "--doc-lens", "100-200", "--window", "63,0", "--seq", "1k",
+                        "--causal", "yes", "--pass", "fwd,fwd+bwd"])
+    cases = cli.enumerate_cases(a, 2)
+    assert [(c.mask, c.mode) for c in cases] == [("none", "fwd"), ("none", "fwd+bwd"), ("packed", "fwd"),
+                                                 ("packed", "fwd+bwd")]
+    assert cases[2].doc_lens == (100, 200) and cases[0].doc_lens == (512, 8192) and cases[0].layout == "zigzag"
+    w = cli.enumerate_cases(cli.parse_args(["--mask", "window", "--layout", "contiguous", "--seq", "1001",
+                                            "--causal", "yes"]), 2)
+    assert [(c.mask, c.window_size, c.layout, c.seq_local) for c in w] == [("window", (4095, 0), "contiguous", 1001)]
+    assert cli.parse_args(["--cpu-smoke"]).doc_lens == (8, 40) and cli.parse_args([]).masks == ["none"]
+    with pytest.raises(SystemExit, match="even"):
+        cli.enumerate_cases(cli.parse_args(["--mask", "window", "--layout", "zigzag", "--seq", "1001"]), 2)
+    for bad in (["--mask", "sparse"], ["--window", "4096"], ["--window", "-2,0"], ["--doc-lens", "9-3"],
+                ["--doc-lens", "x"], ["--layout", "ring"]):
+        with pytest.raises(SystemExit):
+            cli.parse_args(bad)
+    assert {m for m, i in harness.METHODS.items() if i.masks} == {"torch_fused", "jax_fused", "jax_fused_deferred",
+                                                                   "torch_ref", "jax_xla"}
 
 
 # ---------------------------------------------------------------------------------- arguments, cases
@@ -319,18 +447,20 @@ def test_plot_groups_panels_lines_and_keeps_the_latest_row(tmp_path):
     rows.append(dict(_row("torch_fused", 90), causal="0"))
     rows.append(_row("torch_fused", 70, seq_local=4096, run="r3", mode="fwd+bwd"))  # another pass: its own panel
     data = bplot.panels(rows)
-    assert set(data) == {("fwd", "1", "bfloat16", "128", "32", "32", "1"),
-                         ("fwd", "0", "bfloat16", "128", "32", "32", "1"),
-                         ("fwd+bwd", "1", "bfloat16", "128", "32", "32", "1")}
-    lines = data["fwd", "1", "bfloat16", "128", "32", "32", "1"]
+    assert set(data) == {("fwd", "1", "bfloat16", "128", "32", "32", "1", "none", ""),
+                         ("fwd", "0", "bfloat16", "128", "32", "32", "1", "none", ""),
+                         ("fwd+bwd", "1", "bfloat16", "128", "32", "32", "1", "none", "")}
+    lines = data["fwd", "1", "bfloat16", "128", "32", "32", "1", "none", ""]
     assert lines["torch_fused (W=2)"] == [(8192, 120.0), (16384, 200.0)]  # x = global length; the rerun wins
     assert lines["torch_fused (W=1)"] == [(8192, 310.0)] and lines["torch_cudnn_1gpu (share of W=2)"] == [(8192, 600.0)]
     assert not any(label.startswith("torch_cp") for label in lines)  # failed: not plotted
-    assert data["fwd+bwd", "1", "bfloat16", "128", "32", "32", "1"] == {"torch_fused (W=2)": [(8192, 70.0)]}
-    local = bplot.panels(rows, x="local")["fwd", "1", "bfloat16", "128", "32", "32", "1"]
+    assert data["fwd+bwd", "1", "bfloat16", "128", "32", "32", "1", "none", ""] == {"torch_fused (W=2)": [(8192, 70.0)]}
+    local = bplot.panels(rows, x="local")["fwd", "1", "bfloat16", "128", "32", "32", "1", "none", ""]
     assert local["torch_fused (W=2)"][0] == (4096, 120.0)
-    assert bplot.panel_title(("fwd+bwd", "1", "bfloat16", "128", "32", "8", "1")) == \
+    assert bplot.panel_title(("fwd+bwd", "1", "bfloat16", "128", "32", "8", "1", "none", "zigzag")) == \
         "fwd+bwd: causal (zigzag), bfloat16, D=128, H=32/8"
+    assert bplot.panel_title(("fwd", "1", "bfloat16", "128", "32", "8", "1", "window(4095,0)", "contiguous")) == \
+        "fwd: causal (contiguous), bfloat16, D=128, H=32/8, window(4095,0)"
     md = bplot.table(rows)
     fwd_md, step_md = md.split("### fwd+bwd")  # one table per pass, fwd first
     assert fwd_md.startswith("### fwd\n")
@@ -459,3 +589,37 @@ def test_cpu_smoke_both_passes_through_the_launcher(tmp_path):
         assert r["diff_vs"] == want and float(r["max_abs_diff"]) < 0.1 and "LARGE DIFF" not in r["note"], r
         if mode == "fwd+bwd":
             assert "backward by" in r["note"]
+
+
+def test_cpu_smoke_with_masks_through_the_launcher(tmp_path):
+    """The masked cases on CPU (2 gloo/XLA-CPU processes): the reference rings run packed documents and a causal
+    window in both passes, checked against each other, with the effective FLOPs of the allowed pairs; methods
+    without masks are skipped (no row); the fused kernel says why it cannot run here."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "smoke_masks.csv"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    env.pop("XLA_FLAGS", None)
+    cmd = [sys.executable, "-m", "jax_ring.launch", "--nproc-per-node", "2", "-m", "benchmarks.attention",
+           "--cpu-smoke", "--mask", "packed,window", "--causal", "yes", "--seq", "64", "--kv-heads", "2",
+           "--iters", "2", "--methods", "torch_fused,torch_ref,jax_xla,torch_cp", "--csv", str(out)]
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "torch_cp          skipped: takes no segment ids or windows" in proc.stdout
+    rows = list(csv.DictReader(open(out)))
+    by = {(r["mask"], r["pass"], r["method"]): r for r in rows}
+    masks = {"packed": "packed(8-40)", "window": "window(23,0)"}
+    assert len(rows) == len(by) == 2 * 2 * 3 and not any(m == "torch_cp" for _, _, m in by)
+    for (label, mode, method), r in by.items():
+        mask = next(k for k, v in masks.items() if v == label)
+        case = harness.Case(1, 4, 2, 32, 64, True, "bfloat16", mode, mask=mask,
+                            **(dict(window=(23, 0)) if mask == "window" else dict(doc_lens=(8, 40))))
+        assert float(r["pairs_per_gpu"]) == pytest.approx(harness.pairs_per_gpu(case, 2), rel=1e-5)
+        assert int(r["ring_steps_needed"]) == harness.ring_steps_needed(case, 2) == 2
+        if method == "torch_fused":
+            assert "Unavailable" in r["error"] and r["ring_steps"] == ""
+            continue
+        assert not r["error"] and float(r["tflops_per_gpu"]) > 0, r
+        assert float(r["flops_per_gpu"]) == pytest.approx(
+            4 * 4 * 32 * harness.pairs_per_gpu(case, 2) * harness.PASSES[mode], rel=1e-5)
+        if method == "jax_xla":  # checked against the first ring that ran (torch_ref): outputs, or gradients
+            assert r["diff_vs"].startswith("torch_ref") and float(r["max_abs_diff"]) < 0.1, r
