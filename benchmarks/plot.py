@@ -154,7 +154,7 @@ def plot(rows, out: str, x: str = "global", title: str | None = None) -> int:
 def table(rows) -> str:
     """Markdown: one table per pass (under a ``### pass`` heading) of the fused rows (latest per case) with
     TFLOP/s per GPU and ratios (each against the same pass's rows)."""
-    cols = (*RATIOS, "scaling_eff", *MASK_RATIOS)
+    cols = (*RATIOS, "scaling_eff", *MASK_RATIOS, "ring_steps")
     fused = [r for r in latest(compute_ratios(rows)) if METHODS.get(r["method"]) and METHODS[r["method"]].kind == "fused"]
     head = ["method", "W", "case", "seq_local", "TFLOP/s/GPU", *cols]
     blocks = []
@@ -163,7 +163,8 @@ def table(rows) -> str:
         for r in (r for r in fused if r["pass"] == name):
             vals = [r["method"], r["world"], case_title(tuple(r.get(k, "") for k in CASE_FIELDS)), r["seq_local"],
                     f"{_f(r['tflops_per_gpu']):.1f}",
-                    *(f"{_f(r[c]):.2f}" if _f(r.get(c)) is not None else "–" for c in cols)]
+                    *(("–" if _f(r.get(c)) is None else f"{_f(r[c]):.0f}" if c == "ring_steps" else f"{_f(r[c]):.2f}")
+                      for c in cols)]
             lines.append("| " + " | ".join(str(v) for v in vals) + " |")
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks) or "(no timed fused rows)"

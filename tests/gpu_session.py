@@ -26,6 +26,12 @@ Stages (``NAME[:SECONDS]``; the default time limit is in brackets):
   kill         tests/gpu_faults.py --sections kill (ends rank 1)                   [90]
   soak         tests/gpu_soak.py --calls 10000, stopped 50 s before its limit      [420]
   bench-fwdbwd benchmarks/attention.py --pass fwd,fwd+bwd --seq 4k,16k             [420]
+  bench-packed benchmarks/attention.py --mask none,packed: packed documents (issue 20) against the dense
+               causal rate, seq_local 16k, torch_fused, fwd then fwd+bwd (--nproc ranks)  [420]
+  bench-window benchmarks/attention.py --mask window --window 4095,0, causal contiguous, seq_local 16k,
+               torch_fused, fwd and fwd+bwd (--nproc ranks)                          [300]
+  bench-masks-w1  the world-1 runs of bench-packed and bench-window (one process, whatever --nproc; the
+               MPS SM share of a shared session is dropped for it, so it gets the whole GPU)  [540]
   examples     the four examples on 2 GPUs (flax_train.py needs flax and optax there: carry .whl and
                install them first, see the README)                                 [300]
   flax         examples/flax_train.py alone                                        [120]
@@ -61,6 +67,16 @@ PART_BYTES = 15 << 20
 PART_PREFIX = "tcache.tgz.part"
 LAUNCH = [sys.executable, "-m", "jax_ring.launch", "--nproc-per-node", "{nproc}"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "{nproc}"]
+# One process on the whole GPU, also in a session whose ranks share it (no SM share for it).
+LAUNCH1 = ["env", "-u", gpus.MPS_SHARE_ENV, sys.executable, "-m", "jax_ring.launch", "--nproc-per-node", "1"]
+# The issue-20 targets (benchmarks/results/README.md): packed documents against the dense causal rate, and a
+# 4096-token causal window on a contiguous layout; torch_fused only (jax_fused runs the same kernel and would
+# double the compiles).
+BENCH = ["-m", "benchmarks.attention", "--causal", "yes", "--seq", "16k", "--methods", "torch_fused",
+         "--warmup", "2", "--iters", "5"]
+PACKED = BENCH + ["--mask", "none,packed", "--csv", "{out}/masks_packed.csv"]
+WINDOW = BENCH + ["--mask", "window", "--window", "4095,0", "--layout", "contiguous", "--pass", "fwd,fwd+bwd",
+                  "--csv", "{out}/masks_window.csv"]
 
 STAGES = {
     "checks": (540, [LAUNCH + ["tests/gpu_checks.py", "--sections", "cases,jit,grads,big", "--out", "{out}"]]),
@@ -76,6 +92,10 @@ STAGES = {
                              "--max-seconds", "{soak_seconds}", "--out", "{out}"]]),
     "bench-fwdbwd": (420, [LAUNCH + ["-m", "benchmarks.attention", "--pass", "fwd,fwd+bwd", "--seq", "4k,16k",
                                      "--warmup", "2", "--iters", "5", "--csv", "{out}/attention_fwdbwd.csv"]]),
+    "bench-packed": (420, [LAUNCH + PACKED + ["--pass", "fwd"], LAUNCH + PACKED + ["--pass", "fwd+bwd"]]),
+    "bench-window": (300, [LAUNCH + WINDOW]),
+    "bench-masks-w1": (540, [LAUNCH1 + PACKED + ["--pass", "fwd"], LAUNCH1 + PACKED + ["--pass", "fwd+bwd"],
+                             LAUNCH1 + WINDOW]),
     "examples": (300, [LAUNCH + ["examples/jax_ring_attention.py"],
                        TORCHRUN + ["examples/torch_ring_attention.py"],
                        TORCHRUN + ["examples/torch_train.py"],

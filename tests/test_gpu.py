@@ -219,6 +219,13 @@ def test_session_stages_parse_and_fill_their_commands():
     assert all("{" not in arg for name in gs.STAGES for c in gs.commands(name, 100, "/o") for arg in c)
     (masks,) = gs.commands("checks-masks", 540, "/o")  # the masked kernels' checks alone
     assert masks[masks.index("tests/gpu_checks.py") + 1:] == ["--sections", "masks", "--out", "/o"]
+    packed = gs.commands("bench-packed", 420, "/o", nproc=2)  # issue 20's benchmarks: W ranks, then W=1
+    assert [c[c.index("--pass") + 1] for c in packed] == ["fwd", "fwd+bwd"]
+    assert all(c[c.index("--nproc-per-node") + 1] == "2" and "/o/masks_packed.csv" in c for c in packed)
+    w1 = gs.commands("bench-masks-w1", 540, "/o", nproc=4)
+    assert all(c[:3] == ["env", "-u", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] for c in w1)  # the whole GPU
+    assert all(c[c.index("--nproc-per-node") + 1] == "1" for c in w1)
+    assert [c[c.index("--csv") + 1] for c in w1] == ["/o/masks_packed.csv"] * 2 + ["/o/masks_window.csv"]
 
 
 def test_session_cache_survives_the_round_trip_in_parts(tmp_path):
