@@ -24,6 +24,9 @@ Stages (``NAME[:SECONDS]``; the default time limit is in brackets):
   kill         tests/gpu_faults.py --sections kill (ends rank 1)                   [90]
   soak         tests/gpu_soak.py --calls 10000, stopped 50 s before its limit      [420]
   bench-fwdbwd benchmarks/attention.py --pass fwd,fwd+bwd --seq 4k,16k             [420]
+  bench-w1     benchmarks/attention.py at world size 1 (one rank whatever --nproc: run it with --nproc 1, so
+               that no MPS share caps it): fused and cuDNN, torch and JAX, bf16 D128 16k/32k, fwd and
+               fwd+bwd, the set-up of ../shared/gpu/README.md's world-size-1 table  [300]
   examples     the four examples on 2 GPUs (flax_train.py needs flax and optax there: carry .whl and
                install them first, see the README)                                 [300]
   flax         examples/flax_train.py alone                                        [120]
@@ -59,6 +62,7 @@ PART_BYTES = 15 << 20
 PART_PREFIX = "tcache.tgz.part"
 LAUNCH = [sys.executable, "-m", "jax_ring.launch", "--nproc-per-node", "{nproc}"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "{nproc}"]
+LAUNCH1 = [sys.executable, "-m", "jax_ring.launch", "--nproc-per-node", "1"]
 
 STAGES = {
     "checks": (540, [LAUNCH + ["tests/gpu_checks.py", "--sections", "cases,jit,grads,big", "--out", "{out}"]]),
@@ -73,6 +77,10 @@ STAGES = {
                              "--max-seconds", "{soak_seconds}", "--out", "{out}"]]),
     "bench-fwdbwd": (420, [LAUNCH + ["-m", "benchmarks.attention", "--pass", "fwd,fwd+bwd", "--seq", "4k,16k",
                                      "--warmup", "2", "--iters", "5", "--csv", "{out}/attention_fwdbwd.csv"]]),
+    "bench-w1": (300, [LAUNCH1 + ["-m", "benchmarks.attention", "--methods",
+                                  "torch_fused,torch_cudnn_1gpu,jax_fused,jax_fused_deferred,jax_cudnn_1gpu",
+                                  "--seq", "16k,32k", "--pass", "fwd,fwd+bwd", "--warmup", "2", "--iters", "5",
+                                  "--csv", "{out}/attention_w1.csv"]]),
     "examples": (300, [LAUNCH + ["examples/jax_ring_attention.py"],
                        TORCHRUN + ["examples/torch_ring_attention.py"],
                        TORCHRUN + ["examples/torch_train.py"],
