@@ -16,8 +16,8 @@ Then, on this machine, put the returned parts back into ``.tcache/`` (git-ignore
     python tests/gpu_session.py --collect /work/.device/N
 
 Stages (``NAME[:SECONDS]``; the default time limit is in brackets):
-  checks       tests/gpu_checks.py, forward sections: cases, jit, grads, big       [540]
-  checks-quick tests/gpu_checks.py, forward sections cases, jit, grads (no big grid) [300]
+  checks       tests/gpu_checks.py, forward sections: cases, jit, grads, launch, big [540]
+  checks-quick tests/gpu_checks.py, forward sections cases, jit, grads, launch (no big grid) [300]
   checks-bwd   tests/gpu_checks.py --sections bwd                                  [300]
   faults       tests/gpu_faults.py (timeout, concurrent, mismatch, bad_inputs, security) [240]
   bad_inputs   tests/gpu_faults.py --sections bad_inputs                           [150]
@@ -65,8 +65,8 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "
 LAUNCH1 = [sys.executable, "-m", "jax_ring.launch", "--nproc-per-node", "1"]
 
 STAGES = {
-    "checks": (540, [LAUNCH + ["tests/gpu_checks.py", "--sections", "cases,jit,grads,big", "--out", "{out}"]]),
-    "checks-quick": (300, [LAUNCH + ["tests/gpu_checks.py", "--sections", "cases,jit,grads", "--out", "{out}"]]),
+    "checks": (540, [LAUNCH + ["tests/gpu_checks.py", "--sections", "cases,jit,grads,launch,big", "--out", "{out}"]]),
+    "checks-quick": (300, [LAUNCH + ["tests/gpu_checks.py", "--sections", "cases,jit,grads,launch", "--out", "{out}"]]),
     "checks-bwd": (300, [LAUNCH + ["tests/gpu_checks.py", "--sections", "bwd", "--out", "{out}"]]),
     "faults": (240, [LAUNCH + ["tests/gpu_faults.py", "--deadline", "{limit_minus}", "--out", "{out}"]]),
     "bad_inputs": (150, [LAUNCH + ["tests/gpu_faults.py", "--sections", "bad_inputs", "--deadline", "{limit_minus}",

@@ -56,6 +56,16 @@ COMPILE = textwrap.dedent("""
     out["bwd"] = dict(name=bb.name, num_warps=bb.num_warps, want_warps=pb.config.num_warps, scratch=bb.global_scratch)
     tb = build.binary(tma_copy, ["*fp32", "*fp32", "i32"], dict(BLOCK=128), num_warps=4, num_stages=1)
     out["tma"] = dict(scratch=tb.global_scratch, align=tb.global_scratch_align, bytes=tb.scratch_bytes((5,)))
+    sys.path.insert(0, "tests")
+    import ws_attention_kernel as wsk
+    for ws in (False, True):
+        args = (wsk.ws_attention_kernel, ["*bf16"] * 3 + ["fp32", "i32", "*bf16"],
+                dict(wsk.CONSTEXPRS, H=4, D=128, WARP_SPECIALIZE=ws))
+        kw = dict(num_warps=wsk.NUM_WARPS, num_stages=wsk.NUM_STAGES)
+        wb = build.binary(*args, **kw)
+        ttgir = build.compile_kernel(*args, **kw).asm["ttgir"]
+        out[f"ws={ws}"] = dict(num_warps=wb.num_warps, scratch=wb.global_scratch,
+                               specialised="ttg.warp_specialize" in ttgir)
     errors = []
     for bad in (fwd[:-1], ):
         try:
@@ -107,6 +117,17 @@ def test_global_scratch_is_reported(compiled):
     t = compiled["tma"]
     assert t["scratch"] > 0 and t["align"] >= 16
     assert t["bytes"] == 5 * t["scratch"]
+
+
+def test_warp_specialised_kernel_launches_with_its_total_warps(compiled):
+    """Hopper warp specialisation adds the partitions' warps to the 4 asked for: the binary's num_warps is the
+    compiled total (what jax_ring._triton_call launches; jax-triton 0.3.1 launched 4, a broken kernel), and
+    the descriptors need global scratch."""
+    plain, ws = compiled["ws=False"], compiled["ws=True"]
+    assert not plain["specialised"] and plain["num_warps"] == 4
+    assert ws["specialised"], "the flat loop did not get Triton's warp specialisation"
+    assert ws["num_warps"] > 4
+    assert ws["scratch"] > 0 and plain["scratch"] > 0
 
 
 def test_bad_signatures_raise(compiled):
