@@ -132,7 +132,7 @@ def ring_attention(q, k, v, *, axis_name, is_causal=False, scale=None, layout="c
         denominator over the whole global sequence (scores already multiplied by ``scale``); ``-inf`` on rows
         that attend nothing (padding).
       backend: ``"auto"`` (the fused kernel where available, else ``"xla"``), ``"fused"`` (the Triton + iris
-        kernel through jax-triton; needs ``jax_ring.initialize()`` on GPUs, one device per process in the mesh;
+        kernel as an XLA custom call; needs ``jax_ring.initialize()`` on GPUs, one device per process in the mesh;
         its gradients, through out and lse, come from the fused backward kernel; works under shard_map's
         default check_vma; not under jax.vmap) or ``"xla"`` (the pure-JAX reference ring: K/V go round with
         ``lax.ppermute``, float32 maths).

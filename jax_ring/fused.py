@@ -1,6 +1,6 @@
-"""backend='fused' for JAX, the raw ops: the shared kernels (ring_core.kernel, ring_core.kernel_bwd) as jax-triton
-custom calls (``forward``, ``backward``); the autograd layer that calls them is in jax_ring.api. The twin of
-torch_bridge.fused.
+"""backend='fused' for JAX, the raw ops: the shared kernels (ring_core.kernel, ring_core.kernel_bwd) as XLA
+custom calls (``forward``, ``backward``; jax_ring._triton_call: compiled by ring_core.build, launched by jaxlib's
+Triton custom call); the autograd layer that calls them is in jax_ring.api. The twin of torch_bridge.fused.
 
 Per-rank values (this rank's position in its ring, the heap bases of the ring's members as mapped in its
 process) reach the kernel as an on-device array: a program baked with per-process constants would differ
@@ -12,12 +12,10 @@ mesh axes (a ``("dp", "sp")`` mesh has one ring per dp index), each device in it
 gets a slot of the heap (ring_core.heap.RingSlots), assigned alike in every process.
 
 Under shard_map's default check_vma, the kernels' outputs are typed like values computed from their inputs
-(varying along the inputs' axes and the ring's axis): jax-triton types them as the same on every device.
+(varying along the inputs' axes and the ring's axis): the custom call types them as the same on every device.
 """
 
 from __future__ import annotations
-
-import os
 
 import numpy as np
 
@@ -45,21 +43,12 @@ def fused_available() -> bool:
         return False
 
 
-def _import_jax_triton():
-    """Import jax_triton without its side effect on the process: at import it sets TRITON_CACHE_DIR to "",
-    after which every later Triton compile outside jax-triton (the torch frontend's launches) fails with
-    "Could not create or locate cache dir"."""
-    before = os.environ.get("TRITON_CACHE_DIR")
-    try:
-        import jax_triton
-    except ImportError as e:  # jax-triton refuses to import without GPU support in JAX
-        raise RuntimeError(f"backend='fused' needs jax-triton with a GPU build of JAX: {e}") from None
-    finally:
-        if before is None:
-            os.environ.pop("TRITON_CACHE_DIR", None)
-        else:
-            os.environ["TRITON_CACHE_DIR"] = before
-    return jax_triton
+def _kernel_call():
+    """The custom call that launches a kernel (jax_ring._triton_call.triton_call: our lowering onto jaxlib's
+    Triton custom call); imported when first used, since it needs a GPU build of JAX."""
+    from jax_ring import _triton_call
+
+    return _triton_call.triton_call
 
 
 def _raise_status(status, ctx, ring_size: int, timeout_s):
@@ -145,8 +134,8 @@ def _launch_context(spec, axis_name, world_size: int, *, backward: bool):
 
 
 def _scalars(p, timeout_s):
-    """The plan's runtime scalars, as jax-triton must get them: it types a Python float as float64, so the
-    kernel's fp32 scalars (the scale) travel as numpy float32 (torch's launcher types a float as fp32)."""
+    """The plan's runtime scalars; fp32 ones as numpy float32, so that they read as scalars of that type
+    wherever they go (the custom call takes their Triton types from the plan, ``scalar_types``)."""
     return [np.float32(v) if t == "fp32" else v for v, t in zip(p.scalars(timeout_s), p.scalar_types)]
 
 
@@ -178,13 +167,13 @@ def _launch(kernel, name: str, inputs, spec, axis_name, world_size: int, timeout
     """One fused launch inside shard_map: the inputs, this device's context row and the plan's scalars in
     the kernel's argument order (ring_core.plans); the outputs (the status last, zeroed: the kernel's last
     program writes it), checked by a host callback unless errors are deferred."""
-    jt = _import_jax_triton()
+    call = _kernel_call()
     p, ctx = _launch_context(spec, axis_name, world_size, backward=backward)
     deferred = errors_deferred()
-    *outs, status = jt.triton_call(
+    *outs, status = call(
         *inputs, ctx, *_scalars(p, timeout_s), kernel=kernel, out_shape=_out_shapes(p), grid=p.grid,
-        num_warps=p.config.num_warps, num_stages=p.config.num_stages, zeroed_outputs=(len(p.out_shapes) - 1,),
-        name=name, **p.constexprs(sticky_errors=deferred))
+        num_warps=p.config.num_warps, num_stages=p.config.num_stages, scalar_types=p.scalar_types,
+        zeroed_outputs=(len(p.out_shapes) - 1,), name=name, **p.constexprs(sticky_errors=deferred))
     if not deferred:  # else the kernel keeps a failure for jax_ring.check_errors()
         jax.debug.callback(_raise_status, status, ctx, world_size, timeout_s)
     return outs

@@ -1,7 +1,7 @@
 """Tile sizes and launch plans: everything a launch of either kernel needs, in one place for both frontends
 and the simulator (grid, block sizes, constexprs, scalars and their types, output shapes, heap need).
 
-Kernel argument order (what jax-triton passes, and the torch launcher passes the same list: inputs, runtime
+Kernel argument order (what both launchers pass, jax_ring._triton_call and torch's JIT launch: inputs, runtime
 scalars, outputs, constexprs):
 
     forward:  q, k, v, seg, ctx | B, S, sm_scale, timeout_ns | out, lse, status | constexprs
@@ -216,8 +216,7 @@ class LaunchPlan:
 
     @property
     def scalar_types(self) -> tuple:
-        """Triton types of ``scalars`` (a launcher that types Python floats otherwise, as jax-triton does,
-        converts by these)."""
+        """Triton types of ``scalars`` (what the JAX launcher compiles and passes them as; ring_core.build)."""
         base = ("i32", "i32", "fp32", "i64")
         return base if self.kind == control.KIND_FWD else (*base, "i32")
 

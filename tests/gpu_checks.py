@@ -21,6 +21,9 @@ Checks (every rank asserts; rank 0 writes a JSON summary under --out):
      non-causal zigzag; a window with segment ids, batch 2; fp32), JAX and torch bit-identical, the
      backward bit-identical from run to run, padding rows exactly out 0, lse -inf and zero gradients, no
      NaN anywhere. ``--mask-cases`` runs a subset (indices into the section's table).
+  7. launch: a warp-specialised kernel with device-side TMA descriptors (tests/ws_attention_kernel.py), whose
+     launch needs the compiled total of warps and global scratch, through jax_ring's custom call and torch's
+     JIT: against float64, bit-identical.
 
 Ranks may share a GPU (``shared``): then no XLA collective runs between them, so the xla reference ring is
 left out of the tables that use it.
@@ -41,8 +44,8 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--calls", type=int, default=1000)
     ap.add_argument("--skip-big", action="store_true")
-    ap.add_argument("--sections", default="cases,jit,grads,bwd,masks,soak,big",
-                    help="comma-separated subset of cases,jit,grads,bwd,masks,soak,big (default: all)")
+    ap.add_argument("--sections", default="cases,jit,grads,launch,bwd,masks,soak,big",
+                    help="comma-separated subset of cases,jit,grads,launch,bwd,masks,soak,big (default: all)")
     ap.add_argument("--mask-cases", default=None,
                     help="masks section: comma-separated indices of its cases to run (default: all)")
     ap.add_argument("--heap-gib", type=float, default=8.0)
@@ -462,6 +465,47 @@ def main():
                     say(f"FAILED masks case {i} {part} {mask_cases[i]}: {e}", every_rank=True)
             say(f"   masks case {i}: {time.time() - t1:.1f} s")
         summary.update(mask_cases=len(chosen), masks_s=round(time.time() - t0, 1))
+
+    # ---- a launch that needs the compiled kernel's total warps and its global scratch -----------------
+    if "launch" in sections:
+        # tests/ws_attention_kernel.py: warp-specialised (more warps than the 4 asked for) and with device-side
+        # TMA descriptors (global scratch); jax_ring._triton_call must launch exactly what ring_core.build
+        # compiled, and torch's JIT launches the same binary.
+        import triton
+        import ws_attention_kernel as wsk
+        from jax_ring import _triton_call
+        from ring_core import build
+
+        Hh, Sq, Dd = 4, 1024, 128
+        rng = np.random.default_rng(5)
+        xs = [np.asarray(jnp.asarray(rng.standard_normal((Hh * Sq, Dd)), jnp.bfloat16).astype(jnp.float32))
+              for _ in range(3)]  # bf16 values
+        scale = Dd ** -0.5
+        kw = dict(wsk.CONSTEXPRS, H=Hh, D=Dd)
+        call = jax.jit(lambda q, k, v: _triton_call.triton_call(
+            q, k, v, np.float32(scale), Sq, kernel=wsk.ws_attention_kernel,
+            out_shape=[jax.ShapeDtypeStruct((Hh * Sq, Dd), jnp.bfloat16)], grid=wsk.grid(Hh, Sq),
+            name="ws_attention", num_warps=wsk.NUM_WARPS, num_stages=wsk.NUM_STAGES, scalar_types=("fp32", "i32"),
+            **kw)[0])
+        jo = call(*(jnp.asarray(x, jnp.bfloat16) for x in xs))
+        triton.set_allocator(lambda size, align, stream: torch.empty(size, device=dev, dtype=torch.int8))
+        tq = [torch.as_tensor(x, device=dev).bfloat16() for x in xs]
+        to = torch.empty_like(tq[0])
+        wsk.ws_attention_kernel[wsk.grid(Hh, Sq)](*tq, scale, Sq, to, num_warps=wsk.NUM_WARPS,
+                                                  num_stages=wsk.NUM_STAGES, **kw)
+        ref = wsk.reference(*xs, Hh, scale)
+        low = np.asarray(jnp.asarray(ref, jnp.bfloat16).astype(jnp.float32))
+        b = build.binary(wsk.ws_attention_kernel, ["*bf16"] * 3 + ["fp32", "i32", "*bf16"], kw,
+                         num_warps=wsk.NUM_WARPS, num_stages=wsk.NUM_STAGES, capability=_triton_call.capability())
+        try:
+            errs = [testing.check(f"{fw} warp-specialised TMA kernel", np.asarray(o, np.float32), ref, low,
+                                  "bfloat16") for fw, o in (("jax", jo.astype(jnp.float32)), ("torch", to.float().cpu()))]
+            assert np.array_equal(bits(jo), bits(to)), "the JAX and torch launches of one binary differ"
+            say(f"ok a warp-specialised TMA kernel ({b.num_warps} warps, {b.global_scratch} B of global scratch per "
+                f"program) launched by JAX and torch: err {max(errs):.2e}, bit-identical")
+        except AssertionError as e:
+            failed.append(str(e))
+            say(f"FAILED launch: {e}", every_rank=True)
 
     # ---- soak: consecutive calls with changing shapes through both frontends ----------------------
     if "soak" in sections:

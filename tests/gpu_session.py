@@ -16,8 +16,8 @@ Then, on this machine, put the returned parts back into ``.tcache/`` (git-ignore
     python tests/gpu_session.py --collect /work/.device/N
 
 Stages (``NAME[:SECONDS]``; the default time limit is in brackets):
-  checks       tests/gpu_checks.py, forward sections: cases, jit, grads, big       [540]
-  checks-quick tests/gpu_checks.py, forward sections cases, jit, grads (no big grid) [300]
+  checks       tests/gpu_checks.py, forward sections: cases, jit, grads, launch, big [540]
+  checks-quick tests/gpu_checks.py, forward sections cases, jit, grads, launch (no big grid) [300]
   checks-bwd   tests/gpu_checks.py --sections bwd                                  [300]
   checks-masks tests/gpu_checks.py --sections masks: segment ids and windows, forward and
                backward (6 cases; compiles dominate)                                [540]
@@ -32,6 +32,9 @@ Stages (``NAME[:SECONDS]``; the default time limit is in brackets):
                torch_fused, fwd and fwd+bwd (--nproc ranks)                          [300]
   bench-masks-w1  the world-1 runs of bench-packed and bench-window (one process, whatever --nproc; the
                MPS SM share of a shared session is dropped for it, so it gets the whole GPU)  [540]
+  bench-w1     benchmarks/attention.py at world size 1 (one rank whatever --nproc: run it with --nproc 1, so
+               that no MPS share caps it): fused and cuDNN, torch and JAX, bf16 D128 16k/32k, fwd and
+               fwd+bwd, the set-up of ../shared/gpu/README.md's world-size-1 table  [300]
   examples     the four examples on 2 GPUs (flax_train.py needs flax and optax there: carry .whl and
                install them first, see the README)                                 [300]
   flax         examples/flax_train.py alone                                        [120]
@@ -79,8 +82,8 @@ WINDOW = BENCH + ["--mask", "window", "--window", "4095,0", "--layout", "contigu
                   "--csv", "{out}/masks_window.csv"]
 
 STAGES = {
-    "checks": (540, [LAUNCH + ["tests/gpu_checks.py", "--sections", "cases,jit,grads,big", "--out", "{out}"]]),
-    "checks-quick": (300, [LAUNCH + ["tests/gpu_checks.py", "--sections", "cases,jit,grads", "--out", "{out}"]]),
+    "checks": (540, [LAUNCH + ["tests/gpu_checks.py", "--sections", "cases,jit,grads,launch,big", "--out", "{out}"]]),
+    "checks-quick": (300, [LAUNCH + ["tests/gpu_checks.py", "--sections", "cases,jit,grads,launch", "--out", "{out}"]]),
     "checks-bwd": (300, [LAUNCH + ["tests/gpu_checks.py", "--sections", "bwd", "--out", "{out}"]]),
     "checks-masks": (540, [LAUNCH + ["tests/gpu_checks.py", "--sections", "masks", "--out", "{out}"]]),
     "faults": (240, [LAUNCH + ["tests/gpu_faults.py", "--deadline", "{limit_minus}", "--out", "{out}"]]),
@@ -96,6 +99,10 @@ STAGES = {
     "bench-window": (300, [LAUNCH + WINDOW]),
     "bench-masks-w1": (540, [LAUNCH1 + PACKED + ["--pass", "fwd"], LAUNCH1 + PACKED + ["--pass", "fwd+bwd"],
                              LAUNCH1 + WINDOW]),
+    "bench-w1": (300, [LAUNCH1 + ["-m", "benchmarks.attention", "--methods",
+                                  "torch_fused,torch_cudnn_1gpu,jax_fused,jax_fused_deferred,jax_cudnn_1gpu",
+                                  "--seq", "16k,32k", "--pass", "fwd,fwd+bwd", "--warmup", "2", "--iters", "5",
+                                  "--csv", "{out}/attention_w1.csv"]]),
     "examples": (300, [LAUNCH + ["examples/jax_ring_attention.py"],
                        TORCHRUN + ["examples/torch_ring_attention.py"],
                        TORCHRUN + ["examples/torch_train.py"],

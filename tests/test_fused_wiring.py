@@ -1,14 +1,13 @@
 """The GPU wiring of backend="fused" (forward and backward), run on the CPU: both frontends' launchers
-(torch_bridge.fused and the jax-triton call of jax_ring.fused) drive the real kernels in the Triton
+(torch_bridge.fused and the custom call of jax_ring.fused) drive the real kernels in the Triton
 interpreter, on one rank whose "heap" is a CPU buffer.
 
 What this checks that the simulator does not: the autograd layers (the register_autograd of the torch custom
 ops ring_attention::fwd/bwd, jax.custom_vjp) save what the backward needs and return the gradients in the
 right places; both frontends pass the kernels the same argument lists, scalars, output shapes and zeroed
-status, from the one plan in ring_core.plans; and so JAX and torch give bit-identical gradients. jax-triton
-itself needs a GPU: here its ``triton_call``
-is replaced by a host callback that launches the kernel with exactly the arguments it was given
-(scalars converted as jax-triton converts them), with the GPU's default tile sizes. One rank only: the interpreter runs one kernel at a time
+status, from the one plan in ring_core.plans; and so JAX and torch give bit-identical gradients. The custom
+call itself (jax_ring._triton_call) needs a GPU: here its ``triton_call`` is replaced by a host callback that
+launches the kernel with exactly the arguments it was given, with the GPU's default tile sizes. One rank only: the interpreter runs one kernel at a time
 per callback, so ranks could not meet. The multi-rank protocol is tested by test_simulate*.py.
 """
 
@@ -69,19 +68,18 @@ def _torch_dtypes():
     TORCH_DTYPES.update(float32=torch.float32, float16=torch.float16, bfloat16=torch.bfloat16, int32=torch.int32)
 
 
-def _fake_jax_triton(launches):
-    """A stand-in for the jax_triton module: ``triton_call`` launches the interpreted kernel from a host
-    callback with the arguments it was given."""
-    import types
-
+def _fake_kernel_call(launches):
+    """A stand-in for jax_ring._triton_call.triton_call: launches the interpreted kernel from a host callback with
+    the arguments it was given."""
     import jax
     import torch
 
     _torch_dtypes()
 
     def triton_call(*args, kernel, out_shape, grid, name="", num_warps=None, num_stages=None, zeroed_outputs=(),
-                    **constexprs):
+                    scalar_types=(), **constexprs):
         scalar = [isinstance(a, (bool, int, float, np.float32)) for a in args]
+        assert len(scalar_types) == sum(scalar), (scalar_types, args)
         arrays = [a for a, s in zip(args, scalar) if not s]
         launches.append(dict(name=name, grid=grid, num_warps=num_warps, num_stages=num_stages,
                              zeroed=tuple(zeroed_outputs), out=[(o.shape, str(o.dtype)) for o in out_shape],
@@ -103,7 +101,7 @@ def _fake_jax_triton(launches):
 
         return list(jax.pure_callback(host, tuple(out_shape), *arrays))
 
-    return types.SimpleNamespace(triton_call=triton_call)
+    return triton_call
 
 
 @pytest.mark.parametrize("dtype, causal, H, HKV, S, D, use_lse", [
@@ -122,7 +120,7 @@ def test_jax_and_torch_fused_gradients(cpu_heap, monkeypatch, dtype, causal, H, 
     from torch_bridge import fused as tfused
 
     launches = []
-    monkeypatch.setattr(jfused, "_import_jax_triton", lambda: _fake_jax_triton(launches))
+    monkeypatch.setattr(jfused, "_kernel_call", lambda: _fake_kernel_call(launches))
     monkeypatch.setattr(jfused, "fused_available", lambda: True)
     monkeypatch.setattr(torch_bridge.lifecycle, "track", _check_now)
     monkeypatch.setattr(torch_bridge.api, "_fused_available", lambda: True)
@@ -143,14 +141,14 @@ def test_jax_and_torch_fused_gradients(cpu_heap, monkeypatch, dtype, causal, H, 
     monkeypatch.undo()  # _on_gpu and the rest; the heap again for JAX below
     monkeypatch.setattr(heap_mod, "_heap", cpu_heap)
     monkeypatch.setattr(heap_mod, "_release_hooks", [])
-    monkeypatch.setattr(jfused, "_import_jax_triton", lambda: _fake_jax_triton(launches))
+    monkeypatch.setattr(jfused, "_kernel_call", lambda: _fake_kernel_call(launches))
     monkeypatch.setattr(jfused, "fused_available", lambda: True)
     t_grads = [interpret._to_numpy(x.grad, dtype) for x in (tq, tk, tv)]
     assert [p[0] for p in cpu_heap.plans] == ["bwd", "fwd", "bwd"]  # the backward's heap need checked first
     testing.check_grads("torch fused", [g.astype(np.float64) for g in t_grads], *ref, dtype, is_causal=causal,
                         dlse=dl)
 
-    # ---- JAX: custom_vjp and the jax-triton calls (one CPU device, the kernel in a host callback)
+    # ---- JAX: custom_vjp and the custom calls (one CPU device, the kernel in a host callback)
     mesh = Mesh(np.array(jax.devices("cpu")[:1]), ("sp",))
 
     def loss(q, k, v, do, dl):
@@ -204,7 +202,7 @@ def test_jax_and_torch_fused_with_masks(cpu_heap, monkeypatch, dtype, causal, la
     monkeypatch.setattr(torch_bridge.lifecycle, "track", _check_now)
     monkeypatch.setattr(torch_bridge.api, "_fused_available", lambda: True)
     monkeypatch.setattr(torch_bridge.api, "_on_gpu", lambda x: True)
-    monkeypatch.setattr(jfused, "_import_jax_triton", lambda: _fake_jax_triton(launches))
+    monkeypatch.setattr(jfused, "_kernel_call", lambda: _fake_kernel_call(launches))
     monkeypatch.setattr(jfused, "fused_available", lambda: True)
 
     ref = testing.random_inputs(11, 1, S, H, HKV, D, dtype, with_dout=True)
@@ -230,7 +228,7 @@ def test_jax_and_torch_fused_with_masks(cpu_heap, monkeypatch, dtype, causal, la
     testing.check_grads("torch fused masks", [g.astype(np.float64) for g in t_res[2:]], *ref, dtype, dlse=dl,
                         **mask)
 
-    # ---- JAX: the custom_vjp with the ids as an array input, the jax-triton calls
+    # ---- JAX: the custom_vjp with the ids as an array input, the custom calls
     mesh = Mesh(np.array(jax.devices("cpu")[:1]), ("sp",))
 
     def body(q, k, v, s, do, dl):
@@ -292,7 +290,7 @@ def test_jax_error_modes(cpu_heap, monkeypatch, mode):
     from jax_ring import fused as jfused
 
     launches = []
-    monkeypatch.setattr(jfused, "_import_jax_triton", lambda: _fake_jax_triton(launches))
+    monkeypatch.setattr(jfused, "_kernel_call", lambda: _fake_kernel_call(launches))
     monkeypatch.setattr(jfused, "fused_available", lambda: True)
     monkeypatch.setenv(control.ERRORS_ENV, mode)
     mesh = Mesh(np.array(jax.devices("cpu")[:1]), ("sp",))
@@ -320,12 +318,12 @@ def test_jax_error_modes(cpu_heap, monkeypatch, mode):
 
 @pytest.fixture
 def jax_fused(cpu_heap, monkeypatch):
-    """jax_ring's fused path on the CPU heap: jax-triton replaced by the interpreter in a host callback (whose
-    outputs, like jax-triton's, are typed the same on every device). Returns the list of launches."""
+    """jax_ring's fused path on the CPU heap: the custom call replaced by the interpreter in a host callback (whose
+    outputs, like the custom call's, are typed the same on every device). Returns the list of launches."""
     from jax_ring import fused as jfused
 
     launches = []
-    monkeypatch.setattr(jfused, "_import_jax_triton", lambda: _fake_jax_triton(launches))
+    monkeypatch.setattr(jfused, "_kernel_call", lambda: _fake_kernel_call(launches))
     monkeypatch.setattr(jfused, "fused_available", lambda: True)
     return launches
 

@@ -21,7 +21,7 @@ loops (a masked one before the unmasked one), the segment ids' range pass and th
 same properties must hold. Run this file under both Triton versions the project meets: the GPU machine's 3.6
 (``/work/venv36/bin/python -m pytest tests/test_kernel_ir.py``) and CI's.
 
-Pointer arguments are compiled as 16-byte aligned, as jax-triton declares them and as torch's launcher
+Pointer arguments are compiled as 16-byte aligned, as ring_core.build declares them and as torch's launcher
 specialises aligned tensors.
 """
 
@@ -38,11 +38,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 COMPILE = textwrap.dedent("""
     import json, os, re, subprocess, sys, tempfile
-    import triton
     from triton.backends.nvidia.compiler import get_ptxas
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from ring_core import control, plans, validate
+    from ring_core import build, control, plans, validate
     from ring_core.kernel import ring_attn_fwd_kernel
     from ring_core.kernel_bwd import ring_attn_bwd_kernel
     TT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -58,21 +55,13 @@ COMPILE = textwrap.dedent("""
         t = TT[dt]
         if name.startswith("bwd "):
             kernel, p = ring_attn_bwd_kernel, plans.plan_bwd(spec, 2, heap)
-            sig = dict(q_ptr="*" + t, k_ptr="*" + t, v_ptr="*" + t, o_ptr="*" + t, do_ptr="*" + t, lse_ptr="*fp32",
-                       dlse_ptr="*fp32", seg_ptr="*i32", ctx_ptr="*i32", B="i32", S="i32", sm_scale="fp32",
-                       timeout_ns="i64", part_off="i32", dq_ptr="*" + t, dk_ptr="*" + t, dv_ptr="*" + t,
-                       delta_ptr="*fp32", status_ptr="*i32")
+            types = ["*" + t] * 5 + ["*fp32", "*fp32", "*i32", "*i32"] + list(p.scalar_types) + ["*" + t] * 3 + ["*fp32", "*i32"]
         else:
             kernel, p = ring_attn_fwd_kernel, plans.plan(spec, 2, heap)
-            sig = dict(q_ptr="*" + t, k_ptr="*" + t, v_ptr="*" + t, seg_ptr="*i32", ctx_ptr="*i32", B="i32", S="i32",
-                       sm_scale="fp32", timeout_ns="i64", out_ptr="*" + t, lse_ptr="*fp32", status_ptr="*i32")
-        consts = p.constexprs(sticky_errors=name.endswith("sticky"))
-        sig.update({k: "constexpr" for k in consts})
-        names = list(sig)
-        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if sig[n].startswith("*")}
-        ck = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs),
-                            target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=p.config.num_warps, num_stages=p.config.num_stages))
+            types = ["*" + t] * 3 + ["*i32", "*i32"] + list(p.scalar_types) + ["*" + t, "*fp32", "*i32"]
+        # the JAX launcher's compile (ring_core.build): what runs on the GPU
+        ck = build.compile_kernel(kernel, types, p.constexprs(sticky_errors=name.endswith("sticky")),
+                                  num_warps=p.config.num_warps, num_stages=p.config.num_stages, capability=90)
         # ptxas's own report on the PTX (registers, spills, and warnings such as C7515, wgmma serialised).
         with tempfile.TemporaryDirectory() as tmp:
             src = os.path.join(tmp, "k.ptx")

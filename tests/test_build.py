@@ -1,0 +1,201 @@
+"""ring_core.build (the compile of a fused launch for a GPU, through Triton's cache) and the JAX custom call on top
+of it (jax_ring._triton_call), on CPU: Triton compiles for sm_90 without a GPU; the custom call's abstract
+evaluation and its jaxlib parameter list are checked with a stand-in for jaxlib's GPU library (the launch itself
+runs in tests/gpu_checks.py). Compiles run in a subprocess: this process may hold the interpreted kernels
+(TRITON_INTERPRET=1, see test_simulate.py)."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+COMPILE = textwrap.dedent("""
+    import json, sys, time
+    import triton
+    import triton.language as tl
+    from ring_core import build, control, plans, validate
+    from ring_core.kernel import ring_attn_fwd_kernel
+    from ring_core.kernel_bwd import ring_attn_bwd_kernel
+
+    @triton.jit
+    def tma_copy(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        # device-side TMA descriptors: the compiled kernel needs global scratch for them
+        src = tl.make_tensor_descriptor(x_ptr, shape=[n], strides=[1], block_shape=[BLOCK])
+        dst = tl.make_tensor_descriptor(y_ptr, shape=[n], strides=[1], block_shape=[BLOCK])
+        off = tl.program_id(0) * BLOCK
+        dst.store([off], src.load([off]))
+
+    spec = validate.check_attention_args((2, 300, 4, 80), (2, 300, 2, 80), (2, 300, 2, 80), "bfloat16", "bfloat16",
+                                         "bfloat16", is_causal=True, scale=None, layout="zigzag", backend="fused",
+                                         backends=("fused",))
+    heap = control.HeapLayout.for_workspace(1 << 30)
+    out = {}
+    p = plans.plan(spec, 2, heap)
+    fwd = ["*bf16"] * 3 + ["*i32", "*i32"] + list(p.scalar_types) + ["*bf16", "*fp32", "*i32"]
+    t0 = time.time()
+    b = build.binary(ring_attn_fwd_kernel, fwd, p.constexprs(), num_warps=p.config.num_warps,
+                     num_stages=p.config.num_stages)
+    t1 = time.time()
+    again = build.binary(ring_attn_fwd_kernel, fwd, p.constexprs(), num_warps=p.config.num_warps,
+                         num_stages=p.config.num_stages)
+    out["fwd"] = dict(name=b.name, num_warps=b.num_warps, want_warps=p.config.num_warps, shared=b.shared,
+                      scratch=b.global_scratch, equal=again == b, hash_equal=hash(again) == hash(b),
+                      again_s=time.time() - t1, first_s=t1 - t0, repr=repr(b), entry=(".entry " + b.name) in b.ptx)
+    pb = plans.plan_bwd(spec, 2, heap)
+    bwd = ["*bf16"] * 5 + ["*fp32", "*fp32", "*i32", "*i32"] + list(pb.scalar_types) + ["*bf16"] * 3 + ["*fp32", "*i32"]
+    bb = build.binary(ring_attn_bwd_kernel, bwd, pb.constexprs(), num_warps=pb.config.num_warps,
+                      num_stages=pb.config.num_stages)
+    out["bwd"] = dict(name=bb.name, num_warps=bb.num_warps, want_warps=pb.config.num_warps, scratch=bb.global_scratch)
+    tb = build.binary(tma_copy, ["*fp32", "*fp32", "i32"], dict(BLOCK=128), num_warps=4, num_stages=1)
+    out["tma"] = dict(scratch=tb.global_scratch, align=tb.global_scratch_align, bytes=tb.scratch_bytes((5,)))
+    sys.path.insert(0, "tests")
+    import ws_attention_kernel as wsk
+    for ws in (False, True):
+        args = (wsk.ws_attention_kernel, ["*bf16"] * 3 + ["fp32", "i32", "*bf16"],
+                dict(wsk.CONSTEXPRS, H=4, D=128, WARP_SPECIALIZE=ws))
+        kw = dict(num_warps=wsk.NUM_WARPS, num_stages=wsk.NUM_STAGES)
+        wb = build.binary(*args, **kw)
+        ttgir = build.compile_kernel(*args, **kw).asm["ttgir"]
+        out[f"ws={ws}"] = dict(num_warps=wb.num_warps, scratch=wb.global_scratch,
+                               specialised="ttg.warp_specialize" in ttgir)
+    errors = []
+    for bad in (fwd[:-1], ):
+        try:
+            build.signature(ring_attn_fwd_kernel, bad, p.constexprs())
+        except ValueError as e:
+            errors.append(str(e))
+    try:
+        build.signature(ring_attn_fwd_kernel, fwd, {k: v for k, v in p.constexprs().items() if k != "W"})
+    except ValueError as e:
+        errors.append(str(e))
+    out["errors"] = errors
+    print(json.dumps(out))
+""")
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton_cache"))
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    script = tmp_path_factory.mktemp("compile") / "compile_build.py"  # Triton's jit needs a source file
+    script.write_text(COMPILE)
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=ROOT,
+                       timeout=900)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_binary_is_the_launch_the_kernel_needs(compiled):
+    for kind in ("fwd", "bwd"):
+        c = compiled[kind]
+        assert c["name"] == f"ring_attn_{kind}_kernel"
+        assert c["num_warps"] == c["want_warps"]  # no warp specialisation in these kernels (yet)
+        assert c["scratch"] == 0
+    f = compiled["fwd"]
+    assert f["entry"] and 0 < f["shared"] <= 232448
+    assert "ptx" not in f["repr"] and len(f["repr"]) < 400  # it shows in jaxprs
+
+
+def test_second_compile_comes_from_the_cache(compiled):
+    f = compiled["fwd"]
+    assert f["equal"] and f["hash_equal"]
+    assert f["again_s"] < 1.0 < f["first_s"] + 1.0  # the second is a cache hit (the first compiles)
+    assert f["again_s"] < f["first_s"] / 3
+
+
+def test_global_scratch_is_reported(compiled):
+    """A kernel with device-side TMA descriptors needs global scratch; the binary says how much, per program."""
+    t = compiled["tma"]
+    assert t["scratch"] > 0 and t["align"] >= 16
+    assert t["bytes"] == 5 * t["scratch"]
+
+
+def test_warp_specialised_kernel_launches_with_its_total_warps(compiled):
+    """Hopper warp specialisation adds the partitions' warps to the 4 asked for: the binary's num_warps is the
+    compiled total (what jax_ring._triton_call launches; jax-triton 0.3.1 launched 4, a broken kernel), and
+    the descriptors need global scratch."""
+    plain, ws = compiled["ws=False"], compiled["ws=True"]
+    assert not plain["specialised"] and plain["num_warps"] == 4
+    assert ws["specialised"], "the flat loop did not get Triton's warp specialisation"
+    assert ws["num_warps"] > 4
+    assert ws["scratch"] > 0 and plain["scratch"] > 0
+
+
+def test_bad_signatures_raise(compiled):
+    assert len(compiled["errors"]) == 2
+    assert "runtime arguments" in compiled["errors"][0]
+    assert "constexprs ['W'] not given" in compiled["errors"][1]
+
+
+# ------------------------------------------------------------------------------ the JAX custom call (CPU)
+def _binary(scratch=0):
+    from ring_core import build
+
+    return build.Binary(name="k", num_warps=8, num_ctas=1, shared=1024, global_scratch=scratch,
+                        global_scratch_align=128, capability=90, key="x", ptx=".entry k")
+
+
+def test_describe_orders_arrays_scalars_and_outputs():
+    import jax
+    import jax.numpy as jnp
+
+    from jax_ring import _triton_call as tc
+
+    q = jax.ShapeDtypeStruct((1, 8, 2, 16), jnp.bfloat16)
+    ctx = jax.ShapeDtypeStruct((12,), jnp.int32)
+    outs = [jax.ShapeDtypeStruct((1, 8, 2, 16), jnp.bfloat16), jax.ShapeDtypeStruct((1, 2, 8), jnp.float32),
+            jax.ShapeDtypeStruct((4,), jnp.int32)]
+    arrays, scalars, layout, tys = tc.describe((q, q, q, ctx, 1, 8, np.float32(0.25), 10 ** 10), outs,
+                                               ("i32", "i32", "fp32", "i64"))
+    assert len(arrays) == 4
+    assert scalars == ((1, "i32"), (8, "i32"), (0.25, "fp32"), (10 ** 10, "i64"))
+    assert layout == ("a",) * 4 + (0, 1, 2, 3) + ("a",) * 3
+    assert tys == ["*bf16"] * 3 + ["*i32", "i32", "i32", "fp32", "i64", "*bf16", "*fp32", "*i32"]
+    with pytest.raises(ValueError, match="scalar types"):
+        tc.describe((q, 1), outs, ())
+
+
+@pytest.mark.parametrize("scratch", [0, 96])
+def test_abstract_eval_adds_the_scratch_buffer(scratch):
+    import jax
+    import jax.numpy as jnp
+
+    from jax_ring import _triton_call as tc
+
+    out_shapes = (jax.ShapeDtypeStruct((3, 5), jnp.float32), jax.ShapeDtypeStruct((4,), jnp.int32))
+    got = jax.eval_shape(lambda x: tc.ring_kernel_call_p.bind(
+        x, out_shapes=out_shapes, binary=_binary(scratch), grid=(7,), scalars=(), layout=("a",) * 3,
+        zeroed_outputs=(1,), name="k"), jax.ShapeDtypeStruct((2,), jnp.float32))
+    assert [(o.shape, o.dtype) for o in got[:2]] == [((3, 5), jnp.float32), ((4,), jnp.int32)]
+    if scratch:
+        assert len(got) == 3 and got[2].shape == (7 * scratch,) and got[2].dtype == jnp.uint8
+    else:
+        assert len(got) == 2
+
+
+@pytest.mark.parametrize("scratch", [0, 96])
+def test_kernel_params(scratch):
+    """jaxlib's parameters: the arrays 16-byte aligned, the zeroed output's bytes, the scalars with their
+    types, in the kernel's order; the scratch buffer last, at the binary's alignment."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_ring import _triton_call as tc
+
+    lib = types.SimpleNamespace(create_array_parameter=lambda zero, div: ("array", zero, div),
+                                create_scalar_parameter=lambda v, t: ("scalar", v, t))
+    out_shapes = (jax.ShapeDtypeStruct((3, 5), jnp.bfloat16), jax.ShapeDtypeStruct((4,), jnp.int32))
+    params = tc.kernel_params(lib, layout=("a", "a", 0, 1, "a", "a"), n_inputs=2, out_shapes=out_shapes,
+                              zeroed_outputs=(1,), scalars=((3, "i32"), (0.5, "fp32")), binary=_binary(scratch))
+    want = [("array", 0, 16), ("array", 0, 16), ("scalar", 3, "i32"), ("scalar", 0.5, "fp32"), ("array", 0, 16),
+            ("array", 16, 16)] + ([("array", 0, 128)] if scratch else [])
+    assert params == want
