@@ -66,10 +66,13 @@ def _abstract(*avals, out_shapes, binary, grid, **_):
 
 def kernel_params(lib, *, layout, n_inputs, out_shapes, zeroed_outputs, scalars, binary):
     """jaxlib's parameter list for one launch (``lib``: jaxlib's gpu_triton). ``layout``: for each kernel
-    argument, "a" (the next array: the inputs, then the outputs) or the index of its scalar in ``scalars``
-    ((value, Triton type) pairs); then the global scratch buffer, if the binary needs one."""
+    argument, "a" (the next array: the inputs, then the outputs), the index of its scalar in ``scalars``
+    ((value, Triton type) pairs), or None (a scalar the binary has as a constexpr); then the global scratch
+    buffer, if the binary needs one."""
     params, arrays = [], 0
     for slot in layout:
+        if slot is None:  # a scalar compiled into the binary
+            continue
         if slot != "a":
             params.append(lib.create_scalar_parameter(*scalars[slot]))
             continue
@@ -135,8 +138,12 @@ def triton_call(*args, kernel, out_shape, grid, name: str, num_warps: int, num_s
     the outputs' arguments left out: they follow the inputs) and return its outputs (``out_shape``, a list of
     jax.ShapeDtypeStruct). ``scalar_types``: the Triton type of each scalar, in order."""
     arrays, scalars, layout, types = describe(args, out_shape, scalar_types)
+    values = [None if slot == "a" else scalars[slot][0] for slot in layout]
     binary = build.binary(kernel, types, constexprs, num_warps=num_warps, num_stages=num_stages,
-                          capability=capability())
+                          capability=capability(), values=values)
+    # Scalars equal to 1 were compiled in (Triton's JIT specialisation, ring_core.build): not passed.
+    names = build.runtime_arg_names(kernel)
+    layout = tuple(None if names[i] in binary.folded else slot for i, slot in enumerate(layout))
     outs = ring_kernel_call_p.bind(
         *arrays, out_shapes=tuple(jax.ShapeDtypeStruct(o.shape, o.dtype) for o in out_shape), binary=binary,
         grid=tuple(int(g) for g in grid), scalars=scalars, layout=layout, zeroed_outputs=tuple(zeroed_outputs),

@@ -100,9 +100,9 @@ def _attn_blocks(acc, l_i, m_i, q, q_pos, k_base, v_base, lo, hi, src, S, qk_sca
     return acc, l_i, m_i
 
 
-# Integer scalars are not specialised on their values (divisibility, == 1): one binary serves every batch
-# and sequence length, and the JAX launcher (ring_core.build) compiles the same binary as torch's JIT.
-@triton.jit(do_not_specialize=["B", "S", "timeout_ns"])
+# The timeout is not specialised on its value (no binary per timeout); B and S are, as Triton's JIT does
+# (the JAX launcher, ring_core.build, specialises them alike: one binary for both frontends).
+@triton.jit(do_not_specialize=["timeout_ns"])
 def ring_attn_fwd_kernel(
     # inputs
     q_ptr, k_ptr, v_ptr, seg_ptr, ctx_ptr,

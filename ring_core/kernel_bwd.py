@@ -202,9 +202,9 @@ def _dkdv_blocks(dk, dv, k, v, k_pos, k_seg, q_ptr, do_ptr, lse_ptr, delta_ptr, 
     return dk, dv
 
 
-# Integer scalars are not specialised on their values (divisibility, == 1): one binary serves every batch
-# and sequence length, and the JAX launcher (ring_core.build) compiles the same binary as torch's JIT.
-@triton.jit(do_not_specialize=["B", "S", "timeout_ns", "part_off"])
+# The timeout is not specialised on its value (no binary per timeout); B and S are, as Triton's JIT does
+# (the JAX launcher, ring_core.build, specialises them alike: one binary for both frontends).
+@triton.jit(do_not_specialize=["timeout_ns", "part_off"])
 def ring_attn_bwd_kernel(
     # inputs
     q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, dlse_ptr, seg_ptr, ctx_ptr,

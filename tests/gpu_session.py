@@ -8,7 +8,7 @@ The next call finds the compiled kernels, as long as the kernel source has not c
 
 On the GPU machine (carry ``.gpu`` and ``.tcache``)::
 
-    source .gpu/prelude.sh; python tests/gpu_session.py --out $OUT soak:300 bench-fwdbwd:240
+    source .gpu/prelude.sh; python tests/gpu_session.py --budget 580 --out $OUT soak:300 bench-fwdbwd:240
     source .gpu/prelude.sh; python tests/gpu_session.py --nproc 4 --out $OUT checks:300 faults:200  # 4 ranks, 1 GPU
 
 Then, on this machine, put the returned parts back into ``.tcache/`` (git-ignored)::
@@ -217,6 +217,25 @@ def run_stage(name: str, limit: float, out: str, log, nproc: int = 2) -> int:
     return 0
 
 
+SAVE_RESERVE = 45  # seconds kept for writing the cache back at the end of a --budget
+
+
+def stage_limits(stages, budget, reserve: float = SAVE_RESERVE) -> list:
+    """The stages' time limits within ``budget`` seconds for the whole session (None: no budget), keeping
+    ``reserve`` seconds for the cache save; stages are clipped in order, and those left without at least 5 s
+    get 0 (skipped). Every stage in a device call should fit its limit, and the cache must be saved: a call
+    stopped from outside loses both (it happened: the next call recompiled everything)."""
+    if budget is None:
+        return [limit for _, limit in stages]
+    left, limits = budget - reserve, []
+    for _, limit in stages:
+        lim = min(limit, left)
+        lim = lim if lim >= 5 else 0
+        limits.append(lim)
+        left -= lim
+    return limits
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("stages", nargs="*", type=parse_stage, help="NAME[:SECONDS] ...")
@@ -225,6 +244,10 @@ def main(argv=None) -> int:
     ap.add_argument("--nproc", type=int, default=2,
                     help="ranks per stage (default 2); more ranks than GPUs share them under one CUDA MPS daemon "
                          "that this runner starts first and stops last (ring_core.gpus)")
+    ap.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+                    help="wall time for the whole session: the stages' limits are clipped in order so that it "
+                         f"ends, cache saved, within it ({SAVE_RESERVE} s kept for the save); use it inside a "
+                         "device call's own limit")
     a = ap.parse_args(argv)
     if a.collect:
         print(f"{collect(a.collect)} cache parts now in {CARRY}")
@@ -247,7 +270,12 @@ def main(argv=None) -> int:
         os.environ.update(extra)
         log.write(f"{a.nproc} ranks on {n_gpus} GPU(s); MPS: {'started, ' if start_mps else ''}{extra}\n")
         try:
-            for name, limit in a.stages:
+            for (name, _), limit in zip(a.stages, stage_limits(a.stages, a.budget)):
+                if not limit:
+                    log.write(f"\n=== {name}: skipped, no time left in --budget {a.budget:g} s\n")
+                    print(f"gpu_session: {name}: skipped (budget)", flush=True)
+                    first_failure = first_failure or 124
+                    continue
                 rc = run_stage(name, limit, a.out, log, a.nproc)
                 print(f"gpu_session: {name}: exit {rc}", flush=True)
                 first_failure = first_failure or rc

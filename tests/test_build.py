@@ -18,7 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 COMPILE = textwrap.dedent("""
-    import json, sys, time
+    import json, re, sys, time
     import triton
     import triton.language as tl
     from ring_core import build, control, plans, validate
@@ -49,6 +49,13 @@ COMPILE = textwrap.dedent("""
     out["fwd"] = dict(name=b.name, num_warps=b.num_warps, want_warps=p.config.num_warps, shared=b.shared,
                       scratch=b.global_scratch, equal=again == b, hash_equal=hash(again) == hash(b),
                       again_s=time.time() - t1, first_s=t1 - t0, repr=repr(b), entry=(".entry " + b.name) in b.ptx)
+    # Triton's JIT specialisation of the integer scalars: B == 1 compiled in, S = 304 known divisible by 16
+    vals = [None] * 5 + [1, 304, 0.125, 6 * 10 ** 10] + [None] * 3
+    b1 = build.binary(ring_attn_fwd_kernel, fwd, p.constexprs(), num_warps=p.config.num_warps,
+                      num_stages=p.config.num_stages, values=vals)
+    n_params = lambda ptx: len(set(re.findall(r"ring_attn_fwd_kernel_param_(\d+)", ptx)))
+    out["specialised"] = dict(folded=list(b1.folded), params=n_params(b1.ptx), params_plain=n_params(b.ptx),
+                              same_key=b1.key == b.key)
     pb = plans.plan_bwd(spec, 2, heap)
     bwd = ["*bf16"] * 5 + ["*fp32", "*fp32", "*i32", "*i32"] + list(pb.scalar_types) + ["*bf16"] * 3 + ["*fp32", "*i32"]
     bb = build.binary(ring_attn_bwd_kernel, bwd, pb.constexprs(), num_warps=pb.config.num_warps,
@@ -110,6 +117,30 @@ def test_second_compile_comes_from_the_cache(compiled):
     assert f["equal"] and f["hash_equal"]
     assert f["again_s"] < 1.0 < f["first_s"] + 1.0  # the second is a cache hit (the first compiles)
     assert f["again_s"] < f["first_s"] / 3
+
+
+def test_integer_scalars_are_specialised_as_triton_jit_does(compiled):
+    """B == 1 becomes a constexpr (one parameter fewer at launch: the custom call drops it), S = 304 gets the
+    divisibility hint: a different binary from the unspecialised one."""
+    sp = compiled["specialised"]
+    assert sp["folded"] == ["B"]
+    assert sp["params"] == sp["params_plain"] - 1
+    assert not sp["same_key"]
+
+
+def test_specialize_follows_the_kernel_flags():
+    from ring_core import build
+    from ring_core.kernel import ring_attn_fwd_kernel
+
+    names = build.runtime_arg_names(ring_attn_fwd_kernel)
+    types = ["*bf16" if n.endswith("_ptr") else {"sm_scale": "fp32", "timeout_ns": "i64"}.get(n, "i32") for n in names]
+    vals = {"B": 1, "S": 4096, "sm_scale": 0.125, "timeout_ns": 16 * 10 ** 9}
+    got, ones, divisible = build.specialize(ring_attn_fwd_kernel, types, [vals.get(n) for n in names])
+    assert ones == {"B": 1} and divisible == {"S"}  # timeout_ns is do_not_specialize
+    assert got[names.index("B")] == "constexpr" and got[names.index("S")] == "i32"
+    vals.update(B=2, S=333)
+    assert build.specialize(ring_attn_fwd_kernel, types, [vals.get(n) for n in names])[1:] == ({}, set())
+    assert build.specialize(ring_attn_fwd_kernel, types, None) == (types, {}, set())
 
 
 def test_global_scratch_is_reported(compiled):
@@ -185,7 +216,8 @@ def test_abstract_eval_adds_the_scratch_buffer(scratch):
 @pytest.mark.parametrize("scratch", [0, 96])
 def test_kernel_params(scratch):
     """jaxlib's parameters: the arrays 16-byte aligned, the zeroed output's bytes, the scalars with their
-    types, in the kernel's order; the scratch buffer last, at the binary's alignment."""
+    types, in the kernel's order, without those compiled in (None); the scratch buffer last, at the binary's
+    alignment."""
     import jax
     import jax.numpy as jnp
 
@@ -194,7 +226,7 @@ def test_kernel_params(scratch):
     lib = types.SimpleNamespace(create_array_parameter=lambda zero, div: ("array", zero, div),
                                 create_scalar_parameter=lambda v, t: ("scalar", v, t))
     out_shapes = (jax.ShapeDtypeStruct((3, 5), jnp.bfloat16), jax.ShapeDtypeStruct((4,), jnp.int32))
-    params = tc.kernel_params(lib, layout=("a", "a", 0, 1, "a", "a"), n_inputs=2, out_shapes=out_shapes,
+    params = tc.kernel_params(lib, layout=("a", "a", 0, None, 1, "a", "a"), n_inputs=2, out_shapes=out_shapes,
                               zeroed_outputs=(1,), scalars=((3, "i32"), (0.5, "fp32")), binary=_binary(scratch))
     want = [("array", 0, 16), ("array", 0, 16), ("scalar", 3, "i32"), ("scalar", 0.5, "fp32"), ("array", 0, 16),
             ("array", 16, 16)] + ([("array", 0, 128)] if scratch else [])

@@ -228,6 +228,15 @@ def test_session_stages_parse_and_fill_their_commands():
     assert [c[c.index("--csv") + 1] for c in w1] == ["/o/masks_packed.csv"] * 2 + ["/o/masks_window.csv"]
 
 
+def test_session_budget_clips_stages_and_keeps_time_for_the_cache():
+    gs = _script("gpu_session")
+    stages = [("checks", 300.0), ("soak", 200.0), ("kill", 90.0)]
+    assert gs.stage_limits(stages, None) == [300.0, 200.0, 90.0]
+    assert gs.stage_limits(stages, 1000, reserve=45) == [300.0, 200.0, 90.0]
+    assert gs.stage_limits(stages, 400, reserve=45) == [300.0, 55.0, 0]  # the last one is skipped
+    assert gs.stage_limits(stages, 348, reserve=45) == [300.0, 0, 0]  # 3 s left: not worth a stage
+
+
 def test_session_cache_survives_the_round_trip_in_parts(tmp_path):
     """A cache written in parts under $OUT, collected into the carried folder and restored, is the same
     tree; parts respect the size limit."""
