@@ -59,9 +59,10 @@ COMPILE = textwrap.dedent("""
         else:
             kernel, p = ring_attn_fwd_kernel, plans.plan(spec, 2, heap)
             types = ["*" + t] * 3 + ["*i32", "*i32"] + list(p.scalar_types) + ["*" + t, "*fp32", "*i32"]
+        consts = p.constexprs(sticky_errors=name.endswith("sticky"))
         # the JAX launcher's compile (ring_core.build): what runs on the GPU
-        ck = build.compile_kernel(kernel, types, p.constexprs(sticky_errors=name.endswith("sticky")),
-                                  num_warps=p.config.num_warps, num_stages=p.config.num_stages, capability=90)
+        ck = build.compile_kernel(kernel, types, consts, num_warps=p.config.num_warps,
+                                  num_stages=p.config.num_stages, capability=90)
         # ptxas's own report on the PTX (registers, spills, and warnings such as C7515, wgmma serialised).
         with tempfile.TemporaryDirectory() as tmp:
             src = os.path.join(tmp, "k.ptx")
