@@ -28,9 +28,19 @@ TRITON_TYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "int32
                 "uint8": "u8", "int8": "i8", "uint32": "u32"}
 
 
+def _params(kernel) -> list:
+    """The kernel's parameters (Triton's KernelParam: name, is_constexpr, do_not_specialize), also for a kernel
+    the interpreter holds (TRITON_INTERPRET=1 wraps it without them: rebuilt from the same decorator flags)."""
+    if hasattr(kernel, "params"):
+        return kernel.params
+    from triton.runtime.jit import JITFunction
+
+    return JITFunction(kernel.fn, **kernel.kwargs).params
+
+
 def runtime_arg_names(kernel) -> list:
     """The kernel's non-constexpr argument names, in order (what a launch passes)."""
-    return [p.name for p in kernel.params if not p.is_constexpr]
+    return [p.name for p in _params(kernel) if not p.is_constexpr]
 
 
 @dataclass(frozen=True)
@@ -65,7 +75,7 @@ def specialize(kernel, arg_types, values=None):
     {name: 1} of those, names known divisible by 16). ``values``: the runtime arguments, in the order of
     ``runtime_arg_names(kernel)`` (None, or None for an array: nothing specialised)."""
     names = runtime_arg_names(kernel)
-    params = {p.name: p for p in kernel.params}
+    params = {p.name: p for p in _params(kernel)}
     types, ones, divisible = list(arg_types), {}, set()
     for i, (name, ty) in enumerate(zip(names, arg_types)):
         v = None if values is None else values[i]
@@ -87,11 +97,11 @@ def signature(kernel, arg_types, constexprs: dict, divisible=()):
     if len(arg_types) != len(names):
         raise ValueError(f"{kernel.__name__} takes {len(names)} runtime arguments {names}, got {len(arg_types)} types")
     sig = dict(zip(names, arg_types))
-    missing = [p.name for p in kernel.params if p.is_constexpr and p.name not in constexprs]
+    missing = [p.name for p in _params(kernel) if p.is_constexpr and p.name not in constexprs]
     if missing:
         raise ValueError(f"{kernel.__name__}: constexprs {missing} not given")
     sig.update({k: "constexpr" for k in constexprs})
-    order = [p.name for p in kernel.params]
+    order = [p.name for p in _params(kernel)]
     sig = {k: sig[k] for k in order if k in sig}
     attrs = {(order.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
              if t.startswith("*") or n in divisible}
