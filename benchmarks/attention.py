@@ -92,26 +92,24 @@ def _dtype_list(text: str) -> list:
     return out
 
 
-def _pass_list(text: str) -> list:
+def _choices(text: str, flag: str, choices, joiner: str) -> list:
+    """A comma list of ``choices`` (each once, in order)."""
     out = []
     for tok in str(text).split(","):
         tok = tok.strip().lower()
-        if tok not in PASSES:
-            raise argparse.ArgumentTypeError(f"--pass takes {' and/or '.join(PASSES)} (comma list), got {tok!r}")
+        if tok not in choices:
+            raise argparse.ArgumentTypeError(f"{flag} takes {joiner.join(choices)} (comma list), got {tok!r}")
         if tok not in out:
             out.append(tok)
     return out
+
+
+def _pass_list(text: str) -> list:
+    return _choices(text, "--pass", PASSES, " and/or ")
 
 
 def _mask_list(text: str) -> list:
-    out = []
-    for tok in str(text).split(","):
-        tok = tok.strip().lower()
-        if tok not in MASKS:
-            raise argparse.ArgumentTypeError(f"--mask takes {', '.join(MASKS)} (comma list), got {tok!r}")
-        if tok not in out:
-            out.append(tok)
-    return out
+    return _choices(text, "--mask", MASKS, ", ")
 
 
 def _window(text: str) -> tuple:

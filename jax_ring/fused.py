@@ -26,7 +26,7 @@ from jax.interpreters import mlir
 
 from jax_ring import _platform
 from ring_core import heap as _heap
-from ring_core import control
+from ring_core import control, validate
 
 try:
     from jax.extend.core import Primitive
@@ -142,10 +142,7 @@ def _scalars(p, timeout_s):
 def _segment_ids(spec, segment_ids):
     """What the kernels get as ``seg_ptr``: this rank's segment ids (int32 [batch, seq_local], layout order) when
     ``spec.segmented``, else a one-element dummy that the kernels never read (SEGMENTED=False)."""
-    if spec.segmented != (segment_ids is not None):
-        given = "were given" if segment_ids is not None else "were not given"
-        raise ValueError(f"spec.segmented is {spec.segmented} but segment_ids {given}: pass this rank's segment ids "
-                         "exactly when the spec says so")
+    validate.check_segment_ids_given(spec, segment_ids is not None)
     if segment_ids is None:
         return jnp.zeros((1,), jnp.int32)
     return segment_ids.astype(jnp.int32)

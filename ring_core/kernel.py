@@ -168,13 +168,7 @@ def ring_attn_fwd_kernel(
     q_pos = positions(offs_m, rank, S, W, ZIGZAG)
     q_pos_max = tl.max(tl.where(m_valid, q_pos, -1), axis=0)
     seg_q = seg_ptr + b.to(tl.int64) * S  # this rank's ids of batch b (SEGMENTED only)
-    if SEGMENTED:
-        q_seg, s_lo, s_hi, t_id = tile_ids(seg_q, offs_m, m_valid)
-    else:
-        q_seg = offs_m * 0
-        s_lo = m_blk * 0
-        s_hi = s_lo
-        t_id = s_lo
+    q_seg, s_lo, s_hi, t_id = tile_ids(seg_q, offs_m, m_valid, SEGMENTED)
 
     qk_scale = sm_scale * LOG2E
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)

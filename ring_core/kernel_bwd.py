@@ -298,13 +298,7 @@ def ring_attn_bwd_kernel(
         q_pos_max = tl.max(tl.where(m_valid, q_pos, -1), axis=0)
         q_pos_min = tl.min(tl.where(m_valid, q_pos, 2147483647), axis=0)
         seg_q = seg_ptr + b.to(tl.int64) * S  # this rank's ids of batch b (SEGMENTED only)
-        if SEGMENTED:
-            q_seg, s_lo, s_hi, t_id = tile_ids(seg_q, offs_m, m_valid)
-        else:
-            q_seg = offs_m * 0
-            s_lo = m_blk * 0
-            s_hi = s_lo
-            t_id = s_lo
+        q_seg, s_lo, s_hi, t_id = tile_ids(seg_q, offs_m, m_valid, SEGMENTED)
         offs_n = tl.arange(0, DQ_BLOCK_N)
         dq = tl.zeros([DQ_BLOCK_M, BLOCK_D], tl.float32)
         for step in tl.static_range(W):
@@ -506,7 +500,7 @@ def ring_attn_bwd_kernel(
                 # The block's ids (after the wait: they travel with it) narrow the local query blocks to those
                 # that may hold a pair (protocol.seg_blocks); the partial is sent all the same (its owner cannot
                 # know this rank's ids, so it waits for it whenever positions say a local query sees the block).
-                k_seg, s_lo, s_hi, t_id = tile_ids(seg_k, rows_n, row_ok)
+                k_seg, s_lo, s_hi, t_id = tile_ids(seg_k, rows_n, row_ok, SEGMENTED)
                 i_lo, i_full, i_fend, i_hi = seg_blocks(seg_q, i_lo, i_hi, ql1, qh1, ql2, qh2, i_full, i_fend, s_lo,
                                                         s_hi, t_id, KV_BLOCK_M)
             else:

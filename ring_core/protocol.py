@@ -615,15 +615,22 @@ def chunk_needed(c, src, dst, S, CHUNK_ROWS, W: tl.constexpr, ZIGZAG: tl.constex
 
 
 @triton.jit
-def tile_ids(seg_base, rows, row_ok):
+def tile_ids(seg_base, rows, row_ok, SEGMENTED: tl.constexpr):
     """A tile's segment ids and what the skipping needs of them: (ids (-1 where not ``row_ok``), s_lo, s_hi, t):
     [s_lo, s_hi] bounds its non-padding ids (s_hi < 0: every row is padding, the tile attends nothing); t is its
-    one id when every row carries the same id >= 0, else -2."""
-    ids = tl.load(seg_base + rows, mask=row_ok, other=-1)
-    s_lo = tl.min(tl.where(ids >= 0, ids, BIG_ID), axis=0)
-    s_hi = tl.max(ids, axis=0)
-    u_lo = tl.min(tl.where(row_ok, ids, BIG_ID), axis=0)
-    t = tl.where((u_lo == s_hi) & (u_lo >= 0), u_lo, -2)
+    one id when every row carries the same id >= 0, else -2. Without segment ids (SEGMENTED=False): zeros, never
+    read (nothing is loaded)."""
+    if SEGMENTED:
+        ids = tl.load(seg_base + rows, mask=row_ok, other=-1)
+        s_lo = tl.min(tl.where(ids >= 0, ids, BIG_ID), axis=0)
+        s_hi = tl.max(ids, axis=0)
+        u_lo = tl.min(tl.where(row_ok, ids, BIG_ID), axis=0)
+        t = tl.where((u_lo == s_hi) & (u_lo >= 0), u_lo, -2)
+    else:
+        ids = rows * 0
+        s_lo = tl.program_id(0) * 0
+        s_hi = s_lo
+        t = s_lo
     return ids, s_lo, s_hi, t
 
 

@@ -225,3 +225,10 @@ def check_global_seq(seq: int, world_size: int, layout: str, what: str = "the gl
         raise ValueError(f"{what}={seq}, not a multiple of {need} ({'2*' if layout == 'zigzag' else ''}world_size, "
                          f"world_size={world_size}{where}); pad the sequence")
     return seq // world_size
+
+
+def check_segment_ids_given(spec: "AttentionSpec", given: bool) -> None:
+    """The launchers' guard: segment ids are passed exactly when the (validated) spec says the call has them."""
+    if spec.segmented != bool(given):
+        raise ValueError(f"spec.segmented is {spec.segmented} but segment_ids {'were' if given else 'were not'} "
+                         "given: pass this rank's segment ids exactly when the spec says so")

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ring_core import heap as _heap
+from ring_core import validate
 from torch_bridge import lifecycle
 
 
@@ -48,10 +49,7 @@ def _prepare(q, spec, group, config, *, backward: bool):
 def _segment_ids(spec, segment_ids, device):
     """What the kernels get as ``seg_ptr``: this rank's segment ids (int32 [batch, seq_local], layout order) when
     ``spec.segmented``, else a one-element dummy that the kernels never read (SEGMENTED=False)."""
-    if spec.segmented != (segment_ids is not None):
-        given = "were given" if segment_ids is not None else "were not given"
-        raise ValueError(f"spec.segmented is {spec.segmented} but segment_ids {given}: pass this rank's segment ids "
-                         "exactly when the spec says so")
+    validate.check_segment_ids_given(spec, segment_ids is not None)
     if segment_ids is None:
         return torch.zeros((1,), dtype=torch.int32, device=device)
     return segment_ids.to(device=device, dtype=torch.int32).contiguous()
