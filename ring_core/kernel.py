@@ -35,8 +35,8 @@ import triton.language as tl
 from ring_core import control
 
 from ring_core.protocol import (block_range, call_words, check_call, claim_push, drain_pushes, end_call, in_rows,
-                                positions, ring_context, row_blocks, rows_within, seg_blocks, tile_ids, wait_chunks,
-                                wait_rows)
+                                pairs_allowed, positions, ring_context, row_blocks, rows_within, seg_blocks, tile_ids,
+                                wait_chunks, wait_rows)
 from ring_core.tiles import dot, heavy_first, load_kv
 
 KIND_FWD = tl.constexpr(control.KIND_FWD)
@@ -63,6 +63,7 @@ def _attn_blocks(acc, l_i, m_i, q, q_pos, k_base, v_base, lo, hi, src, S, qk_sca
         # runtime stride made bf16/fp16 loads 2-byte scalars, which cannot be pipelined as async copies.
         kv_off = rows_n[:, None].to(tl.int64) * ROW_STRIDE + offs_d[None, :]
         n_valid = rows_n < S
+        k_seg = rows_n  # the block's ids under SEGMENTED (read only then)
         if MASKED:
             if WINDOW or SEGMENTED:
                 n_valid = n_valid & in_rows(rows_n, lo1, hi1, lo2, hi2)
@@ -72,18 +73,9 @@ def _attn_blocks(acc, l_i, m_i, q, q_pos, k_base, v_base, lo, hi, src, S, qk_sca
         k, v = load_kv(k_base, v_base, kv_off, n_valid, dmask, MASKED, BLOCK_D == D)
         qk = dot(q, tl.trans(k), DOT_PRECISION, INTERPRET)
         if MASKED:
-            valid = n_valid[None, :]
-            if CAUSAL or WINDOW:
-                k_pos = positions(rows_n, src, S, W, ZIGZAG)
-            if CAUSAL:
-                valid = valid & (k_pos[None, :] <= q_pos[:, None])
-            if WINDOW:
-                if WIN_LEFT >= 0:
-                    valid = valid & (k_pos[None, :] >= q_pos[:, None] - WIN_LEFT)
-                if WIN_RIGHT >= 0:
-                    valid = valid & (k_pos[None, :] <= q_pos[:, None] + WIN_RIGHT)
-            if SEGMENTED:
-                valid = valid & (q_seg[:, None] == k_seg[None, :])  # k_seg >= s_lo >= 0: padding attends nothing
+            k_pos = positions(rows_n, src, S, W, ZIGZAG)  # unused (folded away) without CAUSAL and WINDOW
+            valid = pairs_allowed(n_valid[None, :], q_pos[:, None], k_pos[None, :], q_seg[:, None], k_seg[None, :],
+                                  CAUSAL, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)
             qk = tl.where(valid, qk, float("-inf"))
         # scale >= 0 (validated), so max(qk) * scale is the maximum of the scaled scores.
         m_new = tl.maximum(m_i, tl.max(qk, axis=1) * qk_scale)

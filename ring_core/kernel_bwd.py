@@ -85,9 +85,9 @@ import iris
 from ring_core import control
 from ring_core.protocol import (CTL_BWD_DELTA, CTL_BWD_TICKET, CTL_ERROR, ERR_KV_TIMEOUT, ERR_PEER_FAILED,
                                 block_range, call_words, check_call, chunk_needed, claim_push, drain_pushes, end_call,
-                                in_rows, last_pos, poll_ge, positions, record_error, record_peer_error, ring_context,
-                                row_blocks, rows_seen, rows_within, seg_blocks, tile_ids, visible_rows, wait_chunks,
-                                wait_rows)
+                                in_rows, last_pos, pairs_allowed, poll_ge, positions, record_error, record_peer_error,
+                                ring_context, row_blocks, rows_seen, rows_within, seg_blocks, tile_ids, visible_rows,
+                                wait_chunks, wait_rows)
 from ring_core.tiles import dot, heavy_first, load_kv
 
 KIND_BWD = tl.constexpr(control.KIND_BWD)
@@ -115,9 +115,9 @@ def _dq_blocks(dq, q, do, lse2, delta, q_pos, q_pos_max, k_base, v_base, lo, hi,
         # ROW_STRIDE is a constexpr so that Triton can prove alignment and vectorise (and pipeline) the loads.
         kv_off = rows_n[:, None].to(tl.int64) * ROW_STRIDE + offs_d[None, :]
         row_ok = rows_n < S
+        k_seg = rows_n  # the block's ids under SEGMENTED (read only then)
         if MASKED:
-            if CAUSAL or WINDOW:
-                k_pos = positions(rows_n, src, S, W, ZIGZAG)
+            k_pos = positions(rows_n, src, S, W, ZIGZAG)  # unused (folded away) without CAUSAL and WINDOW
             if WINDOW or SEGMENTED:
                 row_ok = row_ok & in_rows(rows_n, lo1, hi1, lo2, hi2)  # rows the tile cannot see: maybe never sent
             elif CAUSAL:
@@ -129,16 +129,8 @@ def _dq_blocks(dq, q, do, lse2, delta, q_pos, q_pos_max, k_base, v_base, lo, hi,
         qk = dot(q, tl.trans(k), DOT_PRECISION, INTERPRET)
         p = tl.math.exp2(qk * qk_scale - lse2[:, None])
         if MASKED:
-            valid = row_ok[None, :]
-            if CAUSAL:
-                valid = valid & (k_pos[None, :] <= q_pos[:, None])
-            if WINDOW:
-                if WIN_LEFT >= 0:
-                    valid = valid & (k_pos[None, :] >= q_pos[:, None] - WIN_LEFT)
-                if WIN_RIGHT >= 0:
-                    valid = valid & (k_pos[None, :] <= q_pos[:, None] + WIN_RIGHT)
-            if SEGMENTED:
-                valid = valid & (q_seg[:, None] == k_seg[None, :])
+            valid = pairs_allowed(row_ok[None, :], q_pos[:, None], k_pos[None, :], q_seg[:, None], k_seg[None, :],
+                                  CAUSAL, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)
             p = tl.where(valid, p, 0.0)
         dp = dot(do, tl.trans(v), DOT_PRECISION, INTERPRET)
         ds = p * (dp - delta[:, None])
@@ -182,18 +174,12 @@ def _dkdv_blocks(dk, dv, k, v, k_pos, k_seg, q_ptr, do_ptr, lse_ptr, delta_ptr, 
         qkT = dot(k, tl.trans(q), DOT_PRECISION, INTERPRET)  # [BLOCK_N, BLOCK_M]
         pT = tl.math.exp2(qkT * qk_scale - lse2[None, :])
         if MASKED:
-            validT = m_valid[None, :]
-            if CAUSAL:
-                validT = validT & (k_pos[:, None] <= positions(rows, rank, S, W, ZIGZAG)[None, :])
-            if WINDOW:
-                q_pos = positions(rows, rank, S, W, ZIGZAG)
-                if WIN_LEFT >= 0:
-                    validT = validT & (k_pos[:, None] >= q_pos[None, :] - WIN_LEFT)
-                if WIN_RIGHT >= 0:
-                    validT = validT & (k_pos[:, None] <= q_pos[None, :] + WIN_RIGHT)
+            q_pos = positions(rows, rank, S, W, ZIGZAG)  # unused (folded away) without CAUSAL and WINDOW
+            q_seg = rows  # the local queries' ids under SEGMENTED (read only then)
             if SEGMENTED:
                 q_seg = tl.load(seg_q + rows, mask=m_valid, other=-1)
-                validT = validT & (k_seg[:, None] == q_seg[None, :]) & (k_seg[:, None] >= 0)
+            validT = pairs_allowed(m_valid[None, :], q_pos[None, :], k_pos[:, None], q_seg[None, :], k_seg[:, None],
+                                   CAUSAL, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)
             pT = tl.where(validT, pT, 0.0)
         dv += dot(pT.to(do.dtype), do, DOT_PRECISION, INTERPRET)
         dpT = dot(v, tl.trans(do), DOT_PRECISION, INTERPRET)

@@ -615,6 +615,25 @@ def chunk_needed(c, src, dst, S, CHUNK_ROWS, W: tl.constexpr, ZIGZAG: tl.constex
 
 
 @triton.jit
+def pairs_allowed(valid, q_pos, k_pos, q_seg, k_seg, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+                  WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SEGMENTED: tl.constexpr):
+    """``valid`` and ring_core.masks.allowed, in the kernels: query positions ``q_pos`` and ids ``q_seg`` against
+    key positions ``k_pos`` and ids ``k_seg``, already broadcast against each other ([M, 1] x [1, N] or the
+    transpose). An argument a setting does not use is never read (the positions without CAUSAL and WINDOW, the
+    ids without SEGMENTED). A padding key (id < 0) is attended by nobody, a padding query attends nothing."""
+    if CAUSAL:
+        valid = valid & (k_pos <= q_pos)
+    if WINDOW:
+        if WIN_LEFT >= 0:
+            valid = valid & (k_pos >= q_pos - WIN_LEFT)
+        if WIN_RIGHT >= 0:
+            valid = valid & (k_pos <= q_pos + WIN_RIGHT)
+    if SEGMENTED:
+        valid = valid & (q_seg == k_seg) & (k_seg >= 0)
+    return valid
+
+
+@triton.jit
 def tile_ids(seg_base, rows, row_ok, SEGMENTED: tl.constexpr):
     """A tile's segment ids and what the skipping needs of them: (ids (-1 where not ``row_ok``), s_lo, s_hi, t):
     [s_lo, s_hi] bounds its non-padding ids (s_hi < 0: every row is padding, the tile attends nothing); t is its
