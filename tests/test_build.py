@@ -53,7 +53,7 @@ COMPILE = textwrap.dedent("""
     vals = [None] * 5 + [1, 304, 0.125, 6 * 10 ** 10] + [None] * 3
     b1 = build.binary(ring_attn_fwd_kernel, fwd, p.constexprs(), num_warps=p.config.num_warps,
                       num_stages=p.config.num_stages, values=vals)
-    n_params = lambda ptx: len(set(re.findall(r"ring_attn_fwd_kernel_param_(\d+)", ptx)))
+    n_params = lambda ptx: len(set(re.findall(r"ring_attn_fwd_kernel_param_(\\d+)", ptx)))
     out["specialised"] = dict(folded=list(b1.folded), params=n_params(b1.ptx), params_plain=n_params(b.ptx),
                               same_key=b1.key == b.key)
     pb = plans.plan_bwd(spec, 2, heap)
