@@ -117,3 +117,8 @@ def check_pair(name: str, a, b, ref64, lowp, dtype: str, kind: str = "out") -> f
     if not err <= bound:
         raise AssertionError(f"{name}: implementations differ by {err:.3g} > bound {bound:.3g} ({kind}, {dtype})")
     return err
+
+
+def case_label(W, B, S, H, HKV, D, dtype, causal, layout) -> str:
+    """The common part of a simulator test case's pytest id (world size, shapes, dtype, masking, layout)."""
+    return f"w{W}-b{B}-s{S}-h{H}kv{HKV}-d{D}-{dtype}-{'causal' if causal else 'full'}-{layout}"

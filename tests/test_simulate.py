@@ -71,9 +71,8 @@ CASES = [
 
 
 def _case_id(c):
-    W, B, S, H, HKV, D, dt, causal, lay, lse, scale = c
-    return (f"w{W}-b{B}-s{S}-h{H}kv{HKV}-d{D}-{dt}-{'causal' if causal else 'full'}-{lay}"
-            f"{'-lse' if lse else ''}{'' if scale is None else f'-scale{scale}'}")
+    *shape, lse, scale = c
+    return testing.case_label(*shape) + ('-lse' if lse else '') + ('' if scale is None else f'-scale{scale}')
 
 
 @pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])

@@ -78,9 +78,9 @@ CASES = [
 
 
 def _case_id(c):
-    W, B, S, H, HKV, D, dt, causal, lay, window, seg = c
-    return (f"w{W}-b{B}-s{S}-h{H}kv{HKV}-d{D}-{dt}-{'causal' if causal else 'full'}-{lay}"
-            f"{'' if window is None else f'-win{window[0]}_{window[1]}'}{'' if seg is None else f'-{seg}'}")
+    *shape, window, seg = c
+    return (testing.case_label(*shape) + ('' if window is None else f'-win{window[0]}_{window[1]}')
+            + ('' if seg is None else f'-{seg}'))
 
 
 @pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
