@@ -58,14 +58,10 @@ import signal
 import subprocess
 import sys
 import tarfile
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ring_core import gpus  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import ptxas_cache  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CARRY = os.path.join(ROOT, ".tcache")  # carried to the GPU machine; git-ignored
@@ -269,11 +265,6 @@ def main(argv=None) -> int:
     mps = gpus.MpsDaemon()
     with open(os.path.join(a.out, "session.log"), "a") as log:
         log.write(f"restored {restore_cache(cache=os.environ['TRITON_CACHE_DIR'])} cached files\n")
-        # jaxlib's ptxas runs per process; its cubins are kept beside Triton's cache and carried with it.
-        ptxas_store = os.path.join(os.environ["TRITON_CACHE_DIR"], "ptxas")
-        if os.path.isfile(os.path.join(ptxas_store, "calls.log")):
-            os.remove(os.path.join(ptxas_store, "calls.log"))  # this session's calls only
-        os.environ.update(ptxas_cache.install(tempfile.mkdtemp(prefix="ring-ptxas-shim-"), ptxas_store))
         if start_mps:
             extra.update(mps.start())
         os.environ.update(extra)
@@ -290,15 +281,6 @@ def main(argv=None) -> int:
                 first_failure = first_failure or rc
         finally:
             mps.stop()
-        calls = os.path.join(ptxas_store, "calls.log")
-        if os.path.isfile(calls):
-            with open(calls) as f:
-                lines = f.read().splitlines()
-            hits = sum(ln.startswith("hit") for ln in lines)
-            log.write(f"ptxas (jaxlib's): {hits} cached, {len(lines) - hits} compiled; first: "
-                      f"{lines[0] if lines else ''}\n")
-        else:
-            log.write("ptxas (jaxlib's): the shim was never called\n")
         parts = save_cache(a.out, cache=os.environ["TRITON_CACHE_DIR"])
         log.write(f"saved the cache in {len(parts)} parts\n")
     return first_failure
