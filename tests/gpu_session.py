@@ -18,6 +18,7 @@ Then, on this machine, put the returned parts back into ``.tcache/`` (git-ignore
 Stages (``NAME[:SECONDS]``; the default time limit is in brackets):
   checks       tests/gpu_checks.py, forward sections: cases, jit, grads, launch, big [540]
   checks-quick tests/gpu_checks.py, forward sections cases, jit, grads, launch (no big grid) [300]
+  checks-grads tests/gpu_checks.py, sections grads and launch (the end of checks-quick)  [240]
   checks-bwd   tests/gpu_checks.py --sections bwd                                  [300]
   checks-masks tests/gpu_checks.py --sections masks: segment ids and windows, forward and
                backward (6 cases; compiles dominate)                                [540]
@@ -84,6 +85,7 @@ WINDOW = BENCH + ["--mask", "window", "--window", "4095,0", "--layout", "contigu
 STAGES = {
     "checks": (540, [LAUNCH + ["tests/gpu_checks.py", "--sections", "cases,jit,grads,launch,big", "--out", "{out}"]]),
     "checks-quick": (300, [LAUNCH + ["tests/gpu_checks.py", "--sections", "cases,jit,grads,launch", "--out", "{out}"]]),
+    "checks-grads": (240, [LAUNCH + ["tests/gpu_checks.py", "--sections", "grads,launch", "--out", "{out}"]]),
     "checks-bwd": (300, [LAUNCH + ["tests/gpu_checks.py", "--sections", "bwd", "--out", "{out}"]]),
     "checks-masks": (540, [LAUNCH + ["tests/gpu_checks.py", "--sections", "masks", "--out", "{out}"]]),
     "faults": (240, [LAUNCH + ["tests/gpu_faults.py", "--deadline", "{limit_minus}", "--out", "{out}"]]),
