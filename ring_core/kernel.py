@@ -19,10 +19,12 @@ failed the call check, writes NaN into its rows of ``out`` and ``lse``.
 Masks beyond causal (constexprs WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED; ring_core.protocol says what
 travels, what is skipped and what is still waited for): with a window the rows a tile sees form at most two
 runs per source, whose blocks run masked at their edges and unmasked inside, and nothing else is waited for
-or read; with segment ids a range pass over the K/V blocks' ids (after the wait: they travel with the
-chunk) narrows the loops to the blocks that can hold a pair, and unmasks those that hold the tile's one
-document only. A padding row (negative id) attends nothing: out 0, lse -inf (l = 0, m = -inf: the masked
-loop shifts such rows by 0, so no NaN). WINDOW = SEGMENTED = False compiles to the kernel without them.
+or read; with segment ids a K/V chunk travels and is waited for only where its ids meet the receiver's (the
+id ranges every rank publishes with the call check), and a range pass over the K/V blocks' ids (after the
+wait: they travel with the chunk) narrows the loops to the blocks that can hold a pair, and unmasks those
+that hold the tile's one document only. A padding row (negative id) attends nothing: out 0, lse -inf (l = 0,
+m = -inf: the masked loop shifts such rows by 0, so no NaN). WINDOW = SEGMENTED = False compiles to the kernel
+without them.
 
 Numerics: scores and the softmax are float32; fp16/bf16 dots run on tensor cores with float32
 accumulation, probabilities rounded to the input dtype for P@V (as flash-attention does); float32 inputs
@@ -34,9 +36,9 @@ import triton.language as tl
 
 from ring_core import control
 
-from ring_core.protocol import (block_range, call_words, check_call, claim_push, drain_pushes, end_call, in_rows,
-                                pairs_allowed, positions, ring_context, row_blocks, rows_within, seg_blocks, tile_ids,
-                                wait_chunks, wait_rows)
+from ring_core.protocol import (block_range, call_words, check_call, claim_push, drain_pushes, end_call,
+                                id_range_meets, in_rows, pairs_allowed, positions, ranks_rng, ring_context, row_blocks,
+                                rows_within, seg_blocks, tile_id_parts, tile_ids, wait_chunks, wait_rows)
 from ring_core.tiles import dot, heavy_first, load_kv
 
 KIND_FWD = tl.constexpr(control.KIND_FWD)
@@ -48,14 +50,16 @@ def _attn_blocks(acc, l_i, m_i, q, q_pos, k_base, v_base, lo, hi, src, S, qk_sca
                  ROW_STRIDE: tl.constexpr, W: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, ZIGZAG: tl.constexpr, INTERPRET: tl.constexpr,
                  DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr, WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr,
-                 SEGMENTED: tl.constexpr):
+                 SEGMENTED: tl.constexpr, rng_src_b, a_lo, a_hi, b_lo, b_hi, CHUNK_ROWS: tl.constexpr,
+                 ID_SKIP: tl.constexpr):
     """Online softmax over K/V blocks [lo, hi). MASKED=False: every row of every block exists and every
     query of the tile sees every key (no masks, so the loop is a plain one that Triton software-pipelines);
     MASKED=True: the tail block, the causal diagonal and the window's and segments' edges. With a window or
     segment ids, a masked block reads only rows some query of the tile may attend: rows in [lo1, hi1) |
     [lo2, hi2) (by position; other rows may not have been sent) whose segment id (at ``seg_k``) lies in the
-    tile's [s_lo, s_hi]; the other rows load as 0, so no value of a row the tile cannot attend reaches it.
-    Nothing in here waits: see the caller."""
+    tile's [s_lo, s_hi]; the other rows load as 0, so no value of a row the tile cannot attend reaches it. With
+    ID_SKIP (received K/V, segment ids), rows of a chunk whose published id range misses the tile's are not read
+    (it was not sent: protocol.push_unit). Nothing in here waits: see the caller."""
     dmask = offs_d < D
     for j in range(lo, hi):
         rows_n = j * BLOCK_N + offs_n
@@ -67,6 +71,9 @@ def _attn_blocks(acc, l_i, m_i, q, q_pos, k_base, v_base, lo, hi, src, S, qk_sca
         if MASKED:
             if WINDOW or SEGMENTED:
                 n_valid = n_valid & in_rows(rows_n, lo1, hi1, lo2, hi2)
+            if ID_SKIP:  # a block lies within one chunk (chunks are whole blocks)
+                met = id_range_meets(rng_src_b, (j * BLOCK_N) // CHUNK_ROWS, a_lo, a_hi, b_lo, b_hi)
+                n_valid = tl.where(met, n_valid, False)  # (block & scalar: the interpreter mistypes the mask)
             if SEGMENTED:
                 k_seg = tl.load(seg_k + rows_n, mask=n_valid, other=-1)
                 n_valid = n_valid & (k_seg >= s_lo) & (k_seg <= s_hi)
@@ -131,12 +138,17 @@ def ring_attn_fwd_kernel(
     n_m = tl.cdiv(S, BLOCK_M)
     n_chunks = tl.cdiv(S, CHUNK_ROWS)
     n_units = (W - 1) * B * HKV * n_chunks
+    # With segment ids: every rank's id ranges (per batch, each K/V chunk's and each half's of the shard), published
+    # with the call's signature, after the K/V flags: a chunk whose ids no query of the receiver has is neither
+    # sent nor waited for (protocol.publish_id_ranges, push_unit, wait_chunks).
+    rng = ranks_rng(flags, B, HKV, n_chunks, W)
     call_ok = epoch * 0 + 1
     if W > 1:
         # Every rank must make this same call; if not, push nothing (every later wait then gives up at once).
         words = call_words(KIND_FWD, B, S, sm_scale, W, H, HKV, D, SIG_DTYPE, CAUSAL, ZIGZAG, CHUNK_ROWS, BLOCK_N,
                            WIN_LEFT, WIN_RIGHT, SEGMENTED)
-        call_ok = check_call(ctl, heap_bases, rank, epoch, words, timeout_ns, W, INTERPRET)
+        call_ok = check_call(ctl, heap_bases, rank, epoch, words, timeout_ns, W, INTERPRET, seg_ptr, rng, B, S,
+                             n_chunks, CHUNK_ROWS, ZIGZAG, SEGMENTED)
     n_units = n_units * call_ok
     valid = call_ok  # 0 once a wait of this tile gave up: its result is then not computed from the right data
 
@@ -161,6 +173,7 @@ def ring_attn_fwd_kernel(
     q_pos_max = tl.max(tl.where(m_valid, q_pos, -1), axis=0)
     seg_q = seg_ptr + b.to(tl.int64) * S  # this rank's ids of batch b (SEGMENTED only)
     q_seg, s_lo, s_hi, t_id = tile_ids(seg_q, offs_m, m_valid, SEGMENTED)
+    a_lo, a_hi, b_lo, b_hi = tile_id_parts(q_seg, offs_m, S, ZIGZAG)  # (SEGMENTED only: which chunks it waits for)
 
     qk_scale = sm_scale * LOG2E
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -195,71 +208,88 @@ def ring_attn_fwd_kernel(
             seg_k = seg_q
             if SEGMENTED:
                 j_lo, n_full_lo, n_full, n_hi = seg_blocks(seg_k, j_lo, n_hi, lo1, hi1, lo2, hi2, n_full_lo, n_full,
-                                                           s_lo, s_hi, t_id, BLOCK_N)
+                                                           s_lo, s_hi, t_id, BLOCK_N, rng, a_lo, a_hi, b_lo, b_hi,
+                                                           CHUNK_ROWS, False)
             if WINDOW or SEGMENTED:
                 acc, l_i, m_i = _attn_blocks(acc, l_i, m_i, q, q_pos, k_base, v_base, j_lo, n_full_lo, src, S,
                                              qk_scale, offs_n, offs_d, lo1, hi1, lo2, hi2, q_seg, s_lo, s_hi, seg_k,
                                              HKV * D, W, D, BLOCK_N, BLOCK_D, True, CAUSAL, ZIGZAG, INTERPRET,
-                                             DOT_PRECISION, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)
+                                             DOT_PRECISION, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED,
+                                             rng, a_lo, a_hi, b_lo, b_hi, CHUNK_ROWS, False)
             if W > 1:
                 # Overlap: claim and push one unit of the local K/V every SEG_BLOCKS blocks. The claims
                 # sit between the pipelined inner loops, never inside them.
                 for seg in range(n_full_lo, n_full, SEG_BLOCKS):
                     claim_push(ctl, n_units, k_ptr, v_ptr, seg_ptr, recv, seg_recv, flags, heap_bases, rank, epoch,
                                B, S, n_chunks, W, HKV, D, BLOCK_D, CHUNK_ROWS, PUSH_ROWS, PUSH_VEC, CAUSAL, ZIGZAG,
-                               WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)
+                               WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED, rng, SEGMENTED)
                     acc, l_i, m_i = _attn_blocks(acc, l_i, m_i, q, q_pos, k_base, v_base, seg,
                                                  tl.minimum(seg + SEG_BLOCKS, n_full), src, S, qk_scale, offs_n,
                                                  offs_d, lo1, hi1, lo2, hi2, q_seg, s_lo, s_hi, seg_k, HKV * D, W, D,
                                                  BLOCK_N, BLOCK_D, False, CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION,
-                                                 WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)
+                                                 WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED,
+                                                 rng, a_lo, a_hi, b_lo, b_hi, CHUNK_ROWS, False)
             else:
                 acc, l_i, m_i = _attn_blocks(acc, l_i, m_i, q, q_pos, k_base, v_base, n_full_lo, n_full,
                                              src, S, qk_scale, offs_n, offs_d, lo1, hi1, lo2, hi2, q_seg, s_lo, s_hi,
                                              seg_k, HKV * D, W, D, BLOCK_N, BLOCK_D, False, CAUSAL, ZIGZAG, INTERPRET,
-                                             DOT_PRECISION, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)
+                                             DOT_PRECISION, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED,
+                                             rng, a_lo, a_hi, b_lo, b_hi, CHUNK_ROWS, False)
             acc, l_i, m_i = _attn_blocks(acc, l_i, m_i, q, q_pos, k_base, v_base, n_full, n_hi,
                                          src, S, qk_scale, offs_n, offs_d, lo1, hi1, lo2, hi2, q_seg, s_lo, s_hi, seg_k,
                                          HKV * D, W, D, BLOCK_N, BLOCK_D, True, CAUSAL, ZIGZAG, INTERPRET,
-                                         DOT_PRECISION, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)
+                                         DOT_PRECISION, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED,
+                                         rng, a_lo, a_hi, b_lo, b_hi, CHUNK_ROWS, False)
         else:
             slot = step - 1
             k_base = recv + ((slot * 2 * B + b).to(tl.int64) * HKV + hkv) * S * D
             v_base = k_base + (b * 0 + B).to(tl.int64) * HKV * S * D
             seg_k = seg_recv + ((slot * B + b).to(tl.int64) * HKV + hkv) * S
+            rng_src = rng + (src * B + b) * (n_chunks + 2) * 2  # src's published id ranges of batch b
             if step == 1:
                 # Never wait, nor end, while push units are unclaimed: this is what makes the protocol
                 # independent of which programs are resident (ring_core.protocol). Every program passes here,
                 # also one that needs nothing from any peer.
                 drain_pushes(ctl, n_units, k_ptr, v_ptr, seg_ptr, recv, seg_recv, flags, heap_bases, rank, epoch, B, S,
                              n_chunks, W, HKV, D, BLOCK_D, CHUNK_ROWS, PUSH_ROWS, PUSH_VEC, CAUSAL, ZIGZAG, WINDOW,
-                             WIN_LEFT, WIN_RIGHT, SEGMENTED)
+                             WIN_LEFT, WIN_RIGHT, SEGMENTED, rng, SEGMENTED)
             # Every chunk this tile will read, before the loops that read them (protocol.wait_chunks says why).
             flag0 = flags + ((step - 1) * B * HKV + b * HKV + hkv) * n_chunks
             if WINDOW or SEGMENTED:
                 # The chunks holding rows the tile may see by position (none: no wait): each was pushed, since
-                # its rows are seen by a query of this rank (protocol.chunk_needed). Segment ids are read after
-                # the wait (they travel with the chunk), so they narrow the loops, never the wait.
+                # its rows are seen by a query of this rank (protocol.chunk_needed); with segment ids only those
+                # whose published id range meets the tile's, which were pushed too (protocol.push_unit). The ids
+                # themselves are read after the wait (they travel with the chunk): they narrow the loops.
                 valid = valid * wait_rows(flag0, lo1, hi1, lo2, hi2, CHUNK_ROWS, epoch, ctl, timeout_ns, src, step,
-                                          INTERPRET, POLL_N)
+                                          INTERPRET, POLL_N, rng_src, a_lo, a_hi, b_lo, b_hi,
+                                          SEGMENTED)
                 if SEGMENTED:
                     j_lo, n_full_lo, n_full, n_hi = seg_blocks(seg_k, j_lo, n_hi, lo1, hi1, lo2, hi2, n_full_lo,
-                                                               n_full, s_lo, s_hi, t_id, BLOCK_N)
+                                                               n_full, s_lo, s_hi, t_id, BLOCK_N, rng_src, a_lo,
+                                                               a_hi, b_lo, b_hi, CHUNK_ROWS,
+                                                               SEGMENTED)
                 acc, l_i, m_i = _attn_blocks(acc, l_i, m_i, q, q_pos, k_base, v_base, j_lo, n_full_lo, src, S,
                                              qk_scale, offs_n, offs_d, lo1, hi1, lo2, hi2, q_seg, s_lo, s_hi, seg_k, D,
                                              W, D, BLOCK_N, BLOCK_D, True, CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION,
-                                             WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)
+                                             WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED,
+                                             rng_src, a_lo, a_hi, b_lo, b_hi, CHUNK_ROWS,
+                                             SEGMENTED)
             else:
                 valid = valid * wait_chunks(flag0, 0, tl.cdiv(n_hi, CHUNK_BLOCKS), epoch, ctl, timeout_ns, src, step,
-                                            INTERPRET, POLL_N)
+                                            INTERPRET, POLL_N, rng_src, a_lo, a_hi, b_lo, b_hi,
+                                            False)
             acc, l_i, m_i = _attn_blocks(acc, l_i, m_i, q, q_pos, k_base, v_base, n_full_lo, n_full, src, S, qk_scale,
                                          offs_n, offs_d, lo1, hi1, lo2, hi2, q_seg, s_lo, s_hi, seg_k, D, W, D, BLOCK_N,
                                          BLOCK_D, False, CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION, WINDOW, WIN_LEFT,
-                                         WIN_RIGHT, SEGMENTED)
+                                         WIN_RIGHT, SEGMENTED,
+                                         rng_src, a_lo, a_hi, b_lo, b_hi, CHUNK_ROWS,
+                                         SEGMENTED)
             acc, l_i, m_i = _attn_blocks(acc, l_i, m_i, q, q_pos, k_base, v_base, n_full, n_hi, src, S,
                                          qk_scale, offs_n, offs_d, lo1, hi1, lo2, hi2, q_seg, s_lo, s_hi, seg_k, D, W,
                                          D, BLOCK_N, BLOCK_D, True, CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION, WINDOW,
-                                         WIN_LEFT, WIN_RIGHT, SEGMENTED)
+                                         WIN_LEFT, WIN_RIGHT, SEGMENTED,
+                                         rng_src, a_lo, a_hi, b_lo, b_hi, CHUNK_ROWS,
+                                         SEGMENTED)
 
     # ---- epilogue ----------------------------------------------------------------------------------
     # A tile whose waits gave up (the call failed) writes NaN, never a plausible-looking wrong value. A row that

@@ -232,7 +232,9 @@ def ring_attn_bwd_kernel(
         # peer (no K/V push, no partial) and every later wait gives up at once.
         words = call_words(KIND_BWD, B, S, sm_scale, W, H, HKV, D, SIG_DTYPE, CAUSAL, ZIGZAG, CHUNK_ROWS, KV_BLOCK_N,
                            WIN_LEFT, WIN_RIGHT, SEGMENTED)
-        call_ok = check_call(ctl, heap_bases, rank, epoch, words, timeout_ns, W, INTERPRET)
+        # (The forward's id ranges are not published here: the backward decides sends and waits by position.)
+        call_ok = check_call(ctl, heap_bases, rank, epoch, words, timeout_ns, W, INTERPRET, seg_ptr, flags, B, S,
+                             n_chunks, CHUNK_ROWS, ZIGZAG, False)
     n_push = n_units * call_ok  # units to push: none after a mismatch
     n_kvb = tl.cdiv(S, KV_BLOCK_N)
     n_dq = B * H * tl.cdiv(S, DQ_BLOCK_M)
@@ -315,7 +317,8 @@ def ring_attn_bwd_kernel(
                 seg_k = seg_q
                 if SEGMENTED:
                     j_lo, n_full_lo, n_full, n_hi = seg_blocks(seg_k, j_lo, n_hi, lo1, hi1, lo2, hi2, n_full_lo,
-                                                               n_full, s_lo, s_hi, t_id, DQ_BLOCK_N)
+                                                               n_full, s_lo, s_hi, t_id, DQ_BLOCK_N, flags, s_lo,
+                                                               s_hi, s_lo, s_hi, CHUNK_ROWS, False)
                 if WINDOW or SEGMENTED:
                     dq = _dq_blocks(dq, q, do, lse2, delta, q_pos, q_pos_max, k_base, v_base, j_lo, n_full_lo, src,
                                     S, qk_scale, offs_n, offs_d, lo1, hi1, lo2, hi2, q_seg, s_lo, s_hi, seg_k, HKV * D,
@@ -328,7 +331,7 @@ def ring_attn_bwd_kernel(
                     for seg in range(n_full_lo, n_full, SEG_BLOCKS):
                         claim_push(ctl, n_push, k_ptr, v_ptr, seg_ptr, recv, seg_recv, flags, heap_bases, rank, epoch,
                                    B, S, n_chunks, W, HKV, D, BLOCK_D, CHUNK_ROWS, PUSH_ROWS, PUSH_VEC, CAUSAL, ZIGZAG,
-                                   WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)
+                                   WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED, flags, False)
                         dq = _dq_blocks(dq, q, do, lse2, delta, q_pos, q_pos_max, k_base, v_base, seg,
                                         tl.minimum(seg + SEG_BLOCKS, n_full), src, S, qk_scale, offs_n, offs_d,
                                         lo1, hi1, lo2, hi2, q_seg, s_lo, s_hi, seg_k, HKV * D, W, D, DQ_BLOCK_N,
@@ -357,17 +360,18 @@ def ring_attn_bwd_kernel(
                     # Every task passes here, also one that needs nothing from any peer (module docstring, (a)).
                     drain_pushes(ctl, n_push, k_ptr, v_ptr, seg_ptr, recv, seg_recv, flags, heap_bases, rank, epoch, B,
                                  S, n_chunks, W, HKV, D, BLOCK_D, CHUNK_ROWS, PUSH_ROWS, PUSH_VEC, CAUSAL, ZIGZAG,
-                                 WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)
+                                 WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED, flags, False)
                 # Every chunk this tile can see, before the loops that read them (protocol.wait_chunks says
                 # why). Every chunk that holds a row the tile sees holds one that a query of this rank sees, so
                 # its owner pushed it (protocol.chunk_needed; causal: it starts at a position the tile sees).
                 flag0 = flags + (slot * B * HKV + b * HKV + hkv) * n_chunks
                 if WINDOW or SEGMENTED:
                     valid = valid * wait_rows(flag0, lo1, hi1, lo2, hi2, CHUNK_ROWS, epoch, ctl, timeout_ns, src,
-                                              step, INTERPRET, POLL_N)
+                                              step, INTERPRET, POLL_N, flags, s_lo, s_hi, s_lo, s_hi, False)
                     if SEGMENTED:  # ids travel with their chunk: read after the wait, they narrow loops, not waits
                         j_lo, n_full_lo, n_full, n_hi = seg_blocks(seg_k, j_lo, n_hi, lo1, hi1, lo2, hi2, n_full_lo,
-                                                                   n_full, s_lo, s_hi, t_id, DQ_BLOCK_N)
+                                                                   n_full, s_lo, s_hi, t_id, DQ_BLOCK_N, flags, s_lo,
+                                                                   s_hi, s_lo, s_hi, CHUNK_ROWS, False)
                     dq = _dq_blocks(dq, q, do, lse2, delta, q_pos, q_pos_max, k_base, v_base, j_lo, n_full_lo, src,
                                     S, qk_scale, offs_n, offs_d, lo1, hi1, lo2, hi2, q_seg, s_lo, s_hi, seg_k, D, W, D,
                                     DQ_BLOCK_N, BLOCK_D, True, CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION, WINDOW,
@@ -375,7 +379,7 @@ def ring_attn_bwd_kernel(
                     dq = dq * (sm_scale * 0.0 + 1.0)  # (C7515, above)
                 else:
                     valid = valid * wait_chunks(flag0, 0, tl.cdiv(seen, CHUNK_ROWS), epoch, ctl, timeout_ns, src,
-                                                step, INTERPRET, POLL_N)
+                                                step, INTERPRET, POLL_N, flags, s_lo, s_hi, s_lo, s_hi, False)
                 dq = _dq_blocks(dq, q, do, lse2, delta, q_pos, q_pos_max, k_base, v_base, n_full_lo, n_full, src, S,
                                 qk_scale, offs_n, offs_d, lo1, hi1, lo2, hi2, q_seg, s_lo, s_hi, seg_k, D, W, D,
                                 DQ_BLOCK_N, BLOCK_D, False, CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION, WINDOW, WIN_LEFT,
@@ -401,7 +405,7 @@ def ring_attn_bwd_kernel(
         # Never wait while push units are unclaimed (module docstring, (a)).
         drain_pushes(ctl, n_push, k_ptr, v_ptr, seg_ptr, recv, seg_recv, flags, heap_bases, rank, epoch, B, S,
                      n_chunks, W, HKV, D, BLOCK_D, CHUNK_ROWS, PUSH_ROWS, PUSH_VEC, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT,
-                     WIN_RIGHT, SEGMENTED)
+                     WIN_RIGHT, SEGMENTED, flags, False)
         inputs_ok = poll_ge(ctl + CTL_BWD_DELTA, n_dq, ctl, timeout_ns, INTERPRET)
         if inputs_ok == 0:
             record_error(ctl, ERR_LOCAL_TIMEOUT, rank, d, n_blk)
@@ -488,7 +492,8 @@ def ring_attn_bwd_kernel(
                 # know this rank's ids, so it waits for it whenever positions say a local query sees the block).
                 k_seg, s_lo, s_hi, t_id = tile_ids(seg_k, rows_n, row_ok, SEGMENTED)
                 i_lo, i_full, i_fend, i_hi = seg_blocks(seg_q, i_lo, i_hi, ql1, qh1, ql2, qh2, i_full, i_fend, s_lo,
-                                                        s_hi, t_id, KV_BLOCK_M)
+                                                        s_hi, t_id, KV_BLOCK_M, flags, s_lo, s_hi, s_lo, s_hi,
+                                                        CHUNK_ROWS, False)
             else:
                 k_seg = k_pos  # unused
             # Fixed order: head g of the group, then local query blocks (deterministic accumulation).

@@ -17,7 +17,8 @@ says whether there is one), not runtime scalars: a kernel is compiled per window
 
 Heap use of one call (regions of ring_core.control.HeapLayout; flags in the ring's slot):
     forward   receive region [W-1][K|V][B][HKV][S][D] (input dtype), with segment ids then the peers' ids
-              [W-1][B][HKV][S] int32 (each pushed chunk carries its rows' ids); a flag per pushed chunk
+              [W-1][B][HKV][S] int32 (each pushed chunk carries its rows' ids); a flag per pushed chunk, then
+              with segment ids every rank's id ranges (``id_range_words``)
     backward  the same K/V (and ids), then from ``part_off`` the peers' partial dK/dV [W-1][dK|dV][B][HKV][S][D]
               in float32; a flag per pushed chunk, then one per partial block
 """
@@ -173,11 +174,12 @@ class LaunchPlan:
 
         This is where the kernels' decisions show: which chunks travel is decided on the device, chunk by
         chunk, by causal masking and the window (``ring_core.protocol.chunk_needed``: a chunk is pushed iff
-        some query of the receiver sees one of its rows by position), and a tile waits for, loads and computes
+        some query of the receiver sees one of its rows by position) and, forward, by the segment ids' ranges
+        (``ring_core.protocol.push_unit``), and a tile waits for, loads and computes
         exactly the chunks of its ring steps that reach its rows, all of which were pushed. So the ring steps a
         rank runs (some tile waits, loads or computes there) are step 0 and those with a chunk received:
-        ``ring_steps_run``. Segment ids never decide a push: where they alone hide a step, it still runs its
-        waits (ring_core.protocol says why)."""
+        ``ring_steps_run``. In the forward segment ids decide too (the id ranges published with the call check:
+        a chunk travels only if its ids meet the receiver's); in the backward they never decide a push."""
         w = self.world_size
         flags = np.asarray(flag_words)[:self.kv_flags].reshape(w - 1, self.kv_flags // max(w - 1, 1))
         return np.concatenate([[0], (flags == epoch).sum(axis=1)]).astype(np.int64)
@@ -280,6 +282,15 @@ def bwd_recv_bytes(spec: AttentionSpec, world_size: int) -> tuple:
     return kv, part_off, (part_off + part) if world_size > 1 else 0
 
 
+def id_range_words(spec: AttentionSpec, world_size: int, n_chunks: int) -> int:
+    """Words of the forward's segment-id ranges in the ring slot's flag region, after the K/V flags (0 without
+    segment ids or peers): per rank of the ring, [B][n_chunks + 2][lo, hi] (each K/V chunk's, then each half's of
+    the shard; ring_core.protocol.publish_id_ranges)."""
+    if not spec.segmented or world_size == 1:
+        return 0
+    return world_size * spec.batch * (n_chunks + 2) * 2
+
+
 def fused_supports(spec: AttentionSpec) -> bool:
     """Whether the fused kernels take this call: float16, bfloat16 or float32 (every mask they take: causal,
     windows, segment ids)."""
@@ -328,7 +339,8 @@ def plan(spec: AttentionSpec, world_size: int, heap: HeapLayout, *, interpret: b
         raise _too_small("call", need, heap.recv_capacity, spec, world_size, "")
     per_chunk = (world_size - 1) * spec.batch * spec.num_kv_heads
     chunk_blocks, flags = _chunking("call", math.ceil(spec.seq_local / cfg.block_n), cfg.chunk_blocks,
-                                    lambda n_chunks: per_chunk * n_chunks, heap.flag_capacity)
+                                    lambda n_chunks: per_chunk * n_chunks + id_range_words(spec, world_size, n_chunks),
+                                    heap.flag_capacity)
     grid = (spec.batch * spec.num_heads * math.ceil(spec.seq_local / cfg.block_m),)
     return LaunchPlan(control.KIND_FWD, spec, world_size, cfg, chunk_blocks, cfg.block_n, grid, need, flags,
                       interpret)

@@ -79,13 +79,24 @@ its keys.
   every pair, it only skips less. In a masked block, rows whose id lies outside [s_lo, s_hi] (padding too)
   load as 0. The backward's dK/dV tasks do the same over the local query blocks against their K/V block's
   ids.
-  Still waited for, and why: every chunk the *positions* say a tile may see. A receiver cannot read a chunk's
-  ids before the chunk's flag, and pushing the ids ahead with flags of their own would add a wait (for the
-  ids) per ring step to save one that usually costs nothing: every rank pushes all its units at the start of
-  the call, so a tile's wait overlaps its ring step 0 and the transfers of the earlier steps. Segment ids
-  never decide a push, nor whether a partial is sent: the sender would need its receiver's ids, i.e. a wait
-  before pushing, which would break the argument below (pushes never wait). A partial whose block no local
-  query attends is sent as zeros (its owner, not knowing this rank's ids, waits for it).
+  What ids decide before any data moves (forward): which chunks travel and are waited for. With the call's
+  signature, the publishing program of every rank also writes into its inbox on every peer the [min, max] of
+  the non-padding ids of each of its K/V chunks and of each half of its shard, per batch (``publish_id_ranges``:
+  zigzag halves are the layout's two chunks, far apart in position; contiguous, the shard and an empty
+  range), before the signature's release; every program of every rank acquires every peer's signature before
+  it pushes or waits (``check_call``), so after the check every rank holds the same ranges of everyone. A
+  chunk is pushed iff the positions allow it (above) and its range meets the range of a half of the
+  receiver's shard (``push_unit``: the pusher computes its chunk's range from its own ids, which is exactly
+  the range it published: integer min / max). A tile waits for a chunk iff the positions allow it and the
+  chunk's published range meets the range of the tile's rows in either half (``tile_id_parts``,
+  ``wait_chunks``): each part of the tile lies within its half, so every chunk a tile waits for was pushed.
+  The range pass and the masked loops do not read rows of a chunk whose range misses the tile's (it was not
+  sent; its receive bytes hold an older call's data). With packed documents a chunk then travels only where a
+  document crosses into the receiver's half: most stay home. Range words live after the K/V flags in the
+  ring slot's flag region (``plans.id_range_words``), stored as -1 - value (<= 0), so no flag wait, which needs
+  an epoch >= 1, is ever met by a range word a call of another shape left there.
+  The backward still decides by position only: its K/V chunks, and its partials, travel whenever positions
+  allow (a partial whose block no local query attends is sent as zeros); ids narrow its loops after the waits.
 
 Why it cannot deadlock
 ----------------------
@@ -104,8 +115,12 @@ With a window or segment ids, no unit that is waited for goes unpushed: a tile w
 a row its queries see by position, and the pusher sends every chunk that holds a row some query of the
 receiver sees by position (``chunk_needed``; a tile's queries are some of its shard's, and the rows within
 reach grow with the query positions). Both depend on positions and constexprs only, never on data, and the
-call check makes every rank use the same window and chunking. Segment ids are read only after the wait that
-covers them and narrow only the loops after it, so they change no wait.
+call check makes every rank use the same window and chunking. With segment ids (forward), both also depend on
+the id ranges, which every rank publishes unconditionally before its signature's release (no wait before it,
+like the signature) and every program reads only after acquiring that signature; the pusher's test (chunk meets
+a half of the receiver) contains the tile's (chunk meets the tile's part in a half, a sub-range of that half's),
+so again no waited unit goes unpushed. The ids themselves (rows' values) are read only after the wait that
+covers them and narrow only the loops after it.
 (b) Every program finishes once its (a)-waits are met, so each rank's last program reaches the barrier.
 No cycle exists, and in the Triton interpreter (programs of a rank run one after another) the first
 program pushes everything before waiting, so one thread per rank completes too.
@@ -355,11 +370,13 @@ def call_words(KIND: tl.constexpr, B, S, sm_scale, W: tl.constexpr, H: tl.conste
 
 
 @triton.jit
-def check_call(ctl, heap_bases, rank, epoch, words, timeout_ns, W: tl.constexpr, INTERPRET: tl.constexpr):
+def check_call(ctl, heap_bases, rank, epoch, words, timeout_ns, W: tl.constexpr, INTERPRET: tl.constexpr,
+               seg_ptr, rng, B, S, n_chunks, CHUNK_ROWS: tl.constexpr, ZIGZAG: tl.constexpr, ID_RANGES: tl.constexpr):
     """Before anything is pushed to or read from a peer: make sure every rank makes the same call.
 
     The first program of the call on this rank publishes the signature ``words`` (see call_words) into
-    this rank's inbox slot on every peer (words, then the epoch with a release). Every program then waits
+    this rank's inbox slot on every peer (words, then the epoch with a release; with ID_RANGES, the forward's
+    segment-id ranges before them, ``publish_id_ranges``, which the same acquire covers). Every program then waits
     (bounded) for every peer's slot to hold this epoch and compares. Returns 1 if all agree. Otherwise
     records ERR_MISMATCH (a field differs; detail: index of the first differing word), ERR_EPOCH (a peer
     is at another call) or ERR_START_TIMEOUT, with both signatures for the host's message, and returns
@@ -373,6 +390,8 @@ def check_call(ctl, heap_bases, rank, epoch, words, timeout_ns, W: tl.constexpr,
         for p in tl.static_range(W):
             if p != rank:
                 iris.store(ctl + CTL_SIG + rank * SIG_WORDS + i, mine, rank, p, heap_bases, mask=i > 0)
+        if ID_RANGES:
+            publish_id_ranges(seg_ptr, rng, heap_bases, rank, B, S, n_chunks, W, CHUNK_ROWS, ZIGZAG)
         tl.debug_barrier()  # every thread's words before the epoch (cumulativity through bar.sync)
         for p in tl.static_range(W):
             if p != rank:
@@ -654,7 +673,8 @@ def tile_ids(seg_base, rows, row_ok, SEGMENTED: tl.constexpr):
 
 
 @triton.jit
-def seg_blocks(seg_base, j_lo, j_hi, lo1, hi1, lo2, hi2, nf_lo, nf_hi, s_lo, s_hi, t, BLOCK: tl.constexpr):
+def seg_blocks(seg_base, j_lo, j_hi, lo1, hi1, lo2, hi2, nf_lo, nf_hi, s_lo, s_hi, t, BLOCK: tl.constexpr,
+               rng_src_b, a_lo, a_hi, b_lo, b_hi, CHUNK_ROWS: tl.constexpr, ID_SKIP: tl.constexpr):
     """The range pass of segment ids, before a loop over blocks [j_lo, j_hi) of BLOCK rows of the other side
     (keys for a query tile, queries for a K/V block), whose ids are at ``seg_base`` and which may be read only
     in rows [lo1, hi1) | [lo2, hi2) (rows another rank did not send are never read). A block whose non-padding
@@ -663,7 +683,9 @@ def seg_blocks(seg_base, j_lo, j_hi, lo1, hi1, lo2, hi2, nf_lo, nf_hi, s_lo, s_h
     rest (neither loaded nor computed); [f_first, f_end) within it are the blocks of [nf_lo, nf_hi) (whole
     by position) whose every row carries the tile's one id t: no mask, the plain loop. Exact for packed
     sequences (ids non-decreasing with the position: the blocks that meet the tile are one run, and so are
-    those of its one id); for any other ids the loops still mask each pair, they only skip less."""
+    those of its one id); for any other ids the loops still mask each pair, they only skip less. With ID_SKIP
+    (received K/V of the forward), rows of chunks whose published range misses the tile's (``tile_id_parts``)
+    are not read: such a chunk was not sent (``push_unit``), and none of its rows can hold a pair."""
     RB: tl.constexpr = 2048 // BLOCK  # blocks per vector step (2048 ids)
     offs_b = tl.arange(0, RB)
     offs_r = tl.arange(0, BLOCK)
@@ -676,6 +698,9 @@ def seg_blocks(seg_base, j_lo, j_hi, lo1, hi1, lo2, hi2, nf_lo, nf_hi, s_lo, s_h
         blk = j0 + offs_b
         rows = blk[:, None] * BLOCK + offs_r[None, :]
         ok = in_rows(rows, lo1, hi1, lo2, hi2) & (blk < j_hi)[:, None]
+        if ID_SKIP:
+            ok = ok & id_ranges_meet(rng_src_b, (blk * BLOCK) // CHUNK_ROWS, a_lo, a_hi, b_lo, b_hi,
+                                     blk < j_hi)[:, None]
         ids = tl.load(seg_base + rows, mask=ok, other=-1)
         mine = ok & (ids >= 0)
         k_min = tl.min(tl.where(mine, ids, BIG_ID), axis=1)
@@ -693,12 +718,113 @@ def seg_blocks(seg_base, j_lo, j_hi, lo1, hi1, lo2, hi2, nf_lo, nf_hi, s_lo, s_h
     return first, tl.where(one_run, f_first, end), tl.where(one_run, f_end, end), end
 
 
+# ---- segment-id ranges: what lets ids decide pushes and waits (forward) ------------------------------------------
+# With segment ids the forward's call check carries, with each rank's signature, the [min, max] of the non-padding
+# ids of each of its K/V chunks and of each half of its shard (zigzag: the two chunks of the layout; contiguous: the
+# shard, then an empty range), per batch (``publish_id_ranges``), into the ring slot's flag words after the K/V
+# flags: per rank p, [B][n_chunks + 2][lo, hi]. Words are stored as -1 - value (<= 0; an empty range is
+# (BIG_ID, -1)), so no flag wait (>= an epoch >= 1) is ever met by a range word that a call of another shape left
+# where its flags now lie.
+@triton.jit
+def id_range(seg_b, r0, r1, RP: tl.constexpr):
+    """[lo, hi] of the non-padding ids in rows [r0, r1) of one batch's ids at ``seg_b`` (lo > hi: none), RP rows
+    at a time. Exact (integer min / max): every rank that computes it for the same rows gets the same range."""
+    offs = tl.arange(0, RP)
+    lo = r0 * 0 + BIG_ID
+    hi = r0 * 0 - 1
+    for a in range(r0, r1, RP):
+        rows = a + offs
+        ids = tl.load(seg_b + rows, mask=rows < r1, other=-1)
+        lo = tl.minimum(lo, tl.min(tl.where(ids >= 0, ids, BIG_ID), axis=0))
+        hi = tl.maximum(hi, tl.max(ids, axis=0))
+    return lo, hi
+
+
+@triton.jit
+def half_rows(h, S, ZIGZAG: tl.constexpr):
+    """Rows [r0, r1) of half ``h`` (0 or 1) of a shard: zigzag, its two chunks of S // 2 rows (positions apart);
+    contiguous, the whole shard, then nothing."""
+    if ZIGZAG:
+        return h * (S // 2), S // 2 + h * (S - S // 2)
+    else:
+        return h * S, S
+
+
+@triton.jit
+def publish_id_ranges(seg_ptr, rng, heap_bases, rank, B, S, n_chunks, W: tl.constexpr, CHUNK_ROWS: tl.constexpr,
+                      ZIGZAG: tl.constexpr):
+    """Write this rank's id ranges (per batch: each K/V chunk's, then each half's) into its inbox of the range
+    words on every peer. Run by the program that publishes the call's signature, before the signature's release:
+    a peer that acquired the signature reads them after it (ring_core.protocol, "Segment ids")."""
+    RP: tl.constexpr = CHUNK_ROWS if CHUNK_ROWS < 1024 else 1024
+    two = tl.arange(0, 2)
+    stride = B * (n_chunks + 2) * 2
+    for b in range(B):
+        seg_b = seg_ptr + (rank * 0 + b).to(tl.int64) * S  # (b may be a Python int in the interpreter)
+        for c in range(n_chunks + 2):
+            if c < n_chunks:
+                lo, hi = id_range(seg_b, c * CHUNK_ROWS, tl.minimum(S, c * CHUNK_ROWS + CHUNK_ROWS), RP)
+            else:
+                r0, r1 = half_rows(c - n_chunks, S, ZIGZAG)
+                lo, hi = id_range(seg_b, r0, r1, RP)
+            words = -1 - tl.where(two == 0, lo, hi)
+            for p in tl.static_range(W):
+                if p != rank:
+                    iris.store(rng + rank * stride + (b * (n_chunks + 2) + c) * 2 + two, words, rank, p, heap_bases)
+
+
+@triton.jit
+def ranges_meet(lo, hi, a_lo, a_hi, b_lo, b_hi):
+    """Whether [lo, hi] meets [a_lo, a_hi] or [b_lo, b_hi]; every range here is of ids >= 0 or empty (BIG_ID, -1),
+    so an empty one meets nothing."""
+    return (lo <= hi) & (((lo <= a_hi) & (hi >= a_lo)) | ((lo <= b_hi) & (hi >= b_lo)))
+
+
+@triton.jit
+def id_ranges_meet(rng_src_b, c, a_lo, a_hi, b_lo, b_hi, mask):
+    """Whether the published ranges of chunks ``c`` (a vector; rank src's, batch b: ``rng_src_b``) meet
+    [a_lo, a_hi] or [b_lo, b_hi] (a tile's ids, ``tile_id_parts``); False where not ``mask`` (nothing read)."""
+    lo = -1 - tl.load(rng_src_b + c * 2, mask=mask, other=-1 - BIG_ID, volatile=True)
+    hi = -1 - tl.load(rng_src_b + c * 2 + 1, mask=mask, other=0, volatile=True)
+    return ranges_meet(lo, hi, a_lo, a_hi, b_lo, b_hi) & mask
+
+
+@triton.jit
+def id_range_meets(rng_src_b, c, a_lo, a_hi, b_lo, b_hi):
+    """``id_ranges_meet`` of one chunk ``c``."""
+    lo = -1 - tl.load(rng_src_b + c * 2, volatile=True)
+    hi = -1 - tl.load(rng_src_b + c * 2 + 1, volatile=True)
+    return ranges_meet(lo, hi, a_lo, a_hi, b_lo, b_hi)
+
+
+@triton.jit
+def tile_id_parts(ids, rows, S, ZIGZAG: tl.constexpr):
+    """A tile's ids (``tile_ids``: -1 where no row) as two ranges, (a_lo, a_hi, b_lo, b_hi): those of its rows in
+    each half of the shard (``half_rows``; contiguous: all, then an empty range). Each lies within the range its
+    rank published for that half, so a chunk meeting either was sent (``push_unit``)."""
+    if ZIGZAG:
+        first = rows < S // 2
+    else:
+        first = rows >= 0
+    a_lo = tl.min(tl.where(first & (ids >= 0), ids, BIG_ID), axis=0)
+    a_hi = tl.max(tl.where(first, ids, -1), axis=0)
+    b_lo = tl.min(tl.where(~first & (ids >= 0), ids, BIG_ID), axis=0)
+    b_hi = tl.max(tl.where(~first, ids, -1), axis=0)
+    return a_lo, a_hi, b_lo, b_hi
+
+
+@triton.jit
+def ranks_rng(flags, B, HKV, n_chunks, W: tl.constexpr):
+    """The range words of the ring slot (after the forward's K/V flags [W-1][B][HKV][n_chunks])."""
+    return flags + (W - 1) * B * HKV * n_chunks
+
+
 @triton.jit
 def push_unit(u, k_ptr, v_ptr, seg_ptr, recv_ptr, seg_recv, flags_ptr, heap_bases, rank, epoch, B, S, n_chunks,
               W: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
               CHUNK_ROWS: tl.constexpr, PUSH_ROWS: tl.constexpr, PUSH_VEC: tl.constexpr,
               CAUSAL: tl.constexpr, ZIGZAG: tl.constexpr, WINDOW: tl.constexpr, WIN_LEFT: tl.constexpr,
-              WIN_RIGHT: tl.constexpr, SEGMENTED: tl.constexpr):
+              WIN_RIGHT: tl.constexpr, SEGMENTED: tl.constexpr, rng, ID_SKIP: tl.constexpr):
     per_peer = B * HKV * n_chunks
     d = u // per_peer + 1
     rem = u % per_peer
@@ -714,6 +840,17 @@ def push_unit(u, k_ptr, v_ptr, seg_ptr, recv_ptr, seg_recv, flags_ptr, heap_base
     elif CAUSAL:
         # The receiver sees a row only if its position is <= the receiver's last query position.
         needed = positions(c * CHUNK_ROWS, rank, S, W, ZIGZAG) <= last_pos(peer, S, W, ZIGZAG)
+    if ID_SKIP:
+        # ... and some query of the receiver may attend one of its rows by id: the chunk's ids meet those of a
+        # half of the receiver's shard (published with its signature; its tiles wait by the same ranges).
+        RP: tl.constexpr = CHUNK_ROWS if CHUNK_ROWS < 1024 else 1024
+        lo, hi = id_range(seg_ptr + b.to(tl.int64) * S, c * CHUNK_ROWS, tl.minimum(S, c * CHUNK_ROWS + CHUNK_ROWS), RP)
+        halves = rng + ((peer * B + b) * (n_chunks + 2) + n_chunks) * 2
+        h0_lo = -1 - tl.load(halves, volatile=True)
+        h0_hi = -1 - tl.load(halves + 1, volatile=True)
+        h1_lo = -1 - tl.load(halves + 2, volatile=True)
+        h1_hi = -1 - tl.load(halves + 3, volatile=True)
+        needed = needed & ranges_meet(lo, hi, h0_lo, h0_hi, h1_lo, h1_hi)
     if needed:
         offs_r = tl.arange(0, PUSH_ROWS)
         offs_d = tl.arange(0, BLOCK_D)
@@ -749,13 +886,13 @@ def claim_push(ctl, n_units, k_ptr, v_ptr, seg_ptr, recv, seg_recv, flags, heap_
                W: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                CHUNK_ROWS: tl.constexpr, PUSH_ROWS: tl.constexpr, VEC: tl.constexpr, CAUSAL: tl.constexpr,
                ZIGZAG: tl.constexpr, WINDOW: tl.constexpr, WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr,
-               SEGMENTED: tl.constexpr):
+               SEGMENTED: tl.constexpr, rng, ID_SKIP: tl.constexpr):
     """Claim one push unit, if any is left, and push it (overlap in ring step 0; never waits)."""
     u0 = tl.atomic_add(ctl + CTL_CLAIM, 1, sem="relaxed", scope="gpu")
     if u0 < n_units:
         push_unit(u0, k_ptr, v_ptr, seg_ptr, recv, seg_recv, flags, heap_bases, rank, epoch, B, S, n_chunks,
                   W, HKV, D, BLOCK_D, CHUNK_ROWS, PUSH_ROWS, VEC, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT,
-                  SEGMENTED)
+                  SEGMENTED, rng, ID_SKIP)
 
 
 @triton.jit
@@ -763,31 +900,37 @@ def drain_pushes(ctl, n_units, k_ptr, v_ptr, seg_ptr, recv, seg_recv, flags, hea
                  n_chunks, W: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                  CHUNK_ROWS: tl.constexpr, PUSH_ROWS: tl.constexpr, PUSH_VEC: tl.constexpr,
                  CAUSAL: tl.constexpr, ZIGZAG: tl.constexpr, WINDOW: tl.constexpr, WIN_LEFT: tl.constexpr,
-                 WIN_RIGHT: tl.constexpr, SEGMENTED: tl.constexpr):
+                 WIN_RIGHT: tl.constexpr, SEGMENTED: tl.constexpr, rng, ID_SKIP: tl.constexpr):
     """Push until no unit is left unclaimed. Called by every task before its first wait and before it ends,
     whether or not it waits at all (see the module docstring)."""
     u = tl.atomic_add(ctl + CTL_CLAIM, 1, sem="relaxed", scope="gpu")
     while u < n_units:
         push_unit(u, k_ptr, v_ptr, seg_ptr, recv, seg_recv, flags, heap_bases, rank, epoch, B, S, n_chunks,
                   W, HKV, D, BLOCK_D, CHUNK_ROWS, PUSH_ROWS, PUSH_VEC, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT,
-                  SEGMENTED)
+                  SEGMENTED, rng, ID_SKIP)
         u = tl.atomic_add(ctl + CTL_CLAIM, 1, sem="relaxed", scope="gpu")
 
 
 
 @triton.jit
-def wait_chunks(flag0, c_lo, c_hi, epoch, ctl, timeout_ns, src, step, INTERPRET: tl.constexpr, POLL_N: tl.constexpr):
+def wait_chunks(flag0, c_lo, c_hi, epoch, ctl, timeout_ns, src, step, INTERPRET: tl.constexpr, POLL_N: tl.constexpr,
+                rng_src_b, a_lo, a_hi, b_lo, b_hi, ID_SKIP: tl.constexpr):
     """Wait (acquire) until the flags ``flag0[c_lo:c_hi]`` hold ``epoch``: the chunks of rank ``src``'s K/V that
     a tile of ring step ``step`` reads, POLL_N flags per vector poll (one round trip for many chunks; polled
     one after another they cost about a microsecond each). Call it *before* the loops that read the chunks,
     never inside them: Triton's software pipeliner issues a loop's loads several iterations ahead, so an
     acquire inside the loop would not order the loads of later iterations (an earlier version did that, and
     its pipelined fp32 loop read slots still holding the previous call's data; tests/test_kernel_ir.py checks
-    this never recurs). Returns 1, or 0 after recording ERR_KV_TIMEOUT (a wait gave up)."""
+    this never recurs). With ID_SKIP (the forward with segment ids) only the chunks whose published id range
+    (``rng_src_b``) meets the tile's (``tile_id_parts``): the sender pushed those (``push_unit``), and no other
+    can hold a key the tile attends. Returns 1, or 0 after recording ERR_KV_TIMEOUT (a wait gave up)."""
     ok_all = epoch * 0 + 1
     offs = tl.arange(0, POLL_N)
     for c0 in range(c_lo, c_hi, POLL_N):
-        ok, first = poll_all_ge(flag0 + c0 + offs, c0 + offs < c_hi, epoch, ctl, timeout_ns, INTERPRET, POLL_N)
+        mask = c0 + offs < c_hi
+        if ID_SKIP:
+            mask = id_ranges_meet(rng_src_b, c0 + offs, a_lo, a_hi, b_lo, b_hi, mask)
+        ok, first = poll_all_ge(flag0 + c0 + offs, mask, epoch, ctl, timeout_ns, INTERPRET, POLL_N)
         if ok == 0:
             record_error(ctl, ERR_KV_TIMEOUT, src, step, c0 + first)
             ok_all = ok_all * 0
@@ -799,15 +942,18 @@ def wait_chunks(flag0, c_lo, c_hi, epoch, ctl, timeout_ns, src, step, INTERPRET:
 
 @triton.jit
 def wait_rows(flag0, lo1, hi1, lo2, hi2, CHUNK_ROWS: tl.constexpr, epoch, ctl, timeout_ns, src, step,
-              INTERPRET: tl.constexpr, POLL_N: tl.constexpr):
+              INTERPRET: tl.constexpr, POLL_N: tl.constexpr, rng_src_b, a_lo, a_hi, b_lo, b_hi,
+              ID_SKIP: tl.constexpr):
     """``wait_chunks`` for the chunks that hold rows [lo1, hi1) | [lo2, hi2) (``rows_within``: empty runs are
     (0, 0), the first before the second): those and no others, each once."""
     c1_lo = lo1 // CHUNK_ROWS
     c1_hi = tl.where(hi1 > lo1, tl.cdiv(hi1, CHUNK_ROWS), c1_lo)
     c2_lo = tl.maximum(lo2 // CHUNK_ROWS, c1_hi)
     c2_hi = tl.maximum(tl.where(hi2 > lo2, tl.cdiv(hi2, CHUNK_ROWS), c2_lo), c2_lo)
-    ok = wait_chunks(flag0, c1_lo, c1_hi, epoch, ctl, timeout_ns, src, step, INTERPRET, POLL_N)
-    return ok * wait_chunks(flag0, c2_lo, c2_hi, epoch, ctl, timeout_ns, src, step, INTERPRET, POLL_N)
+    ok = wait_chunks(flag0, c1_lo, c1_hi, epoch, ctl, timeout_ns, src, step, INTERPRET, POLL_N, rng_src_b, a_lo, a_hi,
+                     b_lo, b_hi, ID_SKIP)
+    return ok * wait_chunks(flag0, c2_lo, c2_hi, epoch, ctl, timeout_ns, src, step, INTERPRET, POLL_N, rng_src_b, a_lo,
+                            a_hi, b_lo, b_hi, ID_SKIP)
 
 
 @triton.jit

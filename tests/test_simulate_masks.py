@@ -396,10 +396,10 @@ def test_segments_never_read_other_documents_rows():
     assert (grads[0][:, pad] == 0).all()
 
 
-def test_a_rank_of_padding_waits_for_nothing_and_still_sends():
-    """Every token of rank 1 is padding: its tiles attend nothing (no wait, out 0, lse -inf), yet it pushes its
-    K/V, for which its peers wait (positions say their queries may see it; the ids, which say they attend none
-    of it, travel with it): its programs drain the push counter before they end, so the call completes."""
+def test_a_rank_of_padding_waits_for_nothing_and_sends_nothing():
+    """Every token of rank 1 is padding, rank 0's one document and rank 2's another: no query attends a key of
+    another rank, and the id ranges published with the call check say so, so no K/V chunk travels at all (no
+    flag set anywhere) and no tile waits; the call completes, every padding row gives out 0 and lse -inf."""
     W, S = 3, 20
     ids = np.zeros((1, W * S), np.int32)
     ids[0, S:2 * S] = -1
@@ -411,8 +411,64 @@ def test_a_rank_of_padding_waits_for_nothing_and_still_sends():
     _check_padding(out, lse, ids)
     epoch = int(res[0][2][3])
     n_chunks = -(-S // TILE)
-    for r in range(W):  # every chunk of every rank reached every peer (ids are values: nothing skipped by them)
-        assert (_kv_flags(job, r, W, n_chunks) == epoch).all()
+    for r in range(W):
+        assert not (_kv_flags(job, r, W, n_chunks) == epoch).any(), r
+
+
+def _expected_chunks(ids_local, W, S, B, *, is_causal, layout):
+    """[dst][d - 1][b][c]: whether rank dst - d pushes chunk c of batch b to rank dst, by the rule of
+    ring_core.protocol.push_unit (no window): causal masking lets some query of dst see the chunk's first row,
+    and the [min, max] of the chunk's non-padding ids meets that of a half of dst's shard (zigzag: its two
+    chunks of the layout; contiguous: the shard)."""
+    from ring_core import layout as lay
+
+    n_chunks = -(-S // TILE)
+    pos = [lay.global_positions(np, r, W, S, layout) for r in range(W)]
+
+    def rng(a):
+        a = a[a >= 0]
+        return (int(a.min()), int(a.max())) if a.size else None
+
+    exp = np.zeros((W, W - 1, B, n_chunks), bool)
+    for dst in range(W):
+        for d in range(1, W):
+            src = (dst - d) % W
+            for b in range(B):
+                own = ids_local[dst][b]
+                halves = [rng(own[:S // 2]), rng(own[S // 2:])] if layout == "zigzag" else [rng(own)]
+                for c in range(n_chunks):
+                    if is_causal and pos[src][c * TILE] > pos[dst].max():
+                        continue
+                    chunk = rng(ids_local[src][b, c * TILE:(c + 1) * TILE])
+                    exp[dst, d - 1, b, c] = chunk is not None and any(
+                        h is not None and chunk[0] <= h[1] and chunk[1] >= h[0] for h in halves)
+    return exp
+
+
+@pytest.mark.parametrize("kind, is_causal, layout, W", [
+    ("packed", True, "zigzag", 3),
+    ("padded", False, "contiguous", 3),
+    ("packed", False, "zigzag", 4),
+    ("scattered", True, "contiguous", 2),
+])
+def test_segment_ids_decide_which_chunks_travel(kind, is_causal, layout, W):
+    """A K/V chunk reaches a peer iff positions allow it and its ids meet the peer's (the ranges each rank
+    publishes with the call check): the flags a call leaves are exactly those, and the results stay right.
+    Packed documents of at most 8 tokens in shards of 48: most chunks stay home."""
+    S, B = 48, 2
+    ids = (testing.random_segment_ids(50 + W, B, S * W, max_len=8, padding=kind == "padded")
+           if kind != "scattered" else _segments(kind, 50, B, S * W))
+    job, call, res, ref = _run_job(W, S, is_causal=is_causal, layout=layout, ids=ids, B=B, seed=W)
+    testing.check_attention(f"{kind} W={W}", call.gather([r[0] for r in res]),
+                            call.gather([r[1] for r in res], seq_axis=2), *ref, "float32", is_causal=is_causal,
+                            segment_ids=ids)
+    epoch = int(res[0][2][3])
+    n_chunks = -(-S // TILE)
+    exp = _expected_chunks(call.seg_shards, W, S, B, is_causal=is_causal, layout=layout)
+    got = np.stack([_kv_flags(job, r, W, n_chunks, B=B)[:, :, 0] == epoch for r in range(W)])
+    np.testing.assert_array_equal(got, exp)
+    if kind == "packed":
+        assert 0 < exp.sum() < exp.size // 2  # documents crossing shard ends travel; most chunks do not
 
 
 @pytest.mark.parametrize("is_causal, layout, window, steps", [
