@@ -141,7 +141,7 @@ def ring_attn_fwd_kernel(
     # With segment ids: every rank's id ranges (per batch, each K/V chunk's and each half's of the shard), published
     # with the call's signature, after the K/V flags: a chunk whose ids no query of the receiver has is neither
     # sent nor waited for (protocol.publish_id_ranges, push_unit, wait_chunks).
-    rng = ranks_rng(flags, B, HKV, n_chunks, W)
+    rng = ranks_rng(flags, B, HKV, n_chunks, 0, W)
     call_ok = epoch * 0 + 1
     if W > 1:
         # Every rank must make this same call; if not, push nothing (every later wait then gives up at once).

@@ -48,7 +48,8 @@ fused call, forward or backward, so it is equal on every rank of a job that make
   ``epoch`` (flags after the K/V flags). A block that no local query can see (causal, window) is neither
   computed nor sent, and its owner does not wait for it (both sides evaluate the same test). It runs over
   the local query blocks within reach of its keys only; with segment ids, over those whose ids can meet
-  the block's (its partial is still sent: the owner cannot know this rank's ids).
+  the block's, and only if the block's chunk came at all (its ids meet this rank's: the id ranges published
+  with the call check), in which case its owner waits for the partial, else neither side does.
 * Final tasks compute the local contribution, then wait for the flags of the peers' partials of their
   block, and add everything in rank order (ranks 0..W-1, the local one at its place), scale dK.
 * End, exactly as in the forward: the last program to finish tells every peer it is done with this
@@ -85,9 +86,10 @@ import iris
 from ring_core import control
 from ring_core.protocol import (CTL_BWD_DELTA, CTL_BWD_TICKET, CTL_ERROR, ERR_KV_TIMEOUT, ERR_PEER_FAILED,
                                 block_range, call_words, check_call, chunk_needed, claim_push, drain_pushes, end_call,
-                                in_rows, last_pos, pairs_allowed, poll_ge, positions, record_error, record_peer_error,
-                                ring_context, row_blocks, rows_seen, rows_within, seg_blocks, tile_ids, visible_rows,
-                                wait_chunks, wait_rows)
+                                id_range_meets, in_rows, last_pos, meets_halves, own_chunk_range, own_halves,
+                                pairs_allowed, poll_ge, positions, published_range, ranges_meet, ranks_rng,
+                                record_error, record_peer_error, ring_context, row_blocks, rows_seen, rows_within,
+                                seg_blocks, tile_id_parts, tile_ids, visible_rows, wait_chunks, wait_rows)
 from ring_core.tiles import dot, heavy_first, load_kv
 
 KIND_BWD = tl.constexpr(control.KIND_BWD)
@@ -102,13 +104,15 @@ def _dq_blocks(dq, q, do, lse2, delta, q_pos, q_pos_max, k_base, v_base, lo, hi,
                ROW_STRIDE: tl.constexpr, W: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_D: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, ZIGZAG: tl.constexpr,
                INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr, WIN_LEFT: tl.constexpr,
-               WIN_RIGHT: tl.constexpr, SEGMENTED: tl.constexpr):
+               WIN_RIGHT: tl.constexpr, SEGMENTED: tl.constexpr, rng_src_b, a_lo, a_hi, b_lo, b_hi,
+               CHUNK_ROWS: tl.constexpr, ID_SKIP: tl.constexpr):
     """dQ of one query tile over K/V blocks [lo, hi) of rank ``src``. MASKED=False: every row of every block
     exists and every query of the tile sees every key (no masks: a plain loop Triton can software-pipeline;
     query rows past the shard have q = dO = 0, so they add nothing); MASKED=True: the tail block, the causal
     diagonal and the window's and segments' edges, reading only rows the tile may attend (as the forward's
-    ``_attn_blocks``: rows in [lo1, hi1) | [lo2, hi2) whose id lies in [s_lo, s_hi]). Nothing in here waits:
-    the caller acquired every chunk these blocks read."""
+    ``_attn_blocks``: rows in [lo1, hi1) | [lo2, hi2) whose id lies in [s_lo, s_hi]; with ID_SKIP, none of a
+    chunk whose published id range misses the tile's: it was not sent). Nothing in here waits: the caller
+    acquired every chunk these blocks read."""
     dmask = offs_d < D
     for j in range(lo, hi):
         rows_n = j * BLOCK_N + offs_n
@@ -122,6 +126,9 @@ def _dq_blocks(dq, q, do, lse2, delta, q_pos, q_pos_max, k_base, v_base, lo, hi,
                 row_ok = row_ok & in_rows(rows_n, lo1, hi1, lo2, hi2)  # rows the tile cannot see: maybe never sent
             elif CAUSAL:
                 row_ok = row_ok & (k_pos <= q_pos_max)  # rows the tile cannot see: maybe never sent, not read
+            if ID_SKIP:  # a block lies within one chunk (chunks are whole blocks)
+                met = id_range_meets(rng_src_b, (j * BLOCK_N) // CHUNK_ROWS, a_lo, a_hi, b_lo, b_hi)
+                row_ok = tl.where(met, row_ok, False)
             if SEGMENTED:
                 k_seg = tl.load(seg_k + rows_n, mask=row_ok, other=-1)
                 row_ok = row_ok & (k_seg >= s_lo) & (k_seg <= s_hi)
@@ -226,15 +233,18 @@ def ring_attn_bwd_kernel(
 
     n_chunks = tl.cdiv(S, CHUNK_ROWS)
     n_units = (W - 1) * B * HKV * n_chunks  # K/V push units; also the number of K/V flags
+    # With segment ids: every rank's id ranges, published with the call's signature after the K/V and partial
+    # flags (ring_core.protocol.publish_id_ranges): K/V chunks, and partial dK/dV, whose ids no query of the
+    # receiver has are neither sent nor waited for.
+    rng = ranks_rng(flags, B, HKV, n_chunks, tl.cdiv(S, KV_BLOCK_N), W)
     call_ok = epoch * 0 + 1
     if W > 1:
         # Every rank must make this same call (ring_core.protocol.check_call); if not, nothing is sent to a
         # peer (no K/V push, no partial) and every later wait gives up at once.
         words = call_words(KIND_BWD, B, S, sm_scale, W, H, HKV, D, SIG_DTYPE, CAUSAL, ZIGZAG, CHUNK_ROWS, KV_BLOCK_N,
                            WIN_LEFT, WIN_RIGHT, SEGMENTED)
-        # (The forward's id ranges are not published here: the backward decides sends and waits by position.)
-        call_ok = check_call(ctl, heap_bases, rank, epoch, words, timeout_ns, W, INTERPRET, seg_ptr, flags, B, S,
-                             n_chunks, CHUNK_ROWS, ZIGZAG, False)
+        call_ok = check_call(ctl, heap_bases, rank, epoch, words, timeout_ns, W, INTERPRET, seg_ptr, rng, B, S,
+                             n_chunks, CHUNK_ROWS, ZIGZAG, SEGMENTED)
     n_push = n_units * call_ok  # units to push: none after a mismatch
     n_kvb = tl.cdiv(S, KV_BLOCK_N)
     n_dq = B * H * tl.cdiv(S, DQ_BLOCK_M)
@@ -287,6 +297,7 @@ def ring_attn_bwd_kernel(
         q_pos_min = tl.min(tl.where(m_valid, q_pos, 2147483647), axis=0)
         seg_q = seg_ptr + b.to(tl.int64) * S  # this rank's ids of batch b (SEGMENTED only)
         q_seg, s_lo, s_hi, t_id = tile_ids(seg_q, offs_m, m_valid, SEGMENTED)
+        a_lo, a_hi, b_lo, b_hi = tile_id_parts(q_seg, offs_m, S, ZIGZAG)  # (SEGMENTED: the chunks it waits for)
         offs_n = tl.arange(0, DQ_BLOCK_N)
         dq = tl.zeros([DQ_BLOCK_M, BLOCK_D], tl.float32)
         for step in tl.static_range(W):
@@ -323,7 +334,8 @@ def ring_attn_bwd_kernel(
                     dq = _dq_blocks(dq, q, do, lse2, delta, q_pos, q_pos_max, k_base, v_base, j_lo, n_full_lo, src,
                                     S, qk_scale, offs_n, offs_d, lo1, hi1, lo2, hi2, q_seg, s_lo, s_hi, seg_k, HKV * D,
                                     W, D, DQ_BLOCK_N, BLOCK_D, True, CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION, WINDOW,
-                                    WIN_LEFT, WIN_RIGHT, SEGMENTED)
+                                    WIN_LEFT, WIN_RIGHT, SEGMENTED,
+                                    rng, a_lo, a_hi, b_lo, b_hi, CHUNK_ROWS, False)
                     dq = dq * (sm_scale * 0.0 + 1.0)  # see below (C7515)
                 if W > 1:
                     # Overlap: claim and push one unit of the local K/V every SEG_BLOCKS blocks; the claims
@@ -331,12 +343,13 @@ def ring_attn_bwd_kernel(
                     for seg in range(n_full_lo, n_full, SEG_BLOCKS):
                         claim_push(ctl, n_push, k_ptr, v_ptr, seg_ptr, recv, seg_recv, flags, heap_bases, rank, epoch,
                                    B, S, n_chunks, W, HKV, D, BLOCK_D, CHUNK_ROWS, PUSH_ROWS, PUSH_VEC, CAUSAL, ZIGZAG,
-                                   WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED, flags, False)
+                                   WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED, rng, SEGMENTED)
                         dq = _dq_blocks(dq, q, do, lse2, delta, q_pos, q_pos_max, k_base, v_base, seg,
                                         tl.minimum(seg + SEG_BLOCKS, n_full), src, S, qk_scale, offs_n, offs_d,
                                         lo1, hi1, lo2, hi2, q_seg, s_lo, s_hi, seg_k, HKV * D, W, D, DQ_BLOCK_N,
                                         BLOCK_D, False, CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION, WINDOW, WIN_LEFT,
-                                        WIN_RIGHT, SEGMENTED)
+                                        WIN_RIGHT, SEGMENTED,
+                                        rng, a_lo, a_hi, b_lo, b_hi, CHUNK_ROWS, False)
                     # dq times exactly 1 (sm_scale is finite): without a non-wgmma definition of the
                     # accumulator between this loop nest and the next loop, ptxas serialises every wgmma of
                     # the kernel (warning C7515): each k-step of every matmul then waits for the one before
@@ -346,36 +359,40 @@ def ring_attn_bwd_kernel(
                     dq = _dq_blocks(dq, q, do, lse2, delta, q_pos, q_pos_max, k_base, v_base, n_full_lo, n_full, src,
                                     S, qk_scale, offs_n, offs_d, lo1, hi1, lo2, hi2, q_seg, s_lo, s_hi, seg_k, HKV * D,
                                     W, D, DQ_BLOCK_N, BLOCK_D, False, CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION, WINDOW,
-                                    WIN_LEFT, WIN_RIGHT, SEGMENTED)
+                                    WIN_LEFT, WIN_RIGHT, SEGMENTED,
+                                    rng, a_lo, a_hi, b_lo, b_hi, CHUNK_ROWS, False)
                 dq = _dq_blocks(dq, q, do, lse2, delta, q_pos, q_pos_max, k_base, v_base, n_full, n_hi, src, S,
                                 qk_scale, offs_n, offs_d, lo1, hi1, lo2, hi2, q_seg, s_lo, s_hi, seg_k, HKV * D, W, D,
                                 DQ_BLOCK_N, BLOCK_D, True, CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION, WINDOW, WIN_LEFT,
-                                WIN_RIGHT, SEGMENTED)
+                                WIN_RIGHT, SEGMENTED,
+                                rng, a_lo, a_hi, b_lo, b_hi, CHUNK_ROWS, False)
             else:
                 slot = step - 1
                 k_base = recv + ((slot * 2 * B + b).to(tl.int64) * HKV + hkv) * S * D
                 v_base = k_base + B64 * HKV * S * D
                 seg_k = seg_recv + ((slot * B + b).to(tl.int64) * HKV + hkv) * S
+                rng_src = rng + (src * B + b) * (n_chunks + 2) * 2  # src's published id ranges of batch b
                 if step == 1:
                     # Every task passes here, also one that needs nothing from any peer (module docstring, (a)).
                     drain_pushes(ctl, n_push, k_ptr, v_ptr, seg_ptr, recv, seg_recv, flags, heap_bases, rank, epoch, B,
                                  S, n_chunks, W, HKV, D, BLOCK_D, CHUNK_ROWS, PUSH_ROWS, PUSH_VEC, CAUSAL, ZIGZAG,
-                                 WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED, flags, False)
+                                 WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED, rng, SEGMENTED)
                 # Every chunk this tile can see, before the loops that read them (protocol.wait_chunks says
                 # why). Every chunk that holds a row the tile sees holds one that a query of this rank sees, so
                 # its owner pushed it (protocol.chunk_needed; causal: it starts at a position the tile sees).
                 flag0 = flags + (slot * B * HKV + b * HKV + hkv) * n_chunks
                 if WINDOW or SEGMENTED:
                     valid = valid * wait_rows(flag0, lo1, hi1, lo2, hi2, CHUNK_ROWS, epoch, ctl, timeout_ns, src,
-                                              step, INTERPRET, POLL_N, flags, s_lo, s_hi, s_lo, s_hi, False)
-                    if SEGMENTED:  # ids travel with their chunk: read after the wait, they narrow loops, not waits
+                                              step, INTERPRET, POLL_N, rng_src, a_lo, a_hi, b_lo, b_hi, SEGMENTED)
+                    if SEGMENTED:  # ids travel with their chunk: read after the wait, they narrow the loops
                         j_lo, n_full_lo, n_full, n_hi = seg_blocks(seg_k, j_lo, n_hi, lo1, hi1, lo2, hi2, n_full_lo,
-                                                                   n_full, s_lo, s_hi, t_id, DQ_BLOCK_N, flags, s_lo,
-                                                                   s_hi, s_lo, s_hi, CHUNK_ROWS, False)
+                                                                   n_full, s_lo, s_hi, t_id, DQ_BLOCK_N, rng_src,
+                                                                   a_lo, a_hi, b_lo, b_hi, CHUNK_ROWS, SEGMENTED)
                     dq = _dq_blocks(dq, q, do, lse2, delta, q_pos, q_pos_max, k_base, v_base, j_lo, n_full_lo, src,
                                     S, qk_scale, offs_n, offs_d, lo1, hi1, lo2, hi2, q_seg, s_lo, s_hi, seg_k, D, W, D,
                                     DQ_BLOCK_N, BLOCK_D, True, CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION, WINDOW,
-                                    WIN_LEFT, WIN_RIGHT, SEGMENTED)
+                                    WIN_LEFT, WIN_RIGHT, SEGMENTED,
+                                    rng_src, a_lo, a_hi, b_lo, b_hi, CHUNK_ROWS, SEGMENTED)
                     dq = dq * (sm_scale * 0.0 + 1.0)  # (C7515, above)
                 else:
                     valid = valid * wait_chunks(flag0, 0, tl.cdiv(seen, CHUNK_ROWS), epoch, ctl, timeout_ns, src,
@@ -383,11 +400,13 @@ def ring_attn_bwd_kernel(
                 dq = _dq_blocks(dq, q, do, lse2, delta, q_pos, q_pos_max, k_base, v_base, n_full_lo, n_full, src, S,
                                 qk_scale, offs_n, offs_d, lo1, hi1, lo2, hi2, q_seg, s_lo, s_hi, seg_k, D, W, D,
                                 DQ_BLOCK_N, BLOCK_D, False, CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION, WINDOW, WIN_LEFT,
-                                WIN_RIGHT, SEGMENTED)
+                                WIN_RIGHT, SEGMENTED,
+                                rng_src, a_lo, a_hi, b_lo, b_hi, CHUNK_ROWS, SEGMENTED)
                 dq = _dq_blocks(dq, q, do, lse2, delta, q_pos, q_pos_max, k_base, v_base, n_full, n_hi, src, S,
                                 qk_scale, offs_n, offs_d, lo1, hi1, lo2, hi2, q_seg, s_lo, s_hi, seg_k, D, W, D,
                                 DQ_BLOCK_N, BLOCK_D, True, CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION, WINDOW, WIN_LEFT,
-                                WIN_RIGHT, SEGMENTED)
+                                WIN_RIGHT, SEGMENTED,
+                                rng_src, a_lo, a_hi, b_lo, b_hi, CHUNK_ROWS, SEGMENTED)
         dq = tl.where(valid != 0, dq * sm_scale, float("nan"))  # NaN, not a wrong value, if a wait gave up
         tl.store(dq_ptr + q_off, dq.to(dq_ptr.dtype.element_ty), mask=qmask)
     else:
@@ -405,7 +424,7 @@ def ring_attn_bwd_kernel(
         # Never wait while push units are unclaimed (module docstring, (a)).
         drain_pushes(ctl, n_push, k_ptr, v_ptr, seg_ptr, recv, seg_recv, flags, heap_bases, rank, epoch, B, S,
                      n_chunks, W, HKV, D, BLOCK_D, CHUNK_ROWS, PUSH_ROWS, PUSH_VEC, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT,
-                     WIN_RIGHT, SEGMENTED, flags, False)
+                     WIN_RIGHT, SEGMENTED, rng, SEGMENTED)
         inputs_ok = poll_ge(ctl + CTL_BWD_DELTA, n_dq, ctl, timeout_ns, INTERPRET)
         if inputs_ok == 0:
             record_error(ctl, ERR_LOCAL_TIMEOUT, rank, d, n_blk)
@@ -448,6 +467,17 @@ def ring_attn_bwd_kernel(
             block_needed = True
             row_ok = n_valid
         bkv = b.to(tl.int64) * S * HKV * D + hkv * D
+        seg_own = seg_ptr + b.to(tl.int64) * S  # this rank's ids of batch b (SEGMENTED only)
+        if SEGMENTED:
+            # A partial task: the K/V chunk holding this block came (and its partial goes back) only if its ids
+            # meet a half of this rank's shard: the range its owner published against this rank's, computed as
+            # they were published (protocol.push_unit made the same test; the owner's final task below makes it
+            # from its side, with my_lo, my_hi). (A final task, d = 0, reads its own unused inbox words here.)
+            my_lo, my_hi = own_chunk_range(seg_own, n0 // CHUNK_ROWS, S, CHUNK_ROWS)
+            c_lo, c_hi = published_range(rng, src, b, B, n_chunks, n0 // CHUNK_ROWS)
+            h0_lo, h0_hi, h1_lo, h1_hi = own_halves(seg_own, S, CHUNK_ROWS, ZIGZAG)
+            came = ranges_meet(c_lo, c_hi, h0_lo, h0_hi, h1_lo, h1_hi) | (d == 0)
+            block_needed = tl.where(came, block_needed, False)
         if d > 0:
             slot = d - 1
             k_base = recv + ((slot * 2 * B + b).to(tl.int64) * HKV + hkv) * S * D
@@ -485,11 +515,10 @@ def ring_attn_bwd_kernel(
             v = tl.load(v_base + kv_off, mask=kv_mask, other=0.0)
             offs_mk = tl.arange(0, KV_BLOCK_M)
             n_mfull = S // KV_BLOCK_M
-            seg_q = seg_ptr + b.to(tl.int64) * S  # the local queries' ids (SEGMENTED only)
+            seg_q = seg_own  # the local queries' ids (SEGMENTED only)
             if SEGMENTED:
                 # The block's ids (after the wait: they travel with it) narrow the local query blocks to those
-                # that may hold a pair (protocol.seg_blocks); the partial is sent all the same (its owner cannot
-                # know this rank's ids, so it waits for it whenever positions say a local query sees the block).
+                # that may hold a pair (protocol.seg_blocks).
                 k_seg, s_lo, s_hi, t_id = tile_ids(seg_k, rows_n, row_ok, SEGMENTED)
                 i_lo, i_full, i_fend, i_hi = seg_blocks(seg_q, i_lo, i_hi, ql1, qh1, ql2, qh2, i_full, i_fend, s_lo,
                                                         s_hi, t_id, KV_BLOCK_M, flags, s_lo, s_hi, s_lo, s_hi,
@@ -555,6 +584,8 @@ def ring_attn_bwd_kernel(
                         peer_sends = rows_seen(n0, n1, rank, r, S, W, ZIGZAG, CAUSAL, WIN_LEFT, WIN_RIGHT)
                     elif CAUSAL:
                         peer_sends = k_pos_min <= last_pos(r, S, W, ZIGZAG)
+                    if SEGMENTED:  # the test of r's partial task (above), from this side
+                        peer_sends = tl.where(meets_halves(rng, r, b, B, n_chunks, my_lo, my_hi), peer_sends, False)
                     if peer_sends:
                         rslot = (r - rank + W) % W - 1
                         flag = flags + n_units + (rslot * B * HKV + bh) * n_kvb + n_blk
@@ -582,6 +613,9 @@ def ring_attn_bwd_kernel(
                             peer_sends = rows_seen(n0, n1, rank, r, S, W, ZIGZAG, CAUSAL, WIN_LEFT, WIN_RIGHT)
                         elif CAUSAL:
                             peer_sends = k_pos_min <= last_pos(r, S, W, ZIGZAG)
+                        if SEGMENTED:
+                            peer_sends = tl.where(meets_halves(rng, r, b, B, n_chunks, my_lo, my_hi), peer_sends,
+                                                  False)
                         if peer_sends:
                             rslot = (r - rank + W) % W - 1
                             src_off = ((rslot * 2 * B + which * B + b).to(tl.int64) * HKV + hkv) * S * D

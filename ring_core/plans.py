@@ -20,7 +20,7 @@ Heap use of one call (regions of ring_core.control.HeapLayout; flags in the ring
               [W-1][B][HKV][S] int32 (each pushed chunk carries its rows' ids); a flag per pushed chunk, then
               with segment ids every rank's id ranges (``id_range_words``)
     backward  the same K/V (and ids), then from ``part_off`` the peers' partial dK/dV [W-1][dK|dV][B][HKV][S][D]
-              in float32; a flag per pushed chunk, then one per partial block
+              in float32; a flag per pushed chunk, then one per partial block, then (segment ids) the id ranges
 """
 
 from __future__ import annotations
@@ -174,12 +174,12 @@ class LaunchPlan:
 
         This is where the kernels' decisions show: which chunks travel is decided on the device, chunk by
         chunk, by causal masking and the window (``ring_core.protocol.chunk_needed``: a chunk is pushed iff
-        some query of the receiver sees one of its rows by position) and, forward, by the segment ids' ranges
+        some query of the receiver sees one of its rows by position) and by the segment ids' ranges
         (``ring_core.protocol.push_unit``), and a tile waits for, loads and computes
         exactly the chunks of its ring steps that reach its rows, all of which were pushed. So the ring steps a
         rank runs (some tile waits, loads or computes there) are step 0 and those with a chunk received:
         ``ring_steps_run``. In the forward segment ids decide too (the id ranges published with the call check:
-        a chunk travels only if its ids meet the receiver's); in the backward they never decide a push."""
+        a chunk travels only if its ids meet the receiver's), in the backward too."""
         w = self.world_size
         flags = np.asarray(flag_words)[:self.kv_flags].reshape(w - 1, self.kv_flags // max(w - 1, 1))
         return np.concatenate([[0], (flags == epoch).sum(axis=1)]).astype(np.int64)
@@ -283,7 +283,7 @@ def bwd_recv_bytes(spec: AttentionSpec, world_size: int) -> tuple:
 
 
 def id_range_words(spec: AttentionSpec, world_size: int, n_chunks: int) -> int:
-    """Words of the forward's segment-id ranges in the ring slot's flag region, after the K/V flags (0 without
+    """Words of the segment-id ranges in the ring slot's flag region, after the K/V (and partial) flags (0 without
     segment ids or peers): per rank of the ring, [B][n_chunks + 2][lo, hi] (each K/V chunk's, then each half's of
     the shard; ring_core.protocol.publish_id_ranges)."""
     if not spec.segmented or world_size == 1:
@@ -361,7 +361,8 @@ def plan_bwd(spec: AttentionSpec, world_size: int, heap: HeapLayout, *, interpre
     per_chunk = (W - 1) * spec.batch * spec.num_kv_heads
     part_flags = per_chunk * n_kv_blocks
     chunk_blocks, flags = _chunking("backward call", n_kv_blocks, cfg.chunk_blocks,
-                                    lambda n_chunks: per_chunk * n_chunks + part_flags, heap.flag_capacity)
+                                    lambda n_chunks: per_chunk * n_chunks + part_flags
+                                    + id_range_words(spec, W, n_chunks), heap.flag_capacity)
     n_dq = spec.batch * spec.num_heads * math.ceil(S / cfg.dq_block_m)
     n_part = (W - 1) * spec.batch * spec.num_kv_heads * n_kv_blocks
     n_final = spec.batch * spec.num_kv_heads * n_kv_blocks

@@ -95,8 +95,12 @@ its keys.
   document crosses into the receiver's half: most stay home. Range words live after the K/V flags in the
   ring slot's flag region (``plans.id_range_words``), stored as -1 - value (<= 0), so no flag wait, which needs
   an epoch >= 1, is ever met by a range word a call of another shape left there.
-  The backward still decides by position only: its K/V chunks, and its partials, travel whenever positions
-  allow (a partial whose block no local query attends is sent as zeros); ids narrow its loops after the waits.
+  The backward uses the same ranges (``check_call`` publishes them there too, after the partial flags): its
+  K/V pushes and dQ tasks' waits as above; a partial task computes, and sends its partial dK/dV back, only
+  for a chunk that came (the owner's published chunk range meets a half of this rank's, computed from its own
+  ids as it published them: ``own_halves``), and the owner's final task waits for exactly those partials
+  (``meets_halves``: its chunk's range, computed alike, against the peer's published halves). Ids then narrow
+  the loops after the waits, as in the forward.
 
 Why it cannot deadlock
 ----------------------
@@ -178,7 +182,8 @@ that is assigned to one particular program.
 its first wait (dQ tasks at ring step 1 whether or not they wait), so all units of rank s are pushed as soon
 as any program of the kernel on s runs. A dQ or partial task waits only for chunks the pusher sends (the same
 position test as the forward); a final task waits for a peer's partial iff the peer's partial task sends it
-(one function, ``rows_seen``, of the same arguments on both sides; segment ids never decide a send).
+(one function, ``rows_seen``, of the same arguments on both sides; with segment ids also one range test,
+made from the same published and recomputed ranges on both sides).
 (b) A task waiting for delta holds a ticket later than every dQ ticket, so every dQ task is held by a
 program that has started (tickets are taken at program start); a dQ task publishes delta before its
 first wait, so the count completes whatever else is waiting.
@@ -814,9 +819,45 @@ def tile_id_parts(ids, rows, S, ZIGZAG: tl.constexpr):
 
 
 @triton.jit
-def ranks_rng(flags, B, HKV, n_chunks, W: tl.constexpr):
-    """The range words of the ring slot (after the forward's K/V flags [W-1][B][HKV][n_chunks])."""
-    return flags + (W - 1) * B * HKV * n_chunks
+def published_range(rng, src, b, B, n_chunks, c):
+    """[lo, hi] that rank ``src`` published for batch ``b``: its chunk ``c``'s, or (c = n_chunks, n_chunks + 1)
+    a half's of its shard."""
+    w = rng + ((src * B + b) * (n_chunks + 2) + c) * 2
+    return -1 - tl.load(w, volatile=True), -1 - tl.load(w + 1, volatile=True)
+
+
+@triton.jit
+def meets_halves(rng, dst, b, B, n_chunks, lo, hi):
+    """Whether [lo, hi] meets the range rank ``dst`` published for a half of its shard (batch ``b``): what decides,
+    with the positions, whether K/V rows (or their partial gradients) with ids [lo, hi] reach ``dst``."""
+    h0_lo, h0_hi = published_range(rng, dst, b, B, n_chunks, n_chunks)
+    h1_lo, h1_hi = published_range(rng, dst, b, B, n_chunks, n_chunks + 1)
+    return ranges_meet(lo, hi, h0_lo, h0_hi, h1_lo, h1_hi)
+
+
+@triton.jit
+def own_halves(seg_b, S, CHUNK_ROWS: tl.constexpr, ZIGZAG: tl.constexpr):
+    """This rank's ranges of the two halves of its shard, computed from its ids exactly as it published them."""
+    RP: tl.constexpr = CHUNK_ROWS if CHUNK_ROWS < 1024 else 1024
+    r0, r1 = half_rows(0, S, ZIGZAG)
+    h0_lo, h0_hi = id_range(seg_b, r0, r1, RP)
+    r0, r1 = half_rows(1, S, ZIGZAG)
+    h1_lo, h1_hi = id_range(seg_b, r0, r1, RP)
+    return h0_lo, h0_hi, h1_lo, h1_hi
+
+
+@triton.jit
+def own_chunk_range(seg_b, c, S, CHUNK_ROWS: tl.constexpr):
+    """This rank's range of its K/V chunk ``c``, computed from its ids exactly as it published it."""
+    RP: tl.constexpr = CHUNK_ROWS if CHUNK_ROWS < 1024 else 1024
+    return id_range(seg_b, c * CHUNK_ROWS, tl.minimum(S, c * CHUNK_ROWS + CHUNK_ROWS), RP)
+
+
+@triton.jit
+def ranks_rng(flags, B, HKV, n_chunks, n_part_blocks, W: tl.constexpr):
+    """The range words of the ring slot: after the K/V flags [W-1][B][HKV][n_chunks] and (backward) the partials'
+    [W-1][B][HKV][n_part_blocks] (0 in the forward)."""
+    return flags + (W - 1) * B * HKV * (n_chunks + n_part_blocks)
 
 
 @triton.jit
@@ -843,14 +884,8 @@ def push_unit(u, k_ptr, v_ptr, seg_ptr, recv_ptr, seg_recv, flags_ptr, heap_base
     if ID_SKIP:
         # ... and some query of the receiver may attend one of its rows by id: the chunk's ids meet those of a
         # half of the receiver's shard (published with its signature; its tiles wait by the same ranges).
-        RP: tl.constexpr = CHUNK_ROWS if CHUNK_ROWS < 1024 else 1024
-        lo, hi = id_range(seg_ptr + b.to(tl.int64) * S, c * CHUNK_ROWS, tl.minimum(S, c * CHUNK_ROWS + CHUNK_ROWS), RP)
-        halves = rng + ((peer * B + b) * (n_chunks + 2) + n_chunks) * 2
-        h0_lo = -1 - tl.load(halves, volatile=True)
-        h0_hi = -1 - tl.load(halves + 1, volatile=True)
-        h1_lo = -1 - tl.load(halves + 2, volatile=True)
-        h1_hi = -1 - tl.load(halves + 3, volatile=True)
-        needed = needed & ranges_meet(lo, hi, h0_lo, h0_hi, h1_lo, h1_hi)
+        lo, hi = own_chunk_range(seg_ptr + b.to(tl.int64) * S, c, S, CHUNK_ROWS)
+        needed = needed & meets_halves(rng, peer, b, B, n_chunks, lo, hi)
     if needed:
         offs_r = tl.arange(0, PUSH_ROWS)
         offs_d = tl.arange(0, BLOCK_D)

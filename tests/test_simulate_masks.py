@@ -471,6 +471,38 @@ def test_segment_ids_decide_which_chunks_travel(kind, is_causal, layout, W):
         assert 0 < exp.sum() < exp.size // 2  # documents crossing shard ends travel; most chunks do not
 
 
+@pytest.mark.parametrize("kind, is_causal, layout, W", [
+    ("packed", True, "zigzag", 3),
+    ("scattered", False, "contiguous", 2),
+])
+def test_segment_ids_decide_which_chunks_and_partials_travel_backward(kind, is_causal, layout, W):
+    """The backward by the same rule: a K/V chunk reaches a peer iff the forward's rule says so, and the peer's
+    partial dK/dV of that block comes back iff the chunk went (blocks are chunks here); the owner waits for
+    exactly those. Gradients against float64."""
+    S, B = 48, 2
+    ids = (testing.random_segment_ids(70 + W, B, S * W, max_len=8, padding=False) if kind == "packed"
+           else _segments(kind, 70, B, S * W))
+    ref, xs = testing.sharded_inputs(80 + W, W, B, S, 2, 1, 16, "float32", with_dout=True)
+    call = simulate._prepare_grad(*xs, W, is_causal=is_causal, scale=None, layout=layout, timeout_s=30.0,
+                                  segment_ids=ids)
+    job = simulate._local_job(W, None)
+    res = job.run_grad(call.spec, call.q_shards, call.k_shards, call.v_shards, call.dout_shards, timeout_s=30.0,
+                       seg_shards=call.seg_shards)
+    testing.check_grads(f"{kind} W={W} backward", simulate._finish_grad(call, res), *ref, "float32",
+                        is_causal=is_causal, segment_ids=ids)
+    epoch = int(res[0][4][3])
+    n = S // TILE  # chunks and K/V blocks alike
+    exp = _expected_chunks(call.seg_shards, W, S, B, is_causal=is_causal, layout=layout)
+    for r in range(W):
+        kv, part = _flags(job, r, W, 2 * (W - 1) * B * n).reshape(2, W - 1, B, n) == epoch
+        np.testing.assert_array_equal(kv, exp[r], err_msg=f"K/V chunks received by rank {r}")
+        # Partials of rank r's blocks from rank r + d: exactly where r's chunk went to r + d.
+        sent = np.stack([exp[(r + d) % W][d - 1] for d in range(1, W)])
+        np.testing.assert_array_equal(part, sent, err_msg=f"partials received by rank {r}")
+    if kind == "packed":
+        assert 0 < exp.sum() < exp.size // 2
+
+
 @pytest.mark.parametrize("is_causal, layout, window, steps", [
     (True, "contiguous", (5, -1), lambda r, W: [0] if r == 0 else [0, 1]),  # one neighbour's last chunk
     (True, "contiguous", None, lambda r, W: list(range(r + 1))),  # causal: only the ranks before
