@@ -19,6 +19,8 @@ Stages (``NAME[:SECONDS]``; the default time limit is in brackets):
   checks       tests/gpu_checks.py, forward sections: cases, jit, grads, launch, big [540]
   checks-quick tests/gpu_checks.py, forward sections cases, jit, grads, launch (no big grid) [300]
   checks-grads tests/gpu_checks.py, sections grads and launch (the end of checks-quick)  [240]
+  probe-callback  benchmarks/callback_cost.py: what a host callback per call costs a JAX program (issue 18's
+               per-call check), one process, no ring                                  [150]
   checks-bwd   tests/gpu_checks.py --sections bwd                                  [300]
   checks-masks tests/gpu_checks.py --sections masks: segment ids and windows, forward and
                backward (6 cases; compiles dominate)                                [540]
@@ -109,6 +111,8 @@ STAGES = {
                        TORCHRUN + ["examples/torch_ring_attention.py"],
                        TORCHRUN + ["examples/torch_train.py"],
                        LAUNCH + ["examples/flax_train.py"]]),  # last: it needs the extra wheels
+    "probe-callback": (150, [["env", "-u", gpus.MPS_SHARE_ENV, sys.executable, "-m", "benchmarks.callback_cost",
+                              "--out", "{out}/callback_cost.csv"]]),
     "flax": (120, [LAUNCH + ["examples/flax_train.py"]]),
     "limits": (240, [LAUNCH + ["tests/gpu_shared_limits.py", "--out", "{out}"]]),
     "rings": (300, [LAUNCH + ["tests/gpu_rings.py", "--out", "{out}"]]),

@@ -623,3 +623,16 @@ def test_cpu_smoke_with_masks_through_the_launcher(tmp_path):
             4 * 4 * 32 * harness.pairs_per_gpu(case, 2) * harness.PASSES[mode], rel=1e-5)
         if method == "jax_xla":  # checked against the first ring that ran (torch_ref): outputs, or gradients
             assert r["diff_vs"].startswith("torch_ref") and float(r["max_abs_diff"]) < 0.1, r
+
+
+def test_callback_cost_probe_runs_on_cpu(tmp_path):
+    """benchmarks/callback_cost.py (issue 18's per-call check, for the GPU) runs every variant and writes its CSV."""
+    import csv
+
+    from benchmarks import callback_cost
+
+    out = tmp_path / "cb.csv"
+    assert callback_cost.main(["--n", "32", "--iters", "2", "--depth", "2", "--work-ms", "0.5", "--out", str(out)]) == 0
+    rows = list(csv.DictReader(out.open()))
+    assert [r["variant"] for r in rows] == list(callback_cost.VARIANTS)
+    assert all(float(r["sync_ms"]) > 0 and float(r["pipelined_ms"]) > 0 for r in rows)
