@@ -252,12 +252,15 @@ class HeapRings:
                                slot)
 
     def ctx(self, members, slot: int):
-        """This process's context tensor (on its device) for the ring ``members`` on slot ``slot``; cached."""
+        """This process's context tensor (on its device) for the ring ``members`` on slot ``slot``; cached. As
+        int32 words, as the JAX frontend passes it (JAX without x64 has no int64 arrays; the kernels read it as
+        int64 either way): the argument's type is part of the kernel's signature, so with the same type torch's
+        JIT and the JAX launch compile one binary (one entry of Triton's cache), not two."""
         import torch
 
         key = (tuple(members), slot)
         if key not in self._ctx:
-            self._ctx[key] = torch.from_numpy(self.ctx_row(self.rank, members, slot)).to(self.device)
+            self._ctx[key] = torch.from_numpy(self.ctx_row(self.rank, members, slot).view(np.int32)).to(self.device)
         return self._ctx[key]
 
     def plan(self, spec, ring_size: int, **kw) -> plans.LaunchPlan:

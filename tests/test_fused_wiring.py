@@ -104,6 +104,20 @@ def _fake_kernel_call(launches):
     return triton_call
 
 
+class _LaunchRecorder:
+    """Stands in for a Triton kernel object: ``[grid](*args, **kw)`` records the arrays' dtypes, in argument order,
+    then launches the real kernel."""
+
+    def __init__(self, kernel, name, log):
+        self.kernel, self.name, self.log = kernel, name, log
+
+    def __getitem__(self, grid):
+        def run(*args, **kw):
+            self.log.append((self.name, [str(a.dtype).replace("torch.", "") for a in args if hasattr(a, "dtype")]))
+            return self.kernel[grid](*args, **kw)
+        return run
+
+
 @pytest.mark.parametrize("dtype, causal, H, HKV, S, D, use_lse", [
     ("bfloat16", True, 4, 2, 19, 24, False),
     ("float32", False, 2, 1, 7, 40, True),  # the loss uses lse too: its gradient flows through the kernel
@@ -124,6 +138,13 @@ def test_jax_and_torch_fused_gradients(cpu_heap, monkeypatch, dtype, causal, H, 
     monkeypatch.setattr(jfused, "fused_available", lambda: True)
     monkeypatch.setattr(torch_bridge.lifecycle, "track", _check_now)
     monkeypatch.setattr(torch_bridge.api, "_fused_available", lambda: True)
+    from ring_core import kernel as kfwd, kernel_bwd as kbwd
+
+    torch_launches = []
+    monkeypatch.setattr(kfwd, "ring_attn_fwd_kernel", _LaunchRecorder(kfwd.ring_attn_fwd_kernel, "ring_attn_fwd",
+                                                                     torch_launches))
+    monkeypatch.setattr(kbwd, "ring_attn_bwd_kernel", _LaunchRecorder(kbwd.ring_attn_bwd_kernel, "ring_attn_bwd",
+                                                                     torch_launches))
 
     ref = testing.random_inputs(3, 1, S, H, HKV, D, dtype, with_dout=True)
     q, k, v, do = (x.astype(reference.np_dtype(dtype)) for x in ref)
@@ -169,6 +190,11 @@ def test_jax_and_torch_fused_gradients(cpu_heap, monkeypatch, dtype, causal, H, 
     spec = cpu_heap.plans[-1][1]
     assert bwd_call["grid"] == plans.plan_bwd(spec, 1, cpu_heap.layout).grid
     assert bwd_call["constexprs"]["KV_BLOCK_N"] == plans.BwdKernelConfig.get_default(spec, 1).kv_block_n
+    # Torch's launches pass arrays of the same dtypes in the same order (the context as int32 words too), so its
+    # JIT compiles the signature the JAX launch compiles (ring_core.build): one binary, one cache entry.
+    jax_types = [(c["name"], [dt for _, dt in c["inputs"]] + [dt for _, dt in c["out"]]) for c in launches]
+    assert [t for t in torch_launches if t[0] == "ring_attn_fwd"][:1] == jax_types[:1]
+    assert [t for t in torch_launches if t[0] == "ring_attn_bwd"][:1] == jax_types[1:]
 
     # ---- the same kernel with the same arguments: bit-identical gradients
     for n, a, b in zip("qkv", j_grads, t_grads):
