@@ -79,7 +79,7 @@ its keys.
   every pair, it only skips less. In a masked block, rows whose id lies outside [s_lo, s_hi] (padding too)
   load as 0. The backward's dK/dV tasks do the same over the local query blocks against their K/V block's
   ids.
-  What ids decide before any data moves (forward): which chunks travel and are waited for. With the call's
+  What ids decide before any data moves: which chunks travel and are waited for. With the call's
   signature, the publishing program of every rank also writes into its inbox on every peer the [min, max] of
   the non-padding ids of each of its K/V chunks and of each half of its shard, per batch (``publish_id_ranges``:
   zigzag halves are the layout's two chunks, far apart in position; contiguous, the shard and an empty
@@ -119,7 +119,7 @@ With a window or segment ids, no unit that is waited for goes unpushed: a tile w
 a row its queries see by position, and the pusher sends every chunk that holds a row some query of the
 receiver sees by position (``chunk_needed``; a tile's queries are some of its shard's, and the rows within
 reach grow with the query positions). Both depend on positions and constexprs only, never on data, and the
-call check makes every rank use the same window and chunking. With segment ids (forward), both also depend on
+call check makes every rank use the same window and chunking. With segment ids, both also depend on
 the id ranges, which every rank publishes unconditionally before its signature's release (no wait before it,
 like the signature) and every program reads only after acquiring that signature; the pusher's test (chunk meets
 a half of the receiver) contains the tile's (chunk meets the tile's part in a half, a sub-range of that half's),
@@ -380,7 +380,7 @@ def check_call(ctl, heap_bases, rank, epoch, words, timeout_ns, W: tl.constexpr,
     """Before anything is pushed to or read from a peer: make sure every rank makes the same call.
 
     The first program of the call on this rank publishes the signature ``words`` (see call_words) into
-    this rank's inbox slot on every peer (words, then the epoch with a release; with ID_RANGES, the forward's
+    this rank's inbox slot on every peer (words, then the epoch with a release; with ID_RANGES, the
     segment-id ranges before them, ``publish_id_ranges``, which the same acquire covers). Every program then waits
     (bounded) for every peer's slot to hold this epoch and compares. Returns 1 if all agree. Otherwise
     records ERR_MISMATCH (a field differs; detail: index of the first differing word), ERR_EPOCH (a peer
@@ -689,7 +689,7 @@ def seg_blocks(seg_base, j_lo, j_hi, lo1, hi1, lo2, hi2, nf_lo, nf_hi, s_lo, s_h
     by position) whose every row carries the tile's one id t: no mask, the plain loop. Exact for packed
     sequences (ids non-decreasing with the position: the blocks that meet the tile are one run, and so are
     those of its one id); for any other ids the loops still mask each pair, they only skip less. With ID_SKIP
-    (received K/V of the forward), rows of chunks whose published range misses the tile's (``tile_id_parts``)
+    (received K/V, segment ids), rows of chunks whose published range misses the tile's (``tile_id_parts``)
     are not read: such a chunk was not sent (``push_unit``), and none of its rows can hold a pair."""
     RB: tl.constexpr = 2048 // BLOCK  # blocks per vector step (2048 ids)
     offs_b = tl.arange(0, RB)
@@ -723,11 +723,11 @@ def seg_blocks(seg_base, j_lo, j_hi, lo1, hi1, lo2, hi2, nf_lo, nf_hi, s_lo, s_h
     return first, tl.where(one_run, f_first, end), tl.where(one_run, f_end, end), end
 
 
-# ---- segment-id ranges: what lets ids decide pushes and waits (forward) ------------------------------------------
-# With segment ids the forward's call check carries, with each rank's signature, the [min, max] of the non-padding
+# ---- segment-id ranges: what lets ids decide pushes and waits ----------------------------------------------------
+# With segment ids the call check carries, with each rank's signature, the [min, max] of the non-padding
 # ids of each of its K/V chunks and of each half of its shard (zigzag: the two chunks of the layout; contiguous: the
 # shard, then an empty range), per batch (``publish_id_ranges``), into the ring slot's flag words after the K/V
-# flags: per rank p, [B][n_chunks + 2][lo, hi]. Words are stored as -1 - value (<= 0; an empty range is
+# (and, backward, partial) flags: per rank p, [B][n_chunks + 2][lo, hi]. Words are stored as -1 - value (<= 0; an empty range is
 # (BIG_ID, -1)), so no flag wait (>= an epoch >= 1) is ever met by a range word that a call of another shape left
 # where its flags now lie.
 @triton.jit
@@ -956,7 +956,7 @@ def wait_chunks(flag0, c_lo, c_hi, epoch, ctl, timeout_ns, src, step, INTERPRET:
     never inside them: Triton's software pipeliner issues a loop's loads several iterations ahead, so an
     acquire inside the loop would not order the loads of later iterations (an earlier version did that, and
     its pipelined fp32 loop read slots still holding the previous call's data; tests/test_kernel_ir.py checks
-    this never recurs). With ID_SKIP (the forward with segment ids) only the chunks whose published id range
+    this never recurs). With ID_SKIP (received K/V, segment ids) only the chunks whose published id range
     (``rng_src_b``) meets the tile's (``tile_id_parts``): the sender pushed those (``push_unit``), and no other
     can hold a key the tile attends. Returns 1, or 0 after recording ERR_KV_TIMEOUT (a wait gave up)."""
     ok_all = epoch * 0 + 1
