@@ -112,11 +112,16 @@ def compile_kernel(kernel, arg_types, constexprs: dict, *, num_warps: int, num_s
                    values=None):
     """Triton's CompiledKernel for an NVIDIA GPU of compute ``capability`` (90: Hopper), through its cache;
     ``values``: the runtime arguments (as in ``specialize``), for the integer scalars' specialisation."""
+    return _compile(kernel, specialize(kernel, arg_types, values), constexprs, num_warps, num_stages, capability)
+
+
+def _compile(kernel, specialized, constexprs: dict, num_warps: int, num_stages: int, capability: int):
+    """``compile_kernel`` from ``specialize``'s result."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    types, ones, divisible = specialize(kernel, arg_types, values)
+    types, ones, divisible = specialized
     consts = dict(constexprs, **ones)
     sig, attrs = signature(kernel, types, consts, divisible)
     src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
@@ -128,8 +133,8 @@ def binary(kernel, arg_types, constexprs: dict, *, num_warps: int, num_stages: i
            values=None) -> Binary:
     """``compile_kernel``, as a ``Binary``; raises where the compiled kernel needs a launch feature that a plain
     launch does not give (profiling scratch, cooperative grids, programmatic dependent launch, clusters)."""
-    ck = compile_kernel(kernel, arg_types, constexprs, num_warps=num_warps, num_stages=num_stages,
-                        capability=capability, values=values)
+    specialized = specialize(kernel, arg_types, values)
+    ck = _compile(kernel, specialized, constexprs, num_warps, num_stages, capability)
     md = ck.metadata
     unsupported = {"profile_scratch_size": getattr(md, "profile_scratch_size", 0) or 0,
                    "launch_cooperative_grid": bool(getattr(md, "launch_cooperative_grid", False)),
@@ -138,7 +143,7 @@ def binary(kernel, arg_types, constexprs: dict, *, num_warps: int, num_stages: i
     bad = [k for k, v in unsupported.items() if v]
     if bad:
         raise NotImplementedError(f"{kernel.__name__} compiled to a kernel whose launch needs {bad}")
-    folded = tuple(specialize(kernel, arg_types, values)[1])
+    folded = tuple(specialized[1])
     return Binary(name=md.name, num_warps=md.num_warps, num_ctas=getattr(md, "num_ctas", 1), shared=md.shared,
                   global_scratch=md.global_scratch_size or 0, global_scratch_align=md.global_scratch_align or 1,
                   capability=capability, key=ck.hash, ptx=ck.asm["ptx"], folded=folded)

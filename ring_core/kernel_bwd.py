@@ -99,6 +99,23 @@ _LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
+def _partial_sent(n0, n1, k_pos_min, rank, r, rng, b, B, n_chunks, my_lo, my_hi, S, W: tl.constexpr,
+                  ZIGZAG: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, WIN_LEFT: tl.constexpr,
+                  WIN_RIGHT: tl.constexpr, SEGMENTED: tl.constexpr):
+    """Whether rank ``r`` sends this rank a partial dK/dV of its K/V block of rows [n0, n1) (first position
+    ``k_pos_min``; with segment ids, its chunk's id range [my_lo, my_hi]): the test r's partial task makes, from
+    the owner's side (some query of r sees the block by position, and the chunk's ids meet a half of r's)."""
+    sent = True
+    if WINDOW:
+        sent = rows_seen(n0, n1, rank, r, S, W, ZIGZAG, CAUSAL, WIN_LEFT, WIN_RIGHT)
+    elif CAUSAL:
+        sent = k_pos_min <= last_pos(r, S, W, ZIGZAG)
+    if SEGMENTED:
+        sent = tl.where(meets_halves(rng, r, b, B, n_chunks, my_lo, my_hi), sent, False)
+    return sent
+
+
+@triton.jit
 def _dq_blocks(dq, q, do, lse2, delta, q_pos, q_pos_max, k_base, v_base, lo, hi, src, S, qk_scale, offs_n, offs_d,
                lo1, hi1, lo2, hi2, q_seg, s_lo, s_hi, seg_k,
                ROW_STRIDE: tl.constexpr, W: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -468,15 +485,20 @@ def ring_attn_bwd_kernel(
             row_ok = n_valid
         bkv = b.to(tl.int64) * S * HKV * D + hkv * D
         seg_own = seg_ptr + b.to(tl.int64) * S  # this rank's ids of batch b (SEGMENTED only)
+        my_lo = n0 * 0  # a final task's chunk's id range (SEGMENTED only; set below)
+        my_hi = my_lo
         if SEGMENTED:
-            # A partial task: the K/V chunk holding this block came (and its partial goes back) only if its ids
-            # meet a half of this rank's shard: the range its owner published against this rank's, computed as
-            # they were published (protocol.push_unit made the same test; the owner's final task below makes it
-            # from its side, with my_lo, my_hi). (A final task, d = 0, reads its own unused inbox words here.)
-            my_lo, my_hi = own_chunk_range(seg_own, n0 // CHUNK_ROWS, S, CHUNK_ROWS)
-            c_lo, c_hi = published_range(rng, src, b, B, n_chunks, n0 // CHUNK_ROWS)
-            h0_lo, h0_hi, h1_lo, h1_hi = own_halves(seg_own, S, CHUNK_ROWS, ZIGZAG)
-            came = ranges_meet(c_lo, c_hi, h0_lo, h0_hi, h1_lo, h1_hi) | (d == 0)
+            came = d == 0
+            if d > 0:
+                # A partial task: the K/V chunk holding this block came (and its partial goes back) only if its
+                # ids meet a half of this rank's shard: the range its owner published against this rank's halves
+                # as this rank publishes them (protocol.push_unit made the same test).
+                c_lo, c_hi = published_range(rng, src, b, B, n_chunks, n0 // CHUNK_ROWS)
+                h0_lo, h0_hi, h1_lo, h1_hi = own_halves(seg_own, S, CHUNK_ROWS, ZIGZAG)
+                came = ranges_meet(c_lo, c_hi, h0_lo, h0_hi, h1_lo, h1_hi)
+            else:
+                # A final task: its chunk's range as published, for the same test from this side (_partial_sent).
+                my_lo, my_hi = own_chunk_range(seg_own, n0 // CHUNK_ROWS, S, CHUNK_ROWS)
             block_needed = tl.where(came, block_needed, False)
         if d > 0:
             slot = d - 1
@@ -579,14 +601,8 @@ def ring_attn_bwd_kernel(
             # sends one exactly when some query of it sees the block (the test its partial task makes).
             for r in tl.static_range(W):
                 if r != rank:
-                    peer_sends = True
-                    if WINDOW:
-                        peer_sends = rows_seen(n0, n1, rank, r, S, W, ZIGZAG, CAUSAL, WIN_LEFT, WIN_RIGHT)
-                    elif CAUSAL:
-                        peer_sends = k_pos_min <= last_pos(r, S, W, ZIGZAG)
-                    if SEGMENTED:  # the test of r's partial task (above), from this side
-                        peer_sends = tl.where(meets_halves(rng, r, b, B, n_chunks, my_lo, my_hi), peer_sends, False)
-                    if peer_sends:
+                    if _partial_sent(n0, n1, k_pos_min, rank, r, rng, b, B, n_chunks, my_lo, my_hi, S, W, ZIGZAG,
+                                     CAUSAL, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED):
                         rslot = (r - rank + W) % W - 1
                         flag = flags + n_units + (rslot * B * HKV + bh) * n_kvb + n_blk
                         ok = poll_ge(flag, epoch, ctl, timeout_ns, INTERPRET)
@@ -608,15 +624,8 @@ def ring_attn_bwd_kernel(
                     if r == rank:
                         total += local
                     else:
-                        peer_sends = True
-                        if WINDOW:
-                            peer_sends = rows_seen(n0, n1, rank, r, S, W, ZIGZAG, CAUSAL, WIN_LEFT, WIN_RIGHT)
-                        elif CAUSAL:
-                            peer_sends = k_pos_min <= last_pos(r, S, W, ZIGZAG)
-                        if SEGMENTED:
-                            peer_sends = tl.where(meets_halves(rng, r, b, B, n_chunks, my_lo, my_hi), peer_sends,
-                                                  False)
-                        if peer_sends:
+                        if _partial_sent(n0, n1, k_pos_min, rank, r, rng, b, B, n_chunks, my_lo, my_hi, S, W,
+                                         ZIGZAG, CAUSAL, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED):
                             rslot = (r - rank + W) % W - 1
                             src_off = ((rslot * 2 * B + which * B + b).to(tl.int64) * HKV + hkv) * S * D
                             total += tl.load(part + src_off + part_rows, mask=out_mask, other=0.0)

@@ -724,16 +724,18 @@ def seg_blocks(seg_base, j_lo, j_hi, lo1, hi1, lo2, hi2, nf_lo, nf_hi, s_lo, s_h
 
 
 # ---- segment-id ranges: what lets ids decide pushes and waits ----------------------------------------------------
-# With segment ids the call check carries, with each rank's signature, the [min, max] of the non-padding
-# ids of each of its K/V chunks and of each half of its shard (zigzag: the two chunks of the layout; contiguous: the
-# shard, then an empty range), per batch (``publish_id_ranges``), into the ring slot's flag words after the K/V
-# (and, backward, partial) flags: per rank p, [B][n_chunks + 2][lo, hi]. Words are stored as -1 - value (<= 0; an empty range is
+# With segment ids the call check carries, with each rank's signature, the [min, max] of the non-padding ids of each
+# of its K/V chunks and of each half of its shard (zigzag: the two chunks of the layout; contiguous: the shard, then
+# an empty range), per batch (``publish_id_ranges``), into the ring slot's flag words after the K/V (and, backward,
+# partial) flags: per rank p, [B][n_chunks + 2][lo, hi]. Words are stored as -1 - value (<= 0; an empty range is
 # (BIG_ID, -1)), so no flag wait (>= an epoch >= 1) is ever met by a range word that a call of another shape left
 # where its flags now lie.
 @triton.jit
-def id_range(seg_b, r0, r1, RP: tl.constexpr):
-    """[lo, hi] of the non-padding ids in rows [r0, r1) of one batch's ids at ``seg_b`` (lo > hi: none), RP rows
-    at a time. Exact (integer min / max): every rank that computes it for the same rows gets the same range."""
+def id_range(seg_b, r0, r1, CHUNK_ROWS: tl.constexpr):
+    """[lo, hi] of the non-padding ids in rows [r0, r1) of one batch's ids at ``seg_b`` (lo > hi: none), a chunk's
+    rows (at most 1024) at a time. Exact (integer min / max): every rank that computes it for the same rows gets
+    the same range."""
+    RP: tl.constexpr = CHUNK_ROWS if CHUNK_ROWS < 1024 else 1024
     offs = tl.arange(0, RP)
     lo = r0 * 0 + BIG_ID
     hi = r0 * 0 - 1
@@ -761,21 +763,24 @@ def publish_id_ranges(seg_ptr, rng, heap_bases, rank, B, S, n_chunks, W: tl.cons
     """Write this rank's id ranges (per batch: each K/V chunk's, then each half's) into its inbox of the range
     words on every peer. Run by the program that publishes the call's signature, before the signature's release:
     a peer that acquired the signature reads them after it (ring_core.protocol, "Segment ids")."""
-    RP: tl.constexpr = CHUNK_ROWS if CHUNK_ROWS < 1024 else 1024
     two = tl.arange(0, 2)
+    four = tl.arange(0, 4)
     stride = B * (n_chunks + 2) * 2
     for b in range(B):
         seg_b = seg_ptr + (rank * 0 + b).to(tl.int64) * S  # (b may be a Python int in the interpreter)
-        for c in range(n_chunks + 2):
-            if c < n_chunks:
-                lo, hi = id_range(seg_b, c * CHUNK_ROWS, tl.minimum(S, c * CHUNK_ROWS + CHUNK_ROWS), RP)
-            else:
-                r0, r1 = half_rows(c - n_chunks, S, ZIGZAG)
-                lo, hi = id_range(seg_b, r0, r1, RP)
+        inbox = rng + rank * stride + b * (n_chunks + 2) * 2
+        for c in range(n_chunks):
+            lo, hi = own_chunk_range(seg_b, c, S, CHUNK_ROWS)
             words = -1 - tl.where(two == 0, lo, hi)
             for p in tl.static_range(W):
                 if p != rank:
-                    iris.store(rng + rank * stride + (b * (n_chunks + 2) + c) * 2 + two, words, rank, p, heap_bases)
+                    iris.store(inbox + c * 2 + two, words, rank, p, heap_bases)
+        h0_lo, h0_hi, h1_lo, h1_hi = own_halves(seg_b, S, CHUNK_ROWS, ZIGZAG)
+        halves = tl.where(four == 0, h0_lo, tl.where(four == 1, h0_hi, tl.where(four == 2, h1_lo, h1_hi)))
+        words = -1 - halves  # entries n_chunks and n_chunks + 1: [h0_lo, h0_hi, h1_lo, h1_hi]
+        for p in tl.static_range(W):
+            if p != rank:
+                iris.store(inbox + n_chunks * 2 + four, words, rank, p, heap_bases)
 
 
 @triton.jit
@@ -837,20 +842,18 @@ def meets_halves(rng, dst, b, B, n_chunks, lo, hi):
 
 @triton.jit
 def own_halves(seg_b, S, CHUNK_ROWS: tl.constexpr, ZIGZAG: tl.constexpr):
-    """This rank's ranges of the two halves of its shard, computed from its ids exactly as it published them."""
-    RP: tl.constexpr = CHUNK_ROWS if CHUNK_ROWS < 1024 else 1024
+    """This rank's ranges of the two halves of its shard (batch ``seg_b``), as it publishes them."""
     r0, r1 = half_rows(0, S, ZIGZAG)
-    h0_lo, h0_hi = id_range(seg_b, r0, r1, RP)
+    h0_lo, h0_hi = id_range(seg_b, r0, r1, CHUNK_ROWS)
     r0, r1 = half_rows(1, S, ZIGZAG)
-    h1_lo, h1_hi = id_range(seg_b, r0, r1, RP)
+    h1_lo, h1_hi = id_range(seg_b, r0, r1, CHUNK_ROWS)
     return h0_lo, h0_hi, h1_lo, h1_hi
 
 
 @triton.jit
 def own_chunk_range(seg_b, c, S, CHUNK_ROWS: tl.constexpr):
-    """This rank's range of its K/V chunk ``c``, computed from its ids exactly as it published it."""
-    RP: tl.constexpr = CHUNK_ROWS if CHUNK_ROWS < 1024 else 1024
-    return id_range(seg_b, c * CHUNK_ROWS, tl.minimum(S, c * CHUNK_ROWS + CHUNK_ROWS), RP)
+    """This rank's range of its K/V chunk ``c`` (batch ``seg_b``), as it publishes it."""
+    return id_range(seg_b, c * CHUNK_ROWS, tl.minimum(S, c * CHUNK_ROWS + CHUNK_ROWS), CHUNK_ROWS)
 
 
 @triton.jit
