@@ -25,15 +25,16 @@ seg = "seg_ptr" in ring_attn_fwd_kernel.arg_names
 spec = validate.check_attention_args((1, 16384, 32, 128), (1, 16384, 32, 128), (1, 16384, 32, 128), "bfloat16", "bfloat16", "bfloat16",
     is_causal=True, scale=None, layout="zigzag", backend="fused", backends=("fused",))
 heap = heap_layout.for_workspace(8 << 30)
+ctx = "*i64" if old_api else "*i32"  # the context as launched: int64 by torch then, int32 words by both frontends now
 for kind in ("fwd", "bwd"):
     if kind == "bwd":
         k, p = ring_attn_bwd_kernel, plans.plan_bwd(spec, 1, heap)
         scal = ["i32", "i32", "fp32", "i64", "i32"] if old_api else list(p.scalar_types)
-        types = ["*bf16"] * 5 + ["*fp32", "*fp32"] + (["*i32"] if seg else []) + ["*i64"] + scal + ["*bf16"] * 3 + ["*fp32", "*i32"]
+        types = ["*bf16"] * 5 + ["*fp32", "*fp32"] + (["*i32"] if seg else []) + [ctx] + scal + ["*bf16"] * 3 + ["*fp32", "*i32"]
     else:
         k, p = ring_attn_fwd_kernel, plans.plan(spec, 1, heap)
         scal = ["i32", "i32", "fp32", "i64"] if old_api else list(p.scalar_types)
-        types = ["*bf16"] * 3 + (["*i32"] if seg else []) + ["*i64"] + scal + ["*bf16", "*fp32", "*i32"]
+        types = ["*bf16"] * 3 + (["*i32"] if seg else []) + [ctx] + scal + ["*bf16", "*fp32", "*i32"]
     names = [q.name for q in k.params if not q.is_constexpr]
     consts = p.constexprs(interpret=False) if old_api else p.constexprs()
     sig = dict(zip(names, types)); sig.update({c: "constexpr" for c in consts})
