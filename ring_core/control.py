@@ -43,6 +43,9 @@ CTL_ERROR_CHUNK = 6  # chunk or block
 CTL_SIG_CLAIM = 7  # programs that started this call; the first one publishes the call's signature
 CTL_BARRIER = 8  # 8 + p: epoch at which peer p passed its end barrier
 CTL_ERR_SIG = CTL_BARRIER + MAX_WORLD  # 72..103: on a mismatch, the peer's then this rank's signature
+# With segment ids: the epoch at which this rank's own id ranges lie in its own inbox of range words (written by
+# the program that claims the call's publishing; every program waits for it before it reads a range).
+CTL_RANGES = CTL_ERR_SIG + 2 * SIG_WORDS  # 104
 CTL_SIG = 128  # 128 + p * SIG_WORDS: the signature peer p published for its current call (its inbox slot)
 CTL_WORDS = CTL_SIG + MAX_WORLD * SIG_WORDS
 CTL_BWD_TICKET = CTL_WORDS  # backward: task tickets handed out in this call (tasks are taken in ticket order)

@@ -38,7 +38,7 @@ from ring_core import control
 
 from ring_core.protocol import (block_range, call_words, check_call, claim_push, drain_pushes, end_call,
                                 id_range_meets, in_rows, pairs_allowed, positions, ranks_rng, ring_context, row_blocks,
-                                rows_within, seg_blocks, tile_id_parts, tile_ids, wait_chunks, wait_rows)
+                                rows_within, seg_blocks, tile_id_parts, tile_ids, wait_chunks, wait_rows, id_ranges_ready)
 from ring_core.tiles import dot, heavy_first, load_kv
 
 KIND_FWD = tl.constexpr(control.KIND_FWD)
@@ -149,6 +149,9 @@ def ring_attn_fwd_kernel(
                            WIN_LEFT, WIN_RIGHT, SEGMENTED)
         call_ok = check_call(ctl, heap_bases, rank, epoch, words, timeout_ns, W, INTERPRET, seg_ptr, rng, B, S,
                              n_chunks, CHUNK_ROWS, ZIGZAG, SEGMENTED)
+    if SEGMENTED:  # this rank's own ranges too, before any range is read (the range pass, pushes)
+        call_ok = call_ok * id_ranges_ready(ctl, seg_ptr, rng, heap_bases, rank, epoch, timeout_ns, B, S, n_chunks, W,
+                                            CHUNK_ROWS, ZIGZAG, INTERPRET)
     n_units = n_units * call_ok
     valid = call_ok  # 0 once a wait of this tile gave up: its result is then not computed from the right data
 
@@ -174,6 +177,7 @@ def ring_attn_fwd_kernel(
     seg_q = seg_ptr + b.to(tl.int64) * S  # this rank's ids of batch b (SEGMENTED only)
     q_seg, s_lo, s_hi, t_id = tile_ids(seg_q, offs_m, m_valid, SEGMENTED)
     a_lo, a_hi, b_lo, b_hi = tile_id_parts(q_seg, offs_m, S, ZIGZAG)  # (SEGMENTED only: which chunks it waits for)
+    rng_own = rng + (rank * B + b) * (n_chunks + 2) * 2  # this rank's published id ranges of batch b (SEGMENTED)
 
     qk_scale = sm_scale * LOG2E
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -208,8 +212,8 @@ def ring_attn_fwd_kernel(
             seg_k = seg_q
             if SEGMENTED:
                 j_lo, n_full_lo, n_full, n_hi = seg_blocks(seg_k, j_lo, n_hi, lo1, hi1, lo2, hi2, n_full_lo, n_full,
-                                                           s_lo, s_hi, t_id, BLOCK_N, rng, a_lo, a_hi, b_lo, b_hi,
-                                                           CHUNK_ROWS, False)
+                                                           s_lo, s_hi, t_id, BLOCK_N, rng_own, a_lo, a_hi, b_lo,
+                                                           b_hi, CHUNK_ROWS, False)
             if WINDOW or SEGMENTED:
                 acc, l_i, m_i = _attn_blocks(acc, l_i, m_i, q, q_pos, k_base, v_base, j_lo, n_full_lo, src, S,
                                              qk_scale, offs_n, offs_d, lo1, hi1, lo2, hi2, q_seg, s_lo, s_hi, seg_k,

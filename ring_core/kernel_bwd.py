@@ -86,7 +86,7 @@ import iris
 from ring_core import control
 from ring_core.protocol import (CTL_BWD_DELTA, CTL_BWD_TICKET, CTL_ERROR, ERR_KV_TIMEOUT, ERR_PEER_FAILED,
                                 block_range, call_words, check_call, chunk_needed, claim_push, drain_pushes, end_call,
-                                id_range_meets, in_rows, last_pos, meets_halves, own_chunk_range, own_halves,
+                                id_range_meets, id_ranges_ready, in_rows, last_pos, meets_halves,
                                 pairs_allowed, poll_ge, positions, published_range, ranges_meet, ranks_rng,
                                 record_error, record_peer_error, ring_context, row_blocks, rows_seen, rows_within,
                                 seg_blocks, tile_id_parts, tile_ids, visible_rows, wait_chunks, wait_rows)
@@ -262,6 +262,9 @@ def ring_attn_bwd_kernel(
                            WIN_LEFT, WIN_RIGHT, SEGMENTED)
         call_ok = check_call(ctl, heap_bases, rank, epoch, words, timeout_ns, W, INTERPRET, seg_ptr, rng, B, S,
                              n_chunks, CHUNK_ROWS, ZIGZAG, SEGMENTED)
+    if SEGMENTED:  # this rank's own ranges too, before any range is read (range passes, pushes, partial tests)
+        call_ok = call_ok * id_ranges_ready(ctl, seg_ptr, rng, heap_bases, rank, epoch, timeout_ns, B, S, n_chunks, W,
+                                            CHUNK_ROWS, ZIGZAG, INTERPRET)
     n_push = n_units * call_ok  # units to push: none after a mismatch
     n_kvb = tl.cdiv(S, KV_BLOCK_N)
     n_dq = B * H * tl.cdiv(S, DQ_BLOCK_M)
@@ -344,9 +347,10 @@ def ring_attn_bwd_kernel(
                 v_base = v_ptr + b.to(tl.int64) * S * HKV * D + hkv * D
                 seg_k = seg_q
                 if SEGMENTED:
+                    rng_own = rng + (rank * B + b) * (n_chunks + 2) * 2  # this rank's id ranges of batch b
                     j_lo, n_full_lo, n_full, n_hi = seg_blocks(seg_k, j_lo, n_hi, lo1, hi1, lo2, hi2, n_full_lo,
-                                                               n_full, s_lo, s_hi, t_id, DQ_BLOCK_N, flags, s_lo,
-                                                               s_hi, s_lo, s_hi, CHUNK_ROWS, False)
+                                                               n_full, s_lo, s_hi, t_id, DQ_BLOCK_N, rng_own, a_lo,
+                                                               a_hi, b_lo, b_hi, CHUNK_ROWS, False)
                 if WINDOW or SEGMENTED:
                     dq = _dq_blocks(dq, q, do, lse2, delta, q_pos, q_pos_max, k_base, v_base, j_lo, n_full_lo, src,
                                     S, qk_scale, offs_n, offs_d, lo1, hi1, lo2, hi2, q_seg, s_lo, s_hi, seg_k, HKV * D,
@@ -494,11 +498,12 @@ def ring_attn_bwd_kernel(
                 # ids meet a half of this rank's shard: the range its owner published against this rank's halves
                 # as this rank publishes them (protocol.push_unit made the same test).
                 c_lo, c_hi = published_range(rng, src, b, B, n_chunks, n0 // CHUNK_ROWS)
-                h0_lo, h0_hi, h1_lo, h1_hi = own_halves(seg_own, S, CHUNK_ROWS, ZIGZAG)
+                h0_lo, h0_hi = published_range(rng, rank, b, B, n_chunks, n_chunks)  # this rank's, as published
+                h1_lo, h1_hi = published_range(rng, rank, b, B, n_chunks, n_chunks + 1)
                 came = ranges_meet(c_lo, c_hi, h0_lo, h0_hi, h1_lo, h1_hi)
             else:
                 # A final task: its chunk's range as published, for the same test from this side (_partial_sent).
-                my_lo, my_hi = own_chunk_range(seg_own, n0 // CHUNK_ROWS, S, CHUNK_ROWS)
+                my_lo, my_hi = published_range(rng, rank, b, B, n_chunks, n0 // CHUNK_ROWS)
             block_needed = tl.where(came, block_needed, False)
         if d > 0:
             slot = d - 1
@@ -543,8 +548,9 @@ def ring_attn_bwd_kernel(
                 # that may hold a pair (protocol.seg_blocks).
                 k_seg, s_lo, s_hi, t_id = tile_ids(seg_k, rows_n, row_ok, SEGMENTED)
                 i_lo, i_full, i_fend, i_hi = seg_blocks(seg_q, i_lo, i_hi, ql1, qh1, ql2, qh2, i_full, i_fend, s_lo,
-                                                        s_hi, t_id, KV_BLOCK_M, flags, s_lo, s_hi, s_lo, s_hi,
-                                                        CHUNK_ROWS, False)
+                                                        s_hi, t_id, KV_BLOCK_M,
+                                                        rng + (rank * B + b) * (n_chunks + 2) * 2, s_lo, s_hi, s_lo,
+                                                        s_hi, CHUNK_ROWS, False)
             else:
                 k_seg = k_pos  # unused
             # Fixed order: head g of the group, then local query blocks (deterministic accumulation).

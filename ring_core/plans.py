@@ -284,9 +284,9 @@ def bwd_recv_bytes(spec: AttentionSpec, world_size: int) -> tuple:
 
 def id_range_words(spec: AttentionSpec, world_size: int, n_chunks: int) -> int:
     """Words of the segment-id ranges in the ring slot's flag region, after the K/V (and partial) flags (0 without
-    segment ids or peers): per rank of the ring, [B][n_chunks + 2][lo, hi] (each K/V chunk's, then each half's of
-    the shard; ring_core.protocol.publish_id_ranges)."""
-    if not spec.segmented or world_size == 1:
+    segment ids): per rank of the ring, this one included, [B][n_chunks + 2][lo, hi] (each K/V chunk's, then each
+    half's of the shard; ring_core.protocol.publish_id_ranges)."""
+    if not spec.segmented:
         return 0
     return world_size * spec.batch * (n_chunks + 2) * 2
 

@@ -97,10 +97,18 @@ its keys.
   an epoch >= 1, is ever met by a range word a call of another shape left there.
   The backward uses the same ranges (``check_call`` publishes them there too, after the partial flags): its
   K/V pushes and dQ tasks' waits as above; a partial task computes, and sends its partial dK/dV back, only
-  for a chunk that came (the owner's published chunk range meets a half of this rank's, computed from its own
-  ids as it published them: ``own_halves``), and the owner's final task waits for exactly those partials
-  (``meets_halves``: its chunk's range, computed alike, against the peer's published halves). Ids then narrow
-  the loops after the waits, as in the forward.
+  for a chunk that came (the owner's published chunk range meets a half of this rank's, as this rank published
+  them), and the owner's final task waits for exactly those partials (``meets_halves``: its chunk's range, as
+  published, against the peer's published halves). Ids then narrow the loops after the waits, as in the
+  forward.
+  A rank's own ranges lie in its own inbox too: the publishing program writes them there with the peers'
+  copies, then releases CTL_RANGES = epoch (alone, W = 1, the first program of the call does the same); every
+  program acquires it (``id_ranges_ready``) before it reads a range. So a pusher, a partial or final task
+  reads its own chunk's and halves' ranges (one word each) instead of recomputing them from the ids, and each
+  range pass (``seg_blocks``) first narrows its blocks by the owner's chunk ranges (one vector of words), then
+  reads the ids of that run only: a tile's cost no longer grows with seq_local where its documents are short.
+  Those are the very words the peers read, so every test still agrees between the two sides. The publishing
+  program writes them before it waits for anything, so the other programs' wait for them ends (bounded).
 
 Why it cannot deadlock
 ----------------------
@@ -235,6 +243,7 @@ CTL_SIG_CLAIM = tl.constexpr(control.CTL_SIG_CLAIM)
 CTL_BARRIER = tl.constexpr(control.CTL_BARRIER)
 CTL_ERR_SIG = tl.constexpr(control.CTL_ERR_SIG)
 CTL_SIG = tl.constexpr(control.CTL_SIG)
+CTL_RANGES = tl.constexpr(control.CTL_RANGES)
 CTL_STICKY = tl.constexpr(control.CTL_STICKY)
 CTL_BWD_TICKET = tl.constexpr(control.CTL_BWD_TICKET)
 CTL_BWD_DELTA = tl.constexpr(control.CTL_BWD_DELTA)
@@ -398,6 +407,8 @@ def check_call(ctl, heap_bases, rank, epoch, words, timeout_ns, W: tl.constexpr,
         if ID_RANGES:
             publish_id_ranges(seg_ptr, rng, heap_bases, rank, B, S, n_chunks, W, CHUNK_ROWS, ZIGZAG)
         tl.debug_barrier()  # every thread's words before the epoch (cumulativity through bar.sync)
+        if ID_RANGES:  # this rank's own ranges, for its other programs (id_ranges_ready)
+            tl.atomic_xchg(ctl + CTL_RANGES, epoch, sem="release", scope="gpu")
         for p in tl.static_range(W):
             if p != rank:
                 iris.atomic_xchg(ctl + CTL_SIG + rank * SIG_WORDS, epoch, rank, p, heap_bases, sem="release",
@@ -688,9 +699,30 @@ def seg_blocks(seg_base, j_lo, j_hi, lo1, hi1, lo2, hi2, nf_lo, nf_hi, s_lo, s_h
     rest (neither loaded nor computed); [f_first, f_end) within it are the blocks of [nf_lo, nf_hi) (whole
     by position) whose every row carries the tile's one id t: no mask, the plain loop. Exact for packed
     sequences (ids non-decreasing with the position: the blocks that meet the tile are one run, and so are
-    those of its one id); for any other ids the loops still mask each pair, they only skip less. With ID_SKIP
-    (received K/V, segment ids), rows of chunks whose published range misses the tile's (``tile_id_parts``)
-    are not read: such a chunk was not sent (``push_unit``), and none of its rows can hold a pair."""
+    those of its one id); for any other ids the loops still mask each pair, they only skip less.
+
+    First the published ranges of the rows' owner (``rng_src_b``: its CHUNK_ROWS-row chunks' [min, max], batch
+    b; this rank's own once ``id_ranges_ready``) narrow [j_lo, j_hi) to the chunks from the first whose range
+    meets the tile's parts ([a_lo, a_hi] | [b_lo, b_hi], which lie within [s_lo, s_hi]) to the last: one vector
+    of words instead of every id, so the id pass below reads only the run near the tile's documents. A block of
+    a chunk whose range misses the tile's holds no pair either, so the result is the same as without it. With
+    ID_SKIP (received K/V, segment ids), rows of chunks whose published range misses the tile's
+    (``tile_id_parts``) are not read: such a chunk was not sent (``push_unit``), and none of its rows can hold a
+    pair."""
+    RC: tl.constexpr = 256  # chunks per vector step of the narrowing
+    offs_c = tl.arange(0, RC)
+    r_hi = tl.maximum(tl.where(hi2 > lo2, hi2, 0), tl.where(hi1 > lo1, hi1, 0))  # rows that may be read: < r_hi
+    c_lo = (j_lo * BLOCK) // CHUNK_ROWS
+    c_hi = tl.where(j_hi > j_lo, tl.cdiv(tl.minimum(j_hi * BLOCK, r_hi), CHUNK_ROWS), c_lo)
+    c_first = c_hi
+    c_end = c_lo
+    for c0 in range(c_lo, c_hi, RC):
+        c = c0 + offs_c
+        hit = id_ranges_meet(rng_src_b, c, a_lo, a_hi, b_lo, b_hi, c < c_hi)
+        c_first = tl.minimum(c_first, tl.min(tl.where(hit, c, c_hi), axis=0))
+        c_end = tl.maximum(c_end, tl.max(tl.where(hit, c + 1, c_lo), axis=0))
+    j_lo = tl.maximum(j_lo, (c_first * CHUNK_ROWS) // BLOCK)
+    j_hi = tl.maximum(tl.minimum(j_hi, tl.cdiv(c_end * CHUNK_ROWS, BLOCK)), j_lo)
     RB: tl.constexpr = 2048 // BLOCK  # blocks per vector step (2048 ids)
     offs_b = tl.arange(0, RB)
     offs_r = tl.arange(0, BLOCK)
@@ -731,11 +763,9 @@ def seg_blocks(seg_base, j_lo, j_hi, lo1, hi1, lo2, hi2, nf_lo, nf_hi, s_lo, s_h
 # (BIG_ID, -1)), so no flag wait (>= an epoch >= 1) is ever met by a range word that a call of another shape left
 # where its flags now lie.
 @triton.jit
-def id_range(seg_b, r0, r1, CHUNK_ROWS: tl.constexpr):
-    """[lo, hi] of the non-padding ids in rows [r0, r1) of one batch's ids at ``seg_b`` (lo > hi: none), a chunk's
-    rows (at most 1024) at a time. Exact (integer min / max): every rank that computes it for the same rows gets
-    the same range."""
-    RP: tl.constexpr = CHUNK_ROWS if CHUNK_ROWS < 1024 else 1024
+def id_range(seg_b, r0, r1, RP: tl.constexpr):
+    """[lo, hi] of the non-padding ids in rows [r0, r1) of one batch's ids at ``seg_b`` (lo > hi: none; hi >= -1),
+    RP rows at a time. Exact (integer min / max): whoever computes it for the same rows gets the same range."""
     offs = tl.arange(0, RP)
     lo = r0 * 0 + BIG_ID
     hi = r0 * 0 - 1
@@ -761,26 +791,62 @@ def half_rows(h, S, ZIGZAG: tl.constexpr):
 def publish_id_ranges(seg_ptr, rng, heap_bases, rank, B, S, n_chunks, W: tl.constexpr, CHUNK_ROWS: tl.constexpr,
                       ZIGZAG: tl.constexpr):
     """Write this rank's id ranges (per batch: each K/V chunk's, then each half's) into its inbox of the range
-    words on every peer. Run by the program that publishes the call's signature, before the signature's release:
-    a peer that acquired the signature reads them after it (ring_core.protocol, "Segment ids")."""
+    words on every rank of the ring, its own too (its programs read them there: the range pass, pushes, the
+    backward's partial tests). Run by the program that publishes the call's signature, before the signature's
+    release (a peer that acquired the signature reads them after it) and before CTL_RANGES' release (this
+    rank's programs, ``id_ranges_ready``). The chunks' ranges 2048 ids at a time (a vector of chunks), so that
+    every other program, which waits for these, waits for a few vector steps, not one step per chunk."""
     two = tl.arange(0, 2)
     four = tl.arange(0, 4)
     stride = B * (n_chunks + 2) * 2
     for b in range(B):
         seg_b = seg_ptr + (rank * 0 + b).to(tl.int64) * S  # (b may be a Python int in the interpreter)
         inbox = rng + rank * stride + b * (n_chunks + 2) * 2
-        for c in range(n_chunks):
-            lo, hi = own_chunk_range(seg_b, c, S, CHUNK_ROWS)
-            words = -1 - tl.where(two == 0, lo, hi)
-            for p in tl.static_range(W):
-                if p != rank:
+        if CHUNK_ROWS <= 2048:
+            NC: tl.constexpr = 2048 // CHUNK_ROWS  # chunks per vector step
+            offs_c = tl.arange(0, NC)
+            offs_r = tl.arange(0, CHUNK_ROWS)
+            for c0 in range(0, n_chunks, NC):
+                c = c0 + offs_c
+                rows = c[:, None] * CHUNK_ROWS + offs_r[None, :]
+                ids = tl.load(seg_b + rows, mask=rows < S, other=-1)
+                lo = tl.min(tl.where(ids >= 0, ids, BIG_ID), axis=1)
+                hi = tl.maximum(tl.max(ids, axis=1), -1)  # as id_range: >= -1, so every word is <= 0
+                words = -1 - tl.where(two[None, :] == 0, lo[:, None], hi[:, None])
+                keep = (c < n_chunks)[:, None] & (two >= 0)[None, :]
+                for p in tl.static_range(W):
+                    iris.store(inbox + c[:, None] * 2 + two[None, :], words, rank, p, heap_bases, mask=keep)
+        else:
+            for c in range(n_chunks):
+                lo, hi = id_range(seg_b, c * CHUNK_ROWS, tl.minimum(S, c * CHUNK_ROWS + CHUNK_ROWS), 2048)
+                words = -1 - tl.where(two == 0, lo, hi)
+                for p in tl.static_range(W):
                     iris.store(inbox + c * 2 + two, words, rank, p, heap_bases)
-        h0_lo, h0_hi, h1_lo, h1_hi = own_halves(seg_b, S, CHUNK_ROWS, ZIGZAG)
+        h0_lo, h0_hi, h1_lo, h1_hi = own_halves(seg_b, S, ZIGZAG)
         halves = tl.where(four == 0, h0_lo, tl.where(four == 1, h0_hi, tl.where(four == 2, h1_lo, h1_hi)))
         words = -1 - halves  # entries n_chunks and n_chunks + 1: [h0_lo, h0_hi, h1_lo, h1_hi]
         for p in tl.static_range(W):
-            if p != rank:
-                iris.store(inbox + n_chunks * 2 + four, words, rank, p, heap_bases)
+            iris.store(inbox + n_chunks * 2 + four, words, rank, p, heap_bases)
+
+
+@triton.jit
+def id_ranges_ready(ctl, seg_ptr, rng, heap_bases, rank, epoch, timeout_ns, B, S, n_chunks, W: tl.constexpr,
+                    CHUNK_ROWS: tl.constexpr, ZIGZAG: tl.constexpr, INTERPRET: tl.constexpr):
+    """With segment ids, before a program reads a range (its own rank's too): wait (acquire, bounded) until this
+    rank's own ranges lie in its own inbox, CTL_RANGES = epoch. With peers the program that publishes the call's
+    signature wrote them (``check_call``); alone (W = 1) the first program of the call writes them here. Either
+    way that program writes them before it waits for anything, so the wait ends. Returns 1, or 0 after recording
+    ERR_START_TIMEOUT (or at once if an error is already recorded)."""
+    if W == 1:
+        if tl.atomic_add(ctl + CTL_SIG_CLAIM, 1, sem="relaxed", scope="gpu") == 0:
+            publish_id_ranges(seg_ptr, rng, heap_bases, rank, B, S, n_chunks, W, CHUNK_ROWS, ZIGZAG)
+            tl.debug_barrier()  # every thread's words before the epoch (cumulativity through bar.sync)
+            tl.atomic_xchg(ctl + CTL_RANGES, epoch, sem="release", scope="gpu")
+    ok = poll_ge(ctl + CTL_RANGES, epoch, ctl, timeout_ns, INTERPRET)
+    if ok == 0:
+        record_error(ctl, ERR_START_TIMEOUT, rank, 0, -1)
+    tl.debug_barrier()  # every thread's range loads after the acquire (cumulativity through bar.sync)
+    return ok
 
 
 @triton.jit
@@ -841,19 +907,13 @@ def meets_halves(rng, dst, b, B, n_chunks, lo, hi):
 
 
 @triton.jit
-def own_halves(seg_b, S, CHUNK_ROWS: tl.constexpr, ZIGZAG: tl.constexpr):
+def own_halves(seg_b, S, ZIGZAG: tl.constexpr):
     """This rank's ranges of the two halves of its shard (batch ``seg_b``), as it publishes them."""
     r0, r1 = half_rows(0, S, ZIGZAG)
-    h0_lo, h0_hi = id_range(seg_b, r0, r1, CHUNK_ROWS)
+    h0_lo, h0_hi = id_range(seg_b, r0, r1, 2048)
     r0, r1 = half_rows(1, S, ZIGZAG)
-    h1_lo, h1_hi = id_range(seg_b, r0, r1, CHUNK_ROWS)
+    h1_lo, h1_hi = id_range(seg_b, r0, r1, 2048)
     return h0_lo, h0_hi, h1_lo, h1_hi
-
-
-@triton.jit
-def own_chunk_range(seg_b, c, S, CHUNK_ROWS: tl.constexpr):
-    """This rank's range of its K/V chunk ``c`` (batch ``seg_b``), as it publishes it."""
-    return id_range(seg_b, c * CHUNK_ROWS, tl.minimum(S, c * CHUNK_ROWS + CHUNK_ROWS), CHUNK_ROWS)
 
 
 @triton.jit
@@ -887,7 +947,7 @@ def push_unit(u, k_ptr, v_ptr, seg_ptr, recv_ptr, seg_recv, flags_ptr, heap_base
     if ID_SKIP:
         # ... and some query of the receiver may attend one of its rows by id: the chunk's ids meet those of a
         # half of the receiver's shard (published with its signature; its tiles wait by the same ranges).
-        lo, hi = own_chunk_range(seg_ptr + b.to(tl.int64) * S, c, S, CHUNK_ROWS)
+        lo, hi = published_range(rng, rank, b, B, n_chunks, c)  # as this rank published it (id_ranges_ready)
         needed = needed & meets_halves(rng, peer, b, B, n_chunks, lo, hi)
     if needed:
         offs_r = tl.arange(0, PUSH_ROWS)

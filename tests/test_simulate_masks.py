@@ -74,6 +74,9 @@ CASES = [
     (4, 1, 12, 2, 2, 16, "bfloat16", True, "zigzag", (40, -1), "packed"),
     (4, 2, 5, 2, 1, 8, "float32", False, "contiguous", None, "scattered"),
     (4, 1, 16, 2, 1, 16, "float32", True, "contiguous", (0, 0), "padded"),
+    # Many chunks per shard and documents far shorter than it: the range passes narrow by the chunks' ranges.
+    (1, 1, 64, 2, 1, 16, "float16", True, "contiguous", None, "packed"),
+    (2, 1, 96, 2, 1, 16, "bfloat16", True, "zigzag", None, "padded"),
 ]
 
 
@@ -107,6 +110,8 @@ GRAD_CASES = [
     (3, 1, 6, 2, 1, 8, "float32", False, "contiguous", None, "scattered", True),
     (4, 1, 17, 4, 1, 16, "float32", True, "contiguous", (16, -1), None, False),
     (4, 1, 12, 2, 2, 16, "bfloat16", False, "zigzag", (5, 5), "padded", False),
+    (1, 1, 48, 2, 1, 16, "float32", True, "contiguous", None, "padded", False),  # many chunks (as above)
+    (2, 1, 64, 2, 1, 16, "float32", True, "zigzag", None, "packed", True),
 ]
 
 
