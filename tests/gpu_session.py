@@ -90,6 +90,9 @@ STAGES = {
     "checks-grads": (240, [LAUNCH + ["tests/gpu_checks.py", "--sections", "grads,launch", "--out", "{out}"]]),
     "checks-bwd": (300, [LAUNCH + ["tests/gpu_checks.py", "--sections", "bwd", "--out", "{out}"]]),
     "checks-masks": (540, [LAUNCH + ["tests/gpu_checks.py", "--sections", "masks", "--out", "{out}"]]),
+    # The masks cases from 3 on (fp32 last: its cold compiles alone take minutes at 2 ranks).
+    "checks-masks-tail": (420, [LAUNCH + ["tests/gpu_checks.py", "--sections", "masks", "--mask-cases", "3,4,5",
+                                          "--out", "{out}"]]),
     "faults": (240, [LAUNCH + ["tests/gpu_faults.py", "--deadline", "{limit_minus}", "--out", "{out}"]]),
     "bad_inputs": (150, [LAUNCH + ["tests/gpu_faults.py", "--sections", "bad_inputs", "--deadline", "{limit_minus}",
                                    "--out", "{out}"]]),
@@ -103,6 +106,11 @@ STAGES = {
     "bench-window": (300, [LAUNCH + WINDOW]),
     "bench-masks-w1": (540, [LAUNCH1 + PACKED + ["--pass", "fwd"], LAUNCH1 + PACKED + ["--pass", "fwd+bwd"],
                              LAUNCH1 + WINDOW]),
+    # Where the packed forward's time goes (benchmarks/NOTES.md): world size 1, documents of one length each, from
+    # one per 16k shard (the segment-id path at dense work) down to 512 tokens (many short rows per tile).
+    "bench-doclens": (150, [LAUNCH1 + BENCH + ["--mask", "packed", "--pass", "fwd", "--doc-lens", f"{n}-{n}",
+                                               "--csv", "{out}/masks_doclens.csv"] for n in (16384, 4096, 1024)]),
+    "probe-launch-gap": (120, [LAUNCH1 + ["-m", "benchmarks.launch_gap", "--csv", "{out}/launch_gap.csv"]]),
     "bench-w1": (300, [LAUNCH1 + ["-m", "benchmarks.attention", "--methods",
                                   "torch_fused,torch_cudnn_1gpu,jax_fused,jax_fused_deferred,jax_cudnn_1gpu",
                                   "--seq", "16k,32k", "--pass", "fwd,fwd+bwd", "--warmup", "2", "--iters", "5",

@@ -1,0 +1,85 @@
+"""How much of a timed call is the host's (issue 20's packed rows): benchmarks/attention.py times each call between
+two CUDA events recorded on an idle stream, so the host's work between the first event and the launch (the custom
+op's dispatch, validation, launch plan, Triton's launcher) counts as GPU time. For a call of a few ms that can be a
+large share. This times the same torch_fused call three ways, at world size 1 on one GPU:
+
+* ``each``: as the harness does, one call between two events, then a sync (host gap included);
+* ``stream``: N calls back to back between two events, one sync at the end (the GPU time when the host keeps
+  ahead, as triton.testing.do_bench and a training step see it);
+* ``host``: the host's own time to issue one call (perf_counter, no sync, after a sync).
+
+    python -m jax_ring.launch --nproc-per-node 1 -m benchmarks.launch_gap --csv OUT.csv
+
+bf16, B=1, H=32, D=128, seq_local 16k, causal, forward; dense, and packed documents of the given lengths.
+"""
+import argparse
+import csv
+import time
+
+import numpy as np
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seq", type=int, default=16384)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--doc-lens", default="none,512-8192,1024-1024", help="comma list: none (dense) or LO-HI")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--csv", default=None)
+    a = ap.parse_args()
+
+    import torch
+
+    import torch_bridge
+    from benchmarks import harness
+
+    torch_bridge.initialize()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    S, H, D = a.seq, a.heads, 128
+    g = torch.Generator(device=dev).manual_seed(0)
+    q, k, v = (torch.randn(1, S, H, D, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(3))
+    rows = []
+    for lens in a.doc_lens.split(","):
+        seg = None
+        if lens != "none":
+            lo, hi = (int(t) for t in lens.split("-"))
+            case = harness.Case(batch=1, heads=H, kv_heads=H, head_dim=D, seq_local=S, causal=True,
+                                dtype="bfloat16", mask="packed", doc_lens=(lo, hi))
+            seg = torch.as_tensor(np.asarray(harness.segment_ids(case, 1)), device=dev, dtype=torch.int32)
+
+        def call():
+            return torch_bridge.ring_attention(q, k, v, backend="fused", is_causal=True, layout="zigzag",
+                                               segment_ids=seg)
+
+        for _ in range(3):
+            call()
+        torch.cuda.synchronize()
+        each = [harness.cuda_timed(torch, call)[0] for _ in range(a.iters)]
+        torch.cuda.synchronize()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(a.iters):
+            call()
+        e1.record()
+        e1.synchronize()
+        stream = e0.elapsed_time(e1) / a.iters
+        host = []
+        for _ in range(a.iters):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            call()
+            host.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+        row = dict(doc_lens=lens, seq_local=S, heads=H, each_ms=round(float(np.median(each)), 4),
+                   stream_ms=round(stream, 4), host_ms=round(float(np.median(host)), 4))
+        rows.append(row)
+        print(row, flush=True)
+    if a.csv:
+        with open(a.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+
+
+if __name__ == "__main__":
+    main()
