@@ -37,8 +37,9 @@ import triton.language as tl
 from ring_core import control
 
 from ring_core.protocol import (block_range, call_words, check_call, claim_push, drain_pushes, end_call,
-                                id_range_meets, in_rows, pairs_allowed, positions, ranks_rng, ring_context, row_blocks,
-                                rows_within, seg_blocks, tile_id_parts, tile_ids, wait_chunks, wait_rows, id_ranges_ready)
+                                id_range_meets, id_ranges_ready, in_rows, pairs_allowed, positions, ranks_rng,
+                                ring_context, row_blocks, rows_within, seg_blocks, tile_id_parts, tile_ids, wait_chunks,
+                                wait_rows)
 from ring_core.tiles import dot, heavy_first, load_kv
 
 KIND_FWD = tl.constexpr(control.KIND_FWD)
