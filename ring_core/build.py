@@ -18,11 +18,27 @@ What a launcher must honour (Triton's own launcher does; jax-triton 0.3.1 does n
   none.
 
 Runs without a GPU: Triton compiles for a GPU target on any machine (tests/test_build.py).
+
+Compiles can be recorded and replayed, for machines where every run starts with a cold cache (the GPU machine
+of tests/gpu_session.py): with ``RING_ATTENTION_COMPILE_LOG`` set, each compile made here appends one JSON line
+(the kernel by module and name, its Triton types, constexprs, divisible scalars, warps, stages, capability, and
+``RING_ATTENTION_COMPILE_TAG``, the run that asked for it); ``python -m ring_core.build --warm FILE`` compiles
+a log's variants again, in parallel processes, into Triton's cache, from the kernel source as it is now. The
+variants a run needs rarely change when the kernels' code does, so a run after a kernel edit finds them
+compiled, many at once, instead of one after another as its cases reach them. Only this module's compiles are
+recorded (the JAX launches, hence every variant the GPU checks run through both frontends, which launch the same
+binary); a run of torch launches alone records nothing.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import time
 from dataclasses import dataclass, field
+
+COMPILE_LOG_ENV = "RING_ATTENTION_COMPILE_LOG"  # append every compile made here to this file (JSON lines)
+COMPILE_TAG_ENV = "RING_ATTENTION_COMPILE_TAG"  # ... tagged with this (e.g. the GPU session's stage)
 
 TRITON_TYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "int32": "i32", "int64": "i64",
                 "uint8": "u8", "int8": "i8", "uint32": "u32"}
@@ -124,9 +140,106 @@ def _compile(kernel, specialized, constexprs: dict, num_warps: int, num_stages: 
     types, ones, divisible = specialized
     consts = dict(constexprs, **ones)
     sig, attrs = signature(kernel, types, consts, divisible)
+    _record(kernel, types, consts, divisible, num_warps, num_stages, capability)
     src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", capability, 32),
                           options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def _record(kernel, types, consts: dict, divisible, num_warps: int, num_stages: int, capability: int) -> None:
+    """One line of the compile log (``COMPILE_LOG_ENV``), if one is asked for: what ``warm`` needs to compile
+    the same variant again. One write of one line in append mode: ranks may share the file."""
+    path = os.environ.get(COMPILE_LOG_ENV)
+    if not path:
+        return
+    fn = getattr(kernel, "fn", kernel)
+    rec = dict(kernel=f"{fn.__module__}:{fn.__name__}", types=list(types), constexprs=consts,
+               divisible=sorted(divisible), num_warps=num_warps, num_stages=num_stages, capability=capability,
+               tag=os.environ.get(COMPILE_TAG_ENV, ""))
+    with open(path, "a") as f:
+        f.write(json.dumps(rec, sort_keys=True) + "\n")
+
+
+def read_log(path: str) -> list:
+    """The records of a compile log, each once (first seen first); lines that are not records are skipped."""
+    seen, out = set(), []
+    with open(path) as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            key = _variant(rec)
+            if isinstance(rec, dict) and "kernel" in rec and key not in seen:
+                seen.add(key)
+                out.append(rec)
+    return out
+
+
+def _variant(rec) -> str:
+    """A record without its tag: what decides the binary."""
+    return json.dumps({k: v for k, v in rec.items() if k != "tag"}, sort_keys=True) if isinstance(rec, dict) else ""
+
+
+def _warm_one(rec: dict) -> tuple:
+    """Compile one recorded variant (into Triton's cache): (seconds, cache key, error or "")."""
+    import importlib
+
+    t0 = time.perf_counter()
+    try:
+        module, name = rec["kernel"].split(":")
+        kernel = getattr(importlib.import_module(module), name)
+        ck = _compile(kernel, (rec["types"], {}, set(rec["divisible"])), rec["constexprs"], rec["num_warps"],
+                      rec["num_stages"], rec["capability"])
+        return time.perf_counter() - t0, ck.hash, ""
+    except Exception as e:  # a variant the current source no longer takes, a module not importable here
+        return time.perf_counter() - t0, "", f"{type(e).__name__}: {str(e)[:300]}"
+
+
+def warm(records, jobs: int = 1) -> list:
+    """Compile ``records`` (``read_log``'s), ``jobs`` at a time in separate processes (1: in this one); returns
+    (record, seconds, cache key, error) per record, in order. The variants compiled here are not logged again."""
+    os.environ.pop(COMPILE_LOG_ENV, None)
+    if jobs <= 1 or len(records) <= 1:
+        return [(r, *_warm_one(r)) for r in records]
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as ex:
+        return [(r, *res) for r, res in zip(records, ex.map(_warm_one, records))]
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m ring_core.build",
+                                 description="Compile the variants of a compile log into Triton's cache.")
+    ap.add_argument("--warm", required=True, metavar="FILE", help=f"a compile log ({COMPILE_LOG_ENV})")
+    ap.add_argument("--tags", default=None, help="comma list: only the records of these tags (default: all)")
+    ap.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) - 2))
+    a = ap.parse_args(argv)
+    if not os.path.exists(a.warm):
+        print(f"no compile log at {a.warm}: nothing to warm")
+        return 0
+    records = read_log(a.warm)
+    if a.tags is not None:
+        tags = set(a.tags.split(","))
+        records = [r for r in records if r.get("tag", "") in tags]
+    t0 = time.perf_counter()
+    results = warm(records, a.jobs)
+    failed = 0
+    for rec, secs, key, err in results:
+        c = rec["constexprs"]
+        what = f"{rec['kernel'].split(':')[1]} W={c.get('W', '-')} D={c.get('D', '-')} {rec['types'][0]}"
+        print(f"  {secs:6.1f} s  {what}  {key[:12] if key else 'FAILED ' + err}", flush=True)
+        failed += bool(err)
+    print(f"warmed {len(results) - failed} of {len(results)} variants in {time.perf_counter() - t0:.0f} s "
+          f"({a.jobs} processes)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
 
 
 def binary(kernel, arg_types, constexprs: dict, *, num_warps: int, num_stages: int, capability: int = 90,

@@ -15,7 +15,13 @@ Then, on this machine, put the returned parts back into ``.tcache/`` (git-ignore
 
     python tests/gpu_session.py --collect /work/.device/N
 
+Compiles are logged (ring_core.build's compile log, tagged ``stage@nproc``) into ``$OUT/compiles.jsonl``;
+``--collect`` merges them into ``tests/gpu_compiles.jsonl`` (committed), and a ``warm`` stage put first
+compiles the variants of the stages after it from that list, in parallel processes, with the current kernel
+source: after a kernel edit a call then spends its cold compiles at once, not case after case.
+
 Stages (``NAME[:SECONDS]``; the default time limit is in brackets):
+  warm         ring_core.build --warm: the later stages' recorded variants, compiled in parallel  [240]
   checks       tests/gpu_checks.py, forward sections: cases, jit, grads, launch, big [540]
   checks-quick tests/gpu_checks.py, forward sections cases, jit, grads, launch (no big grid) [300]
   checks-grads tests/gpu_checks.py, sections grads and launch (the end of checks-quick)  [240]
@@ -55,6 +61,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import json
 import os
 import shutil
 import signal
@@ -64,13 +71,17 @@ import tarfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from ring_core import gpus  # noqa: E402
+from ring_core import build, gpus  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CARRY = os.path.join(ROOT, ".tcache")  # carried to the GPU machine; git-ignored
 CACHE = os.path.join(ROOT, ".cache", "triton")  # TRITON_CACHE_DIR there
 PART_BYTES = 15 << 20
 PART_PREFIX = "tcache.tgz.part"
+# The variants earlier sessions' stages compiled (ring_core.build's compile log, merged by --collect; committed):
+# what the warm stage compiles, in parallel, for the stages after it.
+COMPILES = os.path.join(ROOT, "tests", "gpu_compiles.jsonl")
+COMPILE_LOG = "compiles.jsonl"  # this session's compile log, under --out
 LAUNCH = [sys.executable, "-m", "jax_ring.launch", "--nproc-per-node", "{nproc}"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "{nproc}"]
 # One process on the whole GPU, also in a session whose ranks share it (no SM share for it).
@@ -85,6 +96,11 @@ WINDOW = BENCH + ["--mask", "window", "--window", "4095,0", "--layout", "contigu
                   "--csv", "{out}/masks_window.csv"]
 
 STAGES = {
+    # First in a call after a kernel edit: the later stages' variants (as an earlier session recorded them, at
+    # the same --nproc), compiled from the current source many at a time, instead of one after another as each
+    # stage's cases reach them.
+    "warm": (240, [[sys.executable, "-m", "ring_core.build", "--warm", COMPILES, "--tags", "{later}",
+                    "--jobs", "{jobs}"]]),
     "checks": (540, [LAUNCH + ["tests/gpu_checks.py", "--sections", "cases,jit,grads,launch,big", "--out", "{out}"]]),
     "checks-quick": (300, [LAUNCH + ["tests/gpu_checks.py", "--sections", "cases,jit,grads,launch", "--out", "{out}"]]),
     "checks-grads": (240, [LAUNCH + ["tests/gpu_checks.py", "--sections", "grads,launch", "--out", "{out}"]]),
@@ -146,10 +162,16 @@ def parse_stage(text: str) -> tuple:
     return name, limit
 
 
-def commands(name: str, limit: float, out: str, nproc: int = 2) -> list:
-    """The command lines of a stage, with its placeholders filled in."""
+def tag(name: str, nproc: int) -> str:
+    """The compile-log tag of a stage's compiles: its name and ranks (the world size is a constexpr)."""
+    return f"{name}@{nproc}"
+
+
+def commands(name: str, limit: float, out: str, nproc: int = 2, later=()) -> list:
+    """The command lines of a stage, with its placeholders filled in; ``later``: the names of the stages after
+    it in this session (what the warm stage compiles for)."""
     values = dict(out=out, limit_minus=f"{max(limit - 10, 5):g}", soak_seconds=f"{max(limit - 50, 10):g}",
-                  nproc=nproc)
+                  nproc=nproc, later=",".join(tag(n, nproc) for n in later), jobs=max(1, (os.cpu_count() or 2) - 2))
     return [[arg.format(**values) for arg in cmd] for cmd in STAGES[name][1]]
 
 
@@ -190,6 +212,21 @@ def save_cache(out: str, cache: str = CACHE, part_bytes: int = PART_BYTES) -> li
     return paths
 
 
+def merge_compiles(returned: str, compiles: str = COMPILES) -> int:
+    """Merge the compile log a device call returned into ``compiles``: a tag's records are replaced by the new
+    run's (the latest set of variants a stage needed), other tags kept; returns the records now there."""
+    new_path = os.path.join(returned, COMPILE_LOG)
+    if not os.path.exists(new_path):
+        return len(build.read_log(compiles)) if os.path.exists(compiles) else 0
+    new = build.read_log(new_path)
+    tags = {r.get("tag", "") for r in new}
+    old = [r for r in build.read_log(compiles) if r.get("tag", "") not in tags] if os.path.exists(compiles) else []
+    rows = sorted({json.dumps(r, sort_keys=True) for r in old + new})
+    with open(compiles, "w") as f:
+        f.writelines(row + "\n" for row in rows)
+    return len(rows)
+
+
 def collect(returned: str, carry: str = CARRY) -> int:
     """Replace the carried cache parts with those a device call returned; returns how many."""
     parts = sorted(glob.glob(os.path.join(returned, PART_PREFIX + "*")))
@@ -203,11 +240,12 @@ def collect(returned: str, carry: str = CARRY) -> int:
     return len(parts)
 
 
-def run_stage(name: str, limit: float, out: str, log, nproc: int = 2) -> int:
+def run_stage(name: str, limit: float, out: str, log, nproc: int = 2, later=()) -> int:
     """Run the stage's commands one after another within ``limit`` seconds in all; returns the first
-    non-zero exit code (124 when the limit stopped it), or 0."""
+    non-zero exit code (124 when the limit stopped it), or 0. Their compiles are logged under the stage's tag."""
     end = time.monotonic() + limit
-    for cmd in commands(name, limit, out, nproc):
+    env = dict(os.environ, **{build.COMPILE_TAG_ENV: tag(name, nproc)})
+    for cmd in commands(name, limit, out, nproc, later):
         left = end - time.monotonic()
         log.write(f"\n=== {name}: {' '.join(cmd)} (limit {left:.0f} s)\n")
         log.flush()
@@ -217,7 +255,8 @@ def run_stage(name: str, limit: float, out: str, log, nproc: int = 2) -> int:
         else:
             # Its own process group: on a timeout every rank the launcher started is stopped with it (an
             # orphaned rank would go on using the GPUs under the next stage).
-            proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                    env=env)
             try:
                 rc = proc.wait(timeout=left)
             except subprocess.TimeoutExpired:
@@ -264,7 +303,8 @@ def main(argv=None) -> int:
                          "device call's own limit")
     a = ap.parse_args(argv)
     if a.collect:
-        print(f"{collect(a.collect)} cache parts now in {CARRY}")
+        print(f"{collect(a.collect)} cache parts now in {CARRY}; {merge_compiles(a.collect)} compile records in "
+              f"{os.path.relpath(COMPILES, ROOT)}")
         return 0
     if not a.stages or not a.out:
         ap.error("give stages and --out (or $OUT), or --collect DIR")
@@ -272,6 +312,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("TRITON_CACHE_DIR", CACHE)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     os.environ.setdefault("RING_ATTENTION_TIMEOUT_S", "60")  # a rank left waiting by a failure gets out soon
+    os.environ[build.COMPILE_LOG_ENV] = os.path.join(a.out, COMPILE_LOG)  # brought back for --collect
     first_failure = 0
     n_gpus = gpus.visible_gpus()
     # One daemon for every stage (torchrun stages too); the launcher then uses it and starts none.
@@ -284,13 +325,14 @@ def main(argv=None) -> int:
         os.environ.update(extra)
         log.write(f"{a.nproc} ranks on {n_gpus} GPU(s); MPS: {'started, ' if start_mps else ''}{extra}\n")
         try:
-            for (name, _), limit in zip(a.stages, stage_limits(a.stages, a.budget)):
+            names = [n for n, _ in a.stages]
+            for i, ((name, _), limit) in enumerate(zip(a.stages, stage_limits(a.stages, a.budget))):
                 if not limit:
                     log.write(f"\n=== {name}: skipped, no time left in --budget {a.budget:g} s\n")
                     print(f"gpu_session: {name}: skipped (budget)", flush=True)
                     first_failure = first_failure or 124
                     continue
-                rc = run_stage(name, limit, a.out, log, a.nproc)
+                rc = run_stage(name, limit, a.out, log, a.nproc, later=names[i + 1:])
                 print(f"gpu_session: {name}: exit {rc}", flush=True)
                 first_failure = first_failure or rc
         finally:

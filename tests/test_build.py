@@ -231,3 +231,57 @@ def test_kernel_params(scratch):
     want = [("array", 0, 16), ("array", 0, 16), ("scalar", 3, "i32"), ("scalar", 0.5, "fp32"), ("array", 0, 16),
             ("array", 16, 16)] + ([("array", 0, 128)] if scratch else [])
     assert params == want
+
+
+TINY = textwrap.dedent("""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def add_one(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + 1, mask=offs < n)
+""")
+
+LOG_AND_COMPILE = textwrap.dedent("""
+    import json, os
+    from ring_core import build
+    import tiny_kernels
+    args = (tiny_kernels.add_one, ["*fp32", "*fp32", "i32"], dict(BLOCK=64))
+    b = build.binary(*args, num_warps=4, num_stages=1, values=[None, None, 1024])
+    build.binary(*args, num_warps=4, num_stages=1, values=[None, None, 1024])  # logged again: read once
+    print(json.dumps(dict(key=b.key, records=build.read_log(os.environ["RING_ATTENTION_COMPILE_LOG"]))))
+""")
+
+
+def test_compiles_are_logged_and_warm_compiles_them_again(tmp_path):
+    """With RING_ATTENTION_COMPILE_LOG set, a compile leaves a record; ``python -m ring_core.build --warm`` compiles
+    the records again (in parallel processes) into another cache, to the same cache key; a record the current
+    code cannot compile is reported and skipped."""
+    (tmp_path / "tiny_kernels.py").write_text(TINY)
+    log = tmp_path / "compiles.jsonl"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=os.pathsep.join([str(ROOT), str(tmp_path), env.get("PYTHONPATH", "")]),
+               TRITON_CACHE_DIR=str(tmp_path / "cache1"), RING_ATTENTION_COMPILE_LOG=str(log),
+               RING_ATTENTION_COMPILE_TAG="checks@2")
+    r = subprocess.run([sys.executable, "-c", LOG_AND_COMPILE], capture_output=True, text=True, env=env, cwd=ROOT,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    (rec,) = got["records"]
+    assert rec["kernel"] == "tiny_kernels:add_one" and rec["tag"] == "checks@2"
+    assert rec["constexprs"] == {"BLOCK": 64} and rec["divisible"] == ["n"] and rec["num_warps"] == 4
+    with open(log, "a") as f:  # a variant of a kernel that no longer exists
+        f.write(json.dumps(dict(rec, kernel="tiny_kernels:gone")) + "\n")
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache2")
+    lines = log.read_text().count("\n")
+    r = subprocess.run([sys.executable, "-m", "ring_core.build", "--warm", str(log), "--tags", "checks@2,x@1",
+                        "--jobs", "2"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "warmed 1 of 2 variants" in r.stdout and got["key"][:12] in r.stdout, r.stdout
+    assert "FAILED AttributeError" in r.stdout, r.stdout
+    assert any(p.name.startswith("add_one") for p in (tmp_path / "cache2").rglob("*.cubin"))
+    assert log.read_text().count("\n") == lines  # warming logs nothing (RING_ATTENTION_COMPILE_LOG is set here)
+    r = subprocess.run([sys.executable, "-m", "ring_core.build", "--warm", str(log), "--tags", "other@2"],
+                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert "warmed 0 of 0 variants" in r.stdout, r.stdout

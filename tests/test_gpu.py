@@ -228,6 +228,33 @@ def test_session_stages_parse_and_fill_their_commands():
     assert [c[c.index("--csv") + 1] for c in w1] == ["/o/masks_packed.csv"] * 2 + ["/o/masks_window.csv"]
 
 
+def test_session_warm_stage_compiles_for_the_stages_after_it(tmp_path, monkeypatch):
+    """The warm stage asks ring_core.build for the later stages' recorded variants (tagged stage@nproc); each
+    stage's compiles are tagged so; --collect merges a call's compile log, a tag's records replaced by the new
+    run's."""
+    gs = _script("gpu_session")
+    (cmd,) = gs.commands("warm", 200, "/o", nproc=4, later=["checks-masks", "bench-packed"])
+    assert cmd[1:4] == ["-m", "ring_core.build", "--warm"] and cmd[4] == gs.COMPILES
+    assert cmd[cmd.index("--tags") + 1] == "checks-masks@4,bench-packed@4" and int(cmd[cmd.index("--jobs") + 1]) >= 1
+    seen = tmp_path / "tag"
+    monkeypatch.setattr(gs, "commands", lambda name, limit, out, nproc=2, later=(): [
+        [sys.executable, "-c", f"import os; open({str(seen)!r}, 'w').write(os.environ['RING_ATTENTION_COMPILE_TAG'])"]])
+    with open(tmp_path / "log", "w") as log:
+        assert gs.run_stage("checks-masks", 30.0, str(tmp_path), log, nproc=3) == 0
+    assert seen.read_text() == "checks-masks@3"
+
+    def rec(tag, w):
+        return dict(kernel="m:k", types=["*bf16"], constexprs=dict(W=w), divisible=[], num_warps=4, num_stages=1,
+                    capability=90, tag=tag)
+    compiles, returned = tmp_path / "compiles.jsonl", tmp_path / "ret"
+    returned.mkdir()
+    compiles.write_text("".join(json.dumps(r) + "\n" for r in (rec("a@2", 2), rec("b@2", 2), rec("b@2", 3))))
+    (returned / gs.COMPILE_LOG).write_text(json.dumps(rec("b@2", 4)) + "\n" + json.dumps(rec("b@2", 4)) + "\n")
+    assert gs.merge_compiles(str(returned), compiles=str(compiles)) == 2
+    kept = [json.loads(line) for line in compiles.read_text().splitlines()]
+    assert sorted((r["tag"], r["constexprs"]["W"]) for r in kept) == [("a@2", 2), ("b@2", 4)]
+
+
 def test_session_budget_clips_stages_and_keeps_time_for_the_cache():
     gs = _script("gpu_session")
     stages = [("checks", 300.0), ("soak", 200.0), ("kill", 90.0)]
@@ -266,7 +293,8 @@ def test_session_stage_timeout_stops_the_launchers_children(tmp_path, monkeypatc
     pid_file = tmp_path / "child.pid"
     child = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
     launcher = f"import subprocess, sys; subprocess.Popen([sys.executable, '-c', {child!r}]).wait()"
-    monkeypatch.setattr(gs, "commands", lambda name, limit, out, nproc=2: [[sys.executable, "-c", launcher]])
+    monkeypatch.setattr(gs, "commands",
+                        lambda name, limit, out, nproc=2, later=(): [[sys.executable, "-c", launcher]])
     with open(tmp_path / "log", "w") as log:
         assert gs.run_stage("soak", 3.0, str(tmp_path), log) == 124
     pid = int(pid_file.read_text())
