@@ -1,12 +1,13 @@
 """How much of a timed call is the host's (issue 20's packed rows): benchmarks/attention.py times each call between
 two CUDA events recorded on an idle stream, so the host's work between the first event and the launch (the custom
 op's dispatch, validation, launch plan, Triton's launcher) counts as GPU time. For a call of a few ms that can be a
-large share. This times the same torch_fused call three ways, at world size 1 on one GPU:
+large share. This times the same torch_fused call four ways, at world size 1 on one GPU:
 
 * ``each``: as the harness does, one call between two events, then a sync (host gap included);
 * ``stream``: N calls back to back between two events, one sync at the end (the GPU time when the host keeps
   ahead, as triton.testing.do_bench and a training step see it);
-* ``host``: the host's own time to issue one call (perf_counter, no sync, after a sync).
+* ``host``: the host's own time to issue one call (perf_counter, no sync, after a sync);
+* ``kernel``: the fused kernel's own duration on the device, from torch.profiler (CUPTI), per call.
 
     python -m jax_ring.launch --nproc-per-node 1 -m benchmarks.launch_gap --csv OUT.csv
 
@@ -71,7 +72,8 @@ def main():
             host.append((time.perf_counter() - t0) * 1e3)
         torch.cuda.synchronize()
         row = dict(doc_lens=lens, seq_local=S, heads=H, each_ms=round(float(np.median(each)), 4),
-                   stream_ms=round(stream, 4), host_ms=round(float(np.median(host)), 4))
+                   stream_ms=round(stream, 4), host_ms=round(float(np.median(host)), 4),
+                   kernel_ms=kernel_ms(torch, call, a.iters))
         rows.append(row)
         print(row, flush=True)
     if a.csv:
@@ -79,6 +81,25 @@ def main():
             w = csv.DictWriter(f, fieldnames=list(rows[0]))
             w.writeheader()
             w.writerows(rows)
+
+
+def kernel_ms(torch, call, iters: int):
+    """The fused forward kernel's mean device time per call (ms), from torch.profiler's CUDA activity; "" if the
+    profiler gives none here (the other columns stand without it)."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(iters):
+                call()
+            torch.cuda.synchronize()
+        for ev in prof.key_averages():
+            if "ring_attn_fwd" in ev.key:
+                total = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+                return round(total / max(ev.count, 1) / 1e3, 4)
+    except Exception as e:  # noqa: BLE001 (a probe: say why and go on)
+        print(f"torch.profiler: {type(e).__name__}: {e}", flush=True)
+    return ""
 
 
 if __name__ == "__main__":
