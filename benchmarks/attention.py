@@ -43,7 +43,7 @@ import shlex
 import sys
 import time
 
-from benchmarks.harness import MASKS, METHODS, PASSES, SHARED_NOTE, Case, CsvLog, run_case, setup, versions
+from benchmarks.harness import MASKS, METHODS, PASSES, SHARED_NOTE, TIMINGS, Case, CsvLog, run_case, setup, versions
 from benchmarks.peers import BUILDERS
 
 # The default methods with one GPU process (as in --world1 runs): the fused kernel and the single-GPU limits.
@@ -170,6 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ref-max-seq", type=int, default=None,
                     help=f"run the reference rings only up to this seq_local (default {d['ref_max_seq']})")
     ap.add_argument("--warmup", type=int, default=None, help=f"untimed calls first (default {d['warmup']})")
+    ap.add_argument("--timing", default="call", choices=TIMINGS,
+                    help="call: each call between its own CUDA events, the ranks meeting before it (default); "
+                         "stream: the ranks meet once, then the calls run back to back and the mean counts "
+                         "(the host's work overlaps the GPU's, as in do_bench or a training step)")
     ap.add_argument("--iters", type=int, default=None, help=f"timed calls (default {d['iters']})")
     ap.add_argument("--input-sets", type=int, default=None,
                     help=f"random input sets rotated over the calls (default {d['input_sets']})")
@@ -295,7 +299,8 @@ def main(argv=None) -> int:
         env.print(f"{env.world} ranks, {env.ranks_per_gpu} per GPU: {SHARED_NOTE}")
     env.print(f"world {env.world} x {meta['gpu']}; torch {meta['torch']}, jax {meta['jax'] or '-'}, "
               f"triton {meta['triton'] or '-'}; {len(cases)} case(s); methods: {', '.join(methods)}")
-    env.print(f"warm-up {args.warmup}, {args.iters} timed calls over {args.input_sets} input sets; CSV: "
+    env.print(f"warm-up {args.warmup}, {args.iters} timed calls over {args.input_sets} input sets"
+              f"{' back to back (--timing stream)' if args.timing == 'stream' else ''}; CSV: "
               f"{args.csv or '(none)'}{f' ({len(log.rows)} rows kept)' if log and log.rows else ''}")
     t0 = time.perf_counter()
     for case in cases:

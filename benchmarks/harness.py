@@ -18,7 +18,11 @@ programs are compiled ahead of it: ``compile_s``), then ``--iters`` calls rotati
 carries errors); each call is timed with CUDA events on the torch stream (JAX calls end with
 ``block_until_ready``, so their events span the call's dispatch and execution); the per-call times are
 all-reduced with MAX (the slowest rank counts, call by call); the row reports the median and the 20/80 %
-quantiles. TFLOP/s per GPU = ``4*B*H*S_local*S_global*D`` per rank (half when causal) / median time;
+quantiles. With ``--timing stream`` (the CSV's ``timing`` column; default ``call``, the above) the ranks meet
+once, then the ``--iters`` calls run back to back between two events: the mean per call, as
+triton.testing.do_bench and a training step see it, where the host's work for a call overlaps the GPU's for
+the one before (per-call events on an idle stream count that host work too). JAX calls still block each.
+TFLOP/s per GPU = ``4*B*H*S_local*S_global*D`` per rank (half when causal) / median time;
 in fwd+bwd the FLOPs are 3.5 times that (the flash-attention convention: backward = 2.5 forwards).
 
 Checks: each method's output on input set 0 is compared with the first of torch_fused, jax_fused,
@@ -133,12 +137,12 @@ RATIOS = {
 CASE_KEY = ("run_id", "world", "batch", "heads", "kv_heads", "head_dim", "seq_local", "causal", "dtype", "pass",
             "mask", "layout")
 SCALING_KEY = ("method", "batch", "heads", "kv_heads", "head_dim", "seq_global", "causal", "dtype", "pass", "mask",
-               "layout")
+               "layout", "timing")
 # The masked rows' ratio columns (module docstring): vs_dense against the same run's unmasked row of the method,
 # ms_vs_world1 against the latest world-1 row with the same work per rank.
 MASK_RATIOS = ("vs_dense", "ms_vs_world1")
 WORLD1_KEY = ("method", "batch", "heads", "kv_heads", "head_dim", "seq_local", "causal", "dtype", "pass", "mask",
-              "layout")
+              "layout", "timing")
 MASKS = ("none", "packed", "window")
 DOC_SEED = 20  # the packed documents' lengths: numpy's default_rng(DOC_SEED + batch row), the same in every run
 
@@ -148,7 +152,8 @@ PASSES = {"fwd": 1.0, "fwd+bwd": 3.5}
 GRADS = ("dq", "dk", "dv")
 # Columns added since the first CSVs, with the value a row written without them means.
 LEGACY_DEFAULTS = {"pass": "fwd", "ranks_per_gpu": "1", "mask": "none", "pairs_per_gpu": "", "ring_steps": "",
-                   "ring_steps_needed": "", "vs_dense": "", "ms_vs_world1": ""}
+                   "ring_steps_needed": "", "vs_dense": "", "ms_vs_world1": "", "timing": "call"}
+TIMINGS = ("call", "stream")  # --timing: each call between its own events, or the calls back to back
 SHARED_NOTE = "RANKS SHARE GPUS: protocol overhead, not multi-GPU speed"
 
 VERSION_COLUMNS = ("gpu", "python", "torch", "torch_cuda", "torch_cudnn", "triton", "jax", "jaxlib",
@@ -157,7 +162,7 @@ CSV_COLUMNS = (
     "run_id", "date", "world", "ranks_per_gpu", "method", "framework", "kind",
     "batch", "heads", "kv_heads", "head_dim", "seq_local", "seq_global", "causal", "layout", "dtype", "pass", "mask",
     "flops_per_gpu", "pairs_per_gpu", "ms_median", "ms_q20", "ms_q80", "tflops_per_gpu",
-    "iters", "warmup", "input_sets", "compile_s", "first_call_s", "max_abs_diff", "diff_vs",
+    "iters", "warmup", "input_sets", "timing", "compile_s", "first_call_s", "max_abs_diff", "diff_vs",
     "ring_steps", "ring_steps_needed", *RATIOS, "scaling_eff", *MASK_RATIOS,
     "shape", "note", "error",
     *VERSION_COLUMNS, "command",
@@ -388,7 +393,7 @@ def compute_ratios(rows) -> list:
 
     ``vs_*``: fused TFLOP/s over the best TFLOP/s of the named methods in the same run, case and pass.
     ``scaling_eff``: fused TFLOP/s per GPU over the TFLOP/s of the latest world-1 row of the same method,
-    global problem (same batch, heads, head_dim, seq_global, causal, dtype) and pass. Rows with an error, or
+    global problem (same batch, heads, head_dim, seq_global, causal, dtype), pass and timing. Rows with an error, or
     without TFLOP/s, are ignored as denominators.
     """
     ok = [r for r in rows if not r.get("error") and _num(r.get("tflops_per_gpu")) is not None]
@@ -811,7 +816,16 @@ def _attempt(env, args, case, name, build, data, anchor, **kw) -> Result:
                 prep.run(i)
         except Exception as e:  # noqa: BLE001
             err, status = _fmt_exc(e), 1
-        for it in range(args.iters):
+        stream = getattr(args, "timing", "call") == "stream"
+        if stream:
+            if not env.flag_max(status):  # all ranks meet once; then the calls run back to back
+                try:
+                    ms, out = env.timed(lambda: _run_all(prep, args.iters))
+                    del out
+                    times.append(ms / args.iters)
+                except Exception as e:  # noqa: BLE001
+                    err, status = _fmt_exc(e), 1
+        for it in range(0 if stream else args.iters):
             if env.flag_max(status):  # all ranks meet before every timed call, and stop together
                 break
             try:
@@ -854,6 +868,15 @@ def _attempt(env, args, case, name, build, data, anchor, **kw) -> Result:
                 torch_bridge.reset()  # collective: call counters back in step after a timeout
 
 
+def _run_all(prep, iters: int):
+    """``iters`` calls back to back (input sets rotating); the last one's result (the others are dropped as
+    soon as the next call is issued)."""
+    out = None
+    for it in range(iters):
+        out = prep.run(it)
+    return out
+
+
 def run_method(env, args, case, name, build, data, anchor) -> Result:
     res = _attempt(env, args, case, name, build, data, anchor)
     if (res.error and res.phase in ("build", "first call") and name in GQA_RETRY and env.cuda
@@ -884,7 +907,8 @@ def make_row(env, args, case, name, res: Result, meta: dict, anchor_name) -> dic
                mask=case.mask_label, flops_per_gpu=f"{fl:.6g}", pairs_per_gpu=f"{pairs_per_gpu(case, env.world):.6g}",
                ring_steps_needed=ring_steps_needed(case, env.world),
                iters=args.iters, warmup=args.warmup, input_sets=args.input_sets,
-               shape=res.shape, note=note, error=res.error or "", **{"pass": case.mode})
+               timing=getattr(args, "timing", "call"), shape=res.shape, note=note, error=res.error or "",
+               **{"pass": case.mode})
     if res.ring_steps is not None:
         row["ring_steps"] = res.ring_steps
     if res.compile_s is not None:

@@ -41,6 +41,11 @@ Stages (``NAME[:SECONDS]``; the default time limit is in brackets):
                torch_fused, fwd and fwd+bwd (--nproc ranks)                          [300]
   bench-masks-w1  the world-1 runs of bench-packed and bench-window (one process, whatever --nproc; the
                MPS SM share of a shared session is dropped for it, so it gets the whole GPU)  [540]
+  bench-w1-stream  bench-w1 with --timing stream (the calls back to back)                [300]
+  probe-launch-gap benchmarks/launch_gap.py: one call timed per call, back to back, host-only and
+               kernel-only (torch.profiler), dense and packed, world size 1                 [120]
+  bench-doclens  the packed forward at W=1 with documents of 16384, 4096 and 1024 tokens    [150]
+  checks-masks-tail  tests/gpu_checks.py masks cases 3, 4, 5 (fp32 last)                  [420]
   bench-w1     benchmarks/attention.py at world size 1 (one rank whatever --nproc: run it with --nproc 1, so
                that no MPS share caps it): fused and cuDNN, torch and JAX, bf16 D128 16k/32k, fwd and
                fwd+bwd, the set-up of ../shared/gpu/README.md's world-size-1 table  [300]
@@ -126,6 +131,11 @@ STAGES = {
     # one per 16k shard (the segment-id path at dense work) down to 512 tokens (many short rows per tile).
     "bench-doclens": (150, [LAUNCH1 + BENCH + ["--mask", "packed", "--pass", "fwd", "--doc-lens", f"{n}-{n}",
                                                "--csv", "{out}/masks_doclens.csv"] for n in (16384, 4096, 1024)]),
+    # bench-w1 timed back to back (--timing stream): the host's dispatch overlapped, as do_bench and training see it.
+    "bench-w1-stream": (300, [LAUNCH1 + ["-m", "benchmarks.attention", "--methods",
+                                         "torch_fused,torch_cudnn_1gpu,jax_fused,jax_fused_deferred,jax_cudnn_1gpu",
+                                         "--seq", "16k,32k", "--pass", "fwd,fwd+bwd", "--warmup", "2", "--iters", "5",
+                                         "--timing", "stream", "--csv", "{out}/attention_w1_stream.csv"]]),
     "probe-launch-gap": (120, [LAUNCH1 + ["-m", "benchmarks.launch_gap", "--csv", "{out}/launch_gap.csv"]]),
     "bench-w1": (300, [LAUNCH1 + ["-m", "benchmarks.attention", "--methods",
                                   "torch_fused,torch_cudnn_1gpu,jax_fused,jax_fused_deferred,jax_cudnn_1gpu",

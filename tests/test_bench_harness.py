@@ -322,6 +322,19 @@ def test_ratios_only_compare_rows_of_the_same_pass():
     assert harness.field({"pass": "fwd+bwd"}, "pass") == "fwd+bwd" and harness.field({}, "note") == ""
 
 
+def test_scaling_compares_rows_of_the_same_timing():
+    """A row timed back to back (--timing stream) scales against a world-1 row timed so, never against one timed
+    call by call (a row without the column was timed call by call)."""
+    call_w1 = _row("torch_fused", 400, world=1, seq_local=8192, run="r9")
+    stream_w1 = dict(_row("torch_fused", 500, world=1, seq_local=8192, run="r8"), timing="stream")
+    stream = dict(_row("torch_fused", 450), timing="stream")
+    by_timing = {harness.field(r, "timing"): r for r in harness.compute_ratios([stream_w1, call_w1, stream])
+                 if r["world"] == "2"}
+    assert by_timing["stream"]["scaling_eff"] == 0.9 and harness.field({}, "timing") == "call"
+    (plain,) = [r for r in harness.compute_ratios([stream_w1, call_w1, _row("torch_fused", 300)]) if r["world"] == "2"]
+    assert plain["scaling_eff"] == 0.75
+
+
 def test_ranks_sharing_a_gpu_are_labelled_and_scaled_by_the_whole_gpu(tmp_path):
     shared = dict(_row("torch_fused", 150), ranks_per_gpu="2")  # two ranks on one GPU, each at 150
     rows = [shared, _row("torch_fused", 320, world=1, seq_local=8192, run="r10")]
@@ -571,7 +584,7 @@ def test_cpu_smoke_both_passes_through_the_launcher(tmp_path):
     assert len(rows) == len(by) == 2 * 2 * len(harness.METHODS), f"{len(rows)} rows in {time.perf_counter() - t0:.0f} s"
     gpu_only = {"torch_fused", "jax_fused", "jax_fused_deferred", "torch_cp"}
     for (mode, causal, method), r in by.items():
-        assert (r["world"], r["seq_global"], r["kv_heads"]) == ("2", "128", "2")
+        assert (r["world"], r["seq_global"], r["kv_heads"], r["timing"]) == ("2", "128", "2", "call")
         if method in gpu_only:
             assert "Unavailable" in r["error"] and not r["tflops_per_gpu"]
             continue
@@ -594,14 +607,16 @@ def test_cpu_smoke_both_passes_through_the_launcher(tmp_path):
 def test_cpu_smoke_with_masks_through_the_launcher(tmp_path):
     """The masked cases on CPU (2 gloo/XLA-CPU processes): the reference rings run packed documents and a causal
     window in both passes, checked against each other, with the effective FLOPs of the allowed pairs; methods
-    without masks are skipped (no row); the fused kernel says why it cannot run here."""
+    without masks are skipped (no row); the fused kernel says why it cannot run here. Timed back to back
+    (``--timing stream``): one mean per row."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = tmp_path / "smoke_masks.csv"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
     env.pop("XLA_FLAGS", None)
     cmd = [sys.executable, "-m", "jax_ring.launch", "--nproc-per-node", "2", "-m", "benchmarks.attention",
            "--cpu-smoke", "--mask", "packed,window", "--causal", "yes", "--seq", "64", "--kv-heads", "2",
-           "--iters", "2", "--methods", "torch_fused,torch_ref,jax_xla,torch_cp", "--csv", str(out)]
+           "--iters", "2", "--methods", "torch_fused,torch_ref,jax_xla,torch_cp", "--timing", "stream",
+           "--csv", str(out)]
     proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "torch_cp          skipped: takes no segment ids or windows" in proc.stdout
@@ -619,6 +634,7 @@ def test_cpu_smoke_with_masks_through_the_launcher(tmp_path):
             assert "Unavailable" in r["error"] and r["ring_steps"] == ""
             continue
         assert not r["error"] and float(r["tflops_per_gpu"]) > 0, r
+        assert r["timing"] == "stream" and r["ms_q20"] == r["ms_median"] == r["ms_q80"], r  # one mean
         assert float(r["flops_per_gpu"]) == pytest.approx(
             4 * 4 * 32 * harness.pairs_per_gpu(case, 2) * harness.PASSES[mode], rel=1e-5)
         if method == "jax_xla":  # checked against the first ring that ran (torch_ref): outputs, or gradients
