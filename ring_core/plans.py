@@ -25,6 +25,7 @@ Heap use of one call (regions of ring_core.control.HeapLayout; flags in the ring
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -191,7 +192,11 @@ class LaunchPlan:
 
     def constexprs(self, *, sticky_errors: bool = False) -> dict:
         """The kernel's constexprs; ``sticky_errors``: keep a failed call's status on the heap for the host
-        (deferred errors, ring_core.control.errors_mode)."""
+        (deferred errors, ring_core.control.errors_mode). A new dict each time, built once per plan (the torch
+        launcher asks for it at every call)."""
+        return dict(_constexprs(self, sticky_errors))
+
+    def _constexprs(self, sticky_errors: bool) -> dict:
         s, c = self.spec, self.config
         shared = dict(
             W=self.world_size, H=s.num_heads, HKV=s.num_kv_heads, D=s.head_dim, BLOCK_D=block_d(s.head_dim),
@@ -234,6 +239,12 @@ class LaunchPlan:
             return (q, s.dtype), (rows, "float32"), status
         kv = (s.batch, s.seq_local, s.num_kv_heads, s.head_dim)
         return (q, s.dtype), (kv, s.dtype), (kv, s.dtype), (rows, "float32"), status
+
+
+@functools.lru_cache(maxsize=512)
+def _constexprs(p: LaunchPlan, sticky_errors: bool) -> dict:
+    """``LaunchPlan.constexprs``, cached per (plan, sticky_errors): plans are frozen, hashable and small."""
+    return p._constexprs(sticky_errors)
 
 
 def store_hint(head_dim: int, itemsize: int) -> int:
@@ -329,9 +340,11 @@ def _too_small(what: str, need: int, have: int, spec: AttentionSpec, world_size:
         f"(before the first call, or after shutdown())")
 
 
+@functools.lru_cache(maxsize=512)
 def plan(spec: AttentionSpec, world_size: int, heap: HeapLayout, *, interpret: bool = False,
          config: KernelConfig | None = None) -> LaunchPlan:
-    """The forward's launch; raises HeapTooSmallError (before anything runs) when the heap is short."""
+    """The forward's launch; raises HeapTooSmallError (before anything runs) when the heap is short. Cached
+    (every argument is frozen and hashable; the torch launcher plans at every call); errors are not."""
     check_fused(spec, "a reference backend")
     cfg = config or KernelConfig.get_default(spec, world_size, interpret=interpret)
     need = recv_bytes(spec, world_size)
@@ -346,10 +359,11 @@ def plan(spec: AttentionSpec, world_size: int, heap: HeapLayout, *, interpret: b
                       interpret)
 
 
+@functools.lru_cache(maxsize=512)
 def plan_bwd(spec: AttentionSpec, world_size: int, heap: HeapLayout, *, interpret: bool = False,
              config: BwdKernelConfig | None = None) -> LaunchPlan:
     """The backward's launch; raises HeapTooSmallError (before anything runs) when the heap is short of
-    receive space or flags."""
+    receive space or flags. Cached, as ``plan``."""
     check_fused(spec, "a reference backend")
     cfg = config or BwdKernelConfig.get_default(spec, world_size, interpret=interpret)
     kv, part_off, need = bwd_recv_bytes(spec, world_size)

@@ -51,8 +51,13 @@ def _segment_ids(spec, segment_ids, device):
     ``spec.segmented``, else a one-element dummy that the kernels never read (SEGMENTED=False)."""
     validate.check_segment_ids_given(spec, segment_ids is not None)
     if segment_ids is None:
-        return torch.zeros((1,), dtype=torch.int32, device=device)
+        if device not in _NO_IDS:  # one per device, made once (no allocation and fill launched per call)
+            _NO_IDS[device] = torch.zeros((1,), dtype=torch.int32, device=device)
+        return _NO_IDS[device]
     return segment_ids.to(device=device, dtype=torch.int32).contiguous()
+
+
+_NO_IDS = {}  # device -> the one-element dummy of _segment_ids
 
 
 def _outputs(p, device):
