@@ -128,7 +128,7 @@ STAGES = {
     "bench-masks-w1": (540, [LAUNCH1 + PACKED + ["--pass", "fwd"], LAUNCH1 + PACKED + ["--pass", "fwd+bwd"],
                              LAUNCH1 + WINDOW]),
     # Where the packed forward's time goes (benchmarks/NOTES.md): world size 1, documents of one length each, from
-    # one per 16k shard (the segment-id path at dense work) down to 512 tokens (many short rows per tile).
+    # one per 16k shard (the segment-id path at dense work) down to 1024 tokens (many short rows per tile).
     "bench-doclens": (150, [LAUNCH1 + BENCH + ["--mask", "packed", "--pass", "fwd", "--doc-lens", f"{n}-{n}",
                                                "--csv", "{out}/masks_doclens.csv"] for n in (16384, 4096, 1024)]),
     # bench-w1 timed back to back (--timing stream): the host's dispatch overlapped, as do_bench and training see it.
