@@ -42,6 +42,8 @@ Stages (``NAME[:SECONDS]``; the default time limit is in brackets):
   bench-masks-w1  the world-1 runs of bench-packed and bench-window (one process, whatever --nproc; the
                MPS SM share of a shared session is dropped for it, so it gets the whole GPU)  [540]
   bench-w1-stream  bench-w1 with --timing stream (the calls back to back)                [300]
+  probe-gluon-fwd  benchmarks/gluon_fwd.py: a Gluon warp-specialised forward (single GPU), checked, then
+               timed against cuDNN, bf16 D128 16k/32k                                      [240]
   probe-launch-gap benchmarks/launch_gap.py: one call timed per call, back to back, host-only and
                kernel-only (torch.profiler), dense and packed, world size 1                 [120]
   bench-doclens  the packed forward at W=1 with documents of 16384, 4096 and 1024 tokens    [150]
@@ -136,6 +138,10 @@ STAGES = {
                                          "torch_fused,torch_cudnn_1gpu,jax_fused,jax_fused_deferred,jax_cudnn_1gpu",
                                          "--seq", "16k,32k", "--pass", "fwd,fwd+bwd", "--warmup", "2", "--iters", "5",
                                          "--timing", "stream", "--csv", "{out}/attention_w1_stream.csv"]]),
+    # Issue 18's Gluon path, first piece: benchmarks/gluon_fwd.py's single-GPU forward, checked against float32
+    # attention, then timed against cuDNN (one process, the whole GPU).
+    "probe-gluon-fwd": (240, [["env", "-u", gpus.MPS_SHARE_ENV, sys.executable, "-m", "benchmarks.gluon_fwd",
+                               "--out", "{out}/gluon_fwd.csv"]]),
     "probe-launch-gap": (120, [LAUNCH1 + ["-m", "benchmarks.launch_gap", "--csv", "{out}/launch_gap.csv"]]),
     "bench-w1": (300, [LAUNCH1 + ["-m", "benchmarks.attention", "--methods",
                                   "torch_fused,torch_cudnn_1gpu,jax_fused,jax_fused_deferred,jax_cudnn_1gpu",

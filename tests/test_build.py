@@ -285,3 +285,32 @@ def test_compiles_are_logged_and_warm_compiles_them_again(tmp_path):
     r = subprocess.run([sys.executable, "-m", "ring_core.build", "--warm", str(log), "--tags", "other@2"],
                        capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
     assert "warmed 0 of 0 variants" in r.stdout, r.stdout
+
+
+GLUON_COMPILE = textwrap.dedent("""
+    import json, re
+    from benchmarks import gluon_fwd
+    out = {}
+    for dt, d, causal in (("bfloat16", 128, True), ("float16", 64, False)):
+        ck = gluon_fwd.compile_for_sm90(dt, d, causal)
+        ttgir, ptx = ck.asm["ttgir"], ck.asm["ptx"]
+        out[f"{dt}-{d}-{causal}"] = dict(ws="ttg.warp_specialize" in ttgir, warps=ck.metadata.num_warps,
+                                         shared=ck.metadata.shared, wgmma=ptx.count("wgmma.mma_async"),
+                                         tma=len(re.findall(r"cp.async.bulk.tensor", ptx)))
+    print(json.dumps(out))
+""")
+
+
+def test_gluon_forward_compiles_warp_specialised_for_hopper(tmp_path):
+    """benchmarks/gluon_fwd.py (issue 18's Gluon path, single GPU for now) compiles for sm_90 on CPU under the
+    Triton at hand: an explicit load partition beside the consumers' warps, TMA copies and warpgroup MMAs, within
+    Hopper's shared memory. What it computes is checked on a GPU (``python -m benchmarks.gluon_fwd``)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]), TRITON_CACHE_DIR=str(tmp_path))
+    r = subprocess.run([sys.executable, "-c", GLUON_COMPILE], capture_output=True, text=True, env=env, cwd=ROOT,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    for name, c in got.items():
+        assert c["ws"] and c["warps"] > 8, (name, c)  # the default partition's 8 warps and the load warp(s)
+        assert c["wgmma"] > 0 and c["tma"] >= 1 and c["shared"] <= 227 * 1024, (name, c)

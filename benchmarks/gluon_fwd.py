@@ -1,0 +1,308 @@
+"""A first Gluon attention forward for Hopper (issue 18's explicit-partition path), single GPU, no ring yet.
+
+Why: Triton's automatic warp specialisation cannot take the fused kernel's protocol at world size > 1
+(benchmarks/NOTES.md, "Hopper warp specialisation ... blocked at world size > 1"), so issue 18 allows a Gluon
+fast path. This is its first piece, the attention loop alone, to learn what Gluon 3.6 reaches on an H200 before
+the ring protocol moves in: FlashAttention-3's shape, simplified.
+
+* One program per (128 query rows, batch x head). A **load partition** (one warp) brings Q once, then K and V
+  blocks of 128 rows through TMA into ``STAGES`` shared-memory slots, each guarded by a pair of mbarriers
+  (``ready``: the TMA bytes landed; ``empty``: the consumers are done with the slot).
+* The **default partition** (8 warps, two warpgroups on the 128 rows) runs the online softmax: S = Q K^T and
+  O += P V with asynchronous warpgroup MMAs (P from registers), then frees the slot. Causal: the blocks below the
+  diagonal run unmasked, the diagonal ones masked (two loops, one phase counter).
+* Epilogue: O / l through shared memory and a TMA store (Q's buffer, free by then); lse (natural log) by plain
+  stores.
+
+Layout as the product's: q, k, v and out ``[B, S, H, D]`` (k, v with HKV heads: GQA reads the kv head in place),
+seen by TMA as 2-D ``[B*S, heads*D]`` with ``[128, D]`` blocks at column ``head*D``. This first version asks
+``S % 128 == 0`` (TMA would otherwise read the next batch's rows) and D in (64, 128); fp16/bf16.
+
+Not yet run on a GPU (written on a CPU machine: it compiles for sm_90 there, ``compile_for_sm90``). On the GPU
+machine (one process, the whole GPU):
+
+    python -m benchmarks.gluon_fwd --out $OUT/gluon_fwd.csv
+
+checks it against float32 attention (torch) and times it against torch SDPA's cuDNN backend (bf16, B=1, H=32,
+D=128, S 16k and 32k, causal and not), the calls back to back.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import time
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+# Gluon's TMA copies were renamed after Triton 3.6 (async_copy_global_to_shared -> async_load, ...); the GPU
+# machine runs 3.6, CI 3.9.
+_tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+_tma_store = tma.async_store if hasattr(tma, "async_store") else tma.async_copy_shared_to_global
+_cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier  # (3.9 / 3.6)
+
+BLOCK_M = 128
+BLOCK_N = 128
+NUM_WARPS = 8  # the default partition: two warpgroups over the 128 query rows
+STAGES = 2
+LOAD_WARPS, LOAD_REGS = 1, 24
+
+
+@gluon.jit
+def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, row_q, row_kv,
+                    col_q, col_kv, n_blocks, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """The producer: Q once, then K and V block j into slot j % STAGES once the consumers freed it."""
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    _tma_load(q_desc, [row_q, col_q], q_bar, q_smem)
+    for j in range(n_blocks):
+        s = j % STAGES
+        # Round r of a slot waits for the consumers' release of round r - 1: parity (r & 1) ^ 1, which a fresh
+        # barrier already satisfies for r = 0.
+        mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
+        mbarrier.expect(kv_ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        _tma_load(k_desc, [row_kv + j * BLOCK_N, col_kv], kv_ready.index(s), k_smem.index(s))
+        _tma_load(v_desc, [row_kv + j * BLOCK_N, col_kv], kv_ready.index(s), v_smem.index(s))
+
+
+@gluon.jit
+def _attend(acc, l_i, m_i, q_smem, k_smem, v_smem, kv_ready, kv_empty, j_lo, j_hi, q0, qk_scale,
+            s_layout: gl.constexpr, o_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+            STAGES: gl.constexpr, MASKED: gl.constexpr):
+    """Blocks [j_lo, j_hi) of the online softmax; MASKED: keys after the query (causal) are dropped."""
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    rows = q0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    for j in range(j_lo, j_hi):
+        s = j % STAGES
+        mbarrier.wait(kv_ready.index(s), (j // STAGES) & 1)
+        qk = warpgroup_mma(q_smem, k_smem.index(s).permute((1, 0)),
+                           gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
+        qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
+        qk = qk * qk_scale  # log2 units
+        if MASKED:
+            cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            qk = gl.where(cols[None, :] <= rows[:, None], qk, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(qk, axis=1))
+        p = gl.exp2(qk - m_new[:, None])
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)
+        acc = warpgroup_mma(p_op, v_smem.index(s), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        # The slot's K and V are read by both warpgroups (each waited for its own MMAs): then one thread frees it
+        # (Gluon's arrive is thread 0's), and the producer may refill it.
+        _cta_barrier()  # within a partition: a named barrier of its warps only
+        mbarrier.arrive(kv_empty.index(s), count=1)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@gluon.jit
+def _compute_partition(q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, n_full, n_blocks, q0, qk_scale,
+                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+                       CAUSAL: gl.constexpr, NUM_WARPS: gl.constexpr):
+    """The consumers: the online softmax over the unmasked blocks, then (causal) the diagonal ones."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                       instr_shape=[16, D, 16])
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
+    mbarrier.wait(q_bar, 0)
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q_smem, k_smem, v_smem, kv_ready, kv_empty, 0, n_full, q0, qk_scale,
+                            s_layout, o_layout, BLOCK_M, BLOCK_N, STAGES, False)
+    if CAUSAL:
+        acc, l_i, m_i = _attend(acc, l_i, m_i, q_smem, k_smem, v_smem, kv_ready, kv_empty, n_full, n_blocks, q0,
+                                qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, STAGES, True)
+    return acc, l_i, m_i
+
+
+@gluon.jit
+def gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, lse_ptr, S, H, HKV, sm_scale,
+                   CAUSAL: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr):
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+    D: gl.constexpr = q_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    pid_m = gl.program_id(0)
+    bh = gl.program_id(1)
+    b = bh // H
+    h = bh % H
+    q0 = pid_m * BLOCK_M
+    row_q = b * S + q0
+    row_kv = b * S
+    col_q = h * D
+    col_kv = (h // (H // HKV)) * D
+    if CAUSAL:
+        n_full = q0 // BLOCK_N  # wholly below the diagonal
+        n_blocks = gl.cdiv(q0 + BLOCK_M, BLOCK_N)
+    else:
+        n_full = S // BLOCK_N
+        n_blocks = n_full
+
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(kv_ready.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=1)
+    fence_async_shared()  # the barriers' initialisation before the async proxy (TMA) uses them
+
+    qk_scale = sm_scale * 1.4426950408889634
+    acc, l_i, m_i = gl.warp_specialize([
+        (_compute_partition, (q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, n_full, n_blocks, q0, qk_scale,
+                              BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, NUM_WARPS)),
+        (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, row_q, row_kv,
+                           col_q, col_kv, n_blocks, BLOCK_N, STAGES)),
+    ], [1], [24])
+
+    # Epilogue: O / l through Q's buffer (free: every MMA reading it has completed) and a TMA store; lse.
+    o_layout: gl.constexpr = acc.type.layout
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+    out = acc / l_o[:, None]
+    q_smem.store(out.to(o_desc.dtype))
+    fence_async_shared()
+    _tma_store(o_desc, [row_q, col_q], q_smem)
+    rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc.type.layout))
+    lse = (gl.convert_layout(m_i, gl.SliceLayout(1, o_layout)) + gl.log2(l_o)) * 0.6931471805599453
+    gl.store(lse_ptr + bh.to(gl.int64) * S + q0 + rows, lse)
+    tma.store_wait(pendings=0)
+    mbarrier.invalidate(q_bar)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(kv_ready.index(i))
+        mbarrier.invalidate(kv_empty.index(i))
+
+
+def descriptors(q, k, v, out):
+    """TMA descriptors of [B, S, heads, D] tensors as [B*S, heads*D] with [128, D] blocks."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    el = gl.bfloat16 if str(q.dtype).endswith("bfloat16") else gl.float16
+
+    def desc(x, rows):
+        b, s, heads, d = x.shape
+        layout = gl.NVMMASharedLayout.get_default_for([rows, d], el)
+        return TensorDescriptor(x, [b * s, heads * d], [heads * d, 1], [rows, d], layout)
+
+    return desc(q, BLOCK_M), desc(k, BLOCK_N), desc(v, BLOCK_N), desc(out, BLOCK_M)
+
+
+def check_shapes(q, k):
+    B, S, H, D = q.shape
+    HKV = k.shape[2]
+    if S % BLOCK_M or S % BLOCK_N or D not in (64, 128) or H % HKV:
+        raise ValueError(f"gluon_fwd takes S % {BLOCK_M} == 0, D in (64, 128), H % HKV == 0; got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}")
+    return B, S, H, HKV, D
+
+
+def attention(q, k, v, causal: bool, scale: float | None = None):
+    """(out, lse) of softmax attention, q [B, S, H, D], k and v [B, S, HKV, D] (CUDA, fp16/bf16)."""
+    import torch
+
+    B, S, H, HKV, D = check_shapes(q, k)
+    q, k, v = (x.contiguous() for x in (q, k, v))
+    out = torch.empty_like(q)
+    lse = torch.empty((B, H, S), dtype=torch.float32, device=q.device)
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    gluon_attn_fwd[(S // BLOCK_M, B * H)](*descriptors(q, k, v, out), lse, S, H, HKV, scale, causal, STAGES,
+                                          NUM_WARPS, num_warps=NUM_WARPS)
+    return out, lse
+
+
+def compile_for_sm90(dtype: str = "bfloat16", D: int = 128, causal: bool = True):
+    """Compile the kernel for sm_90 without a GPU (CPU tensors only give the descriptors their types); returns
+    Triton's CompiledKernel (its ``asm`` has the TTGIR and PTX)."""
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    t = torch.zeros((1, 256, 2, D), dtype=getattr(torch, dtype))
+    descs = descriptors(t, t, t, t)
+    names = ["q_desc", "k_desc", "v_desc", "o_desc"]
+    sig = {n: mangle_type(d) for n, d in zip(names, descs)}
+    sig.update(lse_ptr="*fp32", S="i32", H="i32", HKV="i32", sm_scale="fp32", CAUSAL="constexpr",
+               STAGES="constexpr", NUM_WARPS="constexpr")
+    consts = {"CAUSAL": causal, "STAGES": STAGES, "NUM_WARPS": NUM_WARPS}
+    attrs = {(4,): [["tt.divisibility", 16]]}
+    src = GluonASTSource(gluon_attn_fwd, sig, consts, attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=NUM_WARPS))
+
+
+def main(argv=None) -> int:
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=None, help="CSV of the check and the timings")
+    ap.add_argument("--seq", default="16384,32768")
+    ap.add_argument("--iters", type=int, default=10)
+    a = ap.parse_args(argv)
+    dev = torch.device("cuda")
+    rows = []
+    # Check: small odd-ish shapes against float32 attention.
+    for (B, S, H, HKV, D, causal, dt) in [(2, 512, 4, 2, 128, True, torch.bfloat16), (1, 1024, 8, 8, 64, False,
+                                                                                       torch.float16),
+                                          (1, 768, 4, 1, 128, False, torch.bfloat16)]:
+        g = torch.Generator(device=dev).manual_seed(S + H)
+        q = torch.randn(B, S, H, D, device=dev, dtype=dt, generator=g)
+        k = torch.randn(B, S, HKV, D, device=dev, dtype=dt, generator=g)
+        v = torch.randn(B, S, HKV, D, device=dev, dtype=dt, generator=g)
+        t0 = time.perf_counter()
+        out, lse = attention(q, k, v, causal)
+        torch.cuda.synchronize()
+        first = time.perf_counter() - t0
+        rep = lambda x: x.float().transpose(1, 2).repeat_interleave(H // HKV, dim=1)  # noqa: E731
+        ref = F.scaled_dot_product_attention(rep(q), rep(k), rep(v), is_causal=causal).transpose(1, 2)
+        err = (out.float() - ref).abs().max().item()
+        row = dict(kind="check", B=B, S=S, H=H, HKV=HKV, D=D, causal=int(causal), dtype=str(dt).split(".")[-1],
+                   max_abs_err=f"{err:.3e}", ok=int(err < 2e-2), first_call_s=round(first, 2))
+        print(row, flush=True)
+        rows.append(row)
+    # Timing: bf16 B=1 H=32 D=128, back to back, against cuDNN.
+    for S in (int(s) for s in a.seq.split(",")):
+        for causal in (False, True):
+            q, k, v = (torch.randn(1, S, 32, 128, device=dev, dtype=torch.bfloat16) for _ in range(3))
+            flops = 4 * 32 * S * S * 128 * (0.5 if causal else 1.0)
+            qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+
+            def cudnn():
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+
+            for name, fn in (("gluon_fwd", lambda: attention(q, k, v, causal)), ("torch_cudnn", cudnn)):
+                for _ in range(3):
+                    fn()
+                torch.cuda.synchronize()
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                for _ in range(a.iters):
+                    fn()
+                e1.record()
+                e1.synchronize()
+                ms = e0.elapsed_time(e1) / a.iters
+                row = dict(kind="time", method=name, B=1, S=S, H=32, HKV=32, D=128, causal=int(causal),
+                           dtype="bfloat16", ms=round(ms, 4), tflops=round(flops / ms / 1e9, 1))
+                print(row, flush=True)
+                rows.append(row)
+    if a.out:
+        keys = sorted({k for r in rows for k in r})
+        with open(a.out, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=keys)
+            w.writeheader()
+            w.writerows(rows)
+    return 0 if all(r.get("ok", 1) for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
