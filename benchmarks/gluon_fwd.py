@@ -48,6 +48,9 @@ BLOCK_M = 128
 BLOCK_N = 128
 NUM_WARPS = 8  # the default partition: two warpgroups over the 128 query rows
 STAGES = 2
+# (K/V block rows, slots) tried by the probe: 128-row blocks in 2 slots (160 KiB of shared memory at D128), 64-row
+# blocks in 3 (128 KiB): shorter MMAs, deeper prefetch.
+CONFIGS = ((BLOCK_N, STAGES), (64, 3))
 LOAD_WARPS, LOAD_REGS = 1, 24
 
 
@@ -180,8 +183,9 @@ def gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, lse_ptr, S, H, HKV, sm_scale,
         mbarrier.invalidate(kv_empty.index(i))
 
 
-def descriptors(q, k, v, out):
-    """TMA descriptors of [B, S, heads, D] tensors as [B*S, heads*D] with [128, D] blocks."""
+def descriptors(q, k, v, out, block_n: int = BLOCK_N):
+    """TMA descriptors of [B, S, heads, D] tensors as [B*S, heads*D] with [rows, D] blocks (Q and out 128 rows,
+    K and V ``block_n``)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     el = gl.bfloat16 if str(q.dtype).endswith("bfloat16") else gl.float16
@@ -191,20 +195,21 @@ def descriptors(q, k, v, out):
         layout = gl.NVMMASharedLayout.get_default_for([rows, d], el)
         return TensorDescriptor(x, [b * s, heads * d], [heads * d, 1], [rows, d], layout)
 
-    return desc(q, BLOCK_M), desc(k, BLOCK_N), desc(v, BLOCK_N), desc(out, BLOCK_M)
+    return desc(q, BLOCK_M), desc(k, block_n), desc(v, block_n), desc(out, BLOCK_M)
 
 
 def check_shapes(q, k):
     B, S, H, D = q.shape
     HKV = k.shape[2]
-    if S % BLOCK_M or S % BLOCK_N or D not in (64, 128) or H % HKV:
+    if S % BLOCK_M or D not in (64, 128) or H % HKV:
         raise ValueError(f"gluon_fwd takes S % {BLOCK_M} == 0, D in (64, 128), H % HKV == 0; got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}")
     return B, S, H, HKV, D
 
 
-def attention(q, k, v, causal: bool, scale: float | None = None):
-    """(out, lse) of softmax attention, q [B, S, H, D], k and v [B, S, HKV, D] (CUDA, fp16/bf16)."""
+def attention(q, k, v, causal: bool, scale: float | None = None, block_n: int = BLOCK_N, stages: int = STAGES):
+    """(out, lse) of softmax attention, q [B, S, H, D], k and v [B, S, HKV, D] (CUDA, fp16/bf16); ``block_n``
+    (64 or 128: it divides BLOCK_M) K/V rows per block, ``stages`` slots."""
     import torch
 
     B, S, H, HKV, D = check_shapes(q, k)
@@ -212,12 +217,13 @@ def attention(q, k, v, causal: bool, scale: float | None = None):
     out = torch.empty_like(q)
     lse = torch.empty((B, H, S), dtype=torch.float32, device=q.device)
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    gluon_attn_fwd[(S // BLOCK_M, B * H)](*descriptors(q, k, v, out), lse, S, H, HKV, scale, causal, STAGES,
-                                          NUM_WARPS, num_warps=NUM_WARPS)
+    gluon_attn_fwd[(S // BLOCK_M, B * H)](*descriptors(q, k, v, out, block_n), lse, S, H, HKV, scale, causal,
+                                          stages, NUM_WARPS, num_warps=NUM_WARPS)
     return out, lse
 
 
-def compile_for_sm90(dtype: str = "bfloat16", D: int = 128, causal: bool = True):
+def compile_for_sm90(dtype: str = "bfloat16", D: int = 128, causal: bool = True, block_n: int = BLOCK_N,
+                     stages: int = STAGES):
     """Compile the kernel for sm_90 without a GPU (CPU tensors only give the descriptors their types); returns
     Triton's CompiledKernel (its ``asm`` has the TTGIR and PTX)."""
     import torch
@@ -227,12 +233,12 @@ def compile_for_sm90(dtype: str = "bfloat16", D: int = 128, causal: bool = True)
     from triton.runtime.jit import mangle_type
 
     t = torch.zeros((1, 256, 2, D), dtype=getattr(torch, dtype))
-    descs = descriptors(t, t, t, t)
+    descs = descriptors(t, t, t, t, block_n)
     names = ["q_desc", "k_desc", "v_desc", "o_desc"]
     sig = {n: mangle_type(d) for n, d in zip(names, descs)}
     sig.update(lse_ptr="*fp32", S="i32", H="i32", HKV="i32", sm_scale="fp32", CAUSAL="constexpr",
                STAGES="constexpr", NUM_WARPS="constexpr")
-    consts = {"CAUSAL": causal, "STAGES": STAGES, "NUM_WARPS": NUM_WARPS}
+    consts = {"CAUSAL": causal, "STAGES": stages, "NUM_WARPS": NUM_WARPS}
     attrs = {(4,): [["tt.divisibility", 16]]}
     src = GluonASTSource(gluon_attn_fwd, sig, consts, attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=NUM_WARPS))
@@ -258,17 +264,22 @@ def main(argv=None) -> int:
         q = torch.randn(B, S, H, D, device=dev, dtype=dt, generator=g)
         k = torch.randn(B, S, HKV, D, device=dev, dtype=dt, generator=g)
         v = torch.randn(B, S, HKV, D, device=dev, dtype=dt, generator=g)
-        t0 = time.perf_counter()
-        out, lse = attention(q, k, v, causal)
-        torch.cuda.synchronize()
-        first = time.perf_counter() - t0
         rep = lambda x: x.float().transpose(1, 2).repeat_interleave(H // HKV, dim=1)  # noqa: E731
         ref = F.scaled_dot_product_attention(rep(q), rep(k), rep(v), is_causal=causal).transpose(1, 2)
-        err = (out.float() - ref).abs().max().item()
-        row = dict(kind="check", B=B, S=S, H=H, HKV=HKV, D=D, causal=int(causal), dtype=str(dt).split(".")[-1],
-                   max_abs_err=f"{err:.3e}", ok=int(err < 2e-2), first_call_s=round(first, 2))
-        print(row, flush=True)
-        rows.append(row)
+        for block_n, stages in CONFIGS:
+            row = dict(kind="check", config=f"n{block_n}s{stages}", B=B, S=S, H=H, HKV=HKV, D=D, causal=int(causal),
+                       dtype=str(dt).split(".")[-1])
+            try:
+                t0 = time.perf_counter()
+                out, lse = attention(q, k, v, causal, block_n=block_n, stages=stages)
+                torch.cuda.synchronize()
+                first = time.perf_counter() - t0
+                err = (out.float() - ref).abs().max().item()
+                row.update(max_abs_err=f"{err:.3e}", ok=int(err < 2e-2), first_call_s=round(first, 2))
+            except Exception as e:  # noqa: BLE001 (a probe: one config failing must not hide the others)
+                row.update(ok=0, error=f"{type(e).__name__}: {str(e)[:300]}")
+            print(row, flush=True)
+            rows.append(row)
     # Timing: bf16 B=1 H=32 D=128, back to back, against cuDNN.
     for S in (int(s) for s in a.seq.split(",")):
         for causal in (False, True):
@@ -280,7 +291,11 @@ def main(argv=None) -> int:
                 with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                     return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
 
-            for name, fn in (("gluon_fwd", lambda: attention(q, k, v, causal)), ("torch_cudnn", cudnn)):
+            runs = [(f"gluon_fwd n{n}s{st}", lambda n=n, st=st: attention(q, k, v, causal, block_n=n, stages=st))
+                    for n, st in CONFIGS] + [("torch_cudnn", cudnn)]
+            for name, fn in runs:
+                if name != "torch_cudnn" and not all(r["ok"] for r in rows if r.get("config") == name.split()[-1]):
+                    continue  # timed only once it computes the right thing
                 for _ in range(3):
                     fn()
                 torch.cuda.synchronize()
