@@ -296,9 +296,9 @@ GLUON_COMPILE = textwrap.dedent("""
                                              ("bfloat16", 128, True, gluon_fwd.CONFIGS[1])):
         ck = gluon_fwd.compile_for_sm90(dt, d, causal, block_n, stages)
         ttgir, ptx = ck.asm["ttgir"], ck.asm["ptx"]
-        out[f"{dt}-{d}-{causal}-{block_n}x{stages}"] = dict(ws="ttg.warp_specialize" in ttgir, warps=ck.metadata.num_warps,
-                                         shared=ck.metadata.shared, wgmma=ptx.count("wgmma.mma_async"),
-                                         tma=len(re.findall(r"cp.async.bulk.tensor", ptx)))
+        out[f"{dt}-{d}-{causal}-{block_n}x{stages}"] = dict(
+            ws="ttg.warp_specialize" in ttgir, warps=ck.metadata.num_warps, shared=ck.metadata.shared,
+            wgmma=ptx.count("wgmma.mma_async"), tma=len(re.findall(r"cp.async.bulk.tensor", ptx)))
     print(json.dumps(out))
 """)
 
