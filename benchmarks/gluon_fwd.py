@@ -249,6 +249,8 @@ def main(argv=None) -> int:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    from benchmarks.harness import cuda_stream_ms
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None, help="CSV of the check and the timings")
     ap.add_argument("--seq", default="16384,32768")
@@ -299,13 +301,7 @@ def main(argv=None) -> int:
                 for _ in range(3):
                     fn()
                 torch.cuda.synchronize()
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                for _ in range(a.iters):
-                    fn()
-                e1.record()
-                e1.synchronize()
-                ms = e0.elapsed_time(e1) / a.iters
+                ms = cuda_stream_ms(torch, fn, a.iters)
                 row = dict(kind="time", method=name, B=1, S=S, H=32, HKV=32, D=128, causal=int(causal),
                            dtype="bfloat16", ms=round(ms, 4), tflops=round(flops / ms / 1e9, 1))
                 print(row, flush=True)

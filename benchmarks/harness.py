@@ -576,6 +576,19 @@ class Env:
             print(*a, flush=True)
 
 
+def cuda_stream_ms(torch, fn, iters: int) -> float:
+    """Mean milliseconds per call of ``iters`` calls of ``fn`` back to back between two CUDA events on the torch
+    stream, one sync at the end (the host issues call i + 1 while the GPU runs call i)."""
+    e0 = torch.cuda.Event(enable_timing=True)
+    e1 = torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(iters):
+        fn()
+    e1.record()
+    e1.synchronize()
+    return e0.elapsed_time(e1) / iters
+
+
 def cuda_timed(torch, fn):
     """(milliseconds, result) of ``fn()`` between two CUDA events recorded on the current torch stream."""
     e0 = torch.cuda.Event(enable_timing=True)

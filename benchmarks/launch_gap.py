@@ -57,13 +57,7 @@ def main():
         torch.cuda.synchronize()
         each = [harness.cuda_timed(torch, call)[0] for _ in range(a.iters)]
         torch.cuda.synchronize()
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        for _ in range(a.iters):
-            call()
-        e1.record()
-        e1.synchronize()
-        stream = e0.elapsed_time(e1) / a.iters
+        stream = harness.cuda_stream_ms(torch, call, a.iters)
         host = []
         for _ in range(a.iters):
             torch.cuda.synchronize()

@@ -652,3 +652,28 @@ def test_callback_cost_probe_runs_on_cpu(tmp_path):
     rows = list(csv.DictReader(out.open()))
     assert [r["variant"] for r in rows] == list(callback_cost.VARIANTS)
     assert all(float(r["sync_ms"]) > 0 and float(r["pipelined_ms"]) > 0 for r in rows)
+
+
+def test_cuda_stream_ms_times_the_calls_back_to_back():
+    """harness.cuda_stream_ms (launch_gap.py, gluon_fwd.py): two events around ``iters`` calls, one sync, the mean;
+    a stand-in for torch.cuda's events counts what happens."""
+    log = []
+
+    class Event:
+        def __init__(self, enable_timing):
+            assert enable_timing
+            self.at = None
+
+        def record(self):
+            self.at = len(log)
+            log.append("record")
+
+        def synchronize(self):
+            log.append("sync")
+
+        def elapsed_time(self, end):
+            return 10.0 * (end.at - self.at - 1)  # 10 ms per call recorded between the two events
+
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(Event=Event))
+    assert harness.cuda_stream_ms(fake, lambda: log.append("call"), 4) == 10.0
+    assert log == ["record", "call", "call", "call", "call", "record", "sync"]
