@@ -37,9 +37,9 @@ import triton.language as tl
 from ring_core import control
 
 from ring_core.protocol import (block_range, call_words, check_call, claim_push, drain_pushes, end_call,
-                                id_range_meets, id_ranges_ready, in_rows, pairs_allowed, positions, ranks_rng,
-                                ring_context, row_blocks, rows_within, seg_blocks, tile_id_parts, tile_ids, wait_chunks,
-                                wait_rows)
+                                id_range_meets, id_ranges_ready, in_rows, pairs_allowed, positions, ranges_of,
+                                ranks_rng, ring_context, row_blocks, rows_within, seg_blocks, tile_id_parts, tile_ids,
+                                wait_chunks, wait_rows)
 from ring_core.tiles import dot, heavy_first, load_kv
 
 KIND_FWD = tl.constexpr(control.KIND_FWD)
@@ -178,7 +178,7 @@ def ring_attn_fwd_kernel(
     seg_q = seg_ptr + b.to(tl.int64) * S  # this rank's ids of batch b (SEGMENTED only)
     q_seg, s_lo, s_hi, t_id = tile_ids(seg_q, offs_m, m_valid, SEGMENTED)
     a_lo, a_hi, b_lo, b_hi = tile_id_parts(q_seg, offs_m, S, ZIGZAG)  # (SEGMENTED only: which chunks it waits for)
-    rng_own = rng + (rank * B + b) * (n_chunks + 2) * 2  # this rank's published id ranges of batch b (SEGMENTED)
+    rng_own = ranges_of(rng, rank, b, B, n_chunks)  # this rank's published id ranges of batch b (SEGMENTED)
 
     qk_scale = sm_scale * LOG2E
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -250,7 +250,7 @@ def ring_attn_fwd_kernel(
             k_base = recv + ((slot * 2 * B + b).to(tl.int64) * HKV + hkv) * S * D
             v_base = k_base + (b * 0 + B).to(tl.int64) * HKV * S * D
             seg_k = seg_recv + ((slot * B + b).to(tl.int64) * HKV + hkv) * S
-            rng_src = rng + (src * B + b) * (n_chunks + 2) * 2  # src's published id ranges of batch b
+            rng_src = ranges_of(rng, src, b, B, n_chunks)  # src's published id ranges of batch b
             if step == 1:
                 # Never wait, nor end, while push units are unclaimed: this is what makes the protocol
                 # independent of which programs are resident (ring_core.protocol). Every program passes here,

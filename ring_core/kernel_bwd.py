@@ -87,7 +87,7 @@ from ring_core import control
 from ring_core.protocol import (CTL_BWD_DELTA, CTL_BWD_TICKET, CTL_ERROR, ERR_KV_TIMEOUT, ERR_PEER_FAILED,
                                 block_range, call_words, check_call, chunk_needed, claim_push, drain_pushes, end_call,
                                 id_range_meets, id_ranges_ready, in_rows, last_pos, meets_halves,
-                                pairs_allowed, poll_ge, positions, published_range, ranges_meet, ranks_rng,
+                                pairs_allowed, poll_ge, positions, published_range, ranges_of, ranks_rng,
                                 record_error, record_peer_error, ring_context, row_blocks, rows_seen, rows_within,
                                 seg_blocks, tile_id_parts, tile_ids, visible_rows, wait_chunks, wait_rows)
 from ring_core.tiles import dot, heavy_first, load_kv
@@ -347,10 +347,10 @@ def ring_attn_bwd_kernel(
                 v_base = v_ptr + b.to(tl.int64) * S * HKV * D + hkv * D
                 seg_k = seg_q
                 if SEGMENTED:
-                    rng_own = rng + (rank * B + b) * (n_chunks + 2) * 2  # this rank's id ranges of batch b
                     j_lo, n_full_lo, n_full, n_hi = seg_blocks(seg_k, j_lo, n_hi, lo1, hi1, lo2, hi2, n_full_lo,
-                                                               n_full, s_lo, s_hi, t_id, DQ_BLOCK_N, rng_own, a_lo,
-                                                               a_hi, b_lo, b_hi, CHUNK_ROWS, False)
+                                                               n_full, s_lo, s_hi, t_id, DQ_BLOCK_N,
+                                                               ranges_of(rng, rank, b, B, n_chunks), a_lo, a_hi, b_lo,
+                                                               b_hi, CHUNK_ROWS, False)
                 if WINDOW or SEGMENTED:
                     dq = _dq_blocks(dq, q, do, lse2, delta, q_pos, q_pos_max, k_base, v_base, j_lo, n_full_lo, src,
                                     S, qk_scale, offs_n, offs_d, lo1, hi1, lo2, hi2, q_seg, s_lo, s_hi, seg_k, HKV * D,
@@ -392,7 +392,7 @@ def ring_attn_bwd_kernel(
                 k_base = recv + ((slot * 2 * B + b).to(tl.int64) * HKV + hkv) * S * D
                 v_base = k_base + B64 * HKV * S * D
                 seg_k = seg_recv + ((slot * B + b).to(tl.int64) * HKV + hkv) * S
-                rng_src = rng + (src * B + b) * (n_chunks + 2) * 2  # src's published id ranges of batch b
+                rng_src = ranges_of(rng, src, b, B, n_chunks)  # src's published id ranges of batch b
                 if step == 1:
                     # Every task passes here, also one that needs nothing from any peer (module docstring, (a)).
                     drain_pushes(ctl, n_push, k_ptr, v_ptr, seg_ptr, recv, seg_recv, flags, heap_bases, rank, epoch, B,
@@ -498,9 +498,7 @@ def ring_attn_bwd_kernel(
                 # ids meet a half of this rank's shard: the range its owner published against this rank's halves
                 # as this rank publishes them (protocol.push_unit made the same test).
                 c_lo, c_hi = published_range(rng, src, b, B, n_chunks, n0 // CHUNK_ROWS)
-                h0_lo, h0_hi = published_range(rng, rank, b, B, n_chunks, n_chunks)  # this rank's, as published
-                h1_lo, h1_hi = published_range(rng, rank, b, B, n_chunks, n_chunks + 1)
-                came = ranges_meet(c_lo, c_hi, h0_lo, h0_hi, h1_lo, h1_hi)
+                came = meets_halves(rng, rank, b, B, n_chunks, c_lo, c_hi)
             else:
                 # A final task: its chunk's range as published, for the same test from this side (_partial_sent).
                 my_lo, my_hi = published_range(rng, rank, b, B, n_chunks, n0 // CHUNK_ROWS)
@@ -549,8 +547,8 @@ def ring_attn_bwd_kernel(
                 k_seg, s_lo, s_hi, t_id = tile_ids(seg_k, rows_n, row_ok, SEGMENTED)
                 i_lo, i_full, i_fend, i_hi = seg_blocks(seg_q, i_lo, i_hi, ql1, qh1, ql2, qh2, i_full, i_fend, s_lo,
                                                         s_hi, t_id, KV_BLOCK_M,
-                                                        rng + (rank * B + b) * (n_chunks + 2) * 2, s_lo, s_hi, s_lo,
-                                                        s_hi, CHUNK_ROWS, False)
+                                                        ranges_of(rng, rank, b, B, n_chunks), s_lo, s_hi, s_lo, s_hi,
+                                                        CHUNK_ROWS, False)
             else:
                 k_seg = k_pos  # unused
             # Fixed order: head g of the group, then local query blocks (deterministic accumulation).

@@ -86,8 +86,8 @@ its keys.
   range), before the signature's release; every program of every rank acquires every peer's signature before
   it pushes or waits (``check_call``), so after the check every rank holds the same ranges of everyone. A
   chunk is pushed iff the positions allow it (above) and its range meets the range of a half of the
-  receiver's shard (``push_unit``: the pusher computes its chunk's range from its own ids, which is exactly
-  the range it published: integer min / max). A tile waits for a chunk iff the positions allow it and the
+  receiver's shard (``push_unit``: the pusher reads its chunk's range from its own inbox, the words it
+  published). A tile waits for a chunk iff the positions allow it and the
   chunk's published range meets the range of the tile's rows in either half (``tile_id_parts``,
   ``wait_chunks``): each part of the tile lies within its half, so every chunk a tile waits for was pushed.
   The range pass and the masked loops do not read rows of a chunk whose range misses the tile's (it was not
@@ -191,7 +191,7 @@ its first wait (dQ tasks at ring step 1 whether or not they wait), so all units 
 as any program of the kernel on s runs. A dQ or partial task waits only for chunks the pusher sends (the same
 position test as the forward); a final task waits for a peer's partial iff the peer's partial task sends it
 (one function, ``rows_seen``, of the same arguments on both sides; with segment ids also one range test,
-made from the same published and recomputed ranges on both sides).
+``meets_halves``, of the same published range words on both sides).
 (b) A task waiting for delta holds a ticket later than every dQ ticket, so every dQ task is held by a
 program that has started (tickets are taken at program start); a dQ task publishes delta before its
 first wait, so the count completes whatever else is waiting.
@@ -798,10 +798,9 @@ def publish_id_ranges(seg_ptr, rng, heap_bases, rank, B, S, n_chunks, W: tl.cons
     every other program, which waits for these, waits for a few vector steps, not one step per chunk."""
     two = tl.arange(0, 2)
     four = tl.arange(0, 4)
-    stride = B * (n_chunks + 2) * 2
     for b in range(B):
         seg_b = seg_ptr + (rank * 0 + b).to(tl.int64) * S  # (b may be a Python int in the interpreter)
-        inbox = rng + rank * stride + b * (n_chunks + 2) * 2
+        inbox = ranges_of(rng, rank, b, B, n_chunks)
         if CHUNK_ROWS <= 2048:
             NC: tl.constexpr = 2048 // CHUNK_ROWS  # chunks per vector step
             offs_c = tl.arange(0, NC)
@@ -868,8 +867,7 @@ def id_ranges_meet(rng_src_b, c, a_lo, a_hi, b_lo, b_hi, mask):
 @triton.jit
 def id_range_meets(rng_src_b, c, a_lo, a_hi, b_lo, b_hi):
     """``id_ranges_meet`` of one chunk ``c``."""
-    lo = -1 - tl.load(rng_src_b + c * 2, volatile=True)
-    hi = -1 - tl.load(rng_src_b + c * 2 + 1, volatile=True)
+    lo, hi = range_at(rng_src_b, c)
     return ranges_meet(lo, hi, a_lo, a_hi, b_lo, b_hi)
 
 
@@ -890,11 +888,23 @@ def tile_id_parts(ids, rows, S, ZIGZAG: tl.constexpr):
 
 
 @triton.jit
+def ranges_of(rng, r, b, B, n_chunks):
+    """Where the range words rank ``r`` published for batch ``b`` start: [n_chunks + 2][lo, hi], its chunks', then
+    its halves' (the layout of ``publish_id_ranges``; ``rng``: ``ranks_rng``)."""
+    return rng + (r * B + b) * (n_chunks + 2) * 2
+
+
+@triton.jit
+def range_at(rng_r_b, c):
+    """[lo, hi] at entry ``c`` of one rank's and batch's range words (``ranges_of``), decoded (stored as -1 - value)."""
+    return -1 - tl.load(rng_r_b + c * 2, volatile=True), -1 - tl.load(rng_r_b + c * 2 + 1, volatile=True)
+
+
+@triton.jit
 def published_range(rng, src, b, B, n_chunks, c):
     """[lo, hi] that rank ``src`` published for batch ``b``: its chunk ``c``'s, or (c = n_chunks, n_chunks + 1)
     a half's of its shard."""
-    w = rng + ((src * B + b) * (n_chunks + 2) + c) * 2
-    return -1 - tl.load(w, volatile=True), -1 - tl.load(w + 1, volatile=True)
+    return range_at(ranges_of(rng, src, b, B, n_chunks), c)
 
 
 @triton.jit
