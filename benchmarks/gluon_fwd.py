@@ -232,14 +232,12 @@ def compile_for_sm90(dtype: str = "bfloat16", D: int = 128, causal: bool = True,
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
+    from ring_core import build
+
     t = torch.zeros((1, 256, 2, D), dtype=getattr(torch, dtype))
-    descs = descriptors(t, t, t, t, block_n)
-    names = ["q_desc", "k_desc", "v_desc", "o_desc"]
-    sig = {n: mangle_type(d) for n, d in zip(names, descs)}
-    sig.update(lse_ptr="*fp32", S="i32", H="i32", HKV="i32", sm_scale="fp32", CAUSAL="constexpr",
-               STAGES="constexpr", NUM_WARPS="constexpr")
+    types = [mangle_type(d) for d in descriptors(t, t, t, t, block_n)] + ["*fp32", "i32", "i32", "i32", "fp32"]
     consts = {"CAUSAL": causal, "STAGES": stages, "NUM_WARPS": NUM_WARPS}
-    attrs = {(4,): [["tt.divisibility", 16]]}
+    sig, attrs = build.signature(gluon_attn_fwd, types, consts)  # lse_ptr 16-byte aligned, as torch passes it
     src = GluonASTSource(gluon_attn_fwd, sig, consts, attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=NUM_WARPS))
 

@@ -179,8 +179,8 @@ class LaunchPlan:
         (``ring_core.protocol.push_unit``), and a tile waits for, loads and computes
         exactly the chunks of its ring steps that reach its rows, all of which were pushed. So the ring steps a
         rank runs (some tile waits, loads or computes there) are step 0 and those with a chunk received:
-        ``ring_steps_run``. In the forward segment ids decide too (the id ranges published with the call check:
-        a chunk travels only if its ids meet the receiver's), in the backward too."""
+        ``ring_steps_run``. Segment ids decide too, in both kernels: a chunk travels only if its ids meet the
+        receiver's (the id ranges published with the call check)."""
         w = self.world_size
         flags = np.asarray(flag_words)[:self.kv_flags].reshape(w - 1, self.kv_flags // max(w - 1, 1))
         return np.concatenate([[0], (flags == epoch).sum(axis=1)]).astype(np.int64)
@@ -194,7 +194,7 @@ class LaunchPlan:
         """The kernel's constexprs; ``sticky_errors``: keep a failed call's status on the heap for the host
         (deferred errors, ring_core.control.errors_mode). A new dict each time, built once per plan (the torch
         launcher asks for it at every call)."""
-        return dict(_constexprs(self, sticky_errors))
+        return dict(_cached_constexprs(self, sticky_errors))
 
     def _constexprs(self, sticky_errors: bool) -> dict:
         s, c = self.spec, self.config
@@ -242,7 +242,7 @@ class LaunchPlan:
 
 
 @functools.lru_cache(maxsize=512)
-def _constexprs(p: LaunchPlan, sticky_errors: bool) -> dict:
+def _cached_constexprs(p: LaunchPlan, sticky_errors: bool) -> dict:
     """``LaunchPlan.constexprs``, cached per (plan, sticky_errors): plans are frozen, hashable and small."""
     return p._constexprs(sticky_errors)
 
