@@ -264,7 +264,7 @@ def main(argv=None) -> int:
         q = torch.randn(B, S, H, D, device=dev, dtype=dt, generator=g)
         k = torch.randn(B, S, HKV, D, device=dev, dtype=dt, generator=g)
         v = torch.randn(B, S, HKV, D, device=dev, dtype=dt, generator=g)
-        rep = lambda x: x.float().transpose(1, 2).repeat_interleave(H // HKV, dim=1)  # noqa: E731
+        rep = lambda x: x.float().transpose(1, 2).repeat_interleave(H // x.shape[2], dim=1)  # noqa: E731 (kv heads)
         ref = F.scaled_dot_product_attention(rep(q), rep(k), rep(v), is_causal=causal).transpose(1, 2)
         for block_n, stages in CONFIGS:
             row = dict(kind="check", config=f"n{block_n}s{stages}", B=B, S=S, H=H, HKV=HKV, D=D, causal=int(causal),

@@ -152,12 +152,26 @@ def _record(kernel, types, consts: dict, divisible, num_warps: int, num_stages: 
     path = os.environ.get(COMPILE_LOG_ENV)
     if not path:
         return
-    fn = getattr(kernel, "fn", kernel)
-    rec = dict(kernel=f"{fn.__module__}:{fn.__name__}", types=list(types), constexprs=consts,
-               divisible=sorted(divisible), num_warps=num_warps, num_stages=num_stages, capability=capability,
-               tag=os.environ.get(COMPILE_TAG_ENV, ""))
+    rec = _as_record(kernel, types, consts, divisible, num_warps, num_stages, capability,
+                     os.environ.get(COMPILE_TAG_ENV, ""))
     with open(path, "a") as f:
         f.write(json.dumps(rec, sort_keys=True) + "\n")
+
+
+def _as_record(kernel, types, consts: dict, divisible, num_warps: int, num_stages: int, capability: int,
+               tag: str) -> dict:
+    fn = getattr(kernel, "fn", kernel)
+    return dict(kernel=f"{fn.__module__}:{fn.__name__}", types=list(types), constexprs=dict(consts),
+                divisible=sorted(divisible), num_warps=num_warps, num_stages=num_stages, capability=capability,
+                tag=tag)
+
+
+def record(kernel, arg_types, constexprs: dict, *, num_warps: int, num_stages: int, capability: int = 90,
+           values=None, tag: str = "") -> dict:
+    """The compile-log record (``read_log``'s, what ``warm`` takes) of the variant that ``compile_kernel`` with
+    these arguments would compile, without compiling it: for a cache filled ahead of the runs that need it."""
+    types, ones, divisible = specialize(kernel, arg_types, values)
+    return _as_record(kernel, types, dict(constexprs, **ones), divisible, num_warps, num_stages, capability, tag)
 
 
 def read_log(path: str) -> list:
@@ -188,7 +202,13 @@ def _warm_one(rec: dict) -> tuple:
     t0 = time.perf_counter()
     try:
         module, name = rec["kernel"].split(":")
-        kernel = getattr(importlib.import_module(module), name)
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name != "torch" or not _iris_device_only():
+                raise
+            mod = importlib.import_module(module)
+        kernel = getattr(mod, name)
         ck = _compile(kernel, (rec["types"], {}, set(rec["divisible"])), rec["constexprs"], rec["num_warps"],
                       rec["num_stages"], rec["capability"])
         return time.perf_counter() - t0, ck.hash, ""
@@ -196,17 +216,66 @@ def _warm_one(rec: dict) -> tuple:
         return time.perf_counter() - t0, "", f"{type(e).__name__}: {str(e)[:300]}"
 
 
+def _iris_device_only() -> bool:
+    """Make ``import iris`` give iris's device functions only (iris.mem.triton.ops: what the kernels call), without
+    its host half, which needs torch; for ``warm`` on a machine with Triton and no torch (the same wheel as the
+    GPU machine's, ``--identity``). The kernels compile to the same cache entries: a cache key hashes the
+    functions a kernel calls, not the module they come from. Returns False if iris's device part is not there
+    either."""
+    import importlib.util
+    import sys
+    import types
+
+    found = importlib.util.find_spec("iris")
+    if found is None or not found.submodule_search_locations:
+        return False
+    view = types.ModuleType("iris", "iris's device functions only (ring_core.build._iris_device_only)")
+    view.__path__ = list(found.submodule_search_locations)
+    sys.modules["iris"] = view
+    from iris.mem.triton import ops
+
+    for name, fn in vars(ops).items():
+        if not name.startswith("_") and callable(fn):
+            setattr(view, name, fn)
+    return True
+
+
 def warm(records, jobs: int = 1) -> list:
     """Compile ``records`` (``read_log``'s), ``jobs`` at a time in separate processes (1: in this one); returns
     (record, seconds, cache key, error) per record, in order. The variants compiled here are not logged again."""
+    return list(iter_warm(records, jobs))
+
+
+def iter_warm(records, jobs: int = 1):
+    """``warm``, yielding each record's result as soon as it and those before it are done."""
     os.environ.pop(COMPILE_LOG_ENV, None)
     if jobs <= 1 or len(records) <= 1:
-        return [(r, *_warm_one(r)) for r in records]
+        yield from ((r, *_warm_one(r)) for r in records)
+        return
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as ex:
-        return [(r, *res) for r, res in zip(records, ex.map(_warm_one, records))]
+        yield from ((r, *res) for r, res in zip(records, ex.map(_warm_one, records)))
+
+
+def cache_identity(capability: int = 90) -> str:
+    """What every Triton cache key of this machine's compiles for ``capability`` starts from: Triton's version,
+    a hash of its own files (Python and libtriton: differs between Python versions' wheels) and ptxas's
+    version. Two machines with the same identity compile a variant to the same cache entry, so a cache filled
+    on one (``warm``) serves the other."""
+    import hashlib
+
+    import triton
+
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.runtime.cache import triton_key
+
+    ptxas = CUDABackend(GPUTarget("cuda", capability, 32)).hash().split("\n")
+    release = next((ln for ln in ptxas if "release" in ln), ptxas[-1]).strip()
+    return (f"triton {triton.__version__} files {hashlib.sha256(triton_key().encode()).hexdigest()[:16]} "
+            f"ptxas {release} sm_{capability}")
 
 
 def main(argv=None) -> int:
@@ -214,32 +283,41 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m ring_core.build",
                                  description="Compile the variants of a compile log into Triton's cache.")
-    ap.add_argument("--warm", required=True, metavar="FILE", help=f"a compile log ({COMPILE_LOG_ENV})")
+    ap.add_argument("--warm", metavar="FILE", nargs="+",
+                    help=f"compile logs ({COMPILE_LOG_ENV}; a missing one is skipped)")
+    ap.add_argument("--identity", action="store_true",
+                    help="print what Triton's cache keys depend on besides the kernel (cache_identity)")
     ap.add_argument("--tags", default=None, help="comma list: only the records of these tags (default: all)")
     ap.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) - 2))
     a = ap.parse_args(argv)
-    if not os.path.exists(a.warm):
-        print(f"no compile log at {a.warm}: nothing to warm")
+    if a.identity:
+        print(cache_identity())
+    if a.warm is None:
+        if not a.identity:
+            ap.error("give --warm FILE or --identity")
         return 0
-    records = read_log(a.warm)
+    records = []
+    for path in a.warm:
+        if os.path.exists(path):
+            records += read_log(path)
+        else:
+            print(f"no compile log at {path}: skipped")
     if a.tags is not None:
         tags = set(a.tags.split(","))
         records = [r for r in records if r.get("tag", "") in tags]
+    seen = set()
+    records = [r for r in records if not (_variant(r) in seen or seen.add(_variant(r)))]  # each variant once
     t0 = time.perf_counter()
-    results = warm(records, a.jobs)
-    failed = 0
-    for rec, secs, key, err in results:
+    failed = done = 0
+    for rec, secs, key, err in iter_warm(records, a.jobs):
+        done += 1
         c = rec["constexprs"]
         what = f"{rec['kernel'].split(':')[1]} W={c.get('W', '-')} D={c.get('D', '-')} {rec['types'][0]}"
         print(f"  {secs:6.1f} s  {what}  {key[:12] if key else 'FAILED ' + err}", flush=True)
         failed += bool(err)
-    print(f"warmed {len(results) - failed} of {len(results)} variants in {time.perf_counter() - t0:.0f} s "
+    print(f"warmed {done - failed} of {done} variants in {time.perf_counter() - t0:.0f} s "
           f"({a.jobs} processes)")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
 
 
 def binary(kernel, arg_types, constexprs: dict, *, num_warps: int, num_stages: int, capability: int = 90,
@@ -260,3 +338,7 @@ def binary(kernel, arg_types, constexprs: dict, *, num_warps: int, num_stages: i
     return Binary(name=md.name, num_warps=md.num_warps, num_ctas=getattr(md, "num_ctas", 1), shared=md.shared,
                   global_scratch=md.global_scratch_size or 0, global_scratch_align=md.global_scratch_align or 1,
                   capability=capability, key=ck.hash, ptx=ck.asm["ptx"], folded=folded)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ring_core import control, masks
+from ring_core import build, control, masks
 from ring_core.control import HeapLayout, HeapTooSmallError
 from ring_core.validate import FUSED_DTYPES, AttentionSpec, check_fused_dtype
 
@@ -226,6 +226,32 @@ class LaunchPlan:
         """Triton types of ``scalars`` (what the JAX launcher compiles and passes them as; ring_core.build)."""
         base = ("i32", "i32", "fp32", "i64")
         return base if self.kind == control.KIND_FWD else (*base, "i32")
+
+    def arg_types(self) -> list:
+        """Triton types of the kernel's runtime arguments, in argument order (the module docstring): what both
+        launchers pass (inputs, scalars, outputs), as ring_core.build compiles them."""
+        t = "*" + build.TRITON_TYPES[self.spec.dtype]
+        ids = ["*i32", "*i32"]  # seg, ctx
+        outs = [f"*{build.TRITON_TYPES[dt]}" for _, dt in self.out_shapes]
+        inputs = [t] * 3 if self.kind == control.KIND_FWD else [t] * 5 + ["*fp32"] * 2
+        return [*inputs, *ids, *self.scalar_types, *outs]
+
+    def kernel(self):
+        """The Triton kernel this plan launches (imported on first use)."""
+        if self.kind == control.KIND_FWD:
+            from ring_core.kernel import ring_attn_fwd_kernel
+            return ring_attn_fwd_kernel
+        from ring_core.kernel_bwd import ring_attn_bwd_kernel
+        return ring_attn_bwd_kernel
+
+    def compile_record(self, *, sticky_errors: bool = False, timeout_s: float | None = None, tag: str = "") -> dict:
+        """The compile-log record (ring_core.build.record) of the binary this launch runs: what a cache filled
+        ahead of the launch (``python -m ring_core.build --warm``) needs, on a machine with no GPU."""
+        n_in = len(self.arg_types()) - len(self.scalar_types) - len(self.out_shapes)
+        values = [None] * n_in + list(self.scalars(timeout_s)) + [None] * len(self.out_shapes)
+        return build.record(self.kernel(), self.arg_types(), self.constexprs(sticky_errors=sticky_errors),
+                            num_warps=self.config.num_warps, num_stages=self.config.num_stages, values=values,
+                            tag=tag)
 
     @property
     def out_shapes(self):

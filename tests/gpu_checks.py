@@ -38,6 +38,51 @@ import numpy as np
 
 import jax_ring  # noqa: E402  (initialize before JAX touches the GPU)
 
+# The sections' tables, at module level: tests/gpu_variants.py reads them to compile their kernels ahead of a run.
+# (B, S, H, HKV, D, dtype, causal, layout[, scale]); S is seq_local (every rank holds S tokens).
+CASES = [
+    (1, 1024, 8, 8, 128, "bfloat16", True, "zigzag"),
+    (2, 777, 8, 2, 80, "float16", True, "contiguous"),
+    (1, 513, 4, 1, 64, "float32", False, "contiguous"),
+    (1, 100, 6, 3, 96, "bfloat16", False, "contiguous", 0.3),
+    (1, 64, 4, 4, 192, "bfloat16", True, "zigzag"),
+    (1, 1, 2, 1, 16, "float16", True, "contiguous"),
+    (3, 300, 4, 2, 112, "bfloat16", True, "zigzag"),
+    (1, 256, 4, 2, 160, "float32", True, "contiguous"),
+    (1, 2048, 4, 4, 256, "bfloat16", False, "contiguous"),
+    (1, 334, 4, 4, 24, "float16", False, "zigzag"),
+]
+# The bwd section: (B, S, H, HKV, D, dtype, causal, layout[, scale[, lse in the loss]])
+BWD_CASES = [
+    (1, 512, 8, 8, 128, "bfloat16", True, "zigzag"),
+    (1, 300, 8, 2, 80, "float16", True, "contiguous"),
+    (2, 77, 4, 2, 96, "bfloat16", True, "contiguous", 0.3),
+    (1, 1, 2, 1, 16, "float16", True, "contiguous"),
+    (1, 130, 4, 4, 256, "bfloat16", False, "zigzag"),
+    (1, 512, 8, 8, 128, "bfloat16", True, "zigzag", None, True),
+    (1, 256, 4, 1, 64, "float32", False, "contiguous"),  # last: its compile takes a minute
+]
+# (B, S, H, HKV, D, dtype, causal, layout, window_size, segment ids). Every distinct shape, dtype and mask
+# kind compiles new kernels (the window is a constexpr), so the table is short. The windows cross shard
+# boundaries at any world size: (300, -1) at S=256 reaches into the previous rank's shard but not to its
+# start (and, from 3 ranks, not into the one before: a ring step the kernel skips).
+MASK_CASES = [
+    (1, 512, 8, 8, 128, "bfloat16", True, "zigzag", None, "padded"),
+    (1, 333, 8, 2, 80, "float16", False, "contiguous", None, "packed"),
+    (1, 256, 4, 1, 64, "bfloat16", True, "contiguous", (300, -1), None),
+    (1, 256, 4, 4, 128, "float16", False, "zigzag", (70, 45), None),
+    (2, 200, 4, 2, 128, "bfloat16", True, "zigzag", (150, -1), "padded"),
+    (1, 192, 4, 2, 64, "float32", False, "contiguous", (-1, 50), "packed"),  # last: fp32 compiles slowest
+]
+# The soak section: (B, S, H, HKV, D, dtype, causal, layout)
+SOAK_SHAPES = [(1, 200, 4, 2, 64, "bfloat16", True, "zigzag"), (2, 97, 2, 1, 80, "float16", False, "contiguous"),
+               (1, 512, 8, 8, 128, "bfloat16", False, "contiguous"), (1, 33, 4, 4, 32, "float32", True, "contiguous"),
+               (1, 1000, 4, 1, 128, "float16", True, "zigzag")]
+JIT_CASES = [(1, 256, 4, 2, 64, "bfloat16", True, "zigzag"), (1, 100, 4, 2, 64, "bfloat16", False, "contiguous")]
+GRADS_CASE = (1, 128, 4, 2, 32, "float32", True, "zigzag")
+BWD_BIG = (2, 4096, 32, 8, 128, "bfloat16", True, "zigzag")  # the bwd section's grid larger than the GPU holds
+BIG = (16, 4096, 64, 8, 64, "bfloat16", True, "zigzag")  # the big section
+
 
 def main():
     ap = argparse.ArgumentParser()
@@ -273,18 +318,7 @@ def main():
     summary = {"world": W, "ranks_per_gpu": gpus.placement_from_env(torch.cuda.device_count()).ranks_per_gpu,
                "gpu": torch.cuda.get_device_name(), "cases": 0}
     t0 = time.time()
-    cases = [
-        (1, 1024, 8, 8, 128, "bfloat16", True, "zigzag"),
-        (2, 777, 8, 2, 80, "float16", True, "contiguous"),
-        (1, 513, 4, 1, 64, "float32", False, "contiguous"),
-        (1, 100, 6, 3, 96, "bfloat16", False, "contiguous", 0.3),
-        (1, 64, 4, 4, 192, "bfloat16", True, "zigzag"),
-        (1, 1, 2, 1, 16, "float16", True, "contiguous"),
-        (3, 300, 4, 2, 112, "bfloat16", True, "zigzag"),
-        (1, 256, 4, 2, 160, "float32", True, "contiguous"),
-        (1, 2048, 4, 4, 256, "bfloat16", False, "contiguous"),
-        (1, 334, 4, 4, 24, "float16", False, "zigzag"),
-    ]
+    cases = CASES
     failed = []
     for c in (cases if "cases" in sections else []):
         t1 = time.time()
@@ -300,19 +334,20 @@ def main():
 
     # ---- two fused calls of different shapes in one jitted program -------------------------------
     if "jit" in sections:
-        (qa, ka, va), (qb, kb, vb) = (testing.random_inputs(7 + i, 1, s * W, 4, 2, 64, "bfloat16") for i, s in
-                                      enumerate((256, 100)))
-        ia, ib = shards(qa, "zigzag"), shards(qb, "contiguous")
+        ca, cb = JIT_CASES
+        (qa, ka, va), (qb, kb, vb) = (testing.random_inputs(7 + i, c[0], c[1] * W, *c[2:6]) for i, c in
+                                      enumerate(JIT_CASES))
+        ia, ib = shards(qa, ca[7]), shards(qb, cb[7])
 
         def two(qa, ka, va, qb, kb, vb):
-            oa = jax_ring.ring_attention(qa, ka, va, axis_name="sp", backend="fused", is_causal=True, layout="zigzag")
-            ob = jax_ring.ring_attention(qb, kb, vb, axis_name="sp", backend="fused")
+            oa = jax_ring.ring_attention(qa, ka, va, axis_name="sp", backend="fused", is_causal=ca[6], layout=ca[7])
+            ob = jax_ring.ring_attention(qb, kb, vb, axis_name="sp", backend="fused", is_causal=cb[6], layout=cb[7])
             return oa, ob
         f2 = jax.jit(jax.shard_map(two, mesh=mesh, in_specs=(P(None, "sp"),) * 6, out_specs=(P(None, "sp"),) * 2))
         g = lambda x: jax.make_array_from_process_local_data(sh, jnp.asarray(x, dtype=jnp.bfloat16),
                                                              (x.shape[0], x.shape[1] * W, *x.shape[2:]))
         oa, ob = f2(*(g(x[:, ia]) for x in (qa, ka, va)), *(g(x[:, ib]) for x in (qb, kb, vb)))
-        for name, o, (q, k, v), idx, causal in (("a", oa, (qa, ka, va), ia, True), ("b", ob, (qb, kb, vb), ib, False)):
+        for name, o, (q, k, v), idx, causal in (("a", oa, (qa, ka, va), ia, ca[6]), ("b", ob, (qb, kb, vb), ib, cb[6])):
             o64, _ = reference.attention(q, k, v, is_causal=causal)
             olp, _ = reference.attention_lowp(q, k, v, "bfloat16", is_causal=causal)
             testing.check(f"two-in-one-jit {name}", np.asarray(o.addressable_shards[0].data.astype(jnp.float32)),
@@ -321,7 +356,9 @@ def main():
 
     # ---- gradients through backend="fused" (torch autograd and jax.grad) --------------------------
     if "grads" in sections:
-        q, k, v, do = testing.random_inputs(11, 1, 128 * W, 4, 2, 32, "float32", with_dout=True)
+        B, S, H, HKV, D, dt, causal, lay = GRADS_CASE
+        assert (dt, causal, lay) == ("float32", True, "zigzag"), "the grads section's calls below say so"
+        q, k, v, do = testing.random_inputs(11, B, S * W, H, HKV, D, dt, with_dout=True)
         idx = shards(q, "zigzag")
         ref = reference.attention_grad(q, k, v, do, is_causal=True)
         low = reference.attention_grad_lowp(q, k, v, do, "float32", is_causal=True)
@@ -347,15 +384,7 @@ def main():
     # ---- the fused backward kernel ---------------------------------------------------------------
     if "bwd" in sections:
         t0 = time.time()
-        bwd_cases = [  # (B, S, H, HKV, D, dtype, causal, layout[, scale[, lse in the loss]])
-            (1, 512, 8, 8, 128, "bfloat16", True, "zigzag"),
-            (1, 300, 8, 2, 80, "float16", True, "contiguous"),
-            (2, 77, 4, 2, 96, "bfloat16", True, "contiguous", 0.3),
-            (1, 1, 2, 1, 16, "float16", True, "contiguous"),
-            (1, 130, 4, 4, 256, "bfloat16", False, "zigzag"),
-            (1, 512, 8, 8, 128, "bfloat16", True, "zigzag", None, True),
-            (1, 256, 4, 1, 64, "float32", False, "contiguous"),  # last: its compile takes a minute
-        ]
+        bwd_cases = BWD_CASES
         for c in bwd_cases:
             try:
                 bwd_case(*c[:8], scale=c[8] if len(c) > 8 else None, use_lse=len(c) > 9 and c[9])
@@ -366,7 +395,8 @@ def main():
         # A backward grid far larger than the GPU holds at once (tasks are taken by ticket: no hang whatever
         # the residency). Reference: float32 dense gradients on the GPU, one (batch, kv head) at a time; the
         # table's bound with it standing in for float64 (its own error is far below bf16's).
-        B, S, H, HKV, D, dt = 2, 4096, 32, 8, 128, "bfloat16"
+        B, S, H, HKV, D, dt = BWD_BIG[:6]
+        assert BWD_BIG[5:] == ("bfloat16", True, "zigzag"), "the calls below say so"
         G = H // HKV
         torch.manual_seed(2)  # the same global inputs on every rank
         qg, dog = (torch.randn(B, S * W, H, D, device=dev).to(torch.bfloat16) for _ in range(2))
@@ -434,18 +464,7 @@ def main():
                 ids[:, n - 37:] = -1
             return ids
 
-        # (B, S, H, HKV, D, dtype, causal, layout, window_size, segment ids). Every distinct shape, dtype and mask
-        # kind compiles new kernels (the window is a constexpr), so the table is short. The windows cross shard
-        # boundaries at any world size: (300, -1) at S=256 reaches into the previous rank's shard but not to its
-        # start (and, from 3 ranks, not into the one before: a ring step the kernel skips).
-        mask_cases = [
-            (1, 512, 8, 8, 128, "bfloat16", True, "zigzag", None, "padded"),
-            (1, 333, 8, 2, 80, "float16", False, "contiguous", None, "packed"),
-            (1, 256, 4, 1, 64, "bfloat16", True, "contiguous", (300, -1), None),
-            (1, 256, 4, 4, 128, "float16", False, "zigzag", (70, 45), None),
-            (2, 200, 4, 2, 128, "bfloat16", True, "zigzag", (150, -1), "padded"),
-            (1, 192, 4, 2, 64, "float32", False, "contiguous", (-1, 50), "packed"),  # last: fp32 compiles slowest
-        ]
+        mask_cases = MASK_CASES
         chosen = (range(len(mask_cases)) if a.mask_cases is None
                   else [int(i) for i in a.mask_cases.split(",") if i.strip()])
         for i in chosen:
@@ -510,9 +529,7 @@ def main():
     # ---- soak: consecutive calls with changing shapes through both frontends ----------------------
     if "soak" in sections:
         t0 = time.time()
-        shapes = [(1, 200, 4, 2, 64, "bfloat16", True, "zigzag"), (2, 97, 2, 1, 80, "float16", False, "contiguous"),
-                  (1, 512, 8, 8, 128, "bfloat16", False, "contiguous"), (1, 33, 4, 4, 32, "float32", True, "contiguous"),
-                  (1, 1000, 4, 1, 128, "float16", True, "zigzag")]
+        shapes = SOAK_SHAPES
         prepared = []
         for i, (B, S, H, HKV, D, dt, causal, lay) in enumerate(shapes):
             q, k, v = testing.random_inputs(100 + i, B, S * W, H, HKV, D, dt)
@@ -537,7 +554,8 @@ def main():
 
     # ---- a grid far larger than the GPU holds at once ---------------------------------------------
     if "big" in sections and not a.skip_big:
-        B, S, H, HKV, D, dt = 16, 4096, 64, 8, 64, "bfloat16"
+        B, S, H, HKV, D, dt = BIG[:6]
+        assert BIG[5:] == ("bfloat16", True, "zigzag"), "the calls below say so"
         torch.manual_seed(1)  # same global inputs on every rank
         qg = torch.randn(B, S * W, H, D, device=dev, dtype=torch.bfloat16)
         kg = torch.randn(B, S * W, HKV, D, device=dev, dtype=torch.bfloat16)

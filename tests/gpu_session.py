@@ -1,28 +1,40 @@
 """Run GPU stages in one device call and carry the Triton cache from one call to the next.
 
 A cold compile of the kernels costs 5-150 s per variant on the GPU machine, and every call of the device tool
-starts on a bare machine. This runner restores the Triton cache that an earlier call left in the carried
-folder ``.tcache/``, runs the stages one after another, each under its own time limit, and then writes the
-cache back under ``$OUT`` in parts of at most 15 MiB (the device tool returns at most 8 files of 16 MiB).
-The next call finds the compiled kernels, as long as the kernel source has not changed.
+starts on a bare machine. This runner restores the Triton cache carried in ``.tcache/``, runs the stages one
+after another, each under its own time limit, and then writes the variants it compiled under ``$OUT`` in parts
+of at most 15 MiB (the device tool returns at most 8 files of 16 MiB). The next call finds the compiled kernels,
+as long as the kernel source has not changed. Of each variant only what a launch needs travels (CACHE_SUFFIXES).
+
+The local cache ``.cache/triton/`` (git-ignored) is the master copy. It can be filled here, with no GPU, before
+the device call (tests/gpu_variants.py works the variants out from the stages' tables; it needs Triton of the
+GPU machine's wheel: ``python -m ring_core.build --identity`` prints the same line on both)::
+
+    python tests/gpu_variants.py --nproc 4 checks-all soak --out /tmp/variants.jsonl
+    TRITON_CACHE_DIR=.cache/triton python3.12 -m ring_core.build --warm /tmp/variants.jsonl --jobs 2
+    python tests/gpu_session.py --pack            # .cache/triton -> .tcache/ parts (xz)
 
 On the GPU machine (carry ``.gpu`` and ``.tcache``)::
 
     source .gpu/prelude.sh; python tests/gpu_session.py --budget 580 --out $OUT soak:300 bench-fwdbwd:240
     source .gpu/prelude.sh; python tests/gpu_session.py --nproc 4 --out $OUT checks:300 faults:200  # 4 ranks, 1 GPU
 
-Then, on this machine, put the returned parts back into ``.tcache/`` (git-ignored)::
+Then, on this machine, add the returned compiles to the local cache and carry it again::
 
     python tests/gpu_session.py --collect /work/.device/N
 
 Compiles are logged (ring_core.build's compile log, tagged ``stage@nproc``) into ``$OUT/compiles.jsonl``;
 ``--collect`` merges them into ``tests/gpu_compiles.jsonl`` (committed), and a ``warm`` stage put first
-compiles the variants of the stages after it from that list, in parallel processes, with the current kernel
-source: after a kernel edit a call then spends its cold compiles at once, not case after case.
+compiles the variants of the stages after it, from that list and from tests/gpu_variants.py, in parallel
+processes, with the current kernel source: after a kernel edit a call then spends its cold compiles at once,
+not case after case (variants already in the cache take a second or two each).
 
 Stages (``NAME[:SECONDS]``; the default time limit is in brackets):
-  warm         ring_core.build --warm: the later stages' recorded variants, compiled in parallel  [240]
+  warm         ring_core.build --warm: the later stages' variants (recorded by earlier sessions, and worked
+               out by tests/gpu_variants.py), compiled in parallel                    [240]
   checks       tests/gpu_checks.py, forward sections: cases, jit, grads, launch, big [540]
+  checks-all   tests/gpu_checks.py, every section                                  [540]
+  checks-fwdbwd tests/gpu_checks.py --sections cases,bwd                           [420]
   checks-quick tests/gpu_checks.py, forward sections cases, jit, grads, launch (no big grid) [300]
   checks-grads tests/gpu_checks.py, sections grads and launch (the end of checks-quick)  [240]
   probe-callback  benchmarks/callback_cost.py: what a host callback per call costs a JAX program (issue 18's
@@ -89,6 +101,12 @@ PART_PREFIX = "tcache.tgz.part"
 # what the warm stage compiles, in parallel, for the stages after it.
 COMPILES = os.path.join(ROOT, "tests", "gpu_compiles.jsonl")
 COMPILE_LOG = "compiles.jsonl"  # this session's compile log, under --out
+# The later stages' variants as tests/gpu_variants.py works them out from their tables (under --out): the warm
+# stage compiles them too, so a stage no earlier session has logged at this --nproc starts warm as well.
+VARIANTS = "variants.jsonl"
+# What a launch needs of a cache entry: the metadata, the binary (torch's launcher) and the PTX (jax_ring's
+# custom call); the other stages' IR (ttir, ttgir, llir, source) is left out of the carried parts.
+CACHE_SUFFIXES = (".json", ".cubin", ".ptx")
 LAUNCH = [sys.executable, "-m", "jax_ring.launch", "--nproc-per-node", "{nproc}"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "{nproc}"]
 # One process on the whole GPU, also in a session whose ranks share it (no SM share for it).
@@ -106,9 +124,15 @@ STAGES = {
     # First in a call after a kernel edit: the later stages' variants (as an earlier session recorded them, at
     # the same --nproc), compiled from the current source many at a time, instead of one after another as each
     # stage's cases reach them.
-    "warm": (240, [[sys.executable, "-m", "ring_core.build", "--warm", COMPILES, "--tags", "{later}",
-                    "--jobs", "{jobs}"]]),
+    "warm": (240, [[sys.executable, "tests/gpu_variants.py", "--nproc", "{nproc}", "--stages", "{later_names}",
+                    "--out", "{out}/" + VARIANTS],
+                   [sys.executable, "-m", "ring_core.build", "--warm", COMPILES, "{out}/" + VARIANTS, "--tags",
+                    "{later}", "--jobs", "{jobs}"]]),
     "checks": (540, [LAUNCH + ["tests/gpu_checks.py", "--sections", "cases,jit,grads,launch,big", "--out", "{out}"]]),
+    # Every section (cases, jit, grads, launch, bwd, masks, soak of 1000 calls, big): issue 15's runs per world size.
+    "checks-all": (540, [LAUNCH + ["tests/gpu_checks.py", "--out", "{out}"]]),
+    # The forward and backward sections at many ranks (issue 15 asks W=8 for these at least).
+    "checks-fwdbwd": (420, [LAUNCH + ["tests/gpu_checks.py", "--sections", "cases,bwd", "--out", "{out}"]]),
     "checks-quick": (300, [LAUNCH + ["tests/gpu_checks.py", "--sections", "cases,jit,grads,launch", "--out", "{out}"]]),
     "checks-grads": (240, [LAUNCH + ["tests/gpu_checks.py", "--sections", "grads,launch", "--out", "{out}"]]),
     "checks-bwd": (300, [LAUNCH + ["tests/gpu_checks.py", "--sections", "bwd", "--out", "{out}"]]),
@@ -187,22 +211,26 @@ def commands(name: str, limit: float, out: str, nproc: int = 2, later=()) -> lis
     """The command lines of a stage, with its placeholders filled in; ``later``: the names of the stages after
     it in this session (what the warm stage compiles for)."""
     values = dict(out=out, limit_minus=f"{max(limit - 10, 5):g}", soak_seconds=f"{max(limit - 50, 10):g}",
-                  nproc=nproc, later=",".join(tag(n, nproc) for n in later), jobs=max(1, (os.cpu_count() or 2) - 2))
+                  nproc=nproc, later=",".join(tag(n, nproc) for n in later), later_names=",".join(later),
+                  jobs=max(1, (os.cpu_count() or 2) - 2))
     return [[arg.format(**values) for arg in cmd] for cmd in STAGES[name][1]]
 
 
-def restore_cache(carry: str = CARRY, cache: str = CACHE) -> int:
-    """Unpack the carried cache parts (if any) into ``cache``; returns the number of files restored."""
-    parts = sorted(glob.glob(os.path.join(carry, PART_PREFIX + "*")))
-    if not parts:
-        return 0
-    os.makedirs(cache, exist_ok=True)
-    joined = os.path.join(os.path.dirname(cache), "tcache.tgz")
+def _join_parts(parts, joined: str) -> str:
     with open(joined, "wb") as f:
         for p in parts:
             with open(p, "rb") as src:
                 shutil.copyfileobj(src, f)
-    with tarfile.open(joined, "r:gz") as tar:
+    return joined
+
+
+def _unpack(parts, cache: str) -> int:
+    """Unpack cache parts (a split tar, gzip or xz) into ``cache``; returns the number of files."""
+    if not parts:
+        return 0
+    os.makedirs(cache, exist_ok=True)
+    joined = _join_parts(parts, os.path.join(os.path.dirname(cache), "tcache.tar.part-joined"))
+    with tarfile.open(joined, "r:*") as tar:
         members = [m for m in tar.getmembers() if m.isfile() or m.isdir()]  # nothing else travels
         extra = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
         tar.extractall(os.path.dirname(cache), members=members, **extra)
@@ -210,14 +238,29 @@ def restore_cache(carry: str = CARRY, cache: str = CACHE) -> int:
     return sum(1 for m in members if m.isfile())
 
 
-def save_cache(out: str, cache: str = CACHE, part_bytes: int = PART_BYTES) -> list:
-    """Write ``cache`` as a gzipped tar split into parts of at most ``part_bytes`` under ``out``; returns
-    their paths (none if there is no cache)."""
-    if not os.path.isdir(cache):
+def restore_cache(carry: str = CARRY, cache: str = CACHE) -> int:
+    """Unpack the carried cache parts (if any) into ``cache``; returns the number of files restored."""
+    return _unpack(sorted(glob.glob(os.path.join(carry, PART_PREFIX + "*"))), cache)
+
+
+def cache_entries(cache: str = CACHE) -> set:
+    """The entries (one folder per compiled variant) now in ``cache``."""
+    return set(os.listdir(cache)) if os.path.isdir(cache) else set()
+
+
+def save_cache(out: str, cache: str = CACHE, part_bytes: int = PART_BYTES, skip=()) -> list:
+    """Write the entries of ``cache`` not in ``skip`` (what a launch needs of each: CACHE_SUFFIXES) as an
+    xz-compressed tar split into parts of at most ``part_bytes`` under ``out``; returns their paths (none if
+    there is nothing to write)."""
+    entries = sorted(cache_entries(cache) - set(skip))
+    if not entries:
         return []
-    joined = os.path.join(out, "tcache.tgz")
-    with tarfile.open(joined, "w:gz") as tar:
-        tar.add(cache, arcname=os.path.basename(cache))
+    joined = os.path.join(out, "tcache.tar.xz")
+    with tarfile.open(joined, "w:xz", preset=6) as tar:
+        for e in entries:
+            for name in sorted(os.listdir(os.path.join(cache, e))):
+                if name.endswith(CACHE_SUFFIXES):
+                    tar.add(os.path.join(cache, e, name), arcname=os.path.join(os.path.basename(cache), e, name))
     paths = []
     with open(joined, "rb") as f:
         while chunk := f.read(part_bytes):
@@ -226,6 +269,16 @@ def save_cache(out: str, cache: str = CACHE, part_bytes: int = PART_BYTES) -> li
                 part.write(chunk)
     os.remove(joined)
     return paths
+
+
+def pack(carry: str = CARRY, cache: str = CACHE) -> int:
+    """Replace the carried parts with the whole local ``cache`` (as ``save_cache`` writes it); returns how many.
+    The local cache is the master copy: variants warmed on this machine (tests/gpu_variants.py) and those
+    device calls returned (``collect``)."""
+    os.makedirs(carry, exist_ok=True)
+    for old in glob.glob(os.path.join(carry, PART_PREFIX + "*")):
+        os.remove(old)
+    return len(save_cache(carry, cache))
 
 
 def merge_compiles(returned: str, compiles: str = COMPILES) -> int:
@@ -243,17 +296,14 @@ def merge_compiles(returned: str, compiles: str = COMPILES) -> int:
     return len(rows)
 
 
-def collect(returned: str, carry: str = CARRY) -> int:
-    """Replace the carried cache parts with those a device call returned; returns how many."""
+def collect(returned: str, carry: str = CARRY, cache: str = CACHE) -> int:
+    """Add the cache parts a device call returned (its new compiles) to the local cache, then carry the whole
+    local cache (``pack``); returns the number of parts carried."""
     parts = sorted(glob.glob(os.path.join(returned, PART_PREFIX + "*")))
     if not parts:
-        raise SystemExit(f"no {PART_PREFIX}* files in {returned}")
-    os.makedirs(carry, exist_ok=True)
-    for old in glob.glob(os.path.join(carry, PART_PREFIX + "*")):
-        os.remove(old)
-    for p in parts:
-        shutil.copy(p, carry)
-    return len(parts)
+        print(f"no {PART_PREFIX}* files in {returned}: no new compiles")
+    _unpack(parts, cache)
+    return pack(carry, cache)
 
 
 def run_stage(name: str, limit: float, out: str, log, nproc: int = 2, later=()) -> int:
@@ -309,7 +359,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("stages", nargs="*", type=parse_stage, help="NAME[:SECONDS] ...")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="where the log and the cache parts go ($OUT)")
-    ap.add_argument("--collect", metavar="DIR", help="copy the cache parts a device call returned into .tcache/")
+    ap.add_argument("--collect", metavar="DIR", help="add the cache parts a device call returned to the local cache "
+                    "(.cache/triton) and carry it (.tcache/); merge its compile log")
+    ap.add_argument("--pack", action="store_true",
+                    help="carry the local cache (.cache/triton, e.g. filled by ring_core.build --warm) in .tcache/")
     ap.add_argument("--nproc", type=int, default=2,
                     help="ranks per stage (default 2); more ranks than GPUs share them under one CUDA MPS daemon "
                          "that this runner starts first and stops last (ring_core.gpus)")
@@ -318,6 +371,9 @@ def main(argv=None) -> int:
                          f"ends, cache saved, within it ({SAVE_RESERVE} s kept for the save); use it inside a "
                          "device call's own limit")
     a = ap.parse_args(argv)
+    if a.pack:
+        print(f"{pack()} cache parts now in {CARRY}")
+        return 0
     if a.collect:
         print(f"{collect(a.collect)} cache parts now in {CARRY}; {merge_compiles(a.collect)} compile records in "
               f"{os.path.relpath(COMPILES, ROOT)}")
@@ -336,6 +392,7 @@ def main(argv=None) -> int:
     mps = gpus.MpsDaemon()
     with open(os.path.join(a.out, "session.log"), "a") as log:
         log.write(f"restored {restore_cache(cache=os.environ['TRITON_CACHE_DIR'])} cached files\n")
+        restored = cache_entries(os.environ["TRITON_CACHE_DIR"])
         if start_mps:
             extra.update(mps.start())
         os.environ.update(extra)
@@ -353,8 +410,8 @@ def main(argv=None) -> int:
                 first_failure = first_failure or rc
         finally:
             mps.stop()
-        parts = save_cache(a.out, cache=os.environ["TRITON_CACHE_DIR"])
-        log.write(f"saved the cache in {len(parts)} parts\n")
+        parts = save_cache(a.out, cache=os.environ["TRITON_CACHE_DIR"], skip=restored)
+        log.write(f"saved this session's compiles in {len(parts)} parts\n")
     return first_failure
 
 

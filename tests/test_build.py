@@ -316,3 +316,117 @@ def test_gluon_forward_compiles_warp_specialised_for_hopper(tmp_path):
     for name, c in got.items():
         assert c["ws"] and c["warps"] > 8, (name, c)  # the default partition's 8 warps and the load warp(s)
         assert c["wgmma"] > 0 and c["tma"] >= 1 and c["shared"] <= 227 * 1024, (name, c)
+
+
+# ------------------------------------------------------------- the variants a run compiles, worked out ahead
+RECORD_THROUGH_JAX = textwrap.dedent("""
+    import json, os, sys
+    import numpy as np
+    import jax.numpy as jnp
+    import triton
+    from ring_core import control, plans, validate
+    from jax_ring import _triton_call, fused
+
+    class Stop(Exception):
+        pass
+
+    def stop(*a, **k):
+        raise Stop
+    triton.compile = stop  # the record is written before Triton compiles; nothing compiles here
+    _triton_call.capability = lambda: 90  # an H100/H200, as the GPU machine's
+    lay = control.HeapLayout.for_workspace(1 << 30)
+    out = []
+    for (B, S, H, HKV, D, dt, causal, window, seg, W) in [(1, 512, 8, 2, 128, "bfloat16", True, None, False, 3),
+                                                         (2, 333, 4, 4, 80, "float16", False, (70, 5), True, 4),
+                                                         (1, 1, 2, 1, 16, "float32", True, None, True, 2)]:
+        spec = validate.check_attention_args(
+            (B, S, H, D), (B, S, HKV, D), (B, S, HKV, D), dt, dt, dt, is_causal=causal, scale=None,
+            layout="contiguous", backend="fused", backends=("fused",), window_size=window,
+            segment_ids_shape=(B, S) if seg else None, segment_ids_dtype="int32" if seg else None)
+        for p in (plans.plan(spec, W, lay), plans.plan_bwd(spec, W, lay)):
+            x, kv = jnp.zeros((B, S, H, D), dt), jnp.zeros((B, S, HKV, D), dt)
+            rows = jnp.zeros((B, H, S), jnp.float32)
+            ids = jnp.zeros((B, S) if seg else (1,), jnp.int32)
+            ctx = jnp.zeros((W + 4,), jnp.int32)
+            inputs = [x, kv, kv] if p.kind == control.KIND_FWD else [x, kv, kv, x, x, rows, rows]
+            open(os.environ["RING_ATTENTION_COMPILE_LOG"], "w").close()
+            try:  # what jax_ring.fused._launch passes
+                _triton_call.triton_call(*inputs, ids, ctx, *fused._scalars(p, None), kernel=p.kernel(),
+                                         out_shape=fused._out_shapes(p), grid=p.grid, name="t",
+                                         num_warps=p.config.num_warps, num_stages=p.config.num_stages,
+                                         scalar_types=p.scalar_types, **p.constexprs())
+            except Stop:
+                pass
+            (logged,) = [json.loads(l) for l in open(os.environ["RING_ATTENTION_COMPILE_LOG"])]
+            out.append([logged, p.compile_record()])
+    print(json.dumps(out))
+""")
+
+
+def test_a_plans_compile_record_is_the_variant_the_launch_compiles(tmp_path):
+    """LaunchPlan.compile_record (what tests/gpu_variants.py lists, to fill a cache ahead of a GPU run) is the
+    record the JAX launcher's compile logs for the same plan: argument types, Triton's specialisation of the
+    scalars (batch 1 folded in, seq_local divisible by 16 or not), constexprs, warps and stages; forward and
+    backward, with and without masks, bf16/fp16/fp32. (torch's JIT compiles the same cache entry: build.py.)"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]),
+               RING_ATTENTION_COMPILE_LOG=str(tmp_path / "log.jsonl"), JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-c", RECORD_THROUGH_JAX], capture_output=True, text=True, env=env, cwd=ROOT,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    pairs = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(pairs) == 6
+    for logged, planned in pairs:
+        assert logged == planned
+    folded = [p for _, p in pairs if "constexpr" in p["types"]]
+    assert len(folded) == 4 and all("S" not in p["divisible"] for _, p in pairs[2:4])  # B=1 folded; S=333
+
+
+def test_gpu_variants_lists_the_runs_kernels():
+    """tests/gpu_variants.py: the variants of a GPU session stage's gpu_checks sections and mask cases at a world
+    size, each once, tagged like the session's compile log."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    try:
+        import gpu_checks as g
+        import gpu_variants as gv
+    finally:
+        sys.path.remove(str(ROOT / "tests"))
+    tail = gv.stage_records("checks-masks-tail", 3)  # masks cases 3, 4, 5: a forward and a backward each
+    assert len(tail) == 6 and {r["tag"] for r in tail} == {"checks-masks-tail@3"}
+    assert all(r["constexprs"]["W"] == 3 for r in tail)
+    wins = sorted((r["constexprs"]["WIN_LEFT"], r["constexprs"]["WIN_RIGHT"]) for r in tail[::2])
+    assert len(wins) == 3 and all(r["constexprs"]["WINDOW"] for r in tail)
+    assert [r["constexprs"]["SEGMENTED"] for r in tail[::2]] == [g.MASK_CASES[i][9] is not None for i in (3, 4, 5)]
+    everything = gv.stage_records("checks-all", 4)
+    keys = {json.dumps({k: v for k, v in r.items() if k != "tag"}, sort_keys=True) for r in everything}
+    assert len(keys) == len(everything)
+    kinds = [r["kernel"].split(":")[1] for r in everything]
+    assert kinds.count("ring_attn_fwd_kernel") >= len(g.CASES) and kinds.count("ring_attn_bwd_kernel") >= 7
+    assert gv.stage_records("bench-w1", 1) == []  # not a script it knows: compiled at run time, as before
+    soak = gv.stage_records("soak", 4)
+    assert soak and sum(r["kernel"].endswith("bwd_kernel") for r in soak) == 1
+
+
+IRIS_DEVICE_ONLY = textwrap.dedent("""
+    import sys
+    sys.modules["torch"] = None  # a machine with Triton and iris but no torch: iris's host half cannot import
+    from ring_core import build
+    ok = build._iris_device_only()
+    from ring_core.kernel import ring_attn_fwd_kernel
+    from ring_core.kernel_bwd import ring_attn_bwd_kernel
+    print(ok, ring_attn_fwd_kernel.cache_key, ring_attn_bwd_kernel.cache_key)
+""")
+
+
+def test_warm_without_torch_compiles_the_same_kernels():
+    """ring_core.build's warm on a machine without torch (a Python of the GPU machine's Triton wheel) imports the
+    kernels through iris's device functions only, and they hash as with the whole of iris: same cache entries."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
+    code = "from ring_core.kernel import ring_attn_fwd_kernel as f; from ring_core.kernel_bwd import " \
+           "ring_attn_bwd_kernel as b; import torch; print(True, f.cache_key, b.cache_key)"
+    runs = [subprocess.run([sys.executable, "-c", c], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+            for c in (IRIS_DEVICE_ONLY, code)]
+    assert all(r.returncode == 0 for r in runs), [r.stderr[-2000:] for r in runs]
+    device_only, whole = (r.stdout.split() for r in runs)
+    assert device_only == whole and device_only[0] == "True"

@@ -233,8 +233,10 @@ def test_session_warm_stage_compiles_for_the_stages_after_it(tmp_path, monkeypat
     stage's compiles are tagged so; --collect merges a call's compile log, a tag's records replaced by the new
     run's."""
     gs = _script("gpu_session")
-    (cmd,) = gs.commands("warm", 200, "/o", nproc=4, later=["checks-masks", "bench-packed"])
-    assert cmd[1:4] == ["-m", "ring_core.build", "--warm"] and cmd[4] == gs.COMPILES
+    variants, cmd = gs.commands("warm", 200, "/o", nproc=4, later=["checks-masks", "bench-packed"])
+    assert variants[1:] == ["tests/gpu_variants.py", "--nproc", "4", "--stages", "checks-masks,bench-packed",
+                            "--out", "/o/" + gs.VARIANTS]
+    assert cmd[1:4] == ["-m", "ring_core.build", "--warm"] and cmd[4:6] == [gs.COMPILES, "/o/" + gs.VARIANTS]
     assert cmd[cmd.index("--tags") + 1] == "checks-masks@4,bench-packed@4" and int(cmd[cmd.index("--jobs") + 1]) >= 1
     seen = tmp_path / "tag"
     monkeypatch.setattr(gs, "commands", lambda name, limit, out, nproc=2, later=(): [
@@ -265,25 +267,38 @@ def test_session_budget_clips_stages_and_keeps_time_for_the_cache():
 
 
 def test_session_cache_survives_the_round_trip_in_parts(tmp_path):
-    """A cache written in parts under $OUT, collected into the carried folder and restored, is the same
-    tree; parts respect the size limit."""
+    """The cache carried in parts (``pack``) is restored on the GPU machine; what a session compiled there (the
+    entries it did not restore) comes back in parts that respect the size limit, and ``collect`` adds them to
+    the local cache and carries it all. Only what a launch needs travels (no IR)."""
     gs = _script("gpu_session")
-    cache = tmp_path / "gpu" / ".cache" / "triton"
-    files = {"a/k.cubin": os.urandom(3000), "a/k.json": b"{}", "b/__grp__k.json": os.urandom(5000)}
+    local = tmp_path / "here" / ".cache" / "triton"
+    files = {"a/k.cubin": os.urandom(3000), "a/k.json": b"{}", "a/k.ptx": b"ptx", "b/__grp__k.json": os.urandom(5000)}
     for rel, data in files.items():
-        (cache / rel).parent.mkdir(parents=True, exist_ok=True)
-        (cache / rel).write_bytes(data)
+        (local / rel).parent.mkdir(parents=True, exist_ok=True)
+        (local / rel).write_bytes(data)
+    (local / "a" / "k.llir").write_bytes(b"IR left behind")
+    carry = tmp_path / "carry"
+    assert gs.pack(carry=str(carry), cache=str(local)) >= 1
+    remote = tmp_path / "gpu" / ".cache" / "triton"
+    assert gs.restore_cache(carry=str(carry), cache=str(remote)) == len(files)
+    assert not (remote / "a" / "k.llir").exists()
+    restored = gs.cache_entries(str(remote))
+    assert restored == {"a", "b"}
+    new = {"c/k.cubin": os.urandom(6000), "c/k.json": b"{}"}
+    for rel, data in new.items():
+        (remote / rel).parent.mkdir(parents=True, exist_ok=True)
+        (remote / rel).write_bytes(data)
     out = tmp_path / "out"
     out.mkdir()
-    parts = gs.save_cache(str(out), cache=str(cache), part_bytes=2048)
+    parts = gs.save_cache(str(out), cache=str(remote), part_bytes=2048, skip=restored)
     assert len(parts) >= 3 and all(os.path.getsize(p) <= 2048 for p in parts)
-    carry = tmp_path / "carry"
-    assert gs.collect(str(out), carry=str(carry)) == len(parts)
-    restored = tmp_path / "next" / ".cache" / "triton"
-    assert gs.restore_cache(carry=str(carry), cache=str(restored)) == len(files)
-    for rel, data in files.items():
-        assert (restored / rel).read_bytes() == data
-    assert gs.restore_cache(carry=str(tmp_path / "empty"), cache=str(restored)) == 0
+    assert gs.save_cache(str(tmp_path), cache=str(remote), skip=gs.cache_entries(str(remote))) == []
+    assert gs.collect(str(out), carry=str(carry), cache=str(local)) >= 1
+    again = tmp_path / "next" / ".cache" / "triton"
+    assert gs.restore_cache(carry=str(carry), cache=str(again)) == len(files) + len(new)
+    for rel, data in {**files, **new}.items():
+        assert (again / rel).read_bytes() == data
+    assert gs.restore_cache(carry=str(tmp_path / "empty"), cache=str(again)) == 0
 
 
 def test_session_stage_timeout_stops_the_launchers_children(tmp_path, monkeypatch):

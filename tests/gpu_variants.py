@@ -1,0 +1,151 @@
+"""The kernel variants a GPU run compiles, worked out here, with no GPU, so that Triton's cache can be filled
+ahead of a device call.
+
+The GPU machine starts every call with a cold cache, and its stages compile one variant after another, each rank
+on its own: most of a stage's time (issue 15's W=4 checks were compile-bound). A variant is decided by the
+launch plan (ring_core.plans: constexprs, argument types, Triton's specialisation of the integer scalars), and the
+plan by the spec, the world size and the heap. So the variants of a script's tables can be listed from the
+tables themselves:
+
+    python tests/gpu_variants.py --nproc 4 checks-all soak > /tmp/variants.jsonl   # or --out FILE
+
+writes one compile-log record per variant (ring_core.build's format, tagged ``stage@nproc`` like the GPU
+session's log), and ``python -m ring_core.build --warm /tmp/variants.jsonl`` compiles them into Triton's cache.
+A cache filled on another machine serves the GPU machine when ``python -m ring_core.build --identity`` prints the
+same line on both (same Triton wheel, same Python minor version, same ptxas); tests/gpu_session.py carries it
+over (``--pack``). Variants a script compiles that are not listed here are compiled by the run, as before.
+
+Stages are tests/gpu_session.py's: the variants of their tests/gpu_checks.py commands (with the sections those
+run; not the ``launch`` section's test kernel) and tests/gpu_soak.py commands (its defaults); other scripts'
+variants are compiled when they run, as before. The session's ``warm`` stage compiles these too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from ring_core import control, plans, validate  # noqa: E402
+
+CHECKS_SECTIONS = ("cases", "jit", "grads", "bwd", "masks", "soak", "big")
+
+
+def spec_of(B, S, H, HKV, D, dtype, causal, layout, *, window=None, segmented=False) -> validate.AttentionSpec:
+    """The spec of a call on this rank's shards [B, S, H|HKV, D] (as both frontends validate it)."""
+    return validate.check_attention_args(
+        (B, S, H, D), (B, S, HKV, D), (B, S, HKV, D), dtype, dtype, dtype, is_causal=causal, scale=None, layout=layout,
+        backend="fused", backends=("fused",), window_size=window,
+        segment_ids_shape=(B, S) if segmented else None, segment_ids_dtype="int32" if segmented else None)
+
+
+def heap_layout(heap_bytes: int) -> control.HeapLayout:
+    """The layout of a heap of ``heap_bytes`` (ring_core.heap.SymmetricHeap's workspace; where the workspace sits
+    in the heap does not change the capacities a plan reads)."""
+    return control.HeapLayout.for_workspace(heap_bytes - control.HEAP_SLACK)
+
+
+def records(calls, world: int, heap_bytes: int, tag: str) -> list:
+    """One record per distinct variant of ``calls``: (spec, backward) pairs; a backward call also runs the
+    forward."""
+    lay, out, seen = heap_layout(heap_bytes), [], set()
+    for spec, backward in calls:
+        ps = [plans.plan(spec, world, lay)] + ([plans.plan_bwd(spec, world, lay)] if backward else [])
+        for p in ps:
+            rec = p.compile_record(tag=tag)
+            key = json.dumps({k: v for k, v in rec.items() if k != "tag"}, sort_keys=True)
+            if key not in seen:
+                seen.add(key)
+                out.append(rec)
+    return out
+
+
+def checks_calls(world: int, sections=CHECKS_SECTIONS, mask_cases=None) -> list:
+    """(spec, backward) of the fused calls of tests/gpu_checks.py's ``sections`` (``mask_cases``: the indices
+    of the masks section's cases it runs, None: all)."""
+    import gpu_checks as g
+
+    calls = []
+    if "cases" in sections:
+        calls += [(spec_of(*c[:8]), False) for c in g.CASES]
+    if "jit" in sections:
+        calls += [(spec_of(*c), False) for c in g.JIT_CASES]
+    if "grads" in sections:
+        calls.append((spec_of(*g.GRADS_CASE), True))
+    if "bwd" in sections:
+        calls += [(spec_of(*c[:8]), True) for c in g.BWD_CASES] + [(spec_of(*g.BWD_BIG), True)]
+    if "masks" in sections:
+        chosen = range(len(g.MASK_CASES)) if mask_cases is None else mask_cases
+        calls += [(spec_of(*c[:8], window=c[8], segmented=c[9] is not None), True)
+                  for c in (g.MASK_CASES[i] for i in chosen)]
+    if "soak" in sections:
+        calls += [(spec_of(*c), False) for c in g.SOAK_SHAPES]
+    if "big" in sections:
+        calls.append((spec_of(*g.BIG), False))
+    return calls
+
+
+def soak_calls(world: int, seed: int = 2026, pool: int = 12, variants: int = 4) -> list:
+    """(spec, backward) of tests/gpu_soak.py's calls with its defaults (its gradient calls are on the pool's
+    first variant's configurations)."""
+    import gpu_soak as s
+
+    configs = s.plan(seed, pool, variants)
+    calls = [(spec_of(*c), i % variants == 0) for i, c in enumerate(configs)]
+    return calls + [(spec_of(*s.big_case(world)), False)]
+
+
+def _option(cmd, flag: str, default=None):
+    return cmd[cmd.index(flag) + 1] if flag in cmd else default
+
+
+def command_records(cmd, nproc: int, tag: str) -> list:
+    """The records of one command line of a GPU session stage (tests/gpu_session.py's STAGES) at ``nproc``
+    ranks: tests/gpu_checks.py with its ``--sections`` and ``--mask-cases``, tests/gpu_soak.py with its
+    defaults; none for other scripts (they compile at run time, as before)."""
+    if "tests/gpu_checks.py" in cmd:
+        sections = _option(cmd, "--sections", ",".join(CHECKS_SECTIONS)).split(",")
+        masks = _option(cmd, "--mask-cases")
+        masks = None if masks is None else [int(i) for i in masks.split(",") if i.strip()]
+        heap = int(float(_option(cmd, "--heap-gib", 8)) * (1 << 30))
+        return records(checks_calls(nproc, sections, masks), nproc, heap, tag)
+    if "tests/gpu_soak.py" in cmd:
+        heap = int(float(_option(cmd, "--heap-gib", 4)) * (1 << 30))
+        return records(soak_calls(nproc), nproc, heap, tag)
+    return []
+
+
+def stage_records(stage: str, nproc: int) -> list:
+    """The records of a GPU session stage at ``nproc`` ranks, tagged as its compile log tags them."""
+    import gpu_session
+
+    tag = gpu_session.tag(stage, nproc)
+    return [r for cmd in gpu_session.commands(stage, 1.0, "OUT", nproc) for r in command_records(cmd, nproc, tag)]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nproc", type=int, action="append", required=True,
+                    help="ranks (the world size is a constexpr); repeat for several")
+    ap.add_argument("--stages", default="", help="comma list of tests/gpu_session.py stage names")
+    ap.add_argument("more", nargs="*", help="more stage names")
+    ap.add_argument("--out", default=None, help="write the records here (default: stdout)")
+    a = ap.parse_args(argv)
+    stages = [x for x in a.stages.split(",") if x] + a.more
+    recs = [r for nproc in a.nproc for stage in stages for r in stage_records(stage, nproc)]
+    lines = "".join(json.dumps(r, sort_keys=True) + "\n" for r in recs)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(lines)
+    else:
+        sys.stdout.write(lines)
+    print(f"{len(recs)} variants of {', '.join(stages) or 'no stage'} at {a.nproc} ranks", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
