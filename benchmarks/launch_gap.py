@@ -27,6 +27,8 @@ def main():
     ap.add_argument("--doc-lens", default="none,512-8192,1024-1024", help="comma list: none (dense) or LO-HI")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--csv", default=None)
+    ap.add_argument("--profile", action="store_true",
+                    help="also print where the host's issue time goes (cProfile over --iters calls, each after a sync)")
     a = ap.parse_args()
 
     import torch
@@ -65,6 +67,8 @@ def main():
             call()
             host.append((time.perf_counter() - t0) * 1e3)
         torch.cuda.synchronize()
+        if a.profile:
+            host_profile(torch, call, a.iters, lens)
         row = dict(doc_lens=lens, seq_local=S, heads=H, each_ms=round(float(np.median(each)), 4),
                    stream_ms=round(stream, 4), host_ms=round(float(np.median(host)), 4),
                    kernel_ms=kernel_ms(torch, call, a.iters))
@@ -75,6 +79,25 @@ def main():
             w = csv.DictWriter(f, fieldnames=list(rows[0]))
             w.writeheader()
             w.writerows(rows)
+
+
+def host_profile(torch, call, iters: int, label: str, top: int = 25):
+    """Print the functions that take the host's issue time of ``call`` (cProfile; each call after a sync, as
+    ``host`` is timed), by their own time: what differs between the dense and the packed call."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        prof.enable()
+        call()
+        prof.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    print(f"---- host profile, doc_lens {label}, {iters} calls\n{buf.getvalue()}", flush=True)
 
 
 def kernel_ms(torch, call, iters: int):

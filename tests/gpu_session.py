@@ -166,7 +166,7 @@ STAGES = {
     # attention, then timed against cuDNN (one process, the whole GPU).
     "probe-gluon-fwd": (240, [["env", "-u", gpus.MPS_SHARE_ENV, sys.executable, "-m", "benchmarks.gluon_fwd",
                                "--out", "{out}/gluon_fwd.csv"]]),
-    "probe-launch-gap": (120, [LAUNCH1 + ["-m", "benchmarks.launch_gap", "--csv", "{out}/launch_gap.csv"]]),
+    "probe-launch-gap": (120, [LAUNCH1 + ["-m", "benchmarks.launch_gap", "--profile", "--csv", "{out}/launch_gap.csv"]]),
     "bench-w1": (300, [LAUNCH1 + ["-m", "benchmarks.attention", "--methods",
                                   "torch_fused,torch_cudnn_1gpu,jax_fused,jax_fused_deferred,jax_cudnn_1gpu",
                                   "--seq", "16k,32k", "--pass", "fwd,fwd+bwd", "--warmup", "2", "--iters", "5",
