@@ -49,9 +49,7 @@ def _params(kernel) -> list:
     the interpreter holds (TRITON_INTERPRET=1 wraps it without them: rebuilt from the same decorator flags)."""
     if hasattr(kernel, "params"):
         return kernel.params
-    from triton.runtime.jit import JITFunction
-
-    return JITFunction(kernel.fn, **kernel.kwargs).params
+    return _jit_function(kernel).params
 
 
 def runtime_arg_names(kernel) -> list:
@@ -105,10 +103,15 @@ def specialize(kernel, arg_types, values=None):
     return types, ones, divisible
 
 
-def signature(kernel, arg_types, constexprs: dict, divisible=()):
+def signature(kernel, arg_types, constexprs: dict, divisible=(), capability: int = 90):
     """(signature, attrs) for ``triton.compile``: ``arg_types`` are the Triton types ("*bf16", "i32", "fp32",
     "constexpr" for a scalar folded in, ...) of ``runtime_arg_names(kernel)``, in order; pointers are 16-byte
-    aligned, and so are the integer scalars named in ``divisible`` (known divisible by 16)."""
+    aligned, and so are the integer scalars named in ``divisible`` (known divisible by 16).
+
+    The attributes are made by Triton's JIT itself (``JITFunction._pack_args``) from the specialisation its launch
+    would compute: they are part of the cache key, and which arguments get an entry (an empty one included) has
+    changed between Triton releases (3.6: the specialised scalars and string constexprs; 3.9: every constexpr).
+    So torch's JIT launch and this compile share one cache entry whatever the installed Triton."""
     names = runtime_arg_names(kernel)
     if len(arg_types) != len(names):
         raise ValueError(f"{kernel.__name__} takes {len(names)} runtime arguments {names}, got {len(arg_types)} types")
@@ -117,11 +120,33 @@ def signature(kernel, arg_types, constexprs: dict, divisible=()):
     if missing:
         raise ValueError(f"{kernel.__name__}: constexprs {missing} not given")
     sig.update({k: "constexpr" for k in constexprs})
-    order = [p.name for p in _params(kernel)]
-    sig = {k: sig[k] for k in order if k in sig}
-    attrs = {(order.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
-             if t.startswith("*") or n in divisible}
+    params = {p.name: p for p in _params(kernel)}
+    sig = {k: sig[k] for k in params if k in sig}
+    specialization = []  # (type, what the JIT's specialisation says of the value), as its binder gives them
+    for n, t in sig.items():
+        if t == "constexpr":
+            specialization.append((t, constexprs[n]))
+        elif t.startswith("*"):
+            specialization.append((t, "D"))
+        elif t in INT_TYPES and not params[n].do_not_specialize:
+            specialization.append((t, "D" if n in divisible else ""))
+        else:
+            specialization.append((t, None))
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+
+    backend = make_backend(GPUTarget("cuda", capability, 32))
+    jit = kernel if hasattr(kernel, "_pack_args") else _jit_function(kernel)
+    bound = {n: constexprs.get(n) for n in sig}
+    _, _, _, attrs = jit._pack_args(backend, {}, bound, specialization, None)
     return sig, attrs
+
+
+def _jit_function(kernel):
+    """A JITFunction of ``kernel`` (the interpreter wraps it without one: rebuilt from the same decorator flags)."""
+    from triton.runtime.jit import JITFunction
+
+    return JITFunction(kernel.fn, **kernel.kwargs)
 
 
 def compile_kernel(kernel, arg_types, constexprs: dict, *, num_warps: int, num_stages: int, capability: int = 90,
@@ -139,7 +164,7 @@ def _compile(kernel, specialized, constexprs: dict, num_warps: int, num_stages: 
 
     types, ones, divisible = specialized
     consts = dict(constexprs, **ones)
-    sig, attrs = signature(kernel, types, consts, divisible)
+    sig, attrs = signature(kernel, types, consts, divisible, capability)
     _record(kernel, types, consts, divisible, num_warps, num_stages, capability)
     src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", capability, 32),

@@ -430,3 +430,70 @@ def test_warm_without_torch_compiles_the_same_kernels():
     assert all(r.returncode == 0 for r in runs), [r.stderr[-2000:] for r in runs]
     device_only, whole = (r.stdout.split() for r in runs)
     assert device_only == whole and device_only[0] == "True"
+
+
+JIT_AND_BUILD_KEYS = textwrap.dedent("""
+    import json
+    import torch
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+    from ring_core import build, control, plans, validate
+
+    class NoGpu:  # what the JIT asks of a driver before it compiles
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+        def get_current_device(self):
+            return 0
+        def get_current_stream(self, device=None):
+            return 0
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+    driver.set_active(NoGpu())
+    seen = {}
+    def capture(self, key, signature, device, constexprs, options, attrs, warmup):  # instead of compiling
+        seen["hash"] = self.ASTSource(self, signature, constexprs, attrs).hash()
+    JITFunction._do_compile = capture
+    lay = control.HeapLayout.for_workspace(1 << 30)
+    out = []
+    for (B, S, H, HKV, D, dt, W, causal, seg, win) in [(1, 1024, 8, 8, 128, "bfloat16", 4, True, False, None),
+                                                      (2, 777, 8, 2, 80, "float16", 3, True, True, None),
+                                                      (1, 1, 2, 1, 16, "float32", 2, False, True, (5, 3))]:
+        spec = validate.check_attention_args(
+            (B, S, H, D), (B, S, HKV, D), (B, S, HKV, D), dt, dt, dt, is_causal=causal, scale=None,
+            layout="contiguous", backend="fused", backends=("fused",), window_size=win,
+            segment_ids_shape=(B, S) if seg else None, segment_ids_dtype="int32" if seg else None)
+        t = getattr(torch, dt)
+        q, kv = torch.zeros(B, S, H, D, dtype=t), torch.zeros(B, S, HKV, D, dtype=t)
+        ids = torch.zeros((B, S) if seg else (1,), dtype=torch.int32)
+        ctx = torch.zeros((W + 4) * 2, dtype=torch.int32)  # as HeapRings.ctx: int32 words
+        rows, status = torch.zeros(B, H, S), torch.zeros(control.STATUS_WORDS, dtype=torch.int32)
+        for p in (plans.plan(spec, W, lay), plans.plan_bwd(spec, W, lay)):
+            if p.kind == control.KIND_FWD:  # torch_bridge.fused's argument lists
+                args = [q, kv, kv, ids, ctx, *p.scalars(None), q.clone(), rows, status]
+            else:
+                args = [q, kv, kv, q, q, rows, rows, ids, ctx, *p.scalars(None), q.clone(), kv.clone(), kv.clone(),
+                        rows, status]
+            p.kernel().run(*args, grid=p.grid, warmup=True, num_warps=p.config.num_warps,
+                           num_stages=p.config.num_stages, **p.constexprs())
+            rec = p.compile_record()
+            sig, attrs = build.signature(p.kernel(), rec["types"], rec["constexprs"], rec["divisible"])
+            ours = ASTSource(fn=p.kernel(), signature=sig, constexprs=rec["constexprs"], attrs=attrs).hash()
+            out.append([seen.pop("hash"), ours])
+    print(json.dumps(out))
+""")
+
+
+def test_torch_jit_and_the_jax_launch_compile_one_cache_entry():
+    """torch's JIT launch of a plan and ring_core.build's compile of it (the JAX launch, and what warm fills)
+    hash to the same Triton source key: same signature, constexprs and attributes, the empty attribute entries
+    the installed Triton's JIT writes included (3.6 and 3.9 differ there). Before, every variant compiled twice on
+    the GPU machine, once per frontend, and a cache warmed ahead served only JAX."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", JIT_AND_BUILD_KEYS], capture_output=True, text=True, env=env, cwd=ROOT,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    pairs = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(pairs) == 6 and all(jit == ours for jit, ours in pairs), pairs
