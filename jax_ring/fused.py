@@ -160,7 +160,7 @@ def _typed_like(outs, inputs, axis_name):
     return [_platform.vary(o, axes) for o in outs]
 
 
-def _launch(kernel, name: str, inputs, spec, axis_name, world_size: int, timeout_s, *, backward: bool):
+def _launch(name: str, inputs, spec, axis_name, world_size: int, timeout_s, *, backward: bool):
     """One fused launch inside shard_map: the inputs, this device's context row and the plan's scalars in
     the kernel's argument order (ring_core.plans); the outputs (the status last, zeroed: the kernel's last
     program writes it), checked by a host callback unless errors are deferred."""
@@ -168,7 +168,7 @@ def _launch(kernel, name: str, inputs, spec, axis_name, world_size: int, timeout
     p, ctx = _launch_context(spec, axis_name, world_size, backward=backward)
     deferred = errors_deferred()
     *outs, status = call(
-        *inputs, ctx, *_scalars(p, timeout_s), kernel=kernel, out_shape=_out_shapes(p), grid=p.grid,
+        *inputs, ctx, *_scalars(p, timeout_s), kernel=p.kernel(), out_shape=_out_shapes(p), grid=p.grid,
         num_warps=p.config.num_warps, num_stages=p.config.num_stages, scalar_types=p.scalar_types,
         zeroed_outputs=(len(p.out_shapes) - 1,), name=name, **p.constexprs(sticky_errors=deferred))
     if not deferred:  # else the kernel keeps a failure for jax_ring.check_errors()
@@ -180,10 +180,8 @@ def forward(q, k, v, spec, axis_name, world_size: int, timeout_s: float | None =
     """Run the fused kernel on this rank's shards inside shard_map; returns (out, lse). ``segment_ids``: this
     rank's ids (int32 [batch, seq_local], layout order) when ``spec.segmented``, else None; the window is
     ``spec.window``."""
-    from ring_core.kernel import ring_attn_fwd_kernel
-
-    out, lse = _launch(ring_attn_fwd_kernel, "ring_attn_fwd", (q, k, v, _segment_ids(spec, segment_ids)), spec,
-                       axis_name, world_size, timeout_s, backward=False)
+    out, lse = _launch("ring_attn_fwd", (q, k, v, _segment_ids(spec, segment_ids)), spec, axis_name, world_size,
+                       timeout_s, backward=False)
     return tuple(_typed_like((out, lse), (q, k, v), axis_name))
 
 
@@ -193,9 +191,7 @@ def backward(q, k, v, out, lse, dout, dlse, spec, axis_name, world_size: int, ti
     forward's ``out`` and ``lse`` and the cotangents ``dout`` and ``dlse``; returns (dq, dk, dv), typed as
     q, k and v. Same context row, launch maths (ring_core.plans.plan_bwd) and argument list as the torch
     launcher (torch_bridge.fused.backward). ``segment_ids`` as in ``forward`` (no gradient: ids are ints)."""
-    from ring_core.kernel_bwd import ring_attn_bwd_kernel
-
-    dq, dk, dv, _ = _launch(ring_attn_bwd_kernel, "ring_attn_bwd",
+    dq, dk, dv, _ = _launch("ring_attn_bwd",
                             (q, k, v, out, dout, lse, dlse.astype(jnp.float32), _segment_ids(spec, segment_ids)),
                             spec, axis_name, world_size, timeout_s, backward=True)  # _: delta, scratch
     return tuple(_platform.vary(g, _platform.varying_axes(x)) for g, x in ((dq, q), (dk, k), (dv, v)))

@@ -74,14 +74,11 @@ def forward(q, k, v, spec, group=None, timeout_s: float | None = None, config=No
     ``segment_ids``: this rank's ids (int32 [batch, seq_local], layout order) when ``spec.segmented``, else
     None; the window is ``spec.window``."""
     p, ctx, ring = _prepare(q, spec, group, config, backward=False)
-    from ring_core.kernel import ring_attn_fwd_kernel
-
     seg = _segment_ids(spec, segment_ids, q.device)
     q, k, v = (x.contiguous() for x in (q, k, v))
     out, lse, status = _outputs(p, q.device)
-    ring_attn_fwd_kernel[p.grid](q, k, v, seg, ctx, *p.scalars(timeout_s), out, lse, status,
-                                 num_warps=p.config.num_warps, num_stages=p.config.num_stages,
-                                 **p.constexprs())
+    p.kernel()[p.grid](q, k, v, seg, ctx, *p.scalars(timeout_s), out, lse, status, num_warps=p.config.num_warps,
+                       num_stages=p.config.num_stages, **p.constexprs())
     lifecycle.track(status, ring, timeout_s)
     return out, lse
 
@@ -100,16 +97,13 @@ def backward(q, k, v, out, lse, dout, spec, group=None, timeout_s: float | None 
     (jax_ring.fused.backward). ``config`` (a ring_core.plans.BwdKernelConfig) overrides the defaults: for
     tuning only. ``segment_ids`` as in ``forward``."""
     p, ctx, ring = _prepare(q, spec, group, config, backward=True)
-    from ring_core.kernel_bwd import ring_attn_bwd_kernel
-
     seg = _segment_ids(spec, segment_ids, q.device)
     q, k, v, out = (x.contiguous() for x in (q, k, v, out))
     dout = dout.to(q.dtype).contiguous()
     lse = lse.to(torch.float32).contiguous()
     dlse = torch.zeros_like(lse) if dlse is None else dlse.to(torch.float32).contiguous()
     dq, dk, dv, delta, status = _outputs(p, q.device)  # delta: scratch, rowsum(dO * O)
-    ring_attn_bwd_kernel[p.grid](q, k, v, out, dout, lse, dlse, seg, ctx, *p.scalars(timeout_s), dq, dk, dv, delta,
-                                 status, num_warps=p.config.num_warps, num_stages=p.config.num_stages,
-                                 **p.constexprs())
+    p.kernel()[p.grid](q, k, v, out, dout, lse, dlse, seg, ctx, *p.scalars(timeout_s), dq, dk, dv, delta, status,
+                       num_warps=p.config.num_warps, num_stages=p.config.num_stages, **p.constexprs())
     lifecycle.track(status, ring, timeout_s)
     return dq, dk, dv
