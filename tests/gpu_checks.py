@@ -81,6 +81,14 @@ SOAK_SHAPES = [(1, 200, 4, 2, 64, "bfloat16", True, "zigzag"), (2, 97, 2, 1, 80,
 JIT_CASES = [(1, 256, 4, 2, 64, "bfloat16", True, "zigzag"), (1, 100, 4, 2, 64, "bfloat16", False, "contiguous")]
 GRADS_CASE = (1, 128, 4, 2, 32, "float32", True, "zigzag")
 BWD_BIG = (2, 4096, 32, 8, 128, "bfloat16", True, "zigzag")  # the bwd section's grid larger than the GPU holds
+
+
+def bwd_big(world: int) -> tuple:
+    """BWD_BIG at ``world`` ranks: at most 16k tokens in all. Every rank computes the float32 reference on the GPU
+    over the whole sequence, [G, S*W, S*W] scores and three more of that size: 17 GB per rank at W=4; at W=8 with
+    4096 tokens per rank it would be 69 GB per rank, on one GPU eight times."""
+    b, s, *rest = BWD_BIG
+    return (b, min(s, 16384 // world), *rest)
 BIG = (16, 4096, 64, 8, 64, "bfloat16", True, "zigzag")  # the big section
 
 
@@ -395,7 +403,7 @@ def main():
         # A backward grid far larger than the GPU holds at once (tasks are taken by ticket: no hang whatever
         # the residency). Reference: float32 dense gradients on the GPU, one (batch, kv head) at a time; the
         # table's bound with it standing in for float64 (its own error is far below bf16's).
-        B, S, H, HKV, D, dt = BWD_BIG[:6]
+        B, S, H, HKV, D, dt = bwd_big(W)[:6]
         assert BWD_BIG[5:] == ("bfloat16", True, "zigzag"), "the calls below say so"
         G = H // HKV
         torch.manual_seed(2)  # the same global inputs on every rank
