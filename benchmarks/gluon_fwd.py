@@ -222,24 +222,49 @@ def attention(q, k, v, causal: bool, scale: float | None = None, block_n: int = 
     return out, lse
 
 
+def _arg_types(dtype: str, D: int, block_n: int) -> list:
+    """Triton types of the kernel's runtime arguments (the descriptors' from CPU tensors of the dtype and D)."""
+    import torch
+    from triton.runtime.jit import mangle_type
+
+    t = torch.zeros((1, 256, 2, D), dtype=getattr(torch, dtype))
+    return [mangle_type(d) for d in descriptors(t, t, t, t, block_n)] + ["*fp32", "i32", "i32", "i32", "fp32"]
+
+
+def _constexprs(causal: bool, stages: int) -> dict:
+    return {"CAUSAL": causal, "STAGES": stages, "NUM_WARPS": NUM_WARPS}
+
+
 def compile_for_sm90(dtype: str = "bfloat16", D: int = 128, causal: bool = True, block_n: int = BLOCK_N,
                      stages: int = STAGES):
     """Compile the kernel for sm_90 without a GPU (CPU tensors only give the descriptors their types); returns
     Triton's CompiledKernel (its ``asm`` has the TTGIR and PTX)."""
-    import torch
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
-
     from ring_core import build
 
-    t = torch.zeros((1, 256, 2, D), dtype=getattr(torch, dtype))
-    types = [mangle_type(d) for d in descriptors(t, t, t, t, block_n)] + ["*fp32", "i32", "i32", "i32", "fp32"]
-    consts = {"CAUSAL": causal, "STAGES": stages, "NUM_WARPS": NUM_WARPS}
-    sig, attrs = build.signature(gluon_attn_fwd, types, consts)  # lse_ptr 16-byte aligned, as torch passes it
-    src = GluonASTSource(gluon_attn_fwd, sig, consts, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=NUM_WARPS))
+    return build.compile_kernel(gluon_attn_fwd, _arg_types(dtype, D, block_n), _constexprs(causal, stages),
+                                num_warps=NUM_WARPS, num_stages=DEFAULT_NUM_STAGES, capability=90)
+
+
+# (B, S, H, HKV, D, causal, dtype) of the check, against float32 attention: odd head counts, GQA, MQA-like groups.
+CHECKS = [(2, 512, 4, 2, 128, True, "bfloat16"), (1, 1024, 8, 8, 64, False, "float16"), (1, 768, 4, 1, 128, False,
+                                                                                         "bfloat16")]
+TIMED_HEADS = 32  # the timed shapes: bf16, B=1, H=32 (kv 32), D=128, --seq lengths, causal and not
+DEFAULT_NUM_STAGES = 3  # Triton's default: what the JIT launch compiles with (the kernel pipelines by hand)
+
+
+def launch_records(seqs=(16384, 32768)) -> list:
+    """The compile-log records (ring_core.build.record) of every launch ``main`` makes: each check shape and each
+    timed length, through every configuration; for a cache filled ahead of the GPU run (tests/gpu_variants.py)."""
+    from ring_core import build
+
+    shapes = CHECKS + [(1, s, TIMED_HEADS, TIMED_HEADS, 128, c, "bfloat16") for s in seqs for c in (False, True)]
+    out = []
+    for (B, S, H, HKV, D, causal, dt) in shapes:
+        for block_n, stages in CONFIGS:
+            values = [None] * 5 + [S, H, HKV, None]
+            out.append(build.record(gluon_attn_fwd, _arg_types(dt, D, block_n), _constexprs(causal, stages),
+                                    num_warps=NUM_WARPS, num_stages=DEFAULT_NUM_STAGES, values=values))
+    return out
 
 
 def main(argv=None) -> int:
@@ -257,9 +282,7 @@ def main(argv=None) -> int:
     dev = torch.device("cuda")
     rows = []
     # Check: small odd-ish shapes against float32 attention.
-    for (B, S, H, HKV, D, causal, dt) in [(2, 512, 4, 2, 128, True, torch.bfloat16), (1, 1024, 8, 8, 64, False,
-                                                                                       torch.float16),
-                                          (1, 768, 4, 1, 128, False, torch.bfloat16)]:
+    for (B, S, H, HKV, D, causal, dt) in ((*c[:6], getattr(torch, c[6])) for c in CHECKS):
         g = torch.Generator(device=dev).manual_seed(S + H)
         q = torch.randn(B, S, H, D, device=dev, dtype=dt, generator=g)
         k = torch.randn(B, S, HKV, D, device=dev, dtype=dt, generator=g)
@@ -283,8 +306,8 @@ def main(argv=None) -> int:
     # Timing: bf16 B=1 H=32 D=128, back to back, against cuDNN.
     for S in (int(s) for s in a.seq.split(",")):
         for causal in (False, True):
-            q, k, v = (torch.randn(1, S, 32, 128, device=dev, dtype=torch.bfloat16) for _ in range(3))
-            flops = 4 * 32 * S * S * 128 * (0.5 if causal else 1.0)
+            q, k, v = (torch.randn(1, S, TIMED_HEADS, 128, device=dev, dtype=torch.bfloat16) for _ in range(3))
+            flops = 4 * TIMED_HEADS * S * S * 128 * (0.5 if causal else 1.0)
             qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
 
             def cudnn():

@@ -16,8 +16,8 @@ same line on both (same Triton wheel, same Python minor version, same ptxas); te
 over (``--pack``). Variants a script compiles that are not listed here are compiled by the run, as before.
 
 Stages are tests/gpu_session.py's: the variants of their tests/gpu_checks.py commands (with the sections those
-run; not the ``launch`` section's test kernel) and tests/gpu_soak.py commands (its defaults); other scripts'
-variants are compiled when they run, as before. The session's ``warm`` stage compiles these too.
+run; not the ``launch`` section's test kernel), tests/gpu_soak.py commands (its defaults) and
+benchmarks/gluon_fwd.py; other scripts' variants are compiled when they run, as before. The session's ``warm`` stage compiles these too.
 """
 
 from __future__ import annotations
@@ -106,7 +106,8 @@ def _option(cmd, flag: str, default=None):
 def command_records(cmd, nproc: int, tag: str) -> list:
     """The records of one command line of a GPU session stage (tests/gpu_session.py's STAGES) at ``nproc``
     ranks: tests/gpu_checks.py with its ``--sections`` and ``--mask-cases``, tests/gpu_soak.py with its
-    defaults; none for other scripts (they compile at run time, as before)."""
+    defaults, benchmarks/gluon_fwd.py (issue 18's Gluon forward) with its ``--seq``; none for other scripts
+    (they compile at run time, as before)."""
     if "tests/gpu_checks.py" in cmd:
         sections = _option(cmd, "--sections", ",".join(CHECKS_SECTIONS)).split(",")
         masks = _option(cmd, "--mask-cases")
@@ -116,6 +117,11 @@ def command_records(cmd, nproc: int, tag: str) -> list:
     if "tests/gpu_soak.py" in cmd:
         heap = int(float(_option(cmd, "--heap-gib", 4)) * (1 << 30))
         return records(soak_calls(nproc), nproc, heap, tag)
+    if "benchmarks.gluon_fwd" in cmd:
+        from benchmarks import gluon_fwd
+
+        seqs = [int(x) for x in _option(cmd, "--seq", "16384,32768").split(",")]
+        return [dict(r, tag=tag) for r in gluon_fwd.launch_records(seqs)]
     return []
 
 
