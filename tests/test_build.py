@@ -485,6 +485,15 @@ JIT_AND_BUILD_KEYS = textwrap.dedent("""
             sig, attrs = build.signature(p.kernel(), rec["types"], rec["constexprs"], rec["divisible"])
             ours = ASTSource(fn=p.kernel(), signature=sig, constexprs=rec["constexprs"], attrs=attrs).hash()
             out.append([seen.pop("hash"), ours])
+    from benchmarks import gluon_fwd as gf  # the Gluon forward's JIT launch (descriptors) against its records
+    from triton.experimental.gluon._runtime import GluonASTSource
+    (B, S, H, HKV, D, causal, dt), (block_n, stages) = gf.CHECKS[2], gf.CONFIGS[1]
+    rec = [r for r in gf.launch_records(()) if r["constexprs"]["STAGES"] == stages][2]
+    q, kv = torch.zeros(B, S, H, D, dtype=getattr(torch, dt)), torch.zeros(B, S, HKV, D, dtype=getattr(torch, dt))
+    gf.gluon_attn_fwd.run(*gf.descriptors(q, kv, kv, q.clone(), block_n), torch.zeros(B, H, S), S, H, HKV, 0.1,
+                          causal, stages, gf.NUM_WARPS, grid=(1,), warmup=True, num_warps=gf.NUM_WARPS)
+    sig, attrs = build.signature(gf.gluon_attn_fwd, rec["types"], rec["constexprs"], rec["divisible"])
+    out.append([seen.pop("hash"), GluonASTSource(gf.gluon_attn_fwd, sig, rec["constexprs"], attrs).hash()])
     print(json.dumps(out))
 """)
 
@@ -493,11 +502,12 @@ def test_torch_jit_and_the_jax_launch_compile_one_cache_entry():
     """torch's JIT launch of a plan and ring_core.build's compile of it (the JAX launch, and what warm fills)
     hash to the same Triton source key: same signature, constexprs and attributes, the empty attribute entries
     the installed Triton's JIT writes included (3.6 and 3.9 differ there). Before, every variant compiled twice on
-    the GPU machine, once per frontend, and a cache warmed ahead served only JAX."""
+    the GPU machine, once per frontend, and a cache warmed ahead served only JAX. Also the Gluon forward's launch
+    (TMA descriptors) against its record (benchmarks/gluon_fwd.launch_records)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
     r = subprocess.run([sys.executable, "-c", JIT_AND_BUILD_KEYS], capture_output=True, text=True, env=env, cwd=ROOT,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     pairs = json.loads(r.stdout.strip().splitlines()[-1])
-    assert len(pairs) == 6 and all(jit == ours for jit, ours in pairs), pairs
+    assert len(pairs) == 7 and all(jit == ours for jit, ours in pairs), pairs
