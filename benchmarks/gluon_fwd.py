@@ -267,6 +267,35 @@ def launch_records(seqs=(16384, 32768)) -> list:
     return out
 
 
+def plot(csv_path: str, png: str, extra=()) -> None:
+    """Bar chart of a run's timed rows (TFLOP/s per method and shape); ``extra``: more (label, S, causal, TFLOP/s)
+    rows to show beside them (e.g. the fused tl kernel of the same day, same timing)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(csv_path) as f:
+        rows = [r for r in csv.DictReader(f) if r["kind"] == "time"]
+    bars = {}
+    for r in rows:
+        bars.setdefault(r["method"], {})[(int(r["S"]), int(r["causal"]))] = float(r["tflops"])
+    for label, S, causal, tf in extra:
+        bars.setdefault(label, {})[(S, causal)] = tf
+    shapes = sorted({k for v in bars.values() for k in v})
+    fig, ax = plt.subplots(figsize=(9, 4))
+    width = 0.8 / len(bars)
+    for i, (name, vals) in enumerate(bars.items()):
+        ax.bar([j + i * width for j in range(len(shapes))], [vals.get(s, 0) for s in shapes], width, label=name)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))])
+    ax.set_xticklabels([f"S={s // 1024}k {'causal' if c else 'full'}" for s, c in shapes])
+    ax.set_ylabel("TFLOP/s (bf16, B=1, H=32, D=128)")
+    ax.set_title("Gluon forward (issue 18) against cuDNN, one H200, calls back to back")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+
+
 def main(argv=None) -> int:
     import torch
     import torch.nn.functional as F
