@@ -38,17 +38,24 @@ def round_to(x, dtype: str) -> np.ndarray:
     return np.asarray(x, dtype=np.float64).astype(np_dtype(dtype)).astype(np.float64)
 
 
-def _scores(q, k, scale, is_causal, segment_ids=None, window=None):
-    """Scaled scores [b, hkv, g, sq, sk] with -inf where ``masks.allowed`` masks (q, k in natural order)."""
+def _scores(q, k, scale, is_causal, segment_ids=None, window=None, q_rows=None):
+    """Scaled scores [b, hkv, g, sq, sk] with -inf where ``masks.allowed`` masks (q, k in natural order; with
+    ``q_rows``, q holds those tokens only)."""
     b, s, h, d = q.shape
     hkv = k.shape[2]
     qg = q.reshape(b, s, hkv, h // hkv, d)
     sc = _einsum("bqkgd,bskd->bkgqs", qg, k) * scale  # [b, hkv, g, sq, sk]
     seg = None if segment_ids is None else np.asarray(segment_ids)
-    mask = masks.allowed(np.arange(s), np.arange(k.shape[1]), is_causal=is_causal,
+    q_pos = np.arange(s) if q_rows is None else np.asarray(q_rows)
+    mask = masks.allowed(q_pos, np.arange(k.shape[1]), is_causal=is_causal,
                          window=validate.check_window(window),
-                         q_segment_ids=seg, k_segment_ids=seg)
+                         q_segment_ids=None if seg is None else seg[:, q_pos], k_segment_ids=seg)
     return sc if mask is None else np.where(mask, sc, -np.inf)
+
+
+def _query_rows(q, q_rows):
+    """q restricted to the tokens ``q_rows`` (natural-order positions; None: all)."""
+    return q if q_rows is None else np.asarray(q)[:, np.asarray(q_rows)]
 
 
 def _softmax_parts(sc):
@@ -66,33 +73,37 @@ def _lse(m, l, attends):
     return np.where(attends, m + np.log(np.where(attends, l, 1)), -np.inf).astype(m.dtype)
 
 
-def attention(q, k, v, *, is_causal=False, scale=None, compute_dtype=np.float64, segment_ids=None, window=None):
+def attention(q, k, v, *, is_causal=False, scale=None, compute_dtype=np.float64, segment_ids=None, window=None,
+              q_rows=None):
     """Dense softmax attention; returns (out [b,s,h,d], lse [b,h,s]) in ``compute_dtype``.
 
     ``segment_ids`` int [b, s] (natural order; negative = padding) and ``window`` (left, right) mask as in
-    ``ring_core.masks``; a row that attends nothing gets out 0 and lse -inf."""
-    q, k, v = (np.asarray(x, dtype=compute_dtype) for x in (q, k, v))
+    ``ring_core.masks``; a row that attends nothing gets out 0 and lse -inf. ``q_rows``: the natural-order
+    positions of the queries wanted (e.g. one rank's shard): out and lse then hold those rows only, in that
+    order, computed at that share of the cost."""
+    q, k, v = (np.asarray(x, dtype=compute_dtype) for x in (_query_rows(q, q_rows), k, v))
     b, s, h, d = q.shape
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    sc = _scores(q, k, compute_dtype(scale), is_causal, segment_ids, window)
+    sc = _scores(q, k, compute_dtype(scale), is_causal, segment_ids, window, q_rows)
     p, m, l, attends = _softmax_parts(sc)
     out = _einsum("bkgqs,bskd->bqkgd", p / np.where(attends, l, 1), v).reshape(b, s, h, d)
     lse = _lse(m, l, attends)[..., 0].reshape(b, h, s)
     return out, lse
 
 
-def attention_lowp(q, k, v, dtype: str, *, is_causal=False, scale=None, segment_ids=None, window=None):
+def attention_lowp(q, k, v, dtype: str, *, is_causal=False, scale=None, segment_ids=None, window=None,
+                   q_rows=None):
     """What a careful kernel in ``dtype`` computes: float32 scores and softmax, probabilities rounded to
     ``dtype`` before P@V, float32 accumulation, output rounded to ``dtype``. Its error against ``attention``
-    is the yardstick for kernel error (see ring_core.testing). Masks as in ``attention``."""
+    is the yardstick for kernel error (see ring_core.testing). Masks and ``q_rows`` as in ``attention``."""
     if dtype in ("float32", "float64"):
         out, lse = attention(q, k, v, is_causal=is_causal, scale=scale, compute_dtype=np.dtype(dtype).type,
-                             segment_ids=segment_ids, window=window)
+                             segment_ids=segment_ids, window=window, q_rows=q_rows)
         return out.astype(np.float64), lse.astype(np.float64)
-    q, k, v = (round_to(x, dtype).astype(np.float32) for x in (q, k, v))
+    q, k, v = (round_to(x, dtype).astype(np.float32) for x in (_query_rows(q, q_rows), k, v))
     b, s, h, d = q.shape
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    sc = _scores(q, k, np.float32(scale), is_causal, segment_ids, window)
+    sc = _scores(q, k, np.float32(scale), is_causal, segment_ids, window, q_rows)
     p, m, l, attends = _softmax_parts(sc)
     pv = _einsum("bkgqs,bskd->bqkgd", round_to(p, dtype).astype(np.float32), v)
     l_q = np.moveaxis(np.where(attends, l, 1)[..., 0], 3, 1)[..., None]  # [b, sq, hkv, g, 1]
