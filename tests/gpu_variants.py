@@ -16,8 +16,8 @@ same line on both (same Triton wheel, same Python minor version, same ptxas); te
 over (``--pack``). Variants a script compiles that are not listed here are compiled by the run, as before.
 
 Stages are tests/gpu_session.py's: the variants of their tests/gpu_checks.py commands (with the sections those
-run; not the ``launch`` section's test kernel), tests/gpu_soak.py commands (its defaults) and
-benchmarks/gluon_fwd.py; other scripts' variants are compiled when they run, as before. The session's ``warm`` stage compiles these too.
+run; not the ``launch`` section's test kernel), tests/gpu_faults.py commands (with their sections),
+tests/gpu_soak.py commands (its defaults) and benchmarks/gluon_fwd.py; other scripts' variants are compiled when they run, as before. The session's ``warm`` stage compiles these too.
 """
 
 from __future__ import annotations
@@ -99,14 +99,30 @@ def soak_calls(world: int, seed: int = 2026, pool: int = 12, variants: int = 4) 
     return calls + [(spec_of(*s.big_case(world)), False)]
 
 
+def faults_calls(world: int, sections=("timeout", "mismatch", "bad_inputs", "kill")) -> list:
+    """(spec, backward) of tests/gpu_faults.py's fused calls that run to the end (its sections' shapes; the
+    concurrent section needs NCCL between ranks, which ranks sharing a GPU lack, and launches there only)."""
+    bf = ("bfloat16",)
+    calls = []
+    if {"timeout", "mismatch", "kill"} & set(sections):
+        calls += [(spec_of(1, 256, 4, 2, 64, *bf, False, "contiguous"), False)]
+    if "mismatch" in sections:  # rank 1's JAX call is causal (mismatched: raises); its torch call has 320 rows
+        calls += [(spec_of(1, 256, 4, 2, 64, *bf, True, "contiguous"), False),
+                  (spec_of(1, 320, 4, 2, 64, *bf, False, "contiguous"), False)]
+    if "bad_inputs" in sections:  # the right calls after each table row, strided inputs, NaN in k (batch 2)
+        calls += [(spec_of(1, 64, 4, 2, 16, "float32", True, "zigzag"), False),
+                  (spec_of(2, 64, 4, 2, 16, "float32", True, "zigzag"), False)]
+    return calls
+
+
 def _option(cmd, flag: str, default=None):
     return cmd[cmd.index(flag) + 1] if flag in cmd else default
 
 
 def command_records(cmd, nproc: int, tag: str) -> list:
     """The records of one command line of a GPU session stage (tests/gpu_session.py's STAGES) at ``nproc``
-    ranks: tests/gpu_checks.py with its ``--sections`` and ``--mask-cases``, tests/gpu_soak.py with its
-    defaults, benchmarks/gluon_fwd.py (issue 18's Gluon forward) with its ``--seq``; none for other scripts
+    ranks: tests/gpu_checks.py with its ``--sections`` and ``--mask-cases``, tests/gpu_faults.py with its
+    ``--sections``, tests/gpu_soak.py with its defaults, benchmarks/gluon_fwd.py (issue 18's Gluon forward) with its ``--seq``; none for other scripts
     (they compile at run time, as before)."""
     if "tests/gpu_checks.py" in cmd:
         sections = _option(cmd, "--sections", ",".join(CHECKS_SECTIONS)).split(",")
@@ -114,6 +130,12 @@ def command_records(cmd, nproc: int, tag: str) -> list:
         masks = None if masks is None else [int(i) for i in masks.split(",") if i.strip()]
         heap = int(float(_option(cmd, "--heap-gib", 8)) * (1 << 30))
         return records(checks_calls(nproc, sections, masks), nproc, heap, tag)
+    if "tests/gpu_faults.py" in cmd:
+        import gpu_faults
+
+        sections = _option(cmd, "--sections", gpu_faults.DEFAULT_SECTIONS).split(",")
+        heap = int(float(_option(cmd, "--heap-gib", 2)) * (1 << 30))
+        return records(faults_calls(nproc, sections), nproc, heap, tag)
     if "tests/gpu_soak.py" in cmd:
         heap = int(float(_option(cmd, "--heap-gib", 4)) * (1 << 30))
         return records(soak_calls(nproc), nproc, heap, tag)

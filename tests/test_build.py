@@ -405,6 +405,8 @@ def test_gpu_variants_lists_the_runs_kernels():
     assert gv.stage_records("bench-w1", 1) == []  # not a script it knows: compiled at run time, as before
     soak = gv.stage_records("soak", 4)
     assert soak and sum(r["kernel"].endswith("bwd_kernel") for r in soak) == 1
+    faults = gv.stage_records("faults", 3)  # the fault sections' right calls (forward only)
+    assert faults and all(r["kernel"].endswith("fwd_kernel") and r["constexprs"]["W"] == 3 for r in faults)
     gluon = gv.stage_records("probe-gluon-fwd", 1)  # issue 18's Gluon forward: its checks and timed shapes
     assert gluon and all(r["kernel"] == "benchmarks.gluon_fwd:gluon_attn_fwd" for r in gluon)
     assert {r["types"][0].split("[")[0] for r in gluon} == {"tensordesc<bf16", "tensordesc<fp16"}
