@@ -252,15 +252,14 @@ def save_cache(out: str, cache: str = CACHE, part_bytes: int = PART_BYTES, skip=
     """Write the entries of ``cache`` not in ``skip`` (what a launch needs of each: CACHE_SUFFIXES) as an
     xz-compressed tar split into parts of at most ``part_bytes`` under ``out``; returns their paths (none if
     there is nothing to write)."""
-    entries = sorted(cache_entries(cache) - set(skip))
-    if not entries:
+    files = [(e, name) for e in sorted(cache_entries(cache) - set(skip))
+             for name in sorted(os.listdir(os.path.join(cache, e))) if name.endswith(CACHE_SUFFIXES)]
+    if not files:  # (an entry of a compile that failed or was cut short holds none of them)
         return []
     joined = os.path.join(out, "tcache.tar.xz")
     with tarfile.open(joined, "w:xz", preset=6) as tar:
-        for e in entries:
-            for name in sorted(os.listdir(os.path.join(cache, e))):
-                if name.endswith(CACHE_SUFFIXES):
-                    tar.add(os.path.join(cache, e, name), arcname=os.path.join(os.path.basename(cache), e, name))
+        for e, name in files:
+            tar.add(os.path.join(cache, e, name), arcname=os.path.join(os.path.basename(cache), e, name))
     paths = []
     with open(joined, "rb") as f:
         while chunk := f.read(part_bytes):
