@@ -210,14 +210,14 @@ def read_log(path: str) -> list:
                 rec = json.loads(line)
             except ValueError:
                 continue
-            key = _variant(rec)
+            key = variant_key(rec)
             if isinstance(rec, dict) and "kernel" in rec and key not in seen:
                 seen.add(key)
                 out.append(rec)
     return out
 
 
-def _variant(rec) -> str:
+def variant_key(rec) -> str:
     """A record without its tag: what decides the binary."""
     return json.dumps({k: v for k, v in rec.items() if k != "tag"}, sort_keys=True) if isinstance(rec, dict) else ""
 
@@ -333,7 +333,7 @@ def main(argv=None) -> int:
         tags = set(a.tags.split(","))
         records = [r for r in records if r.get("tag", "") in tags]
     seen = set()
-    records = [r for r in records if not (_variant(r) in seen or seen.add(_variant(r)))]  # each variant once
+    records = [r for r in records if not (variant_key(r) in seen or seen.add(variant_key(r)))]  # each variant once
     t0 = time.perf_counter()
     failed = done = 0
     for rec, secs, key, err in iter_warm(records, a.jobs):

@@ -17,7 +17,11 @@ over (``--pack``). Variants a script compiles that are not listed here are compi
 
 Stages are tests/gpu_session.py's: the variants of their tests/gpu_checks.py commands (with the sections those
 run; not the ``launch`` section's test kernel), tests/gpu_faults.py commands (with their sections),
-tests/gpu_soak.py commands (its defaults) and benchmarks/gluon_fwd.py; other scripts' variants are compiled when they run, as before. The session's ``warm`` stage compiles these too.
+tests/gpu_soak.py commands (its defaults) and benchmarks/gluon_fwd.py; other scripts' variants are compiled when
+they run, as before. The session's ``warm`` stage compiles these too.
+
+What stays on the GPU machine: jaxlib compiles each variant's PTX with ptxas in every process at its first JAX
+launch (its Triton custom call takes PTX, not the cubin), 10-80 s a variant.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ring_core import control, plans, validate  # noqa: E402
+from ring_core import build, control, plans, validate  # noqa: E402
 
 CHECKS_SECTIONS = ("cases", "jit", "grads", "bwd", "masks", "soak", "big")
 
@@ -57,7 +61,7 @@ def records(calls, world: int, heap_bytes: int, tag: str) -> list:
         ps = [plans.plan(spec, world, lay)] + ([plans.plan_bwd(spec, world, lay)] if backward else [])
         for p in ps:
             rec = p.compile_record(tag=tag)
-            key = json.dumps({k: v for k, v in rec.items() if k != "tag"}, sort_keys=True)
+            key = build.variant_key(rec)
             if key not in seen:
                 seen.add(key)
                 out.append(rec)
