@@ -96,7 +96,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CARRY = os.path.join(ROOT, ".tcache")  # carried to the GPU machine; git-ignored
 CACHE = os.path.join(ROOT, ".cache", "triton")  # TRITON_CACHE_DIR there
 PART_BYTES = 15 << 20
-PART_PREFIX = "tcache.tgz.part"
+PART_PREFIX = "tcache.tgz.part"  # parts of one tar, xz-compressed (gzip before 2026-12-02: still read)
 # The variants earlier sessions' stages compiled (ring_core.build's compile log, merged by --collect; committed):
 # what the warm stage compiles, in parallel, for the stages after it.
 COMPILES = os.path.join(ROOT, "tests", "gpu_compiles.jsonl")
