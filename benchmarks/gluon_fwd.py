@@ -5,7 +5,8 @@ Why: Triton's automatic warp specialisation cannot take the fused kernel's proto
 fast path. This is its first piece, the attention loop alone, to learn what Gluon 3.6 reaches on an H200 before
 the ring protocol moves in: FlashAttention-3's shape, simplified.
 
-* One program per (128 query rows, batch x head). A **load partition** (one warp) brings Q once, then K and V
+* One program per (128 query rows, batch x head), batch x head fastest and, causal, the heaviest query tiles
+  first (as the tl kernel orders them). A **load partition** (one warp) brings Q once, then K and V
   blocks of 128 rows through TMA into ``STAGES`` shared-memory slots, each guarded by a pair of mbarriers
   (``ready``: the TMA bytes landed; ``empty``: the consumers are done with the slot).
 * The **default partition** (8 warps, two warpgroups on the 128 rows) runs the online softmax: S = Q K^T and
@@ -130,8 +131,12 @@ def gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, lse_ptr, S, H, HKV, sm_scale,
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     D: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-    pid_m = gl.program_id(0)
-    bh = gl.program_id(1)
+    # (batch x head) fastest, so that the heads sharing a kv head run side by side (L2); with causal masking
+    # the heaviest query tiles (the last ones) first, over every head, so the short tiles fill the last wave.
+    bh = gl.program_id(0)
+    pid_m = gl.program_id(1)
+    if CAUSAL:
+        pid_m = S // BLOCK_M - 1 - pid_m
     b = bh // H
     h = bh % H
     q0 = pid_m * BLOCK_M
@@ -217,7 +222,7 @@ def attention(q, k, v, causal: bool, scale: float | None = None, block_n: int = 
     out = torch.empty_like(q)
     lse = torch.empty((B, H, S), dtype=torch.float32, device=q.device)
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    gluon_attn_fwd[(S // BLOCK_M, B * H)](*descriptors(q, k, v, out, block_n), lse, S, H, HKV, scale, causal,
+    gluon_attn_fwd[(B * H, S // BLOCK_M)](*descriptors(q, k, v, out, block_n), lse, S, H, HKV, scale, causal,
                                           stages, NUM_WARPS, num_warps=NUM_WARPS)
     return out, lse
 
