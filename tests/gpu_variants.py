@@ -103,7 +103,7 @@ def soak_calls(world: int, seed: int = 2026, pool: int = 12, variants: int = 4) 
     return calls + [(spec_of(*s.big_case(world)), False)]
 
 
-def faults_calls(world: int, sections=("timeout", "mismatch", "bad_inputs", "kill")) -> list:
+def faults_calls(sections=("timeout", "mismatch", "bad_inputs", "kill")) -> list:
     """(spec, backward) of tests/gpu_faults.py's fused calls that run to the end (its sections' shapes; the
     concurrent section needs NCCL between ranks, which ranks sharing a GPU lack, and launches there only)."""
     bf = ("bfloat16",)
@@ -139,7 +139,7 @@ def command_records(cmd, nproc: int, tag: str) -> list:
 
         sections = _option(cmd, "--sections", gpu_faults.DEFAULT_SECTIONS).split(",")
         heap = int(float(_option(cmd, "--heap-gib", 2)) * (1 << 30))
-        return records(faults_calls(nproc, sections), nproc, heap, tag)
+        return records(faults_calls(sections), nproc, heap, tag)
     if "tests/gpu_soak.py" in cmd:
         heap = int(float(_option(cmd, "--heap-gib", 4)) * (1 << 30))
         return records(soak_calls(nproc), nproc, heap, tag)
