@@ -39,6 +39,7 @@ Stages (``NAME[:SECONDS]``; the default time limit is in brackets):
   checks-grads tests/gpu_checks.py, sections grads and launch (the end of checks-quick)  [240]
   probe-callback  benchmarks/callback_cost.py: what a host callback per call costs a JAX program (issue 18's
                per-call check), one process, no ring                                  [150]
+  checks-big   tests/gpu_checks.py --sections big (a grid far larger than the GPU holds at once)  [180]
   checks-bwd   tests/gpu_checks.py --sections bwd                                  [300]
   checks-masks tests/gpu_checks.py --sections masks: segment ids and windows, forward and
                backward (6 cases; compiles dominate)                                [540]
@@ -90,7 +91,7 @@ import tarfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from ring_core import build, gpus  # noqa: E402
+from ring_core import build, gpus, ptxas_shim  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CARRY = os.path.join(ROOT, ".tcache")  # carried to the GPU machine; git-ignored
@@ -135,6 +136,7 @@ STAGES = {
     "checks-fwdbwd": (420, [LAUNCH + ["tests/gpu_checks.py", "--sections", "cases,bwd", "--out", "{out}"]]),
     "checks-quick": (300, [LAUNCH + ["tests/gpu_checks.py", "--sections", "cases,jit,grads,launch", "--out", "{out}"]]),
     "checks-grads": (240, [LAUNCH + ["tests/gpu_checks.py", "--sections", "grads,launch", "--out", "{out}"]]),
+    "checks-big": (180, [LAUNCH + ["tests/gpu_checks.py", "--sections", "big", "--out", "{out}"]]),
     "checks-bwd": (300, [LAUNCH + ["tests/gpu_checks.py", "--sections", "bwd", "--out", "{out}"]]),
     "checks-masks": (540, [LAUNCH + ["tests/gpu_checks.py", "--sections", "masks", "--out", "{out}"]]),
     # The masks cases from 3 on (fp32 last: its cold compiles alone take minutes at 2 ranks).
@@ -369,6 +371,9 @@ def main(argv=None) -> int:
                     help="wall time for the whole session: the stages' limits are clipped in order so that it "
                          f"ends, cache saved, within it ({SAVE_RESERVE} s kept for the save); use it inside a "
                          "device call's own limit")
+    ap.add_argument("--no-ptxas-shim", action="store_true",
+                    help="let jaxlib run its own ptxas on every variant in every process, instead of serving it "
+                         "the cubin Triton built from the same PTX (ring_core/ptxas_shim.py)")
     a = ap.parse_args(argv)
     if a.pack:
         print(f"{pack()} cache parts now in {CARRY}")
@@ -395,6 +400,17 @@ def main(argv=None) -> int:
         if start_mps:
             extra.update(mps.start())
         os.environ.update(extra)
+        if not a.no_ptxas_shim:
+            # jaxlib's first launch of a variant in each process would run ptxas on its PTX (10-80 s a variant):
+            # a ptxas first on PATH hands it the cubin in the (carried) Triton cache instead; one line per call
+            # in ptxas.log says which it did.
+            shim_dir = os.path.join("/tmp", f"ring_ptxas_shim.{os.getpid()}")
+            try:
+                log.write(f"ptxas shim: {ptxas_shim.install(shim_dir)} (real: {ptxas_shim.find_real()})\n")
+                os.environ["PATH"] = shim_dir + os.pathsep + os.environ.get("PATH", "")
+                os.environ[ptxas_shim.LOG_ENV] = os.path.join(a.out, "ptxas.log")
+            except SystemExit as e:
+                log.write(f"ptxas shim not installed: {e}\n")
         log.write(f"{a.nproc} ranks on {n_gpus} GPU(s); MPS: {'started, ' if start_mps else ''}{extra}\n")
         try:
             names = [n for n, _ in a.stages]
@@ -407,8 +423,19 @@ def main(argv=None) -> int:
                 rc = run_stage(name, limit, a.out, log, a.nproc, later=names[i + 1:])
                 print(f"gpu_session: {name}: exit {rc}", flush=True)
                 first_failure = first_failure or rc
+                if start_mps and (rc or name == "kill") and names[i + 1:]:
+                    # A rank ended with its kernel in flight (a stage stopped at its limit, a failure, the kill
+                    # check) faults the GPU for every MPS client, later ones included: at 8 ranks the next
+                    # stage's ranks failed at once with "CUDA-capable device(s) is/are busy or unavailable"
+                    # (2026-12-02). A fresh daemon for the next stage.
+                    mps.stop()
+                    extra.update(mps.start())
+                    os.environ.update(extra)
+                    log.write(f"MPS daemon restarted after {name} (exit {rc})\n")
         finally:
             mps.stop()
+            if not a.no_ptxas_shim:
+                shutil.rmtree(shim_dir, ignore_errors=True)
         parts = save_cache(a.out, cache=os.environ["TRITON_CACHE_DIR"], skip=restored)
         log.write(f"saved this session's compiles in {len(parts)} parts\n")
     return first_failure
