@@ -113,21 +113,29 @@ def attention_lowp(q, k, v, dtype: str, *, is_causal=False, scale=None, segment_
 
 
 def attention_grad(q, k, v, dout, *, is_causal=False, scale=None, compute_dtype=np.float64, dlse=None,
-                   round_dtype=None, segment_ids=None, window=None):
+                   round_dtype=None, segment_ids=None, window=None, q_rows=None, reduce=None):
     """Gradients (dq, dk, dv) of ``sum(out * dout) + sum(lse * dlse)`` with ``out, lse = attention(q, k, v)``
     (``dlse`` [b, h, s] optional: lse then carries no gradient); dk/dv summed over each kv head's group.
     ``round_dtype`` (for ``attention_grad_lowp``): round what a kernel in that dtype rounds, the output that
     delta reads and the P and dS that enter the matmuls. Masks as in ``attention``: a row that attends
     nothing has P = 0, so its dq is 0 and it gives nothing to dk/dv for any finite dout; its dlse is selected
     away, not multiplied (lse = -inf is a constant there), so even a non-finite dlse on such a row is ignored,
-    as the rings' ``where`` ignores it."""
+    as the rings' ``where`` ignores it.
+
+    ``q_rows`` (natural-order positions, e.g. one rank's shard): only those queries' share, at that share of the
+    cost: dq of those rows, in that order, and their contributions to dk and dv (all keys). ``reduce`` sums a
+    share's dk or dv over every share (an all-reduce across the ranks that split the rows); the full dk and dv
+    are then returned."""
     rnd = (lambda x: x) if round_dtype is None else (lambda x: round_to(x, round_dtype).astype(compute_dtype))
+    if dlse is not None and q_rows is not None:
+        dlse = np.asarray(dlse)[..., np.asarray(q_rows)]
+    q, dout = (_query_rows(x, q_rows) for x in (q, dout))
     q, k, v, dout = (np.asarray(x, dtype=compute_dtype) for x in (q, k, v, dout))
     b, s, h, d = q.shape
     hkv = k.shape[2]
     g = h // hkv
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    sc = _scores(q, k, compute_dtype(scale), is_causal, segment_ids, window)
+    sc = _scores(q, k, compute_dtype(scale), is_causal, segment_ids, window, q_rows)
     p, _, l, attends = _softmax_parts(sc)
     p /= np.where(attends, l, 1)  # [b, hkv, g, sq, sk]
     do = dout.reshape(b, s, hkv, g, d)
@@ -142,17 +150,20 @@ def attention_grad(q, k, v, dout, *, is_causal=False, scale=None, compute_dtype=
     ds = rnd(p * (dp - delta))
     dq = _einsum("bkgqs,bskd->bqkgd", ds, k).reshape(b, s, h, d) * scale
     dk = _einsum("bkgqs,bqkgd->bskd", ds, q.reshape(b, s, hkv, g, d)) * scale
+    if reduce is not None:
+        dk, dv = reduce(dk), reduce(dv)
     return dq, dk, dv
 
 
 def attention_grad_lowp(q, k, v, dout, dtype: str, *, is_causal=False, scale=None, dlse=None, segment_ids=None,
-                        window=None):
+                        window=None, q_rows=None, reduce=None):
     """What a careful backward kernel in ``dtype`` computes (as flash-attention's backward does): float32
     scores, softmax and accumulation from ``dtype`` inputs (``dlse`` float32); the forward's output, P and dS
     rounded to ``dtype`` where they enter delta and the matmuls; gradients rounded to ``dtype``. Its error
     against ``attention_grad`` is the yardstick for gradient error of a ``dtype`` kernel, as
-    ``attention_lowp``'s is for the forward. Masks as in ``attention``."""
-    mask = dict(segment_ids=segment_ids, window=window)
+    ``attention_lowp``'s is for the forward. Masks, ``q_rows`` and ``reduce`` as in ``attention_grad`` (the
+    shares' dk and dv are summed in float32, then rounded)."""
+    mask = dict(segment_ids=segment_ids, window=window, q_rows=q_rows, reduce=reduce)
     if dtype == "float64":
         return attention_grad(q, k, v, dout, is_causal=is_causal, scale=scale, dlse=dlse, **mask)
     q, k, v, dout = (round_to(x, dtype) for x in (q, k, v, dout))

@@ -146,6 +146,39 @@ def test_reference_of_some_query_rows_is_those_rows(dtype, is_causal, window, se
     assert np.isneginf(part[1]).sum() == np.isneginf(full[1][:, :, rows]).sum()
 
 
+@pytest.mark.parametrize("dtype", ["float64", "bfloat16", "float32"])
+@pytest.mark.parametrize("is_causal, window, seg", [(True, None, False), (False, (5, 3), True)])
+def test_gradient_reference_split_over_ranks_is_the_whole(dtype, is_causal, window, seg):
+    """``attention_grad(_lowp)`` with ``q_rows`` and ``reduce``: each rank's queries' share, dk and dv summed over
+    the ranks, gives the whole reference's gradients (GQA, lse gradient, masks): what tests/gpu_checks.py
+    computes per rank at 1/W of the cost."""
+    world, n = 4, 48
+    q, k, v, dout = testing.random_inputs(6, 2, n, 4, 2, 16, "bfloat16", with_dout=True)
+    dlse = np.random.default_rng(1).standard_normal((2, 4, n))
+    ids = testing.random_segment_ids(4, 2, n, max_len=9, padding=True) if seg else None
+    perm = layout_permutation(n, world, "zigzag")
+    shares = [perm[r * n // world:(r + 1) * n // world] for r in range(world)]
+    kw = dict(is_causal=is_causal, window=window, segment_ids=ids, dlse=dlse)
+
+    def grads(**more):
+        if dtype == "float64":
+            return reference.attention_grad(q, k, v, dout, **kw, **more)
+        return reference.attention_grad_lowp(q, k, v, dout, dtype, **kw, **more)
+
+    full = grads()
+    # The ranks' shares of dk and dv as ``reduce`` sees them, summed as an all-reduce would sum them.
+    seen = []
+    for rows in shares:
+        grads(q_rows=rows, reduce=lambda x: seen.append(x) or x)
+    total = [sum(seen[i::2]) for i in (0, 1)]
+    rtol = {"float64": 1e-12, "float32": 1e-5, "bfloat16": 2 ** -7}[dtype]
+    for r, rows in enumerate(shares):
+        dq, dk, dv = grads(q_rows=rows, reduce=lambda x, i=iter(total): next(i).astype(x.dtype))
+        np.testing.assert_allclose(dq, full[0][:, rows], rtol=rtol, atol=rtol, err_msg=f"dq of rank {r}")
+        np.testing.assert_allclose(dk, full[1], rtol=rtol, atol=rtol, err_msg="dk")
+        np.testing.assert_allclose(dv, full[2], rtol=rtol, atol=rtol, err_msg="dv")
+
+
 def test_reference_without_masks_is_unchanged():
     """window (-1, -1) is bit for bit no window; one segment covering every token is no segment ids (up to the
     rounding of a differently laid out matmul)."""
