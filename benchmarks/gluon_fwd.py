@@ -5,8 +5,8 @@ Why: Triton's automatic warp specialisation cannot take the fused kernel's proto
 fast path. This is its first piece, the attention loop alone, to learn what Gluon 3.6 reaches on an H200 before
 the ring protocol moves in: FlashAttention-3's shape, simplified.
 
-* One program per (128 query rows, batch x head), batch x head fastest and, causal, the heaviest query tiles
-  first (as the tl kernel orders them). A **load partition** (one warp) brings Q once, then K and V
+* One program per (128 query rows, batch x head), in the tl kernel's order: a kv group's heads fastest, then
+  the query tiles (one kv head's K/V shared in L2), causal each head's heaviest tiles first. A **load partition** (one warp) brings Q once, then K and V
   blocks of 128 rows through TMA into ``STAGES`` shared-memory slots, each guarded by a pair of mbarriers
   (``ready``: the TMA bytes landed; ``empty``: the consumers are done with the slot).
 * The **default partition** (8 warps, two warpgroups on the 128 rows) runs the online softmax: S = Q K^T and
@@ -131,14 +131,21 @@ def gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, lse_ptr, S, H, HKV, sm_scale,
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     D: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-    # (batch x head) fastest, so that the heads sharing a kv head run side by side (L2); with causal masking
-    # the heaviest query tiles (the last ones) first, over every head, so the short tiles fill the last wave.
-    bh = gl.program_id(0)
-    pid_m = gl.program_id(1)
+    # The tl kernel's order (ring_core.kernel): the heads of one kv group fastest, then the query tiles, so the
+    # programs side by side share one kv head's K and V (L2); causal, each head's heaviest tiles first. With
+    # (batch x head) fastest instead (3c8ce48: 32 heads' K/V at once), non-causal fell from 511/510 to 473/455
+    # TFLOP/s at 16k/32k (2026-12-02).
+    G = H // HKV
+    n_m = S // BLOCK_M
+    pid = gl.program_id(0)
+    g = pid % G
+    t = pid // G
+    pid_m = t % n_m
     if CAUSAL:
-        pid_m = S // BLOCK_M - 1 - pid_m
-    b = bh // H
-    h = bh % H
+        pid_m = n_m - 1 - pid_m
+    t = t // n_m
+    b = t // HKV
+    h = (t % HKV) * G + g
     q0 = pid_m * BLOCK_M
     row_q = b * S + q0
     row_kv = b * S
@@ -180,7 +187,7 @@ def gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, lse_ptr, S, H, HKV, sm_scale,
     _tma_store(o_desc, [row_q, col_q], q_smem)
     rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc.type.layout))
     lse = (gl.convert_layout(m_i, gl.SliceLayout(1, o_layout)) + gl.log2(l_o)) * 0.6931471805599453
-    gl.store(lse_ptr + bh.to(gl.int64) * S + q0 + rows, lse)
+    gl.store(lse_ptr + (b * H + h).to(gl.int64) * S + q0 + rows, lse)
     tma.store_wait(pendings=0)
     mbarrier.invalidate(q_bar)
     for i in gl.static_range(STAGES):
@@ -222,7 +229,7 @@ def attention(q, k, v, causal: bool, scale: float | None = None, block_n: int = 
     out = torch.empty_like(q)
     lse = torch.empty((B, H, S), dtype=torch.float32, device=q.device)
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    gluon_attn_fwd[(B * H, S // BLOCK_M)](*descriptors(q, k, v, out, block_n), lse, S, H, HKV, scale, causal,
+    gluon_attn_fwd[(B * H * (S // BLOCK_M),)](*descriptors(q, k, v, out, block_n), lse, S, H, HKV, scale, causal,
                                           stages, NUM_WARPS, num_warps=NUM_WARPS)
     return out, lse
 
