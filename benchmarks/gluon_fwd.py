@@ -10,8 +10,11 @@ the ring protocol moves in: FlashAttention-3's shape, simplified.
   blocks of 128 rows through TMA into ``STAGES`` shared-memory slots, each guarded by a pair of mbarriers
   (``ready``: the TMA bytes landed; ``empty``: the consumers are done with the slot).
 * The **default partition** (8 warps, two warpgroups on the 128 rows) runs the online softmax: S = Q K^T and
-  O += P V with asynchronous warpgroup MMAs (P from registers), then frees the slot. Causal: the blocks below the
-  diagonal run unmasked, the diagonal ones masked (two loops, one phase counter).
+  O += P V with asynchronous warpgroup MMAs (P from registers), then frees the slot. Plain: each block's two MMAs
+  in turn; causal, the blocks below the diagonal unmasked, then the diagonal ones masked (two loops, one phase
+  counter). Pipelined (FlashAttention-3's intra-warpgroup overlap): one loop where S of block j and P V of block
+  j-1 are issued together and block j's softmax runs while P V is on the tensor cores (the causal mask a branch
+  on the block index).
 * Epilogue: O / l through shared memory and a TMA store (Q's buffer, free by then); lse (natural log) by plain
   stores.
 
@@ -19,8 +22,8 @@ Layout as the product's: q, k, v and out ``[B, S, H, D]`` (k, v with HKV heads: 
 seen by TMA as 2-D ``[B*S, heads*D]`` with ``[128, D]`` blocks at column ``head*D``. This first version asks
 ``S % 128 == 0`` (TMA would otherwise read the next batch's rows) and D in (64, 128); fp16/bf16.
 
-Not yet run on a GPU (written on a CPU machine: it compiles for sm_90 there, ``compile_for_sm90``). On the GPU
-machine (one process, the whole GPU):
+Run on one H200 (benchmarks/results/README.md, 2026-12-02); it compiles for sm_90 on a CPU machine too
+(``compile_for_sm90``). On the GPU machine (one process, the whole GPU):
 
     python -m benchmarks.gluon_fwd --out $OUT/gluon_fwd.csv
 
@@ -49,9 +52,15 @@ BLOCK_M = 128
 BLOCK_N = 128
 NUM_WARPS = 8  # the default partition: two warpgroups over the 128 query rows
 STAGES = 2
-# (K/V block rows, slots) tried by the probe: 128-row blocks in 2 slots (160 KiB of shared memory at D128), 64-row
-# blocks in 3 (128 KiB): shorter MMAs, deeper prefetch.
-CONFIGS = ((BLOCK_N, STAGES), (64, 3))
+# (K/V block rows, slots, pipelined) tried by the probe: 128-row blocks in 2 slots (160 KiB of shared memory at
+# D128), each block's MMAs in turn (as measured 2026-12-02: 64-row blocks in 3 slots were 4-9 % slower, dropped);
+# then FlashAttention-3's overlap of S_j with P_{j-1} V in 2 and in 3 slots (224 KiB: the consumer holds two slots
+# at once, so a third lets the producer run a block ahead).
+CONFIGS = ((BLOCK_N, STAGES, False), (BLOCK_N, 2, True), (BLOCK_N, 3, True))
+
+
+def config_name(block_n: int, stages: int, pipelined: bool) -> str:
+    return f"n{block_n}s{stages}" + ("p" if pipelined else "")
 LOAD_WARPS, LOAD_REGS = 1, 24
 
 
@@ -96,38 +105,103 @@ def _attend(acc, l_i, m_i, q_smem, k_smem, v_smem, kv_ready, kv_empty, j_lo, j_h
         p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)
         acc = warpgroup_mma(p_op, v_smem.index(s), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        # The slot's K and V are read by both warpgroups (each waited for its own MMAs): then one thread frees it
-        # (Gluon's arrive is thread 0's), and the producer may refill it.
-        _cta_barrier()  # within a partition: a named barrier of its warps only
-        mbarrier.arrive(kv_empty.index(s), count=1)
+        _release(kv_empty, s)
         m_i = m_new
+    return acc, l_i, m_i
+
+
+@gluon.jit
+def _softmax_step(qk, m_i, l_i, j, n_full, rows, qk_scale, s_layout: gl.constexpr, BLOCK_N: gl.constexpr,
+                  CAUSAL: gl.constexpr):
+    """Block j's scores -> (P unnormalised, alpha = the old rows' rescale, new max, new sum); causal: the blocks
+    from ``n_full`` on are masked (keys after the query dropped)."""
+    qk = qk * qk_scale  # log2 units
+    if CAUSAL:
+        if j >= n_full:
+            cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            qk = gl.where(cols[None, :] <= rows[:, None], qk, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(qk, axis=1))
+    p = gl.exp2(qk - m_new[:, None])
+    alpha = gl.exp2(m_i - m_new)
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    return p, alpha, m_new, l_i
+
+
+@gluon.jit
+def _release(kv_empty, s):
+    """Both warpgroups are done with slot s (each waited for its own MMAs): one thread frees it (Gluon's arrive
+    is thread 0's), and the producer may refill it."""
+    _cta_barrier()  # within a partition: a named barrier of its warps only
+    mbarrier.arrive(kv_empty.index(s), count=1)
+
+
+@gluon.jit
+def _attend_pipelined(q_smem, k_smem, v_smem, kv_ready, kv_empty, n_full, n_blocks, q0, qk_scale,
+                      s_layout: gl.constexpr, o_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                      D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    """Every block in one loop, FlashAttention-3's intra-warpgroup overlap: block j's S = Q K^T and block j-1's
+    O += P V are issued together, the softmax of block j runs while P V is on the tensor cores, and O is rescaled
+    once P V is done. (One loop: the causal blocks' mask is a branch on the block index.)"""
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    rows = q0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
+    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    mbarrier.wait(kv_ready.index(0), 0)
+    qk = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
+    p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, 0, n_full, rows, qk_scale, s_layout, BLOCK_N, CAUSAL)
+    p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)  # acc is 0: no rescale for block 0
+    for j in range(1, n_blocks):
+        s = j % STAGES
+        sp = (j - 1) % STAGES
+        mbarrier.wait(kv_ready.index(s), (j // STAGES) & 1)
+        qk = warpgroup_mma(q_smem, k_smem.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        acc = warpgroup_mma(p_op, v_smem.index(sp), acc, is_async=True)
+        qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk, ))  # S done; P V may still run
+        p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, j, n_full, rows, qk_scale, s_layout, BLOCK_N, CAUSAL)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        _release(kv_empty, sp)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)
+    sp = (n_blocks - 1) % STAGES
+    acc = warpgroup_mma(p_op, v_smem.index(sp), acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    _release(kv_empty, sp)
     return acc, l_i, m_i
 
 
 @gluon.jit
 def _compute_partition(q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, n_full, n_blocks, q0, qk_scale,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-                       CAUSAL: gl.constexpr, NUM_WARPS: gl.constexpr):
-    """The consumers: the online softmax over the unmasked blocks, then (causal) the diagonal ones."""
+                       CAUSAL: gl.constexpr, NUM_WARPS: gl.constexpr, PIPELINED: gl.constexpr):
+    """The consumers: the online softmax over the blocks. PIPELINED: one loop with S of block j and P V of block
+    j-1 in flight together; otherwise each block's MMAs in turn, the unmasked blocks, then (causal) the diagonal
+    ones."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                        instr_shape=[16, D, 16])
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
-    acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
     mbarrier.wait(q_bar, 0)
-    acc, l_i, m_i = _attend(acc, l_i, m_i, q_smem, k_smem, v_smem, kv_ready, kv_empty, 0, n_full, q0, qk_scale,
-                            s_layout, o_layout, BLOCK_M, BLOCK_N, STAGES, False)
-    if CAUSAL:
-        acc, l_i, m_i = _attend(acc, l_i, m_i, q_smem, k_smem, v_smem, kv_ready, kv_empty, n_full, n_blocks, q0,
-                                qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, STAGES, True)
+    if PIPELINED:
+        acc, l_i, m_i = _attend_pipelined(q_smem, k_smem, v_smem, kv_ready, kv_empty, n_full, n_blocks, q0,
+                                          qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL)
+    else:
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
+        acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
+        acc, l_i, m_i = _attend(acc, l_i, m_i, q_smem, k_smem, v_smem, kv_ready, kv_empty, 0, n_full, q0, qk_scale,
+                                s_layout, o_layout, BLOCK_M, BLOCK_N, STAGES, False)
+        if CAUSAL:
+            acc, l_i, m_i = _attend(acc, l_i, m_i, q_smem, k_smem, v_smem, kv_ready, kv_empty, n_full, n_blocks,
+                                    q0, qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, STAGES, True)
     return acc, l_i, m_i
 
 
 @gluon.jit
 def gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, lse_ptr, S, H, HKV, sm_scale,
-                   CAUSAL: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr):
+                   CAUSAL: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, PIPELINED: gl.constexpr):
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     D: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
@@ -173,7 +247,7 @@ def gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, lse_ptr, S, H, HKV, sm_scale,
     qk_scale = sm_scale * 1.4426950408889634
     acc, l_i, m_i = gl.warp_specialize([
         (_compute_partition, (q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, n_full, n_blocks, q0, qk_scale,
-                              BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, NUM_WARPS)),
+                              BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, NUM_WARPS, PIPELINED)),
         (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, row_q, row_kv,
                            col_q, col_kv, n_blocks, BLOCK_N, STAGES)),
     ], [1], [24])
@@ -219,9 +293,11 @@ def check_shapes(q, k):
     return B, S, H, HKV, D
 
 
-def attention(q, k, v, causal: bool, scale: float | None = None, block_n: int = BLOCK_N, stages: int = STAGES):
+def attention(q, k, v, causal: bool, scale: float | None = None, block_n: int = BLOCK_N, stages: int = STAGES,
+              pipelined: bool = False):
     """(out, lse) of softmax attention, q [B, S, H, D], k and v [B, S, HKV, D] (CUDA, fp16/bf16); ``block_n``
-    (64 or 128: it divides BLOCK_M) K/V rows per block, ``stages`` slots."""
+    (64 or 128: it divides BLOCK_M) K/V rows per block, ``stages`` slots; ``pipelined``: S of block j computed
+    while P V of block j-1 runs."""
     import torch
 
     B, S, H, HKV, D = check_shapes(q, k)
@@ -230,7 +306,7 @@ def attention(q, k, v, causal: bool, scale: float | None = None, block_n: int = 
     lse = torch.empty((B, H, S), dtype=torch.float32, device=q.device)
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     gluon_attn_fwd[(B * H * (S // BLOCK_M),)](*descriptors(q, k, v, out, block_n), lse, S, H, HKV, scale, causal,
-                                          stages, NUM_WARPS, num_warps=NUM_WARPS)
+                                              stages, NUM_WARPS, pipelined, num_warps=NUM_WARPS)
     return out, lse
 
 
@@ -243,17 +319,17 @@ def _arg_types(dtype: str, D: int, block_n: int) -> list:
     return [mangle_type(d) for d in descriptors(t, t, t, t, block_n)] + ["*fp32", "i32", "i32", "i32", "fp32"]
 
 
-def _constexprs(causal: bool, stages: int) -> dict:
-    return {"CAUSAL": causal, "STAGES": stages, "NUM_WARPS": NUM_WARPS}
+def _constexprs(causal: bool, stages: int, pipelined: bool = False) -> dict:
+    return {"CAUSAL": causal, "STAGES": stages, "NUM_WARPS": NUM_WARPS, "PIPELINED": pipelined}
 
 
 def compile_for_sm90(dtype: str = "bfloat16", D: int = 128, causal: bool = True, block_n: int = BLOCK_N,
-                     stages: int = STAGES):
+                     stages: int = STAGES, pipelined: bool = False):
     """Compile the kernel for sm_90 without a GPU (CPU tensors only give the descriptors their types); returns
     Triton's CompiledKernel (its ``asm`` has the TTGIR and PTX)."""
     from ring_core import build
 
-    return build.compile_kernel(gluon_attn_fwd, _arg_types(dtype, D, block_n), _constexprs(causal, stages),
+    return build.compile_kernel(gluon_attn_fwd, _arg_types(dtype, D, block_n), _constexprs(causal, stages, pipelined),
                                 num_warps=NUM_WARPS, num_stages=DEFAULT_NUM_STAGES, capability=90)
 
 
@@ -272,9 +348,9 @@ def launch_records(seqs=(16384, 32768)) -> list:
     shapes = CHECKS + [(1, s, TIMED_HEADS, TIMED_HEADS, 128, c, "bfloat16") for s in seqs for c in (False, True)]
     out = []
     for (B, S, H, HKV, D, causal, dt) in shapes:
-        for block_n, stages in CONFIGS:
+        for block_n, stages, pipelined in CONFIGS:
             values = [None] * 5 + [S, H, HKV, None]
-            out.append(build.record(gluon_attn_fwd, _arg_types(dt, D, block_n), _constexprs(causal, stages),
+            out.append(build.record(gluon_attn_fwd, _arg_types(dt, D, block_n), _constexprs(causal, stages, pipelined),
                                     num_warps=NUM_WARPS, num_stages=DEFAULT_NUM_STAGES, values=values))
     return out
 
@@ -330,12 +406,12 @@ def main(argv=None) -> int:
         v = torch.randn(B, S, HKV, D, device=dev, dtype=dt, generator=g)
         rep = lambda x: x.float().transpose(1, 2).repeat_interleave(H // x.shape[2], dim=1)  # noqa: E731 (kv heads)
         ref = F.scaled_dot_product_attention(rep(q), rep(k), rep(v), is_causal=causal).transpose(1, 2)
-        for block_n, stages in CONFIGS:
-            row = dict(kind="check", config=f"n{block_n}s{stages}", B=B, S=S, H=H, HKV=HKV, D=D, causal=int(causal),
+        for block_n, stages, pipelined in CONFIGS:
+            row = dict(kind="check", config=config_name(block_n, stages, pipelined), B=B, S=S, H=H, HKV=HKV, D=D, causal=int(causal),
                        dtype=str(dt).split(".")[-1])
             try:
                 t0 = time.perf_counter()
-                out, lse = attention(q, k, v, causal, block_n=block_n, stages=stages)
+                out, lse = attention(q, k, v, causal, block_n=block_n, stages=stages, pipelined=pipelined)
                 torch.cuda.synchronize()
                 first = time.perf_counter() - t0
                 err = (out.float() - ref).abs().max().item()
@@ -355,8 +431,9 @@ def main(argv=None) -> int:
                 with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                     return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
 
-            runs = [(f"gluon_fwd n{n}s{st}", lambda n=n, st=st: attention(q, k, v, causal, block_n=n, stages=st))
-                    for n, st in CONFIGS] + [("torch_cudnn", cudnn)]
+            runs = [(f"gluon_fwd {config_name(*c)}",
+                     lambda c=c: attention(q, k, v, causal, block_n=c[0], stages=c[1], pipelined=c[2]))
+                    for c in CONFIGS] + [("torch_cudnn", cudnn)]
             for name, fn in runs:
                 if name != "torch_cudnn" and not all(r["ok"] for r in rows if r.get("config") == name.split()[-1]):
                     continue  # timed only once it computes the right thing

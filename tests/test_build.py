@@ -291,14 +291,16 @@ GLUON_COMPILE = textwrap.dedent("""
     import json, re
     from benchmarks import gluon_fwd
     out = {}
-    for dt, d, causal, (block_n, stages) in (("bfloat16", 128, True, gluon_fwd.CONFIGS[0]),
-                                             ("float16", 64, False, gluon_fwd.CONFIGS[0]),
-                                             ("bfloat16", 128, True, gluon_fwd.CONFIGS[1])):
-        ck = gluon_fwd.compile_for_sm90(dt, d, causal, block_n, stages)
+    for dt, d, causal, config in (("bfloat16", 128, True, gluon_fwd.CONFIGS[0]),
+                                  ("float16", 64, False, gluon_fwd.CONFIGS[0]),
+                                  ("bfloat16", 128, True, gluon_fwd.CONFIGS[1]),
+                                  ("bfloat16", 128, False, gluon_fwd.CONFIGS[2])):
+        ck = gluon_fwd.compile_for_sm90(dt, d, causal, *config)
         ttgir, ptx = ck.asm["ttgir"], ck.asm["ptx"]
-        out[f"{dt}-{d}-{causal}-{block_n}x{stages}"] = dict(
+        out[f"{dt}-{d}-{causal}-{gluon_fwd.config_name(*config)}"] = dict(
             ws="ttg.warp_specialize" in ttgir, warps=ck.metadata.num_warps, shared=ck.metadata.shared,
-            wgmma=ptx.count("wgmma.mma_async"), tma=len(re.findall(r"cp.async.bulk.tensor", ptx)))
+            wgmma=ptx.count("wgmma.mma_async"), tma=len(re.findall(r"cp.async.bulk.tensor", ptx)),
+            pipelined=config[2], wait1=ptx.count("wgmma.wait_group.sync.aligned 1;"))
     print(json.dumps(out))
 """)
 
@@ -316,6 +318,9 @@ def test_gluon_forward_compiles_warp_specialised_for_hopper(tmp_path):
     for name, c in got.items():
         assert c["ws"] and c["warps"] > 8, (name, c)  # the default partition's 8 warps and the load warp(s)
         assert c["wgmma"] > 0 and c["tma"] >= 1 and c["shared"] <= 227 * 1024, (name, c)
+        # The pipelined loop waits for S_j with P_{j-1} V still in flight (one group outstanding); the plain one
+        # always waits for everything.
+        assert (c["wait1"] > 0) == c["pipelined"], (name, c)
 
 
 # ------------------------------------------------------------- the variants a run compiles, worked out ahead
@@ -489,11 +494,12 @@ JIT_AND_BUILD_KEYS = textwrap.dedent("""
             out.append([seen.pop("hash"), ours])
     from benchmarks import gluon_fwd as gf  # the Gluon forward's JIT launch (descriptors) against its records
     from triton.experimental.gluon._runtime import GluonASTSource
-    (B, S, H, HKV, D, causal, dt), (block_n, stages) = gf.CHECKS[2], gf.CONFIGS[1]
-    rec = [r for r in gf.launch_records(()) if r["constexprs"]["STAGES"] == stages][2]
+    (B, S, H, HKV, D, causal, dt), (block_n, stages, pipelined) = gf.CHECKS[2], gf.CONFIGS[1]
+    rec = [r for r in gf.launch_records(()) if r["constexprs"]["STAGES"] == stages
+           and r["constexprs"]["PIPELINED"] == pipelined][2]
     q, kv = torch.zeros(B, S, H, D, dtype=getattr(torch, dt)), torch.zeros(B, S, HKV, D, dtype=getattr(torch, dt))
     gf.gluon_attn_fwd.run(*gf.descriptors(q, kv, kv, q.clone(), block_n), torch.zeros(B, H, S), S, H, HKV, 0.1,
-                          causal, stages, gf.NUM_WARPS, grid=(1,), warmup=True, num_warps=gf.NUM_WARPS)
+                          causal, stages, gf.NUM_WARPS, pipelined, grid=(1,), warmup=True, num_warps=gf.NUM_WARPS)
     sig, attrs = build.signature(gf.gluon_attn_fwd, rec["types"], rec["constexprs"], rec["divisible"])
     out.append([seen.pop("hash"), GluonASTSource(gf.gluon_attn_fwd, sig, rec["constexprs"], attrs).hash()])
     print(json.dumps(out))
