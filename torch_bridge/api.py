@@ -1,6 +1,7 @@
 """Public PyTorch API: ``ring_attention``, ``RingAttention``, ``to_layout`` / ``from_layout``; and the autograd
 layer of the fused backend (the custom ops ``ring_attention::fwd`` / ``::bwd`` over the raw ops of
-torch_bridge.fused). The twin of jax_ring.api.
+torch_bridge.fused, which torch.compile traces; eager calls take the same launches without the ops'
+dispatch). The twin of jax_ring.api.
 
 One process per rank under torch.distributed; each rank passes its own shard of the sequence.
 """
@@ -102,14 +103,24 @@ def _spec_of(q, k, segment_ids, scale: float, is_causal: bool, layout: str, wind
                          (int(window[0]), int(window[1])), segment_ids is not None)
 
 
+def _fwd_impl(q, k, v, segment_ids, spec: AttentionSpec, group, timeout_s, check_backward: bool):
+    """The forward launch behind both routes (the custom op, the eager Function)."""
+    if check_backward:
+        fused.check_backward_fits(spec, group)  # HeapTooSmallError before the forward runs
+    return fused.forward(q, k, v, spec, group, timeout_s, segment_ids=segment_ids)
+
+
+def _bwd_impl(q, k, v, out, lse, dout, dlse, segment_ids, spec: AttentionSpec, group, timeout_s):
+    """The backward launch behind both routes."""
+    return fused.backward(q, k, v, out, lse, dout, spec, group, timeout_s, dlse=dlse, segment_ids=segment_ids)
+
+
 @torch.library.custom_op("ring_attention::fwd", mutates_args=(), tags=_OP_TAGS)
 def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_ids: Optional[torch.Tensor], scale: float,
             is_causal: bool, layout: str, window: list[int], group_name: str, timeout_s: Optional[float],
             check_backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    spec = _spec_of(q, k, segment_ids, scale, is_causal, layout, window)
-    if check_backward:
-        fused.check_backward_fits(spec, group_from_name(group_name))  # HeapTooSmallError before the forward runs
-    return fused.forward(q, k, v, spec, group_from_name(group_name), timeout_s, segment_ids=segment_ids)
+    return _fwd_impl(q, k, v, segment_ids, _spec_of(q, k, segment_ids, scale, is_causal, layout, window),
+                     group_from_name(group_name), timeout_s, check_backward)
 
 
 @_fwd_op.register_fake
@@ -123,9 +134,9 @@ def _bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
             dout: torch.Tensor, dlse: Optional[torch.Tensor], segment_ids: Optional[torch.Tensor], scale: float,
             is_causal: bool, layout: str, window: list[int], group_name: str,
             timeout_s: Optional[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    spec = _spec_of(q, k, segment_ids, scale, is_causal, layout, window)
-    return fused.backward(q, k, v, out, lse, dout, spec, group_from_name(group_name), timeout_s, dlse=dlse,
-                          segment_ids=segment_ids)
+    return _bwd_impl(q, k, v, out, lse, dout, dlse, segment_ids,
+                     _spec_of(q, k, segment_ids, scale, is_causal, layout, window), group_from_name(group_name),
+                     timeout_s)
 
 
 @_bwd_op.register_fake
@@ -149,14 +160,45 @@ def _backward(ctx, dout, dlse):
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+class _EagerFused(torch.autograd.Function):
+    """The custom ops' autograd without their dispatch, for eager calls: the same launches (_fwd_impl,
+    _bwd_impl), the same saved tensors and gradients. torch.library's custom-op dispatch costs about 0.14 ms of
+    host time per call over an autograd.Function's (CPU micro-benchmark, benchmarks/NOTES.md; on the GPU machine
+    cProfile put most of a call's 0.4-0.6 ms host issue in it), which short calls cannot hide; torch.compile
+    still sees the ops."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, segment_ids, spec, group, timeout_s, check_backward):
+        out, lse = _fwd_impl(q, k, v, segment_ids, spec, group, timeout_s, check_backward)
+        ctx.save_for_backward(q, k, v, segment_ids, out, lse)
+        ctx.args = (spec, group, timeout_s)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        # Zeros for the gradient of an output that was not used (out or lse), as the custom op gets them.
+        q, k, v, segment_ids, out, lse = ctx.saved_tensors
+        dq, dk, dv = _bwd_impl(q, k, v, out, lse, dout, dlse, segment_ids, *ctx.args)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def _eager(*tensors) -> bool:
+    """Whether a call takes the eager route: not traced by torch.compile / export, plain tensors (a fake or
+    other subclass tensor goes through the op and its fake implementation)."""
+    return not torch.compiler.is_compiling() and all(
+        x is None or type(x) in (torch.Tensor, nn.Parameter) for x in tensors)
+
+
 def _ring_attention_fused(q, k, v, segment_ids=None, *, spec: AttentionSpec, group=None,
                           timeout_s: float | None = None):
     """(out, lse) from the fused kernel, differentiable through the fused backward kernel (from the
     gradients of out and lse); inputs already validated (``spec``). Traceable by torch.compile without a
     graph break: all it computes before the op is the group's name and whether a backward will follow, in
     which case the fwd op checks the backward's heap need before it launches (HeapTooSmallError before the
-    forward runs, as in eager)."""
+    forward runs, as in eager). Eager calls take the same launches through ``_EagerFused``."""
     check_backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if _eager(q, k, v, segment_ids):
+        return _EagerFused.apply(q, k, v, segment_ids, spec, group, timeout_s, check_backward)
     return _fwd_op(q, k, v, segment_ids, spec.scale, spec.is_causal, spec.layout, list(spec.window),
                    group_to_name(group), timeout_s, check_backward)
 
