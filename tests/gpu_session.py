@@ -19,7 +19,9 @@ On the GPU machine (carry ``.gpu`` and ``.tcache``)::
     source .gpu/prelude.sh; python tests/gpu_session.py --budget 580 --out $OUT soak:300 bench-fwdbwd:240
     source .gpu/prelude.sh; python tests/gpu_session.py --nproc 4 --out $OUT checks:300 faults:200  # 4 ranks, 1 GPU
 
-Then, on this machine, add the returned compiles to the local cache and carry it again::
+Several sessions in one call write into folders of ``$OUT``; the device tool returns at most 8 files, so end
+the call with ``python tests/gpu_session.py --bundle $OUT`` (one tar, in parts). Then, on this machine, add the
+returned compiles to the local cache and carry it again (a bundle is taken apart first, in place)::
 
     python tests/gpu_session.py --collect /work/.device/N
 
@@ -88,6 +90,7 @@ import signal
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -262,14 +265,58 @@ def save_cache(out: str, cache: str = CACHE, part_bytes: int = PART_BYTES, skip=
     with tarfile.open(joined, "w:xz", preset=6) as tar:
         for e, name in files:
             tar.add(os.path.join(cache, e, name), arcname=os.path.join(os.path.basename(cache), e, name))
+    return _split(joined, out, PART_PREFIX, part_bytes)
+
+
+def _split(joined: str, out: str, prefix: str, part_bytes: int = PART_BYTES) -> list:
+    """Cut the file ``joined`` into ``out/{prefix}NN`` parts of at most ``part_bytes`` (the device tool returns
+    files of at most 16 MiB), remove it; returns the parts' paths."""
     paths = []
     with open(joined, "rb") as f:
         while chunk := f.read(part_bytes):
-            paths.append(os.path.join(out, f"{PART_PREFIX}{len(paths):02d}"))
+            paths.append(os.path.join(out, f"{prefix}{len(paths):02d}"))
             with open(paths[-1], "wb") as part:
                 part.write(chunk)
     os.remove(joined)
     return paths
+
+
+BUNDLE_PREFIX = "results.tgz.part"
+
+
+def bundle(out: str, part_bytes: int = PART_BYTES) -> list:
+    """Put every file under ``out`` (several sessions' folders, their logs, JSON and cache parts) into one tar
+    cut into ``results.tgz.partNN``: the device tool returns at most 8 files (a W=8 log was lost to that,
+    2026-12-02). ``--collect`` takes such a bundle apart again. Returns the parts' paths."""
+    files = sorted(os.path.relpath(os.path.join(d, f), out) for d, _, fs in os.walk(out) for f in fs)
+    if not files:
+        return []
+    joined = os.path.join(tempfile.gettempdir(), f"results-bundle.{os.getpid()}.tgz")
+    with tarfile.open(joined, "w:gz") as tar:
+        for rel in files:
+            tar.add(os.path.join(out, rel), arcname=rel)
+    for rel in files:
+        os.remove(os.path.join(out, rel))
+    for d, _, _ in sorted(os.walk(out), reverse=True):
+        if d != out and not os.listdir(d):
+            os.rmdir(d)
+    return _split(joined, out, BUNDLE_PREFIX, part_bytes)
+
+
+def unbundle(returned: str) -> str:
+    """The folder holding what a device call returned: ``returned`` itself, or, where it holds a bundle
+    (``results.tgz.partNN``), a new folder it is unpacked into (the device tool's folder is read-only)."""
+    parts = sorted(glob.glob(os.path.join(returned, BUNDLE_PREFIX + "*")))
+    if not parts:
+        return returned
+    dest = tempfile.mkdtemp(prefix="gpu-returned-")
+    joined = _join_parts(parts, os.path.join(dest, ".bundle.tgz"))
+    with tarfile.open(joined, "r:gz") as tar:
+        members = [m for m in tar.getmembers() if m.isfile()]
+        extra = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+        tar.extractall(dest, members=members, **extra)
+    os.remove(joined)
+    return dest
 
 
 def pack(carry: str = CARRY, cache: str = CACHE) -> int:
@@ -297,13 +344,21 @@ def merge_compiles(returned: str, compiles: str = COMPILES) -> int:
     return len(rows)
 
 
+def returned_sessions(returned: str) -> list:
+    """The folders under ``returned`` (unbundled) that a session wrote into (its compile log or cache parts):
+    one per ``gpu_session.py`` run of the device call."""
+    return sorted(d for d, _, fs in os.walk(returned)
+                  if COMPILE_LOG in fs or any(f.startswith(PART_PREFIX) for f in fs))
+
+
 def collect(returned: str, carry: str = CARRY, cache: str = CACHE) -> int:
-    """Add the cache parts a device call returned (its new compiles) to the local cache, then carry the whole
-    local cache (``pack``); returns the number of parts carried."""
-    parts = sorted(glob.glob(os.path.join(returned, PART_PREFIX + "*")))
-    if not parts:
-        print(f"no {PART_PREFIX}* files in {returned}: no new compiles")
-    _unpack(parts, cache)
+    """Add the cache parts a device call returned (its new compiles, from every session folder in it; unbundled)
+    to the local cache, then carry the whole local cache (``pack``); returns the number of parts carried."""
+    parts = [sorted(glob.glob(os.path.join(d, PART_PREFIX + "*"))) for d in returned_sessions(returned)]
+    if not any(parts):
+        print(f"no {PART_PREFIX}* files under {returned}: no new compiles")
+    for p in parts:
+        _unpack(p, cache)
     return pack(carry, cache)
 
 
@@ -362,6 +417,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT"), help="where the log and the cache parts go ($OUT)")
     ap.add_argument("--collect", metavar="DIR", help="add the cache parts a device call returned to the local cache "
                     "(.cache/triton) and carry it (.tcache/); merge its compile log")
+    ap.add_argument("--bundle", metavar="DIR", help="put every file under DIR (e.g. $OUT, after the sessions of a "
+                    "device call) into results.tgz.partNN, since the device tool returns at most 8 files")
     ap.add_argument("--pack", action="store_true",
                     help="carry the local cache (.cache/triton, e.g. filled by ring_core.build --warm) in .tcache/")
     ap.add_argument("--nproc", type=int, default=2,
@@ -375,11 +432,19 @@ def main(argv=None) -> int:
                     help="let jaxlib run its own ptxas on every variant in every process, instead of serving it "
                          "the cubin Triton built from the same PTX (ring_core/ptxas_shim.py)")
     a = ap.parse_args(argv)
+    if a.bundle:
+        print(f"{len(bundle(a.bundle))} bundle parts in {a.bundle}")
+        return 0
     if a.pack:
         print(f"{pack()} cache parts now in {CARRY}")
         return 0
     if a.collect:
-        print(f"{collect(a.collect)} cache parts now in {CARRY}; {merge_compiles(a.collect)} compile records in "
+        src = unbundle(a.collect)
+        if src != a.collect:
+            print(f"bundle unpacked into {src}")
+        carried = collect(src)
+        records = [merge_compiles(d) for d in returned_sessions(src)]
+        print(f"{carried} cache parts now in {CARRY}; {records[-1] if records else 'no new'} compile records in "
               f"{os.path.relpath(COMPILES, ROOT)}")
         return 0
     if not a.stages or not a.out:

@@ -389,3 +389,38 @@ def test_session_restarts_mps_after_a_stage_that_may_have_faulted_it(tmp_path, m
     assert events == ["start1", "stop", "start2", "stop", "start3", "stop"]  # none after the last stage's failure
     shim_dir = seen_env[0][2]
     assert "ring_ptxas_shim" in shim_dir and not Path(shim_dir).exists()  # installed for the stages, then removed
+
+
+def test_session_bundle_returns_several_sessions_in_few_files(tmp_path, monkeypatch):
+    """A device call with several sessions (``--out $OUT/w8``, ``$OUT/w4``, ...) ends with ``--bundle $OUT``: every
+    file in one tar cut into parts under the size limit; ``--collect`` unpacks it elsewhere (the device tool's
+    folder is read-only), merges each session's compile log and adds each session's new compiles to the cache."""
+    gs = _script("gpu_session")
+    out = tmp_path / "out"
+    rec = dict(kernel="m:k", types=["*bf16"], constexprs=dict(W=8), divisible=[], num_warps=4, num_stages=1,
+               capability=90)
+    remote = tmp_path / "gpu" / ".cache" / "triton"
+    for w, entry in (("w8", "e8"), ("w4", "e4")):
+        (out / w).mkdir(parents=True)
+        (out / w / "session.log").write_text(f"log of {w}\n" * 500)
+        (out / w / gs.COMPILE_LOG).write_text(json.dumps(dict(rec, tag=f"checks@{w[1:]}")) + "\n")
+        (remote / entry).mkdir(parents=True)
+        (remote / entry / "k.cubin").write_bytes(os.urandom(4000))
+        gs.save_cache(str(out / w), cache=str(remote), skip={"e8", "e4"} - {entry})
+    (out / "top.csv").write_text("a,b\n")
+    assert gs.main(["--bundle", str(out)]) == 0
+    left = sorted(p.name for p in out.iterdir())
+    assert left and all(n.startswith(gs.BUNDLE_PREFIX) for n in left), left
+    out.chmod(0o555)  # as the device tool leaves it
+    local, compiles = tmp_path / "here" / ".cache" / "triton", tmp_path / "compiles.jsonl"
+    monkeypatch.setattr(gs, "CACHE", str(local))
+    monkeypatch.setattr(gs, "CARRY", str(tmp_path / "carry"))
+    monkeypatch.setattr(gs, "COMPILES", str(compiles))
+    monkeypatch.setattr(gs.merge_compiles, "__defaults__", (str(compiles),))
+    monkeypatch.setattr(gs.collect, "__defaults__", (str(tmp_path / "carry"), str(local)))
+    try:
+        assert gs.main(["--collect", str(out)]) == 0
+    finally:
+        out.chmod(0o755)
+    assert gs.cache_entries(str(local)) == {"e8", "e4"}
+    assert sorted(json.loads(x)["tag"] for x in compiles.read_text().splitlines()) == ["checks@4", "checks@8"]
