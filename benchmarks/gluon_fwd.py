@@ -6,15 +6,18 @@ fast path. This is its first piece, the attention loop alone, to learn what Gluo
 the ring protocol moves in: FlashAttention-3's shape, simplified.
 
 * One program per (128 query rows, batch x head), in the tl kernel's order: a kv group's heads fastest, then
-  the query tiles (one kv head's K/V shared in L2), causal each head's heaviest tiles first. A **load partition** (one warp) brings Q once, then K and V
-  blocks of 128 rows through TMA into ``STAGES`` shared-memory slots, each guarded by a pair of mbarriers
+  the query tiles (one kv head's K/V shared in L2), causal each head's heaviest tiles first. A **load
+  partition** (one warp) brings Q once, then K and V blocks of 128 rows through TMA into ``STAGES`` shared-memory slots, each guarded by a pair of mbarriers
   (``ready``: the TMA bytes landed; ``empty``: the consumers are done with the slot).
 * The **default partition** (8 warps, two warpgroups on the 128 rows) runs the online softmax: S = Q K^T and
   O += P V with asynchronous warpgroup MMAs (P from registers), then frees the slot. Plain: each block's two MMAs
   in turn; causal, the blocks below the diagonal unmasked, then the diagonal ones masked (two loops, one phase
   counter). Pipelined (FlashAttention-3's intra-warpgroup overlap): one loop where S of block j and P V of block
   j-1 are issued together and block j's softmax runs while P V is on the tensor cores (the causal mask a branch
-  on the block index).
+  on the block index). Split: two consumer partitions of one warpgroup each on 64 rows apiece, each pipelined,
+  each releasing the K/V slots on its own (no barrier between them per block: one's softmax can run beside the
+  other's MMAs, the scheduling FlashAttention-3's ping-pong enforces with named barriers); each writes its rows
+  of O into its half of Q's buffer, and one TMA store follows the join.
 * Epilogue: O / l through shared memory and a TMA store (Q's buffer, free by then); lse (natural log) by plain
   stores.
 
@@ -56,12 +59,23 @@ STAGES = 2
 # D128), each block's MMAs in turn (as measured 2026-12-02: 64-row blocks in 3 slots were 4-9 % slower, dropped);
 # then FlashAttention-3's overlap of S_j with P_{j-1} V in 2 and in 3 slots (224 KiB: the consumer holds two slots
 # at once, so a third lets the producer run a block ahead).
-CONFIGS = ((BLOCK_N, STAGES, False), (BLOCK_N, 2, True), (BLOCK_N, 3, True))
-
-
-def config_name(block_n: int, stages: int, pipelined: bool) -> str:
-    return f"n{block_n}s{stages}" + ("p" if pipelined else "")
+# Split ("x"): two consumer partitions of one warpgroup each, on 64 query rows apiece, pipelined, releasing the
+# K/V slots separately (no barrier per block between them), so that one's softmax can overlap the other's MMAs.
+CONFIGS = ((BLOCK_N, STAGES, False, False), (BLOCK_N, 2, True, False), (BLOCK_N, 3, True, False),
+           (BLOCK_N, 2, True, True), (BLOCK_N, 3, True, True))
 LOAD_WARPS, LOAD_REGS = 1, 24
+SPLIT_WARPS, SPLIT_REGS = 4, 232  # each split consumer: one warpgroup; registers of the worker one (setmaxnreg)
+# The same, as the kernel reads them (a @gluon.jit function reads constexpr globals only).
+_LOAD_WARPS, _LOAD_REGS, _SPLIT_REGS = gl.constexpr(LOAD_WARPS), gl.constexpr(LOAD_REGS), gl.constexpr(SPLIT_REGS)
+
+
+def config_name(block_n: int, stages: int, pipelined: bool, split: bool = False) -> str:
+    return f"n{block_n}s{stages}" + ("x" if split else "p" if pipelined else "")
+
+
+def consumer_warps(split: bool) -> int:
+    """The launch's num_warps: the default partition's warps (the kernel's NUM_WARPS)."""
+    return SPLIT_WARPS if split else NUM_WARPS
 
 
 @gluon.jit
@@ -200,8 +214,34 @@ def _compute_partition(q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, n_full
 
 
 @gluon.jit
+def _consumer_half(q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, lse_row, n_full, n_blocks, q0, qk_scale,
+                   HALF_INDEX: gl.constexpr, HALF: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, NUM_WARPS: gl.constexpr):
+    """SPLIT: one of two consumer partitions (one warpgroup each), on its own ``HALF`` query rows of the tile,
+    the pipelined loop, then its rows of O / l into its half of Q's buffer (its own Q rows, read by no one else)
+    and its lse. The two consumers share the K/V slots (released when both arrived) but no barrier per block,
+    so that one's softmax can run beside the other's MMAs."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                       instr_shape=[16, D, 16])
+    q_half = q_smem.slice(HALF_INDEX * HALF, HALF)
+    mbarrier.wait(q_bar, 0)
+    acc, l_i, m_i = _attend_pipelined(q_half, k_smem, v_smem, kv_ready, kv_empty, n_full, n_blocks,
+                                      q0 + HALF_INDEX * HALF, qk_scale, s_layout, o_layout, HALF, BLOCK_N, D, STAGES,
+                                      CAUSAL)
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+    q_half.store((acc / l_o[:, None]).to(q_smem.dtype))
+    fence_async_shared()  # these generic-proxy stores before the TMA store (async proxy) after the join
+    rows = gl.arange(0, HALF, layout=gl.SliceLayout(1, o_layout))
+    lse = (gl.convert_layout(m_i, gl.SliceLayout(1, o_layout)) + gl.log2(l_o)) * 0.6931471805599453
+    gl.store(lse_row + HALF_INDEX * HALF + rows, lse)
+
+
+@gluon.jit
 def gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, lse_ptr, S, H, HKV, sm_scale,
-                   CAUSAL: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, PIPELINED: gl.constexpr):
+                   CAUSAL: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, PIPELINED: gl.constexpr,
+                   SPLIT: gl.constexpr):
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     D: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
@@ -241,28 +281,42 @@ def gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, lse_ptr, S, H, HKV, sm_scale,
     mbarrier.init(q_bar, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(kv_ready.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=2 if SPLIT else 1)  # SPLIT: both consumers release a slot
     fence_async_shared()  # the barriers' initialisation before the async proxy (TMA) uses them
 
     qk_scale = sm_scale * 1.4426950408889634
-    acc, l_i, m_i = gl.warp_specialize([
-        (_compute_partition, (q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, n_full, n_blocks, q0, qk_scale,
-                              BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, NUM_WARPS, PIPELINED)),
-        (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, row_q, row_kv,
-                           col_q, col_kv, n_blocks, BLOCK_N, STAGES)),
-    ], [1], [24])
+    lse_row = lse_ptr + (b * H + h).to(gl.int64) * S + q0
+    if SPLIT:
+        HALF: gl.constexpr = BLOCK_M // 2
+        gl.warp_specialize([
+            (_consumer_half, (q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, lse_row, n_full, n_blocks, q0,
+                              qk_scale, 0, HALF, BLOCK_N, D, STAGES, CAUSAL, NUM_WARPS)),
+            (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, row_q,
+                               row_kv, col_q, col_kv, n_blocks, BLOCK_N, STAGES)),
+            (_consumer_half, (q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, lse_row, n_full, n_blocks, q0,
+                              qk_scale, 1, HALF, BLOCK_N, D, STAGES, CAUSAL, NUM_WARPS)),
+        ], [_LOAD_WARPS, NUM_WARPS], [_LOAD_REGS, _SPLIT_REGS])
+        _tma_store(o_desc, [row_q, col_q], q_smem)  # both halves written (the partitions joined)
+        tma.store_wait(pendings=0)
+    else:  # one consumer partition of two warpgroups over the whole tile
+        acc, l_i, m_i = gl.warp_specialize([
+            (_compute_partition, (q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, n_full, n_blocks, q0, qk_scale,
+                                  BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, NUM_WARPS, PIPELINED)),
+            (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, row_q,
+                               row_kv, col_q, col_kv, n_blocks, BLOCK_N, STAGES)),
+        ], [_LOAD_WARPS], [_LOAD_REGS])
 
-    # Epilogue: O / l through Q's buffer (free: every MMA reading it has completed) and a TMA store; lse.
-    o_layout: gl.constexpr = acc.type.layout
-    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-    out = acc / l_o[:, None]
-    q_smem.store(out.to(o_desc.dtype))
-    fence_async_shared()
-    _tma_store(o_desc, [row_q, col_q], q_smem)
-    rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc.type.layout))
-    lse = (gl.convert_layout(m_i, gl.SliceLayout(1, o_layout)) + gl.log2(l_o)) * 0.6931471805599453
-    gl.store(lse_ptr + (b * H + h).to(gl.int64) * S + q0 + rows, lse)
-    tma.store_wait(pendings=0)
+        # Epilogue: O / l through Q's buffer (free: every MMA reading it has completed) and a TMA store; lse.
+        o_layout: gl.constexpr = acc.type.layout
+        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+        out = acc / l_o[:, None]
+        q_smem.store(out.to(o_desc.dtype))
+        fence_async_shared()
+        _tma_store(o_desc, [row_q, col_q], q_smem)
+        rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc.type.layout))
+        lse = (gl.convert_layout(m_i, gl.SliceLayout(1, o_layout)) + gl.log2(l_o)) * 0.6931471805599453
+        gl.store(lse_row + rows, lse)
+        tma.store_wait(pendings=0)
     mbarrier.invalidate(q_bar)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(kv_ready.index(i))
@@ -294,10 +348,10 @@ def check_shapes(q, k):
 
 
 def attention(q, k, v, causal: bool, scale: float | None = None, block_n: int = BLOCK_N, stages: int = STAGES,
-              pipelined: bool = False):
+              pipelined: bool = False, split: bool = False):
     """(out, lse) of softmax attention, q [B, S, H, D], k and v [B, S, HKV, D] (CUDA, fp16/bf16); ``block_n``
     (64 or 128: it divides BLOCK_M) K/V rows per block, ``stages`` slots; ``pipelined``: S of block j computed
-    while P V of block j-1 runs."""
+    while P V of block j-1 runs; ``split``: two consumer warpgroups on 64 rows each, decoupled (pipelined)."""
     import torch
 
     B, S, H, HKV, D = check_shapes(q, k)
@@ -306,7 +360,8 @@ def attention(q, k, v, causal: bool, scale: float | None = None, block_n: int = 
     lse = torch.empty((B, H, S), dtype=torch.float32, device=q.device)
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     gluon_attn_fwd[(B * H * (S // BLOCK_M),)](*descriptors(q, k, v, out, block_n), lse, S, H, HKV, scale, causal,
-                                              stages, NUM_WARPS, pipelined, num_warps=NUM_WARPS)
+                                              stages, consumer_warps(split), pipelined or split, split,
+                                              num_warps=consumer_warps(split))
     return out, lse
 
 
@@ -319,18 +374,20 @@ def _arg_types(dtype: str, D: int, block_n: int) -> list:
     return [mangle_type(d) for d in descriptors(t, t, t, t, block_n)] + ["*fp32", "i32", "i32", "i32", "fp32"]
 
 
-def _constexprs(causal: bool, stages: int, pipelined: bool = False) -> dict:
-    return {"CAUSAL": causal, "STAGES": stages, "NUM_WARPS": NUM_WARPS, "PIPELINED": pipelined}
+def _constexprs(causal: bool, stages: int, pipelined: bool = False, split: bool = False) -> dict:
+    return {"CAUSAL": causal, "STAGES": stages, "NUM_WARPS": consumer_warps(split), "PIPELINED": pipelined or split,
+            "SPLIT": split}
 
 
 def compile_for_sm90(dtype: str = "bfloat16", D: int = 128, causal: bool = True, block_n: int = BLOCK_N,
-                     stages: int = STAGES, pipelined: bool = False):
+                     stages: int = STAGES, pipelined: bool = False, split: bool = False):
     """Compile the kernel for sm_90 without a GPU (CPU tensors only give the descriptors their types); returns
     Triton's CompiledKernel (its ``asm`` has the TTGIR and PTX)."""
     from ring_core import build
 
-    return build.compile_kernel(gluon_attn_fwd, _arg_types(dtype, D, block_n), _constexprs(causal, stages, pipelined),
-                                num_warps=NUM_WARPS, num_stages=DEFAULT_NUM_STAGES, capability=90)
+    return build.compile_kernel(gluon_attn_fwd, _arg_types(dtype, D, block_n),
+                                _constexprs(causal, stages, pipelined, split), num_warps=consumer_warps(split),
+                                num_stages=DEFAULT_NUM_STAGES, capability=90)
 
 
 # (B, S, H, HKV, D, causal, dtype) of the check, against float32 attention: odd head counts, GQA, MQA-like groups.
@@ -348,10 +405,11 @@ def launch_records(seqs=(16384, 32768)) -> list:
     shapes = CHECKS + [(1, s, TIMED_HEADS, TIMED_HEADS, 128, c, "bfloat16") for s in seqs for c in (False, True)]
     out = []
     for (B, S, H, HKV, D, causal, dt) in shapes:
-        for block_n, stages, pipelined in CONFIGS:
+        for block_n, stages, pipelined, split in CONFIGS:
             values = [None] * 5 + [S, H, HKV, None]
-            out.append(build.record(gluon_attn_fwd, _arg_types(dt, D, block_n), _constexprs(causal, stages, pipelined),
-                                    num_warps=NUM_WARPS, num_stages=DEFAULT_NUM_STAGES, values=values))
+            out.append(build.record(gluon_attn_fwd, _arg_types(dt, D, block_n),
+                                    _constexprs(causal, stages, pipelined, split), num_warps=consumer_warps(split),
+                                    num_stages=DEFAULT_NUM_STAGES, values=values))
     return out
 
 
@@ -406,12 +464,13 @@ def main(argv=None) -> int:
         v = torch.randn(B, S, HKV, D, device=dev, dtype=dt, generator=g)
         rep = lambda x: x.float().transpose(1, 2).repeat_interleave(H // x.shape[2], dim=1)  # noqa: E731 (kv heads)
         ref = F.scaled_dot_product_attention(rep(q), rep(k), rep(v), is_causal=causal).transpose(1, 2)
-        for block_n, stages, pipelined in CONFIGS:
-            row = dict(kind="check", config=config_name(block_n, stages, pipelined), B=B, S=S, H=H, HKV=HKV, D=D, causal=int(causal),
-                       dtype=str(dt).split(".")[-1])
+        for block_n, stages, pipelined, split in CONFIGS:
+            row = dict(kind="check", config=config_name(block_n, stages, pipelined, split), B=B, S=S, H=H, HKV=HKV,
+                       D=D, causal=int(causal), dtype=str(dt).split(".")[-1])
             try:
                 t0 = time.perf_counter()
-                out, lse = attention(q, k, v, causal, block_n=block_n, stages=stages, pipelined=pipelined)
+                out, lse = attention(q, k, v, causal, block_n=block_n, stages=stages, pipelined=pipelined,
+                                     split=split)
                 torch.cuda.synchronize()
                 first = time.perf_counter() - t0
                 err = (out.float() - ref).abs().max().item()
@@ -432,7 +491,7 @@ def main(argv=None) -> int:
                     return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
 
             runs = [(f"gluon_fwd {config_name(*c)}",
-                     lambda c=c: attention(q, k, v, causal, block_n=c[0], stages=c[1], pipelined=c[2]))
+                     lambda c=c: attention(q, k, v, causal, block_n=c[0], stages=c[1], pipelined=c[2], split=c[3]))
                     for c in CONFIGS] + [("torch_cudnn", cudnn)]
             for name, fn in runs:
                 if name != "torch_cudnn" and not all(r["ok"] for r in rows if r.get("config") == name.split()[-1]):

@@ -294,7 +294,8 @@ GLUON_COMPILE = textwrap.dedent("""
     for dt, d, causal, config in (("bfloat16", 128, True, gluon_fwd.CONFIGS[0]),
                                   ("float16", 64, False, gluon_fwd.CONFIGS[0]),
                                   ("bfloat16", 128, True, gluon_fwd.CONFIGS[1]),
-                                  ("bfloat16", 128, False, gluon_fwd.CONFIGS[2])):
+                                  ("bfloat16", 128, False, gluon_fwd.CONFIGS[2]),
+                                  ("bfloat16", 128, True, gluon_fwd.CONFIGS[3])):
         ck = gluon_fwd.compile_for_sm90(dt, d, causal, *config)
         ttgir, ptx = ck.asm["ttgir"], ck.asm["ptx"]
         out[f"{dt}-{d}-{causal}-{gluon_fwd.config_name(*config)}"] = dict(
@@ -307,8 +308,8 @@ GLUON_COMPILE = textwrap.dedent("""
 
 def test_gluon_forward_compiles_warp_specialised_for_hopper(tmp_path):
     """benchmarks/gluon_fwd.py (issue 18's Gluon path, single GPU for now) compiles for sm_90 on CPU under the
-    Triton at hand: an explicit load partition beside the consumers' warps, TMA copies and warpgroup MMAs, within
-    Hopper's shared memory. What it computes is checked on a GPU (``python -m benchmarks.gluon_fwd``)."""
+    Triton at hand: an explicit load partition beside the consumers' warps (one partition of two warpgroups, or
+    two of one: split), TMA copies and warpgroup MMAs, within Hopper's shared memory. What it computes is checked on a GPU (``python -m benchmarks.gluon_fwd``)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]), TRITON_CACHE_DIR=str(tmp_path))
     r = subprocess.run([sys.executable, "-c", GLUON_COMPILE], capture_output=True, text=True, env=env, cwd=ROOT,
@@ -316,7 +317,7 @@ def test_gluon_forward_compiles_warp_specialised_for_hopper(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
     for name, c in got.items():
-        assert c["ws"] and c["warps"] > 8, (name, c)  # the default partition's 8 warps and the load warp(s)
+        assert c["ws"] and c["warps"] > 8, (name, c)  # the consumers' 8 warps and the load warp(s)
         assert c["wgmma"] > 0 and c["tma"] >= 1 and c["shared"] <= 227 * 1024, (name, c)
         # The pipelined loop waits for S_j with P_{j-1} V still in flight (one group outstanding); the plain one
         # always waits for everything.
@@ -494,12 +495,13 @@ JIT_AND_BUILD_KEYS = textwrap.dedent("""
             out.append([seen.pop("hash"), ours])
     from benchmarks import gluon_fwd as gf  # the Gluon forward's JIT launch (descriptors) against its records
     from triton.experimental.gluon._runtime import GluonASTSource
-    (B, S, H, HKV, D, causal, dt), (block_n, stages, pipelined) = gf.CHECKS[2], gf.CONFIGS[1]
+    (B, S, H, HKV, D, causal, dt), (block_n, stages, pipelined, split) = gf.CHECKS[2], gf.CONFIGS[3]
     rec = [r for r in gf.launch_records(()) if r["constexprs"]["STAGES"] == stages
-           and r["constexprs"]["PIPELINED"] == pipelined][2]
+           and r["constexprs"]["SPLIT"] == split][2]
     q, kv = torch.zeros(B, S, H, D, dtype=getattr(torch, dt)), torch.zeros(B, S, HKV, D, dtype=getattr(torch, dt))
     gf.gluon_attn_fwd.run(*gf.descriptors(q, kv, kv, q.clone(), block_n), torch.zeros(B, H, S), S, H, HKV, 0.1,
-                          causal, stages, gf.NUM_WARPS, pipelined, grid=(1,), warmup=True, num_warps=gf.NUM_WARPS)
+                          causal, stages, gf.consumer_warps(split), pipelined, split, grid=(1,), warmup=True,
+                          num_warps=gf.consumer_warps(split))
     sig, attrs = build.signature(gf.gluon_attn_fwd, rec["types"], rec["constexprs"], rec["divisible"])
     out.append([seen.pop("hash"), GluonASTSource(gf.gluon_attn_fwd, sig, rec["constexprs"], attrs).hash()])
     print(json.dumps(out))
