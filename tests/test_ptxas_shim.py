@@ -3,8 +3,11 @@
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from ring_core import ptxas_shim
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _cache(tmp_path, ptx=b".version 8.7\n.target sm_90a\n// kernel\n", cubin=b"\x7fELF cubin"):
@@ -49,7 +52,7 @@ def test_installed_shim_serves_cached_cubin_and_passes_the_rest(tmp_path):
     env = dict(os.environ, RING_PTXAS_REAL=str(real), TRITON_CACHE_DIR=str(cache),
                RING_PTXAS_LOG=str(tmp_path / "log"))
     shim = subprocess.run([sys.executable, "-m", "ring_core.ptxas_shim", "--install", str(tmp_path / "bin")],
-                          env=env, capture_output=True, text=True, check=True).stdout.strip()
+                          env=env, capture_output=True, text=True, check=True, cwd=ROOT).stdout.strip()
     src = tmp_path / "tempfile-1"  # XLA's temp names carry no suffix
     src.write_bytes(ptx)
     subprocess.run([shim, str(src), "-o", str(tmp_path / "out1"), "-arch=sm_90a"], env=env, check=True)
