@@ -93,7 +93,6 @@ BIG = (16, 4096, 64, 8, 64, "bfloat16", True, "zigzag")  # the big section
 BIG_REF_HEADS = 8  # heads per float32 reference computation in the big section
 
 
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)

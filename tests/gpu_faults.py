@@ -129,13 +129,18 @@ SHARED_GPU_KILL_REASON = ("ranks share a GPU under MPS: a rank that exits with i
 
 
 def expect_error(call, a, why: str) -> str:
-    """Run ``call``, which must raise (RingAttentionTimeout, or the CUDA error of a GPU that a dead peer's kernel
-    faulted) within ``a.timeout`` + ``a.slack`` seconds; returns the check's detail."""
+    """Run ``call``, which must raise RingAttentionTimeout or the CUDA error of a GPU that a dead peer's kernel
+    faulted, within ``a.timeout`` + ``a.slack`` seconds; returns the check's detail."""
+    from ring_core.control import RingAttentionTimeout
+
     t0 = time.monotonic()
     try:
         call()
-    except Exception as e:  # noqa: BLE001 - any error, in time, is what is checked
+    except Exception as e:  # noqa: BLE001 - checked below
         elapsed = time.monotonic() - t0
+        if not (isinstance(e, RingAttentionTimeout) or "CUDA error" in str(e)):
+            raise AssertionError(f"expected RingAttentionTimeout or a CUDA error, got {type(e).__name__}: "
+                                 f"{str(e)[:500]}") from None
         if elapsed > a.timeout + a.slack:
             raise AssertionError(f"raised after {elapsed:.1f} s, limit {a.timeout} s + {a.slack} s") from None
         return f"after {elapsed:.1f} s: {type(e).__name__}: {str(e).split(chr(10))[0][:200]}"
