@@ -107,14 +107,8 @@ def _attend(acc, l_i, m_i, q_smem, k_smem, v_smem, kv_ready, kv_empty, j_lo, j_h
         qk = warpgroup_mma(q_smem, k_smem.index(s).permute((1, 0)),
                            gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
         qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
-        qk = qk * qk_scale  # log2 units
-        if MASKED:
-            cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            qk = gl.where(cols[None, :] <= rows[:, None], qk, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(qk, axis=1))
-        p = gl.exp2(qk - m_new[:, None])
-        alpha = gl.exp2(m_i - m_new)
-        l_i = l_i * alpha + gl.sum(p, axis=1)
+        p, alpha, m_new, l_i = _softmax_step(qk, m_i, l_i, j, j_lo, rows, qk_scale, s_layout, BLOCK_N,
+                                             "all" if MASKED else "none")
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)
         acc = warpgroup_mma(p_op, v_smem.index(s), acc, is_async=True)
@@ -126,11 +120,15 @@ def _attend(acc, l_i, m_i, q_smem, k_smem, v_smem, kv_ready, kv_empty, j_lo, j_h
 
 @gluon.jit
 def _softmax_step(qk, m_i, l_i, j, n_full, rows, qk_scale, s_layout: gl.constexpr, BLOCK_N: gl.constexpr,
-                  CAUSAL: gl.constexpr):
-    """Block j's scores -> (P unnormalised, alpha = the old rows' rescale, new max, new sum); causal: the blocks
-    from ``n_full`` on are masked (keys after the query dropped)."""
+                  MASK: gl.constexpr):
+    """Block j's scores -> (P unnormalised, alpha = the old rows' rescale, new max, new sum). Causal mask (keys
+    after the query dropped), ``MASK``: "none", "all" (a loop over diagonal blocks), "from" (blocks from
+    ``n_full`` on: one loop over all blocks)."""
     qk = qk * qk_scale  # log2 units
-    if CAUSAL:
+    if MASK == "all":
+        cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        qk = gl.where(cols[None, :] <= rows[:, None], qk, float("-inf"))
+    elif MASK == "from":
         if j >= n_full:
             cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             qk = gl.where(cols[None, :] <= rows[:, None], qk, float("-inf"))
@@ -165,7 +163,8 @@ def _attend_pipelined(q_smem, k_smem, v_smem, kv_ready, kv_empty, n_full, n_bloc
     mbarrier.wait(kv_ready.index(0), 0)
     qk = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
-    p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, 0, n_full, rows, qk_scale, s_layout, BLOCK_N, CAUSAL)
+    p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, 0, n_full, rows, qk_scale, s_layout, BLOCK_N,
+                                       "from" if CAUSAL else "none")
     p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)  # acc is 0: no rescale for block 0
     for j in range(1, n_blocks):
         s = j % STAGES
@@ -174,7 +173,8 @@ def _attend_pipelined(q_smem, k_smem, v_smem, kv_ready, kv_empty, n_full, n_bloc
         qk = warpgroup_mma(q_smem, k_smem.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         acc = warpgroup_mma(p_op, v_smem.index(sp), acc, is_async=True)
         qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk, ))  # S done; P V may still run
-        p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, j, n_full, rows, qk_scale, s_layout, BLOCK_N, CAUSAL)
+        p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, j, n_full, rows, qk_scale, s_layout, BLOCK_N,
+                                           "from" if CAUSAL else "none")
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         _release(kv_empty, sp)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
