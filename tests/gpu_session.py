@@ -494,9 +494,12 @@ def main(argv=None) -> int:
                     # stage's ranks failed at once with "CUDA-capable device(s) is/are busy or unavailable"
                     # (2026-12-02). A fresh daemon for the next stage.
                     mps.stop()
-                    extra.update(mps.start())
-                    os.environ.update(extra)
-                    log.write(f"MPS daemon restarted after {name} (exit {rc})\n")
+                    try:
+                        extra.update(mps.start())
+                        os.environ.update(extra)
+                        log.write(f"MPS daemon restarted after {name} (exit {rc})\n")
+                    except (RuntimeError, OSError, subprocess.SubprocessError) as e:  # the next stages say so
+                        log.write(f"MPS daemon not restarted after {name}: {e}\n")
         finally:
             mps.stop()
             if not a.no_ptxas_shim:
