@@ -21,7 +21,7 @@ On the GPU machine (carry ``.gpu`` and ``.tcache``)::
 
 Several sessions in one call write into folders of ``$OUT``; the device tool returns at most 8 files, so end
 the call with ``python tests/gpu_session.py --bundle $OUT`` (one tar, in parts). Then, on this machine, add the
-returned compiles to the local cache and carry it again (a bundle is taken apart first, in place)::
+returned compiles to the local cache and carry it again (a bundle is first unpacked into a new folder)::
 
     python tests/gpu_session.py --collect /work/.device/N
 
