@@ -109,19 +109,26 @@ def expect_timeout_message(err: BaseException, *, rank: int, peer: int, timeout_
     return msg
 
 
-def expect_timeout(call, a, why: str) -> str:
-    """Run ``call`` on rank 0, which must raise RingAttentionTimeout naming rank 1 within ``a.timeout`` +
-    ``a.slack`` seconds; returns the check's detail (time and the message's first sentence)."""
+def _raises_in_time(call, a, why: str, describe) -> str:
+    """Run ``call``, which must raise within ``a.timeout`` + ``a.slack`` seconds; ``describe(exception)`` checks
+    what it raised (AssertionError otherwise) and returns its summary. Returns the check's detail."""
     t0 = time.monotonic()
     try:
         call()
-    except Exception as e:  # noqa: BLE001 - the message is checked
+    except Exception as e:  # noqa: BLE001 - ``describe`` checks it
         elapsed = time.monotonic() - t0
-        msg = expect_timeout_message(e, rank=0, peer=1, timeout_s=a.timeout)
+        summary = describe(e)
         if elapsed > a.timeout + a.slack:
             raise AssertionError(f"raised after {elapsed:.1f} s, limit {a.timeout} s + {a.slack} s") from None
-        return f"after {elapsed:.1f} s: {msg.split('. ')[0]}"
+        return f"after {elapsed:.1f} s: {summary}"
     raise AssertionError(f"the call returned although {why}")
+
+
+def expect_timeout(call, a, why: str) -> str:
+    """Run ``call`` on rank 0, which must raise RingAttentionTimeout naming rank 1 within ``a.timeout`` +
+    ``a.slack`` seconds; returns the check's detail (time and the message's first sentence)."""
+    return _raises_in_time(call, a, why, lambda e: expect_timeout_message(e, rank=0, peer=1,
+                                                                          timeout_s=a.timeout).split(". ")[0])
 
 
 SHARED_GPU_KILL_REASON = ("ranks share a GPU under MPS: a rank that exits with its kernel in flight faults every "
@@ -133,18 +140,13 @@ def expect_error(call, a, why: str) -> str:
     faulted, within ``a.timeout`` + ``a.slack`` seconds; returns the check's detail."""
     from ring_core.control import RingAttentionTimeout
 
-    t0 = time.monotonic()
-    try:
-        call()
-    except Exception as e:  # noqa: BLE001 - checked below
-        elapsed = time.monotonic() - t0
+    def describe(e):
         if not (isinstance(e, RingAttentionTimeout) or "CUDA error" in str(e)):
             raise AssertionError(f"expected RingAttentionTimeout or a CUDA error, got {type(e).__name__}: "
                                  f"{str(e)[:500]}") from None
-        if elapsed > a.timeout + a.slack:
-            raise AssertionError(f"raised after {elapsed:.1f} s, limit {a.timeout} s + {a.slack} s") from None
-        return f"after {elapsed:.1f} s: {type(e).__name__}: {str(e).split(chr(10))[0][:200]}"
-    raise AssertionError(f"the call returned although {why}")
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+
+    return _raises_in_time(call, a, why, describe)
 
 
 def wait_until(done, deadline_s: float, what: str, poll_s: float = 0.01):
