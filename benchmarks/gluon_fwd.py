@@ -7,8 +7,9 @@ the ring protocol moves in: FlashAttention-3's shape, simplified.
 
 * One program per (128 query rows, batch x head), in the tl kernel's order: a kv group's heads fastest, then
   the query tiles (one kv head's K/V shared in L2), causal each head's heaviest tiles first. A **load
-  partition** (one warp) brings Q once, then K and V blocks of 128 rows through TMA into ``STAGES`` shared-memory slots, each guarded by a pair of mbarriers
-  (``ready``: the TMA bytes landed; ``empty``: the consumers are done with the slot).
+  partition** (one warp) brings Q once, then K and V blocks of 128 rows through TMA into ``STAGES``
+  shared-memory slots, each guarded by a pair of mbarriers (``ready``: the TMA bytes landed; ``empty``: the
+  consumers are done with the slot).
 * The **default partition** (8 warps, two warpgroups on the 128 rows) runs the online softmax: S = Q K^T and
   O += P V with asynchronous warpgroup MMAs (P from registers), then frees the slot. Plain: each block's two MMAs
   in turn; causal, the blocks below the diagonal unmasked, then the diagonal ones masked (two loops, one phase
@@ -230,12 +231,20 @@ def _consumer_half(q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, lse_row, n
     acc, l_i, m_i = _attend_pipelined(q_half, k_smem, v_smem, kv_ready, kv_empty, n_full, n_blocks,
                                       q0 + HALF_INDEX * HALF, qk_scale, s_layout, o_layout, HALF, BLOCK_N, D, STAGES,
                                       CAUSAL)
+    _finish_rows(acc, l_i, m_i, q_half, lse_row + HALF_INDEX * HALF)  # the TMA store follows the join
+
+
+@gluon.jit
+def _finish_rows(acc, l_i, m_i, o_smem, lse_rows):
+    """A consumer's rows of the result: O / l into ``o_smem`` (Q's buffer or its half: every MMA reading it has
+    completed), fenced for the TMA store that follows, and lse (natural log) at ``lse_rows``."""
+    o_layout: gl.constexpr = acc.type.layout
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-    q_half.store((acc / l_o[:, None]).to(q_smem.dtype))
-    fence_async_shared()  # these generic-proxy stores before the TMA store (async proxy) after the join
-    rows = gl.arange(0, HALF, layout=gl.SliceLayout(1, o_layout))
+    o_smem.store((acc / l_o[:, None]).to(o_smem.dtype))
+    fence_async_shared()  # these generic-proxy stores before the TMA store (async proxy)
+    rows = gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, o_layout))
     lse = (gl.convert_layout(m_i, gl.SliceLayout(1, o_layout)) + gl.log2(l_o)) * 0.6931471805599453
-    gl.store(lse_row + HALF_INDEX * HALF + rows, lse)
+    gl.store(lse_rows + rows, lse)
 
 
 @gluon.jit
@@ -305,17 +314,8 @@ def gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, lse_ptr, S, H, HKV, sm_scale,
             (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, row_q,
                                row_kv, col_q, col_kv, n_blocks, BLOCK_N, STAGES)),
         ], [_LOAD_WARPS], [_LOAD_REGS])
-
-        # Epilogue: O / l through Q's buffer (free: every MMA reading it has completed) and a TMA store; lse.
-        o_layout: gl.constexpr = acc.type.layout
-        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-        out = acc / l_o[:, None]
-        q_smem.store(out.to(o_desc.dtype))
-        fence_async_shared()
+        _finish_rows(acc, l_i, m_i, q_smem, lse_row)
         _tma_store(o_desc, [row_q, col_q], q_smem)
-        rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc.type.layout))
-        lse = (gl.convert_layout(m_i, gl.SliceLayout(1, o_layout)) + gl.log2(l_o)) * 0.6931471805599453
-        gl.store(lse_row + rows, lse)
         tma.store_wait(pendings=0)
     mbarrier.invalidate(q_bar)
     for i in gl.static_range(STAGES):
@@ -359,8 +359,8 @@ def attention(q, k, v, causal: bool, scale: float | None = None, block_n: int = 
     out = torch.empty_like(q)
     lse = torch.empty((B, H, S), dtype=torch.float32, device=q.device)
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    gluon_attn_fwd[(B * H * (S // BLOCK_M),)](*descriptors(q, k, v, out, block_n), lse, S, H, HKV, scale, causal,
-                                              stages, consumer_warps(split), pipelined or split, split,
+    gluon_attn_fwd[(B * H * (S // BLOCK_M),)](*descriptors(q, k, v, out, block_n), lse, S, H, HKV, scale,
+                                              **_constexprs(causal, stages, pipelined, split),
                                               num_warps=consumer_warps(split))
     return out, lse
 

@@ -309,7 +309,8 @@ GLUON_COMPILE = textwrap.dedent("""
 def test_gluon_forward_compiles_warp_specialised_for_hopper(tmp_path):
     """benchmarks/gluon_fwd.py (issue 18's Gluon path, single GPU for now) compiles for sm_90 on CPU under the
     Triton at hand: an explicit load partition beside the consumers' warps (one partition of two warpgroups, or
-    two of one: split), TMA copies and warpgroup MMAs, within Hopper's shared memory. What it computes is checked on a GPU (``python -m benchmarks.gluon_fwd``)."""
+    two of one: split), TMA copies and warpgroup MMAs, within Hopper's shared memory. What it computes is checked
+    on a GPU (``python -m benchmarks.gluon_fwd``)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]), TRITON_CACHE_DIR=str(tmp_path))
     r = subprocess.run([sys.executable, "-c", GLUON_COMPILE], capture_output=True, text=True, env=env, cwd=ROOT,
@@ -500,8 +501,8 @@ JIT_AND_BUILD_KEYS = textwrap.dedent("""
            and r["constexprs"]["SPLIT"] == split][2]
     q, kv = torch.zeros(B, S, H, D, dtype=getattr(torch, dt)), torch.zeros(B, S, HKV, D, dtype=getattr(torch, dt))
     gf.gluon_attn_fwd.run(*gf.descriptors(q, kv, kv, q.clone(), block_n), torch.zeros(B, H, S), S, H, HKV, 0.1,
-                          causal, stages, gf.consumer_warps(split), pipelined, split, grid=(1,), warmup=True,
-                          num_warps=gf.consumer_warps(split))
+                          **gf._constexprs(causal, stages, pipelined, split), grid=(1,), warmup=True,
+                          num_warps=gf.consumer_warps(split))  # as gluon_fwd.attention launches it
     sig, attrs = build.signature(gf.gluon_attn_fwd, rec["types"], rec["constexprs"], rec["divisible"])
     out.append([seen.pop("hash"), GluonASTSource(gf.gluon_attn_fwd, sig, rec["constexprs"], attrs).hash()])
     print(json.dumps(out))
