@@ -692,6 +692,14 @@ def main(argv=None) -> int:
             json.dump(summary, f, indent=1)
     print(f"gpu_faults: rank {job.rank}: {'ALL FAULT CHECKS PASSED' if ok else 'SOME FAULT CHECKS FAILED'}",
           flush=True)
+    if "kill" in sections and job.shared:
+        # The survivors' CUDA contexts are lost (section_kill): the CUDA libraries' exit handlers then abort
+        # the process (SIGABRT, measured at 2, 3, 4 and 8 ranks on one H200), which the launcher reports as a
+        # failed rank after every check has passed. End here with the checks' verdict instead; the job must
+        # restart anyway (README, limits).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0 if ok else 1)
     if "kill" not in sections:
         job.barrier("the end")
         if job.with_jax:

@@ -81,7 +81,7 @@ def checks_calls(world: int, sections=CHECKS_SECTIONS, mask_cases=None) -> list:
     if "grads" in sections:
         calls.append((spec_of(*g.GRADS_CASE), True))
     if "bwd" in sections:
-        calls += [(spec_of(*c[:8]), True) for c in g.BWD_CASES] + [(spec_of(*g.bwd_big(world)), True)]
+        calls += [(spec_of(*c[:8]), True) for c in g.BWD_CASES] + [(spec_of(*g.BWD_BIG), True)]
     if "masks" in sections:
         chosen = range(len(g.MASK_CASES)) if mask_cases is None else mask_cases
         calls += [(spec_of(*c[:8], window=c[8], segmented=c[9] is not None), True)
