@@ -9,6 +9,9 @@ large share. This times the same torch_fused call four ways, at world size 1 on 
 * ``host``: the host's own time to issue one call (perf_counter, no sync, after a sync);
 * ``kernel``: the fused kernel's own duration on the device, from torch.profiler (CUPTI), per call.
 
+Each three ways (``route``): the public ``torch_bridge.ring_attention``; the eager route alone
+(``torch_bridge.api._EagerFused``, an autograd.Function); the ``torch.library`` op that torch.compile sees.
+
     python -m jax_ring.launch --nproc-per-node 1 -m benchmarks.launch_gap --csv OUT.csv
 
 bf16, B=1, H=32, D=128, seq_local 16k, causal, forward; dense, and packed documents of the given lengths.
@@ -50,30 +53,30 @@ def main():
                                 dtype="bfloat16", mask="packed", doc_lens=(lo, hi))
             seg = torch.as_tensor(np.asarray(harness.segment_ids(case, 1)), device=dev, dtype=torch.int32)
 
-        def call():
-            return torch_bridge.ring_attention(q, k, v, backend="fused", is_causal=True, layout="zigzag",
-                                               segment_ids=seg)
+        from ring_core import validate
+        from torch_bridge import api
 
-        for _ in range(3):
-            call()
-        torch.cuda.synchronize()
-        each = [harness.cuda_timed(torch, call)[0] for _ in range(a.iters)]
-        torch.cuda.synchronize()
-        stream = harness.cuda_stream_ms(torch, call, a.iters)
-        host = []
-        for _ in range(a.iters):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            call()
-            host.append((time.perf_counter() - t0) * 1e3)
-        torch.cuda.synchronize()
-        if a.profile:
-            host_profile(torch, call, a.iters, lens)
-        row = dict(doc_lens=lens, seq_local=S, heads=H, each_ms=round(float(np.median(each)), 4),
-                   stream_ms=round(stream, 4), host_ms=round(float(np.median(host)), 4),
-                   kernel_ms=kernel_ms(torch, call, a.iters))
-        rows.append(row)
-        print(row, flush=True)
+        # The spec the public call validates to; the two lower routes take it ready-made, as
+        # torch_bridge.api._ring_attention_fused does.
+        spec = validate.check_attention_args(
+            tuple(q.shape), tuple(k.shape), tuple(v.shape), "bfloat16", "bfloat16", "bfloat16", is_causal=True,
+            scale=None, layout="zigzag", backend="fused", backends=("fused",), window_size=None,
+            segment_ids_shape=None if seg is None else tuple(seg.shape),
+            segment_ids_dtype=None if seg is None else "int32")
+        routes = {
+            # the public call, as a user makes it (validation, then the eager route below)
+            "public": lambda: torch_bridge.ring_attention(q, k, v, backend="fused", is_causal=True,
+                                                          layout="zigzag", segment_ids=seg),
+            # the eager route alone: torch_bridge.api._EagerFused (an autograd.Function)
+            "function": lambda: api._EagerFused.apply(q, k, v, seg, spec, None, None, False),
+            # the torch.library op that torch.compile sees (eager calls took it before _EagerFused)
+            "custom_op": lambda: api._fwd_op(q, k, v, seg, spec.scale, True, "zigzag", list(spec.window),
+                                             api.group_to_name(None), None, False),
+        }
+        for route, call in routes.items():
+            row = time_route(torch, call, a, lens, S, H, route)
+            rows.append(row)
+            print(row, flush=True)
     if a.csv:
         with open(a.csv, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(rows[0]))
@@ -81,9 +84,33 @@ def main():
             w.writerows(rows)
 
 
+def time_route(torch, call, a, lens: str, S: int, H: int, route: str) -> dict:
+    """One CSV row: ``call`` timed the four ways of the module's docstring."""
+    from benchmarks import harness
+
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    each = [harness.cuda_timed(torch, call)[0] for _ in range(a.iters)]
+    torch.cuda.synchronize()
+    stream = harness.cuda_stream_ms(torch, call, a.iters)
+    host = []
+    for _ in range(a.iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        call()
+        host.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    if a.profile:
+        host_profile(torch, call, a.iters, f"{lens}, {route}")
+    return dict(doc_lens=lens, route=route, seq_local=S, heads=H, each_ms=round(float(np.median(each)), 4),
+                stream_ms=round(stream, 4), host_ms=round(float(np.median(host)), 4),
+                host_min_ms=round(float(np.min(host)), 4), kernel_ms=kernel_ms(torch, call, a.iters))
+
+
 def host_profile(torch, call, iters: int, label: str, top: int = 25):
     """Print the functions that take the host's issue time of ``call`` (cProfile; each call after a sync, as
-    ``host`` is timed), by their own time: what differs between the dense and the packed call."""
+    ``host`` is timed), by their own time and by cumulative time: what differs between the dense and the packed call."""
     import cProfile
     import io
     import pstats
@@ -97,6 +124,7 @@ def host_profile(torch, call, iters: int, label: str, top: int = 25):
     torch.cuda.synchronize()
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(top)
     print(f"---- host profile, doc_lens {label}, {iters} calls\n{buf.getvalue()}", flush=True)
 
 
