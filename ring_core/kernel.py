@@ -36,10 +36,9 @@ import triton.language as tl
 
 from ring_core import control
 
-from ring_core.protocol import (block_range, call_words, check_call, claim_push, drain_pushes, end_call,
-                                id_range_meets, id_ranges_ready, in_rows, pairs_allowed, positions, ranges_of,
-                                ranks_rng, ring_context, row_blocks, rows_within, seg_blocks, tile_id_parts, tile_ids,
-                                wait_chunks, wait_rows)
+from ring_core.protocol import (call_words, check_call, claim_push, drain_pushes, end_call, id_range_meets,
+                                id_ranges_ready, in_rows, pairs_allowed, positions, ranges_of, ranks_rng, ring_context,
+                                seg_blocks, step_blocks, tile_id_parts, tile_ids, wait_chunks, wait_rows)
 from ring_core.tiles import dot, heavy_first, load_kv
 
 KIND_FWD = tl.constexpr(control.KIND_FWD)
@@ -188,25 +187,11 @@ def ring_attn_fwd_kernel(
     q_pos_min = tl.min(tl.where(m_valid, q_pos, 2147483647), axis=0)
     for step in tl.static_range(W):
         src = (rank - step + W) % W
-        if WINDOW or SEGMENTED:
-            # K/V rows some query of the tile may see by position: [lo1, hi1) | [lo2, hi2) (two runs for a zigzag
-            # tile holding rows of both chunks); every query sees [f_lo, f_hi). Blocks [nf_lo, nf_hi) run unmasked,
-            # [j_lo, nf_lo) and [nf_hi, j_hi) masked; every other block is neither waited for, loaded nor computed.
-            lo1, hi1, lo2, hi2, f_lo, f_hi = rows_within(m_blk * BLOCK_M, tl.minimum(m_blk * BLOCK_M + BLOCK_M, S),
-                                                         rank, src, S, W, ZIGZAG, CAUSAL, WIN_LEFT, WIN_RIGHT, True)
-            if SEGMENTED:
-                # A tile of padding rows attends nothing: no wait, no load, out 0 and lse -inf.
-                keep = (s_hi >= 0).to(tl.int32)
-                lo1, hi1, lo2, hi2, f_lo, f_hi = (lo1 * keep, hi1 * keep, lo2 * keep, hi2 * keep, f_lo * keep,
-                                                  f_hi * keep)
-            j_lo, n_full_lo, n_full, n_hi = row_blocks(lo1, hi1, lo2, hi2, f_lo, f_hi, BLOCK_N)
-        else:
-            # K/V blocks [0, n_full) are seen whole by every query of the tile; [n_full, n_hi) need masks;
-            # blocks from n_hi on are hidden by causality: never waited for, loaded or computed.
-            _, n_hi, n_full = block_range(q_pos_min, q_pos_max, src, S, W, BLOCK_N, CAUSAL, ZIGZAG)
-            j_lo = n_full * 0
-            n_full_lo = j_lo
-            lo1, hi1, lo2, hi2 = j_lo, j_lo, j_lo, j_lo
+        # The K/V blocks of rank src this tile visits (ring_core.protocol.step_blocks, shared with the backward's
+        # dQ tasks): [n_full_lo, n_full) unmasked, [j_lo, n_full_lo) and [n_full, n_hi) masked.
+        j_lo, n_full_lo, n_full, n_hi, lo1, hi1, lo2, hi2, _ = step_blocks(
+            m_blk * BLOCK_M, tl.minimum(m_blk * BLOCK_M + BLOCK_M, S), q_pos_min, q_pos_max, s_hi, rank, src, S, W,
+            BLOCK_N, ZIGZAG, CAUSAL, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)
         if step == 0:
             k_base = k_ptr + b.to(tl.int64) * S * HKV * D + hkv * D
             v_base = v_ptr + b.to(tl.int64) * S * HKV * D + hkv * D

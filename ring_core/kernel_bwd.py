@@ -85,11 +85,12 @@ import iris
 
 from ring_core import control
 from ring_core.protocol import (CTL_BWD_DELTA, CTL_BWD_TICKET, CTL_ERROR, ERR_KV_TIMEOUT, ERR_PEER_FAILED,
-                                block_range, call_words, check_call, chunk_needed, claim_push, drain_pushes, end_call,
+                                call_words, check_call, chunk_needed, claim_push, drain_pushes, end_call,
                                 id_range_meets, id_ranges_ready, in_rows, last_pos, meets_halves,
                                 pairs_allowed, poll_ge, positions, published_range, ranges_of, ranks_rng,
                                 record_error, record_peer_error, ring_context, row_blocks, rows_seen, rows_within,
-                                seg_blocks, tile_id_parts, tile_ids, visible_rows, wait_chunks, wait_rows)
+                                seg_blocks, step_blocks, tile_id_parts, tile_ids, visible_rows, wait_chunks,
+                                wait_rows)
 from ring_core.tiles import dot, heavy_first, load_kv
 
 KIND_BWD = tl.constexpr(control.KIND_BWD)
@@ -322,26 +323,11 @@ def ring_attn_bwd_kernel(
         dq = tl.zeros([DQ_BLOCK_M, BLOCK_D], tl.float32)
         for step in tl.static_range(W):
             src = (rank - step + W) % W
-            if WINDOW or SEGMENTED:
-                # As in the forward: rows [lo1, hi1) | [lo2, hi2) some query of the tile sees by position,
-                # [f_lo, f_hi) every one; blocks [n_full_lo, n_full) unmasked, [j_lo, n_full_lo) and
-                # [n_full, n_hi) masked, no other block waited for, loaded or computed.
-                lo1, hi1, lo2, hi2, f_lo, f_hi = rows_within(m_blk * DQ_BLOCK_M,
-                                                             tl.minimum(m_blk * DQ_BLOCK_M + DQ_BLOCK_M, S), rank, src,
-                                                             S, W, ZIGZAG, CAUSAL, WIN_LEFT, WIN_RIGHT, True)
-                if SEGMENTED:
-                    keep = (s_hi >= 0).to(tl.int32)  # a tile of padding rows attends nothing: dq 0, no wait
-                    lo1, hi1, lo2, hi2, f_lo, f_hi = (lo1 * keep, hi1 * keep, lo2 * keep, hi2 * keep, f_lo * keep,
-                                                      f_hi * keep)
-                j_lo, n_full_lo, n_full, n_hi = row_blocks(lo1, hi1, lo2, hi2, f_lo, f_hi, DQ_BLOCK_N)
-                seen = n_hi * 0  # unused
-            else:
-                # K/V blocks [0, n_full) are seen whole by every query of the tile; [n_full, n_hi) need masks;
-                # rows from ``seen`` on are hidden by causality: never waited for, loaded or computed.
-                seen, n_hi, n_full = block_range(q_pos_min, q_pos_max, src, S, W, DQ_BLOCK_N, CAUSAL, ZIGZAG)
-                j_lo = n_full * 0
-                n_full_lo = j_lo
-                lo1, hi1, lo2, hi2 = j_lo, j_lo, j_lo, j_lo
+            # The K/V blocks of rank src this task visits, as a forward tile's (ring_core.protocol.step_blocks);
+            # with causal masking only, rows from ``seen`` on are hidden: never waited for, loaded or computed.
+            j_lo, n_full_lo, n_full, n_hi, lo1, hi1, lo2, hi2, seen = step_blocks(
+                m_blk * DQ_BLOCK_M, tl.minimum(m_blk * DQ_BLOCK_M + DQ_BLOCK_M, S), q_pos_min, q_pos_max, s_hi, rank,
+                src, S, W, DQ_BLOCK_N, ZIGZAG, CAUSAL, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)
             if step == 0:
                 k_base = k_ptr + b.to(tl.int64) * S * HKV * D + hkv * D
                 v_base = v_ptr + b.to(tl.int64) * S * HKV * D + hkv * D

@@ -630,6 +630,35 @@ def row_blocks(lo1, hi1, lo2, hi2, f_lo, f_hi, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def step_blocks(m_lo, m_hi, q_pos_min, q_pos_max, s_hi, rank, src, S, W: tl.constexpr, BLOCK_N: tl.constexpr,
+                ZIGZAG: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, WIN_LEFT: tl.constexpr,
+                WIN_RIGHT: tl.constexpr, SEGMENTED: tl.constexpr):
+    """Which of rank ``src``'s K/V blocks (BLOCK_N rows) a query tile (local rows [m_lo, m_hi), positions
+    [q_pos_min, q_pos_max], largest segment id ``s_hi``) visits at one ring step, for a forward tile and a
+    backward dQ task alike: (j_lo, n_full_lo, n_full, n_hi, lo1, hi1, lo2, hi2, seen). Blocks [n_full_lo,
+    n_full) run unmasked, [j_lo, n_full_lo) and [n_full, n_hi) masked; no other block is waited for, loaded or
+    computed. With a window or segment ids: the rows some query sees by position, [lo1, hi1) | [lo2, hi2) (two
+    runs for a zigzag tile holding rows of both chunks), every query [f_lo, f_hi) (``rows_within``); a tile of
+    padding rows (s_hi < 0) sees none; ``seen`` is then 0. Otherwise (causal or nothing) the blocks of
+    ``block_range``, ``seen`` its visible rows, no row runs."""
+    if WINDOW or SEGMENTED:
+        lo1, hi1, lo2, hi2, f_lo, f_hi = rows_within(m_lo, m_hi, rank, src, S, W, ZIGZAG, CAUSAL, WIN_LEFT,
+                                                     WIN_RIGHT, True)
+        if SEGMENTED:
+            keep = (s_hi >= 0).to(tl.int32)  # a tile of padding rows attends nothing: no wait, no load
+            lo1, hi1, lo2, hi2, f_lo, f_hi = (lo1 * keep, hi1 * keep, lo2 * keep, hi2 * keep, f_lo * keep,
+                                              f_hi * keep)
+        j_lo, n_full_lo, n_full, n_hi = row_blocks(lo1, hi1, lo2, hi2, f_lo, f_hi, BLOCK_N)
+        seen = n_hi * 0
+    else:
+        seen, n_hi, n_full = block_range(q_pos_min, q_pos_max, src, S, W, BLOCK_N, CAUSAL, ZIGZAG)
+        j_lo = n_full * 0
+        n_full_lo = j_lo
+        lo1, hi1, lo2, hi2 = j_lo, j_lo, j_lo, j_lo
+    return j_lo, n_full_lo, n_full, n_hi, lo1, hi1, lo2, hi2, seen
+
+
+@triton.jit
 def rows_seen(r0, r1, src, dst, S, W: tl.constexpr, ZIGZAG: tl.constexpr, CAUSAL: tl.constexpr,
               WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr):
     """With a window: whether some query of rank ``dst`` sees, by position, a row of rank ``src``'s K/V rows
