@@ -121,17 +121,18 @@ def _attend(acc, l_i, m_i, q_smem, k_smem, v_smem, kv_ready, kv_empty, j_lo, j_h
 
 @gluon.jit
 def _softmax_step(qk, m_i, l_i, j, n_full, rows, qk_scale, s_layout: gl.constexpr, BLOCK_N: gl.constexpr,
-                  MASK: gl.constexpr):
+                  MASK: gl.constexpr, col_shift=0):
     """Block j's scores -> (P unnormalised, alpha = the old rows' rescale, new max, new sum). Causal mask (keys
     after the query dropped), ``MASK``: "none", "all" (a loop over diagonal blocks), "from" (blocks from
-    ``n_full`` on: one loop over all blocks)."""
+    ``n_full`` on: one loop over all blocks; the block's keys are local block ``j - col_shift``, as in the ring
+    kernel, whose peers' blocks come before the local diagonal ones)."""
     qk = qk * qk_scale  # log2 units
     if MASK == "all":
         cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         qk = gl.where(cols[None, :] <= rows[:, None], qk, float("-inf"))
     elif MASK == "from":
         if j >= n_full:
-            cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            cols = (j - col_shift) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             qk = gl.where(cols[None, :] <= rows[:, None], qk, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(qk, axis=1))
     p = gl.exp2(qk - m_new[:, None])
@@ -151,7 +152,7 @@ def _release(kv_empty, s):
 @gluon.jit
 def _attend_pipelined(q_smem, k_smem, v_smem, kv_ready, kv_empty, n_full, n_blocks, q0, qk_scale,
                       s_layout: gl.constexpr, o_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                      D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+                      D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, col_shift=0):
     """Every block in one loop, FlashAttention-3's intra-warpgroup overlap: block j's S = Q K^T and block j-1's
     O += P V are issued together, the softmax of block j runs while P V is on the tensor cores, and O is rescaled
     once P V is done. (One loop: the causal blocks' mask is a branch on the block index.)"""
@@ -165,7 +166,7 @@ def _attend_pipelined(q_smem, k_smem, v_smem, kv_ready, kv_empty, n_full, n_bloc
     qk = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
     p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, 0, n_full, rows, qk_scale, s_layout, BLOCK_N,
-                                       "from" if CAUSAL else "none")
+                                       "from" if CAUSAL else "none", col_shift)
     p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)  # acc is 0: no rescale for block 0
     for j in range(1, n_blocks):
         s = j % STAGES
@@ -175,7 +176,7 @@ def _attend_pipelined(q_smem, k_smem, v_smem, kv_ready, kv_empty, n_full, n_bloc
         acc = warpgroup_mma(p_op, v_smem.index(sp), acc, is_async=True)
         qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk, ))  # S done; P V may still run
         p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, j, n_full, rows, qk_scale, s_layout, BLOCK_N,
-                                           "from" if CAUSAL else "none")
+                                           "from" if CAUSAL else "none", col_shift)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         _release(kv_empty, sp)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
@@ -217,7 +218,7 @@ def _compute_partition(q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, n_full
 @gluon.jit
 def _consumer_half(q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, lse_row, n_full, n_blocks, q0, qk_scale,
                    HALF_INDEX: gl.constexpr, HALF: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, NUM_WARPS: gl.constexpr):
+                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, NUM_WARPS: gl.constexpr, col_shift=0):
     """SPLIT: one of two consumer partitions (one warpgroup each), on its own ``HALF`` query rows of the tile,
     the pipelined loop, then its rows of O / l into its half of Q's buffer (its own Q rows, read by no one else)
     and its lse. The two consumers share the K/V slots (released when both arrived) but no barrier per block,
@@ -230,7 +231,7 @@ def _consumer_half(q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, lse_row, n
     mbarrier.wait(q_bar, 0)
     acc, l_i, m_i = _attend_pipelined(q_half, k_smem, v_smem, kv_ready, kv_empty, n_full, n_blocks,
                                       q0 + HALF_INDEX * HALF, qk_scale, s_layout, o_layout, HALF, BLOCK_N, D, STAGES,
-                                      CAUSAL)
+                                      CAUSAL, col_shift)
     _finish_rows(acc, l_i, m_i, q_half, lse_row + HALF_INDEX * HALF)  # the TMA store follows the join
 
 

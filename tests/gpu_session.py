@@ -59,6 +59,8 @@ Stages (``NAME[:SECONDS]``; the default time limit is in brackets):
   bench-w1-stream  bench-w1 with --timing stream (the calls back to back)                [300]
   probe-gluon-fwd  benchmarks/gluon_fwd.py: a Gluon warp-specialised forward (single GPU), checked, then
                timed against cuDNN, bf16 D128 16k/32k                                      [240]
+  probe-gluon-ring benchmarks/gluon_ring.py: that loop over a ring's steps, the chunk waits in the load
+               partition (host-filled slots and flags: ready, late, never), checked, then timed at W=1,2,4 [180]
   probe-launch-gap benchmarks/launch_gap.py: one call timed per call, back to back, host-only and
                kernel-only (torch.profiler), dense and packed, world size 1                 [120]
   bench-doclens  the packed forward at W=1 with documents of 16384, 4096 and 1024 tokens    [150]
@@ -171,6 +173,10 @@ STAGES = {
     # attention, then timed against cuDNN (one process, the whole GPU).
     "probe-gluon-fwd": (240, [["env", "-u", gpus.MPS_SHARE_ENV, sys.executable, "-m", "benchmarks.gluon_fwd",
                                "--out", "{out}/gluon_fwd.csv"]]),
+    # Its next piece: benchmarks/gluon_ring.py, the same loop over a ring's steps with the chunk waits in the
+    # load partition (flags and slots filled by the host: late, ready, never), checked, then timed (one process).
+    "probe-gluon-ring": (180, [["env", "-u", gpus.MPS_SHARE_ENV, sys.executable, "-m", "benchmarks.gluon_ring",
+                                "--out", "{out}/gluon_ring.csv"]]),
     "probe-launch-gap": (120, [LAUNCH1 + ["-m", "benchmarks.launch_gap", "--profile", "--csv", "{out}/launch_gap.csv"]]),
     "bench-w1": (300, [LAUNCH1 + ["-m", "benchmarks.attention", "--methods",
                                   "torch_fused,torch_cudnn_1gpu,jax_fused,jax_fused_deferred,jax_cudnn_1gpu",

@@ -325,6 +325,43 @@ def test_gluon_forward_compiles_warp_specialised_for_hopper(tmp_path):
         assert (c["wait1"] > 0) == c["pipelined"], (name, c)
 
 
+GLUON_RING_COMPILE = textwrap.dedent("""
+    import json, re
+    from benchmarks import gluon_ring
+    out = {}
+    for dt, d, w, causal in (("bfloat16", 128, 2, True), ("float16", 64, 3, False), ("bfloat16", 128, 1, True)):
+        ck = gluon_ring.compile_for_sm90(dt, d, w, causal)
+        ttgir, ptx = ck.asm["ttgir"], ck.asm["ptx"]
+        acq = [m.start() for m in re.finditer(r"ld\\.global\\.gpu\\.acquire", ptx)]
+        fence = [m.start() for m in re.finditer(r"fence\\.proxy\\.async\\.global", ptx)]
+        tma = [m.start() for m in re.finditer(r"cp\\.async\\.bulk\\.tensor", ptx)]
+        out[f"{dt}-{d}-W{w}-{causal}"] = dict(ws="ttg.warp_specialize" in ttgir, warps=ck.metadata.num_warps,
+                                              shared=ck.metadata.shared, acquires=len(acq), fences=len(fence),
+                                              fence_after_acquire=bool(acq and fence and fence[-1] > acq[0]),
+                                              tma_after_fence=bool(fence and tma and tma[-1] > fence[0]))
+    print(json.dumps(out))
+""")
+
+
+def test_gluon_ring_forward_compiles_with_its_waits_in_the_load_partition(tmp_path):
+    """benchmarks/gluon_ring.py (issue 18: the Gluon loop over a ring's steps): the chunk waits are acquire loads
+    followed by the generic-to-async proxy fence that the TMA reads of the chunk need, inside a warp-specialised
+    kernel; at world size 1 there is nothing to wait for and no acquire is left. What it computes, and whether a
+    late flag is honoured, is checked on a GPU (``python -m benchmarks.gluon_ring``)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]), TRITON_CACHE_DIR=str(tmp_path))
+    r = subprocess.run([sys.executable, "-c", GLUON_RING_COMPILE], capture_output=True, text=True, env=env, cwd=ROOT,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    for name, c in got.items():
+        assert c["ws"] and c["warps"] > 8 and c["shared"] <= 227 * 1024, (name, c)
+        if "-W1-" in name:
+            assert c["acquires"] == 0 and c["fences"] == 0, (name, c)
+        else:
+            assert c["acquires"] > 0 and c["fence_after_acquire"] and c["tma_after_fence"], (name, c)
+
+
 # ------------------------------------------------------------- the variants a run compiles, worked out ahead
 RECORD_THROUGH_JAX = textwrap.dedent("""
     import json, os, sys
@@ -418,6 +455,9 @@ def test_gpu_variants_lists_the_runs_kernels():
     assert gluon and all(r["kernel"] == "benchmarks.gluon_fwd:gluon_attn_fwd" for r in gluon)
     assert {r["types"][0].split("[")[0] for r in gluon} == {"tensordesc<bf16", "tensordesc<fp16"}
     assert {r["tag"] for r in gluon} == {"probe-gluon-fwd@1"}
+    ring = gv.stage_records("probe-gluon-ring", 1)  # its ring-step loop: every check and timed world size
+    assert ring and all(r["kernel"] == "benchmarks.gluon_ring:gluon_ring_fwd" for r in ring)
+    assert {r["constexprs"]["W"] for r in ring} == {1, 2, 3, 4}
 
 
 IRIS_DEVICE_ONLY = textwrap.dedent("""
