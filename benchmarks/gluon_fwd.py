@@ -249,16 +249,12 @@ def _finish_rows(acc, l_i, m_i, o_smem, lse_rows):
 
 
 @gluon.jit
-def gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, lse_ptr, S, H, HKV, sm_scale,
-                   CAUSAL: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, PIPELINED: gl.constexpr,
-                   SPLIT: gl.constexpr):
-    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
-    D: gl.constexpr = q_desc.block_type.shape[1]
-    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-    # The tl kernel's order (ring_core.kernel): the heads of one kv group fastest, then the query tiles, so the
-    # programs side by side share one kv head's K and V (L2); causal, each head's heaviest tiles first. With
-    # (batch x head) fastest instead (3c8ce48: 32 heads' K/V at once), non-causal fell from 511/510 to 473/455
-    # TFLOP/s at 16k/32k (2026-12-02).
+def _tile(S, H, HKV, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """This program's tile: (batch, head, kv head, first query row, local K/V blocks every query sees whole, local
+    K/V blocks it visits). The tl kernel's order (ring_core.kernel): the heads of one kv group fastest, then the
+    query tiles, so the programs side by side share one kv head's K and V (L2); causal, each head's heaviest tiles
+    first. With (batch x head) fastest instead (3c8ce48: 32 heads' K/V at once), non-causal fell from 511/510 to
+    473/455 TFLOP/s at 16k/32k (2026-12-02)."""
     G = H // HKV
     n_m = S // BLOCK_M
     pid = gl.program_id(0)
@@ -269,19 +265,21 @@ def gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, lse_ptr, S, H, HKV, sm_scale,
         pid_m = n_m - 1 - pid_m
     t = t // n_m
     b = t // HKV
-    h = (t % HKV) * G + g
+    hkv = t % HKV
     q0 = pid_m * BLOCK_M
-    row_q = b * S + q0
-    row_kv = b * S
-    col_q = h * D
-    col_kv = (h // (H // HKV)) * D
     if CAUSAL:
         n_full = q0 // BLOCK_N  # wholly below the diagonal
         n_blocks = gl.cdiv(q0 + BLOCK_M, BLOCK_N)
     else:
         n_full = S // BLOCK_N
         n_blocks = n_full
+    return b, hkv * G + g, hkv, q0, n_full, n_blocks
 
+
+@gluon.jit
+def _slots(q_desc, k_desc, v_desc, STAGES: gl.constexpr, RELEASERS: gl.constexpr):
+    """Shared memory for Q and ``STAGES`` K/V slots, and their mbarriers, initialised: ``q_bar`` (Q landed),
+    ``kv_ready`` (a slot's bytes landed), ``kv_empty`` (a slot freed by its ``RELEASERS`` consumer partitions)."""
     q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
@@ -291,8 +289,32 @@ def gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, lse_ptr, S, H, HKV, sm_scale,
     mbarrier.init(q_bar, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(kv_ready.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=2 if SPLIT else 1)  # SPLIT: both consumers release a slot
+        mbarrier.init(kv_empty.index(i), count=RELEASERS)
     fence_async_shared()  # the barriers' initialisation before the async proxy (TMA) uses them
+    return q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty
+
+
+@gluon.jit
+def _free_slots(q_bar, kv_ready, kv_empty, STAGES: gl.constexpr):
+    mbarrier.invalidate(q_bar)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(kv_ready.index(i))
+        mbarrier.invalidate(kv_empty.index(i))
+
+
+@gluon.jit
+def gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, lse_ptr, S, H, HKV, sm_scale,
+                   CAUSAL: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, PIPELINED: gl.constexpr,
+                   SPLIT: gl.constexpr):
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+    D: gl.constexpr = q_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    b, h, hkv, q0, n_full, n_blocks = _tile(S, H, HKV, BLOCK_M, BLOCK_N, CAUSAL)
+    row_q = b * S + q0
+    row_kv = b * S
+    col_q = h * D
+    col_kv = hkv * D
+    q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty = _slots(q_desc, k_desc, v_desc, STAGES, 2 if SPLIT else 1)
 
     qk_scale = sm_scale * 1.4426950408889634
     lse_row = lse_ptr + (b * H + h).to(gl.int64) * S + q0
@@ -318,10 +340,7 @@ def gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, lse_ptr, S, H, HKV, sm_scale,
         _finish_rows(acc, l_i, m_i, q_smem, lse_row)
         _tma_store(o_desc, [row_q, col_q], q_smem)
         tma.store_wait(pendings=0)
-    mbarrier.invalidate(q_bar)
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(kv_ready.index(i))
-        mbarrier.invalidate(kv_empty.index(i))
+    _free_slots(q_bar, kv_ready, kv_empty, STAGES)
 
 
 def descriptors(q, k, v, out, block_n: int = BLOCK_N):
@@ -448,7 +467,7 @@ def main(argv=None) -> int:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from benchmarks.harness import cuda_stream_ms
+    from benchmarks.harness import cuda_stream_ms, write_rows
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None, help="CSV of the check and the timings")
@@ -512,11 +531,7 @@ def main(argv=None) -> int:
                 print(row, flush=True)
                 rows.append(row)
     if a.out:
-        keys = sorted({k for r in rows for k in r})
-        with open(a.out, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=keys)
-            w.writeheader()
-            w.writerows(rows)
+        write_rows(a.out, rows)
     return 0 if all(r.get("ok", 1) for r in rows) else 1
 
 

@@ -27,7 +27,6 @@ NaN rows after a failed wait, zigzag positions and the masked steps of other ran
 from __future__ import annotations
 
 import argparse
-import csv
 import math
 import time
 
@@ -35,10 +34,11 @@ import triton
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from benchmarks.gluon_fwd import (_LOAD_REGS, _LOAD_WARPS, _SPLIT_REGS, BLOCK_M, BLOCK_N, DEFAULT_NUM_STAGES,
-                                  SPLIT_WARPS, _consumer_half, _tma_load, _tma_store, descriptors)
+                                  SPLIT_WARPS, _consumer_half, _free_slots, _slots, _tile, _tma_load, _tma_store,
+                                  descriptors)
 
 STAGES = 3  # n128s3x: the split consumers need the third slot (NOTES, session 7)
 CHUNK_BLOCKS = 4  # K/V blocks per flag (512 rows)
@@ -103,44 +103,14 @@ def gluon_ring_fwd(q_desc, k_desc, v_desc, r_desc, o_desc, lse_ptr, flags_ptr, e
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     D: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-    # Tiles in gluon_fwd's (and the tl kernel's) order: a kv group's heads fastest, then the query tiles.
-    G = H // HKV
-    n_m = S // BLOCK_M
-    pid = gl.program_id(0)
-    g = pid % G
-    t = pid // G
-    pid_m = t % n_m
-    if CAUSAL:
-        pid_m = n_m - 1 - pid_m
-    t = t // n_m
-    b = t // HKV
-    hkv = t % HKV
-    h = hkv * G + g
-    q0 = pid_m * BLOCK_M
+    b, h, hkv, q0, n_full, n_local = _tile(S, H, HKV, BLOCK_M, BLOCK_N, CAUSAL)
     n_step = S // BLOCK_N  # blocks of one peer's shard, every one visible
     n_peer = (W - 1) * n_step
-    if CAUSAL:
-        n_full = q0 // BLOCK_N
-        n_local = gl.cdiv(q0 + BLOCK_M, BLOCK_N)
-    else:
-        n_full = n_step
-        n_local = n_step
     n_blocks = n_local + n_peer
     n_chunks = S // (CHUNK_BLOCKS * BLOCK_N)
     flag0 = flags_ptr + (b * HKV + hkv) * n_chunks  # ring step 1's flags; step 1 + t at + t * B * HKV * n_chunks
     r_row = (b * HKV + hkv) * S  # K rows of slot 0; its V at + B * HKV * S rows; slot t at + t * 2 * B * HKV * S
-
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(kv_ready.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=2)  # both consumers release a slot
-    fence_async_shared()  # the barriers' initialisation before the async proxy (TMA) uses them
+    q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty = _slots(q_desc, k_desc, v_desc, STAGES, 2)  # two consumers
 
     qk_scale = sm_scale * 1.4426950408889634
     lse_row = lse_ptr + (b * H + h).to(gl.int64) * S + q0
@@ -158,10 +128,7 @@ def gluon_ring_fwd(q_desc, k_desc, v_desc, r_desc, o_desc, lse_ptr, flags_ptr, e
     ], [_LOAD_WARPS, NUM_WARPS], [_LOAD_REGS, _SPLIT_REGS])
     _tma_store(o_desc, [b * S + q0, h * D], q_smem)  # both halves written (the partitions joined)
     tma.store_wait(pendings=0)
-    mbarrier.invalidate(q_bar)
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(kv_ready.index(i))
-        mbarrier.invalidate(kv_empty.index(i))
+    _free_slots(q_bar, kv_ready, kv_empty, STAGES)
 
 
 @triton.jit
@@ -329,7 +296,7 @@ def main(argv=None) -> int:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from benchmarks.harness import cuda_stream_ms
+    from benchmarks.harness import cuda_stream_ms, write_rows
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None)
@@ -378,11 +345,7 @@ def main(argv=None) -> int:
                     print(row, flush=True)
                     rows.append(row)
     if a.out:
-        keys_ = sorted({key for r in rows for key in r})
-        with open(a.out, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=keys_)
-            w.writeheader()
-            w.writerows(rows)
+        write_rows(a.out, rows)
     return 0 if all(r.get("ok", 1) and not r.get("err_word", 0) for r in rows) else 1
 
 

@@ -287,6 +287,16 @@ def test_compiles_are_logged_and_warm_compiles_them_again(tmp_path):
     assert "warmed 0 of 0 variants" in r.stdout, r.stdout
 
 
+def _compiled_for_sm90(script: str, cache) -> dict:
+    """The JSON that ``script`` prints last, run in a process of its own (compiled, not interpreted; its own
+    Triton cache ``cache``)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]), TRITON_CACHE_DIR=str(cache))
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
 GLUON_COMPILE = textwrap.dedent("""
     import json, re
     from benchmarks import gluon_fwd
@@ -311,12 +321,7 @@ def test_gluon_forward_compiles_warp_specialised_for_hopper(tmp_path):
     Triton at hand: an explicit load partition beside the consumers' warps (one partition of two warpgroups, or
     two of one: split), TMA copies and warpgroup MMAs, within Hopper's shared memory. What it computes is checked
     on a GPU (``python -m benchmarks.gluon_fwd``)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]), TRITON_CACHE_DIR=str(tmp_path))
-    r = subprocess.run([sys.executable, "-c", GLUON_COMPILE], capture_output=True, text=True, env=env, cwd=ROOT,
-                       timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    got = json.loads(r.stdout.strip().splitlines()[-1])
+    got = _compiled_for_sm90(GLUON_COMPILE, tmp_path)
     for name, c in got.items():
         assert c["ws"] and c["warps"] > 8, (name, c)  # the consumers' 8 warps and the load warp(s)
         assert c["wgmma"] > 0 and c["tma"] >= 1 and c["shared"] <= 227 * 1024, (name, c)
@@ -348,12 +353,7 @@ def test_gluon_ring_forward_compiles_with_its_waits_in_the_load_partition(tmp_pa
     followed by the generic-to-async proxy fence that the TMA reads of the chunk need, inside a warp-specialised
     kernel; at world size 1 there is nothing to wait for and no acquire is left. What it computes, and whether a
     late flag is honoured, is checked on a GPU (``python -m benchmarks.gluon_ring``)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]), TRITON_CACHE_DIR=str(tmp_path))
-    r = subprocess.run([sys.executable, "-c", GLUON_RING_COMPILE], capture_output=True, text=True, env=env, cwd=ROOT,
-                       timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    got = json.loads(r.stdout.strip().splitlines()[-1])
+    got = _compiled_for_sm90(GLUON_RING_COMPILE, tmp_path)
     for name, c in got.items():
         assert c["ws"] and c["warps"] > 8 and c["shared"] <= 227 * 1024, (name, c)
         if "-W1-" in name:
