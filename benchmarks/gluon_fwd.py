@@ -433,9 +433,19 @@ def launch_records(seqs=(16384, 32768)) -> list:
     return out
 
 
-def plot(csv_path: str, png: str, extra=()) -> None:
+def _shape(r) -> tuple:
+    return int(r["S"]), int(r["causal"])
+
+
+def _shape_label(shape) -> str:
+    return f"S={shape[0] // 1024}k {'causal' if shape[1] else 'full'}"
+
+
+def plot(csv_path: str, png: str, extra=(), shape=_shape, label=_shape_label,
+         title="Gluon forward (issue 18) against cuDNN, one H200, calls back to back") -> None:
     """Bar chart of a run's timed rows (TFLOP/s per method and shape); ``extra``: more (label, S, causal, TFLOP/s)
-    rows to show beside them (e.g. the fused tl kernel of the same day, same timing)."""
+    rows to show beside them (e.g. the fused tl kernel of the same day, same timing). ``shape``: a row's x
+    position key (sorted), ``label``: its tick label."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -445,18 +455,18 @@ def plot(csv_path: str, png: str, extra=()) -> None:
         rows = [r for r in csv.DictReader(f) if r["kind"] == "time"]
     bars = {}
     for r in rows:
-        bars.setdefault(r["method"], {})[(int(r["S"]), int(r["causal"]))] = float(r["tflops"])
-    for label, S, causal, tf in extra:
-        bars.setdefault(label, {})[(S, causal)] = tf
+        bars.setdefault(r["method"], {})[shape(r)] = float(r["tflops"])
+    for name, S, causal, tf in extra:
+        bars.setdefault(name, {})[(S, causal)] = tf
     shapes = sorted({k for v in bars.values() for k in v})
     fig, ax = plt.subplots(figsize=(9, 4))
     width = 0.8 / len(bars)
     for i, (name, vals) in enumerate(bars.items()):
         ax.bar([j + i * width for j in range(len(shapes))], [vals.get(s, 0) for s in shapes], width, label=name)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))])
-    ax.set_xticklabels([f"S={s // 1024}k {'causal' if c else 'full'}" for s, c in shapes])
+    ax.set_xticklabels([label(s) for s in shapes])
     ax.set_ylabel("TFLOP/s (bf16, B=1, H=32, D=128)")
-    ax.set_title("Gluon forward (issue 18) against cuDNN, one H200, calls back to back")
+    ax.set_title(title)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(png, dpi=120)

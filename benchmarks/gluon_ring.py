@@ -291,6 +291,16 @@ def check(case) -> dict:
     return row
 
 
+def plot(csv_path: str, png: str) -> None:
+    """Bar chart of a run's timed rows: TFLOP/s per world size and causality, the ring kernel beside cuDNN on the
+    same keys (non-causal)."""
+    from benchmarks import gluon_fwd
+
+    gluon_fwd.plot(csv_path, png, shape=lambda r: (int(r["W"]), int(r["causal"])),
+                   label=lambda s: f"W={s[0]} {'causal' if s[1] else 'full'}",
+                   title=f"Gluon ring-step forward (issue 18), seq_local {TIMED['S']}, flags ready, one H200")
+
+
 def main(argv=None) -> int:
     import torch
     import torch.nn.functional as F
