@@ -61,6 +61,8 @@ Stages (``NAME[:SECONDS]``; the default time limit is in brackets):
                timed against cuDNN, bf16 D128 16k/32k                                      [240]
   probe-gluon-ring benchmarks/gluon_ring.py: that loop over a ring's steps, the chunk waits in the load
                partition (host-filled slots and flags: ready, late, never), checked, then timed at W=1,2,4 [180]
+  probe-gluon-peer-store benchmarks/gluon_peer_store.py: TMA stores into the next rank's heap, each tile
+               released by a flag, read there by TMA after the acquire (--nproc >= 2)       [90]
   probe-launch-gap benchmarks/launch_gap.py: one call timed per call, back to back, host-only and
                kernel-only (torch.profiler), dense and packed, world size 1                 [120]
   bench-doclens  the packed forward at W=1 with documents of 16384, 4096 and 1024 tokens    [150]
@@ -177,6 +179,9 @@ STAGES = {
     # load partition (flags and slots filled by the host: late, ready, never), checked, then timed (one process).
     "probe-gluon-ring": (180, [["env", "-u", gpus.MPS_SHARE_ENV, sys.executable, "-m", "benchmarks.gluon_ring",
                                 "--out", "{out}/gluon_ring.csv"]]),
+    # The push design's open point: a TMA store into a peer's heap, released by a flag, read by the peer's TMA
+    # load (benchmarks/gluon_peer_store.py; --nproc ranks, at least 2).
+    "probe-gluon-peer-store": (90, [LAUNCH + ["-m", "benchmarks.gluon_peer_store", "--out", "{out}/peer_store.json"]]),
     "probe-launch-gap": (120, [LAUNCH1 + ["-m", "benchmarks.launch_gap", "--profile", "--csv", "{out}/launch_gap.csv"]]),
     "bench-w1": (300, [LAUNCH1 + ["-m", "benchmarks.attention", "--methods",
                                   "torch_fused,torch_cudnn_1gpu,jax_fused,jax_fused_deferred,jax_cudnn_1gpu",

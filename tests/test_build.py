@@ -362,6 +362,33 @@ def test_gluon_ring_forward_compiles_with_its_waits_in_the_load_partition(tmp_pa
             assert c["acquires"] > 0 and c["fence_after_acquire"] and c["tma_after_fence"], (name, c)
 
 
+PEER_STORE_COMPILE = textwrap.dedent("""
+    import json
+    from benchmarks import gluon_peer_store
+    ptx = gluon_peer_store.compile_for_sm90().asm["ptx"]
+    lines = [l.strip() for l in ptx.splitlines()]
+    at = lambda pred: next((i for i, l in enumerate(lines) if pred(l)), -1)
+    store = at(lambda l: l.startswith("@") and "cp.async.bulk.tensor" in l and "global.shared" in l)
+    wait = at(lambda l: l.startswith("cp.async.bulk.wait_group 0"))
+    fence = at(lambda l: l.startswith("fence.proxy.async.global"))
+    bar = next((i for i in range(max(fence, 0), len(lines)) if lines[i].startswith("bar.sync")), -1)
+    release = at(lambda l: "release" in l and "atom" in l)
+    print(json.dumps(dict(store=store, wait=wait, fence=fence, bar=bar, release=release,
+                          read_only_waits=sum(l.startswith("cp.async.bulk.wait_group.read") for l in lines))))
+""")
+
+
+def test_gluon_peer_store_waits_for_the_bulk_writes_before_its_release(tmp_path):
+    """benchmarks/gluon_peer_store.py (issue 18's push design: TMA stores into a peer's heap, then a flag): the
+    release comes after a wait for the bulk writes themselves (``cp.async.bulk.wait_group 0``, not Gluon's
+    ``tma.store_wait``, whose ``.read`` form only waits for shared memory to be read), the generic-to-async proxy
+    fence and a CTA barrier (the releasing thread may not be the one that issued the stores). Whether TMA takes a
+    peer's heap address and the data arrive is checked on a GPU (stage ``probe-gluon-peer-store``)."""
+    got = _compiled_for_sm90(PEER_STORE_COMPILE, tmp_path)
+    assert 0 <= got["store"] < got["wait"] < got["fence"] < got["bar"] < got["release"], got
+    assert got["read_only_waits"] == 0, got
+
+
 # ------------------------------------------------------------- the variants a run compiles, worked out ahead
 RECORD_THROUGH_JAX = textwrap.dedent("""
     import json, os, sys
