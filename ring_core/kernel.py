@@ -36,8 +36,8 @@ import triton.language as tl
 
 from ring_core import control
 
-from ring_core.protocol import (call_words, check_call, claim_push, drain_pushes, end_call, id_range_meets,
-                                id_ranges_ready, in_rows, pairs_allowed, positions, ranges_of, ranks_rng, ring_context,
+from ring_core.protocol import (block_rows, call_words, check_call, claim_push, drain_pushes, end_call,
+                                id_ranges_ready, pairs_allowed, positions, ranges_of, ranks_rng, ring_context,
                                 seg_blocks, step_blocks, tile_id_parts, tile_ids, wait_chunks, wait_rows)
 from ring_core.tiles import dot, heavy_first, load_kv
 
@@ -62,25 +62,15 @@ def _attn_blocks(acc, l_i, m_i, q, q_pos, k_base, v_base, lo, hi, src, S, qk_sca
     (it was not sent: protocol.push_unit). Nothing in here waits: see the caller."""
     dmask = offs_d < D
     for j in range(lo, hi):
-        rows_n = j * BLOCK_N + offs_n
+        rows_n, n_valid, k_pos, k_seg = block_rows(j, offs_n, src, S, 0, lo1, hi1, lo2, hi2, seg_k, s_lo, s_hi,
+                                                   rng_src_b, a_lo, a_hi, b_lo, b_hi, W, BLOCK_N, CHUNK_ROWS, MASKED,
+                                                   CAUSAL, ZIGZAG, WINDOW, SEGMENTED, ID_SKIP, False)
         # ROW_STRIDE is a constexpr so that Triton can prove 16-byte alignment and vectorise the loads; a
         # runtime stride made bf16/fp16 loads 2-byte scalars, which cannot be pipelined as async copies.
         kv_off = rows_n[:, None].to(tl.int64) * ROW_STRIDE + offs_d[None, :]
-        n_valid = rows_n < S
-        k_seg = rows_n  # the block's ids under SEGMENTED (read only then)
-        if MASKED:
-            if WINDOW or SEGMENTED:
-                n_valid = n_valid & in_rows(rows_n, lo1, hi1, lo2, hi2)
-            if ID_SKIP:  # a block lies within one chunk (chunks are whole blocks)
-                met = id_range_meets(rng_src_b, (j * BLOCK_N) // CHUNK_ROWS, a_lo, a_hi, b_lo, b_hi)
-                n_valid = tl.where(met, n_valid, False)  # (block & scalar: the interpreter mistypes the mask)
-            if SEGMENTED:
-                k_seg = tl.load(seg_k + rows_n, mask=n_valid, other=-1)
-                n_valid = n_valid & (k_seg >= s_lo) & (k_seg <= s_hi)
         k, v = load_kv(k_base, v_base, kv_off, n_valid, dmask, MASKED, BLOCK_D == D)
         qk = dot(q, tl.trans(k), DOT_PRECISION, INTERPRET)
         if MASKED:
-            k_pos = positions(rows_n, src, S, W, ZIGZAG)  # unused (folded away) without CAUSAL and WINDOW
             valid = pairs_allowed(n_valid[None, :], q_pos[:, None], k_pos[None, :], q_seg[:, None], k_seg[None, :],
                                   CAUSAL, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)
             qk = tl.where(valid, qk, float("-inf"))

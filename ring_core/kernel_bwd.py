@@ -85,8 +85,8 @@ import iris
 
 from ring_core import control
 from ring_core.protocol import (CTL_BWD_DELTA, CTL_BWD_TICKET, CTL_ERROR, ERR_KV_TIMEOUT, ERR_PEER_FAILED,
-                                call_words, check_call, chunk_needed, claim_push, drain_pushes, end_call,
-                                id_range_meets, id_ranges_ready, in_rows, last_pos, meets_halves,
+                                block_rows, call_words, check_call, chunk_needed, claim_push, drain_pushes,
+                                end_call, id_ranges_ready, in_rows, last_pos, meets_halves,
                                 pairs_allowed, poll_ge, positions, published_range, ranges_of, ranks_rng,
                                 record_error, record_peer_error, ring_context, row_blocks, rows_seen, rows_within,
                                 seg_blocks, step_blocks, tile_id_parts, tile_ids, visible_rows, wait_chunks,
@@ -133,23 +133,12 @@ def _dq_blocks(dq, q, do, lse2, delta, q_pos, q_pos_max, k_base, v_base, lo, hi,
     acquired every chunk these blocks read."""
     dmask = offs_d < D
     for j in range(lo, hi):
-        rows_n = j * BLOCK_N + offs_n
+        # Rows the tile cannot see may never have been sent: not read (CAUSAL_ROWS).
+        rows_n, row_ok, k_pos, k_seg = block_rows(j, offs_n, src, S, q_pos_max, lo1, hi1, lo2, hi2, seg_k, s_lo,
+                                                  s_hi, rng_src_b, a_lo, a_hi, b_lo, b_hi, W, BLOCK_N, CHUNK_ROWS,
+                                                  MASKED, CAUSAL, ZIGZAG, WINDOW, SEGMENTED, ID_SKIP, True)
         # ROW_STRIDE is a constexpr so that Triton can prove alignment and vectorise (and pipeline) the loads.
         kv_off = rows_n[:, None].to(tl.int64) * ROW_STRIDE + offs_d[None, :]
-        row_ok = rows_n < S
-        k_seg = rows_n  # the block's ids under SEGMENTED (read only then)
-        if MASKED:
-            k_pos = positions(rows_n, src, S, W, ZIGZAG)  # unused (folded away) without CAUSAL and WINDOW
-            if WINDOW or SEGMENTED:
-                row_ok = row_ok & in_rows(rows_n, lo1, hi1, lo2, hi2)  # rows the tile cannot see: maybe never sent
-            elif CAUSAL:
-                row_ok = row_ok & (k_pos <= q_pos_max)  # rows the tile cannot see: maybe never sent, not read
-            if ID_SKIP:  # a block lies within one chunk (chunks are whole blocks)
-                met = id_range_meets(rng_src_b, (j * BLOCK_N) // CHUNK_ROWS, a_lo, a_hi, b_lo, b_hi)
-                row_ok = tl.where(met, row_ok, False)
-            if SEGMENTED:
-                k_seg = tl.load(seg_k + rows_n, mask=row_ok, other=-1)
-                row_ok = row_ok & (k_seg >= s_lo) & (k_seg <= s_hi)
         k, v = load_kv(k_base, v_base, kv_off, row_ok, dmask, MASKED, BLOCK_D == D)
         qk = dot(q, tl.trans(k), DOT_PRECISION, INTERPRET)
         p = tl.math.exp2(qk * qk_scale - lse2[:, None])

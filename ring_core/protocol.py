@@ -659,6 +659,38 @@ def step_blocks(m_lo, m_hi, q_pos_min, q_pos_max, s_hi, rank, src, S, W: tl.cons
 
 
 @triton.jit
+def block_rows(j, offs_n, src, S, q_pos_max, lo1, hi1, lo2, hi2, seg_k, s_lo, s_hi, rng_src_b, a_lo, a_hi, b_lo, b_hi,
+               W: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK_ROWS: tl.constexpr, MASKED: tl.constexpr,
+               CAUSAL: tl.constexpr, ZIGZAG: tl.constexpr, WINDOW: tl.constexpr, SEGMENTED: tl.constexpr,
+               ID_SKIP: tl.constexpr, CAUSAL_ROWS: tl.constexpr):
+    """Which rows of rank ``src``'s K/V block ``j`` a query tile reads, for a forward tile and a backward dQ task
+    alike: (rows, row_ok, k_pos, k_seg). Unmasked (MASKED=False): every row of the block exists and is read.
+    Masked: rows within the shard; with a window or segment ids only rows [lo1, hi1) | [lo2, hi2) (other rows
+    may not have been sent); with CAUSAL_ROWS (the backward, whose pushes send a chunk's visible rows only) and
+    causal masking alone, rows at positions <= ``q_pos_max``; with ID_SKIP none of a chunk whose published id
+    range misses the tile's (it was not sent: ``push_unit``); with segment ids, rows whose id (read from
+    ``seg_k`` once the row is known to be there) lies in [s_lo, s_hi]. ``k_pos``: the rows' global positions
+    (unused, hence folded away, without CAUSAL and WINDOW); ``k_seg``: their ids under SEGMENTED."""
+    rows = j * BLOCK_N + offs_n
+    row_ok = rows < S
+    k_pos = rows
+    k_seg = rows  # the block's ids under SEGMENTED (read only then)
+    if MASKED:
+        k_pos = positions(rows, src, S, W, ZIGZAG)
+        if WINDOW or SEGMENTED:
+            row_ok = row_ok & in_rows(rows, lo1, hi1, lo2, hi2)
+        elif CAUSAL_ROWS and CAUSAL:
+            row_ok = row_ok & (k_pos <= q_pos_max)
+        if ID_SKIP:  # a block lies within one chunk (chunks are whole blocks)
+            met = id_range_meets(rng_src_b, (j * BLOCK_N) // CHUNK_ROWS, a_lo, a_hi, b_lo, b_hi)
+            row_ok = tl.where(met, row_ok, False)  # (block & scalar: the interpreter mistypes the mask)
+        if SEGMENTED:
+            k_seg = tl.load(seg_k + rows, mask=row_ok, other=-1)
+            row_ok = row_ok & (k_seg >= s_lo) & (k_seg <= s_hi)
+    return rows, row_ok, k_pos, k_seg
+
+
+@triton.jit
 def rows_seen(r0, r1, src, dst, S, W: tl.constexpr, ZIGZAG: tl.constexpr, CAUSAL: tl.constexpr,
               WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr):
     """With a window: whether some query of rank ``dst`` sees, by position, a row of rank ``src``'s K/V rows
