@@ -36,10 +36,10 @@ import triton.language as tl
 
 from ring_core import control
 
-from ring_core.protocol import (block_rows, call_words, check_call, claim_push, drain_pushes, end_call,
-                                id_ranges_ready, pairs_allowed, positions, ranges_of, ranks_rng, ring_context,
-                                seg_blocks, step_blocks, tile_id_parts, tile_ids, wait_chunks, wait_rows)
-from ring_core.tiles import dot, heavy_first, load_kv
+from ring_core.protocol import (block_rows, claim_push, drain_pushes, end_call, pairs_allowed, positions, ranges_of,
+                                ranks_rng, receive_slots, ring_context, seg_blocks, start_call, step_blocks,
+                                tile_id_parts, tile_ids, wait_chunks, wait_rows)
+from ring_core.tiles import dot, load_kv, query_tile
 
 KIND_FWD = tl.constexpr(control.KIND_FWD)
 
@@ -115,15 +115,7 @@ def ring_attn_fwd_kernel(
 
     # ---- this rank's ring: heap bases, position, its slot's control words and flags, receive region --
     heap_bases, rank, ctl, flags, recv_addr, epoch = ring_context(ctx_ptr, W)
-    # Heap bases are allocation-granularity aligned and the receive region starts ALIGN (256) bytes in
-    # (ring_core.control); saying so lets Triton vectorise and pipeline the loads from the receive slots.
-    recv = tl.multiple_of(recv_addr.to(tl.pointer_type(q_ptr.dtype.element_ty), bitcast=True), 16)
-    if SEGMENTED:
-        # The peers' segment ids follow their K/V: [W-1][B][HKV][S] int32 (ring_core.plans.seg_bytes).
-        seg_recv = (recv + (rank * 0 + B).to(tl.int64) * (2 * (W - 1) * HKV * D) * S).to(
-            tl.pointer_type(tl.int32), bitcast=True)
-    else:
-        seg_recv = seg_ptr  # never read
+    recv, seg_recv = receive_slots(recv_addr, seg_ptr, rank, B, S, q_ptr, W, HKV, D, SEGMENTED)
 
     n_m = tl.cdiv(S, BLOCK_M)
     n_chunks = tl.cdiv(S, CHUNK_ROWS)
@@ -132,28 +124,15 @@ def ring_attn_fwd_kernel(
     # with the call's signature, after the K/V flags: a chunk whose ids no query of the receiver has is neither
     # sent nor waited for (protocol.publish_id_ranges, push_unit, wait_chunks).
     rng = ranks_rng(flags, B, HKV, n_chunks, 0, W)
-    call_ok = epoch * 0 + 1
-    if W > 1:
-        # Every rank must make this same call; if not, push nothing (every later wait then gives up at once).
-        words = call_words(KIND_FWD, B, S, sm_scale, W, H, HKV, D, SIG_DTYPE, CAUSAL, ZIGZAG, CHUNK_ROWS, BLOCK_N,
-                           WIN_LEFT, WIN_RIGHT, SEGMENTED)
-        call_ok = check_call(ctl, heap_bases, rank, epoch, words, timeout_ns, W, INTERPRET, seg_ptr, rng, B, S,
-                             n_chunks, CHUNK_ROWS, ZIGZAG, SEGMENTED)
-    if SEGMENTED:  # this rank's own ranges too, before any range is read (the range pass, pushes)
-        call_ok = call_ok * id_ranges_ready(ctl, seg_ptr, rng, heap_bases, rank, epoch, timeout_ns, B, S, n_chunks, W,
-                                            CHUNK_ROWS, ZIGZAG, INTERPRET)
+    # Every rank must make this same call; if not, push nothing (every later wait then gives up at once).
+    call_ok = start_call(ctl, heap_bases, rank, epoch, timeout_ns, seg_ptr, rng, B, S, sm_scale, n_chunks, KIND_FWD, W,
+                         H, HKV, D, SIG_DTYPE, CAUSAL, ZIGZAG, CHUNK_ROWS, BLOCK_N, WIN_LEFT, WIN_RIGHT, SEGMENTED,
+                         INTERPRET)
     n_units = n_units * call_ok
     valid = call_ok  # 0 once a wait of this tile gave up: its result is then not computed from the right data
 
     # ---- which tile: g fastest so the heads sharing one kv head run side by side (L2 reuse) --------
-    pid = tl.program_id(0)
-    g = pid % G
-    t = pid // G
-    m_blk = heavy_first(t % n_m, n_m, CAUSAL)
-    t = t // n_m
-    hkv = t % HKV
-    b = t // HKV
-    h = hkv * G + g
+    b, h, hkv, m_blk = query_tile(tl.program_id(0), G, n_m, HKV, CAUSAL)
 
     offs_m = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)

@@ -85,13 +85,12 @@ import iris
 
 from ring_core import control
 from ring_core.protocol import (CTL_BWD_DELTA, CTL_BWD_TICKET, CTL_ERROR, ERR_KV_TIMEOUT, ERR_PEER_FAILED,
-                                block_rows, call_words, check_call, chunk_needed, claim_push, drain_pushes,
-                                end_call, id_ranges_ready, in_rows, last_pos, meets_halves,
-                                pairs_allowed, poll_ge, positions, published_range, ranges_of, ranks_rng,
-                                record_error, record_peer_error, ring_context, row_blocks, rows_seen, rows_within,
-                                seg_blocks, step_blocks, tile_id_parts, tile_ids, visible_rows, wait_chunks,
-                                wait_rows)
-from ring_core.tiles import dot, heavy_first, load_kv
+                                block_rows, chunk_needed, claim_push, drain_pushes, end_call, in_rows, last_pos,
+                                meets_halves, pairs_allowed, poll_ge, positions, published_range, ranges_of, ranks_rng,
+                                record_error, record_peer_error, receive_slots, ring_context, row_blocks, rows_seen,
+                                rows_within, seg_blocks, start_call, step_blocks, tile_id_parts, tile_ids,
+                                visible_rows, wait_chunks, wait_rows)
+from ring_core.tiles import dot, load_kv, query_tile
 
 KIND_BWD = tl.constexpr(control.KIND_BWD)
 ERR_PARTIAL_TIMEOUT = tl.constexpr(control.ERR_PARTIAL_TIMEOUT)
@@ -226,17 +225,10 @@ def ring_attn_bwd_kernel(
 
     # ---- this rank's ring: heap bases, position, its slot's control words and flags, receive region --
     heap_bases, rank, ctl, flags, recv_addr, epoch = ring_context(ctx_ptr, W)
-    # Heap bases are allocation-granularity aligned, the receive region starts ALIGN (256) bytes in and
-    # part_off is a multiple of ALIGN (ring_core.control): saying so lets Triton vectorise their loads.
-    recv = tl.multiple_of(recv_addr.to(tl.pointer_type(q_ptr.dtype.element_ty), bitcast=True), 16)
+    recv, seg_recv = receive_slots(recv_addr, seg_ptr, rank, B, S, q_ptr, W, HKV, D, SEGMENTED)
+    # The partial dK/dV slots: part_off is a multiple of ALIGN (ring_core.control), so their loads vectorise.
     part = (recv_addr + (rank * 0 + part_off).to(tl.uint64)).to(tl.pointer_type(tl.float32), bitcast=True)
     part = tl.multiple_of(part, 16)
-    if SEGMENTED:
-        # The peers' segment ids follow their K/V: [W-1][B][HKV][S] int32 (ring_core.plans.seg_bytes).
-        seg_recv = (recv + (rank * 0 + B).to(tl.int64) * (2 * (W - 1) * HKV * D) * S).to(
-            tl.pointer_type(tl.int32), bitcast=True)
-    else:
-        seg_recv = seg_ptr  # never read
 
     n_chunks = tl.cdiv(S, CHUNK_ROWS)
     n_units = (W - 1) * B * HKV * n_chunks  # K/V push units; also the number of K/V flags
@@ -244,17 +236,11 @@ def ring_attn_bwd_kernel(
     # flags (ring_core.protocol.publish_id_ranges): K/V chunks, and partial dK/dV, whose ids no query of the
     # receiver has are neither sent nor waited for.
     rng = ranks_rng(flags, B, HKV, n_chunks, tl.cdiv(S, KV_BLOCK_N), W)
-    call_ok = epoch * 0 + 1
-    if W > 1:
-        # Every rank must make this same call (ring_core.protocol.check_call); if not, nothing is sent to a
-        # peer (no K/V push, no partial) and every later wait gives up at once.
-        words = call_words(KIND_BWD, B, S, sm_scale, W, H, HKV, D, SIG_DTYPE, CAUSAL, ZIGZAG, CHUNK_ROWS, KV_BLOCK_N,
-                           WIN_LEFT, WIN_RIGHT, SEGMENTED)
-        call_ok = check_call(ctl, heap_bases, rank, epoch, words, timeout_ns, W, INTERPRET, seg_ptr, rng, B, S,
-                             n_chunks, CHUNK_ROWS, ZIGZAG, SEGMENTED)
-    if SEGMENTED:  # this rank's own ranges too, before any range is read (range passes, pushes, partial tests)
-        call_ok = call_ok * id_ranges_ready(ctl, seg_ptr, rng, heap_bases, rank, epoch, timeout_ns, B, S, n_chunks, W,
-                                            CHUNK_ROWS, ZIGZAG, INTERPRET)
+    # Every rank must make this same call; if not, nothing is sent to a peer (no K/V push, no partial) and
+    # every later wait gives up at once.
+    call_ok = start_call(ctl, heap_bases, rank, epoch, timeout_ns, seg_ptr, rng, B, S, sm_scale, n_chunks, KIND_BWD, W,
+                         H, HKV, D, SIG_DTYPE, CAUSAL, ZIGZAG, CHUNK_ROWS, KV_BLOCK_N, WIN_LEFT, WIN_RIGHT, SEGMENTED,
+                         INTERPRET)
     n_push = n_units * call_ok  # units to push: none after a mismatch
     n_kvb = tl.cdiv(S, KV_BLOCK_N)
     n_dq = B * H * tl.cdiv(S, DQ_BLOCK_M)
@@ -269,14 +255,7 @@ def ring_attn_bwd_kernel(
     valid = call_ok  # 0 once a wait of this task gave up: its result is then written as NaN
     if tid < n_dq:
         # ================================ dQ task ===================================================
-        g = tid % G
-        t = tid // G
-        n_m = tl.cdiv(S, DQ_BLOCK_M)
-        m_blk = heavy_first(t % n_m, n_m, CAUSAL)
-        t = t // n_m
-        hkv = t % HKV
-        b = t // HKV
-        h = hkv * G + g
+        b, h, hkv, m_blk = query_tile(tid, G, tl.cdiv(S, DQ_BLOCK_M), HKV, CAUSAL)
         offs_m = m_blk * DQ_BLOCK_M + tl.arange(0, DQ_BLOCK_M)
         m_valid = offs_m < S
         qmask = m_valid[:, None] & dmask[None, :]

@@ -274,6 +274,23 @@ def ring_context(ctx_ptr, W: tl.constexpr):
 
 
 @triton.jit
+def receive_slots(recv_addr, seg_ptr, rank, B, S, elem_ptr, W: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                  SEGMENTED: tl.constexpr):
+    """Typed pointers into this rank's receive region (``ring_context``'s ``recv_addr``): the peers' K/V
+    slots [W-1][K, V][B][HKV][S][D] of ``elem_ptr``'s element type, and, with segment ids, the ids that travel
+    with them, [W-1][B][HKV][S] int32 right after (ring_core.plans.seg_bytes; without: ``seg_ptr``, never read).
+    Heap bases are allocation-granularity aligned and the region starts ALIGN (256) bytes in
+    (ring_core.control): saying so lets Triton vectorise and pipeline the loads from the slots."""
+    recv = tl.multiple_of(recv_addr.to(tl.pointer_type(elem_ptr.dtype.element_ty), bitcast=True), 16)
+    if SEGMENTED:
+        seg_recv = (recv + (rank * 0 + B).to(tl.int64) * (2 * (W - 1) * HKV * D) * S).to(
+            tl.pointer_type(tl.int32), bitcast=True)
+    else:
+        seg_recv = seg_ptr
+    return recv, seg_recv
+
+
+@triton.jit
 def start_clock(INTERPRET: tl.constexpr):
     if INTERPRET:
         return 0  # no clock in the interpreter: still_waiting counts polls instead
@@ -433,6 +450,27 @@ def check_call(ctl, heap_bases, rank, epoch, words, timeout_ns, W: tl.constexpr,
                         tl.store(ctl + CTL_ERR_SIG + SIG_WORDS + i, mine)
                     ok = ok * 0
     return ok
+
+
+@triton.jit
+def start_call(ctl, heap_bases, rank, epoch, timeout_ns, seg_ptr, rng, B, S, sm_scale, n_chunks, KIND: tl.constexpr,
+               W: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, SIG_DTYPE: tl.constexpr,
+               CAUSAL: tl.constexpr, ZIGZAG: tl.constexpr, CHUNK_ROWS: tl.constexpr, BLOCK: tl.constexpr,
+               WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SEGMENTED: tl.constexpr, INTERPRET: tl.constexpr):
+    """Every program of either kernel, before anything is sent or read: 1 if every rank makes this same call
+    (``check_call`` on the signature ``call_words``; with W = 1 nothing to check) and, with segment ids, this
+    rank's own published id ranges are ready (``id_ranges_ready``: the range passes and pushes read them); else 0,
+    and the caller sends nothing to a peer (every later wait then gives up at once)."""
+    call_ok = epoch * 0 + 1
+    if W > 1:
+        words = call_words(KIND, B, S, sm_scale, W, H, HKV, D, SIG_DTYPE, CAUSAL, ZIGZAG, CHUNK_ROWS, BLOCK,
+                           WIN_LEFT, WIN_RIGHT, SEGMENTED)
+        call_ok = check_call(ctl, heap_bases, rank, epoch, words, timeout_ns, W, INTERPRET, seg_ptr, rng, B, S,
+                             n_chunks, CHUNK_ROWS, ZIGZAG, SEGMENTED)
+    if SEGMENTED:
+        call_ok = call_ok * id_ranges_ready(ctl, seg_ptr, rng, heap_bases, rank, epoch, timeout_ns, B, S, n_chunks, W,
+                                            CHUNK_ROWS, ZIGZAG, INTERPRET)
+    return call_ok
 
 
 @triton.jit
