@@ -11,11 +11,12 @@ autograd registration; ``direct`` is the body alone. CPU, eager, grad enabled on
 from __future__ import annotations
 
 import argparse
-import csv
 import time
 from typing import Optional
 
 import torch
+
+from benchmarks.harness import write_rows
 
 
 @torch.library.custom_op("ring_attention_bench::fwd", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
@@ -73,10 +74,7 @@ def main(argv=None) -> int:
         rows.append(dict(route=name, calls=a.calls, us_per_call=round(us, 1), torch=torch.__version__))
         print(rows[-1], flush=True)
     if a.csv:
-        with open(a.csv, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
+        write_rows(a.csv, rows)
     return 0
 
 

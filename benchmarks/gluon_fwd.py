@@ -46,6 +46,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from ring_core.tiles import query_tile
+
 # Gluon's TMA copies were renamed after Triton 3.6 (async_copy_global_to_shared -> async_load, ...); the GPU
 # machine runs 3.6, CI 3.9.
 _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
@@ -251,21 +253,12 @@ def _finish_rows(acc, l_i, m_i, o_smem, lse_rows):
 @gluon.jit
 def _tile(S, H, HKV, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
     """This program's tile: (batch, head, kv head, first query row, local K/V blocks every query sees whole, local
-    K/V blocks it visits). The tl kernel's order (ring_core.kernel): the heads of one kv group fastest, then the
-    query tiles, so the programs side by side share one kv head's K and V (L2); causal, each head's heaviest tiles
-    first. With (batch x head) fastest instead (3c8ce48: 32 heads' K/V at once), non-causal fell from 511/510 to
-    473/455 TFLOP/s at 16k/32k (2026-12-02)."""
-    G = H // HKV
-    n_m = S // BLOCK_M
-    pid = gl.program_id(0)
-    g = pid % G
-    t = pid // G
-    pid_m = t % n_m
-    if CAUSAL:
-        pid_m = n_m - 1 - pid_m
-    t = t // n_m
-    b = t // HKV
-    hkv = t % HKV
+    K/V blocks it visits). The tl kernels' order, from their own helper (ring_core.tiles.query_tile, scalar maths
+    that compiles in Gluon too): the heads of one kv group fastest, then the query tiles, so the programs side by
+    side share one kv head's K and V (L2); causal, each head's heaviest tiles first. With (batch x head) fastest
+    instead (3c8ce48: 32 heads' K/V at once), non-causal fell from 511/510 to 473/455 TFLOP/s at 16k/32k
+    (2026-12-02)."""
+    b, h, hkv, pid_m = query_tile(gl.program_id(0), H // HKV, S // BLOCK_M, HKV, CAUSAL)
     q0 = pid_m * BLOCK_M
     if CAUSAL:
         n_full = q0 // BLOCK_N  # wholly below the diagonal
@@ -273,7 +266,7 @@ def _tile(S, H, HKV, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.co
     else:
         n_full = S // BLOCK_N
         n_blocks = n_full
-    return b, hkv * G + g, hkv, q0, n_full, n_blocks
+    return b, h, hkv, q0, n_full, n_blocks
 
 
 @gluon.jit

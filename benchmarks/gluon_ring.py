@@ -141,7 +141,8 @@ def _release_flags(flags_ptr, n, epoch, BLOCK: tl.constexpr):
 
 def receive_slots(peers):
     """The receive region of ``peers`` ([(k, v)] of W - 1 ranks, each [B, S, HKV, D]) as the kernel reads it:
-    [(W-1) * 2 * B * HKV * S, D] ([W-1][K, V][B][HKV][S][D]); one block of zeros when there is none (W = 1)."""
+    [(W-1) * 2 * B * HKV * S, D] ([W-1][K, V][B][HKV][S][D]); None when there is none (W = 1: ``attention`` then
+    gives the kernel a block of zeros, which it never reads)."""
     import torch
 
     if not peers:

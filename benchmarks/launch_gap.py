@@ -17,7 +17,6 @@ Each three ways (``route``): the public ``torch_bridge.ring_attention``; the eag
 bf16, B=1, H=32, D=128, seq_local 16k, causal, forward; dense, and packed documents of the given lengths.
 """
 import argparse
-import csv
 import time
 
 import numpy as np
@@ -38,6 +37,8 @@ def main():
 
     import torch_bridge
     from benchmarks import harness
+    from ring_core import validate
+    from torch_bridge import api
 
     torch_bridge.initialize()
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -52,9 +53,6 @@ def main():
             case = harness.Case(batch=1, heads=H, kv_heads=H, head_dim=D, seq_local=S, causal=True,
                                 dtype="bfloat16", mask="packed", doc_lens=(lo, hi))
             seg = torch.as_tensor(np.asarray(harness.segment_ids(case, 1)), device=dev, dtype=torch.int32)
-
-        from ring_core import validate
-        from torch_bridge import api
 
         # The spec the public call validates to; the two lower routes take it ready-made, as
         # torch_bridge.api._ring_attention_fused does.
@@ -78,10 +76,7 @@ def main():
             rows.append(row)
             print(row, flush=True)
     if a.csv:
-        with open(a.csv, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
+        harness.write_rows(a.csv, rows)
 
 
 def time_route(torch, call, a, lens: str, S: int, H: int, route: str) -> dict:
