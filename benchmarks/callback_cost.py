@@ -6,8 +6,11 @@ No ring, no Triton: a jitted stand-in for the fused call (a chain of bf16 matmul
 that also returns a status array of the fused kernel's size (``control.STATUS_WORDS`` int32), run
 
 * ``none``: as is (what ``RING_ATTENTION_ERRORS=deferred`` gives);
-* ``debug``: with ``jax.debug.callback(check, status, ctx)``, what ``jax_ring.fused`` does in "call" mode;
+* ``debug``: with ``jax.debug.callback(check, status, ctx)``, what ``jax_ring.fused`` did in "call" mode until
+  session 8;
 * ``debug_status``: the same with the status only (is the second operand's copy the cost?);
+* ``debug_concat``: the status and the context in one operand (a device concatenation first), what
+  ``jax_ring.fused`` does now;
 * ``io``: ``jax.experimental.io_callback(check, None, status, ordered=False)``;
 * ``io_ordered``: the same, ordered (a token threads the calls);
 
@@ -38,7 +41,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-VARIANTS = ("none", "debug", "debug_status", "io", "io_ordered")
+VARIANTS = ("none", "debug", "debug_status", "debug_concat", "io", "io_ordered")
 
 
 def _program(variant: str, n: int, reps: int):
@@ -62,6 +65,8 @@ def _program(variant: str, n: int, reps: int):
             jax.debug.callback(check, status, ctx)
         elif variant == "debug_status":
             jax.debug.callback(check, status)
+        elif variant == "debug_concat":  # what jax_ring.fused does since session 8: one operand
+            jax.debug.callback(check, jnp.concatenate([status, ctx.astype(jnp.int32)]))
         elif variant in ("io", "io_ordered"):
             jax.experimental.io_callback(check, None, status, ordered=variant == "io_ordered")
         return y

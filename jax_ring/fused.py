@@ -51,12 +51,13 @@ def _kernel_call():
     return _triton_call.triton_call
 
 
-def _raise_status(status, ctx, ring_size: int, timeout_s):
-    """Host callback: raise the failure in ``status``, naming ranks by their global ranks (from the ring's
-    members, which the context row carries after what the kernel reads)."""
-    row = np.asarray(ctx).view(np.int64)
-    control.check_status(np.asarray(status), int(row[ring_size]), timeout_s,
-                        members=row[ring_size + 4:2 * ring_size + 4])
+def _raise_status(words, ring_size: int, timeout_s):
+    """Host callback: raise the failure in the status words, naming ranks by their global ranks (from the ring's
+    members, which the context row carries after what the kernel reads). ``words``: the status, then the context
+    row, in one array: a callback pays a fixed cost per operand it copies to the host (benchmarks/callback_cost.py)."""
+    words = np.asarray(words)
+    status, row = words[:control.STATUS_WORDS], words[control.STATUS_WORDS:].view(np.int64)
+    control.check_status(status, int(row[ring_size]), timeout_s, members=row[ring_size + 4:2 * ring_size + 4])
 
 
 def errors_deferred() -> bool:
@@ -172,7 +173,7 @@ def _launch(name: str, inputs, spec, axis_name, world_size: int, timeout_s, *, b
         num_warps=p.config.num_warps, num_stages=p.config.num_stages, scalar_types=p.scalar_types,
         zeroed_outputs=(len(p.out_shapes) - 1,), name=name, **p.constexprs(sticky_errors=deferred))
     if not deferred:  # else the kernel keeps a failure for jax_ring.check_errors()
-        jax.debug.callback(_raise_status, status, ctx, world_size, timeout_s)
+        jax.debug.callback(_raise_status, jnp.concatenate([status, ctx]), world_size, timeout_s)
     return outs
 
 

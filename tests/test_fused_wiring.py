@@ -68,9 +68,10 @@ def _torch_dtypes():
     TORCH_DTYPES.update(float32=torch.float32, float16=torch.float16, bfloat16=torch.bfloat16, int32=torch.int32)
 
 
-def _fake_kernel_call(launches):
+def _fake_kernel_call(launches, status=None):
     """A stand-in for jax_ring._triton_call.triton_call: launches the interpreted kernel from a host callback with
-    the arguments it was given."""
+    the arguments it was given. ``status``: status words to return instead of the kernel's (a failure one rank
+    cannot cause)."""
     import jax
     import torch
 
@@ -97,6 +98,8 @@ def _fake_kernel_call(launches):
                     call.append(interpret._to_torch(x, str(x.dtype)))
             outs = [torch.zeros(o.shape, dtype=TORCH_DTYPES[str(np.dtype(o.dtype))]) for o in out_shape]
             kernel[grid](*call, *outs, **constexprs)
+            if status is not None:
+                outs[-1] = torch.from_numpy(np.asarray(status, np.int32))
             return tuple(interpret._to_numpy(o, str(np.dtype(od.dtype))) for o, od in zip(outs, out_shape))
 
         return list(jax.pure_callback(host, tuple(out_shape), *arrays))
@@ -375,6 +378,32 @@ def test_jax_error_modes(cpu_heap, monkeypatch, mode):
     with pytest.raises(control.RingAttentionTimeout, match=r"call #7\) gave up .* K/V shard of rank 1"):
         jax_ring.check_errors()
     jax_ring.check_errors()
+
+
+def test_jax_per_call_check_raises_the_kernels_status(cpu_heap, monkeypatch):
+    """In "call" mode the host callback gets the status words and the context row in one operand and raises the
+    failure, naming ranks by their global ranks (from the context row's members)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    import jax_ring
+    from jax_ring import fused as jfused
+
+    status = np.zeros(control.STATUS_WORDS, np.int32)
+    status[:4] = (control.ERR_KV_TIMEOUT, 0, 1, 7)
+    monkeypatch.setattr(jfused, "_kernel_call", lambda: _fake_kernel_call([], status))
+    monkeypatch.setattr(jfused, "fused_available", lambda: True)
+    monkeypatch.setenv(control.ERRORS_ENV, "call")
+    mesh = Mesh(np.array(jax.devices("cpu")[:1]), ("sp",))
+    f = jax.jit(jax.shard_map(lambda q, k, v: jax_ring.ring_attention(q, k, v, axis_name="sp", backend="fused",
+                                                                      timeout_s=2.5),
+                              mesh=mesh, in_specs=(P(None, "sp"),) * 3, out_specs=P(None, "sp")))
+    q, k, v = (jnp.asarray(x, jnp.float32) for x in testing.random_inputs(5, 1, 8, 2, 1, 16, "float32"))
+    with pytest.raises(Exception, match=r"rank 0 \(call #7\) gave up after 2.5 s waiting for the K/V shard of "
+                                        r"rank 0 at ring step 1"):
+        jax.block_until_ready(f(q, k, v))
+        jax.effects_barrier()
 
 
 @pytest.fixture
