@@ -264,7 +264,9 @@ class HeapRings:
         return self._ctx[key]
 
     def plan(self, spec, ring_size: int, **kw) -> plans.LaunchPlan:
-        return plans.plan(spec, ring_size, self.layout, **kw)
+        """The forward kernel's launch (ring_core.plans.plan; on a Hopper GPU the Gluon kernel where it applies,
+        unless RING_ATTENTION_GLUON=0); raises HeapTooSmallError."""
+        return plans.plan(spec, ring_size, self.layout, capability=plans.gluon_capability(self.device), **kw)
 
     def plan_bwd(self, spec, ring_size: int, **kw) -> plans.LaunchPlan:
         """The backward kernel's launch (ring_core.plans.plan_bwd); raises HeapTooSmallError."""

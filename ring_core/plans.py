@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,9 +51,17 @@ class KernelConfig:
     num_warps: int
     num_stages: int
     seg_blocks: int = 4  # K/V blocks computed between two push claims in ring step 0
+    gluon: bool = False  # the Hopper kernel (ring_core.gluon_kernel) instead of the tl one (ring_core.kernel)
 
     @staticmethod
-    def get_default(spec: AttentionSpec, world_size: int, *, interpret: bool = False) -> "KernelConfig":
+    def get_default(spec: AttentionSpec, world_size: int, *, interpret: bool = False,
+                    capability: tuple | None = None) -> "KernelConfig":
+        """The tuned tiles for ``spec``; on a GPU of compute ``capability`` where ``gluon_applies``, the Gluon
+        kernel's fixed ones (ring_core.gluon_kernel: 128-row tiles and blocks, 4 warps per partition, chunks of
+        4 blocks per flag)."""
+        if not interpret and gluon_applies(spec, capability):
+            return KernelConfig(block_m=GLUON_BLOCK, block_n=GLUON_BLOCK, chunk_blocks=4, push_rows=32, num_warps=4,
+                                num_stages=3, gluon=True)
         if interpret:
             # Small tiles: many blocks, chunks and push units even at the tiny sizes CI can afford.
             return KernelConfig(block_m=16, block_n=16, chunk_blocks=1, push_rows=16, num_warps=4, num_stages=1,
@@ -74,6 +83,36 @@ class KernelConfig:
                                 seg_blocks=8)
         return KernelConfig(block_m=64, block_n=32, chunk_blocks=4, push_rows=16, num_warps=4,
                             num_stages=1 if wide else 2)
+
+
+GLUON_BLOCK = 128  # ring_core.gluon_kernel.BLOCK
+GLUON_HEAD_DIMS = (64, 128)
+GLUON_ENV = "RING_ATTENTION_GLUON"  # "0": the tl kernel on every GPU (read at each plan)
+_CAPABILITY = {}  # torch device -> (major, minor)
+
+
+def gluon_capability(device):
+    """The compute capability of torch ``device`` where the Gluon kernel may run on it (None: a CPU device, or
+    RING_ATTENTION_GLUON=0)."""
+    if getattr(device, "type", None) != "cuda" or os.environ.get(GLUON_ENV, "1") == "0":
+        return None
+    if device not in _CAPABILITY:
+        import torch
+
+        _CAPABILITY[device] = tuple(torch.cuda.get_device_capability(device))
+    return _CAPABILITY[device]
+
+
+def gluon_applies(spec: AttentionSpec, capability) -> bool:
+    """Whether the Gluon Hopper kernel (ring_core.gluon_kernel) takes the forward of ``spec`` on a GPU of compute
+    ``capability`` ((major, minor); None: no GPU, or the Gluon kernel turned off): Hopper (9.x), fp16/bf16,
+    head_dim 64 or 128, seq_local a multiple of 128 (zigzag: of 256, so that a tile's and a block's positions are
+    contiguous), no window, no segment ids. Everything else runs the tl kernel (ring_core.kernel)."""
+    if capability is None or tuple(capability)[0] != 9:
+        return False
+    rows = 2 * GLUON_BLOCK if spec.layout == "zigzag" else GLUON_BLOCK
+    return (spec.dtype in ("float16", "bfloat16") and spec.head_dim in GLUON_HEAD_DIMS and spec.seq_local % rows == 0
+            and spec.window is None and not spec.segmented)
 
 
 @dataclass(frozen=True)
@@ -239,6 +278,9 @@ class LaunchPlan:
     def kernel(self):
         """The Triton kernel this plan launches (imported on first use)."""
         if self.kind == control.KIND_FWD:
+            if self.config.gluon:
+                from ring_core.gluon_kernel import ring_attn_fwd_gluon
+                return ring_attn_fwd_gluon
             from ring_core.kernel import ring_attn_fwd_kernel
             return ring_attn_fwd_kernel
         from ring_core.kernel_bwd import ring_attn_bwd_kernel
@@ -368,11 +410,12 @@ def _too_small(what: str, need: int, have: int, spec: AttentionSpec, world_size:
 
 @functools.lru_cache(maxsize=512)
 def plan(spec: AttentionSpec, world_size: int, heap: HeapLayout, *, interpret: bool = False,
-         config: KernelConfig | None = None) -> LaunchPlan:
+         config: KernelConfig | None = None, capability: tuple | None = None) -> LaunchPlan:
     """The forward's launch; raises HeapTooSmallError (before anything runs) when the heap is short. Cached
-    (every argument is frozen and hashable; the torch launcher plans at every call); errors are not."""
+    (every argument is frozen and hashable; the torch launcher plans at every call); errors are not.
+    ``capability``: the GPU's, where the Gluon kernel may run (``gluon_applies``)."""
     check_fused(spec, "a reference backend")
-    cfg = config or KernelConfig.get_default(spec, world_size, interpret=interpret)
+    cfg = config or KernelConfig.get_default(spec, world_size, interpret=interpret, capability=capability)
     need = recv_bytes(spec, world_size)
     if need > heap.recv_capacity:
         raise _too_small("call", need, heap.recv_capacity, spec, world_size, "")

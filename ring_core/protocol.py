@@ -225,6 +225,7 @@ import triton.language as tl
 import iris
 
 from ring_core import control
+from ring_core.lanes import iota, iota2
 
 try:  # %globaltimer for the bounded waits on NVIDIA; never traced in the interpreter (INTERPRET=True)
     from triton.language.extra.cuda import globaltimer as _globaltimer
@@ -351,7 +352,7 @@ def poll_all_ge(ptrs, mask, target, ctl, timeout_ns, INTERPRET: tl.constexpr, N:
         n_short = tl.sum(short.to(tl.int32), axis=0)
         polls += 1
         ok = still_waiting(ok, polls, t0, ctl, timeout_ns, INTERPRET)
-    first = tl.min(tl.where(short, tl.arange(0, N), N), axis=0)
+    first = tl.min(tl.where(short, iota(N), N), axis=0)
     return ok & (n_short == 0).to(tl.int32), first
 
 
@@ -374,7 +375,7 @@ def call_words(KIND: tl.constexpr, B, S, sm_scale, W: tl.constexpr, H: tl.conste
                WIN_RIGHT: tl.constexpr, SEGMENTED: tl.constexpr):
     """This call's signature words 1..14 (word 0, the epoch, is left 0): ring_core.control.call_signature
     builds the same words on the host, which is how the host describes a mismatch."""
-    i = tl.arange(0, SIG_WORDS)
+    i = iota(SIG_WORDS)
     zero = i * 0
     w = tl.where(i == 1, KIND, zero)
     w = tl.where(i == 2, W, w)
@@ -415,7 +416,7 @@ def check_call(ctl, heap_bases, rank, epoch, words, timeout_ns, W: tl.constexpr,
 
     A peer overwrites its slot here only for its next call, which it starts after the end barrier of
     this one, i.e. after every program of this rank has finished: a slot never changes while read."""
-    i = tl.arange(0, SIG_WORDS)
+    i = iota(SIG_WORDS)
     mine = tl.where(i == 0, epoch, words)
     if tl.atomic_add(ctl + CTL_SIG_CLAIM, 1, sem="relaxed", scope="gpu") == 0:
         for p in tl.static_range(W):
@@ -509,14 +510,14 @@ def finish_call(ctl, status_ptr, heap_bases, rank, epoch, timeout_ns, W: tl.cons
     tl.store(status_ptr + 1, tl.where(first, held_peer, peer))
     tl.store(status_ptr + 2, tl.where(first, held_step, step))
     tl.store(status_ptr + 3, epoch)
-    sig = tl.arange(0, 2 * SIG_WORDS)
+    sig = iota(2 * SIG_WORDS)
     tl.store(status_ptr + 4 + sig, tl.load(ctl + CTL_ERR_SIG + sig, volatile=True))
     tl.store(ctl + CTL_ERR_SIG + sig, sig * 0)
     final = tl.where(first, held, code)
     if STICKY_ERRORS and final != 0:
         if tl.atomic_cas(ctl + CTL_STICKY, 0, final, sem="acq_rel", scope="gpu") == 0:
             tl.debug_barrier()  # this program's status stores above before the loads below
-            words = tl.arange(0, 64)
+            words = iota(64)
             keep = (words > 0) & (words < STATUS_WORDS)
             tl.store(ctl + CTL_STICKY + words, tl.load(status_ptr + words, mask=keep, volatile=True), mask=keep)
     tl.atomic_xchg(ctl + CTL_ERROR_CHUNK, 0, sem="relaxed", scope="gpu")
@@ -1059,8 +1060,7 @@ def push_unit(u, k_ptr, v_ptr, seg_ptr, recv_ptr, seg_recv, flags_ptr, heap_base
         lo, hi = published_range(rng, rank, b, B, n_chunks, c)  # as this rank published it (id_ranges_ready)
         needed = needed & meets_halves(rng, peer, b, B, n_chunks, lo, hi)
     if needed:
-        offs_r = tl.arange(0, PUSH_ROWS)
-        offs_d = tl.arange(0, BLOCK_D)
+        offs_r, offs_d = iota2(PUSH_ROWS, BLOCK_D, PUSH_VEC)  # [PUSH_ROWS, 1], [1, BLOCK_D]
         dmask = offs_d < D
         src_base = b.to(tl.int64) * S * HKV * D + hkv * D
         dst_k = ((slot * 2 * B + b).to(tl.int64) * HKV + hkv) * S * D
@@ -1068,9 +1068,9 @@ def push_unit(u, k_ptr, v_ptr, seg_ptr, recv_ptr, seg_recv, flags_ptr, heap_base
         r_end = tl.minimum(S, (c + 1) * CHUNK_ROWS)
         for r0 in range(c * CHUNK_ROWS, r_end, PUSH_ROWS):
             rows = r0 + offs_r
-            m = (rows < r_end)[:, None] & dmask[None, :]
-            src = src_base + rows[:, None].to(tl.int64) * (HKV * D) + offs_d[None, :]
-            dst = rows[:, None].to(tl.int64) * D + offs_d[None, :]
+            m = (rows < r_end) & dmask
+            src = src_base + rows.to(tl.int64) * (HKV * D) + offs_d
+            dst = rows.to(tl.int64) * D + offs_d
             # hint: rows start 16-byte aligned in the peer's slot (ring_core.plans.store_hint), so the remote
             # stores are 16-byte vectors; Triton cannot see that through iris's address translation.
             kt = tl.load(k_ptr + src, mask=m)
@@ -1079,9 +1079,10 @@ def push_unit(u, k_ptr, v_ptr, seg_ptr, recv_ptr, seg_recv, flags_ptr, heap_base
             iris.store(recv_ptr + dst_v + dst, vt, rank, peer, heap_bases, mask=m, hint=(1, PUSH_VEC))
             if SEGMENTED:
                 # The rows' segment ids ride with them, before the same release: one acquire covers both.
-                ids = tl.load(seg_ptr + b.to(tl.int64) * S + rows, mask=rows < r_end)
+                rows1 = r0 + iota(PUSH_ROWS)
+                ids = tl.load(seg_ptr + b.to(tl.int64) * S + rows1, mask=rows1 < r_end)
                 dst_s = ((slot * B + b).to(tl.int64) * HKV + hkv) * S
-                iris.store(seg_recv + dst_s + rows, ids, rank, peer, heap_bases, mask=rows < r_end)
+                iris.store(seg_recv + dst_s + rows1, ids, rank, peer, heap_bases, mask=rows1 < r_end)
         # Every thread's stores must be ordered before the release below (cumulativity through bar.sync).
         tl.debug_barrier()
         iris.atomic_xchg(flags_ptr + (slot * B * HKV + bh) * n_chunks + c, epoch, rank, peer, heap_bases,

@@ -60,6 +60,22 @@ def _segment_ids(spec, segment_ids, device):
 _NO_IDS = {}  # device -> the one-element dummy of _segment_ids
 
 
+def _scratch(size: int, alignment: int, stream):
+    """Global scratch for a launch that needs it (the Gluon kernel's TMA descriptors, made on the device)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _with_scratch(p):
+    """Before a launch of ``p``: give Triton an allocator for its global scratch, unless the caller set one
+    (Triton keeps it per thread, in a context variable; its default raises)."""
+    if getattr(p.config, "gluon", False):
+        import triton
+        from triton.runtime import _allocation
+
+        if _allocation._allocator.get() is getattr(_allocation, "_NULL_ALLOCATOR", None):
+            triton.set_allocator(_scratch)
+
+
 def _outputs(p, device):
     """The launch's outputs (ring_core.plans.LaunchPlan.out_shapes); the status last, zeroed: the kernel's
     last program writes it (ring_core.control.check_status)."""
@@ -77,6 +93,7 @@ def forward(q, k, v, spec, group=None, timeout_s: float | None = None, config=No
     seg = _segment_ids(spec, segment_ids, q.device)
     q, k, v = (x.contiguous() for x in (q, k, v))
     out, lse, status = _outputs(p, q.device)
+    _with_scratch(p)
     p.kernel()[p.grid](q, k, v, seg, ctx, *p.scalars(timeout_s), out, lse, status, num_warps=p.config.num_warps,
                        num_stages=p.config.num_stages, **p.constexprs())
     lifecycle.track(status, ring, timeout_s)

@@ -1,0 +1,292 @@
+"""The fused ring-attention forward for Hopper, in Gluon: the same protocol as ring_core.kernel, with
+FlashAttention-3's explicit partitions for the attention math (issue 18).
+
+Why a second kernel source: Triton's automatic warp specialisation takes only one flat loop per program, with no
+``while`` anywhere in the kernel (benchmarks/NOTES.md), which the ring protocol's waits and pushes cannot meet;
+Gluon's explicit partitions can (benchmarks/gluon_fwd.py and gluon_ring.py measured the loop at 0.97-1.04x cuDNN
+at world size 1 and the ring steps' waits as free). The tl kernel (ring_core.kernel) stays the kernel of the
+interpreter, of other GPUs, of fp32, D other than 64 and 128, windows and segment ids, and the parity reference
+of this one (tests/gpu_checks.py compares both against float64). ``ring_core.plans`` picks this kernel where it
+applies (``KernelConfig.get_default``, ``plans.gluon_applies``).
+
+The protocol is not copied: every protocol step below is a call of ring_core.protocol's own ``triton.language``
+helpers, which compile under Gluon (their index vectors come from ring_core.lanes): the call check
+(``start_call``), the pushes (``drain_pushes``), the bounded waits (``poll_ge``, ``record_error``) and the end
+of the call (``end_call``: end barrier, status words, counters). The no-deadlock argument of ring_core.protocol
+holds as it is: a program drains the push counter before anything of it waits (here: before the partitions
+start), and waits only for flags that pushes set.
+
+One program per (batch, head, 128 query rows) tile, in the tl kernel's order (ring_core.tiles.query_tile):
+* Prologue (the kernel's 4 warps): ring context, call check, push every unclaimed unit (``drain_pushes``), TMA
+  descriptors made on the device (global scratch: the launchers pass it), shared memory for Q and ``STAGES``
+  K/V slots with their mbarriers.
+* The **load partition** (one warp): Q once, then the tile's K/V blocks of every ring step in order, each through
+  TMA into a slot. Step 0 reads the local K/V; step t >= 1 reads the receive slot of rank ``rank - t``, each chunk
+  after a bounded acquire of its flag (``poll_ge``; a wait that gives up records ERR_KV_TIMEOUT and the loads go
+  on, so the consumers never stall) and a generic-to-async proxy fence (the flag is acquired by ordinary loads,
+  the chunk read by TMA: PTX ISA, memory consistency model, proxies). The blocks a tile visits per step are the
+  tl kernel's (``protocol.block_range``: every block below the causal frontier whole, the frontier's masked, the
+  hidden ones neither waited for nor loaded). Beside each block the producer leaves, in shared memory, the
+  causal mask's one number: query position minus key position at the tile's first row and the block's first key
+  (positions are contiguous within a tile and a block: ``gluon_applies`` asks S % 128 == 0, zigzag S % 256 == 0).
+* Two **consumer partitions** (one warpgroup each, 64 query rows apiece): FlashAttention-3's pipelined online
+  softmax (S of block j and P V of block j-1 in flight together), each releasing the slots on its own. At the end
+  each writes its rows of O / l into its half of Q's buffer and its lse, or NaN rows if the call check failed or
+  any wait of this rank gave up (the error record: a superset of the tl kernel's per-tile NaN rows; the call's
+  status raises either way).
+* Epilogue: one TMA store of O, then ``end_call``.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+from ring_core import control, plans
+from ring_core.protocol import (CTL_ERROR, ERR_KV_TIMEOUT, block_range, drain_pushes, end_call, poll_ge, positions,
+                                ranks_rng, receive_slots, record_error, ring_context, start_call)
+from ring_core.tiles import query_tile
+
+# Gluon's TMA copies were renamed after Triton 3.6 (async_copy_global_to_shared -> async_load, ...); the GPU
+# machine runs 3.6, CI 3.9.
+tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+tma_store = tma.async_store if hasattr(tma, "async_store") else tma.async_copy_shared_to_global
+cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier  # (3.9 / 3.6)
+
+BLOCK = plans.GLUON_BLOCK  # query rows per tile and K/V rows per block
+STAGES = 3  # K/V slots: the split consumers need the third (benchmarks/NOTES.md, session 7)
+CONSUMER_WARPS = 4  # each consumer partition: one warpgroup on 64 rows; also the prologue's and epilogue's warps
+LOAD_WARPS, LOAD_REGS, CONSUMER_REGS = 1, 24, 232
+# As the kernel reads them (a @gluon.jit function reads constexpr globals only).
+_BLOCK, _STAGES, _CONSUMER_WARPS = gl.constexpr(BLOCK), gl.constexpr(STAGES), gl.constexpr(CONSUMER_WARPS)
+_LOAD_WARPS = gl.constexpr(LOAD_WARPS)
+_LOAD_REGS, _CONSUMER_REGS = gl.constexpr(LOAD_REGS), gl.constexpr(CONSUMER_REGS)
+_UNMASKED = gl.constexpr(1 << 30)  # the mask number of a block every query of the tile sees whole
+
+
+@gluon.jit
+def _slots(dtype: gl.constexpr, D: gl.constexpr, layout: gl.constexpr):
+    """Shared memory for Q, ``STAGES`` K/V slots and each slot's mask number, and their mbarriers, initialised:
+    ``q_bar`` (Q landed), ``kv_ready`` (a slot's bytes landed), ``kv_empty`` (both consumers freed a slot)."""
+    q_smem = gl.allocate_shared_memory(dtype, [_BLOCK, D], layout)
+    k_smem = gl.allocate_shared_memory(dtype, [_STAGES, _BLOCK, D], layout)
+    v_smem = gl.allocate_shared_memory(dtype, [_STAGES, _BLOCK, D], layout)
+    meta = gl.allocate_shared_memory(gl.int32, [_STAGES, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    kv_ready = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(_STAGES):
+        mbarrier.init(kv_ready.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=2)
+    fence_async_shared()  # the barriers' initialisation before the async proxy (TMA) uses them
+    return q_smem, k_smem, v_smem, meta, q_bar, kv_ready, kv_empty
+
+
+@gluon.jit
+def _acquire_chunk(flag, epoch, ctl, timeout_ns, src, step, c):
+    """The bounded acquire of one chunk's flag (the protocol's ``poll_ge``; a wait that gives up is recorded as the
+    tl kernel's are), then the generic proxy ordered before the async one (TMA) that reads the chunk."""
+    if poll_ge(flag, epoch, ctl, timeout_ns, False) == 0:
+        record_error(ctl, ERR_KV_TIMEOUT, src, step, c)
+    gl.inline_asm_elementwise("fence.proxy.async.global;\n mov.b32 $0, 0;", "=r", [], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, meta, q_bar, kv_ready, kv_empty, b, h, hkv,
+              q0, rank, B, S, flags, n_chunks, epoch, ctl, timeout_ns, W: gl.constexpr, HKV: gl.constexpr,
+              D: gl.constexpr, CHUNK_BLOCKS: gl.constexpr, CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr):
+    """The load partition: Q, then every ring step's blocks (see the module docstring)."""
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    tma_load(q_desc, [b * S + q0, h * D], q_bar, q_smem)
+    q_pos_min = positions(q0, rank, S, W, ZIGZAG)
+    q_pos_max = positions(q0 + _BLOCK - 1, rank, S, W, ZIGZAG)
+    meta_layout: gl.constexpr = gl.BlockedLayout([1], [32], [_LOAD_WARPS], [0])
+    j = 0
+    for step in gl.static_range(W):
+        src = (rank - step + W) % W
+        _, n_hi, n_full = block_range(q_pos_min, q_pos_max, src, S, W, _BLOCK, CAUSAL, ZIGZAG)
+        flag0 = flags + (((step - 1) * B + b) * HKV + hkv) * n_chunks
+        k_row = (((step - 1) * 2 * B + b) * HKV + hkv) * S  # step >= 1: K rows in the receive slot; V B*HKV*S on
+        for jb in range(0, n_hi):
+            if step > 0:
+                if jb % CHUNK_BLOCKS == 0:
+                    _acquire_chunk(flag0 + jb // CHUNK_BLOCKS, epoch, ctl, timeout_ns, src, step, jb // CHUNK_BLOCKS)
+            s = j % _STAGES
+            # Round r of a slot waits for the consumers' release of round r - 1 (a fresh barrier passes round 0).
+            mbarrier.wait(kv_empty.index(s), ((j // _STAGES) & 1) ^ 1)
+            if CAUSAL:
+                diff = q_pos_min - positions(jb * _BLOCK, src, S, W, ZIGZAG)
+                diff = gl.where(jb < n_full, _UNMASKED, diff)
+                meta.index(s).store(gl.full([1], diff, gl.int32, meta_layout))
+            if step == 0:
+                mbarrier.expect(kv_ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+                tma_load(k_desc, [b * S + jb * _BLOCK, hkv * D], kv_ready.index(s), k_smem.index(s))
+                tma_load(v_desc, [b * S + jb * _BLOCK, hkv * D], kv_ready.index(s), v_smem.index(s))
+            else:
+                mbarrier.expect(kv_ready.index(s), 2 * r_desc.block_type.nbytes)
+                tma_load(r_desc, [k_row + jb * _BLOCK, 0], kv_ready.index(s), k_smem.index(s))
+                tma_load(r_desc, [k_row + B * HKV * S + jb * _BLOCK, 0], kv_ready.index(s), v_smem.index(s))
+            j += 1
+
+
+@gluon.jit
+def _softmax_block(qk, m_i, l_i, meta, s, rows, cols, qk_scale, CAUSAL: gl.constexpr):
+    """One block's scores -> (P unnormalised, alpha: the old rows' rescale, new max, new sum). Causal: keys after
+    the query dropped where the block's mask number (query minus key position at row 0, key 0) says some are;
+    rows that see nothing yet keep m = -inf and are shifted by 0, so exp2 gives 0, not NaN."""
+    qk = qk * qk_scale  # log2 units
+    if CAUSAL:
+        d = gl.max(meta.index(s).load(gl.BlockedLayout([1], [32], [gl.num_warps()], [0])), axis=0)
+        if d != _UNMASKED:
+            qk = gl.where(cols[None, :] - rows[:, None] <= d, qk, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(qk, axis=1))
+    if CAUSAL:
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_safe = m_new
+    p = gl.exp2(qk - m_safe[:, None])
+    alpha = gl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    return p, alpha, m_new, l_i
+
+
+@gluon.jit
+def _release(kv_empty, s):
+    """This consumer is done with slot s (it waited for its own MMAs): one thread frees its half of it."""
+    cta_barrier()  # within a partition: a named barrier of its warps only
+    mbarrier.arrive(kv_empty.index(s), count=1)
+
+
+@gluon.jit
+def _consumer(q_smem, k_smem, v_smem, meta, q_bar, kv_ready, kv_empty, n_blocks, qk_scale, lse_row, ctl, call_ok,
+              HALF_INDEX: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr):
+    """One consumer partition on its 64 query rows: the pipelined online softmax over the tile's ``n_blocks``
+    blocks (block j's S = Q K^T beside block j-1's O += P V), then its rows of O / l (NaN rows after a failure)
+    into its half of Q's buffer and its lse."""
+    HALF: gl.constexpr = _BLOCK // 2
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[_CONSUMER_WARPS, 1],
+                                                       instr_shape=[16, _BLOCK, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[_CONSUMER_WARPS, 1],
+                                                       instr_shape=[16, D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    q_half = q_smem.slice(HALF_INDEX * HALF, HALF)
+    rows = HALF_INDEX * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
+    cols = gl.arange(0, _BLOCK, layout=gl.SliceLayout(0, s_layout))
+    m_i = gl.full([HALF], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([HALF], gl.float32, gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([HALF, D], gl.float32, o_layout)
+    zero_s = gl.zeros([HALF, _BLOCK], gl.float32, s_layout)
+    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(kv_ready.index(0), 0)
+    qk = warpgroup_mma(q_half, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
+    p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, meta, 0, rows, cols, qk_scale, CAUSAL)
+    p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)  # acc is 0: no rescale for block 0
+    for j in range(1, n_blocks):
+        s = j % _STAGES
+        sp = (j - 1) % _STAGES
+        mbarrier.wait(kv_ready.index(s), (j // _STAGES) & 1)
+        qk = warpgroup_mma(q_half, k_smem.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        acc = warpgroup_mma(p_op, v_smem.index(sp), acc, is_async=True)
+        qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk, ))  # S done; P V may still run
+        p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, meta, s, rows, cols, qk_scale, CAUSAL)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        _release(kv_empty, sp)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)
+    sp = (n_blocks - 1) % _STAGES
+    acc = warpgroup_mma(p_op, v_smem.index(sp), acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    _release(kv_empty, sp)
+    # Every wait of this tile came before its blocks: a failure of any is in the error record by now.
+    err = gl.atomic_add(ctl + CTL_ERROR, 0, sem="relaxed", scope="gpu")
+    valid = (call_ok != 0) & (err == 0)
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+    l_safe = gl.where(l_o == 0.0, 1.0, l_o)
+    out = gl.where(valid, acc / l_safe[:, None], float("nan"))
+    q_half.store(out.to(q_smem.dtype))  # every MMA reading Q has completed
+    fence_async_shared()  # these generic-proxy stores before the TMA store (async proxy) after the join
+    lse_rows = HALF_INDEX * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, o_layout))
+    m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
+    lse = gl.where(valid, (m_o + gl.log2(l_safe)) * 0.6931471805599453, float("nan"))
+    gl.store(lse_row + lse_rows, lse)
+
+
+@gluon.jit(do_not_specialize=["timeout_ns"])
+def ring_attn_fwd_gluon(
+    # inputs
+    q_ptr, k_ptr, v_ptr, seg_ptr, ctx_ptr,
+    # runtime scalars
+    B, S, sm_scale, timeout_ns,
+    # outputs
+    out_ptr, lse_ptr, status_ptr,
+    # constexprs (the tl kernel's: ring_core.plans; those of masks and precision are not used here)
+    W: gl.constexpr, H: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+    CHUNK_BLOCKS: gl.constexpr, PUSH_ROWS: gl.constexpr, SEG_BLOCKS: gl.constexpr, POLL_N: gl.constexpr,
+    PUSH_VEC: gl.constexpr,
+    CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr, INTERPRET: gl.constexpr, DOT_PRECISION: gl.constexpr,
+    SIG_DTYPE: gl.constexpr, STICKY_ERRORS: gl.constexpr,
+    WINDOW: gl.constexpr, WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr, SEGMENTED: gl.constexpr,
+):
+    gl.static_assert(BLOCK_M == _BLOCK and BLOCK_N == _BLOCK and BLOCK_D == D, "ring_core.plans: the Gluon config")
+    gl.static_assert(not WINDOW and not SEGMENTED, "windows and segment ids run the tl kernel (gluon_applies)")
+    CHUNK_ROWS: gl.constexpr = CHUNK_BLOCKS * _BLOCK
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+
+    # ---- the protocol's start: this rank's ring, the call check, every push unit left --------------------
+    heap_bases, rank, ctl, flags, recv_addr, epoch = ring_context(ctx_ptr, W)
+    recv, seg_recv = receive_slots(recv_addr, seg_ptr, rank, B, S, q_ptr, W, HKV, D, False)
+    n_chunks = gl.cdiv(S, CHUNK_ROWS)
+    rng = ranks_rng(flags, B, HKV, n_chunks, 0, W)
+    call_ok = start_call(ctl, heap_bases, rank, epoch, timeout_ns, seg_ptr, rng, B, S, sm_scale, n_chunks,
+                         control.KIND_FWD, W, H, HKV, D, SIG_DTYPE, CAUSAL, ZIGZAG, CHUNK_ROWS, _BLOCK, WIN_LEFT,
+                         WIN_RIGHT, False, False)
+    if W > 1:
+        # Before anything of this program waits (the partitions): ring_core.protocol's no-deadlock argument.
+        drain_pushes(ctl, (W - 1) * B * HKV * n_chunks * call_ok, k_ptr, v_ptr, seg_ptr, recv, seg_recv, flags,
+                     heap_bases, rank, epoch, B, S, n_chunks, W, HKV, D, D, CHUNK_ROWS, PUSH_ROWS, PUSH_VEC, CAUSAL,
+                     ZIGZAG, False, WIN_LEFT, WIN_RIGHT, False, rng, False)
+
+    # ---- the tile, its blocks, TMA descriptors and shared memory ----------------------------------------
+    b, h, hkv, m_blk = query_tile(gl.program_id(0), H // HKV, S // _BLOCK, HKV, CAUSAL)
+    q0 = m_blk * _BLOCK
+    q_pos_min = positions(q0, rank, S, W, ZIGZAG)
+    q_pos_max = positions(q0 + _BLOCK - 1, rank, S, W, ZIGZAG)
+    n_blocks = 0
+    for step in gl.static_range(W):
+        _, n_hi, _ = block_range(q_pos_min, q_pos_max, (rank - step + W) % W, S, W, _BLOCK, CAUSAL, ZIGZAG)
+        n_blocks += n_hi
+    layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    q_desc = tma.make_tensor_descriptor(q_ptr, [B * S, H * D], [H * D, 1], [_BLOCK, D], layout)
+    o_desc = tma.make_tensor_descriptor(out_ptr, [B * S, H * D], [H * D, 1], [_BLOCK, D], layout)
+    k_desc = tma.make_tensor_descriptor(k_ptr, [B * S, HKV * D], [HKV * D, 1], [_BLOCK, D], layout)
+    v_desc = tma.make_tensor_descriptor(v_ptr, [B * S, HKV * D], [HKV * D, 1], [_BLOCK, D], layout)
+    if W > 1:
+        r_desc = tma.make_tensor_descriptor(recv, [(W - 1) * 2 * B * HKV * S, D], [D, 1], [_BLOCK, D], layout)
+    else:
+        r_desc = k_desc  # never read: no ring step reads a receive slot
+    q_smem, k_smem, v_smem, meta, q_bar, kv_ready, kv_empty = _slots(dtype, D, layout)
+
+    qk_scale = sm_scale * 1.4426950408889634
+    lse_row = lse_ptr + (b * H + h).to(gl.int64) * S + q0
+    gl.warp_specialize([
+        (_consumer, (q_smem, k_smem, v_smem, meta, q_bar, kv_ready, kv_empty, n_blocks, qk_scale, lse_row, ctl,
+                     call_ok, 0, D, CAUSAL)),
+        (_producer, (q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, meta, q_bar, kv_ready, kv_empty, b, h,
+                     hkv, q0, rank, B, S, flags, n_chunks, epoch, ctl, timeout_ns, W, HKV, D, CHUNK_BLOCKS, CAUSAL,
+                     ZIGZAG)),
+        (_consumer, (q_smem, k_smem, v_smem, meta, q_bar, kv_ready, kv_empty, n_blocks, qk_scale, lse_row, ctl,
+                     call_ok, 1, D, CAUSAL)),
+    ], [_LOAD_WARPS, _CONSUMER_WARPS], [_LOAD_REGS, _CONSUMER_REGS])
+    tma_store(o_desc, [b * S + q0, h * D], q_smem)  # both halves written (the partitions joined)
+    tma.store_wait(pendings=0)
+    mbarrier.invalidate(q_bar)
+    for i in gl.static_range(_STAGES):
+        mbarrier.invalidate(kv_ready.index(i))
+        mbarrier.invalidate(kv_empty.index(i))
+
+    # ---- the protocol's end: end barrier, status, counters (the last program of this rank) -----------------
+    end_call(ctl, status_ptr, heap_bases, rank, epoch, timeout_ns, W, False, STICKY_ERRORS, False)
