@@ -59,7 +59,7 @@ class KernelConfig:
         """The tuned tiles for ``spec``; on a GPU of compute ``capability`` where ``gluon_applies``, the Gluon
         kernel's fixed ones (ring_core.gluon_kernel: 128-row tiles and blocks, 4 warps per partition, chunks of
         4 blocks per flag)."""
-        if not interpret and gluon_applies(spec, capability):
+        if not interpret and gluon_applies(spec, world_size, capability):
             return KernelConfig(block_m=GLUON_BLOCK, block_n=GLUON_BLOCK, chunk_blocks=4, push_rows=32, num_warps=4,
                                 num_stages=3, gluon=True)
         if interpret:
@@ -103,16 +103,18 @@ def gluon_capability(device):
     return _CAPABILITY[device]
 
 
-def gluon_applies(spec: AttentionSpec, capability) -> bool:
-    """Whether the Gluon Hopper kernel (ring_core.gluon_kernel) takes the forward of ``spec`` on a GPU of compute
+def gluon_applies(spec: AttentionSpec, world_size: int, capability) -> bool:
+    """Whether the Gluon Hopper kernel (ring_core.gluon_kernel) takes the forward of ``spec`` over ``world_size``
+    ranks on a GPU of compute
     ``capability`` ((major, minor); None: no GPU, or the Gluon kernel turned off): Hopper (9.x), fp16/bf16,
     head_dim 64 or 128, seq_local a multiple of 128 (zigzag: of 256, so that a tile's and a block's positions are
     contiguous), no window, no segment ids. Everything else runs the tl kernel (ring_core.kernel)."""
     if capability is None or tuple(capability)[0] != 9:
         return False
     rows = 2 * GLUON_BLOCK if spec.layout == "zigzag" else GLUON_BLOCK
+    unmasked = masks.kernel_window(spec.is_causal, spec.window, world_size * spec.seq_local) == masks.NO_WINDOW
     return (spec.dtype in ("float16", "bfloat16") and spec.head_dim in GLUON_HEAD_DIMS and spec.seq_local % rows == 0
-            and spec.window is None and not spec.segmented)
+            and unmasked and not spec.segmented)
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,9 @@ Checks (every rank asserts; rank 0 writes a JSON summary under --out):
   7. launch: a warp-specialised kernel with device-side TMA descriptors (tests/ws_attention_kernel.py), whose
      launch needs the compiled total of warps and global scratch, through jax_ring's custom call and torch's
      JIT: against float64, bit-identical.
+  8. gluon: the Gluon Hopper forward (ring_core.gluon_kernel, which the plans pick on an H200 where it applies;
+     on another GPU the section says so and fails) through both frontends against float64, JAX and torch
+     bit-identical, and the tl kernel on the same inputs (RING_ATTENTION_GLUON=0) against float64 beside it.
 
 Ranks may share a GPU (``shared``): then no XLA collective runs between them, so the xla reference ring is
 left out of the tables that use it.
@@ -79,6 +82,12 @@ SOAK_SHAPES = [(1, 200, 4, 2, 64, "bfloat16", True, "zigzag"), (2, 97, 2, 1, 80,
                (1, 512, 8, 8, 128, "bfloat16", False, "contiguous"), (1, 33, 4, 4, 32, "float32", True, "contiguous"),
                (1, 1000, 4, 1, 128, "float16", True, "zigzag")]
 JIT_CASES = [(1, 256, 4, 2, 64, "bfloat16", True, "zigzag"), (1, 100, 4, 2, 64, "bfloat16", False, "contiguous")]
+# The gluon section: forwards the Gluon Hopper kernel takes (ring_core.plans.gluon_applies: fp16/bf16, D 64 or 128,
+# seq_local a multiple of 128, zigzag 256): both layouts, causal and not, GQA and MQA, batch 2, a custom scale, one
+# tile per head, many chunks. (B, S, H, HKV, D, dtype, causal, layout[, scale])
+GLUON_CASES = [(1, 1024, 8, 2, 128, "bfloat16", True, "zigzag"), (2, 512, 4, 4, 64, "float16", False, "contiguous"),
+               (1, 768, 8, 8, 128, "bfloat16", True, "contiguous"), (1, 512, 6, 3, 64, "bfloat16", True, "zigzag", 0.3),
+               (1, 128, 4, 1, 128, "float16", True, "contiguous"), (1, 2048, 4, 2, 128, "bfloat16", False, "zigzag")]
 GRADS_CASE = (1, 128, 4, 2, 32, "float32", True, "zigzag")
 BWD_BIG = (2, 4096, 32, 8, 128, "bfloat16", True, "zigzag")  # the bwd section's grid larger than the GPU holds
 
@@ -93,8 +102,8 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--calls", type=int, default=1000)
     ap.add_argument("--skip-big", action="store_true")
-    ap.add_argument("--sections", default="cases,jit,grads,launch,bwd,masks,soak,big",
-                    help="comma-separated subset of cases,jit,grads,launch,bwd,masks,soak,big (default: all)")
+    ap.add_argument("--sections", default="cases,gluon,jit,grads,launch,bwd,masks,soak,big",
+                    help="comma-separated subset of cases,gluon,jit,grads,launch,bwd,masks,soak,big (default: all)")
     ap.add_argument("--mask-cases", default=None,
                     help="masks section: comma-separated indices of its cases to run (default: all)")
     ap.add_argument("--heap-gib", type=float, default=8.0)
@@ -344,6 +353,49 @@ def main():
         say(f"   ({time.time() - t1:.1f} s)")
     summary["cases_s"] = round(time.time() - t0, 1)
     summary["cases_failed"] = failed
+
+    # ---- the Gluon Hopper forward against float64 and against the tl kernel ------------------------
+    def gluon_case(B, S, H, HKV, D, dt, causal, lay, scale=None):
+        from ring_core import plans
+
+        name = f"gluon B{B} S{S} H{H}/{HKV} D{D} {dt} causal={causal} {lay} scale={scale}"
+        spec = validate.check_attention_args((B, S, H, D), (B, S, HKV, D), (B, S, HKV, D), dt, dt, dt,
+                                             is_causal=causal, scale=scale, layout=lay, backend="fused",
+                                             backends=("fused",))
+        kernel = ring_heap.get().plan(spec, W).kernel().__name__
+        assert kernel == "ring_attn_fwd_gluon", f"{name}: the plan launches {kernel} on this GPU"
+        q, k, v = testing.random_inputs(11 + S + H, B, S * W, H, HKV, D, dt)
+        idx = shards(q, lay)
+        ql, kl, vl = q[:, idx], k[:, idx], v[:, idx]
+        kw = dict(is_causal=causal, layout=lay, scale=scale)
+        o64, l64 = reference.attention(q, k, v, is_causal=causal, scale=scale, q_rows=idx)
+        olp, llp = reference.attention_lowp(q, k, v, dt, is_causal=causal, scale=scale, q_rows=idx)
+        jo, jl, jraw = run_jax(ql, kl, vl, dt, "fused", **kw)
+        to, tl_, traw = run_torch(ql, kl, vl, dt, "fused", **kw)
+        os.environ[plans.GLUON_ENV] = "0"  # the tl kernel, same inputs (torch; read at each call's plan)
+        try:
+            lo, ll, _ = run_torch(ql, kl, vl, dt, "fused", **kw)
+        finally:
+            del os.environ[plans.GLUON_ENV]
+        errs = {}
+        for what, o, l in (("jax", jo, jl), ("torch", to, tl_), ("tl", lo, ll)):
+            errs[what] = testing.check(f"{what} {name} out", o, o64, olp, dt, "out")
+            testing.check(f"{what} {name} lse", l, l64, llp, dt, "lse")
+        assert np.array_equal(bits(jraw), bits(traw)) and np.array_equal(jl.view(np.int32), tl_.view(np.int32)), \
+            f"{name}: jax and torch fused differ"
+        say(f"ok {name}: err gluon {errs['torch']:.2e} tl {errs['tl']:.2e} |gluon-tl| "
+            f"{testing.max_abs_err(to, lo):.2e}, bit-identical jax/torch")
+
+    if "gluon" in sections:
+        t0 = time.time()
+        for c in GLUON_CASES:
+            try:
+                gluon_case(*c)
+            except AssertionError as e:
+                failed.append(str(e))
+                say(f"FAILED {c}: {e}", every_rank=True)
+        summary["gluon_cases"] = len(GLUON_CASES)
+        summary["gluon_s"] = round(time.time() - t0, 1)
 
     # ---- two fused calls of different shapes in one jitted program -------------------------------
     if "jit" in sections:
@@ -615,7 +667,7 @@ def main():
         summary.update(big_programs=grid, big_err=err, big_first_call_s=round(dt_big, 2))
 
     dist.barrier()
-    assert not failed, f"{len(failed)} of {len(cases)} cases failed: {failed}"
+    assert not failed, f"{len(failed)} cases failed: {failed}"
     summary["ok"] = True
     summary["log"] = log
     if rank == 0 and a.out:

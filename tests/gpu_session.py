@@ -36,8 +36,9 @@ Stages (``NAME[:SECONDS]``; the default time limit is in brackets):
                out by tests/gpu_variants.py), compiled in parallel                    [240]
   checks       tests/gpu_checks.py, forward sections: cases, jit, grads, launch, big [540]
   checks-all   tests/gpu_checks.py, every section                                  [540]
-  checks-fwdbwd tests/gpu_checks.py --sections cases,bwd                           [420]
-  checks-quick tests/gpu_checks.py, forward sections cases, jit, grads, launch (no big grid) [300]
+  checks-fwdbwd tests/gpu_checks.py --sections cases,gluon,bwd                     [420]
+  checks-gluon tests/gpu_checks.py --sections gluon: the Gluon Hopper forward against float64 and the tl kernel [240]
+  checks-quick tests/gpu_checks.py, forward sections cases, gluon, jit, grads, launch (no big grid) [300]
   checks-grads tests/gpu_checks.py, sections grads and launch (the end of checks-quick)  [240]
   probe-callback  benchmarks/callback_cost.py: what a host callback per call costs a JAX program (issue 18's
                per-call check), one process, no ring                                  [150]
@@ -136,12 +137,13 @@ STAGES = {
                     "--out", "{out}/" + VARIANTS],
                    [sys.executable, "-m", "ring_core.build", "--warm", COMPILES, "{out}/" + VARIANTS, "--tags",
                     "{later}", "--jobs", "{jobs}"]]),
-    "checks": (540, [LAUNCH + ["tests/gpu_checks.py", "--sections", "cases,jit,grads,launch,big", "--out", "{out}"]]),
+    "checks": (540, [LAUNCH + ["tests/gpu_checks.py", "--sections", "cases,gluon,jit,grads,launch,big", "--out", "{out}"]]),
     # Every section (cases, jit, grads, launch, bwd, masks, soak of 1000 calls, big): issue 15's runs per world size.
     "checks-all": (540, [LAUNCH + ["tests/gpu_checks.py", "--out", "{out}"]]),
     # The forward and backward sections at many ranks (issue 15 asks W=8 for these at least).
-    "checks-fwdbwd": (420, [LAUNCH + ["tests/gpu_checks.py", "--sections", "cases,bwd", "--out", "{out}"]]),
-    "checks-quick": (300, [LAUNCH + ["tests/gpu_checks.py", "--sections", "cases,jit,grads,launch", "--out", "{out}"]]),
+    "checks-fwdbwd": (420, [LAUNCH + ["tests/gpu_checks.py", "--sections", "cases,gluon,bwd", "--out", "{out}"]]),
+    "checks-gluon": (240, [LAUNCH + ["tests/gpu_checks.py", "--sections", "gluon", "--out", "{out}"]]),
+    "checks-quick": (300, [LAUNCH + ["tests/gpu_checks.py", "--sections", "cases,gluon,jit,grads,launch", "--out", "{out}"]]),
     "checks-grads": (240, [LAUNCH + ["tests/gpu_checks.py", "--sections", "grads,launch", "--out", "{out}"]]),
     "checks-big": (180, [LAUNCH + ["tests/gpu_checks.py", "--sections", "big", "--out", "{out}"]]),
     "checks-bwd": (300, [LAUNCH + ["tests/gpu_checks.py", "--sections", "bwd", "--out", "{out}"]]),

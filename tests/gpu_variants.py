@@ -36,7 +36,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ring_core import build, control, plans, validate  # noqa: E402
 
-CHECKS_SECTIONS = ("cases", "jit", "grads", "bwd", "masks", "soak", "big")
+CHECKS_SECTIONS = ("cases", "gluon", "jit", "grads", "bwd", "masks", "soak", "big")
+GPU_CAPABILITY = (9, 0)  # the GPU machine's H200: its plans pick the Gluon forward where it applies
 
 
 def spec_of(B, S, H, HKV, D, dtype, causal, layout, *, window=None, segmented=False) -> validate.AttentionSpec:
@@ -54,11 +55,14 @@ def heap_layout(heap_bytes: int) -> control.HeapLayout:
 
 
 def records(calls, world: int, heap_bytes: int, tag: str) -> list:
-    """One record per distinct variant of ``calls``: (spec, backward) pairs; a backward call also runs the
-    forward."""
+    """One record per distinct variant of ``calls``: (spec, backward[, capability]) tuples, planned as on the GPU
+    machine (``GPU_CAPABILITY``; a third item None: the tl kernel, as with RING_ATTENTION_GLUON=0); a backward call
+    also runs the forward."""
     lay, out, seen = heap_layout(heap_bytes), [], set()
-    for spec, backward in calls:
-        ps = [plans.plan(spec, world, lay)] + ([plans.plan_bwd(spec, world, lay)] if backward else [])
+    for spec, backward, *cap in calls:
+        capability = cap[0] if cap else GPU_CAPABILITY
+        ps = [plans.plan(spec, world, lay, capability=capability)] + (
+            [plans.plan_bwd(spec, world, lay)] if backward else [])
         for p in ps:
             rec = p.compile_record(tag=tag)
             key = build.variant_key(rec)
@@ -76,6 +80,8 @@ def checks_calls(world: int, sections=CHECKS_SECTIONS, mask_cases=None) -> list:
     calls = []
     if "cases" in sections:
         calls += [(spec_of(*c[:8]), False) for c in g.CASES]
+    if "gluon" in sections:  # the Gluon kernel, then the tl kernel on the same call (RING_ATTENTION_GLUON=0)
+        calls += [(spec_of(*c[:8]), False, cap) for c in g.GLUON_CASES for cap in (GPU_CAPABILITY, None)]
     if "jit" in sections:
         calls += [(spec_of(*c), False) for c in g.JIT_CASES]
     if "grads" in sections:

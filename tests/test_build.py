@@ -389,6 +389,59 @@ def test_gluon_peer_store_waits_for_the_bulk_writes_before_its_release(tmp_path)
     assert got["read_only_waits"] == 0, got
 
 
+GLUON_KERNEL_COMPILE = textwrap.dedent("""
+    import json, re
+    from ring_core import build, control, plans, validate
+    lay = control.HeapLayout.for_workspace(1 << 30)
+    out = {}
+    for B, S, H, HKV, D, dt, causal, layout, W in ((1, 1024, 8, 2, 128, "bfloat16", True, "zigzag", 2),
+                                                   (2, 512, 4, 4, 64, "float16", False, "contiguous", 3),
+                                                   (1, 256, 4, 1, 128, "bfloat16", True, "contiguous", 1)):
+        spec = validate.check_attention_args((B, S, H, D), (B, S, HKV, D), (B, S, HKV, D), dt, dt, dt,
+                                             is_causal=causal, scale=None, layout=layout, backend="fused",
+                                             backends=("fused",))
+        p = plans.plan(spec, W, lay, capability=(9, 0))
+        ck = build.compile_kernel(p.kernel(), p.arg_types(), p.constexprs(), num_warps=p.config.num_warps,
+                                  num_stages=p.config.num_stages, capability=90)
+        ttgir, ptx = ck.asm["ttgir"], ck.asm["ptx"]
+        at = lambda pat, text=ptx: [m.start() for m in re.finditer(pat, text)]
+        # The load partition, in the TTGIR (structured: text order is program order): its chunk waits.
+        parts = re.split(r"\\bpartition\\d+\\(", ttgir)
+        load = next((t for t in parts[1:] if "num_warps(1)" in t.split("\\n", 1)[0]), "")
+        acq = at(r"atomic_rmw add, acquire, sys", load)
+        fence = at(r"fence\\.proxy\\.async\\.global", load)
+        tma = at(r"async_tma_copy_global_to_local", load)
+        out[f"{dt}-D{D}-W{W}-{causal}-{layout}"] = dict(
+            gluon=p.config.gluon, name=ck.metadata.name, ws="ttg.warp_specialize" in ttgir, load_partition=bool(load),
+            warps=ck.metadata.num_warps, shared=ck.metadata.shared, scratch=ck.metadata.global_scratch_size,
+            wgmma=ptx.count("wgmma.mma_async"), tma=len(at(r"cp\\.async\\.bulk\\.tensor")), fences=len(fence),
+            acquires=len(acq), fence_after_acquire=bool(acq and fence and fence[0] > acq[0]),
+            tma_after_fence=bool(fence and tma and tma[-1] > fence[0]),
+            releases=len(at(r"sys\\.release")), global_timer=ptx.count("%globaltimer"))
+    print(json.dumps(out))
+""")
+
+
+def test_gluon_product_kernel_compiles_warp_specialised_with_the_protocol(tmp_path):
+    """ring_core.gluon_kernel (issue 18's Hopper forward), as ring_core.plans launches it on an H200, compiles for
+    sm_90 under the Triton at hand: explicit partitions (the load warp beside two consumer warpgroups), TMA copies
+    from descriptors made on the device (global scratch), warpgroup MMAs, within Hopper's shared memory; and the
+    protocol compiled in from ring_core.protocol's own helpers: with peers, bounded acquires of the chunks' flags
+    (timed by %globaltimer) each followed by the generic-to-async proxy fence before the TMA reads, and the system-
+    scope releases of the pushes, the call check and the end barrier; at world size 1 nothing to wait for. What it
+    computes is checked on a GPU against float64 and the tl kernel (tests/gpu_checks.py, section ``gluon``)."""
+    got = _compiled_for_sm90(GLUON_KERNEL_COMPILE, tmp_path)
+    for name, c in got.items():
+        assert c["gluon"] and c["name"] == "ring_attn_fwd_gluon", (name, c)
+        assert c["ws"] and c["load_partition"] and c["warps"] > 8 and c["scratch"] > 0, (name, c)
+        assert c["shared"] <= 227 * 1024 and c["wgmma"] > 0 and c["tma"] > 0, (name, c)
+        if "-W1-" in name:
+            assert c["acquires"] == 0 and c["fences"] == 0, (name, c)
+        else:
+            assert c["acquires"] > 0 and c["fence_after_acquire"] and c["tma_after_fence"], (name, c)
+            assert c["releases"] > 0 and c["global_timer"] > 0, (name, c)
+
+
 # ------------------------------------------------------------- the variants a run compiles, worked out ahead
 RECORD_THROUGH_JAX = textwrap.dedent("""
     import json, os, sys

@@ -87,3 +87,51 @@ def test_suggested_heap_size_holds_the_call(need):
     small = control.HeapLayout.for_workspace(1 << 20)
     with pytest.raises(control.HeapTooSmallError, match=rf"at least {plans.heap_bytes_for(plans.recv_bytes(spec, 2))}"):
         plans.plan(spec, 2, small)
+
+
+def _spec(S=1024, D=128, dtype="bfloat16", layout="contiguous", window=None, segmented=False, causal=True):
+    from ring_core import validate
+
+    return validate.check_attention_args(
+        (1, S, 8, D), (1, S, 2, D), (1, S, 2, D), dtype, dtype, dtype, is_causal=causal, scale=None, layout=layout,
+        backend="fused", backends=("fused",), window_size=window, segment_ids_shape=(1, S) if segmented else None,
+        segment_ids_dtype="int32" if segmented else None)
+
+
+@pytest.mark.parametrize("kw, capability, gluon", [
+    (dict(), (9, 0), True),
+    (dict(D=64, dtype="float16", causal=False), (9, 0), True),
+    (dict(layout="zigzag", S=512), (9, 0), True),
+    (dict(layout="zigzag", S=384), (9, 0), False),  # a tile would hold rows of both zigzag halves
+    (dict(S=1000), (9, 0), False),
+    (dict(D=80), (9, 0), False),
+    (dict(dtype="float32"), (9, 0), False),
+    (dict(window=(100, 0)), (9, 0), False),
+    (dict(segmented=True), (9, 0), False),
+    (dict(), (8, 0), False),
+    (dict(), (10, 0), False),
+    (dict(), None, False),
+])
+def test_the_gluon_kernel_takes_the_forwards_it_applies_to(kw, capability, gluon):
+    """ring_core.plans picks the Gluon Hopper kernel exactly where it applies (plans.gluon_applies) and the tl
+    kernel everywhere else; the backward and the interpreter always run the tl kernels."""
+    lay = control.HeapLayout.for_workspace(1 << 30)
+    spec = _spec(**kw)
+    p = plans.plan(spec, 2, lay, capability=capability)
+    assert p.config.gluon is gluon and p.kernel().__name__ == ("ring_attn_fwd_gluon" if gluon else "ring_attn_fwd_kernel")
+    if gluon:
+        assert (p.config.block_m, p.config.block_n, p.config.num_warps, p.chunk_rows) == (128, 128, 4, 512)
+    assert not plans.plan(spec, 2, lay, capability=capability, interpret=True).config.gluon
+    assert plans.plan_bwd(spec, 2, lay).kernel().__name__ == "ring_attn_bwd_kernel"
+
+
+def test_the_gluon_kernel_can_be_turned_off(monkeypatch):
+    """RING_ATTENTION_GLUON=0: no capability reaches the plan, so every forward runs the tl kernel (for A/B runs, or
+    to step around a Gluon fault); a CPU device has none either."""
+    import torch
+
+    monkeypatch.setattr(plans, "_CAPABILITY", {torch.device("cuda", 0): (9, 0)})
+    assert plans.gluon_capability(torch.device("cuda", 0)) == (9, 0)
+    assert plans.gluon_capability(torch.device("cpu")) is None
+    monkeypatch.setenv(plans.GLUON_ENV, "0")
+    assert plans.gluon_capability(torch.device("cuda", 0)) is None
