@@ -46,13 +46,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from ring_core.gluon_kernel import online_softmax, release as _release
+from ring_core.gluon_kernel import tma_load as _tma_load
+from ring_core.gluon_kernel import tma_store as _tma_store
 from ring_core.tiles import query_tile
-
-# Gluon's TMA copies were renamed after Triton 3.6 (async_copy_global_to_shared -> async_load, ...); the GPU
-# machine runs 3.6, CI 3.9.
-_tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
-_tma_store = tma.async_store if hasattr(tma, "async_store") else tma.async_copy_shared_to_global
-_cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier  # (3.9 / 3.6)
 
 BLOCK_M = 128
 BLOCK_N = 128
@@ -136,19 +133,7 @@ def _softmax_step(qk, m_i, l_i, j, n_full, rows, qk_scale, s_layout: gl.constexp
         if j >= n_full:
             cols = (j - col_shift) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             qk = gl.where(cols[None, :] <= rows[:, None], qk, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(qk, axis=1))
-    p = gl.exp2(qk - m_new[:, None])
-    alpha = gl.exp2(m_i - m_new)
-    l_i = l_i * alpha + gl.sum(p, axis=1)
-    return p, alpha, m_new, l_i
-
-
-@gluon.jit
-def _release(kv_empty, s):
-    """Both warpgroups are done with slot s (each waited for its own MMAs): one thread frees it (Gluon's arrive
-    is thread 0's), and the producer may refill it."""
-    _cta_barrier()  # within a partition: a named barrier of its warps only
-    mbarrier.arrive(kv_empty.index(s), count=1)
+    return online_softmax(qk, m_i, l_i, False)  # every row of a probe tile sees a key in every block
 
 
 @gluon.jit

@@ -141,8 +141,16 @@ def _softmax_block(qk, m_i, l_i, meta, s, rows, cols, qk_scale, CAUSAL: gl.const
         d = gl.max(meta.index(s).load(gl.BlockedLayout([1], [32], [gl.num_warps()], [0])), axis=0)
         if d != _UNMASKED:
             qk = gl.where(cols[None, :] - rows[:, None] <= d, qk, float("-inf"))
+    return online_softmax(qk, m_i, l_i, CAUSAL)
+
+
+@gluon.jit
+def online_softmax(qk, m_i, l_i, SAFE: gl.constexpr):
+    """One block of scaled scores (log2 units) into the running max and sum: (P unnormalised, alpha: the old
+    rows' rescale, new max, new sum). SAFE (masked scores): a row with nothing visible yet keeps m = -inf and is
+    shifted by 0, so exp2 gives 0, not NaN."""
     m_new = gl.maximum(m_i, gl.max(qk, axis=1))
-    if CAUSAL:
+    if SAFE:
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_safe = m_new
@@ -153,8 +161,9 @@ def _softmax_block(qk, m_i, l_i, meta, s, rows, cols, qk_scale, CAUSAL: gl.const
 
 
 @gluon.jit
-def _release(kv_empty, s):
-    """This consumer is done with slot s (it waited for its own MMAs): one thread frees its half of it."""
+def release(kv_empty, s):
+    """This consumer partition is done with slot s (it waited for its own MMAs): one thread frees its share of it
+    (Gluon's arrive is thread 0's), and the producer may refill it once every consumer has."""
     cta_barrier()  # within a partition: a named barrier of its warps only
     mbarrier.arrive(kv_empty.index(s), count=1)
 
@@ -193,13 +202,13 @@ def _consumer(q_smem, k_smem, v_smem, meta, q_bar, kv_ready, kv_empty, n_blocks,
         qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk, ))  # S done; P V may still run
         p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, meta, s, rows, cols, qk_scale, CAUSAL)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        _release(kv_empty, sp)
+        release(kv_empty, sp)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)
     sp = (n_blocks - 1) % _STAGES
     acc = warpgroup_mma(p_op, v_smem.index(sp), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-    _release(kv_empty, sp)
+    release(kv_empty, sp)
     # Every wait of this tile came before its blocks: a failure of any is in the error record by now.
     err = gl.atomic_add(ctl + CTL_ERROR, 0, sem="relaxed", scope="gpu")
     valid = (call_ok != 0) & (err == 0)

@@ -38,6 +38,7 @@ Stages (``NAME[:SECONDS]``; the default time limit is in brackets):
   checks-all   tests/gpu_checks.py, every section                                  [540]
   checks-fwdbwd tests/gpu_checks.py --sections cases,gluon,bwd                     [420]
   checks-gluon tests/gpu_checks.py --sections gluon: the Gluon Hopper forward against float64 and the tl kernel [240]
+  bench-w1-tl  bench-w1's forward with RING_ATTENTION_GLUON=0 (the tl kernel), beside cuDNN: the Gluon A/B [150]
   checks-quick tests/gpu_checks.py, forward sections cases, gluon, jit, grads, launch (no big grid) [300]
   checks-grads tests/gpu_checks.py, sections grads and launch (the end of checks-quick)  [240]
   probe-callback  benchmarks/callback_cost.py: what a host callback per call costs a JAX program (issue 18's
@@ -189,6 +190,11 @@ STAGES = {
                                   "torch_fused,torch_cudnn_1gpu,jax_fused,jax_fused_deferred,jax_cudnn_1gpu",
                                   "--seq", "16k,32k", "--pass", "fwd,fwd+bwd", "--warmup", "2", "--iters", "5",
                                   "--csv", "{out}/attention_w1.csv"]]),
+    # bench-w1's forward with the tl kernel (RING_ATTENTION_GLUON=0), beside cuDNN in the same run: the A/B of the
+    # Gluon Hopper forward (issue 18).
+    "bench-w1-tl": (150, [["env", "RING_ATTENTION_GLUON=0"] + LAUNCH1 + [
+        "-m", "benchmarks.attention", "--methods", "torch_fused,jax_fused_deferred,torch_cudnn_1gpu", "--seq",
+        "16k,32k", "--pass", "fwd", "--warmup", "2", "--iters", "5", "--csv", "{out}/attention_w1_tl.csv"]]),
     "examples": (300, [LAUNCH + ["examples/jax_ring_attention.py"],
                        TORCHRUN + ["examples/torch_ring_attention.py"],
                        TORCHRUN + ["examples/torch_train.py"],

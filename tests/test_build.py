@@ -467,7 +467,8 @@ RECORD_THROUGH_JAX = textwrap.dedent("""
             (B, S, H, D), (B, S, HKV, D), (B, S, HKV, D), dt, dt, dt, is_causal=causal, scale=None,
             layout="contiguous", backend="fused", backends=("fused",), window_size=window,
             segment_ids_shape=(B, S) if seg else None, segment_ids_dtype="int32" if seg else None)
-        for p in (plans.plan(spec, W, lay), plans.plan_bwd(spec, W, lay)):
+        gluon = [plans.plan(spec, W, lay, capability=(9, 0))] if S == 1024 else []  # the Hopper forward
+        for p in [plans.plan(spec, W, lay), plans.plan_bwd(spec, W, lay)] + gluon:
             x, kv = jnp.zeros((B, S, H, D), dt), jnp.zeros((B, S, HKV, D), dt)
             rows = jnp.zeros((B, H, S), jnp.float32)
             ids = jnp.zeros((B, S) if seg else (1,), jnp.int32)
@@ -525,12 +526,19 @@ def test_gpu_variants_lists_the_runs_kernels():
     keys = {json.dumps({k: v for k, v in r.items() if k != "tag"}, sort_keys=True) for r in everything}
     assert len(keys) == len(everything)
     kinds = [r["kernel"].split(":")[1] for r in everything]
-    assert kinds.count("ring_attn_fwd_kernel") >= len(g.CASES) and kinds.count("ring_attn_bwd_kernel") >= 7
+    forwards = kinds.count("ring_attn_fwd_kernel") + kinds.count("ring_attn_fwd_gluon")
+    assert forwards >= len(g.CASES) and kinds.count("ring_attn_bwd_kernel") >= 7
+    # Planned as on the H200: the Gluon forward where it applies; the gluon section adds the tl kernel's variant of
+    # each of its calls (its comparison runs with RING_ATTENTION_GLUON=0).
+    gl_section = gv.stage_records("checks-gluon", 2)
+    gl_kinds = [r["kernel"].split(":")[1] for r in gl_section]
+    assert gl_kinds.count("ring_attn_fwd_gluon") == gl_kinds.count("ring_attn_fwd_kernel") > 0
     assert gv.stage_records("bench-w1", 1) == []  # not a script it knows: compiled at run time, as before
     soak = gv.stage_records("soak", 4)
     assert soak and sum(r["kernel"].endswith("bwd_kernel") for r in soak) == 1
     faults = gv.stage_records("faults", 3)  # the fault sections' right calls (forward only)
-    assert faults and all(r["kernel"].endswith("fwd_kernel") and r["constexprs"]["W"] == 3 for r in faults)
+    assert faults and all(r["kernel"].split(":")[1].startswith("ring_attn_fwd") and r["constexprs"]["W"] == 3
+                          for r in faults)
     gluon = gv.stage_records("probe-gluon-fwd", 1)  # issue 18's Gluon forward: its checks and timed shapes
     assert gluon and all(r["kernel"] == "benchmarks.gluon_fwd:gluon_attn_fwd" for r in gluon)
     assert {r["types"][0].split("[")[0] for r in gluon} == {"tensordesc<bf16", "tensordesc<fp16"}
@@ -602,7 +610,8 @@ JIT_AND_BUILD_KEYS = textwrap.dedent("""
         ids = torch.zeros((B, S) if seg else (1,), dtype=torch.int32)
         ctx = torch.zeros((W + 4) * 2, dtype=torch.int32)  # as HeapRings.ctx: int32 words
         rows, status = torch.zeros(B, H, S), torch.zeros(control.STATUS_WORDS, dtype=torch.int32)
-        for p in (plans.plan(spec, W, lay), plans.plan_bwd(spec, W, lay)):
+        gluon = [plans.plan(spec, W, lay, capability=(9, 0))] if S == 1024 else []  # the Hopper forward
+        for p in [plans.plan(spec, W, lay), plans.plan_bwd(spec, W, lay)] + gluon:
             if p.kind == control.KIND_FWD:  # torch_bridge.fused's argument lists
                 args = [q, kv, kv, ids, ctx, *p.scalars(None), q.clone(), rows, status]
             else:
@@ -612,7 +621,10 @@ JIT_AND_BUILD_KEYS = textwrap.dedent("""
                            num_stages=p.config.num_stages, **p.constexprs())
             rec = p.compile_record()
             sig, attrs = build.signature(p.kernel(), rec["types"], rec["constexprs"], rec["divisible"])
-            ours = ASTSource(fn=p.kernel(), signature=sig, constexprs=rec["constexprs"], attrs=attrs).hash()
+            src = ASTSource
+            if p.config.__class__ is plans.KernelConfig and p.config.gluon:
+                from triton.experimental.gluon._runtime import GluonASTSource as src
+            ours = src(fn=p.kernel(), signature=sig, constexprs=rec["constexprs"], attrs=attrs).hash()
             out.append([seen.pop("hash"), ours])
     from benchmarks import gluon_fwd as gf  # the Gluon forward's JIT launch (descriptors) against its records
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -633,12 +645,13 @@ def test_torch_jit_and_the_jax_launch_compile_one_cache_entry():
     """torch's JIT launch of a plan and ring_core.build's compile of it (the JAX launch, and what warm fills)
     hash to the same Triton source key: same signature, constexprs and attributes, the empty attribute entries
     the installed Triton's JIT writes included (3.6 and 3.9 differ there). Before, every variant compiled twice on
-    the GPU machine, once per frontend, and a cache warmed ahead served only JAX. Also the Gluon forward's launch
-    (TMA descriptors) against its record (benchmarks/gluon_fwd.launch_records)."""
+    the GPU machine, once per frontend, and a cache warmed ahead served only JAX. Also the Gluon Hopper forward's
+    plan (ring_core.gluon_kernel), and the Gluon probe's launch (TMA descriptors) against its record
+    (benchmarks/gluon_fwd.launch_records)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
     r = subprocess.run([sys.executable, "-c", JIT_AND_BUILD_KEYS], capture_output=True, text=True, env=env, cwd=ROOT,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     pairs = json.loads(r.stdout.strip().splitlines()[-1])
-    assert len(pairs) == 7 and all(jit == ours for jit, ours in pairs), pairs
+    assert len(pairs) == 8 and all(jit == ours for jit, ours in pairs), pairs
