@@ -26,11 +26,12 @@ One program per (batch, head, 128 query rows) tile, in the tl kernel's order (ri
   on, so the consumers never stall) and a generic-to-async proxy fence (the flag is acquired by ordinary loads,
   the chunk read by TMA: PTX ISA, memory consistency model, proxies). The blocks a tile visits per step are the
   tl kernel's (``protocol.block_range``: every block below the causal frontier whole, the frontier's masked, the
-  hidden ones neither waited for nor loaded). Beside each block the producer leaves, in shared memory, the
-  causal mask's one number: query position minus key position at the tile's first row and the block's first key
-  (positions are contiguous within a tile and a block: ``gluon_applies`` asks S % 128 == 0, zigzag S % 256 == 0).
+  hidden ones neither waited for nor loaded).
 * Two **consumer partitions** (one warpgroup each, 64 query rows apiece): FlashAttention-3's pipelined online
-  softmax (S of block j and P V of block j-1 in flight together), each releasing the slots on its own. At the end
+  softmax (S of block j and P V of block j-1 in flight together), each releasing the slots on its own. They follow
+  the producer's block order with scalar bookkeeping (``_next_block``), which gives each block's causal mask as one
+  number: query minus key position at the tile's first row and the block's first key (positions are contiguous
+  within a tile and a block: ``plans.gluon_applies`` asks S % 128 == 0, zigzag S % 256 == 0). At the end
   each writes its rows of O / l into its half of Q's buffer and its lse, or NaN rows if the call check failed or
   any wait of this rank gave up (the error record: a superset of the tl kernel's per-tile NaN rows; the call's
   status raises either way).
@@ -66,12 +67,11 @@ _UNMASKED = gl.constexpr(1 << 30)  # the mask number of a block every query of t
 
 @gluon.jit
 def _slots(dtype: gl.constexpr, D: gl.constexpr, layout: gl.constexpr):
-    """Shared memory for Q, ``STAGES`` K/V slots and each slot's mask number, and their mbarriers, initialised:
+    """Shared memory for Q and ``STAGES`` K/V slots, and their mbarriers, initialised:
     ``q_bar`` (Q landed), ``kv_ready`` (a slot's bytes landed), ``kv_empty`` (both consumers freed a slot)."""
     q_smem = gl.allocate_shared_memory(dtype, [_BLOCK, D], layout)
     k_smem = gl.allocate_shared_memory(dtype, [_STAGES, _BLOCK, D], layout)
     v_smem = gl.allocate_shared_memory(dtype, [_STAGES, _BLOCK, D], layout)
-    meta = gl.allocate_shared_memory(gl.int32, [_STAGES, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], mbarrier.MBarrierLayout())
@@ -80,7 +80,7 @@ def _slots(dtype: gl.constexpr, D: gl.constexpr, layout: gl.constexpr):
         mbarrier.init(kv_ready.index(i), count=1)
         mbarrier.init(kv_empty.index(i), count=2)
     fence_async_shared()  # the barriers' initialisation before the async proxy (TMA) uses them
-    return q_smem, k_smem, v_smem, meta, q_bar, kv_ready, kv_empty
+    return q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty
 
 
 @gluon.jit
@@ -94,7 +94,7 @@ def _acquire_chunk(flag, epoch, ctl, timeout_ns, src, step, c):
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, meta, q_bar, kv_ready, kv_empty, b, h, hkv,
+def _producer(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, b, h, hkv,
               q0, rank, B, S, flags, n_chunks, epoch, ctl, timeout_ns, W: gl.constexpr, HKV: gl.constexpr,
               D: gl.constexpr, CHUNK_BLOCKS: gl.constexpr, CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr):
     """The load partition: Q, then every ring step's blocks (see the module docstring)."""
@@ -102,11 +102,10 @@ def _producer(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, meta, q_ba
     tma_load(q_desc, [b * S + q0, h * D], q_bar, q_smem)
     q_pos_min = positions(q0, rank, S, W, ZIGZAG)
     q_pos_max = positions(q0 + _BLOCK - 1, rank, S, W, ZIGZAG)
-    meta_layout: gl.constexpr = gl.BlockedLayout([1], [32], [_LOAD_WARPS], [0])
     j = 0
     for step in gl.static_range(W):
         src = (rank - step + W) % W
-        _, n_hi, n_full = block_range(q_pos_min, q_pos_max, src, S, W, _BLOCK, CAUSAL, ZIGZAG)
+        _, n_hi, _ = block_range(q_pos_min, q_pos_max, src, S, W, _BLOCK, CAUSAL, ZIGZAG)
         flag0 = flags + (((step - 1) * B + b) * HKV + hkv) * n_chunks
         k_row = (((step - 1) * 2 * B + b) * HKV + hkv) * S  # step >= 1: K rows in the receive slot; V B*HKV*S on
         for jb in range(0, n_hi):
@@ -116,10 +115,6 @@ def _producer(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, meta, q_ba
             s = j % _STAGES
             # Round r of a slot waits for the consumers' release of round r - 1 (a fresh barrier passes round 0).
             mbarrier.wait(kv_empty.index(s), ((j // _STAGES) & 1) ^ 1)
-            if CAUSAL:
-                diff = q_pos_min - positions(jb * _BLOCK, src, S, W, ZIGZAG)
-                diff = gl.where(jb < n_full, _UNMASKED, diff)
-                meta.index(s).store(gl.full([1], diff, gl.int32, meta_layout))
             if step == 0:
                 mbarrier.expect(kv_ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
                 tma_load(k_desc, [b * S + jb * _BLOCK, hkv * D], kv_ready.index(s), k_smem.index(s))
@@ -132,13 +127,32 @@ def _producer(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, meta, q_ba
 
 
 @gluon.jit
-def _softmax_block(qk, m_i, l_i, meta, s, rows, cols, qk_scale, CAUSAL: gl.constexpr):
+def _next_block(t, jb, n_hi, n_full, rank, S, q_pos_min, q_pos_max, W: gl.constexpr, CAUSAL: gl.constexpr,
+                ZIGZAG: gl.constexpr):
+    """The tile's next block, in the producer's order (ring step ``t``, its block ``jb``; ``n_hi`` / ``n_full``: the
+    step's blocks and its blocks every query sees whole, ``protocol.block_range``): the new (t, jb, n_hi, n_full)
+    and the block's mask number, query minus key position at the tile's first row and the block's first key
+    (positions are contiguous in both: ``plans.gluon_applies``), or ``_UNMASKED``. Scalars only: nothing in the
+    consumers' loop waits for the producer's bookkeeping."""
+    jb += 1
+    while (jb >= n_hi) & (t < W - 1):  # steps whose blocks the tile does not see are skipped, as the producer does
+        t += 1
+        _, n_hi, n_full = block_range(q_pos_min, q_pos_max, (rank - t + W) % W, S, W, _BLOCK, CAUSAL, ZIGZAG)
+        jb = jb * 0
+    d = jb * 0 + _UNMASKED
+    if CAUSAL:
+        if jb >= n_full:
+            d = q_pos_min - positions(jb * _BLOCK, (rank - t + W) % W, S, W, ZIGZAG)
+    return t, jb, n_hi, n_full, d
+
+
+@gluon.jit
+def _softmax_block(qk, m_i, l_i, d, rows, cols, qk_scale, CAUSAL: gl.constexpr):
     """One block's scores -> (P unnormalised, alpha: the old rows' rescale, new max, new sum). Causal: keys after
-    the query dropped where the block's mask number (query minus key position at row 0, key 0) says some are;
-    rows that see nothing yet keep m = -inf and are shifted by 0, so exp2 gives 0, not NaN."""
+    the query dropped where the block's mask number ``d`` (``_next_block``) says some are; rows that see nothing yet
+    keep m = -inf and are shifted by 0, so exp2 gives 0, not NaN."""
     qk = qk * qk_scale  # log2 units
     if CAUSAL:
-        d = gl.max(meta.index(s).load(gl.BlockedLayout([1], [32], [gl.num_warps()], [0])), axis=0)
         if d != _UNMASKED:
             qk = gl.where(cols[None, :] - rows[:, None] <= d, qk, float("-inf"))
     return online_softmax(qk, m_i, l_i, CAUSAL)
@@ -169,8 +183,9 @@ def release(kv_empty, s):
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, meta, q_bar, kv_ready, kv_empty, n_blocks, qk_scale, lse_row, ctl, call_ok,
-              HALF_INDEX: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr):
+def _consumer(q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, n_blocks, qk_scale, lse_row, ctl, call_ok, rank, S,
+              q_pos_min, q_pos_max, HALF_INDEX: gl.constexpr, W: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
+              ZIGZAG: gl.constexpr):
     """One consumer partition on its 64 query rows: the pipelined online softmax over the tile's ``n_blocks``
     blocks (block j's S = Q K^T beside block j-1's O += P V), then its rows of O / l (NaN rows after a failure)
     into its half of Q's buffer and its lse."""
@@ -187,20 +202,24 @@ def _consumer(q_smem, k_smem, v_smem, meta, q_bar, kv_ready, kv_empty, n_blocks,
     l_i = gl.zeros([HALF], gl.float32, gl.SliceLayout(1, s_layout))
     acc = gl.zeros([HALF, D], gl.float32, o_layout)
     zero_s = gl.zeros([HALF, _BLOCK], gl.float32, s_layout)
+    _, n_hi, n_full = block_range(q_pos_min, q_pos_max, rank, S, W, _BLOCK, CAUSAL, ZIGZAG)  # step 0: the local K/V
+    t, jb, n_hi, n_full, d = _next_block(rank * 0, rank * 0 - 1, n_hi, n_full, rank, S, q_pos_min, q_pos_max, W,
+                                         CAUSAL, ZIGZAG)
     mbarrier.wait(q_bar, 0)
     mbarrier.wait(kv_ready.index(0), 0)
     qk = warpgroup_mma(q_half, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
-    p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, meta, 0, rows, cols, qk_scale, CAUSAL)
+    p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, d, rows, cols, qk_scale, CAUSAL)
     p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)  # acc is 0: no rescale for block 0
     for j in range(1, n_blocks):
         s = j % _STAGES
         sp = (j - 1) % _STAGES
+        t, jb, n_hi, n_full, d = _next_block(t, jb, n_hi, n_full, rank, S, q_pos_min, q_pos_max, W, CAUSAL, ZIGZAG)
         mbarrier.wait(kv_ready.index(s), (j // _STAGES) & 1)
         qk = warpgroup_mma(q_half, k_smem.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         acc = warpgroup_mma(p_op, v_smem.index(sp), acc, is_async=True)
         qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk, ))  # S done; P V may still run
-        p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, meta, s, rows, cols, qk_scale, CAUSAL)
+        p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, d, rows, cols, qk_scale, CAUSAL)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         release(kv_empty, sp)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
@@ -277,18 +296,18 @@ def ring_attn_fwd_gluon(
         r_desc = tma.make_tensor_descriptor(recv, [(W - 1) * 2 * B * HKV * S, D], [D, 1], [_BLOCK, D], layout)
     else:
         r_desc = k_desc  # never read: no ring step reads a receive slot
-    q_smem, k_smem, v_smem, meta, q_bar, kv_ready, kv_empty = _slots(dtype, D, layout)
+    q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty = _slots(dtype, D, layout)
 
     qk_scale = sm_scale * 1.4426950408889634
     lse_row = lse_ptr + (b * H + h).to(gl.int64) * S + q0
     gl.warp_specialize([
-        (_consumer, (q_smem, k_smem, v_smem, meta, q_bar, kv_ready, kv_empty, n_blocks, qk_scale, lse_row, ctl,
-                     call_ok, 0, D, CAUSAL)),
-        (_producer, (q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, meta, q_bar, kv_ready, kv_empty, b, h,
+        (_consumer, (q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, n_blocks, qk_scale, lse_row, ctl, call_ok,
+                     rank, S, q_pos_min, q_pos_max, 0, W, D, CAUSAL, ZIGZAG)),
+        (_producer, (q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, b, h,
                      hkv, q0, rank, B, S, flags, n_chunks, epoch, ctl, timeout_ns, W, HKV, D, CHUNK_BLOCKS, CAUSAL,
                      ZIGZAG)),
-        (_consumer, (q_smem, k_smem, v_smem, meta, q_bar, kv_ready, kv_empty, n_blocks, qk_scale, lse_row, ctl,
-                     call_ok, 1, D, CAUSAL)),
+        (_consumer, (q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, n_blocks, qk_scale, lse_row, ctl, call_ok,
+                     rank, S, q_pos_min, q_pos_max, 1, W, D, CAUSAL, ZIGZAG)),
     ], [_LOAD_WARPS, _CONSUMER_WARPS], [_LOAD_REGS, _CONSUMER_REGS])
     tma_store(o_desc, [b * S + q0, h * D], q_smem)  # both halves written (the partitions joined)
     tma.store_wait(pendings=0)

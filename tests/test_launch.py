@@ -118,7 +118,8 @@ def test_the_gluon_kernel_takes_the_forwards_it_applies_to(kw, capability, gluon
     lay = control.HeapLayout.for_workspace(1 << 30)
     spec = _spec(**kw)
     p = plans.plan(spec, 2, lay, capability=capability)
-    assert p.config.gluon is gluon and p.kernel().__name__ == ("ring_attn_fwd_gluon" if gluon else "ring_attn_fwd_kernel")
+    kernel = "ring_attn_fwd_gluon" if gluon else "ring_attn_fwd_kernel"
+    assert p.config.gluon is gluon and p.kernel().__name__ == kernel
     if gluon:
         assert (p.config.block_m, p.config.block_n, p.config.num_warps, p.chunk_rows) == (128, 128, 4, 512)
     assert not plans.plan(spec, 2, lay, capability=capability, interpret=True).config.gluon
