@@ -147,14 +147,19 @@ def _next_block(t, jb, n_hi, n_full, rank, S, q_pos_min, q_pos_max, W: gl.conste
 
 
 @gluon.jit
-def _softmax_block(qk, m_i, l_i, d, rows, cols, qk_scale, CAUSAL: gl.constexpr):
+def _softmax_block(qk, m_i, l_i, d, row0, qk_scale, CAUSAL: gl.constexpr):
     """One block's scores -> (P unnormalised, alpha: the old rows' rescale, new max, new sum). Causal: keys after
-    the query dropped where the block's mask number ``d`` (``_next_block``) says some are; rows that see nothing yet
-    keep m = -inf and are shifted by 0, so exp2 gives 0, not NaN."""
+    the query dropped where the block's mask number ``d`` (``_next_block``; ``row0``: the consumer's first row in
+    the tile) says some are; rows that see nothing yet keep m = -inf and are shifted by 0, so exp2 gives 0, not
+    NaN. The masks' indices are made here, not kept across the loop: held in registers they made the consumers
+    spill."""
     qk = qk * qk_scale  # log2 units
     if CAUSAL:
         if d != _UNMASKED:
-            qk = gl.where(cols[None, :] - rows[:, None] <= d, qk, float("-inf"))
+            s_layout: gl.constexpr = qk.type.layout
+            last = row0 + d + gl.arange(0, qk.shape[0], layout=gl.SliceLayout(1, s_layout))  # each row's last key
+            cols = gl.arange(0, qk.shape[1], layout=gl.SliceLayout(0, s_layout))
+            qk = gl.where(cols[None, :] <= last[:, None], qk, float("-inf"))
     return online_softmax(qk, m_i, l_i, CAUSAL)
 
 
@@ -196,8 +201,6 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, n_blocks, qk_sc
                                                        instr_shape=[16, D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     q_half = q_smem.slice(HALF_INDEX * HALF, HALF)
-    rows = HALF_INDEX * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
-    cols = gl.arange(0, _BLOCK, layout=gl.SliceLayout(0, s_layout))
     m_i = gl.full([HALF], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([HALF], gl.float32, gl.SliceLayout(1, s_layout))
     acc = gl.zeros([HALF, D], gl.float32, o_layout)
@@ -209,7 +212,7 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, n_blocks, qk_sc
     mbarrier.wait(kv_ready.index(0), 0)
     qk = warpgroup_mma(q_half, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
-    p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, d, rows, cols, qk_scale, CAUSAL)
+    p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, d, HALF_INDEX * HALF, qk_scale, CAUSAL)
     p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)  # acc is 0: no rescale for block 0
     for j in range(1, n_blocks):
         s = j % _STAGES
@@ -219,7 +222,7 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, n_blocks, qk_sc
         qk = warpgroup_mma(q_half, k_smem.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         acc = warpgroup_mma(p_op, v_smem.index(sp), acc, is_async=True)
         qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk, ))  # S done; P V may still run
-        p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, d, rows, cols, qk_scale, CAUSAL)
+        p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, d, HALF_INDEX * HALF, qk_scale, CAUSAL)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         release(kv_empty, sp)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
