@@ -13,12 +13,12 @@ the ring protocol moves in: FlashAttention-3's shape, simplified.
 * The **default partition** (8 warps, two warpgroups on the 128 rows) runs the online softmax: S = Q K^T and
   O += P V with asynchronous warpgroup MMAs (P from registers), then frees the slot. Plain: each block's two MMAs
   in turn; causal, the blocks below the diagonal unmasked, then the diagonal ones masked (two loops, one phase
-  counter). Pipelined (FlashAttention-3's intra-warpgroup overlap): one loop where S of block j and P V of block
-  j-1 are issued together and block j's softmax runs while P V is on the tensor cores (the causal mask a branch
-  on the block index). Split: two consumer partitions of one warpgroup each on 64 rows apiece, each pipelined,
-  each releasing the K/V slots on its own (no barrier between them per block: one's softmax can run beside the
-  other's MMAs, the scheduling FlashAttention-3's ping-pong enforces with named barriers); each writes its rows
-  of O into its half of Q's buffer, and one TMA store follows the join.
+  counter). Split: two consumer partitions of one warpgroup each on 64 rows apiece, each pipelined
+  (FlashAttention-3's intra-warpgroup overlap: S of block j and P V of block j-1 issued together, block j's softmax
+  while P V is on the tensor cores), each releasing the K/V slots on its own (no barrier between them per block:
+  one's softmax can run beside the other's MMAs, the scheduling FlashAttention-3's ping-pong enforces with named
+  barriers); each writes its rows of O into its half of Q's buffer, and one TMA store follows the join. These
+  consumers are the product's (ring_core.gluon_kernel), run here at world size 1 with no error record.
 * Epilogue: O / l through shared memory and a TMA store (Q's buffer, free by then); lse (natural log) by plain
   stores.
 
@@ -46,7 +46,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from ring_core.gluon_kernel import online_softmax, release as _release
+from ring_core import control
+from ring_core.gluon_kernel import _consumer as consumer  # the product's split consumer partition
+from ring_core.gluon_kernel import online_softmax, release as _release, slots
 from ring_core.gluon_kernel import tma_load as _tma_load
 from ring_core.gluon_kernel import tma_store as _tma_store
 from ring_core.tiles import query_tile
@@ -55,14 +57,13 @@ BLOCK_M = 128
 BLOCK_N = 128
 NUM_WARPS = 8  # the default partition: two warpgroups over the 128 query rows
 STAGES = 2
-# (K/V block rows, slots, pipelined) tried by the probe: 128-row blocks in 2 slots (160 KiB of shared memory at
-# D128), each block's MMAs in turn (as measured 2026-12-02: 64-row blocks in 3 slots were 4-9 % slower, dropped);
-# then FlashAttention-3's overlap of S_j with P_{j-1} V in 2 and in 3 slots (224 KiB: the consumer holds two slots
-# at once, so a third lets the producer run a block ahead).
-# Split ("x"): two consumer partitions of one warpgroup each, on 64 query rows apiece, pipelined, releasing the
-# K/V slots separately (no barrier per block between them), so that one's softmax can overlap the other's MMAs.
-CONFIGS = ((BLOCK_N, STAGES, False, False), (BLOCK_N, 2, True, False), (BLOCK_N, 3, True, False),
-           (BLOCK_N, 2, True, True), (BLOCK_N, 3, True, True))
+# (K/V block rows, slots, pipelined, split) of the probe: 128-row blocks in 2 slots (160 KiB of shared memory at
+# D128), each block's MMAs in turn, the baseline; and the split consumers ("x": two partitions of one warpgroup
+# each, on 64 query rows apiece, FlashAttention-3's overlap of S_j with P_{j-1} V, releasing the slots separately)
+# in 3 slots, which is the product's loop: its consumers are ring_core.gluon_kernel's own. The configurations
+# measured and dropped in session 7 (64-row blocks; the overlap in one partition of two warpgroups, 2 and 3 slots;
+# the split in 2 slots) are in benchmarks/results (gluon_fwd_1xH200_2026-12-02*.csv) and in git history.
+CONFIGS = ((BLOCK_N, STAGES, False, False), (BLOCK_N, 3, True, True))
 LOAD_WARPS, LOAD_REGS = 1, 24
 SPLIT_WARPS, SPLIT_REGS = 4, 232  # each split consumer: one warpgroup; registers of the worker one (setmaxnreg)
 # The same, as the kernel reads them (a @gluon.jit function reads constexpr globals only).
@@ -137,89 +138,25 @@ def _softmax_step(qk, m_i, l_i, j, n_full, rows, qk_scale, s_layout: gl.constexp
 
 
 @gluon.jit
-def _attend_pipelined(q_smem, k_smem, v_smem, kv_ready, kv_empty, n_full, n_blocks, q0, qk_scale,
-                      s_layout: gl.constexpr, o_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                      D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, col_shift=0):
-    """Every block in one loop, FlashAttention-3's intra-warpgroup overlap: block j's S = Q K^T and block j-1's
-    O += P V are issued together, the softmax of block j runs while P V is on the tensor cores, and O is rescaled
-    once P V is done. (One loop: the causal blocks' mask is a branch on the block index.)"""
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    rows = q0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+def _compute_partition(q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, n_full, n_blocks, q0, qk_scale,
+                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+                       CAUSAL: gl.constexpr, NUM_WARPS: gl.constexpr):
+    """The plain configuration's consumers (8 warps on the 128 rows): the online softmax over the blocks, each
+    block's MMAs in turn, the unmasked blocks, then (causal) the diagonal ones."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                       instr_shape=[16, D, 16])
+    mbarrier.wait(q_bar, 0)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
     acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
-    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    mbarrier.wait(kv_ready.index(0), 0)
-    qk = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
-    p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, 0, n_full, rows, qk_scale, s_layout, BLOCK_N,
-                                       "from" if CAUSAL else "none", col_shift)
-    p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)  # acc is 0: no rescale for block 0
-    for j in range(1, n_blocks):
-        s = j % STAGES
-        sp = (j - 1) % STAGES
-        mbarrier.wait(kv_ready.index(s), (j // STAGES) & 1)
-        qk = warpgroup_mma(q_smem, k_smem.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        acc = warpgroup_mma(p_op, v_smem.index(sp), acc, is_async=True)
-        qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk, ))  # S done; P V may still run
-        p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, j, n_full, rows, qk_scale, s_layout, BLOCK_N,
-                                           "from" if CAUSAL else "none", col_shift)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        _release(kv_empty, sp)
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)
-    sp = (n_blocks - 1) % STAGES
-    acc = warpgroup_mma(p_op, v_smem.index(sp), acc, is_async=True)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-    _release(kv_empty, sp)
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q_smem, k_smem, v_smem, kv_ready, kv_empty, 0, n_full, q0, qk_scale,
+                            s_layout, o_layout, BLOCK_M, BLOCK_N, STAGES, False)
+    if CAUSAL:
+        acc, l_i, m_i = _attend(acc, l_i, m_i, q_smem, k_smem, v_smem, kv_ready, kv_empty, n_full, n_blocks,
+                                q0, qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, STAGES, True)
     return acc, l_i, m_i
-
-
-@gluon.jit
-def _compute_partition(q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, n_full, n_blocks, q0, qk_scale,
-                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-                       CAUSAL: gl.constexpr, NUM_WARPS: gl.constexpr, PIPELINED: gl.constexpr):
-    """The consumers: the online softmax over the blocks. PIPELINED: one loop with S of block j and P V of block
-    j-1 in flight together; otherwise each block's MMAs in turn, the unmasked blocks, then (causal) the diagonal
-    ones."""
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                       instr_shape=[16, D, 16])
-    mbarrier.wait(q_bar, 0)
-    if PIPELINED:
-        acc, l_i, m_i = _attend_pipelined(q_smem, k_smem, v_smem, kv_ready, kv_empty, n_full, n_blocks, q0,
-                                          qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL)
-    else:
-        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-        l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
-        acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
-        acc, l_i, m_i = _attend(acc, l_i, m_i, q_smem, k_smem, v_smem, kv_ready, kv_empty, 0, n_full, q0, qk_scale,
-                                s_layout, o_layout, BLOCK_M, BLOCK_N, STAGES, False)
-        if CAUSAL:
-            acc, l_i, m_i = _attend(acc, l_i, m_i, q_smem, k_smem, v_smem, kv_ready, kv_empty, n_full, n_blocks,
-                                    q0, qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, STAGES, True)
-    return acc, l_i, m_i
-
-
-@gluon.jit
-def _consumer_half(q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, lse_row, n_full, n_blocks, q0, qk_scale,
-                   HALF_INDEX: gl.constexpr, HALF: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, NUM_WARPS: gl.constexpr, col_shift=0):
-    """SPLIT: one of two consumer partitions (one warpgroup each), on its own ``HALF`` query rows of the tile,
-    the pipelined loop, then its rows of O / l into its half of Q's buffer (its own Q rows, read by no one else)
-    and its lse. The two consumers share the K/V slots (released when both arrived) but no barrier per block,
-    so that one's softmax can run beside the other's MMAs."""
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                       instr_shape=[16, D, 16])
-    q_half = q_smem.slice(HALF_INDEX * HALF, HALF)
-    mbarrier.wait(q_bar, 0)
-    acc, l_i, m_i = _attend_pipelined(q_half, k_smem, v_smem, kv_ready, kv_empty, n_full, n_blocks,
-                                      q0 + HALF_INDEX * HALF, qk_scale, s_layout, o_layout, HALF, BLOCK_N, D, STAGES,
-                                      CAUSAL, col_shift)
-    _finish_rows(acc, l_i, m_i, q_half, lse_row + HALF_INDEX * HALF)  # the TMA store follows the join
 
 
 @gluon.jit
@@ -256,20 +193,9 @@ def _tile(S, H, HKV, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.co
 
 @gluon.jit
 def _slots(q_desc, k_desc, v_desc, STAGES: gl.constexpr, RELEASERS: gl.constexpr):
-    """Shared memory for Q and ``STAGES`` K/V slots, and their mbarriers, initialised: ``q_bar`` (Q landed),
-    ``kv_ready`` (a slot's bytes landed), ``kv_empty`` (a slot freed by its ``RELEASERS`` consumer partitions)."""
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(kv_ready.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=RELEASERS)
-    fence_async_shared()  # the barriers' initialisation before the async proxy (TMA) uses them
-    return q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty
+    """Shared memory and mbarriers for Q and ``STAGES`` K/V slots (ring_core.gluon_kernel.slots: 128-row blocks, as
+    every configuration here has them), in the descriptors' layout."""
+    return slots(q_desc.dtype, q_desc.block_type.shape[1], q_desc.layout, STAGES, RELEASERS)
 
 
 @gluon.jit
@@ -281,9 +207,9 @@ def _free_slots(q_bar, kv_ready, kv_empty, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, lse_ptr, S, H, HKV, sm_scale,
-                   CAUSAL: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, PIPELINED: gl.constexpr,
-                   SPLIT: gl.constexpr):
+def gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, lse_ptr, ctl_ptr, S, H, HKV, sm_scale,
+                   CAUSAL: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, SPLIT: gl.constexpr):
+    """``ctl_ptr``: int32 zeros that the product's consumers read as the ring's error record (none here)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     D: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
@@ -299,19 +225,19 @@ def gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, lse_ptr, S, H, HKV, sm_scale,
     if SPLIT:
         HALF: gl.constexpr = BLOCK_M // 2
         gl.warp_specialize([
-            (_consumer_half, (q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, lse_row, n_full, n_blocks, q0,
-                              qk_scale, 0, HALF, BLOCK_N, D, STAGES, CAUSAL, NUM_WARPS)),
+            (consumer, (q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, n_blocks, qk_scale, lse_row, ctl_ptr, 1,
+                        S * 0, S, q0, q0 + BLOCK_M - 1, 0, 1, D, CAUSAL, False)),  # world size 1: rank 0, contiguous
             (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, row_q,
                                row_kv, col_q, col_kv, n_blocks, BLOCK_N, STAGES)),
-            (_consumer_half, (q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, lse_row, n_full, n_blocks, q0,
-                              qk_scale, 1, HALF, BLOCK_N, D, STAGES, CAUSAL, NUM_WARPS)),
+            (consumer, (q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, n_blocks, qk_scale, lse_row, ctl_ptr, 1,
+                        S * 0, S, q0, q0 + BLOCK_M - 1, 1, 1, D, CAUSAL, False)),
         ], [_LOAD_WARPS, NUM_WARPS], [_LOAD_REGS, _SPLIT_REGS])
         _tma_store(o_desc, [row_q, col_q], q_smem)  # both halves written (the partitions joined)
         tma.store_wait(pendings=0)
     else:  # one consumer partition of two warpgroups over the whole tile
         acc, l_i, m_i = gl.warp_specialize([
             (_compute_partition, (q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, n_full, n_blocks, q0, qk_scale,
-                                  BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, NUM_WARPS, PIPELINED)),
+                                  BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, NUM_WARPS)),
             (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, row_q,
                                row_kv, col_q, col_kv, n_blocks, BLOCK_N, STAGES)),
         ], [_LOAD_WARPS], [_LOAD_REGS])
@@ -357,7 +283,8 @@ def attention(q, k, v, causal: bool, scale: float | None = None, block_n: int = 
     out = torch.empty_like(q)
     lse = torch.empty((B, H, S), dtype=torch.float32, device=q.device)
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    gluon_attn_fwd[(B * H * (S // BLOCK_M),)](*descriptors(q, k, v, out, block_n), lse, S, H, HKV, scale,
+    ctl = torch.zeros(control.CTL_ERROR + 1, dtype=torch.int32, device=q.device)
+    gluon_attn_fwd[(B * H * (S // BLOCK_M),)](*descriptors(q, k, v, out, block_n), lse, ctl, S, H, HKV, scale,
                                               **_constexprs(causal, stages, pipelined, split),
                                               num_warps=consumer_warps(split))
     return out, lse
@@ -369,11 +296,11 @@ def _arg_types(dtype: str, D: int, block_n: int) -> list:
     from triton.runtime.jit import mangle_type
 
     t = torch.zeros((1, 256, 2, D), dtype=getattr(torch, dtype))
-    return [mangle_type(d) for d in descriptors(t, t, t, t, block_n)] + ["*fp32", "i32", "i32", "i32", "fp32"]
+    return [mangle_type(d) for d in descriptors(t, t, t, t, block_n)] + ["*fp32", "*i32", "i32", "i32", "i32", "fp32"]
 
 
 def _constexprs(causal: bool, stages: int, pipelined: bool = False, split: bool = False) -> dict:
-    return {"CAUSAL": causal, "STAGES": stages, "NUM_WARPS": consumer_warps(split), "PIPELINED": pipelined or split,
+    return {"CAUSAL": causal, "STAGES": stages, "NUM_WARPS": consumer_warps(split),
             "SPLIT": split}
 
 
@@ -404,7 +331,7 @@ def launch_records(seqs=(16384, 32768)) -> list:
     out = []
     for (B, S, H, HKV, D, causal, dt) in shapes:
         for block_n, stages, pipelined, split in CONFIGS:
-            values = [None] * 5 + [S, H, HKV, None]
+            values = [None] * 6 + [S, H, HKV, None]
             out.append(build.record(gluon_attn_fwd, _arg_types(dt, D, block_n),
                                     _constexprs(causal, stages, pipelined, split), num_warps=consumer_warps(split),
                                     num_stages=DEFAULT_NUM_STAGES, values=values))

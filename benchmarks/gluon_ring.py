@@ -7,9 +7,9 @@ after its flag, which the pusher releases once the chunk's rows are stored. Here
 wait: before the TMA loads of a chunk's first block it spins, bounded, on the chunk's flag with acquire loads, then
 fences the generic proxy against the async one (the flag is acquired by ordinary loads, the chunk's bytes read by
 TMA, which is the async proxy: ``fence.proxy.async.global``, PTX ISA, "memory consistency model", proxies). The
-consumers see one flat sequence of blocks: the local K/V's unmasked blocks, every peer step's blocks, then the
-local diagonal blocks (the only masked ones: the tile is the last rank's of a contiguous ring, so every peer key
-is visible to every query).
+consumers, the product's own (ring_core.gluon_kernel), see one flat sequence of blocks in the product's order: the
+local K/V's (causal: the diagonal masked), then every peer step's (the tile is the last rank's of a contiguous ring,
+so every peer key is visible to every query).
 
 What this probe answers, on one GPU (the flags and slots filled by the host, not by peers):
 * ``check``: right against float32 attention over all W shards' keys, with the flags set before the launch
@@ -37,11 +37,13 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from benchmarks.gluon_fwd import (_LOAD_REGS, _LOAD_WARPS, _SPLIT_REGS, BLOCK_M, BLOCK_N, DEFAULT_NUM_STAGES,
-                                  SPLIT_WARPS, _consumer_half, _free_slots, _slots, _tile, _tma_load, _tma_store,
+                                  SPLIT_WARPS, _free_slots, _slots, _tile, _tma_load, _tma_store, consumer,
                                   descriptors)
+from ring_core import control
 
 STAGES = 3  # n128s3x: the split consumers need the third slot (NOTES, session 7)
 CHUNK_BLOCKS = 4  # K/V blocks per flag (512 rows)
+CTL_ERROR = gl.constexpr(control.CTL_ERROR)  # the word of ``err`` a failed wait sets (the product's error record)
 
 
 @gluon.jit
@@ -61,20 +63,20 @@ def _acquire_flag(flag_ptr, target, max_polls, err_ptr):
 
 @gluon.jit
 def _load_ring_partition(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, row_q,
-                         row_kv, col_q, col_kv, n_full, n_peer, n_blocks, n_step, r_row, slot_rows, v_rows, flag0,
+                         row_kv, col_q, col_kv, n_local, n_peer, n_blocks, n_step, r_row, slot_rows, v_rows, flag0,
                          flags_per_step, epoch, max_polls, err_ptr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                          CHUNK_BLOCKS: gl.constexpr):
-    """The producer: Q once; then flat block j: local block j (j < n_full); peer block j - n_full (the next
-    ``n_peer``, ``n_step`` per ring step, from the receive slots through ``r_desc``, a chunk's blocks after its
-    flag); local block j - n_peer (the diagonal ones, last)."""
+    """The producer: Q once; then in the product's order (ring_core.gluon_kernel) flat block j: local block j
+    (j < n_local), then peer block j - n_local (``n_step`` per ring step, from the receive slots through ``r_desc``,
+    a chunk's blocks after its flag)."""
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     _tma_load(q_desc, [row_q, col_q], q_bar, q_smem)
     for j in range(n_blocks):
         s = j % STAGES
         # Round r of a slot waits for the consumers' release of round r - 1 (a fresh barrier passes round 0).
         mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
-        i = j - n_full
-        if (i >= 0) & (i < n_peer):
+        i = j - n_local
+        if (i >= 0) & (i < n_peer):  # (W = 1: folded away, no wait left)
             t = i // n_step
             blk = i % n_step
             if blk % CHUNK_BLOCKS == 0:
@@ -84,12 +86,9 @@ def _load_ring_partition(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem,
             _tma_load(r_desc, [row, 0], kv_ready.index(s), k_smem.index(s))
             _tma_load(r_desc, [row + v_rows, 0], kv_ready.index(s), v_smem.index(s))
         else:
-            jl = j
-            if i >= 0:
-                jl = j - n_peer
             mbarrier.expect(kv_ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-            _tma_load(k_desc, [row_kv + jl * BLOCK_N, col_kv], kv_ready.index(s), k_smem.index(s))
-            _tma_load(v_desc, [row_kv + jl * BLOCK_N, col_kv], kv_ready.index(s), v_smem.index(s))
+            _tma_load(k_desc, [row_kv + j * BLOCK_N, col_kv], kv_ready.index(s), k_smem.index(s))
+            _tma_load(v_desc, [row_kv + j * BLOCK_N, col_kv], kv_ready.index(s), v_smem.index(s))
 
 
 @gluon.jit
@@ -99,11 +98,12 @@ def gluon_ring_fwd(q_desc, k_desc, v_desc, r_desc, o_desc, lse_ptr, flags_ptr, e
     """The split-consumer forward over W ring steps, as the last rank of a contiguous ring: the local K/V (causal:
     its diagonal masked) and W - 1 peers' K/V from the receive slots (``r_desc``: [(W-1) * 2 * B * HKV * S, D]),
     each chunk of CHUNK_BLOCKS blocks after its flag (``flags_ptr``: [W-1][B][HKV][S / (CHUNK_BLOCKS * BLOCK_N)]
-    int32, ready at ``epoch``). A wait that gave up sets ``*err_ptr = 1``."""
+    int32, ready at ``epoch``). A wait that gave up sets the word ``err_ptr[CTL_ERROR]`` to 1: ``err_ptr`` stands for
+    the ring's control words, which the product's consumers read (NaN rows after a failed wait)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     D: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-    b, h, hkv, q0, n_full, n_local = _tile(S, H, HKV, BLOCK_M, BLOCK_N, CAUSAL)
+    b, h, hkv, q0, _, n_local = _tile(S, H, HKV, BLOCK_M, BLOCK_N, CAUSAL)
     n_step = S // BLOCK_N  # blocks of one peer's shard, every one visible
     n_peer = (W - 1) * n_step
     n_blocks = n_local + n_peer
@@ -114,17 +114,17 @@ def gluon_ring_fwd(q_desc, k_desc, v_desc, r_desc, o_desc, lse_ptr, flags_ptr, e
 
     qk_scale = sm_scale * 1.4426950408889634
     lse_row = lse_ptr + (b * H + h).to(gl.int64) * S + q0
-    HALF: gl.constexpr = BLOCK_M // 2
-    mask_from = n_full + n_peer  # flat index of the first diagonal block (causal); its keys: local block j - n_peer
+    rank = S * 0 + (W - 1)  # the last rank of a contiguous ring (a run-time value, as the product's rank is)
+    q_pos = rank * S + q0
     gl.warp_specialize([
-        (_consumer_half, (q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, lse_row, mask_from, n_blocks, q0,
-                          qk_scale, 0, HALF, BLOCK_N, D, STAGES, CAUSAL, NUM_WARPS, n_peer)),
+        (consumer, (q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, n_blocks, qk_scale, lse_row, err_ptr, 1,
+                    rank, S, q_pos, q_pos + BLOCK_M - 1, 0, W, D, CAUSAL, False)),
         (_load_ring_partition, (q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty,
-                                b * S + q0, b * S, h * D, hkv * D, n_full, n_peer, n_blocks, n_step, r_row,
-                                2 * B * HKV * S, B * HKV * S, flag0, B * HKV * n_chunks, epoch, max_polls, err_ptr,
-                                BLOCK_N, STAGES, CHUNK_BLOCKS)),
-        (_consumer_half, (q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, lse_row, mask_from, n_blocks, q0,
-                          qk_scale, 1, HALF, BLOCK_N, D, STAGES, CAUSAL, NUM_WARPS, n_peer)),
+                                b * S + q0, b * S, h * D, hkv * D, n_local, n_peer, n_blocks, n_step, r_row,
+                                2 * B * HKV * S, B * HKV * S, flag0, B * HKV * n_chunks, epoch, max_polls,
+                                err_ptr + CTL_ERROR, BLOCK_N, STAGES, CHUNK_BLOCKS)),
+        (consumer, (q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, n_blocks, qk_scale, lse_row, err_ptr, 1,
+                    rank, S, q_pos, q_pos + BLOCK_M - 1, 1, W, D, CAUSAL, False)),
     ], [_LOAD_WARPS, NUM_WARPS], [_LOAD_REGS, _SPLIT_REGS])
     _tma_store(o_desc, [b * S + q0, h * D], q_smem)  # both halves written (the partitions joined)
     tma.store_wait(pendings=0)
@@ -168,7 +168,8 @@ def attention(q, k, v, recv, flags, err, W: int, causal: bool, epoch: int = 1, m
               scale: float | None = None):
     """(out, lse) of the last rank of a contiguous W-rank ring: q, k, v its shards [B, S, H|HKV, D], ``recv`` the
     other ranks' K/V in the receive slots (``receive_slots``; None for W = 1), ``flags`` int32 [flag_count]
-    (each chunk read once its flag >= ``epoch``), ``err`` int32 [1] (set to 1 by a wait that gave up)."""
+    (each chunk read once its flag >= ``epoch``), ``err`` int32 [CTL_ERROR + 1] (word CTL_ERROR set to 1 by a wait that
+    gave up; the outputs are NaN then)."""
     import torch
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -264,7 +265,7 @@ def check(case) -> dict:
     staged = receive_slots(peers)
     recv = None if staged is None else torch.zeros_like(staged)
     flags = torch.zeros(flag_count(B, S, HKV, W), dtype=torch.int32, device=dev)
-    err = torch.zeros(1, dtype=torch.int32, device=dev)
+    err = torch.zeros(control.CTL_ERROR + 1, dtype=torch.int32, device=dev)
     row = dict(kind="check", mode=mode, B=B, S=S, H=H, HKV=HKV, D=D, W=W, causal=int(causal), dtype=dt)
     t0 = time.perf_counter()
     if mode == "ready":
@@ -285,10 +286,11 @@ def check(case) -> dict:
     torch.cuda.synchronize()
     row["seconds"] = round(time.perf_counter() - t0, 3)
     if mode == "timeout":
-        row.update(err_word=int(err.item()), ok=int(err.item() == 1))
+        row.update(err_word=int(err[control.CTL_ERROR].item()), ok=int(err[control.CTL_ERROR].item() == 1))
         return row
     e = (out.float() - reference(q, k, v, peers, causal)).abs().max().item()
-    row.update(err_word=int(err.item()), max_abs_err=f"{e:.3e}", ok=int(e < 2e-2 and err.item() == 0))
+    row.update(err_word=int(err[control.CTL_ERROR].item()), max_abs_err=f"{e:.3e}",
+               ok=int(e < 2e-2 and err[control.CTL_ERROR].item() == 0))
     return row
 
 
@@ -331,7 +333,7 @@ def main(argv=None) -> int:
                          for _ in range(W - 1)]
                 recv = receive_slots(peers)
                 flags = torch.ones(flag_count(1, S, H, W), dtype=torch.int32, device=dev)
-                err = torch.zeros(1, dtype=torch.int32, device=dev)
+                err = torch.zeros(control.CTL_ERROR + 1, dtype=torch.int32, device=dev)
                 keys = (W - 1) * S + (S / 2 if causal else S)
                 flops = 4 * H * S * keys * D
                 runs = [("gluon_ring n128s3x", lambda: attention(q, k, v, recv, flags, err, W, causal))]
@@ -352,7 +354,7 @@ def main(argv=None) -> int:
                     ms = cuda_stream_ms(torch, fn, a.iters)
                     row = dict(kind="time", method=name, W=W, B=1, S=S, H=H, HKV=H, D=D, causal=int(causal),
                                dtype="bfloat16", keys=int(keys), ms=round(ms, 4), tflops=round(flops / ms / 1e9, 1),
-                               err_word=int(err.item()))
+                               err_word=int(err[control.CTL_ERROR].item()))
                     print(row, flush=True)
                     rows.append(row)
     if a.out:

@@ -66,19 +66,21 @@ _UNMASKED = gl.constexpr(1 << 30)  # the mask number of a block every query of t
 
 
 @gluon.jit
-def _slots(dtype: gl.constexpr, D: gl.constexpr, layout: gl.constexpr):
-    """Shared memory for Q and ``STAGES`` K/V slots, and their mbarriers, initialised:
-    ``q_bar`` (Q landed), ``kv_ready`` (a slot's bytes landed), ``kv_empty`` (both consumers freed a slot)."""
+def slots(dtype: gl.constexpr, D: gl.constexpr, layout: gl.constexpr, STAGES: gl.constexpr,
+          RELEASERS: gl.constexpr):
+    """Shared memory for Q and ``STAGES`` K/V slots (128 rows of D each), and their mbarriers, initialised:
+    ``q_bar`` (Q landed), ``kv_ready`` (a slot's bytes landed), ``kv_empty`` (a slot freed by its ``RELEASERS``
+    consumer partitions). Also the Gluon probes' (benchmarks/gluon_fwd.py)."""
     q_smem = gl.allocate_shared_memory(dtype, [_BLOCK, D], layout)
-    k_smem = gl.allocate_shared_memory(dtype, [_STAGES, _BLOCK, D], layout)
-    v_smem = gl.allocate_shared_memory(dtype, [_STAGES, _BLOCK, D], layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, _BLOCK, D], layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, _BLOCK, D], layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    kv_ready = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], mbarrier.MBarrierLayout())
+    kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
-    for i in gl.static_range(_STAGES):
+    for i in gl.static_range(STAGES):
         mbarrier.init(kv_ready.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=2)
+        mbarrier.init(kv_empty.index(i), count=RELEASERS)
     fence_async_shared()  # the barriers' initialisation before the async proxy (TMA) uses them
     return q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty
 
@@ -299,7 +301,7 @@ def ring_attn_fwd_gluon(
         r_desc = tma.make_tensor_descriptor(recv, [(W - 1) * 2 * B * HKV * S, D], [D, 1], [_BLOCK, D], layout)
     else:
         r_desc = k_desc  # never read: no ring step reads a receive slot
-    q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty = _slots(dtype, D, layout)
+    q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty = slots(dtype, D, layout, _STAGES, 2)  # two consumers
 
     qk_scale = sm_scale * 1.4426950408889634
     lse_row = lse_ptr + (b * H + h).to(gl.int64) * S + q0
