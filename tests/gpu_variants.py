@@ -17,8 +17,10 @@ over (``--pack``). Variants a script compiles that are not listed here are compi
 
 Stages are tests/gpu_session.py's: the variants of their tests/gpu_checks.py commands (with the sections those
 run; not the ``launch`` section's test kernel), tests/gpu_faults.py commands (with their sections),
-tests/gpu_soak.py commands (its defaults) and benchmarks/gluon_fwd.py; other scripts' variants are compiled when
-they run, as before. The session's ``warm`` stage compiles these too.
+tests/gpu_soak.py commands (its defaults), benchmarks/attention.py's fused methods (its cases, as its arguments give
+them) and the Gluon probes; other scripts' variants are compiled when they run, as before. Plans are made as on the
+GPU machine's H200 (``GPU_CAPABILITY``: the Gluon forward where it applies). The session's ``warm`` stage compiles
+these too.
 
 What stays on the GPU machine: jaxlib compiles each variant's PTX with ptxas in every process at its first JAX
 launch (its Triton custom call takes PTX, not the cubin), 10-80 s a variant.
@@ -132,9 +134,9 @@ def _option(cmd, flag: str, default=None):
 def command_records(cmd, nproc: int, tag: str) -> list:
     """The records of one command line of a GPU session stage (tests/gpu_session.py's STAGES) at ``nproc``
     ranks: tests/gpu_checks.py with its ``--sections`` and ``--mask-cases``, tests/gpu_faults.py with its
-    ``--sections``, tests/gpu_soak.py with its defaults, benchmarks/gluon_fwd.py (issue 18's Gluon forward) with its ``--seq``, benchmarks/gluon_ring.py; none for
-    other scripts
-    (they compile at run time, as before)."""
+    ``--sections``, tests/gpu_soak.py with its defaults, benchmarks/attention.py's fused methods (``bench_records``),
+    benchmarks/gluon_fwd.py (issue 18's Gluon forward) with its ``--seq``, benchmarks/gluon_ring.py; none for other
+    scripts (they compile at run time, as before)."""
     if "tests/gpu_checks.py" in cmd:
         sections = _option(cmd, "--sections", ",".join(CHECKS_SECTIONS)).split(",")
         masks = _option(cmd, "--mask-cases")
@@ -150,6 +152,10 @@ def command_records(cmd, nproc: int, tag: str) -> list:
     if "tests/gpu_soak.py" in cmd:
         heap = int(float(_option(cmd, "--heap-gib", 4)) * (1 << 30))
         return records(soak_calls(nproc), nproc, heap, tag)
+    if "benchmarks.attention" in cmd:
+        gluon = f"{plans.GLUON_ENV}=0" not in cmd  # a stage that turns the Gluon forward off (env VAR=0 ...)
+        return bench_records(cmd[cmd.index("benchmarks.attention") + 1:], nproc, tag,
+                             GPU_CAPABILITY if gluon else None)
     if "benchmarks.gluon_fwd" in cmd:
         from benchmarks import gluon_fwd
 
@@ -160,6 +166,38 @@ def command_records(cmd, nproc: int, tag: str) -> list:
 
         return [dict(r, tag=tag) for r in gluon_ring.launch_records()]
     return []
+
+
+FUSED_METHODS = {"torch_fused": False, "jax_fused": False, "jax_fused_deferred": True}  # -> sticky errors
+
+
+def bench_records(argv, nproc: int, tag: str, capability=GPU_CAPABILITY) -> list:
+    """The records of benchmarks/attention.py's fused launches with these arguments at ``nproc`` ranks: its cases
+    (every shape, mask and pass), through each fused method asked for (JAX with deferred errors compiles with
+    sticky errors); the forward of every case, the backward of fwd+bwd ones; the forwards planned for a GPU of
+    ``capability`` (None: the tl kernel, as with RING_ATTENTION_GLUON=0)."""
+    from benchmarks import attention, harness
+
+    args = attention.parse_args([a for a in argv if not a.startswith("{")] + ["--csv", "/dev/null"])
+    methods = [m for m in attention.select_methods(args, nproc) if m in FUSED_METHODS]
+    cases = attention.enumerate_cases(args, nproc)
+    if not methods or not cases:
+        return []
+    lay = heap_layout(args.heap_bytes or harness.heap_bytes_needed(cases, nproc))
+    out, seen = [], set()
+    for c in cases:
+        spec = spec_of(c.batch, c.seq_local, c.heads, c.kv_heads, c.head_dim, c.dtype, c.causal, c.layout,
+                       window=c.window if c.mask == "window" else None, segmented=c.segmented)
+        for m in methods:
+            ps = [plans.plan(spec, nproc, lay, capability=capability)]
+            ps += [plans.plan_bwd(spec, nproc, lay)] if c.mode != "fwd" else []
+            for p in ps:
+                rec = p.compile_record(sticky_errors=FUSED_METHODS[m], tag=tag)
+                key = build.variant_key(rec)
+                if key not in seen:
+                    seen.add(key)
+                    out.append(rec)
+    return out
 
 
 def stage_records(stage: str, nproc: int) -> list:
