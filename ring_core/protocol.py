@@ -1,6 +1,7 @@
-"""The ring protocol on the device: the Triton functions both kernels (ring_core.kernel, ring_core.kernel_bwd)
-build their calls from, and the arguments for why a call cannot deadlock, race the next call or corrupt
-silently. The control words and error codes are named in ring_core.control (its host twin, which also lays
+"""The ring protocol on the device: the Triton functions the kernels (ring_core.kernel, ring_core.kernel_bwd, and the
+Gluon Hopper forward ring_core.gluon_kernel, which compiles the same functions under Gluon: their index vectors come
+from ring_core.lanes) build their calls from, and the arguments for why a call cannot deadlock, race the next call
+or corrupt silently. The control words and error codes are named in ring_core.control (its host twin, which also lays
 out the heap and turns status words into exceptions).
 
 K/V shards reach the other ranks of a ring through iris remote stores issued from inside the kernel,
