@@ -48,6 +48,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from ring_core import control
 from ring_core.gluon_kernel import _consumer as consumer  # the product's split consumer partition
+from ring_core.gluon_kernel import free_slots as _free_slots
 from ring_core.gluon_kernel import online_softmax, release as _release, slots
 from ring_core.gluon_kernel import tma_load as _tma_load
 from ring_core.gluon_kernel import tma_store as _tma_store
@@ -196,14 +197,6 @@ def _slots(q_desc, k_desc, v_desc, STAGES: gl.constexpr, RELEASERS: gl.constexpr
     """Shared memory and mbarriers for Q and ``STAGES`` K/V slots (ring_core.gluon_kernel.slots: 128-row blocks, as
     every configuration here has them), in the descriptors' layout."""
     return slots(q_desc.dtype, q_desc.block_type.shape[1], q_desc.layout, STAGES, RELEASERS)
-
-
-@gluon.jit
-def _free_slots(q_bar, kv_ready, kv_empty, STAGES: gl.constexpr):
-    mbarrier.invalidate(q_bar)
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(kv_ready.index(i))
-        mbarrier.invalidate(kv_empty.index(i))
 
 
 @gluon.jit

@@ -86,6 +86,15 @@ def slots(dtype: gl.constexpr, D: gl.constexpr, layout: gl.constexpr, STAGES: gl
 
 
 @gluon.jit
+def free_slots(q_bar, kv_ready, kv_empty, STAGES: gl.constexpr):
+    """``slots``' mbarriers invalidated, once every partition is done with them."""
+    mbarrier.invalidate(q_bar)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(kv_ready.index(i))
+        mbarrier.invalidate(kv_empty.index(i))
+
+
+@gluon.jit
 def _acquire_chunk(flag, epoch, ctl, timeout_ns, src, step, c):
     """The bounded acquire of one chunk's flag (the protocol's ``poll_ge``; a wait that gives up is recorded as the
     tl kernel's are), then the generic proxy ordered before the async one (TMA) that reads the chunk."""
@@ -316,10 +325,7 @@ def ring_attn_fwd_gluon(
     ], [_LOAD_WARPS, _CONSUMER_WARPS], [_LOAD_REGS, _CONSUMER_REGS])
     tma_store(o_desc, [b * S + q0, h * D], q_smem)  # both halves written (the partitions joined)
     tma.store_wait(pendings=0)
-    mbarrier.invalidate(q_bar)
-    for i in gl.static_range(_STAGES):
-        mbarrier.invalidate(kv_ready.index(i))
-        mbarrier.invalidate(kv_empty.index(i))
+    free_slots(q_bar, kv_ready, kv_empty, _STAGES)
 
     # ---- the protocol's end: end barrier, status, counters (the last program of this rank) -----------------
     end_call(ctl, status_ptr, heap_bases, rank, epoch, timeout_ns, W, False, STICKY_ERRORS, False)

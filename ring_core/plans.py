@@ -105,8 +105,8 @@ def gluon_capability(device):
 
 def gluon_applies(spec: AttentionSpec, world_size: int, capability) -> bool:
     """Whether the Gluon Hopper kernel (ring_core.gluon_kernel) takes the forward of ``spec`` over ``world_size``
-    ranks on a GPU of compute
-    ``capability`` ((major, minor); None: no GPU, or the Gluon kernel turned off): Hopper (9.x), fp16/bf16,
+    ranks on a GPU of compute ``capability`` ((major, minor); None: no GPU, or the Gluon kernel turned off): Hopper
+    (9.x), fp16/bf16,
     head_dim 64 or 128, seq_local a multiple of 128 (zigzag: of 256, so that a tile's and a block's positions are
     contiguous), no window, no segment ids. Everything else runs the tl kernel (ring_core.kernel)."""
     if capability is None or tuple(capability)[0] != 9:

@@ -60,17 +60,23 @@ def records(calls, world: int, heap_bytes: int, tag: str) -> list:
     """One record per distinct variant of ``calls``: (spec, backward[, capability]) tuples, planned as on the GPU
     machine (``GPU_CAPABILITY``; a third item None: the tl kernel, as with RING_ATTENTION_GLUON=0); a backward call
     also runs the forward."""
-    lay, out, seen = heap_layout(heap_bytes), [], set()
+    lay, recs = heap_layout(heap_bytes), []
     for spec, backward, *cap in calls:
         capability = cap[0] if cap else GPU_CAPABILITY
         ps = [plans.plan(spec, world, lay, capability=capability)] + (
             [plans.plan_bwd(spec, world, lay)] if backward else [])
-        for p in ps:
-            rec = p.compile_record(tag=tag)
-            key = build.variant_key(rec)
-            if key not in seen:
-                seen.add(key)
-                out.append(rec)
+        recs += [p.compile_record(tag=tag) for p in ps]
+    return distinct(recs)
+
+
+def distinct(recs) -> list:
+    """``recs`` with each variant once (the first seen)."""
+    out, seen = [], set()
+    for rec in recs:
+        key = build.variant_key(rec)
+        if key not in seen:
+            seen.add(key)
+            out.append(rec)
     return out
 
 
@@ -184,20 +190,14 @@ def bench_records(argv, nproc: int, tag: str, capability=GPU_CAPABILITY) -> list
     if not methods or not cases:
         return []
     lay = heap_layout(args.heap_bytes or harness.heap_bytes_needed(cases, nproc))
-    out, seen = [], set()
+    recs = []
     for c in cases:
         spec = spec_of(c.batch, c.seq_local, c.heads, c.kv_heads, c.head_dim, c.dtype, c.causal, c.layout,
                        window=c.window if c.mask == "window" else None, segmented=c.segmented)
-        for m in methods:
-            ps = [plans.plan(spec, nproc, lay, capability=capability)]
-            ps += [plans.plan_bwd(spec, nproc, lay)] if c.mode != "fwd" else []
-            for p in ps:
-                rec = p.compile_record(sticky_errors=FUSED_METHODS[m], tag=tag)
-                key = build.variant_key(rec)
-                if key not in seen:
-                    seen.add(key)
-                    out.append(rec)
-    return out
+        ps = [plans.plan(spec, nproc, lay, capability=capability)]
+        ps += [plans.plan_bwd(spec, nproc, lay)] if c.mode != "fwd" else []
+        recs += [p.compile_record(sticky_errors=FUSED_METHODS[m], tag=tag) for m in methods for p in ps]
+    return distinct(recs)
 
 
 def stage_records(stage: str, nproc: int) -> list:

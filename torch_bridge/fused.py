@@ -66,9 +66,9 @@ def _scratch(size: int, alignment: int, stream):
 
 
 def _with_scratch(p):
-    """Before a launch of ``p``: give Triton an allocator for its global scratch, unless the caller set one
+    """Before a forward launch of ``p``: give Triton an allocator for its global scratch, unless the caller set one
     (Triton keeps it per thread, in a context variable; its default raises)."""
-    if getattr(p.config, "gluon", False):
+    if p.config.gluon:
         import triton
         from triton.runtime import _allocation
 
