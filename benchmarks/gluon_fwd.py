@@ -196,7 +196,8 @@ def _tile(S, H, HKV, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.co
 def _slots(q_desc, k_desc, v_desc, STAGES: gl.constexpr, RELEASERS: gl.constexpr):
     """Shared memory and mbarriers for Q and ``STAGES`` K/V slots (ring_core.gluon_kernel.slots: 128-row blocks, as
     every configuration here has them), in the descriptors' layout."""
-    return slots(q_desc.dtype, q_desc.block_type.shape[1], q_desc.layout, STAGES, RELEASERS)
+    layout: gl.constexpr = q_desc.layout  # as a constexpr: Triton 3.6 cannot pass a bare layout to a jit function
+    return slots(q_desc.dtype, q_desc.block_type.shape[1], layout, STAGES, RELEASERS)
 
 
 @gluon.jit
@@ -240,19 +241,20 @@ def gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, lse_ptr, ctl_ptr, S, H, HKV, 
     _free_slots(q_bar, kv_ready, kv_empty, STAGES)
 
 
-def descriptors(q, k, v, out, block_n: int = BLOCK_N):
-    """TMA descriptors of [B, S, heads, D] tensors as [B*S, heads*D] with [rows, D] blocks (Q and out 128 rows,
-    K and V ``block_n``)."""
+def tma_desc(x, rows: int):
+    """The host TMA descriptor of a [B, S, heads, D] tensor (fp16/bf16) seen as [B*S, heads*D], with [rows, D]
+    blocks (at column ``head*D``). Also benchmarks/gluon_bwd.py's."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    el = gl.bfloat16 if str(q.dtype).endswith("bfloat16") else gl.float16
+    el = gl.bfloat16 if str(x.dtype).endswith("bfloat16") else gl.float16
+    b, s, heads, d = x.shape
+    layout = gl.NVMMASharedLayout.get_default_for([rows, d], el)
+    return TensorDescriptor(x, [b * s, heads * d], [heads * d, 1], [rows, d], layout)
 
-    def desc(x, rows):
-        b, s, heads, d = x.shape
-        layout = gl.NVMMASharedLayout.get_default_for([rows, d], el)
-        return TensorDescriptor(x, [b * s, heads * d], [heads * d, 1], [rows, d], layout)
 
-    return desc(q, BLOCK_M), desc(k, block_n), desc(v, block_n), desc(out, BLOCK_M)
+def descriptors(q, k, v, out, block_n: int = BLOCK_N):
+    """TMA descriptors of q, k, v, out (Q and out 128-row blocks, K and V ``block_n``)."""
+    return tma_desc(q, BLOCK_M), tma_desc(k, block_n), tma_desc(v, block_n), tma_desc(out, BLOCK_M)
 
 
 def check_shapes(q, k):
@@ -315,15 +317,18 @@ TIMED_HEADS = 32  # the timed shapes: bf16, B=1, H=32 (kv 32), D=128, --seq leng
 DEFAULT_NUM_STAGES = 3  # Triton's default: what the JIT launch compiles with (the kernel pipelines by hand)
 
 
-def launch_records(seqs=(16384, 32768)) -> list:
+def launch_records(seqs=(16384, 32768), shapes=None, configs=CONFIGS) -> list:
     """The compile-log records (ring_core.build.record) of every launch ``main`` makes: each check shape and each
-    timed length, through every configuration; for a cache filled ahead of the GPU run (tests/gpu_variants.py)."""
+    timed length, through every configuration; for a cache filled ahead of the GPU run (tests/gpu_variants.py).
+    ``shapes`` / ``configs``: other (B, S, H, HKV, D, causal, dtype) and configurations (benchmarks/gluon_bwd.py's
+    forwards)."""
     from ring_core import build
 
-    shapes = CHECKS + [(1, s, TIMED_HEADS, TIMED_HEADS, 128, c, "bfloat16") for s in seqs for c in (False, True)]
+    if shapes is None:
+        shapes = CHECKS + [(1, s, TIMED_HEADS, TIMED_HEADS, 128, c, "bfloat16") for s in seqs for c in (False, True)]
     out = []
     for (B, S, H, HKV, D, causal, dt) in shapes:
-        for block_n, stages, pipelined, split in CONFIGS:
+        for block_n, stages, pipelined, split in configs:
             values = [None] * 6 + [S, H, HKV, None]
             out.append(build.record(gluon_attn_fwd, _arg_types(dt, D, block_n),
                                     _constexprs(causal, stages, pipelined, split), num_warps=consumer_warps(split),

@@ -178,6 +178,10 @@ STAGES = {
     # attention, then timed against cuDNN (one process, the whole GPU).
     "probe-gluon-fwd": (240, [["env", "-u", gpus.MPS_SHARE_ENV, sys.executable, "-m", "benchmarks.gluon_fwd",
                                "--out", "{out}/gluon_fwd.csv"]]),
+    # Issue 19's first piece: benchmarks/gluon_bwd.py's single-GPU backward (FlashAttention-3's structure), checked
+    # against float32 autograd, then timed against cuDNN's backward (one process, the whole GPU).
+    "probe-gluon-bwd": (240, [["env", "-u", gpus.MPS_SHARE_ENV, sys.executable, "-m", "benchmarks.gluon_bwd",
+                               "--out", "{out}/gluon_bwd.csv"]]),
     # Its next piece: benchmarks/gluon_ring.py, the same loop over a ring's steps with the chunk waits in the
     # load partition (flags and slots filled by the host: late, ready, never), checked, then timed (one process).
     "probe-gluon-ring": (180, [["env", "-u", gpus.MPS_SHARE_ENV, sys.executable, "-m", "benchmarks.gluon_ring",

@@ -141,8 +141,8 @@ def command_records(cmd, nproc: int, tag: str) -> list:
     """The records of one command line of a GPU session stage (tests/gpu_session.py's STAGES) at ``nproc``
     ranks: tests/gpu_checks.py with its ``--sections`` and ``--mask-cases``, tests/gpu_faults.py with its
     ``--sections``, tests/gpu_soak.py with its defaults, benchmarks/attention.py's fused methods (``bench_records``),
-    benchmarks/gluon_fwd.py (issue 18's Gluon forward) with its ``--seq``, benchmarks/gluon_ring.py; none for other
-    scripts (they compile at run time, as before)."""
+    benchmarks/gluon_fwd.py (issue 18's Gluon forward) and gluon_bwd.py (issue 19's backward) with their ``--seq``,
+    benchmarks/gluon_ring.py; none for other scripts (they compile at run time, as before)."""
     if "tests/gpu_checks.py" in cmd:
         sections = _option(cmd, "--sections", ",".join(CHECKS_SECTIONS)).split(",")
         masks = _option(cmd, "--mask-cases")
@@ -167,6 +167,11 @@ def command_records(cmd, nproc: int, tag: str) -> list:
 
         seqs = [int(x) for x in _option(cmd, "--seq", "16384,32768").split(",")]
         return [dict(r, tag=tag) for r in gluon_fwd.launch_records(seqs)]
+    if "benchmarks.gluon_bwd" in cmd:
+        from benchmarks import gluon_bwd
+
+        seqs = [int(x) for x in _option(cmd, "--seq", "16384,32768").split(",")]
+        return [dict(r, tag=tag) for r in gluon_bwd.launch_records(seqs)]
     if "benchmarks.gluon_ring" in cmd:
         from benchmarks import gluon_ring
 
