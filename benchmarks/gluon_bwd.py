@@ -42,11 +42,11 @@ import time
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
 from benchmarks.gluon_fwd import tma_desc
-from ring_core.gluon_kernel import cta_barrier, release
+from ring_core.gluon_kernel import cta_barrier, release, tma_add
 from ring_core.gluon_kernel import tma_load as _tma_load
 
 BLOCK_N = 128  # K/V rows per program (two consumers of 64)
@@ -55,7 +55,7 @@ HALF = BLOCK_N // 2
 LOAD_WARPS, LOAD_REGS, CONSUMER_REGS = 1, 24, 240
 CONSUMER_WARPS = 4
 # (slots, dQ mode) of each configuration timed.
-CONFIGS = ((2, 0), (3, 0), (2, 2))
+CONFIGS = ((2, 0), (2, 1), (3, 1), (2, 2))
 _BLOCK_N, _BLOCK_M, _HALF = gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_M), gl.constexpr(HALF)
 _LOAD_WARPS, _LOAD_REGS, _CONSUMER_REGS = gl.constexpr(LOAD_WARPS), gl.constexpr(LOAD_REGS), gl.constexpr(CONSUMER_REGS)
 _CONSUMER_WARPS = gl.constexpr(CONSUMER_WARPS)
@@ -90,8 +90,8 @@ def _bwd_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_sm
 
 
 @gluon.jit
-def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, q_ready, q_empty, ds_bar, lse_ptr, delta_ptr,
-                  dq_ptr, dk_ptr, dv_ptr, b, hkv, n0, S, n_m, m_start, sm_scale, H: gl.constexpr, HKV: gl.constexpr,
+def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, q_ready, q_empty, ds_bar, lse_ptr,
+                  delta_ptr, dq_ptr, dq_desc, dk_ptr, dv_ptr, b, hkv, n0, S, n_m, m_start, sm_scale, H: gl.constexpr, HKV: gl.constexpr,
                   G: gl.constexpr, D: gl.constexpr, HALF_INDEX: gl.constexpr, CAUSAL: gl.constexpr,
                   STAGES: gl.constexpr, DQ_MODE: gl.constexpr):
     """One consumer on K/V rows [n0 + 64 * HALF_INDEX, + 64): see the module docstring."""
@@ -141,22 +141,34 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, q_ready, q_e
         ds_half = ds_buf.slice(HALF_INDEX * _HALF, _HALF)
         ds_half.store(dsT.to(dtype))
         fence_async_shared()  # this thread's stores before the async proxy (wgmma) reads them
-        if DQ_MODE == 0:
+        if DQ_MODE != 2:
             cta_barrier()  # every thread of this warpgroup stored and fenced before the arrival
             mbarrier.arrive(ds_bar.index(i % 2), count=1)
         else:
             cta_barrier()  # every thread stored before the wgmma reads dS
         dk = warpgroup_mma(ds_half, q_s, dk, is_async=True)
-        if DQ_MODE == 0:
+        if DQ_MODE != 2:
             # Both halves of dS stored: dQ's columns of this consumer over all 128 K/V rows.
             mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)
             dq = warpgroup_mma(ds_buf.permute((1, 0)), k_cols, zero_q, use_acc=False, is_async=True)
             dq, dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dk, dv))
-            q_rows = (b * S + m0 + dq_rows).to(gl.int64) * H + h
-            gl.atomic_add(dq_ptr + q_rows[:, None] * D + dq_cols[None, :], dq, sem="relaxed", scope="gpu")
+            if DQ_MODE == 0:
+                q_rows = (b * S + m0 + dq_rows).to(gl.int64) * H + h
+                gl.atomic_add(dq_ptr + q_rows[:, None] * D + dq_cols[None, :], dq, sem="relaxed", scope="gpu")
+            else:
+                # Through shared memory and one TMA bulk reduction, issued here and left to run: the buffer is
+                # rewritten only after the previous reduction has read it.
+                tma.store_wait(pendings=0)
+                cta_barrier()
+                dq_smem.store(dq)
+                fence_async_shared()
+                cta_barrier()
+                tma_add(dq_desc, [b * S + m0, h * D + HALF_INDEX * DQ_COLS], dq_smem)
         else:
             dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
         release(q_empty, s)
+    if DQ_MODE == 1:
+        tma.store_wait(pendings=0)  # the last reduction has read the buffer before the kernel's shared memory goes
     kv_rows = (b * S + n_first + gl.arange(0, _HALF, layout=gl.SliceLayout(1, kv_layout))).to(gl.int64) * HKV + hkv
     kv_off = kv_rows[:, None] * D + gl.arange(0, D, layout=gl.SliceLayout(0, kv_layout))[None, :]
     gl.store(dk_ptr + kv_off, (dk * sm_scale).to(dtype))
@@ -164,7 +176,7 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, q_ready, q_e
 
 
 @gluon.jit
-def gluon_attn_bwd(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, S, sm_scale,
+def gluon_attn_bwd(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, S, sm_scale,
                    H: gl.constexpr, HKV: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
                    DQ_MODE: gl.constexpr):
     """dK, dV (``[B, S, HKV, D]``) and the float32 dQ accumulator (``[B, S, H, D]``, zeroed by the caller, unscaled)
@@ -189,6 +201,10 @@ def gluon_attn_bwd(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dq_ptr, 
     v_smem = gl.allocate_shared_memory(dtype, [_BLOCK_N, D], k_desc.layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     ds_smem = gl.allocate_shared_memory(dtype, [2, _BLOCK_N, _BLOCK_M], ds_layout)
+    if DQ_MODE == 1:
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, _BLOCK_M, D // 2], dq_desc.layout)  # one per consumer
+    else:
+        dq_smem = ds_smem  # not used
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -202,13 +218,15 @@ def gluon_attn_bwd(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dq_ptr, 
     fence_async_shared()
 
     gl.warp_specialize([
-        (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, q_ready, q_empty, ds_bar, lse_ptr,
-                         delta_ptr, dq_ptr, dk_ptr, dv_ptr, b, hkv, n0, S, n_m, m_start, sm_scale, H, HKV, G, D, 0,
+        (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem.index(0), kv_bar, q_ready, q_empty, ds_bar,
+                         lse_ptr, delta_ptr, dq_ptr, dq_desc, dk_ptr, dv_ptr, b, hkv, n0, S, n_m, m_start, sm_scale, H,
+                         HKV, G, D, 0,
                          CAUSAL, STAGES, DQ_MODE)),
         (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_ready, q_empty,
                          b, hkv, n0, S, n_m, m_start, G, D, STAGES)),
-        (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, q_ready, q_empty, ds_bar, lse_ptr,
-                         delta_ptr, dq_ptr, dk_ptr, dv_ptr, b, hkv, n0, S, n_m, m_start, sm_scale, H, HKV, G, D, 1,
+        (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem.index(1), kv_bar, q_ready, q_empty, ds_bar,
+                         lse_ptr, delta_ptr, dq_ptr, dq_desc, dk_ptr, dv_ptr, b, hkv, n0, S, n_m, m_start, sm_scale, H,
+                         HKV, G, D, 1,
                          CAUSAL, STAGES, DQ_MODE)),
     ], [_LOAD_WARPS, _CONSUMER_WARPS], [_LOAD_REGS, _CONSUMER_REGS])
     mbarrier.invalidate(kv_bar)
@@ -239,7 +257,8 @@ def backward(q, k, v, out, lse, dout, causal: bool, scale: float | None = None, 
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     gluon_attn_bwd[(B * HKV * (S // BLOCK_N),)](
-        tma_desc(q, BLOCK_M), tma_desc(k, BLOCK_N), tma_desc(v, BLOCK_N), tma_desc(dout, BLOCK_M), lse, delta,
+        tma_desc(q, BLOCK_M), tma_desc(k, BLOCK_N), tma_desc(v, BLOCK_N), tma_desc(dout, BLOCK_M),
+        tma_desc(dq_acc, BLOCK_M, D // 2), lse, delta,
         dq_acc, dk, dv, S, scale, H=H, HKV=HKV, CAUSAL=causal, STAGES=stages, DQ_MODE=dq_mode,
         num_warps=CONSUMER_WARPS)
     return (dq_acc * scale).to(q.dtype), dk, dv
@@ -253,11 +272,14 @@ def _arg_types(dtype: str, D: int) -> list:
     from triton.runtime.jit import MockTensor, mangle_type
 
     el, name = (tl.bfloat16, "bf16") if dtype == "bfloat16" else (tl.float16, "fp16")
-    t = MockTensor(el, shape=[256, 2 * D])
-    descs = [TensorDescriptor(t, [256, 2 * D], [2 * D, 1], [rows, D],
-                              gl.NVMMASharedLayout.get_default_for([rows, D], el))
-             for rows in (BLOCK_M, BLOCK_N, BLOCK_N, BLOCK_M)]
-    return [mangle_type(d) for d in descs] + ["*fp32", "*fp32", "*fp32", f"*{name}", f"*{name}", "i32", "fp32"]
+
+    def desc(el, rows, cols):
+        t = MockTensor(el, shape=[256, 2 * D])
+        return mangle_type(TensorDescriptor(t, [256, 2 * D], [2 * D, 1], [rows, cols],
+                                            gl.NVMMASharedLayout.get_default_for([rows, cols], el)))
+
+    return ([desc(el, rows, D) for rows in (BLOCK_M, BLOCK_N, BLOCK_N, BLOCK_M)] + [desc(tl.float32, BLOCK_M, D // 2)]
+            + ["*fp32", "*fp32", "*fp32", f"*{name}", f"*{name}", "i32", "fp32"])
 
 
 def _constexprs(H: int, HKV: int, causal: bool, stages: int, dq_mode: int) -> dict:
@@ -293,7 +315,7 @@ def launch_records(seqs=(16384, 32768)) -> list:
     for (B, S, H, HKV, causal, dt) in shapes:
         for stages, dq_mode in CONFIGS:
             out.append(build.record(gluon_attn_bwd, _arg_types(dt, 128), _constexprs(H, HKV, causal, stages, dq_mode),
-                                    num_warps=CONSUMER_WARPS, num_stages=3, values=[None] * 9 + [S, None]))
+                                    num_warps=CONSUMER_WARPS, num_stages=3, values=[None] * 10 + [S, None]))
     return out
 
 

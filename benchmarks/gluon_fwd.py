@@ -241,15 +241,15 @@ def gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, lse_ptr, ctl_ptr, S, H, HKV, 
     _free_slots(q_bar, kv_ready, kv_empty, STAGES)
 
 
-def tma_desc(x, rows: int):
-    """The host TMA descriptor of a [B, S, heads, D] tensor (fp16/bf16) seen as [B*S, heads*D], with [rows, D]
-    blocks (at column ``head*D``). Also benchmarks/gluon_bwd.py's."""
+def tma_desc(x, rows: int, cols: int | None = None):
+    """The host TMA descriptor of a [B, S, heads, D] tensor (fp16, bf16, fp32) seen as [B*S, heads*D], with
+    [rows, cols] blocks (cols: D unless given). Also benchmarks/gluon_bwd.py's."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    el = gl.bfloat16 if str(x.dtype).endswith("bfloat16") else gl.float16
+    el = {"bfloat16": gl.bfloat16, "float16": gl.float16, "float32": gl.float32}[str(x.dtype).split(".")[-1]]
     b, s, heads, d = x.shape
-    layout = gl.NVMMASharedLayout.get_default_for([rows, d], el)
-    return TensorDescriptor(x, [b * s, heads * d], [heads * d, 1], [rows, d], layout)
+    block = [rows, d if cols is None else cols]
+    return TensorDescriptor(x, [b * s, heads * d], [heads * d, 1], block, gl.NVMMASharedLayout.get_default_for(block, el))
 
 
 def descriptors(q, k, v, out, block_n: int = BLOCK_N):

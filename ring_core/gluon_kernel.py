@@ -53,6 +53,17 @@ from ring_core.tiles import query_tile
 tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
 tma_store = tma.async_store if hasattr(tma, "async_store") else tma.async_copy_shared_to_global
 cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier  # (3.9 / 3.6)
+if hasattr(tma, "async_atomic_add"):
+    tma_add = tma.async_atomic_add  # a shared-memory tile added into global memory by a TMA bulk reduction
+else:  # Triton 3.6 builds the op (ttng.async_tma_reduce) but its Gluon language has no function for it yet
+    from triton._C.libtriton import ir as _ir
+    from triton.experimental.gluon.language._core import builtin as _builtin
+
+    @_builtin
+    def tma_add(tensor_desc, coord, src, _semantic=None):
+        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+        _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
+                                                  src.handle)
 
 BLOCK = plans.GLUON_BLOCK  # query rows per tile and K/V rows per block
 STAGES = 3  # K/V slots: the split consumers need the third (benchmarks/NOTES.md, session 7)
