@@ -517,3 +517,47 @@ def test_jax_fused_on_a_mesh_of_two_axes(jax_fused):
                               mesh=mesh, in_specs=(spec,) * 3, out_specs=spec))
     out = np.asarray(f(*(jnp.asarray(x) for x in ref)), np.float64)
     testing.check_attention("dp x sp mesh", out, None, *ref, "float32", is_causal=False)
+
+
+# ------------------------------------------------------------------------------------------ deterministic
+@pytest.mark.parametrize("flags, want", [
+    (None, False),  # XLA_FLAGS not set
+    ("", False),
+    ("--xla_force_host_platform_device_count=4", False),
+    ("--xla_force_host_platform_device_count=4 --xla_gpu_deterministic_ops=true --xla_dump_to=/tmp/d", True),
+    ("  --xla_gpu_deterministic_ops=true\t", True),
+    ("--xla_gpu_deterministic_ops", True),  # a bool flag alone is true
+    ("--xla_gpu_deterministic_ops=false", False),
+    ("--xla_gpu_deterministic_ops=True", True),  # XLA (tsl's flag parser): true / false in any case, 1 / 0
+    ("--xla_gpu_deterministic_ops=1", True),
+    ("--xla_gpu_deterministic_ops=0", False),
+    ("--xla_gpu_deterministic_ops=yes", False),  # a value XLA refuses: the flag keeps its default
+    ("--xla_gpu_deterministic_ops=true --xla_gpu_deterministic_ops=false", False),  # the last one wins
+    ("--xla_gpu_deterministic_ops=false --xla_gpu_deterministic_ops=true", True),
+    ("--xla_gpu_exclude_nondeterministic_ops=true", True),
+    ("--xla_gpu_exclude_nondeterministic_ops=true --xla_gpu_deterministic_ops=false", True),  # either flag
+    ("--xla_gpu_deterministic_ops_extra=true", False),  # another name
+    ("-xla_gpu_deterministic_ops=true", False),  # XLA's flags take two dashes
+    ("--xla_dump_to='/tmp/a b' --xla_gpu_deterministic_ops=true", True),  # a quoted value is one word
+    ("--xla_dump_to=/tmp/d stray --xla_gpu_deterministic_ops=true", False),  # XLA stops at the first non-flag
+])
+def test_xla_flags_that_ask_for_deterministic_ops(monkeypatch, flags, want):
+    from jax_ring import _platform
+
+    if flags is None:
+        monkeypatch.delenv("XLA_FLAGS", raising=False)
+    else:
+        monkeypatch.setenv("XLA_FLAGS", flags)
+    assert _platform.xla_deterministic_ops() is want
+    if flags is not None:
+        assert _platform.xla_deterministic_ops(flags) is want
+
+
+def test_xla_flags_from_a_file(tmp_path):
+    """XLA_FLAGS that does not start with "-" names a file of flags (XLA reads it the same way)."""
+    from jax_ring import _platform
+
+    path = tmp_path / "flags"
+    path.write_text("--xla_dump_to=/tmp/d\n--xla_gpu_deterministic_ops=true\n")
+    assert _platform.xla_deterministic_ops(str(path))
+    assert not _platform.xla_deterministic_ops(str(tmp_path / "missing"))
