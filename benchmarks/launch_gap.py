@@ -66,10 +66,11 @@ def main():
             "public": lambda: torch_bridge.ring_attention(q, k, v, backend="fused", is_causal=True,
                                                           layout="zigzag", segment_ids=seg),
             # the eager route alone: torch_bridge.api._EagerFused (an autograd.Function)
-            "function": lambda: api._EagerFused.apply(q, k, v, seg, spec, None, None, False),
+            # (group None, timeout None, deterministic False, check_backward False)
+            "function": lambda: api._EagerFused.apply(q, k, v, seg, spec, None, None, False, False),
             # the torch.library op that torch.compile sees (eager calls took it before _EagerFused)
             "custom_op": lambda: api._fwd_op(q, k, v, seg, spec.scale, True, "zigzag", list(spec.window),
-                                             api.group_to_name(None), None, False),
+                                             api.group_to_name(None), None, False, False),
         }
         for route, call in routes.items():
             row = time_route(torch, call, a, lens, S, H, route)

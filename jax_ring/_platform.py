@@ -1,9 +1,13 @@
-"""Small shims over JAX APIs that moved between releases (0.10 on CPU, 0.11 on the GPU machine).
+"""Small shims over JAX APIs that moved between releases (0.10 on CPU, 0.11 on the GPU machine), and what JAX's
+environment asks of every program (``xla_deterministic_ops``).
 
 Nothing here imports jax_triton: it refuses to import on CPU-only JAX, and ``import jax_ring`` must work there.
 """
 
 from __future__ import annotations
+
+import os
+import shlex
 
 import jax
 from jax import lax
@@ -96,3 +100,45 @@ def under_vmap() -> bool:
 
     probe = getattr(core, "unsafe_am_i_under_a_vmap", None)
     return bool(probe()) if probe is not None else False
+
+
+# XLA's switches for deterministic GPU programs: "guarantees run-to-run determinism on GPU" and "excludes
+# non-deterministic ops from compiled executables" (their help texts). Either asks our backward not to accumulate
+# in arrival order.
+XLA_DETERMINISTIC_FLAGS = ("xla_gpu_deterministic_ops", "xla_gpu_exclude_nondeterministic_ops")
+
+
+def xla_deterministic_ops(xla_flags: str | None = None) -> bool:
+    """Whether XLA_FLAGS (``xla_flags``; None: the environment's, read now, i.e. when a call is traced) turns on
+    one of ``XLA_DETERMINISTIC_FLAGS``. Read as XLA reads it (xla/parse_flags_from_env.cc and tsl's
+    command_line_flags.cc): words split at whitespace (a quoted value kept whole), up to the first that is not a
+    flag; ``--name`` alone or ``--name=true`` / ``=1`` turns a flag on, ``=false`` / ``=0`` off (true and false in
+    any case), and the last setting of a flag wins; a value that does not start with "-" names a file of flags.
+
+    >>> xla_deterministic_ops("--xla_force_host_platform_device_count=4 --xla_gpu_deterministic_ops=true")
+    True
+    >>> xla_deterministic_ops("--xla_gpu_deterministic_ops=true --xla_gpu_deterministic_ops=false")
+    False
+    """
+    text = os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags
+    if text.strip() and not text.lstrip().startswith("-"):
+        try:
+            with open(text) as f:
+                text = f.read()
+        except OSError:  # XLA itself stops the process at start-up
+            return False
+    try:
+        words = shlex.split(text)
+    except ValueError:  # an unclosed quote: XLA reads on to the end
+        words = text.split()
+    on = dict.fromkeys(XLA_DETERMINISTIC_FLAGS, False)
+    for word in words:
+        if not word.startswith("-"):
+            break
+        name, eq, value = word.removeprefix("--").partition("=")
+        if name in on and word.startswith("--"):
+            if not eq or value.lower() in ("true", "1"):
+                on[name] = True
+            elif value.lower() in ("false", "0"):
+                on[name] = False  # anything else: XLA refuses the value and keeps the flag's
+    return any(on.values())

@@ -17,7 +17,8 @@ from jax.sharding import PartitionSpec as P
 from ring_core import heap as _heap
 from ring_core import plans
 from ring_core.layout import inverse_permutation, layout_permutation
-from ring_core.validate import check_attention_args, check_global_seq, check_layout, check_layout_call, check_timeout
+from ring_core.validate import (check_attention_args, check_deterministic, check_global_seq, check_layout,
+                                check_layout_call, check_timeout)
 
 from jax_ring import _platform, fused
 from jax_ring.reference import ring_attention_xla
@@ -48,25 +49,27 @@ def _resolve_backend(backend: str, spec) -> str:
 # segment_ids is an array input of the custom_vjp (not a nondiff_argnum, which must be hashable and static):
 # None, or this rank's int32 ids, which the backward kernel needs as the forward did. Integers carry no
 # gradient: the bwd rule returns None for them, which JAX (0.10 and 0.11 alike) turns into a symbolic zero
-# of their float0 cotangent type.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _fused(q, k, v, segment_ids, spec, axis_name, world_size, timeout_s):
+# of their float0 cotangent type. ``deterministic`` (the call's effective value, a bool) is for the backward's
+# plan only: the forward kernel is the same either way.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _fused(q, k, v, segment_ids, spec, axis_name, world_size, timeout_s, deterministic):
     return fused.forward(q, k, v, spec, axis_name, world_size, timeout_s, segment_ids=segment_ids)
 
 
-def _fused_fwd(q, k, v, segment_ids, spec, axis_name, world_size, timeout_s):
-    _heap.get().plan_bwd(spec, world_size)  # a heap too small for the backward raises now, before anything runs
+def _fused_fwd(q, k, v, segment_ids, spec, axis_name, world_size, timeout_s, deterministic):
+    # A heap too small for the backward raises now, before anything runs.
+    _heap.get().plan_bwd(spec, world_size, deterministic=deterministic)
     out, lse = fused.forward(q, k, v, spec, axis_name, world_size, timeout_s, segment_ids=segment_ids)
     return (out, lse), (q, k, v, segment_ids, out, lse)
 
 
-def _fused_bwd(spec, axis_name, world_size, timeout_s, res, cts):
+def _fused_bwd(spec, axis_name, world_size, timeout_s, deterministic, res, cts):
     """The fused backward kernel from the saved q, k, v, segment ids, out and lse, with the cotangents of both
     out and lse (zeros for lse unless the caller uses it); no cotangent for the segment ids."""
     q, k, v, segment_ids, out, lse = res
     dout, dlse = cts
     dq, dk, dv = fused.backward(q, k, v, out, lse, dout.astype(q.dtype), dlse, spec, axis_name, world_size,
-                                timeout_s, segment_ids=segment_ids)
+                                timeout_s, segment_ids=segment_ids, deterministic=deterministic)
     return dq, dk, dv, None
 
 
@@ -82,25 +85,25 @@ def _forget_compiled_programs():
     _sharded_fn.cache_clear()
 
 
-def _ring_attention_fused(q, k, v, segment_ids, spec, axis_name, world_size, timeout_s):
+def _ring_attention_fused(q, k, v, segment_ids, spec, axis_name, world_size, timeout_s, deterministic):
     if _platform.under_vmap():
         raise ValueError(
             "jax_ring.ring_attention(backend='fused') does not run under jax.vmap: the kernel takes a batch axis "
             "of its own. Fold the mapped axis into the batch axis instead (q.reshape(-1, *q.shape[-3:]) and back), "
             "or use backend='xla'")
     _heap.on_release(_forget_compiled_programs)
-    return _fused(q, k, v, segment_ids, spec, axis_name, world_size, timeout_s)
+    return _fused(q, k, v, segment_ids, spec, axis_name, world_size, timeout_s, deterministic)
 
 
 # ------------------------------------------------------------------------------------------ public API
-def _run(q, k, v, segment_ids, spec, *, axis_name, return_lse, backend, timeout_s):
-    """A validated call (``spec``) inside shard_map."""
+def _run(q, k, v, segment_ids, spec, *, axis_name, return_lse, backend, timeout_s, deterministic):
+    """A validated call (``spec``, and ``deterministic``'s effective value) inside shard_map."""
     backend = _resolve_backend(backend, spec)
     world = _platform.axis_size(axis_name)  # ValueError (how to fix it) outside shard_map / wrong name
-    if backend == "xla":
+    if backend == "xla":  # ignores deterministic: XLA's own ops, as deterministic as XLA_FLAGS make them
         return ring_attention_xla(q, k, v, axis_name=axis_name, spec=spec, return_lse=return_lse,
                                   segment_ids=segment_ids)
-    out, lse = _ring_attention_fused(q, k, v, segment_ids, spec, axis_name, world, timeout_s)
+    out, lse = _ring_attention_fused(q, k, v, segment_ids, spec, axis_name, world, timeout_s, deterministic)
     return (out, lse) if return_lse else out
 
 
@@ -113,7 +116,7 @@ def _validate(q, k, v, segment_ids, local=lambda shape: shape, **kw):
 
 
 def ring_attention(q, k, v, *, axis_name, is_causal=False, scale=None, layout="contiguous", return_lse=False,
-                   backend="auto", timeout_s=None, segment_ids=None, window_size=None):
+                   backend="auto", timeout_s=None, segment_ids=None, window_size=None, deterministic=False):
     """Exact softmax attention over a sequence sharded along mesh axis ``axis_name``; call inside ``jax.shard_map``.
 
     Args:
@@ -153,6 +156,13 @@ def ring_attention(q, k, v, *, axis_name, is_causal=False, scale=None, layout="c
         ``is_causal``, keys after the query stay masked. Every backend takes both masks; the fused kernels
         skip the work they hide (K/V rows outside the window are not sent, waited for, loaded or computed;
         those of other segments not loaded or computed: ring_core/protocol.py).
+      deterministic: as in flash-attn. False (the default): the fastest fused backward, which may accumulate
+        dQ in a nondeterministic order where a kernel does. True: the fused backend's gradients bit-identical
+        from run to run and between JAX and torch (the same inputs on the same GPUs). Also turned on by
+        ``XLA_FLAGS=--xla_gpu_deterministic_ops=true`` (or ``--xla_gpu_exclude_nondeterministic_ops=true``),
+        read when the call is traced. Today every fused backward is deterministic, so False gives the same
+        bits; a faster, nondeterministic Hopper backward is being built, and False is what will let it run.
+        The ``"xla"`` backend ignores it: it runs XLA's own ops, which XLA_FLAGS governs.
 
     Returns:
       ``out`` with q's shape and dtype, or ``(out, lse)`` with ``return_lse=True``.
@@ -180,11 +190,12 @@ def ring_attention(q, k, v, *, axis_name, is_causal=False, scale=None, layout="c
     spec = _validate(q, k, v, segment_ids, is_causal=is_causal, scale=scale, layout=layout, backend=backend,
                      return_lse=return_lse, window_size=window_size)
     return _run(q, k, v, segment_ids, spec, axis_name=axis_name, return_lse=return_lse, backend=backend,
-                timeout_s=check_timeout(timeout_s))
+                timeout_s=check_timeout(timeout_s), deterministic=_deterministic(deterministic))
 
 
 def ring_attention_sharded(q, k, v, *, mesh, axis_name, is_causal=False, scale=None, layout="contiguous",
-                           return_lse=False, backend="auto", timeout_s=None, segment_ids=None, window_size=None):
+                           return_lse=False, backend="auto", timeout_s=None, segment_ids=None, window_size=None,
+                           deterministic=False):
     """``ring_attention`` on global arrays: shards the sequence over ``mesh`` axis ``axis_name`` and runs the ring.
 
     ``q``, ``k``, ``v`` (and ``segment_ids``, [batch, seq_global]) are global, [batch, seq_global, heads,
@@ -225,18 +236,24 @@ def ring_attention_sharded(q, k, v, *, mesh, axis_name, is_causal=False, scale=N
                      if len(shape) >= 2 else shape, is_causal=is_causal, scale=scale, layout=layout,
                      backend=backend, return_lse=return_lse, window_size=window_size)
     timeout_s = check_timeout(timeout_s)
+    deterministic = _deterministic(deterministic)  # XLA_FLAGS read at each call: a change makes a new program
     _resolve_backend(backend, spec)  # errors now, not when traced
-    fn = _sharded_fn(mesh, axis_name, spec, return_lse, backend, timeout_s)
+    fn = _sharded_fn(mesh, axis_name, spec, return_lse, backend, timeout_s, deterministic)
     return fn(q, k, v) if segment_ids is None else fn(q, k, v, segment_ids)
 
 
+def _deterministic(deterministic) -> bool:
+    """The call's effective ``deterministic``: the keyword, or XLA_FLAGS asking for deterministic GPU ops."""
+    return check_deterministic(deterministic, _platform.xla_deterministic_ops())
+
+
 @functools.lru_cache(maxsize=64)
-def _sharded_fn(mesh, axis_name, spec, return_lse, backend, timeout_s):
+def _sharded_fn(mesh, axis_name, spec, return_lse, backend, timeout_s, deterministic):
     """The jitted shard_map for one validated configuration (cached: eager shard_map would dispatch op by op)."""
 
     def body(q, k, v, *segment_ids):
         return _run(q, k, v, segment_ids[0] if segment_ids else None, spec, axis_name=axis_name,
-                    return_lse=return_lse, backend=backend, timeout_s=timeout_s)
+                    return_lse=return_lse, backend=backend, timeout_s=timeout_s, deterministic=deterministic)
 
     seq = P(None, axis_name)
     out_specs = (seq, P(None, None, axis_name)) if return_lse else seq

@@ -126,10 +126,12 @@ ring_ctx_p.def_abstract_eval(_ring_ctx_abstract)
 mlir.register_lowering(ring_ctx_p, _ring_ctx_lowering)
 
 
-def _launch_context(spec, axis_name, world_size: int, *, backward: bool):
-    """(launch plan, this device's context row) for a fused launch inside shard_map."""
+def _launch_context(spec, axis_name, world_size: int, *, backward: bool, deterministic: bool = False):
+    """(launch plan, this device's context row) for a fused launch inside shard_map; ``deterministic`` for the
+    backward's plan."""
     h = _heap.get()
-    p = h.plan_bwd(spec, world_size) if backward else h.plan(spec, world_size)  # HeapTooSmallError at trace time
+    # HeapTooSmallError at trace time
+    p = h.plan_bwd(spec, world_size, deterministic=deterministic) if backward else h.plan(spec, world_size)
     ctx = ring_ctx_p.bind(_platform.mesh_position(), axis_name=axis_name, ring_size=world_size)
     return p, ctx
 
@@ -161,12 +163,13 @@ def _typed_like(outs, inputs, axis_name):
     return [_platform.vary(o, axes) for o in outs]
 
 
-def _launch(name: str, inputs, spec, axis_name, world_size: int, timeout_s, *, backward: bool):
+def _launch(name: str, inputs, spec, axis_name, world_size: int, timeout_s, *, backward: bool,
+            deterministic: bool = False):
     """One fused launch inside shard_map: the inputs, this device's context row and the plan's scalars in
     the kernel's argument order (ring_core.plans); the outputs (the status last, zeroed: the kernel's last
     program writes it), checked by a host callback unless errors are deferred."""
     call = _kernel_call()
-    p, ctx = _launch_context(spec, axis_name, world_size, backward=backward)
+    p, ctx = _launch_context(spec, axis_name, world_size, backward=backward, deterministic=deterministic)
     deferred = errors_deferred()
     *outs, status = call(
         *inputs, ctx, *_scalars(p, timeout_s), kernel=p.kernel(), out_shape=_out_shapes(p), grid=p.grid,
@@ -187,12 +190,16 @@ def forward(q, k, v, spec, axis_name, world_size: int, timeout_s: float | None =
 
 
 def backward(q, k, v, out, lse, dout, dlse, spec, axis_name, world_size: int, timeout_s: float | None = None,
-             segment_ids=None):
+             segment_ids=None, deterministic: bool = False):
     """Run the fused backward kernel (ring_core.kernel_bwd) on this rank's shards inside shard_map, from the
     forward's ``out`` and ``lse`` and the cotangents ``dout`` and ``dlse``; returns (dq, dk, dv), typed as
     q, k and v. Same context row, launch maths (ring_core.plans.plan_bwd) and argument list as the torch
-    launcher (torch_bridge.fused.backward). ``segment_ids`` as in ``forward`` (no gradient: ids are ints)."""
+    launcher (torch_bridge.fused.backward). ``segment_ids`` as in ``forward`` (no gradient: ids are ints).
+    ``deterministic``: as jax_ring.ring_attention's (XLA_FLAGS=--xla_gpu_deterministic_ops=true, read now,
+    turns it on too); it picks the backward's kernel (ring_core.plans.BwdKernelConfig.get_default)."""
+    deterministic = validate.check_deterministic(deterministic, _platform.xla_deterministic_ops())
     dq, dk, dv, _ = _launch("ring_attn_bwd",
                             (q, k, v, out, dout, lse, dlse.astype(jnp.float32), _segment_ids(spec, segment_ids)),
-                            spec, axis_name, world_size, timeout_s, backward=True)  # _: delta, scratch
+                            spec, axis_name, world_size, timeout_s, backward=True,
+                            deterministic=deterministic)  # _: delta, scratch
     return tuple(_platform.vary(g, _platform.varying_axes(x)) for g, x in ((dq, q), (dk, k), (dv, v)))

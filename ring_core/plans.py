@@ -124,7 +124,13 @@ class BwdKernelConfig:
     dq tasks take ``dq_block_m`` query rows and step over the K/V in ``dq_block_n`` rows; dK/dV tasks take
     ``kv_block_n`` K/V rows and step over the local queries in ``kv_block_m`` rows (FA2's split).
     K/V travel in chunks of ``chunk_blocks * kv_block_n`` rows, ``push_rows`` rows per store; a dQ task
-    claims one push unit every ``seg_blocks`` blocks of its local K/V."""
+    claims one push unit every ``seg_blocks`` blocks of its local K/V.
+
+    ``deterministic``: whether the kernel this config runs gives bit-identical gradients from run to run (and
+    so between the frontends, which launch it alike). The split kernel (ring_core.kernel_bwd) always does: every
+    dQ, dK and dV block is summed in a fixed order. A kernel that accumulates dQ in the order its contributions
+    arrive would say False here, as ``KernelConfig.gluon`` says which forward kernel runs. Not a constexpr: the
+    split kernel's binary and its cache key are the same whatever the caller asked for."""
 
     dq_block_m: int
     dq_block_n: int
@@ -135,9 +141,15 @@ class BwdKernelConfig:
     num_warps: int
     num_stages: int
     seg_blocks: int = 4
+    deterministic: bool = True
 
     @staticmethod
-    def get_default(spec: AttentionSpec, world_size: int, *, interpret: bool = False) -> "BwdKernelConfig":
+    def get_default(spec: AttentionSpec, world_size: int, *, interpret: bool = False,
+                    deterministic: bool = False) -> "BwdKernelConfig":
+        """The tiles for ``spec``. ``deterministic``: the caller needs bit-identical gradients from run to run
+        (the frontends' ``deterministic``, or the framework's switch for deterministic algorithms); False lets a
+        faster kernel that accumulates in a nondeterministic order take the call where one applies. None does
+        yet: the split kernel takes every backward, whatever is asked, and is deterministic."""
         if interpret:
             # Small tiles: several blocks, chunks and tasks even at the tiny sizes CI can afford.
             return BwdKernelConfig(16, 16, 16, 16, chunk_blocks=1, push_rows=16, num_warps=4, num_stages=1,
@@ -432,11 +444,12 @@ def plan(spec: AttentionSpec, world_size: int, heap: HeapLayout, *, interpret: b
 
 @functools.lru_cache(maxsize=512)
 def plan_bwd(spec: AttentionSpec, world_size: int, heap: HeapLayout, *, interpret: bool = False,
-             config: BwdKernelConfig | None = None) -> LaunchPlan:
+             config: BwdKernelConfig | None = None, deterministic: bool = False) -> LaunchPlan:
     """The backward's launch; raises HeapTooSmallError (before anything runs) when the heap is short of
-    receive space or flags. Cached, as ``plan``."""
+    receive space or flags. Cached, as ``plan``. ``deterministic``: the caller needs bit-identical gradients
+    (``BwdKernelConfig.get_default``; the default, False, is the frontends' default)."""
     check_fused(spec, "a reference backend")
-    cfg = config or BwdKernelConfig.get_default(spec, world_size, interpret=interpret)
+    cfg = config or BwdKernelConfig.get_default(spec, world_size, interpret=interpret, deterministic=deterministic)
     kv, part_off, need = bwd_recv_bytes(spec, world_size)
     if need > heap.recv_capacity:
         raise _too_small("backward call", need, heap.recv_capacity, spec, world_size,

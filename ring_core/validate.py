@@ -57,6 +57,14 @@ def _check_flag(name: str, value) -> bool:
     raise TypeError(f"{name} must be a Python bool, got {_type_name(value)} {value!r}")
 
 
+def check_deterministic(deterministic, forced: bool = False) -> bool:
+    """A call's effective ``deterministic``: the keyword (a Python bool, default False as in flash-attn), or True
+    where the framework asks every operation for deterministic results (``forced``: the frontend reads
+    torch.use_deterministic_algorithms / XLA_FLAGS=--xla_gpu_deterministic_ops=true), so that a program made
+    deterministic that way needs no change of ours. TypeError for anything but a bool, before any work."""
+    return _check_flag("deterministic", deterministic) or bool(forced)
+
+
 def check_timeout(timeout_s):
     """None (then RING_ATTENTION_TIMEOUT_S, default 300 s, is read when the fused kernel is launched) or a
     finite number of seconds > 0; returns it as a float (or None)."""

@@ -112,6 +112,13 @@ TABLE = [
     Bad("is_causal-str", TypeError, r"is_causal must be a Python bool, got str 'yes'", kw=dict(is_causal="yes")),
     Bad("return_lse-str", TypeError, r"return_lse must be a Python bool, got str", kw=dict(return_lse="yes")),
     Bad("return_lse-none", TypeError, r"return_lse must be a Python bool, got NoneType", kw=dict(return_lse=None)),
+    # deterministic: the frontends' keyword (the simulator always runs the one backward kernel there is)
+    Bad("deterministic-int", TypeError, r"deterministic must be a Python bool, got int 1", frontends=("jax", "torch"),
+        kw=dict(deterministic=1)),
+    Bad("deterministic-none", TypeError, r"deterministic must be a Python bool, got NoneType",
+        frontends=("jax", "torch"), kw=dict(deterministic=None)),
+    Bad("sharded-deterministic-str", TypeError, r"deterministic must be a Python bool, got str 'yes'",
+        frontends=("jax",), where="sharded", kw=dict(deterministic="yes")),
     # ---- timeout_s: a finite number of seconds > 0, or None
     Bad("timeout-zero", ValueError, r"timeout_s must be a finite number of seconds > 0, got 0", kw=dict(timeout_s=0)),
     Bad("timeout-nan", ValueError, r"timeout_s must be a finite number of seconds > 0, got nan",

@@ -11,6 +11,7 @@ launches the kernel with exactly the arguments it was given, with the GPU's defa
 per callback, so ranks could not meet. The multi-rank protocol is tested by test_simulate*.py.
 """
 
+import functools
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -26,7 +27,7 @@ TORCH_DTYPES = {}  # filled on first use (torch is imported lazily)
 
 class _CpuHeap(heap_mod.HeapRings):
     """ring_core.heap.SymmetricHeap's view for the frontends (rings, contexts, plans, kept errors) over one
-    CPU buffer (world size 1); records the plans asked for."""
+    CPU buffer (world size 1); records the plans asked for, and the ``deterministic`` of each backward plan."""
 
     def __init__(self, size=4 << 20):
         import torch
@@ -34,6 +35,7 @@ class _CpuHeap(heap_mod.HeapRings):
         self.buf = torch.zeros(size, dtype=torch.uint8)
         super().__init__(0, [[self.buf.data_ptr()]], control.HeapLayout.for_workspace(size), self.buf)
         self.plans = []
+        self.deterministic = []
 
     def plan(self, spec, ring_size, config=None):
         """The interpreter's code paths with the GPU's default tiles (not the simulator's small ones)."""
@@ -41,10 +43,11 @@ class _CpuHeap(heap_mod.HeapRings):
         return super().plan(spec, ring_size, config=config or plans.KernelConfig.get_default(spec, ring_size),
                             interpret=True)
 
-    def plan_bwd(self, spec, ring_size, config=None):
+    def plan_bwd(self, spec, ring_size, config=None, deterministic=False):
         self.plans.append(("bwd", spec))
-        return super().plan_bwd(spec, ring_size, config=config or plans.BwdKernelConfig.get_default(spec, ring_size),
-                                interpret=True)
+        self.deterministic.append(deterministic)
+        cfg = config or plans.BwdKernelConfig.get_default(spec, ring_size, deterministic=deterministic)
+        return super().plan_bwd(spec, ring_size, config=cfg, interpret=True, deterministic=deterministic)
 
 
 @pytest.fixture
@@ -121,11 +124,13 @@ class _LaunchRecorder:
         return run
 
 
-@pytest.mark.parametrize("dtype, causal, H, HKV, S, D, use_lse", [
-    ("bfloat16", True, 4, 2, 19, 24, False),
-    ("float32", False, 2, 1, 7, 40, True),  # the loss uses lse too: its gradient flows through the kernel
+@pytest.mark.parametrize("dtype, causal, H, HKV, S, D, use_lse, deterministic", [
+    ("bfloat16", True, 4, 2, 19, 24, False, False),
+    ("float32", False, 2, 1, 7, 40, True, True),  # the loss uses lse too: its gradient flows through the kernel
 ])
-def test_jax_and_torch_fused_gradients(cpu_heap, monkeypatch, dtype, causal, H, HKV, S, D, use_lse):
+def test_jax_and_torch_fused_gradients(cpu_heap, monkeypatch, dtype, causal, H, HKV, S, D, use_lse, deterministic):
+    """With ``deterministic=True`` (the second case) the keyword reaches every backward plan of both frontends,
+    torch's gradients are bit-identical over two calls, and JAX's to torch's (as they are by default, today)."""
     import jax
     import jax.numpy as jnp
     import torch
@@ -151,24 +156,33 @@ def test_jax_and_torch_fused_gradients(cpu_heap, monkeypatch, dtype, causal, H, 
 
     ref = testing.random_inputs(3, 1, S, H, HKV, D, dtype, with_dout=True)
     q, k, v, do = (x.astype(reference.np_dtype(dtype)) for x in ref)
-    kw = dict(is_causal=causal, scale=None)
+    kw = dict(is_causal=causal, scale=None, deterministic=deterministic)
     dl = (np.random.default_rng(4).standard_normal((1, H, S)) if use_lse else np.zeros((1, H, S))).astype(np.float32)
 
     # ---- torch: the custom ops and torch_bridge.fused's launchers (CPU tensors, interpreter)
-    tq, tk, tv = (interpret._to_torch(x, dtype).requires_grad_() for x in (q, k, v))
+    def torch_grads():
+        tq, tk, tv = (interpret._to_torch(x, dtype).requires_grad_() for x in (q, k, v))
+        out, lse = torch_bridge.ring_attention(tq, tk, tv, backend="fused", return_lse=True, **kw)
+        if use_lse:
+            torch.autograd.backward([out, lse], [interpret._to_torch(do, dtype), torch.from_numpy(dl)])
+        else:
+            out.backward(interpret._to_torch(do, dtype))
+        return [interpret._to_numpy(x.grad, dtype) for x in (tq, tk, tv)]
+
     monkeypatch.setattr(torch_bridge.api, "_on_gpu", lambda x: True)  # let backend="fused" through
-    out, lse = torch_bridge.ring_attention(tq, tk, tv, backend="fused", return_lse=True, **kw)
-    if use_lse:
-        torch.autograd.backward([out, lse], [interpret._to_torch(do, dtype), torch.from_numpy(dl)])
-    else:
-        out.backward(interpret._to_torch(do, dtype))
+    t_grads = torch_grads()
+    calls = 2 if deterministic else 1
+    if deterministic:  # bit-identical from run to run
+        for n, a, b in zip("qkv", torch_grads(), t_grads):
+            np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8), err_msg=f"torch d{n}, second call")
     monkeypatch.undo()  # _on_gpu and the rest; the heap again for JAX below
     monkeypatch.setattr(heap_mod, "_heap", cpu_heap)
     monkeypatch.setattr(heap_mod, "_release_hooks", [])
     monkeypatch.setattr(jfused, "_kernel_call", lambda: _fake_kernel_call(launches))
     monkeypatch.setattr(jfused, "fused_available", lambda: True)
-    t_grads = [interpret._to_numpy(x.grad, dtype) for x in (tq, tk, tv)]
-    assert [p[0] for p in cpu_heap.plans] == ["bwd", "fwd", "bwd"]  # the backward's heap need checked first
+    # The backward's heap need checked first; every backward plan got the call's deterministic.
+    assert [p[0] for p in cpu_heap.plans] == ["bwd", "fwd", "bwd"] * calls
+    assert cpu_heap.deterministic == [deterministic] * 2 * calls
     testing.check_grads("torch fused", [g.astype(np.float64) for g in t_grads], *ref, dtype, is_causal=causal,
                         dlse=dl)
 
@@ -185,6 +199,7 @@ def test_jax_and_torch_fused_gradients(cpu_heap, monkeypatch, dtype, causal, H, 
     j_grads = [np.asarray(g) for g in grad(*(jnp.asarray(x) for x in (q, k, v, do, dl)))]
     names = [entry["name"] for entry in launches]
     assert names == ["ring_attn_fwd", "ring_attn_bwd"], names
+    assert cpu_heap.deterministic == [deterministic] * 2 * (calls + 1)  # the heap check in _fused_fwd, the backward
     fwd_call, bwd_call = launches
     assert bwd_call["zeroed"] == (4,) and bwd_call["out"][4] == ((control.STATUS_WORDS,), "int32")
     assert bwd_call["out"][3] == ((1, H, S), "float32")  # delta scratch
@@ -336,7 +351,7 @@ def test_torch_eager_calls_skip_the_custom_op_dispatch(cpu_heap, monkeypatch):
     monkeypatch.setattr(api, "_fwd_op", ops[0])
     monkeypatch.setattr(api, "_bwd_op", ops[1])
     through_ops = grads(lambda a, b, c: ops[0](a, b, c, None, 32 ** -0.5, True, "contiguous", [-1, -1],
-                                              api.group_to_name(None), None, True))
+                                              api.group_to_name(None), None, False, True))
     for name, x, y in zip(("out", "lse", "dq", "dk", "dv"), eager, through_ops):
         assert torch.equal(x, y), name
 
@@ -517,3 +532,144 @@ def test_jax_fused_on_a_mesh_of_two_axes(jax_fused):
                               mesh=mesh, in_specs=(spec,) * 3, out_specs=spec))
     out = np.asarray(f(*(jnp.asarray(x) for x in ref)), np.float64)
     testing.check_attention("dp x sp mesh", out, None, *ref, "float32", is_causal=False)
+
+
+# ------------------------------------------------------------------------------------------ deterministic
+# What reaches the backward's plan (cpu_heap.deterministic: the heap check before the forward, then the backward):
+# the keyword (default False, as in flash-attn) or the framework's switch for deterministic algorithms, read at the
+# call (torch) or when the call is traced (JAX). Which kernel that picks is ring_core.plans' business
+# (tests/test_launch.py); here the value only has to arrive.
+
+
+def _det_inputs():
+    """Small float32 q, k, v (numpy)."""
+    return [x.astype(np.float32) for x in testing.random_inputs(6, 1, 8, 2, 1, 16, "float32")]
+
+
+@pytest.fixture
+def restore_torch_determinism():
+    """torch.use_deterministic_algorithms as it was before the test (a process-wide switch)."""
+    import torch
+
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    yield
+    torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+@pytest.mark.parametrize("how, want", [("default", False), ("keyword", True), ("module", True),
+                                       ("use_deterministic_algorithms", True), ("warn_only", True)])
+def test_torch_deterministic_reaches_the_backward_plan(cpu_heap, monkeypatch, restore_torch_determinism, how, want):
+    import torch
+
+    import torch_bridge
+
+    monkeypatch.setattr(torch_bridge.lifecycle, "track", _check_now)
+    monkeypatch.setattr(torch_bridge.api, "_fused_available", lambda: True)
+    monkeypatch.setattr(torch_bridge.api, "_on_gpu", lambda x: True)
+    if how == "use_deterministic_algorithms":
+        torch.use_deterministic_algorithms(True)
+    elif how == "warn_only":  # still asks for deterministic algorithms; only a missing one warns instead of raising
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    q, k, v = (torch.from_numpy(x).requires_grad_() for x in _det_inputs())
+    if how == "module":
+        attn = torch_bridge.RingAttention(backend="fused", deterministic=True)
+        assert "deterministic=True" in repr(attn)
+    else:
+        attn = functools.partial(torch_bridge.ring_attention, backend="fused",
+                                 **(dict(deterministic=True) if how == "keyword" else {}))
+    attn(q, k, v).sum().backward()
+    assert cpu_heap.deterministic == [want, want]
+
+
+def _jax_fused_grad(**kw):
+    """A fresh jitted gradient of jax_ring.ring_attention(backend="fused") over a one-device mesh (traced at its
+    first call, so it reads XLA_FLAGS then)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    import jax_ring
+
+    mesh = Mesh(np.array(jax.devices("cpu")[:1]), ("sp",))
+
+    def loss(q, k, v):
+        return jnp.sum(jax_ring.ring_attention(q, k, v, axis_name="sp", backend="fused", **kw))
+
+    return jax.jit(jax.shard_map(jax.grad(loss, argnums=(0, 1, 2)), mesh=mesh, in_specs=(P(None, "sp"),) * 3,
+                                 out_specs=(P(None, "sp"),) * 3))
+
+
+@pytest.mark.parametrize("how, want", [("default", False), ("keyword", True), ("xla_flags", True),
+                                       ("xla_flags_false", False)])
+def test_jax_deterministic_reaches_the_backward_plan(jax_fused, cpu_heap, monkeypatch, how, want):
+    import jax
+
+    jax.devices("cpu")  # XLA has read XLA_FLAGS already: what is set below is for jax_ring alone
+    flag = {"xla_flags": "=true", "xla_flags_false": "=false"}.get(how)
+    if flag:
+        monkeypatch.setenv("XLA_FLAGS", f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_deterministic_ops{flag}")
+    f = _jax_fused_grad(**(dict(deterministic=True) if how == "keyword" else {}))
+    jax.block_until_ready(f(*_det_inputs()))
+    assert cpu_heap.deterministic == [want, want]
+
+
+def test_jax_sharded_reads_xla_flags_at_each_call(jax_fused, cpu_heap, monkeypatch):
+    """ring_attention_sharded keeps one jitted program per configuration: XLA_FLAGS is part of it (read at each
+    call), so setting the flag between two calls makes the second one deterministic."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh
+
+    import jax_ring
+
+    mesh = Mesh(np.array(jax.devices("cpu")[:1]), ("sp",))
+    grad = jax.grad(lambda q, k, v: jnp.sum(jax_ring.ring_attention_sharded(q, k, v, mesh=mesh, axis_name="sp",
+                                                                            backend="fused")), argnums=(0, 1, 2))
+    x = _det_inputs()
+    jax.block_until_ready(grad(*x))
+    monkeypatch.setenv("XLA_FLAGS", f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_deterministic_ops=true")
+    jax.block_until_ready(grad(*x))
+    assert cpu_heap.deterministic == [False, False, True, True]
+
+
+@pytest.mark.parametrize("flags, want", [
+    (None, False),  # XLA_FLAGS not set
+    ("", False),
+    ("--xla_force_host_platform_device_count=4", False),
+    ("--xla_force_host_platform_device_count=4 --xla_gpu_deterministic_ops=true --xla_dump_to=/tmp/d", True),
+    ("  --xla_gpu_deterministic_ops=true\t", True),
+    ("--xla_gpu_deterministic_ops", True),  # a bool flag alone is true
+    ("--xla_gpu_deterministic_ops=false", False),
+    ("--xla_gpu_deterministic_ops=True", True),  # XLA (tsl's flag parser): true / false in any case, 1 / 0
+    ("--xla_gpu_deterministic_ops=1", True),
+    ("--xla_gpu_deterministic_ops=0", False),
+    ("--xla_gpu_deterministic_ops=yes", False),  # a value XLA refuses: the flag keeps its default
+    ("--xla_gpu_deterministic_ops=true --xla_gpu_deterministic_ops=false", False),  # the last one wins
+    ("--xla_gpu_deterministic_ops=false --xla_gpu_deterministic_ops=true", True),
+    ("--xla_gpu_exclude_nondeterministic_ops=true", True),
+    ("--xla_gpu_exclude_nondeterministic_ops=true --xla_gpu_deterministic_ops=false", True),  # either flag
+    ("--xla_gpu_deterministic_ops_extra=true", False),  # another name
+    ("-xla_gpu_deterministic_ops=true", False),  # XLA's flags take two dashes
+    ("--xla_dump_to='/tmp/a b' --xla_gpu_deterministic_ops=true", True),  # a quoted value is one word
+    ("--xla_dump_to=/tmp/d stray --xla_gpu_deterministic_ops=true", False),  # XLA stops at the first non-flag
+])
+def test_xla_flags_that_ask_for_deterministic_ops(monkeypatch, flags, want):
+    from jax_ring import _platform
+
+    if flags is None:
+        monkeypatch.delenv("XLA_FLAGS", raising=False)
+    else:
+        monkeypatch.setenv("XLA_FLAGS", flags)
+    assert _platform.xla_deterministic_ops() is want
+    if flags is not None:
+        assert _platform.xla_deterministic_ops(flags) is want
+
+
+def test_xla_flags_from_a_file(tmp_path):
+    """XLA_FLAGS that does not start with "-" names a file of flags (XLA reads it the same way)."""
+    from jax_ring import _platform
+
+    path = tmp_path / "flags"
+    path.write_text("--xla_dump_to=/tmp/d\n--xla_gpu_deterministic_ops=true\n")
+    assert _platform.xla_deterministic_ops(str(path))
+    assert not _platform.xla_deterministic_ops(str(tmp_path / "missing"))

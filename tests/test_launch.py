@@ -126,6 +126,24 @@ def test_the_gluon_kernel_takes_the_forwards_it_applies_to(kw, capability, gluon
     assert plans.plan_bwd(spec, 2, lay).kernel().__name__ == "ring_attn_bwd_kernel"
 
 
+@pytest.mark.parametrize("kw", [dict(), dict(D=64, dtype="float16", causal=False, layout="zigzag", S=512),
+                                dict(dtype="float32", window=(100, 0), segmented=True)])
+def test_deterministic_reaches_the_backward_config_but_not_its_binary(kw):
+    """plan_bwd / BwdKernelConfig.get_default take the caller's ``deterministic``; today both answers run the
+    split kernel (deterministic, so its config says so) with the same launch: the same grid, constexprs and
+    compile record, i.e. one binary and one cache entry whatever the caller asked (default: False, as the
+    frontends')."""
+    lay = control.HeapLayout.for_workspace(1 << 30)
+    spec = _spec(**kw)
+    default, det, fast = (plans.plan_bwd(spec, 2, lay, **x) for x in (dict(), dict(deterministic=True),
+                                                                         dict(deterministic=False)))
+    assert default == fast
+    for p in (det, fast):
+        assert p.config.deterministic and p.kernel().__name__ == "ring_attn_bwd_kernel"
+    assert det.config == plans.BwdKernelConfig.get_default(spec, 2, deterministic=True)
+    assert (det.grid, det.constexprs(), det.compile_record()) == (fast.grid, fast.constexprs(), fast.compile_record())
+
+
 def test_the_gluon_kernel_can_be_turned_off(monkeypatch):
     """RING_ATTENTION_GLUON=0: no capability reaches the plan, so every forward runs the tl kernel (for A/B runs, or
     to step around a Gluon fault); a CPU device has none either."""

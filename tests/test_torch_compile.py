@@ -28,7 +28,7 @@ from torch.utils.checkpoint import checkpoint  # noqa: E402
 import torch_bridge  # noqa: E402
 from ring_core import heap as heap_mod  # noqa: E402
 from ring_core import control, testing# noqa: E402
-from test_fused_wiring import _CpuHeap, _check_now, cpu_heap  # noqa: E402,F401  (cpu_heap: the fixture)
+from test_fused_wiring import _CpuHeap, _check_now, cpu_heap, restore_torch_determinism  # noqa: E402,F401  (fixtures)
 from torch_bridge import fused as tfused  # noqa: E402
 
 FWD = torch.ops.ring_attention.fwd.default
@@ -110,8 +110,8 @@ def test_fullgraph_one_graph_two_ops(fused_cpu):
     assert [n.target for n in bw.graph.nodes if n.target in (FWD, BWD)] == [BWD]
     fwd_node = next(n for n in fw.graph.nodes if n.target == FWD)
     # segment ids (None: none), scale, is_causal, layout, window ([-1, -1]: none), group ("" = world), timeout
-    # (None: the environment's), check_backward
-    assert fwd_node.args[3:] == (None, 0.25, True, "zigzag", [-1, -1], "", None, True)
+    # (None: the environment's), deterministic, check_backward
+    assert fwd_node.args[3:] == (None, 0.25, True, "zigzag", [-1, -1], "", None, False, True)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -180,6 +180,40 @@ def test_compiled_with_masks_matches_eager(fused_cpu, backend):
                             "float32", **mask)
     testing.check_grads("compiled masks", [g.double().numpy() for g in got[2:]], *x64, "float32", dlse=dl.numpy(),
                         **mask)
+
+
+def test_deterministic_under_compile(fused_cpu, restore_torch_determinism):
+    """The call's effective ``deterministic`` is a constant of the graph, handed to both ops (the fwd op passes
+    it on through setup_context): the keyword, or torch.use_deterministic_algorithms(True) as dynamo finds it
+    when it traces; flipping that switch recompiles (dynamo guards on it), so the next backward plan gets it."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    def flags():
+        """(fwd op's deterministic, bwd op's) in the last forward and backward graphs."""
+        fwd = next(n for n in graphs[-2].graph.nodes if n.target == FWD)
+        bwd = next(n for n in graphs[-1].graph.nodes if n.target == BWD)
+        return fwd.args[10], bwd.args[14]
+
+    q, k, v, do, dl = _inputs(9, 1, 4, 2, 1, 16, "float32")
+    for keyword, switch, want in ((False, False, False), (True, False, True), (False, True, True)):
+        torch.use_deterministic_algorithms(switch)
+        f = torch.compile(lambda q, k, v: torch_bridge.ring_attention(q, k, v, backend="fused", return_lse=True,
+                                                                      deterministic=keyword),
+                          fullgraph=True, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))
+        n = len(fused_cpu.deterministic)
+        _fwd_bwd(f, q, k, v, do, dl)
+        assert flags() == (want, want) and fused_cpu.deterministic[n:] == [want, want], (keyword, switch)
+    torch.use_deterministic_algorithms(False)  # the last function again: recompiled without the switch
+    n, traced = len(fused_cpu.deterministic), len(graphs)
+    _fwd_bwd(f, q, k, v, do, dl)
+    assert len(graphs) == traced + 2 and flags() == (False, False) and fused_cpu.deterministic[n:] == [False, False]
 
 
 def test_checkpoint_compiled(fused_cpu):
@@ -283,13 +317,13 @@ def test_opcheck(fused_cpu):
     q, k, v, do, dl = _inputs(3, 1, 4, 2, 1, 16, "float32")
     seg = torch.tensor([[0, 0, 1, -1]], dtype=torch.int32)
     for ids, window in ((None, [-1, -1]), (seg, [1, 0])):  # without masks; with segment ids and a window
-        fwd_args = (q, k, v, ids, 0.25, True, "contiguous", window, "", None, True)
+        fwd_args = (q, k, v, ids, 0.25, True, "contiguous", window, "", None, False, True)
         with torch.no_grad():
             out, lse = FWD(*fwd_args)
         torch.library.opcheck(FWD, fwd_args)
         for dlse in (dl, None):
             torch.library.opcheck(BWD, (q.detach(), k.detach(), v.detach(), out, lse, do, dlse, ids, 0.25, True,
-                                        "contiguous", window, "", 30.0))
+                                        "contiguous", window, "", 30.0, False))
 
 
 def test_auto_on_cpu_compiles(monkeypatch):

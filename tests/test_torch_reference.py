@@ -303,11 +303,13 @@ def test_shift_double_backward(torch_group):
 
 def test_module_repr_and_early_checks():
     m = torch_bridge.RingAttention(is_causal=True, layout="zigzag")
-    assert "zigzag" in repr(m) and "is_causal=True" in repr(m)
+    assert "zigzag" in repr(m) and "is_causal=True" in repr(m) and "deterministic=False" in repr(m)
     with pytest.raises(ValueError, match="layout must be one of"):
         torch_bridge.RingAttention(layout="striped")
     with pytest.raises(ValueError, match="backend must be one of"):
         torch_bridge.RingAttention(backend="xla")
+    with pytest.raises(TypeError, match="deterministic must be a Python bool, got str 'True'"):
+        torch_bridge.RingAttention(deterministic="True")
 
 
 # ---------------------------------------------------------------- layouts

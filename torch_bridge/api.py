@@ -16,8 +16,8 @@ from torch import nn
 
 from ring_core import plans
 from ring_core.layout import inverse_permutation, layout_permutation
-from ring_core.validate import (AttentionSpec, check_attention_args, check_layout, check_layout_call,
-                                check_timeout, check_window, dtype_name)
+from ring_core.validate import (AttentionSpec, check_attention_args, check_deterministic, check_layout,
+                                check_layout_call, check_timeout, check_window, dtype_name)
 from torch_bridge import fused, lifecycle
 from torch_bridge.groups import group_from_name, group_to_name
 from torch_bridge.reference import ring_attention_torch
@@ -88,9 +88,11 @@ def _resolve_backend(backend: str, q, spec) -> str:
 # launch, and eager autograd runs the same ops. Their arguments are schema types: the spec's shape fields
 # and dtype come from the tensors, scale / is_causal / layout travel as they are, the window as int[] (two
 # ints, (-1, -1): none), the segment ids as Tensor? (None: no ids; whether they are given is the spec's
-# ``segmented``), the process group by name (torch_bridge.groups) and timeout_s as float? (None:
-# RING_ATTENTION_TIMEOUT_S when launched). The ids are an input of the fwd op's autograd without a gradient
-# (integers): the backward returns None for them, and the bwd op gets them again from the saved tensors.
+# ``segmented``), the process group by name (torch_bridge.groups), timeout_s as float? (None:
+# RING_ATTENTION_TIMEOUT_S when launched) and the call's effective ``deterministic`` as bool (the fwd op uses
+# it only for the backward's heap check, and hands it to the bwd op, whose kernel it picks). The ids are an
+# input of the fwd op's autograd without a gradient (integers): the backward returns None for them, and the
+# bwd op gets them again from the saved tensors.
 # cudagraph_unsafe: every call does host work (the status copy and event of _track, the check of earlier
 # calls in _drain), which a CUDA graph replay would skip; inductor keeps such ops out of its CUDA graphs.
 _OP_TAGS = (torch.Tag.cudagraph_unsafe,)
@@ -103,28 +105,31 @@ def _spec_of(q, k, segment_ids, scale: float, is_causal: bool, layout: str, wind
                          (int(window[0]), int(window[1])), segment_ids is not None)
 
 
-def _fwd_impl(q, k, v, segment_ids, spec: AttentionSpec, group, timeout_s, check_backward: bool):
+def _fwd_impl(q, k, v, segment_ids, spec: AttentionSpec, group, timeout_s, deterministic: bool,
+              check_backward: bool):
     """The forward launch behind both routes (the custom op, the eager Function)."""
-    if check_backward:
-        fused.check_backward_fits(spec, group)  # HeapTooSmallError before the forward runs
+    if check_backward:  # HeapTooSmallError before the forward runs
+        fused.check_backward_fits(spec, group, deterministic=deterministic)
     return fused.forward(q, k, v, spec, group, timeout_s, segment_ids=segment_ids)
 
 
-def _bwd_impl(q, k, v, out, lse, dout, dlse, segment_ids, spec: AttentionSpec, group, timeout_s):
+def _bwd_impl(q, k, v, out, lse, dout, dlse, segment_ids, spec: AttentionSpec, group, timeout_s,
+              deterministic: bool):
     """The backward launch behind both routes."""
-    return fused.backward(q, k, v, out, lse, dout, spec, group, timeout_s, dlse=dlse, segment_ids=segment_ids)
+    return fused.backward(q, k, v, out, lse, dout, spec, group, timeout_s, dlse=dlse, segment_ids=segment_ids,
+                          deterministic=deterministic)
 
 
 @torch.library.custom_op("ring_attention::fwd", mutates_args=(), tags=_OP_TAGS)
 def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_ids: Optional[torch.Tensor], scale: float,
             is_causal: bool, layout: str, window: list[int], group_name: str, timeout_s: Optional[float],
-            check_backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
+            deterministic: bool, check_backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return _fwd_impl(q, k, v, segment_ids, _spec_of(q, k, segment_ids, scale, is_causal, layout, window),
-                     group_from_name(group_name), timeout_s, check_backward)
+                     group_from_name(group_name), timeout_s, deterministic, check_backward)
 
 
 @_fwd_op.register_fake
-def _(q, k, v, segment_ids, scale, is_causal, layout, window, group_name, timeout_s, check_backward):
+def _(q, k, v, segment_ids, scale, is_causal, layout, window, group_name, timeout_s, deterministic, check_backward):
     b, s, h, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((b, h, s), dtype=torch.float32)
 
@@ -132,29 +137,31 @@ def _(q, k, v, segment_ids, scale, is_causal, layout, window, group_name, timeou
 @torch.library.custom_op("ring_attention::bwd", mutates_args=(), tags=_OP_TAGS)
 def _bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
             dout: torch.Tensor, dlse: Optional[torch.Tensor], segment_ids: Optional[torch.Tensor], scale: float,
-            is_causal: bool, layout: str, window: list[int], group_name: str,
-            timeout_s: Optional[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            is_causal: bool, layout: str, window: list[int], group_name: str, timeout_s: Optional[float],
+            deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _bwd_impl(q, k, v, out, lse, dout, dlse, segment_ids,
                      _spec_of(q, k, segment_ids, scale, is_causal, layout, window), group_from_name(group_name),
-                     timeout_s)
+                     timeout_s, deterministic)
 
 
 @_bwd_op.register_fake
-def _(q, k, v, out, lse, dout, dlse, segment_ids, scale, is_causal, layout, window, group_name, timeout_s):
+def _(q, k, v, out, lse, dout, dlse, segment_ids, scale, is_causal, layout, window, group_name, timeout_s,
+      deterministic):
     return q.new_empty(q.shape), q.new_empty(k.shape), q.new_empty(k.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, segment_ids, scale, is_causal, layout, window, group_name, timeout_s, _ = inputs
+    # The call's arguments that the bwd op takes too (scale .. deterministic), for it; not check_backward.
+    q, k, v, segment_ids, *args, _ = inputs
     ctx.save_for_backward(q, k, v, segment_ids, *output)
-    ctx.args = (scale, is_causal, layout, window, group_name, timeout_s)
+    ctx.args = tuple(args)
 
 
 def _backward(ctx, dout, dlse):
     # Autograd passes zeros for the gradient of an output that was not used (out or lse), eager and compiled.
     q, k, v, segment_ids, out, lse = ctx.saved_tensors
     dq, dk, dv = _bwd_op(q, k, v, out, lse, dout, dlse, segment_ids, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None, None, None  # none for the segment ids (integers)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None  # none for the segment ids (integers)
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -168,10 +175,10 @@ class _EagerFused(torch.autograd.Function):
     still sees the ops."""
 
     @staticmethod
-    def forward(ctx, q, k, v, segment_ids, spec, group, timeout_s, check_backward):
-        out, lse = _fwd_impl(q, k, v, segment_ids, spec, group, timeout_s, check_backward)
+    def forward(ctx, q, k, v, segment_ids, spec, group, timeout_s, deterministic, check_backward):
+        out, lse = _fwd_impl(q, k, v, segment_ids, spec, group, timeout_s, deterministic, check_backward)
         ctx.save_for_backward(q, k, v, segment_ids, out, lse)
-        ctx.args = (spec, group, timeout_s)
+        ctx.args = (spec, group, timeout_s, deterministic)
         return out, lse
 
     @staticmethod
@@ -179,7 +186,7 @@ class _EagerFused(torch.autograd.Function):
         # Zeros for the gradient of an output that was not used (out or lse), as the custom op gets them.
         q, k, v, segment_ids, out, lse = ctx.saved_tensors
         dq, dk, dv = _bwd_impl(q, k, v, out, lse, dout, dlse, segment_ids, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def _eager(*tensors) -> bool:
@@ -190,7 +197,7 @@ def _eager(*tensors) -> bool:
 
 
 def _ring_attention_fused(q, k, v, segment_ids=None, *, spec: AttentionSpec, group=None,
-                          timeout_s: float | None = None):
+                          timeout_s: float | None = None, deterministic: bool = False):
     """(out, lse) from the fused kernel, differentiable through the fused backward kernel (from the
     gradients of out and lse); inputs already validated (``spec``). Traceable by torch.compile without a
     graph break: all it computes before the op is the group's name and whether a backward will follow, in
@@ -198,13 +205,13 @@ def _ring_attention_fused(q, k, v, segment_ids=None, *, spec: AttentionSpec, gro
     forward runs, as in eager). Eager calls take the same launches through ``_EagerFused``."""
     check_backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if _eager(q, k, v, segment_ids):
-        return _EagerFused.apply(q, k, v, segment_ids, spec, group, timeout_s, check_backward)
+        return _EagerFused.apply(q, k, v, segment_ids, spec, group, timeout_s, deterministic, check_backward)
     return _fwd_op(q, k, v, segment_ids, spec.scale, spec.is_causal, spec.layout, list(spec.window),
-                   group_to_name(group), timeout_s, check_backward)
+                   group_to_name(group), timeout_s, deterministic, check_backward)
 
 
 def ring_attention(q, k, v, *, group=None, is_causal=False, scale=None, layout="contiguous", return_lse=False,
-                   backend="auto", timeout_s=None, segment_ids=None, window_size=None):
+                   backend="auto", timeout_s=None, segment_ids=None, window_size=None, deterministic=False):
     """Softmax attention over a sequence sharded across the ranks of ``group``.
 
     Every rank of ``group`` calls this with its own shard: q ``[batch, seq_local, num_heads, head_dim]``,
@@ -242,6 +249,14 @@ def ring_attention(q, k, v, *, group=None, is_causal=False, scale=None, layout="
     kernels skip the work they hide (K/V rows outside the window are not sent, waited for, loaded or computed;
     those of other segments not loaded or computed: ring_core/protocol.py).
 
+    ``deterministic``: as in flash-attn. False (the default): the fastest fused backward, which may accumulate
+    dQ in a nondeterministic order where a kernel does. True: the fused backend's gradients bit-identical from
+    run to run and between torch and JAX (the same inputs on the same GPUs).
+    ``torch.use_deterministic_algorithms(True)`` turns it on too (read at each call; under torch.compile a
+    change recompiles). Today every fused backward is deterministic, so False gives the same bits; a faster,
+    nondeterministic Hopper backward is being built, and False is what will let it run. The ``"torch"``
+    backend ignores it: it runs torch's own ops, which torch.use_deterministic_algorithms governs.
+
     Inputs may be non-contiguous or oddly strided (transposed, sliced, expanded views): every backend
     reads them as they are or makes contiguous copies; the outputs are always contiguous.
 
@@ -269,12 +284,14 @@ def ring_attention(q, k, v, *, group=None, is_causal=False, scale=None, layout="
                                 segment_ids_shape=None if segment_ids is None else segment_ids.shape,
                                 segment_ids_dtype=None if segment_ids is None else segment_ids.dtype)
     timeout_s = check_timeout(timeout_s)
+    deterministic = check_deterministic(deterministic, torch.are_deterministic_algorithms_enabled())
     rank, world, peers = _group_info(group)
     backend = _resolve_backend(backend, q, spec)
-    if backend == "torch":
+    if backend == "torch":  # ignores deterministic: torch's own ops, as deterministic as torch makes them
         out, lse = ring_attention_torch(q, k, v, spec, rank, world, peers, group, segment_ids=segment_ids)
     else:
-        out, lse = _ring_attention_fused(q, k, v, segment_ids, spec=spec, group=group, timeout_s=timeout_s)
+        out, lse = _ring_attention_fused(q, k, v, segment_ids, spec=spec, group=group, timeout_s=timeout_s,
+                                         deterministic=deterministic)
     return (out, lse) if return_lse else out
 
 
@@ -289,7 +306,7 @@ class RingAttention(nn.Module):
     """
 
     def __init__(self, *, group=None, is_causal=False, scale=None, layout="contiguous", return_lse=False,
-                 backend="auto", timeout_s=None, window_size=None):
+                 backend="auto", timeout_s=None, window_size=None, deterministic=False):
         super().__init__()
         # Fail at construction for what does not depend on the inputs.
         check_layout(layout)
@@ -303,15 +320,19 @@ class RingAttention(nn.Module):
         self.return_lse = return_lse
         self.backend = backend
         self.timeout_s = check_timeout(timeout_s)
+        # The keyword only: torch.use_deterministic_algorithms is read at each call.
+        self.deterministic = check_deterministic(deterministic)
 
     def forward(self, q, k, v, segment_ids=None):
         return ring_attention(q, k, v, group=self.group, is_causal=self.is_causal, scale=self.scale,
                               layout=self.layout, return_lse=self.return_lse, backend=self.backend,
-                              timeout_s=self.timeout_s, segment_ids=segment_ids, window_size=self.window_size)
+                              timeout_s=self.timeout_s, segment_ids=segment_ids, window_size=self.window_size,
+                              deterministic=self.deterministic)
 
     def extra_repr(self) -> str:
         return (f"is_causal={self.is_causal}, scale={self.scale}, layout={self.layout!r}, "
-                f"return_lse={self.return_lse}, backend={self.backend!r}, window_size={self.window_size}")
+                f"return_lse={self.return_lse}, backend={self.backend!r}, window_size={self.window_size}, "
+                f"deterministic={self.deterministic}")
 
 
 def _perm(x, layout, world_size, seq_axis, inverse):

@@ -33,17 +33,20 @@ def ring_of(h, group):
     return members, members.index(h.rank), slot
 
 
-def _prepare(q, spec, group, config, *, backward: bool):
+def _prepare(q, spec, group, config, *, backward: bool, deterministic: bool = False):
     """(launch plan, context tensor, ring) for a fused launch on this rank over ``group``, after the checks
     that need the heap; reports errors of finished earlier calls. Raises HeapTooSmallError before anything
-    is launched."""
+    is launched. ``deterministic`` for the backward's plan."""
     h = _heap.get()
     if q.device != h.device:
         raise ValueError(f"inputs are on {q.device} but this rank's heap is on {h.device}; move them there")
     lifecycle.report(wait=False)
     ring = members, _, slot = ring_of(h, group)
-    plan = h.plan_bwd if backward else h.plan
-    return plan(spec, len(members), config=config), h.ctx(members, slot), ring
+    if backward:
+        p = h.plan_bwd(spec, len(members), config=config, deterministic=deterministic)
+    else:
+        p = h.plan(spec, len(members), config=config)
+    return p, h.ctx(members, slot), ring
 
 
 def _segment_ids(spec, segment_ids, device):
@@ -100,20 +103,24 @@ def forward(q, k, v, spec, group=None, timeout_s: float | None = None, config=No
     return out, lse
 
 
-def check_backward_fits(spec, group=None):
-    """Raise HeapTooSmallError now if the backward of a call with ``spec`` over ``group`` would not fit the heap."""
+def check_backward_fits(spec, group=None, deterministic: bool = False):
+    """Raise HeapTooSmallError now if the backward of a call with ``spec`` over ``group`` would not fit the heap
+    (``deterministic``: the backward's, which picks its kernel)."""
     h = _heap.get()
-    h.plan_bwd(spec, len(ring_of(h, group)[0]))
+    h.plan_bwd(spec, len(ring_of(h, group)[0]), deterministic=deterministic)
 
 
 def backward(q, k, v, out, lse, dout, spec, group=None, timeout_s: float | None = None, config=None, dlse=None,
-             segment_ids=None):
+             segment_ids=None, deterministic: bool = False):
     """Launch the fused backward kernel (ring_core.kernel_bwd) on this rank's shards, from the forward's
     ``out`` and ``lse`` and the gradients ``dout`` and ``dlse`` (None: lse carries none); returns
     (dq, dk, dv). Same launch maths (ring_core.plans.plan_bwd) and argument list as the JAX launcher
     (jax_ring.fused.backward). ``config`` (a ring_core.plans.BwdKernelConfig) overrides the defaults: for
-    tuning only. ``segment_ids`` as in ``forward``."""
-    p, ctx, ring = _prepare(q, spec, group, config, backward=True)
+    tuning only. ``segment_ids`` as in ``forward``. ``deterministic``: as torch_bridge.ring_attention's
+    (torch.use_deterministic_algorithms(True), read now, turns it on too); it picks the backward's kernel
+    (ring_core.plans.BwdKernelConfig.get_default)."""
+    deterministic = validate.check_deterministic(deterministic, torch.are_deterministic_algorithms_enabled())
+    p, ctx, ring = _prepare(q, spec, group, config, backward=True, deterministic=deterministic)
     seg = _segment_ids(spec, segment_ids, q.device)
     q, k, v, out = (x.contiguous() for x in (q, k, v, out))
     dout = dout.to(q.dtype).contiguous()
