@@ -117,6 +117,17 @@ def gluon_applies(spec: AttentionSpec, world_size: int, capability) -> bool:
             and unmasked and not spec.segmented)
 
 
+GLUON_BWD_KV_ROWS, GLUON_BWD_Q_ROWS, GLUON_BWD_ROW_TASK = 128, 64, 128  # ring_core.gluon_bwd's tiles
+GLUON_BWD_HEAD_DIMS = (128,)
+
+
+def gluon_bwd_applies(spec: AttentionSpec, world_size: int, capability) -> bool:
+    """Whether the Gluon Hopper backward (ring_core.gluon_bwd) may take the backward of ``spec`` (when the caller
+    does not ask for determinism): where the Gluon forward applies (``gluon_applies``) and head_dim is 128 (its dQ
+    is split between two consumers by halves of D, 64 columns of a 128-byte swizzled row each)."""
+    return gluon_applies(spec, world_size, capability) and spec.head_dim in GLUON_BWD_HEAD_DIMS
+
+
 @dataclass(frozen=True)
 class BwdKernelConfig:
     """Tuning knobs of the backward kernel (hashable: usable as a static argument).
@@ -142,14 +153,20 @@ class BwdKernelConfig:
     num_stages: int
     seg_blocks: int = 4
     deterministic: bool = True
+    gluon: bool = False  # the Hopper kernel (ring_core.gluon_bwd) instead of the tl one (ring_core.kernel_bwd)
 
     @staticmethod
     def get_default(spec: AttentionSpec, world_size: int, *, interpret: bool = False,
-                    deterministic: bool = False) -> "BwdKernelConfig":
+                    deterministic: bool = False, capability: tuple | None = None) -> "BwdKernelConfig":
         """The tiles for ``spec``. ``deterministic``: the caller needs bit-identical gradients from run to run
-        (the frontends' ``deterministic``, or the framework's switch for deterministic algorithms); False lets a
-        faster kernel that accumulates in a nondeterministic order take the call where one applies. None does
-        yet: the split kernel takes every backward, whatever is asked, and is deterministic."""
+        (the frontends' ``deterministic``, or the framework's switch for deterministic algorithms); False lets the
+        Gluon Hopper kernel (ring_core.gluon_bwd: dQ added up by TMA reductions, in no fixed order) take the call
+        where it applies on a GPU of compute ``capability`` (``gluon_bwd_applies``): its fixed tiles (128 K/V rows
+        per dK/dV task, 64 query rows per step, 128 rows per delta or dQ task, one K/V block per flag)."""
+        if not interpret and not deterministic and gluon_bwd_applies(spec, world_size, capability):
+            return BwdKernelConfig(dq_block_m=GLUON_BWD_ROW_TASK, dq_block_n=GLUON_BWD_Q_ROWS,
+                                   kv_block_n=GLUON_BWD_KV_ROWS, kv_block_m=GLUON_BWD_Q_ROWS, chunk_blocks=1,
+                                   push_rows=32, num_warps=4, num_stages=2, deterministic=False, gluon=True)
         if interpret:
             # Small tiles: several blocks, chunks and tasks even at the tiny sizes CI can afford.
             return BwdKernelConfig(16, 16, 16, 16, chunk_blocks=1, push_rows=16, num_warps=4, num_stages=1,
@@ -297,6 +314,9 @@ class LaunchPlan:
                 return ring_attn_fwd_gluon
             from ring_core.kernel import ring_attn_fwd_kernel
             return ring_attn_fwd_kernel
+        if self.config.gluon:
+            from ring_core.gluon_bwd import ring_attn_bwd_gluon
+            return ring_attn_bwd_gluon
         from ring_core.kernel_bwd import ring_attn_bwd_kernel
         return ring_attn_bwd_kernel
 
@@ -312,7 +332,8 @@ class LaunchPlan:
     @property
     def out_shapes(self):
         """(shape, dtype name) of the outputs, in argument order: forward out, lse, status; backward dq, dk,
-        dv, delta (scratch), status."""
+        dv, delta (scratch: [B, H, S]; the Gluon kernel's, flat, with its float32 dQ accumulator [B, S, H, D]
+        after it), status."""
         s = self.spec
         q = (s.batch, s.seq_local, s.num_heads, s.head_dim)
         rows = (s.batch, s.num_heads, s.seq_local)
@@ -320,6 +341,8 @@ class LaunchPlan:
         if self.kind == control.KIND_FWD:
             return (q, s.dtype), (rows, "float32"), status
         kv = (s.batch, s.seq_local, s.num_kv_heads, s.head_dim)
+        if self.config.gluon:
+            rows = (math.prod(rows) + math.prod(q),)
         return (q, s.dtype), (kv, s.dtype), (kv, s.dtype), (rows, "float32"), status
 
 
@@ -444,12 +467,15 @@ def plan(spec: AttentionSpec, world_size: int, heap: HeapLayout, *, interpret: b
 
 @functools.lru_cache(maxsize=512)
 def plan_bwd(spec: AttentionSpec, world_size: int, heap: HeapLayout, *, interpret: bool = False,
-             config: BwdKernelConfig | None = None, deterministic: bool = False) -> LaunchPlan:
+             config: BwdKernelConfig | None = None, deterministic: bool = False,
+             capability: tuple | None = None) -> LaunchPlan:
     """The backward's launch; raises HeapTooSmallError (before anything runs) when the heap is short of
     receive space or flags. Cached, as ``plan``. ``deterministic``: the caller needs bit-identical gradients
-    (``BwdKernelConfig.get_default``; the default, False, is the frontends' default)."""
+    (``BwdKernelConfig.get_default``; the default, False, is the frontends' default); ``capability``: the GPU's,
+    where the Gluon backward may run (``gluon_bwd_applies``)."""
     check_fused(spec, "a reference backend")
-    cfg = config or BwdKernelConfig.get_default(spec, world_size, interpret=interpret, deterministic=deterministic)
+    cfg = config or BwdKernelConfig.get_default(spec, world_size, interpret=interpret, deterministic=deterministic,
+                                                capability=capability)
     kv, part_off, need = bwd_recv_bytes(spec, world_size)
     if need > heap.recv_capacity:
         raise _too_small("backward call", need, heap.recv_capacity, spec, world_size,
@@ -464,5 +490,7 @@ def plan_bwd(spec: AttentionSpec, world_size: int, heap: HeapLayout, *, interpre
     n_dq = spec.batch * spec.num_heads * math.ceil(S / cfg.dq_block_m)
     n_part = (W - 1) * spec.batch * spec.num_kv_heads * n_kv_blocks
     n_final = spec.batch * spec.num_kv_heads * n_kv_blocks
-    return LaunchPlan(control.KIND_BWD, spec, W, cfg, chunk_blocks, cfg.kv_block_n, (n_dq + n_part + n_final,),
-                      need, flags, interpret, part_off, n_dq, n_part, n_final)
+    # The Gluon kernel ends with as many dQ tasks as it starts with delta tasks (ring_core.gluon_bwd).
+    grid = (n_dq + n_part + n_final + (n_dq if cfg.gluon else 0),)
+    return LaunchPlan(control.KIND_BWD, spec, W, cfg, chunk_blocks, cfg.kv_block_n, grid, need, flags, interpret,
+                      part_off, n_dq, n_part, n_final)

@@ -88,6 +88,10 @@ JIT_CASES = [(1, 256, 4, 2, 64, "bfloat16", True, "zigzag"), (1, 100, 4, 2, 64, 
 GLUON_CASES = [(1, 1024, 8, 2, 128, "bfloat16", True, "zigzag"), (2, 512, 4, 4, 64, "float16", False, "contiguous"),
                (1, 768, 8, 8, 128, "bfloat16", True, "contiguous"), (1, 512, 6, 3, 64, "bfloat16", True, "zigzag", 0.3),
                (1, 128, 4, 1, 128, "float16", True, "contiguous"), (1, 2048, 4, 2, 128, "bfloat16", False, "zigzag")]
+# The gluon-bwd section: backwards the Gluon Hopper backward takes with deterministic=False (the default;
+# ring_core.plans.gluon_bwd_applies: the Gluon forward's cases with head_dim 128), the lse gradient in one.
+# (B, S, H, HKV, D, dtype, causal, layout, scale, lse-grad)
+GLUON_BWD_CASES = [c[:8] + (c[8] if len(c) > 8 else None, i == 0) for i, c in enumerate(GLUON_CASES) if c[4] == 128]
 GRADS_CASE = (1, 128, 4, 2, 32, "float32", True, "zigzag")
 BWD_BIG = (2, 4096, 32, 8, 128, "bfloat16", True, "zigzag")  # the bwd section's grid larger than the GPU holds
 
@@ -102,8 +106,9 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--calls", type=int, default=1000)
     ap.add_argument("--skip-big", action="store_true")
-    ap.add_argument("--sections", default="cases,gluon,jit,grads,launch,bwd,masks,soak,big",
-                    help="comma-separated subset of cases,gluon,jit,grads,launch,bwd,masks,soak,big (default: all)")
+    ap.add_argument("--sections", default="cases,gluon,jit,grads,launch,bwd,gluon-bwd,masks,soak,big",
+                    help="comma-separated subset of cases,gluon,jit,grads,launch,bwd,gluon-bwd,masks,soak,big "
+                         "(default: all)")
     ap.add_argument("--mask-cases", default=None,
                     help="masks section: comma-separated indices of its cases to run (default: all)")
     ap.add_argument("--heap-gib", type=float, default=8.0)
@@ -226,7 +231,7 @@ def main():
         idx = shards(q, lay)
         ql, kl, vl = q[:, idx], k[:, idx], v[:, idx]
         seg = None if segs is None else np.ascontiguousarray(segs[:, idx])
-        kw = dict(is_causal=causal, layout=lay, scale=scale)
+        kw = dict(is_causal=causal, layout=lay, scale=scale, deterministic=deterministic)
         if window is not None:
             kw["window_size"] = window
         mask = dict(segment_ids=segs, window=window)
@@ -297,17 +302,26 @@ def main():
         return (x.float().cpu().numpy() if isinstance(x, torch.Tensor)
                 else np.asarray(x.astype(jnp.float32)))
 
-    def bwd_case(B, S, H, HKV, D, dt, causal, lay, scale=None, use_lse=False, segs=None, window=None):
-        """The fused backward through both frontends, twice each: gradients against float64, JAX and torch
-        bit-identical, each frontend bit-identical from run to run; with masks (``segs``: global ids [B, S * W],
-        natural order; ``window``), padding rows' gradients exactly 0 and no NaN. Raises AssertionError."""
+    def bwd_case(B, S, H, HKV, D, dt, causal, lay, scale=None, use_lse=False, segs=None, window=None,
+                 deterministic=True):
+        """The fused backward through both frontends, twice each: gradients against float64; with
+        ``deterministic`` JAX and torch bit-identical and each frontend bit-identical from run to run; with masks
+        (``segs``: global ids [B, S * W], natural order; ``window``), padding rows' gradients exactly 0 and no NaN.
+        deterministic=False: the plan must launch the Gluon backward (``gluon_bwd_applies`` holds for every such
+        case here), whose dQ sums come in no fixed order: each run against float64 only. Raises AssertionError."""
         name = (f"bwd B{B} S{S} H{H}/{HKV} D{D} {dt} causal={causal} {lay} scale={scale} lse-grad={use_lse}"
-                f"{mask_name(segs, window)}")
+                f"{mask_name(segs, window)}{'' if deterministic else ' gluon'}")
+        if not deterministic:
+            spec = validate.check_attention_args((B, S, H, D), (B, S, HKV, D), (B, S, HKV, D), dt, dt, dt,
+                                                 is_causal=causal, scale=scale, layout=lay, backend="fused",
+                                                 backends=("fused",))
+            kernel = ring_heap.get().plan_bwd(spec, W).kernel().__name__
+            assert kernel == "ring_attn_bwd_gluon", f"{name}: the plan launches {kernel} on this GPU"
         t1 = time.time()
         q, k, v, do = testing.random_inputs(40 + len(name), B, S * W, H, HKV, D, dt, with_dout=True)
         idx = shards(q, lay)
         seg = None if segs is None else np.ascontiguousarray(segs[:, idx])
-        kw = dict(is_causal=causal, layout=lay, scale=scale)
+        kw = dict(is_causal=causal, layout=lay, scale=scale, deterministic=deterministic)
         if window is not None:
             kw["window_size"] = window
         mask = dict(segment_ids=segs, window=window)
@@ -329,6 +343,15 @@ def main():
             if seg is not None or window is not None:
                 masked_rows(f"{fw} fused {name}", np.zeros((B, S), np.int32) if seg is None else seg,
                             grads=[as_np(gr) for gr in gs])
+        if not deterministic:
+            for fw, gs in (("torch", tg2), ("jax", jg2)):  # the second runs too: each against float64
+                for n, gr, r, lo in zip("qkv", gs, ref, low):
+                    if n != "q":
+                        r, lo = r[:, idx], lo[:, idx]
+                    errs.append(testing.check(f"{fw} fused {name} d{n} (again)", as_np(gr), r, lo, dt, "grad"))
+            diff = max(testing.max_abs_err(as_np(a_), as_np(b_)) for a_, b_ in zip(tg, jg))
+            say(f"ok {name}: max grad err {max(errs):.2e}, |jax-torch| {diff:.2e} ({time.time() - t1:.1f} s)")
+            return
         for n, a_, b_ in zip("qkv", jg, tg):
             assert np.array_equal(bits(a_), bits(b_)), f"{name}: jax and torch fused d{n} differ"
         for n, a_, b_, c_, d_ in zip("qkv", tg, tg2, jg, jg2):
@@ -396,6 +419,18 @@ def main():
                 say(f"FAILED {c}: {e}", every_rank=True)
         summary["gluon_cases"] = len(GLUON_CASES)
         summary["gluon_s"] = round(time.time() - t0, 1)
+
+    # ---- the Gluon Hopper backward (deterministic=False) against float64 ----------------------------
+    if "gluon-bwd" in sections:
+        t0 = time.time()
+        for c in GLUON_BWD_CASES:
+            try:
+                bwd_case(*c[:8], scale=c[8], use_lse=c[9], deterministic=False)
+            except AssertionError as e:
+                failed.append(str(e))
+                say(f"FAILED {c}: {e}", every_rank=True)
+        summary["gluon_bwd_cases"] = len(GLUON_BWD_CASES)
+        summary["gluon_bwd_s"] = round(time.time() - t0, 1)
 
     # ---- two fused calls of different shapes in one jitted program -------------------------------
     if "jit" in sections:

@@ -45,6 +45,8 @@ Stages (``NAME[:SECONDS]``; the default time limit is in brackets):
                per-call check), one process, no ring                                  [150]
   checks-big   tests/gpu_checks.py --sections big (a grid far larger than the GPU holds at once)  [180]
   checks-bwd   tests/gpu_checks.py --sections bwd                                  [300]
+  checks-gluon-bwd tests/gpu_checks.py --sections gluon-bwd: the Gluon Hopper backward (deterministic=False)
+               against float64 [240]
   checks-masks tests/gpu_checks.py --sections masks: segment ids and windows, forward and
                backward (6 cases; compiles dominate)                                [540]
   faults       tests/gpu_faults.py (timeout, concurrent, mismatch, bad_inputs, security) [240]
@@ -144,6 +146,7 @@ STAGES = {
     # The forward and backward sections at many ranks (issue 15 asks W=8 for these at least).
     "checks-fwdbwd": (420, [LAUNCH + ["tests/gpu_checks.py", "--sections", "cases,gluon,bwd", "--out", "{out}"]]),
     "checks-gluon": (240, [LAUNCH + ["tests/gpu_checks.py", "--sections", "gluon", "--out", "{out}"]]),
+    "checks-gluon-bwd": (240, [LAUNCH + ["tests/gpu_checks.py", "--sections", "gluon-bwd", "--out", "{out}"]]),
     "checks-quick": (300, [LAUNCH + ["tests/gpu_checks.py", "--sections", "cases,gluon,jit,grads,launch", "--out", "{out}"]]),
     "checks-grads": (240, [LAUNCH + ["tests/gpu_checks.py", "--sections", "grads,launch", "--out", "{out}"]]),
     "checks-big": (180, [LAUNCH + ["tests/gpu_checks.py", "--sections", "big", "--out", "{out}"]]),

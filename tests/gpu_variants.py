@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ring_core import build, control, plans, validate  # noqa: E402
 
-CHECKS_SECTIONS = ("cases", "gluon", "jit", "grads", "bwd", "masks", "soak", "big")
+CHECKS_SECTIONS = ("cases", "gluon", "jit", "grads", "bwd", "gluon-bwd", "masks", "soak", "big")
 GPU_CAPABILITY = (9, 0)  # the GPU machine's H200: its plans pick the Gluon forward where it applies
 
 
@@ -57,14 +57,16 @@ def heap_layout(heap_bytes: int) -> control.HeapLayout:
 
 
 def records(calls, world: int, heap_bytes: int, tag: str) -> list:
-    """One record per distinct variant of ``calls``: (spec, backward[, capability]) tuples, planned as on the GPU
-    machine (``GPU_CAPABILITY``; a third item None: the tl kernel, as with RING_ATTENTION_GLUON=0); a backward call
-    also runs the forward."""
+    """One record per distinct variant of ``calls``: (spec, backward[, capability[, deterministic]]) tuples,
+    planned as on the GPU machine (``GPU_CAPABILITY``; a third item None: the tl kernels, as with
+    RING_ATTENTION_GLUON=0; a fourth, the backward's ``deterministic``, default False as the frontends'); a backward
+    call also runs the forward."""
     lay, recs = heap_layout(heap_bytes), []
-    for spec, backward, *cap in calls:
-        capability = cap[0] if cap else GPU_CAPABILITY
+    for spec, backward, *rest in calls:
+        capability = rest[0] if rest else GPU_CAPABILITY
+        deterministic = rest[1] if len(rest) > 1 else False
         ps = [plans.plan(spec, world, lay, capability=capability)] + (
-            [plans.plan_bwd(spec, world, lay)] if backward else [])
+            [plans.plan_bwd(spec, world, lay, capability=capability, deterministic=deterministic)] if backward else [])
         recs += [p.compile_record(tag=tag) for p in ps]
     return distinct(recs)
 
@@ -94,11 +96,13 @@ def checks_calls(world: int, sections=CHECKS_SECTIONS, mask_cases=None) -> list:
         calls += [(spec_of(*c), False) for c in g.JIT_CASES]
     if "grads" in sections:
         calls.append((spec_of(*g.GRADS_CASE), True))
-    if "bwd" in sections:
-        calls += [(spec_of(*c[:8]), True) for c in g.BWD_CASES] + [(spec_of(*g.BWD_BIG), True)]
+    if "bwd" in sections:  # its cases deterministic; the big grid with the default (the Gluon backward)
+        calls += [(spec_of(*c[:8]), True, GPU_CAPABILITY, True) for c in g.BWD_CASES] + [(spec_of(*g.BWD_BIG), True)]
+    if "gluon-bwd" in sections:
+        calls += [(spec_of(*c[:8]), True) for c in g.GLUON_BWD_CASES]
     if "masks" in sections:
         chosen = range(len(g.MASK_CASES)) if mask_cases is None else mask_cases
-        calls += [(spec_of(*c[:8], window=c[8], segmented=c[9] is not None), True)
+        calls += [(spec_of(*c[:8], window=c[8], segmented=c[9] is not None), True, GPU_CAPABILITY, True)
                   for c in (g.MASK_CASES[i] for i in chosen)]
     if "soak" in sections:
         calls += [(spec_of(*c), False) for c in g.SOAK_SHAPES]
@@ -200,7 +204,7 @@ def bench_records(argv, nproc: int, tag: str, capability=GPU_CAPABILITY) -> list
         spec = spec_of(c.batch, c.seq_local, c.heads, c.kv_heads, c.head_dim, c.dtype, c.causal, c.layout,
                        window=c.window if c.mask == "window" else None, segmented=c.segmented)
         ps = [plans.plan(spec, nproc, lay, capability=capability)]
-        ps += [plans.plan_bwd(spec, nproc, lay)] if c.mode != "fwd" else []
+        ps += [plans.plan_bwd(spec, nproc, lay, capability=capability)] if c.mode != "fwd" else []
         recs += [p.compile_record(sticky_errors=FUSED_METHODS[m], tag=tag) for m in methods for p in ps]
     return distinct(recs)
 

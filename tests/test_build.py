@@ -447,6 +447,61 @@ def test_gluon_product_kernel_compiles_warp_specialised_with_the_protocol(tmp_pa
             assert c["releases"] > 0 and c["global_timer"] > 0, (name, c)
 
 
+GLUON_BWD_COMPILE = textwrap.dedent("""
+    import json, re
+    from ring_core import build, control, plans, validate
+    lay = control.HeapLayout.for_workspace(1 << 30)
+    out = {}
+    for B, S, H, HKV, dt, causal, layout, W in ((1, 1024, 8, 2, "bfloat16", True, "zigzag", 2),
+                                               (2, 256, 4, 4, "float16", False, "contiguous", 3),
+                                               (1, 256, 4, 1, "bfloat16", True, "contiguous", 1)):
+        spec = validate.check_attention_args((B, S, H, 128), (B, S, HKV, 128), (B, S, HKV, 128), dt, dt, dt,
+                                             is_causal=causal, scale=None, layout=layout, backend="fused",
+                                             backends=("fused",))
+        p = plans.plan_bwd(spec, W, lay, capability=(9, 0))
+        ck = build.compile_kernel(p.kernel(), p.arg_types(), p.constexprs(), num_warps=p.config.num_warps,
+                                  num_stages=p.config.num_stages, capability=90)
+        ttgir, ptx = ck.asm["ttgir"], ck.asm["ptx"]
+        at = lambda pat, text=ptx: [m.start() for m in re.finditer(pat, text)]
+        parts = re.split(r"\\bpartition\\d+\\(", ttgir)
+        load = next((t for t in parts[1:] if "num_warps(1)" in t.split("\\n", 1)[0]), "")
+        acq = at(r"atomic_rmw add, acquire, sys", load)
+        fence = at(r"fence\\.proxy\\.async\\.global", load)
+        tma = at(r"async_tma_copy_global_to_local", load)
+        reduce, done = at(r"cp\\.reduce\\.async\\.bulk\\.tensor"), at(r"cp\\.async\\.bulk\\.wait_group 0")
+        out[f"{dt}-W{W}-{causal}-{layout}"] = dict(
+            gluon=p.config.gluon, deterministic=p.config.deterministic, name=ck.metadata.name,
+            ws="ttg.warp_specialize" in ttgir, load_partition=bool(load), warps=ck.metadata.num_warps,
+            shared=ck.metadata.shared, scratch=ck.metadata.global_scratch_size, grid=p.grid[0],
+            tasks=p.n_dq_tasks * 2 + p.n_partial_tasks + p.n_final_tasks, wgmma=ptx.count("wgmma.mma_async"),
+            reduces=len(reduce), done_after_reduce=bool(reduce and done and done[-1] > reduce[0]),
+            acquires=len(acq), tma_after_fence=bool(fence and tma and tma[-1] > fence[0] > acq[0]) if acq else None,
+            det=plans.plan_bwd(spec, W, lay, capability=(9, 0), deterministic=True).kernel().__name__)
+    print(json.dumps(out))
+""")
+
+
+def test_gluon_backward_compiles_warp_specialised_with_tma_reductions(tmp_path):
+    """ring_core.gluon_bwd (issue 19's Hopper backward, deterministic=False), as ring_core.plans launches it on an
+    H200, compiles for sm_90 under the Triton at hand: explicit partitions (a load warp beside the consumers),
+    five warpgroup MMAs per step, dQ added by TMA bulk reductions whose completion (``cp.async.bulk.wait_group 0``,
+    not only the shared-memory read) comes before the count that publishes them, within Hopper's shared memory;
+    its grid the delta, dK/dV and dQ tasks; with peers, the chunk flags acquired before the proxy fence and the TMA
+    reads. deterministic=True plans the tl kernel. What it computes is checked on a GPU (tests/gpu_checks.py,
+    section ``gluon-bwd``)."""
+    got = _compiled_for_sm90(GLUON_BWD_COMPILE, tmp_path)
+    for name, c in got.items():
+        assert c["gluon"] and not c["deterministic"] and c["name"] == "ring_attn_bwd_gluon", (name, c)
+        assert c["det"] == "ring_attn_bwd_kernel", (name, c)
+        assert c["ws"] and c["load_partition"] and c["warps"] > 8 and c["scratch"] > 0, (name, c)
+        assert c["shared"] <= 227 * 1024 and c["wgmma"] >= 5 and c["grid"] == c["tasks"], (name, c)
+        assert c["reduces"] > 0 and c["done_after_reduce"], (name, c)
+        if "-W1-" in name:
+            assert c["acquires"] == 0, (name, c)
+        else:
+            assert c["acquires"] > 0 and c["tma_after_fence"], (name, c)
+
+
 # ------------------------------------------------------------- the variants a run compiles, worked out ahead
 RECORD_THROUGH_JAX = textwrap.dedent("""
     import json, os, sys
@@ -472,7 +527,9 @@ RECORD_THROUGH_JAX = textwrap.dedent("""
             (B, S, H, D), (B, S, HKV, D), (B, S, HKV, D), dt, dt, dt, is_causal=causal, scale=None,
             layout="contiguous", backend="fused", backends=("fused",), window_size=window,
             segment_ids_shape=(B, S) if seg else None, segment_ids_dtype="int32" if seg else None)
-        gluon = [plans.plan(spec, W, lay, capability=(9, 0))] if S == 1024 else []  # the Hopper forward
+        # The Hopper kernels (forward, and the backward with deterministic=False) where they apply.
+        gluon = ([plans.plan(spec, W, lay, capability=(9, 0)), plans.plan_bwd(spec, W, lay, capability=(9, 0))]
+                 if S == 512 else [])
         for p in [plans.plan(spec, W, lay), plans.plan_bwd(spec, W, lay)] + gluon:
             x, kv = jnp.zeros((B, S, H, D), dt), jnp.zeros((B, S, HKV, D), dt)
             rows = jnp.zeros((B, H, S), jnp.float32)
@@ -619,7 +676,9 @@ JIT_AND_BUILD_KEYS = textwrap.dedent("""
         ids = torch.zeros((B, S) if seg else (1,), dtype=torch.int32)
         ctx = torch.zeros((W + 4) * 2, dtype=torch.int32)  # as HeapRings.ctx: int32 words
         rows, status = torch.zeros(B, H, S), torch.zeros(control.STATUS_WORDS, dtype=torch.int32)
-        gluon = [plans.plan(spec, W, lay, capability=(9, 0))] if S == 1024 else []  # the Hopper forward
+        # The Hopper kernels (forward, and the backward with deterministic=False) where they apply.
+        gluon = ([plans.plan(spec, W, lay, capability=(9, 0)), plans.plan_bwd(spec, W, lay, capability=(9, 0))]
+                 if S == 1024 else [])
         for p in [plans.plan(spec, W, lay), plans.plan_bwd(spec, W, lay)] + gluon:
             if p.kind == control.KIND_FWD:  # torch_bridge.fused's argument lists
                 args = [q, kv, kv, ids, ctx, *p.scalars(None), q.clone(), rows, status]
@@ -631,7 +690,7 @@ JIT_AND_BUILD_KEYS = textwrap.dedent("""
             rec = p.compile_record()
             sig, attrs = build.signature(p.kernel(), rec["types"], rec["constexprs"], rec["divisible"])
             src = ASTSource
-            if p.config.__class__ is plans.KernelConfig and p.config.gluon:
+            if p.config.gluon:
                 from triton.experimental.gluon._runtime import GluonASTSource as src
             ours = src(fn=p.kernel(), signature=sig, constexprs=rec["constexprs"], attrs=attrs).hash()
             out.append([seen.pop("hash"), ours])

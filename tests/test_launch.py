@@ -114,7 +114,8 @@ def _spec(S=1024, D=128, dtype="bfloat16", layout="contiguous", window=None, seg
 ])
 def test_the_gluon_kernel_takes_the_forwards_it_applies_to(kw, capability, gluon):
     """ring_core.plans picks the Gluon Hopper kernel exactly where it applies (plans.gluon_applies) and the tl
-    kernel everywhere else; the backward and the interpreter always run the tl kernels."""
+    kernel everywhere else; the backward with deterministic=False (the default) likewise where head_dim is also 128
+    (plans.gluon_bwd_applies), the tl one with deterministic=True; the interpreter always runs the tl kernels."""
     lay = control.HeapLayout.for_workspace(1 << 30)
     spec = _spec(**kw)
     p = plans.plan(spec, 2, lay, capability=capability)
@@ -124,13 +125,23 @@ def test_the_gluon_kernel_takes_the_forwards_it_applies_to(kw, capability, gluon
         assert (p.config.block_m, p.config.block_n, p.config.num_warps, p.chunk_rows) == (128, 128, 4, 512)
     assert not plans.plan(spec, 2, lay, capability=capability, interpret=True).config.gluon
     assert plans.plan_bwd(spec, 2, lay).kernel().__name__ == "ring_attn_bwd_kernel"
+    fast = plans.plan_bwd(spec, 2, lay, capability=capability)
+    assert fast.config.gluon is (gluon and spec.head_dim == 128) and fast.config.deterministic is not fast.config.gluon
+    assert fast.kernel().__name__ == ("ring_attn_bwd_gluon" if fast.config.gluon else "ring_attn_bwd_kernel")
+    if fast.config.gluon:  # its tasks: delta, partial and final dK/dV, dQ; its scratch: delta, then dQ's sums
+        assert fast.grid == (2 * fast.n_dq_tasks + fast.n_partial_tasks + fast.n_final_tasks,)
+        assert fast.out_shapes[3] == ((1 * 8 * spec.seq_local * (1 + spec.head_dim),), "float32")
+    for p in (plans.plan_bwd(spec, 2, lay, capability=capability, deterministic=True),
+              plans.plan_bwd(spec, 2, lay, capability=capability, interpret=True)):
+        assert p.kernel().__name__ == "ring_attn_bwd_kernel" and p.config.deterministic
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(D=64, dtype="float16", causal=False, layout="zigzag", S=512),
                                 dict(dtype="float32", window=(100, 0), segmented=True)])
 def test_deterministic_reaches_the_backward_config_but_not_its_binary(kw):
-    """plan_bwd / BwdKernelConfig.get_default take the caller's ``deterministic``; today both answers run the
-    split kernel (deterministic, so its config says so) with the same launch: the same grid, constexprs and
+    """plan_bwd / BwdKernelConfig.get_default take the caller's ``deterministic``; where no Gluon backward applies
+    (no GPU capability here; on an H200, test_the_gluon_kernel_takes_the_forwards_it_applies_to) both answers run
+    the split kernel (deterministic, so its config says so) with the same launch: the same grid, constexprs and
     compile record, i.e. one binary and one cache entry whatever the caller asked (default: False, as the
     frontends')."""
     lay = control.HeapLayout.for_workspace(1 << 30)

@@ -69,7 +69,7 @@ def _scratch(size: int, alignment: int, stream):
 
 
 def _with_scratch(p):
-    """Before a forward launch of ``p``: give Triton an allocator for its global scratch, unless the caller set one
+    """Before a launch of ``p``: give Triton an allocator for its global scratch, unless the caller set one
     (Triton keeps it per thread, in a context variable; its default raises)."""
     if p.config.gluon:
         import triton
@@ -126,7 +126,8 @@ def backward(q, k, v, out, lse, dout, spec, group=None, timeout_s: float | None 
     dout = dout.to(q.dtype).contiguous()
     lse = lse.to(torch.float32).contiguous()
     dlse = torch.zeros_like(lse) if dlse is None else dlse.to(torch.float32).contiguous()
-    dq, dk, dv, delta, status = _outputs(p, q.device)  # delta: scratch, rowsum(dO * O)
+    dq, dk, dv, delta, status = _outputs(p, q.device)  # delta: scratch, rowsum(dO * O) (and the Gluon dQ sums)
+    _with_scratch(p)
     p.kernel()[p.grid](q, k, v, out, dout, lse, dlse, seg, ctx, *p.scalars(timeout_s), dq, dk, dv, delta, status,
                        num_warps=p.config.num_warps, num_stages=p.config.num_stages, **p.constexprs())
     lifecycle.track(status, ring, timeout_s)

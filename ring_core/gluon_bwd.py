@@ -1,0 +1,430 @@
+"""The fused ring-attention backward for Hopper, in Gluon, with ``deterministic=False``: the protocol of
+ring_core.kernel_bwd, with FlashAttention-3's backward for the math (issue 19).
+
+Why a second backward source: the tl backward (ring_core.kernel_bwd) is FlashAttention-2's split, seven matmuls per
+block pair where five would do, with dQ summed in a fixed order (deterministic). Five matmuls need dQ added up from
+many programs; on the math warps (float atomics) that lost (benchmarks/NOTES.md, v1e), and FlashAttention-3 takes
+the adds off them with TMA bulk reductions, which only Gluon reaches (benchmarks/gluon_bwd.py measured the loop at
+0.85-0.89x cuDNN at world size 1). The order of those adds varies from run to run: this kernel serves
+``deterministic=False`` (the frontends' default); ``deterministic=True`` runs the tl kernel, which also serves the
+interpreter, other GPUs, fp32, head_dim other than 128, windows and segment ids (``plans.gluon_bwd_applies``).
+
+The protocol is ring_core.kernel_bwd's, through ring_core.protocol's own helpers (they compile under Gluon:
+ring_core.lanes): the call check, the K/V pushes (every program drains the push counter before anything of it
+waits), tickets, delta before the dK/dV tasks, the partial dK/dV sent back to the owner of the K/V and added there
+in rank order (dK and dV stay deterministic), the end of the call. What differs is dQ:
+
+Tasks, in ticket order (a task waits only for tasks with earlier tickets, on this rank or, for K/V and partials,
+on the peers exactly as in the tl kernel: ring_core.protocol's no-deadlock argument holds as it is):
+1. **delta tasks** (b, h, 128 query rows): delta = rowsum(dO * O) - dlse into the ``delta`` scratch, and the rows
+   of the float32 dQ accumulator (the same scratch, after delta) zeroed; each counts itself in CTL_BWD_DELTA
+   (release, after a CTA barrier).
+2. **dK/dV tasks** (partial: peer distance d = 1..W-1, b, kv head, 128 K/V rows of rank ``rank - d``; final: the
+   local K/V), after CTL_BWD_DELTA reached the delta tasks' count (acquire, then a generic-to-async proxy fence:
+   the accumulator's zeros were written by ordinary stores, the adds are TMA's). ``gl.warp_specialize``:
+   * a **load warp**: K and V of the block (a peer's after the bounded acquire of its chunk's flag and a proxy
+     fence, as the forward's load warp), then Q and dO of every local query block (64 rows) the block's keys can
+     reach, for each head of the kv group, through TMA into two slots;
+   * two **consumer warpgroups**, 64 K/V rows each, five matmuls per query block: S^T = K Q^T and dP^T = V dO^T
+     together, P^T = exp2(S^T - lse), dS^T = P^T (dP^T - delta), dV += P^T dO (P from registers), dS^T into shared
+     memory, dK += dS^T Q; once both halves of dS are there (an mbarrier of two arrivals), each computes half the
+     columns of dQ = dS K over the block's 128 keys, stores it into its shared buffer and adds it to the float32
+     accumulator with one TMA bulk reduction (``tma_add``), issued and left running (the buffer is rewritten a step
+     later, after the reduction has read it). Causal: a query block and a half-block of keys are each contiguous
+     in position (S % 128, zigzag S % 256), so the mask is one number per pair of them.
+   * After the loop each consumer waits for its reductions to complete, fences the async proxy against the generic
+     one, and counts itself in CTL_BWD_DELTA again (release): the dQ adds of a task are in memory once both of its
+     consumers have counted.
+   * A partial task's consumers store their rows of dK/dV (float32, unscaled) into the owner's partial slot
+     (``iris.store``) and, once both have (an mbarrier), the first publishes the slot's flag (release, system
+     scope), after marking the owner failed if any wait of this rank gave up (as the tl kernel). A block no local
+     query sees (causal) is neither computed nor sent, and its owner does not wait for it (``_partial_sent``).
+   * A final task's consumers wait (bounded) for every peer's partial of their block, add the partials and their own
+     in rank order, and write dK (scaled) and dV; NaN if anything failed.
+3. **dQ tasks** (b, h, 128 query rows), after every dK/dV task's consumers counted (CTL_BWD_DELTA reached the delta
+   tasks plus twice the dK/dV tasks): dQ = sm_scale * accumulator, in the input dtype; NaN rows if the call check
+   failed or any wait of this rank gave up (the error record: a superset of the tl kernel's per-task NaN rows).
+Every program ends with ``end_call`` (the last resets CTL_BWD_TICKET and CTL_BWD_DELTA).
+
+The ``delta`` output of the launch is the float32 scratch [B*H*S] (delta) followed by [B, S, H, D] (the dQ
+accumulator): ``plans.LaunchPlan.out_shapes``; both launchers allocate what it says.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+import iris
+
+from ring_core import control, plans
+from ring_core.gluon_kernel import _acquire_chunk, cta_barrier, release, tma_add, tma_load
+from ring_core.kernel_bwd import _partial_sent
+from ring_core.protocol import (CTL_BWD_DELTA, CTL_BWD_TICKET, CTL_ERROR, drain_pushes, end_call, last_pos, poll_ge,
+                                positions, ranks_rng, receive_slots, record_error, record_peer_error, ring_context,
+                                start_call, visible_rows)
+
+KV_ROWS = plans.GLUON_BWD_KV_ROWS  # K/V rows per dK/dV task (two consumers of half each)
+Q_ROWS = plans.GLUON_BWD_Q_ROWS  # query rows per step of the dK/dV loop
+ROW_TASK = plans.GLUON_BWD_ROW_TASK  # query rows of a delta or dQ task
+STAGES = 2  # Q/dO slots (benchmarks/gluon_bwd.py: 3 slots were no faster, and leave no room for dQ's buffers)
+LOAD_WARPS, LOAD_REGS, CONSUMER_WARPS, CONSUMER_REGS = 1, 24, 4, 240
+SUB_ROWS = 32  # rows per pass of a delta or dQ task's 4 warps (32 values per thread per tensor)
+_KV_ROWS, _Q_ROWS, _HALF, _ROW_TASK = (gl.constexpr(KV_ROWS), gl.constexpr(Q_ROWS), gl.constexpr(KV_ROWS // 2),
+                                       gl.constexpr(ROW_TASK))
+_STAGES, _SUB_ROWS = gl.constexpr(STAGES), gl.constexpr(SUB_ROWS)
+_LOAD_WARPS, _LOAD_REGS = gl.constexpr(LOAD_WARPS), gl.constexpr(LOAD_REGS)
+_CONSUMER_WARPS, _CONSUMER_REGS = gl.constexpr(CONSUMER_WARPS), gl.constexpr(CONSUMER_REGS)
+_LOG2E = gl.constexpr(1.4426950408889634)
+KIND_BWD = gl.constexpr(control.KIND_BWD)
+ERR_PARTIAL_TIMEOUT = gl.constexpr(control.ERR_PARTIAL_TIMEOUT)
+ERR_LOCAL_TIMEOUT = gl.constexpr(control.ERR_LOCAL_TIMEOUT)
+ERR_PEER_FAILED = gl.constexpr(control.ERR_PEER_FAILED)
+
+
+@gluon.jit
+def _proxy_fence():
+    """Generic-proxy accesses to global memory ordered against the async proxy's (TMA) after it."""
+    gl.inline_asm_elementwise("fence.proxy.async.global;\n mov.b32 $0, 0;", "=r", [], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@gluon.jit
+def _reductions_done():
+    """This thread's TMA bulk reductions complete (their writes made, not only their shared memory read), then
+    ordered before its generic accesses (the count that publishes them)."""
+    gl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n fence.proxy.async.global;\n mov.b32 $0, 0;", "=r", [],
+                              dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _row_tile(b, h, r0, S, H: gl.constexpr, D: gl.constexpr):
+    """Offsets of rows [r0, r0 + SUB_ROWS) of head h in a [B, S, H, D] tensor, and of the same rows in a
+    [B, H, S] one, in a blocked layout over the 4 warps."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
+    rows = r0 + gl.arange(0, _SUB_ROWS, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
+    off = ((b * S + rows).to(gl.int64) * H + h)[:, None] * D + cols[None, :]
+    return off, (b * H + h).to(gl.int64) * S + rows
+
+
+@gluon.jit
+def _work(i, n_m, i_lo, hkv, G: gl.constexpr):
+    """Step i of a dK/dV task: (query head, first query row): the kv group's heads in turn, each over its query
+    blocks [i_lo, i_lo + n_m)."""
+    return hkv * G + i // n_m, (i_lo + i % n_m) * _Q_ROWS
+
+
+@gluon.jit
+def _producer(q_desc, do_desc, k_desc, v_desc, r_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_ready, q_empty,
+              b, hkv, n0, d, src, S, B, n_m, i_lo, flags, n_chunks, epoch, ctl, timeout_ns, W: gl.constexpr,
+              G: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, CHUNK_ROWS: gl.constexpr):
+    """The load warp of a dK/dV task (module docstring); nothing at all if the task has no step (n_m == 0)."""
+    if n_m > 0:
+        mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
+        peer = d > 0
+        if W == 1:
+            peer = False  # no partial task at world size 1: no flag wait compiled in
+        if not peer:
+            tma_load(k_desc, [b * S + n0, hkv * D], kv_bar, k_smem)
+            tma_load(v_desc, [b * S + n0, hkv * D], kv_bar, v_smem)
+        else:
+            c = n0 // CHUNK_ROWS
+            _acquire_chunk(flags + (((d - 1) * B + b) * HKV + hkv) * n_chunks + c, epoch, ctl, timeout_ns, src, d, c)
+            k_row = (((d - 1) * 2 * B + b) * HKV + hkv) * S + n0  # K rows in the receive slot; V B*HKV*S on
+            tma_load(r_desc, [k_row, 0], kv_bar, k_smem)
+            tma_load(r_desc, [k_row + B * HKV * S, 0], kv_bar, v_smem)
+    for i in range(G * n_m):
+        h, m0 = _work(i, n_m, i_lo, hkv, G)
+        s = i % _STAGES
+        mbarrier.wait(q_empty.index(s), ((i // _STAGES) & 1) ^ 1)
+        mbarrier.expect(q_ready.index(s), 2 * q_desc.block_type.nbytes)
+        tma_load(q_desc, [b * S + m0, h * D], q_ready.index(s), q_smem.index(s))
+        tma_load(do_desc, [b * S + m0, h * D], q_ready.index(s), do_smem.index(s))
+
+
+@gluon.jit
+def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, q_ready, q_empty, ds_bar, part_bar, dq_desc,
+              lse_ptr, delta_ptr, dk_ptr, dv_ptr, part, flags, heap_bases, ctl, b, hkv, n0, d, src, rank, S, B, n_m,
+              i_lo, n_units, n_kvb, epoch, timeout_ns, call_ok, sm_scale, HALF_INDEX: gl.constexpr, W: gl.constexpr,
+              H: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr):
+    """One consumer of a dK/dV task, on K/V rows [n0 + 64 * HALF_INDEX, + 64) (module docstring)."""
+    G: gl.constexpr = H // HKV
+    dtype: gl.constexpr = q_smem.dtype
+    DQ_COLS: gl.constexpr = D // 2
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[_CONSUMER_WARPS, 1],
+                                                       instr_shape=[16, _Q_ROWS, 16])
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[_CONSUMER_WARPS, 1],
+                                                        instr_shape=[16, D, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[_CONSUMER_WARPS, 1],
+                                                        instr_shape=[16, DQ_COLS, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    k_half = k_smem.slice(HALF_INDEX * _HALF, _HALF)
+    v_half = v_smem.slice(HALF_INDEX * _HALF, _HALF)
+    k_cols = k_smem.slice(HALF_INDEX * DQ_COLS, DQ_COLS, dim=1)  # dQ's B operand: this consumer's D / 2 columns
+    dk = gl.zeros([_HALF, D], gl.float32, kv_layout)
+    dv = gl.zeros([_HALF, D], gl.float32, kv_layout)
+    zero_s = gl.zeros([_HALF, _Q_ROWS], gl.float32, s_layout)
+    zero_q = gl.zeros([_Q_ROWS, DQ_COLS], gl.float32, dq_layout)
+    key_rows = gl.arange(0, _HALF, layout=gl.SliceLayout(1, s_layout))
+    cols = gl.arange(0, _Q_ROWS, layout=gl.SliceLayout(0, s_layout))
+    n_first = n0 + HALF_INDEX * _HALF  # this consumer's first K/V row
+    k_pos0 = positions(n_first, src, S, W, ZIGZAG)  # contiguous over its 64 rows (plans.gluon_bwd_applies)
+    qk_scale = sm_scale * _LOG2E
+    if n_m > 0:
+        mbarrier.wait(kv_bar, 0)
+    for i in range(G * n_m):
+        h, m0 = _work(i, n_m, i_lo, hkv, G)
+        s = i % _STAGES
+        row = (b * H + h).to(gl.int64) * S + m0
+        lse2 = gl.load(lse_ptr + row + cols) * _LOG2E
+        dl = gl.load(delta_ptr + row + cols)
+        mbarrier.wait(q_ready.index(s), (i // _STAGES) & 1)
+        q_s = q_smem.index(s)
+        do_s = do_smem.index(s)
+        sT = warpgroup_mma(k_half, q_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        dpT = warpgroup_mma(v_half, do_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        sT = warpgroup_mma_wait(num_outstanding=1, deps=(sT, ))
+        pT = gl.exp2(sT * qk_scale - lse2[None, :])
+        if CAUSAL:
+            shift = positions(m0, rank, S, W, ZIGZAG) - k_pos0  # query minus key position at (row 0, column 0)
+            if shift < _HALF - 1:  # some key of the half after some query of the block
+                pT = gl.where(cols[None, :] + shift >= key_rows[:, None], pT, 0.0)
+        dv = warpgroup_mma(gl.convert_layout(pT.to(dtype), p_layout), do_s, dv, is_async=True)
+        dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT, ))  # dV may still run
+        dsT = pT * (dpT - dl[None, :])
+        ds_buf = ds_smem.index(i % 2)
+        ds_half = ds_buf.slice(HALF_INDEX * _HALF, _HALF)
+        ds_half.store(dsT.to(dtype))
+        fence_async_shared()  # this thread's stores before the async proxy (wgmma) reads them
+        cta_barrier()  # every thread of this warpgroup stored and fenced before the arrival
+        mbarrier.arrive(ds_bar.index(i % 2), count=1)
+        dk = warpgroup_mma(ds_half, q_s, dk, is_async=True)
+        # Both halves of dS stored: dQ's columns of this consumer over all 128 K/V rows.
+        mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)
+        dq = warpgroup_mma(ds_buf.permute((1, 0)), k_cols, zero_q, use_acc=False, is_async=True)
+        dq, dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dk, dv))
+        release(q_empty, s)
+        tma.store_wait(pendings=0)  # the previous step's reduction has read the buffer
+        cta_barrier()
+        dq_smem.store(dq)
+        fence_async_shared()
+        cta_barrier()
+        tma_add(dq_desc, [b * S + m0, h * D + HALF_INDEX * DQ_COLS], dq_smem)
+    _reductions_done()
+    cta_barrier()
+    gl.atomic_add(ctl + CTL_BWD_DELTA, 1, sem="release", scope="gpu")  # this consumer's dQ adds are in memory
+
+    rows = n_first + gl.arange(0, _HALF, layout=gl.SliceLayout(1, kv_layout))
+    part_rows = rows[:, None].to(gl.int64) * D + gl.arange(0, D, layout=gl.SliceLayout(0, kv_layout))[None, :]
+    bh = b * HKV + hkv
+    err = gl.atomic_add(ctl + CTL_ERROR, 0, sem="acquire", scope="gpu")  # after every wait of this task
+    if d > 0:
+        if (n_m > 0) & (call_ok != 0):
+            # Unscaled float32 partials into slot d-1 of the owner's partial region; the flag after both halves.
+            slot = d - 1
+            dst = ((slot * 2 * B + b).to(gl.int64) * HKV + hkv) * S * D
+            iris.store(part + dst + part_rows, dk, rank, src, heap_bases, hint=(1, 2))
+            iris.store(part + dst + (rank * 0 + B).to(gl.int64) * HKV * S * D + part_rows, dv, rank, src, heap_bases, hint=(1, 2))
+            cta_barrier()
+            mbarrier.arrive(part_bar, count=1)
+            if HALF_INDEX == 0:
+                mbarrier.wait(part_bar, 0)
+                if err != 0:
+                    # Published anyway (the owner must not wait out its timeout), but marked untrustworthy.
+                    record_peer_error(ctl, heap_bases, rank, src, ERR_PEER_FAILED, d)
+                iris.atomic_xchg(flags + n_units + (slot * B * HKV + bh) * n_kvb + n0 // _KV_ROWS, epoch, rank, src,
+                                 heap_bases, sem="release", scope="sys")
+    else:
+        # Final task: every peer's partial of this block (sent exactly when some query of that peer sees the
+        # block: the test its partial task makes), then the sum in rank order, the local one at its place.
+        k_pos_min = positions(n0, rank, S, W, ZIGZAG)
+        n_blk = n0 // _KV_ROWS
+        for r in gl.static_range(W):
+            if r != rank:
+                if _partial_sent(n0, n0 + _KV_ROWS, k_pos_min, rank, r, 0, b, B, 0, 0, 0, S, W, ZIGZAG, CAUSAL,
+                                 False, -1, -1, False):
+                    rslot = (r - rank + W) % W - 1
+                    if poll_ge(flags + n_units + (rslot * B * HKV + bh) * n_kvb + n_blk, epoch, ctl, timeout_ns,
+                               False) == 0:
+                        record_error(ctl, ERR_PARTIAL_TIMEOUT, r, rslot + 1, n_blk)
+        cta_barrier()
+        err = gl.atomic_add(ctl + CTL_ERROR, 0, sem="acquire", scope="gpu")
+        valid = (call_ok != 0) & (err == 0)
+        out_off = (b * S + rows)[:, None].to(gl.int64) * (HKV * D) + hkv * D + gl.arange(
+            0, D, layout=gl.SliceLayout(0, kv_layout))[None, :]
+        for which in gl.static_range(2):
+            total = gl.zeros([_HALF, D], gl.float32, kv_layout)
+            for r in gl.static_range(W):
+                if r == rank:
+                    if which == 0:
+                        total += dk
+                    else:
+                        total += dv
+                else:
+                    if _partial_sent(n0, n0 + _KV_ROWS, k_pos_min, rank, r, 0, b, B, 0, 0, 0, S, W, ZIGZAG, CAUSAL,
+                                     False, -1, -1, False):
+                        rslot = (r - rank + W) % W - 1
+                        src_off = ((rslot * 2 * B + which * B + b).to(gl.int64) * HKV + hkv) * S * D
+                        total += gl.load(part + src_off + part_rows)
+            total = gl.where(valid, total, float("nan"))
+            if which == 0:
+                gl.store(dk_ptr + out_off, (total * sm_scale).to(dtype))
+            else:
+                gl.store(dv_ptr + out_off, total.to(dtype))
+
+
+@gluon.jit(do_not_specialize=["timeout_ns", "part_off"])
+def ring_attn_bwd_gluon(
+    # inputs
+    q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, dlse_ptr, seg_ptr, ctx_ptr,
+    # runtime scalars
+    B, S, sm_scale, timeout_ns, part_off,
+    # outputs (delta: float32 scratch, delta [B, H, S] then the dQ accumulator [B, S, H, D])
+    dq_ptr, dk_ptr, dv_ptr, delta_ptr, status_ptr,
+    # constexprs (the tl kernel's: ring_core.plans; those of masks and precision are not used here)
+    W: gl.constexpr, H: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr,
+    DQ_BLOCK_M: gl.constexpr, DQ_BLOCK_N: gl.constexpr, KV_BLOCK_N: gl.constexpr, KV_BLOCK_M: gl.constexpr,
+    BLOCK_D: gl.constexpr, CHUNK_BLOCKS: gl.constexpr, PUSH_ROWS: gl.constexpr, SEG_BLOCKS: gl.constexpr,
+    PUSH_VEC: gl.constexpr, PART_VEC: gl.constexpr, POLL_N: gl.constexpr,
+    CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr, INTERPRET: gl.constexpr, DOT_PRECISION: gl.constexpr,
+    SIG_DTYPE: gl.constexpr, STICKY_ERRORS: gl.constexpr,
+    WINDOW: gl.constexpr, WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr, SEGMENTED: gl.constexpr,
+):
+    gl.static_assert(KV_BLOCK_N == _KV_ROWS and KV_BLOCK_M == _Q_ROWS and DQ_BLOCK_M == _ROW_TASK and BLOCK_D == D,
+                     "ring_core.plans: the Gluon backward's config")
+    gl.static_assert(D == 128, "the dQ split takes half of D per consumer: one 128-byte swizzle atom")
+    gl.static_assert(not WINDOW and not SEGMENTED, "windows and segment ids run the tl kernel (gluon_bwd_applies)")
+    G: gl.constexpr = H // HKV
+    CHUNK_ROWS: gl.constexpr = CHUNK_BLOCKS * _KV_ROWS
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+
+    # ---- the protocol's start: this rank's ring, the call check, a ticket, every push unit left ------------
+    heap_bases, rank, ctl, flags, recv_addr, epoch = ring_context(ctx_ptr, W)
+    recv, seg_recv = receive_slots(recv_addr, seg_ptr, rank, B, S, q_ptr, W, HKV, D, False)
+    part = (recv_addr + (rank * 0 + part_off).to(gl.uint64)).to(gl.pointer_type(gl.float32), bitcast=True)
+    n_chunks = gl.cdiv(S, CHUNK_ROWS)
+    n_kvb = S // _KV_ROWS
+    n_units = (W - 1) * B * HKV * n_chunks  # K/V push units; also the number of K/V flags
+    rng = ranks_rng(flags, B, HKV, n_chunks, n_kvb, W)
+    call_ok = start_call(ctl, heap_bases, rank, epoch, timeout_ns, seg_ptr, rng, B, S, sm_scale, n_chunks, KIND_BWD, W,
+                         H, HKV, D, SIG_DTYPE, CAUSAL, ZIGZAG, CHUNK_ROWS, _KV_ROWS, WIN_LEFT, WIN_RIGHT, False,
+                         False)
+    tid = gl.atomic_add(ctl + CTL_BWD_TICKET, 1, sem="relaxed", scope="gpu")
+    if W > 1:
+        # Before anything of this program waits: ring_core.protocol's no-deadlock argument.
+        drain_pushes(ctl, n_units * call_ok, k_ptr, v_ptr, seg_ptr, recv, seg_recv, flags, heap_bases, rank, epoch,
+                     B, S, n_chunks, W, HKV, D, D, CHUNK_ROWS, PUSH_ROWS, PUSH_VEC, CAUSAL, ZIGZAG, False, WIN_LEFT,
+                     WIN_RIGHT, False, rng, False)
+    n_rows = S // _ROW_TASK
+    n_dq = B * H * n_rows  # delta tasks, and as many dQ tasks at the end
+    n_part = (W - 1) * B * HKV * n_kvb
+    n_kv = n_part + B * HKV * n_kvb  # dK/dV tasks: partial, then final
+    dq_acc = delta_ptr + (rank * 0 + B).to(gl.int64) * H * S  # the float32 dQ accumulator [B, S, H, D]
+
+    # ---- every task's shared memory and barriers (one allocation for the kernel) ----------------------------
+    layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    acc_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+    q_smem = gl.allocate_shared_memory(dtype, [_STAGES, _Q_ROWS, D], layout)
+    do_smem = gl.allocate_shared_memory(dtype, [_STAGES, _Q_ROWS, D], layout)
+    k_smem = gl.allocate_shared_memory(dtype, [_KV_ROWS, D], layout)
+    v_smem = gl.allocate_shared_memory(dtype, [_KV_ROWS, D], layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [2, _KV_ROWS, _Q_ROWS], layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2, _Q_ROWS, D // 2], acc_layout)  # one per consumer
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    part_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], mbarrier.MBarrierLayout())
+    ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    mbarrier.init(part_bar, count=2)
+    for i in gl.static_range(_STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2)  # both consumers
+    for i in gl.static_range(2):
+        mbarrier.init(ds_bar.index(i), count=2)
+    fence_async_shared()
+
+    if tid < n_dq:
+        # ================================ delta task ============================================
+        bh = tid // n_rows
+        b = bh // H
+        h = bh % H
+        for sub in gl.static_range(_ROW_TASK // _SUB_ROWS):
+            off, row_off = _row_tile(b, h, (tid % n_rows) * _ROW_TASK + sub * _SUB_ROWS, S, H, D)
+            o = gl.load(o_ptr + off).to(gl.float32)
+            do = gl.load(do_ptr + off).to(gl.float32)
+            gl.store(delta_ptr + row_off, gl.sum(do * o, axis=1) - gl.load(dlse_ptr + row_off))
+            gl.store(dq_acc + off, gl.zeros_like(o))
+        cta_barrier()  # every thread's stores before the count (cumulativity through bar.sync), then publish
+        gl.atomic_add(ctl + CTL_BWD_DELTA, 1, sem="release", scope="gpu")
+    elif tid < n_dq + n_kv:
+        # ============================ partial and final dK/dV tasks ==================================
+        t = tid - n_dq
+        per_d = B * HKV * n_kvb
+        is_final = t >= n_part
+        d = gl.where(is_final, 0, t // per_d + 1)  # peer distance of the K/V's owner; 0: local K/V
+        rem = gl.where(is_final, t - n_part, t % per_d)
+        n0 = (rem % n_kvb) * _KV_ROWS
+        b = rem // n_kvb // HKV
+        hkv = rem // n_kvb % HKV
+        src = (rank - d + W) % W
+        if poll_ge(ctl + CTL_BWD_DELTA, n_dq, ctl, timeout_ns, False) == 0:
+            record_error(ctl, ERR_LOCAL_TIMEOUT, rank, d, n0 // _KV_ROWS)
+        _proxy_fence()  # the accumulator's zeros (ordinary stores) before this task's TMA reductions into it
+        # The local query blocks that see some key of the block: a suffix (positions grow with the row).
+        i_lo = n0 * 0
+        n_m = S // _Q_ROWS
+        if CAUSAL:
+            k_pos_min = positions(n0, src, S, W, ZIGZAG)
+            i_lo = visible_rows(k_pos_min - 1, rank, S, W, ZIGZAG) // _Q_ROWS
+            n_m = gl.where(k_pos_min <= last_pos(rank, S, W, ZIGZAG), n_m - i_lo, 0)
+        n_m = n_m * call_ok  # nothing computed, waited for or sent after a mismatch
+        q_desc = tma.make_tensor_descriptor(q_ptr, [B * S, H * D], [H * D, 1], [_Q_ROWS, D], layout)
+        do_desc = tma.make_tensor_descriptor(do_ptr, [B * S, H * D], [H * D, 1], [_Q_ROWS, D], layout)
+        k_desc = tma.make_tensor_descriptor(k_ptr, [B * S, HKV * D], [HKV * D, 1], [_KV_ROWS, D], layout)
+        v_desc = tma.make_tensor_descriptor(v_ptr, [B * S, HKV * D], [HKV * D, 1], [_KV_ROWS, D], layout)
+        dq_desc = tma.make_tensor_descriptor(dq_acc, [B * S, H * D], [H * D, 1], [_Q_ROWS, D // 2], acc_layout)
+        if W > 1:
+            r_desc = tma.make_tensor_descriptor(recv, [(W - 1) * 2 * B * HKV * S, D], [D, 1], [_KV_ROWS, D], layout)
+        else:
+            r_desc = k_desc  # never read: no partial task
+        gl.warp_specialize([
+            (_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem.index(0), kv_bar, q_ready, q_empty, ds_bar,
+                         part_bar, dq_desc, lse_ptr, delta_ptr, dk_ptr, dv_ptr, part, flags, heap_bases, ctl, b, hkv,
+                         n0, d, src, rank, S, B, n_m, i_lo, n_units, n_kvb, epoch, timeout_ns, call_ok, sm_scale, 0, W,
+                         H, HKV, D, CAUSAL, ZIGZAG)),
+            (_producer, (q_desc, do_desc, k_desc, v_desc, r_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_ready,
+                         q_empty, b, hkv, n0, d, src, S, B, n_m, i_lo, flags, n_chunks, epoch, ctl, timeout_ns, W,
+                         G, HKV, D, CHUNK_ROWS)),
+            (_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem.index(1), kv_bar, q_ready, q_empty, ds_bar,
+                         part_bar, dq_desc, lse_ptr, delta_ptr, dk_ptr, dv_ptr, part, flags, heap_bases, ctl, b, hkv,
+                         n0, d, src, rank, S, B, n_m, i_lo, n_units, n_kvb, epoch, timeout_ns, call_ok, sm_scale, 1, W,
+                         H, HKV, D, CAUSAL, ZIGZAG)),
+        ], [_LOAD_WARPS, _CONSUMER_WARPS], [_LOAD_REGS, _CONSUMER_REGS])
+    else:
+        # ================================ dQ task ===============================================
+        t = tid - n_dq - n_kv
+        bh = t // n_rows
+        b = bh // H
+        h = bh % H
+        ok = poll_ge(ctl + CTL_BWD_DELTA, n_dq + 2 * n_kv, ctl, timeout_ns, False)
+        if ok == 0:
+            record_error(ctl, ERR_LOCAL_TIMEOUT, rank, 0, t % n_rows)
+        cta_barrier()  # every thread's loads below after the acquire above
+        err = gl.atomic_add(ctl + CTL_ERROR, 0, sem="acquire", scope="gpu")
+        valid = (call_ok != 0) & (err == 0)
+        for sub in gl.static_range(_ROW_TASK // _SUB_ROWS):
+            off, row_off = _row_tile(b, h, (t % n_rows) * _ROW_TASK + sub * _SUB_ROWS, S, H, D)
+            dq = gl.where(valid, gl.load(dq_acc + off) * sm_scale, float("nan"))
+            gl.store(dq_ptr + off, dq.to(dtype))
+
+    mbarrier.invalidate(kv_bar)
+    mbarrier.invalidate(part_bar)
+    for i in gl.static_range(_STAGES):
+        mbarrier.invalidate(q_ready.index(i))
+        mbarrier.invalidate(q_empty.index(i))
+    for i in gl.static_range(2):
+        mbarrier.invalidate(ds_bar.index(i))
+    # ---- the protocol's end: end barrier, status, counters (the last program of this rank) -----------------
+    end_call(ctl, status_ptr, heap_bases, rank, epoch, timeout_ns, W, False, STICKY_ERRORS, True)
