@@ -65,6 +65,8 @@ Stages (``NAME[:SECONDS]``; the default time limit is in brackets):
                timed against cuDNN, bf16 D128 16k/32k                                      [240]
   probe-gluon-ring benchmarks/gluon_ring.py: that loop over a ring's steps, the chunk waits in the load
                partition (host-filled slots and flags: ready, late, never), checked, then timed at W=1,2,4 [180]
+  probe-bwd-kernels benchmarks/bwd_kernels.py: the backward alone at W=1, each CUDA kernel's own time (Gluon,
+               tl split, the probe) [150]
   probe-gluon-peer-store benchmarks/gluon_peer_store.py: TMA stores into the next rank's heap, each tile
                released by a flag, read there by TMA after the acquire (--nproc >= 2)       [90]
   probe-launch-gap benchmarks/launch_gap.py: one call timed per call, back to back, host-only and
@@ -192,6 +194,9 @@ STAGES = {
     # The push design's open point: a TMA store into a peer's heap, released by a flag, read by the peer's TMA
     # load (benchmarks/gluon_peer_store.py; --nproc ranks, at least 2).
     "probe-gluon-peer-store": (90, [LAUNCH + ["-m", "benchmarks.gluon_peer_store", "--out", "{out}/peer_store.json"]]),
+    # Issue 19: the backward alone at W=1, each CUDA kernel's own time (torch.profiler): the Gluon backward, the tl
+    # split and benchmarks/gluon_bwd.py's probe.
+    "probe-bwd-kernels": (150, [LAUNCH1 + ["-m", "benchmarks.bwd_kernels", "--csv", "{out}/bwd_kernels.csv"]]),
     "probe-launch-gap": (120, [LAUNCH1 + ["-m", "benchmarks.launch_gap", "--profile", "--csv", "{out}/launch_gap.csv"]]),
     "bench-w1": (300, [LAUNCH1 + ["-m", "benchmarks.attention", "--methods",
                                   "torch_fused,torch_cudnn_1gpu,jax_fused,jax_fused_deferred,jax_cudnn_1gpu",

@@ -171,6 +171,11 @@ def command_records(cmd, nproc: int, tag: str) -> list:
 
         seqs = [int(x) for x in _option(cmd, "--seq", "16384,32768").split(",")]
         return [dict(r, tag=tag) for r in gluon_fwd.launch_records(seqs)]
+    if "benchmarks.bwd_kernels" in cmd:
+        from benchmarks import bwd_kernels
+
+        seqs = [int(x) for x in _option(cmd, "--seq", "16384").split(",")]
+        return distinct(bwd_kernels.launch_records(seqs, tag=tag))
     if "benchmarks.gluon_bwd" in cmd:
         from benchmarks import gluon_bwd
 

@@ -1,0 +1,93 @@
+"""Where a fused backward's time goes, at world size 1 (issue 19): the product's backward kernels, each alone.
+
+benchmarks/attention.py times forward+backward through autograd; this times the backward alone, through
+``torch.autograd.grad`` on a saved forward (the way a training step runs it), with ``deterministic=False`` (the
+Gluon Hopper backward, ring_core.gluon_bwd) and ``deterministic=True`` (the tl split, ring_core.kernel_bwd), and
+reads every CUDA kernel's own duration from torch.profiler (CUPTI): the fused kernel's, and the small ones
+autograd and the launcher add (zeros for dlse, casts). benchmarks/gluon_bwd.py's probe (the same loop with delta and
+dQ's conversion done by torch) runs beside them for the A/B. bf16, B=1, H=32, D=128.
+
+    python -m jax_ring.launch --nproc-per-node 1 -m benchmarks.bwd_kernels --csv OUT.csv
+"""
+import argparse
+
+
+def launch_records(seqs=(16384,), heads: int = 32, tag: str = "") -> list:
+    """The compile-log records of the fused launches ``main`` makes at world size 1 on an H200 (tests/gpu_variants.py:
+    the cache filled ahead): each forward, and each backward both ways; then the probe's."""
+    from benchmarks import gluon_bwd
+    from ring_core import control, plans, validate
+
+    lay = control.HeapLayout.for_workspace(8 << 30)
+    recs = []
+    for S in seqs:
+        for causal in (False, True):
+            spec = validate.check_attention_args((1, S, heads, 128), (1, S, heads, 128), (1, S, heads, 128),
+                                                 "bfloat16", "bfloat16", "bfloat16", is_causal=causal, scale=None,
+                                                 layout="contiguous", backend="fused", backends=("fused",))
+            ps = [plans.plan(spec, 1, lay, capability=(9, 0))] + [
+                plans.plan_bwd(spec, 1, lay, capability=(9, 0), deterministic=d) for d in (False, True)]
+            recs += [p.compile_record(tag=tag) for p in ps]
+    return recs + [dict(r, tag=tag) for r in gluon_bwd.launch_records(seqs)]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seq", default="16384")
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--csv", default=None)
+    a = ap.parse_args()
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    import torch_bridge
+    from benchmarks import gluon_bwd, harness
+
+    torch_bridge.initialize()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    rows = []
+    for S in (int(s) for s in a.seq.split(",")):
+        for causal in (False, True):
+            g = torch.Generator(device=dev).manual_seed(S)
+            q, k, v, do = (torch.randn(1, S, a.heads, 128, device=dev, dtype=torch.bfloat16, generator=g)
+                           for _ in range(4))
+            flops = 2.5 * 4 * a.heads * S * S * 128 * (0.5 if causal else 1.0)
+            runs = []
+            for det in (False, True):
+                ts = [x.detach().requires_grad_() for x in (q, k, v)]
+                out = torch_bridge.ring_attention(*ts, is_causal=causal, backend="fused", deterministic=det)
+                runs.append((f"fused deterministic={det}",
+                             lambda out=out, ts=ts: torch.autograd.grad(out, ts, do, retain_graph=True)))
+            o, lse = gluon_bwd._forward(q, k, v, causal)
+            runs.append(("probe s2-dq1", lambda o=o, lse=lse: gluon_bwd.backward(q, k, v, o, lse, do, causal,
+                                                                                 stages=2, dq_mode=1)))
+            for name, fn in runs:
+                for _ in range(2):
+                    fn()
+                torch.cuda.synchronize()
+                ms = harness.cuda_stream_ms(torch, fn, a.iters)
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(a.iters):
+                        fn()
+                    torch.cuda.synchronize()
+                kernels = {}
+                for e in prof.key_averages():
+                    if e.device_type.name == "CUDA" and e.count:
+                        kernels[e.key] = (e.count, getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0)))
+                total = sum(t for _, t in kernels.values()) / a.iters / 1000
+                for kname, (count, t) in sorted(kernels.items(), key=lambda kv: -kv[1][1]):
+                    row = dict(S=S, causal=int(causal), run=name, ms_stream=round(ms, 3),
+                               tflops_stream=round(flops / ms / 1e9, 1), kernels_ms=round(total, 3),
+                               kernel=kname[:60], calls_per_iter=count / a.iters,
+                               kernel_ms=round(t / a.iters / 1000, 3))
+                    print(row, flush=True)
+                    rows.append(row)
+    if a.csv:
+        harness.write_rows(a.csv, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
