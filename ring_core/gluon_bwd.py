@@ -116,9 +116,10 @@ def _work(i, n_m, i_lo, hkv, G: gl.constexpr):
 
 
 @gluon.jit
-def _producer(q_desc, do_desc, k_desc, v_desc, r_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_ready, q_empty,
-              b, hkv, n0, d, src, S, B, n_m, i_lo, flags, n_chunks, epoch, ctl, timeout_ns, W: gl.constexpr,
-              G: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, CHUNK_ROWS: gl.constexpr):
+def _producer(q_desc, do_desc, k_desc, v_desc, r_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, dl_smem, kv_bar,
+              q_ready, q_empty, lse_ptr, delta_ptr, b, hkv, n0, d, src, S, B, n_m, i_lo, flags, n_chunks, epoch, ctl,
+              timeout_ns, W: gl.constexpr, H: gl.constexpr, G: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr,
+              CHUNK_ROWS: gl.constexpr):
     """The load warp of a dK/dV task (module docstring); nothing at all if the task has no step (n_m == 0)."""
     if n_m > 0:
         mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
@@ -134,21 +135,31 @@ def _producer(q_desc, do_desc, k_desc, v_desc, r_desc, q_smem, do_smem, k_smem, 
             k_row = (((d - 1) * 2 * B + b) * HKV + hkv) * S + n0  # K rows in the receive slot; V B*HKV*S on
             tma_load(r_desc, [k_row, 0], kv_bar, k_smem)
             tma_load(r_desc, [k_row + B * HKV * S, 0], kv_bar, v_smem)
+    rows = gl.arange(0, _Q_ROWS, layout=gl.BlockedLayout([_Q_ROWS // 32], [32], [1], [0]))
     for i in range(G * n_m):
         h, m0 = _work(i, n_m, i_lo, hkv, G)
         s = i % _STAGES
         mbarrier.wait(q_empty.index(s), ((i // _STAGES) & 1) ^ 1)
+        # The step's lse (log2 units) and delta beside its Q and dO: read by the consumers where they need them,
+        # not held in their registers across the MMAs. Stored before the arrival below (release), which the
+        # consumers' wait acquires.
+        row = (b * H + h).to(gl.int64) * S + m0
+        lse_smem.index(s).store(gl.load(lse_ptr + row + rows) * _LOG2E)
+        dl_smem.index(s).store(gl.load(delta_ptr + row + rows))
         mbarrier.expect(q_ready.index(s), 2 * q_desc.block_type.nbytes)
         tma_load(q_desc, [b * S + m0, h * D], q_ready.index(s), q_smem.index(s))
         tma_load(do_desc, [b * S + m0, h * D], q_ready.index(s), do_smem.index(s))
 
 
 @gluon.jit
-def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, q_ready, q_empty, ds_bar, part_bar, dq_desc,
-              lse_ptr, delta_ptr, dk_ptr, dv_ptr, part, flags, heap_bases, ctl, b, hkv, n0, d, src, rank, S, B, n_m,
-              i_lo, n_units, n_kvb, epoch, timeout_ns, call_ok, sm_scale, HALF_INDEX: gl.constexpr, W: gl.constexpr,
-              H: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr):
-    """One consumer of a dK/dV task, on K/V rows [n0 + 64 * HALF_INDEX, + 64) (module docstring)."""
+def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_bar, q_ready, q_empty, ds_bar,
+              part_bar, dq_desc, dk_ptr, dv_ptr, ctx_ptr, part_off, b, hkv, n0, d, rank, S, B, n_m, i_lo, timeout_ns,
+              sm_scale, HALF_INDEX: gl.constexpr, W: gl.constexpr, H: gl.constexpr, HKV: gl.constexpr,
+              D: gl.constexpr, CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr, CHUNK_ROWS: gl.constexpr):
+    """One consumer of a dK/dV task, on K/V rows [n0 + 64 * HALF_INDEX, + 64) (module docstring). ``n_m`` is 0
+    for a task with nothing to compute or send (its block unseen, or the call check failed). What only the end
+    needs (the ring's words, the partial slots) is read again there from ``ctx_ptr``, not held across the loop:
+    registers are what the loop is short of (ptxas spilled twice the probe's without this)."""
     G: gl.constexpr = H // HKV
     dtype: gl.constexpr = q_smem.dtype
     DQ_COLS: gl.constexpr = D // 2
@@ -166,33 +177,31 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, q_ready
     dv = gl.zeros([_HALF, D], gl.float32, kv_layout)
     zero_s = gl.zeros([_HALF, _Q_ROWS], gl.float32, s_layout)
     zero_q = gl.zeros([_Q_ROWS, DQ_COLS], gl.float32, dq_layout)
-    key_rows = gl.arange(0, _HALF, layout=gl.SliceLayout(1, s_layout))
-    cols = gl.arange(0, _Q_ROWS, layout=gl.SliceLayout(0, s_layout))
     n_first = n0 + HALF_INDEX * _HALF  # this consumer's first K/V row
-    k_pos0 = positions(n_first, src, S, W, ZIGZAG)  # contiguous over its 64 rows (plans.gluon_bwd_applies)
+    k_pos0 = positions(n_first, (rank - d + W) % W, S, W, ZIGZAG)  # contiguous over its 64 rows (gluon_bwd_applies)
     qk_scale = sm_scale * _LOG2E
     if n_m > 0:
         mbarrier.wait(kv_bar, 0)
     for i in range(G * n_m):
         h, m0 = _work(i, n_m, i_lo, hkv, G)
         s = i % _STAGES
-        row = (b * H + h).to(gl.int64) * S + m0
-        lse2 = gl.load(lse_ptr + row + cols) * _LOG2E
-        dl = gl.load(delta_ptr + row + cols)
         mbarrier.wait(q_ready.index(s), (i // _STAGES) & 1)
         q_s = q_smem.index(s)
         do_s = do_smem.index(s)
         sT = warpgroup_mma(k_half, q_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         dpT = warpgroup_mma(v_half, do_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         sT = warpgroup_mma_wait(num_outstanding=1, deps=(sT, ))
-        pT = gl.exp2(sT * qk_scale - lse2[None, :])
+        pT = gl.exp2(sT * qk_scale - lse_smem.index(s).load(gl.SliceLayout(0, s_layout))[None, :])
         if CAUSAL:
             shift = positions(m0, rank, S, W, ZIGZAG) - k_pos0  # query minus key position at (row 0, column 0)
             if shift < _HALF - 1:  # some key of the half after some query of the block
+                # (the indices made here, not held across the loop: registers are what it is short of)
+                key_rows = gl.arange(0, _HALF, layout=gl.SliceLayout(1, s_layout))
+                cols = gl.arange(0, _Q_ROWS, layout=gl.SliceLayout(0, s_layout))
                 pT = gl.where(cols[None, :] + shift >= key_rows[:, None], pT, 0.0)
         dv = warpgroup_mma(gl.convert_layout(pT.to(dtype), p_layout), do_s, dv, is_async=True)
         dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT, ))  # dV may still run
-        dsT = pT * (dpT - dl[None, :])
+        dsT = pT * (dpT - dl_smem.index(s).load(gl.SliceLayout(0, s_layout))[None, :])
         ds_buf = ds_smem.index(i % 2)
         ds_half = ds_buf.slice(HALF_INDEX * _HALF, _HALF)
         ds_half.store(dsT.to(dtype))
@@ -211,16 +220,23 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, q_ready
         fence_async_shared()
         cta_barrier()
         tma_add(dq_desc, [b * S + m0, h * D + HALF_INDEX * DQ_COLS], dq_smem)
+    heap_bases, rank, ctl, flags, recv_addr, epoch = ring_context(ctx_ptr, W)  # (the epoch changes only at the end
+    # of the call, after this program's)
     _reductions_done()
     cta_barrier()
     gl.atomic_add(ctl + CTL_BWD_DELTA, 1, sem="release", scope="gpu")  # this consumer's dQ adds are in memory
 
+    src = (rank - d + W) % W
+    part = (recv_addr + (rank * 0 + part_off).to(gl.uint64)).to(gl.pointer_type(gl.float32), bitcast=True)
+    n_kvb = S // _KV_ROWS
+    n_units = (W - 1) * B * HKV * gl.cdiv(S, CHUNK_ROWS)  # the K/V flags, before the partials' (plans)
     rows = n_first + gl.arange(0, _HALF, layout=gl.SliceLayout(1, kv_layout))
     part_rows = rows[:, None].to(gl.int64) * D + gl.arange(0, D, layout=gl.SliceLayout(0, kv_layout))[None, :]
     bh = b * HKV + hkv
-    err = gl.atomic_add(ctl + CTL_ERROR, 0, sem="acquire", scope="gpu")  # after every wait of this task
+    # After every wait of this task; a failed call check is in it too (protocol.check_call records it).
+    err = gl.atomic_add(ctl + CTL_ERROR, 0, sem="acquire", scope="gpu")
     if d > 0:
-        if (n_m > 0) & (call_ok != 0):
+        if n_m > 0:
             # Unscaled float32 partials into slot d-1 of the owner's partial region; the flag after both halves.
             slot = d - 1
             dst = ((slot * 2 * B + b).to(gl.int64) * HKV + hkv) * S * D
@@ -249,8 +265,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, q_ready
                                False) == 0:
                         record_error(ctl, ERR_PARTIAL_TIMEOUT, r, rslot + 1, n_blk)
         cta_barrier()
-        err = gl.atomic_add(ctl + CTL_ERROR, 0, sem="acquire", scope="gpu")
-        valid = (call_ok != 0) & (err == 0)
+        valid = gl.atomic_add(ctl + CTL_ERROR, 0, sem="acquire", scope="gpu") == 0  # the call check's too
         out_off = (b * S + rows)[:, None].to(gl.int64) * (HKV * D) + hkv * D + gl.arange(
             0, D, layout=gl.SliceLayout(0, kv_layout))[None, :]
         for which in gl.static_range(2):
@@ -331,6 +346,9 @@ def ring_attn_bwd_gluon(
     v_smem = gl.allocate_shared_memory(dtype, [_KV_ROWS, D], layout)
     ds_smem = gl.allocate_shared_memory(dtype, [2, _KV_ROWS, _Q_ROWS], layout)
     dq_smem = gl.allocate_shared_memory(gl.float32, [2, _Q_ROWS, D // 2], acc_layout)  # one per consumer
+    row_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+    lse_smem = gl.allocate_shared_memory(gl.float32, [_STAGES, _Q_ROWS], row_layout)
+    dl_smem = gl.allocate_shared_memory(gl.float32, [_STAGES, _Q_ROWS], row_layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     part_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], mbarrier.MBarrierLayout())
@@ -390,17 +408,15 @@ def ring_attn_bwd_gluon(
         else:
             r_desc = k_desc  # never read: no partial task
         gl.warp_specialize([
-            (_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem.index(0), kv_bar, q_ready, q_empty, ds_bar,
-                         part_bar, dq_desc, lse_ptr, delta_ptr, dk_ptr, dv_ptr, part, flags, heap_bases, ctl, b, hkv,
-                         n0, d, src, rank, S, B, n_m, i_lo, n_units, n_kvb, epoch, timeout_ns, call_ok, sm_scale, 0, W,
-                         H, HKV, D, CAUSAL, ZIGZAG)),
-            (_producer, (q_desc, do_desc, k_desc, v_desc, r_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_ready,
-                         q_empty, b, hkv, n0, d, src, S, B, n_m, i_lo, flags, n_chunks, epoch, ctl, timeout_ns, W,
-                         G, HKV, D, CHUNK_ROWS)),
-            (_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem.index(1), kv_bar, q_ready, q_empty, ds_bar,
-                         part_bar, dq_desc, lse_ptr, delta_ptr, dk_ptr, dv_ptr, part, flags, heap_bases, ctl, b, hkv,
-                         n0, d, src, rank, S, B, n_m, i_lo, n_units, n_kvb, epoch, timeout_ns, call_ok, sm_scale, 1, W,
-                         H, HKV, D, CAUSAL, ZIGZAG)),
+            (_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem.index(0), lse_smem, dl_smem, kv_bar, q_ready,
+                         q_empty, ds_bar, part_bar, dq_desc, dk_ptr, dv_ptr, ctx_ptr, part_off, b, hkv, n0, d, rank,
+                         S, B, n_m, i_lo, timeout_ns, sm_scale, 0, W, H, HKV, D, CAUSAL, ZIGZAG, CHUNK_ROWS)),
+            (_producer, (q_desc, do_desc, k_desc, v_desc, r_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, dl_smem,
+                         kv_bar, q_ready, q_empty, lse_ptr, delta_ptr, b, hkv, n0, d, src, S, B, n_m, i_lo, flags,
+                         n_chunks, epoch, ctl, timeout_ns, W, H, G, HKV, D, CHUNK_ROWS)),
+            (_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem.index(1), lse_smem, dl_smem, kv_bar, q_ready,
+                         q_empty, ds_bar, part_bar, dq_desc, dk_ptr, dv_ptr, ctx_ptr, part_off, b, hkv, n0, d, rank,
+                         S, B, n_m, i_lo, timeout_ns, sm_scale, 1, W, H, HKV, D, CAUSAL, ZIGZAG, CHUNK_ROWS)),
         ], [_LOAD_WARPS, _CONSUMER_WARPS], [_LOAD_REGS, _CONSUMER_REGS])
     else:
         # ================================ dQ task ===============================================
