@@ -160,8 +160,9 @@ def ring_attention(q, k, v, *, axis_name, is_causal=False, scale=None, layout="c
         dQ in a nondeterministic order where a kernel does. True: the fused backend's gradients bit-identical
         from run to run and between JAX and torch (the same inputs on the same GPUs). Also turned on by
         ``XLA_FLAGS=--xla_gpu_deterministic_ops=true`` (or ``--xla_gpu_exclude_nondeterministic_ops=true``),
-        read when the call is traced. Today every fused backward is deterministic, so False gives the same
-        bits; a faster, nondeterministic Hopper backward is being built, and False is what will let it run.
+        read when the call is traced. With False, on Hopper for fp16/bf16, head_dim 128, no window or segment
+        ids (ring_core.plans.gluon_bwd_applies), the fused backward is the Gluon kernel whose dQ sums come in no
+        fixed order (ring_core/gluon_bwd.py); elsewhere it is the deterministic tl kernel either way.
         The ``"xla"`` backend ignores it: it runs XLA's own ops, which XLA_FLAGS governs.
 
     Returns:

@@ -562,11 +562,11 @@ def test_a_plans_compile_record_is_the_variant_the_launch_compiles(tmp_path):
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     pairs = json.loads(r.stdout.strip().splitlines()[-1])
-    assert len(pairs) == 6
+    assert len(pairs) == 8  # 3 calls x (forward, backward), and the first one's Hopper forward and backward
     for logged, planned in pairs:
         assert logged == planned
     folded = [p for _, p in pairs if "constexpr" in p["types"]]
-    assert len(folded) == 4 and all("S" not in p["divisible"] for _, p in pairs[2:4])  # B=1 folded; S=333
+    assert len(folded) == 6 and all("S" not in p["divisible"] for _, p in pairs[4:6])  # B=1 folded; S=333
 
 
 def test_gpu_variants_lists_the_runs_kernels():
@@ -590,6 +590,7 @@ def test_gpu_variants_lists_the_runs_kernels():
     kinds = [r["kernel"].split(":")[1] for r in everything]
     forwards = kinds.count("ring_attn_fwd_kernel") + kinds.count("ring_attn_fwd_gluon")
     assert forwards >= len(g.CASES) and kinds.count("ring_attn_bwd_kernel") >= 7
+    assert kinds.count("ring_attn_bwd_gluon") >= len(g.GLUON_BWD_CASES)  # the gluon-bwd section and the big grid
     # Planned as on the H200: the Gluon forward where it applies; the gluon section adds the tl kernel's variant of
     # each of its calls (its comparison runs with RING_ATTENTION_GLUON=0).
     gl_section = gv.stage_records("checks-gluon", 2)
@@ -597,7 +598,7 @@ def test_gpu_variants_lists_the_runs_kernels():
     assert gl_kinds.count("ring_attn_fwd_gluon") == gl_kinds.count("ring_attn_fwd_kernel") > 0
     bench = gv.stage_records("bench-w1", 1)  # benchmarks/attention.py: fused forward (Gluon on the H200) and backward
     kinds = sorted(r["kernel"].split(":")[1] for r in bench)  # causal and not, JAX's sticky errors or not
-    assert kinds == ["ring_attn_bwd_kernel"] * 4 + ["ring_attn_fwd_gluon"] * 4, kinds
+    assert kinds == ["ring_attn_bwd_gluon"] * 4 + ["ring_attn_fwd_gluon"] * 4, kinds  # the default: deterministic=False
     tl = [r["kernel"].split(":")[1] for r in gv.stage_records("bench-w1-tl", 1)]  # RING_ATTENTION_GLUON=0
     assert tl and set(tl) == {"ring_attn_fwd_kernel"}, tl
     soak = gv.stage_records("soak", 4)
@@ -715,7 +716,7 @@ def test_torch_jit_and_the_jax_launch_compile_one_cache_entry():
     hash to the same Triton source key: same signature, constexprs and attributes, the empty attribute entries
     the installed Triton's JIT writes included (3.6 and 3.9 differ there). Before, every variant compiled twice on
     the GPU machine, once per frontend, and a cache warmed ahead served only JAX. Also the Gluon Hopper forward's
-    plan (ring_core.gluon_kernel), and the Gluon probe's launch (TMA descriptors) against its record
+    and backward's plans (ring_core.gluon_kernel, ring_core.gluon_bwd), and the Gluon probe's launch (TMA descriptors) against its record
     (benchmarks/gluon_fwd.launch_records)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
@@ -723,4 +724,4 @@ def test_torch_jit_and_the_jax_launch_compile_one_cache_entry():
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     pairs = json.loads(r.stdout.strip().splitlines()[-1])
-    assert len(pairs) == 8 and all(jit == ours for jit, ours in pairs), pairs
+    assert len(pairs) == 9 and all(jit == ours for jit, ours in pairs), pairs
