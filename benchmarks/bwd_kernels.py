@@ -95,8 +95,8 @@ def main():
                 runs.append((f"fused deterministic={det}",
                              lambda out=out, ts=ts: torch.autograd.grad(out, ts, do, retain_graph=True)))
             o, lse = gluon_bwd._forward(q, k, v, causal)
-            runs.append(("probe s2-dq1", lambda o=o, lse=lse: gluon_bwd.backward(q, k, v, o, lse, do, causal,
-                                                                                 stages=2, dq_mode=1)))
+            runs.append((f"probe {gluon_bwd.CONFIG}", lambda o=o, lse=lse: gluon_bwd.backward(q, k, v, o, lse, do,
+                                                                                            causal)))
             for name, fn in runs:
                 for _ in range(2):
                     fn()

@@ -109,6 +109,50 @@ def _row_tile(b, h, r0, S, H: gl.constexpr, D: gl.constexpr):
 
 
 @gluon.jit
+def bwd_slots(dtype: gl.constexpr, D: gl.constexpr, layout: gl.constexpr, acc_layout: gl.constexpr):
+    """A dK/dV task's shared memory and mbarriers, initialised: STAGES slots of Q, dO (64 rows), lse and delta;
+    K and V (128 rows); two buffers of dS^T (128 x 64); each consumer's dQ buffer (64 x D/2, float32); ``kv_bar``
+    (K and V landed), ``part_bar`` (both consumers stored their partial), ``q_ready`` / ``q_empty`` per slot,
+    ``ds_bar`` per dS buffer (both halves stored). Also benchmarks/gluon_bwd.py's."""
+    row_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+    q_smem = gl.allocate_shared_memory(dtype, [_STAGES, _Q_ROWS, D], layout)
+    do_smem = gl.allocate_shared_memory(dtype, [_STAGES, _Q_ROWS, D], layout)
+    k_smem = gl.allocate_shared_memory(dtype, [_KV_ROWS, D], layout)
+    v_smem = gl.allocate_shared_memory(dtype, [_KV_ROWS, D], layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [2, _KV_ROWS, _Q_ROWS], layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2, _Q_ROWS, D // 2], acc_layout)  # one per consumer
+    lse_smem = gl.allocate_shared_memory(gl.float32, [_STAGES, _Q_ROWS], row_layout)
+    dl_smem = gl.allocate_shared_memory(gl.float32, [_STAGES, _Q_ROWS], row_layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    part_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], mbarrier.MBarrierLayout())
+    ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    mbarrier.init(part_bar, count=2)
+    for i in gl.static_range(_STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2)  # both consumers
+    for i in gl.static_range(2):
+        mbarrier.init(ds_bar.index(i), count=2)
+    fence_async_shared()  # the barriers' initialisation before the async proxy (TMA) uses them
+    return (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_bar, part_bar, q_ready, q_empty,
+            ds_bar)
+
+
+@gluon.jit
+def free_bwd_slots(kv_bar, part_bar, q_ready, q_empty, ds_bar):
+    """``bwd_slots``' mbarriers invalidated, once every partition is done with them."""
+    mbarrier.invalidate(kv_bar)
+    mbarrier.invalidate(part_bar)
+    for i in gl.static_range(_STAGES):
+        mbarrier.invalidate(q_ready.index(i))
+        mbarrier.invalidate(q_empty.index(i))
+    for i in gl.static_range(2):
+        mbarrier.invalidate(ds_bar.index(i))
+
+
+@gluon.jit
 def _work(i, n_m, i_lo, hkv, G: gl.constexpr):
     """Step i of a dK/dV task: (query head, first query row): the kv group's heads in turn, each over its query
     blocks [i_lo, i_lo + n_m)."""
@@ -135,14 +179,23 @@ def _producer(q_desc, do_desc, k_desc, v_desc, r_desc, q_smem, do_smem, k_smem, 
             k_row = (((d - 1) * 2 * B + b) * HKV + hkv) * S + n0  # K rows in the receive slot; V B*HKV*S on
             tma_load(r_desc, [k_row, 0], kv_bar, k_smem)
             tma_load(r_desc, [k_row + B * HKV * S, 0], kv_bar, v_smem)
+    load_steps(q_desc, do_desc, q_smem, do_smem, lse_smem, dl_smem, q_ready, q_empty, lse_ptr, delta_ptr, b, hkv, S, n_m,
+               i_lo, H, G, D)
+
+
+@gluon.jit
+def load_steps(q_desc, do_desc, q_smem, do_smem, lse_smem, dl_smem, q_ready, q_empty, lse_ptr, delta_ptr, b, hkv, S,
+               n_m, i_lo, H: gl.constexpr, G: gl.constexpr, D: gl.constexpr):
+    """The load warp's steps (``dkdv_steps``' inputs): Q and dO of every step through TMA, with its lse (log2 units)
+    and delta, into slot i % STAGES once the consumers freed it. Also benchmarks/gluon_bwd.py's."""
     rows = gl.arange(0, _Q_ROWS, layout=gl.BlockedLayout([_Q_ROWS // 32], [32], [1], [0]))
     for i in range(G * n_m):
         h, m0 = _work(i, n_m, i_lo, hkv, G)
         s = i % _STAGES
         mbarrier.wait(q_empty.index(s), ((i // _STAGES) & 1) ^ 1)
-        # The step's lse (log2 units) and delta beside its Q and dO: read by the consumers where they need them,
-        # not held in their registers across the MMAs. Stored before the arrival below (release), which the
-        # consumers' wait acquires.
+        # The step's lse and delta beside its Q and dO: read by the consumers where they need them, not held in
+        # their registers across the MMAs. Stored before the arrival below (release), which the consumers' wait
+        # acquires.
         row = (b * H + h).to(gl.int64) * S + m0
         lse_smem.index(s).store(gl.load(lse_ptr + row + rows) * _LOG2E)
         dl_smem.index(s).store(gl.load(delta_ptr + row + rows))
@@ -152,14 +205,12 @@ def _producer(q_desc, do_desc, k_desc, v_desc, r_desc, q_smem, do_smem, k_smem, 
 
 
 @gluon.jit
-def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_bar, q_ready, q_empty, ds_bar,
-              part_bar, dq_desc, dk_ptr, dv_ptr, ctx_ptr, part_off, b, hkv, n0, d, rank, S, B, n_m, i_lo, timeout_ns,
-              sm_scale, HALF_INDEX: gl.constexpr, W: gl.constexpr, H: gl.constexpr, HKV: gl.constexpr,
-              D: gl.constexpr, CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr, CHUNK_ROWS: gl.constexpr):
-    """One consumer of a dK/dV task, on K/V rows [n0 + 64 * HALF_INDEX, + 64) (module docstring). ``n_m`` is 0
-    for a task with nothing to compute or send (its block unseen, or the call check failed). What only the end
-    needs (the ring's words, the partial slots) is read again there from ``ctx_ptr``, not held across the loop:
-    registers are what the loop is short of (ptxas spilled twice the probe's without this)."""
+def dkdv_steps(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_bar, q_ready, q_empty, ds_bar,
+               dq_desc, b, hkv, n0, src, rank, S, n_m, i_lo, sm_scale, HALF_INDEX: gl.constexpr, W: gl.constexpr,
+               H: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr):
+    """A consumer's steps on K/V rows [n0 + 64 * HALF_INDEX, + 64) of rank ``src`` (module docstring): (dK, dV) of
+    those rows, float32, unscaled; dQ's reductions issued (the caller waits for them). Also
+    benchmarks/gluon_bwd.py's."""
     G: gl.constexpr = H // HKV
     dtype: gl.constexpr = q_smem.dtype
     DQ_COLS: gl.constexpr = D // 2
@@ -177,8 +228,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, dl_sm
     dv = gl.zeros([_HALF, D], gl.float32, kv_layout)
     zero_s = gl.zeros([_HALF, _Q_ROWS], gl.float32, s_layout)
     zero_q = gl.zeros([_Q_ROWS, DQ_COLS], gl.float32, dq_layout)
-    n_first = n0 + HALF_INDEX * _HALF  # this consumer's first K/V row
-    k_pos0 = positions(n_first, (rank - d + W) % W, S, W, ZIGZAG)  # contiguous over its 64 rows (gluon_bwd_applies)
+    k_pos0 = positions(n0 + HALF_INDEX * _HALF, src, S, W, ZIGZAG)  # contiguous over its 64 rows (gluon_bwd_applies)
     qk_scale = sm_scale * _LOG2E
     if n_m > 0:
         mbarrier.wait(kv_bar, 0)
@@ -220,6 +270,24 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, dl_sm
         fence_async_shared()
         cta_barrier()
         tma_add(dq_desc, [b * S + m0, h * D + HALF_INDEX * DQ_COLS], dq_smem)
+    return dk, dv
+
+
+@gluon.jit
+def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_bar, q_ready, q_empty, ds_bar,
+              part_bar, dq_desc, dk_ptr, dv_ptr, ctx_ptr, part_off, b, hkv, n0, d, rank, S, B, n_m, i_lo, timeout_ns,
+              sm_scale, HALF_INDEX: gl.constexpr, W: gl.constexpr, H: gl.constexpr, HKV: gl.constexpr,
+              D: gl.constexpr, CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr, CHUNK_ROWS: gl.constexpr):
+    """One consumer of a dK/dV task (module docstring): its steps, then its rows' partial sent or final dK/dV
+    written. ``n_m`` is 0 for a task with nothing to compute or send (its block unseen, or the call check failed).
+    What only the end needs (the ring's words, the partial slots) is read again there from ``ctx_ptr``, not held
+    across the loop: registers are what the loop is short of."""
+    dtype: gl.constexpr = q_smem.dtype
+    dk, dv = dkdv_steps(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_bar, q_ready,
+                        q_empty, ds_bar, dq_desc, b, hkv, n0, (rank - d + W) % W, rank, S, n_m, i_lo, sm_scale,
+                        HALF_INDEX, W, H, HKV, D, CAUSAL, ZIGZAG)
+    kv_layout: gl.constexpr = dk.type.layout
+    n_first = n0 + HALF_INDEX * _HALF
     heap_bases, rank, ctl, flags, recv_addr, epoch = ring_context(ctx_ptr, W)  # (the epoch changes only at the end
     # of the call, after this program's)
     _reductions_done()
@@ -340,28 +408,8 @@ def ring_attn_bwd_gluon(
     # ---- every task's shared memory and barriers (one allocation for the kernel) ----------------------------
     layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     acc_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
-    q_smem = gl.allocate_shared_memory(dtype, [_STAGES, _Q_ROWS, D], layout)
-    do_smem = gl.allocate_shared_memory(dtype, [_STAGES, _Q_ROWS, D], layout)
-    k_smem = gl.allocate_shared_memory(dtype, [_KV_ROWS, D], layout)
-    v_smem = gl.allocate_shared_memory(dtype, [_KV_ROWS, D], layout)
-    ds_smem = gl.allocate_shared_memory(dtype, [2, _KV_ROWS, _Q_ROWS], layout)
-    dq_smem = gl.allocate_shared_memory(gl.float32, [2, _Q_ROWS, D // 2], acc_layout)  # one per consumer
-    row_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-    lse_smem = gl.allocate_shared_memory(gl.float32, [_STAGES, _Q_ROWS], row_layout)
-    dl_smem = gl.allocate_shared_memory(gl.float32, [_STAGES, _Q_ROWS], row_layout)
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    part_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_ready = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], mbarrier.MBarrierLayout())
-    ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bar, count=1)
-    mbarrier.init(part_bar, count=2)
-    for i in gl.static_range(_STAGES):
-        mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=2)  # both consumers
-    for i in gl.static_range(2):
-        mbarrier.init(ds_bar.index(i), count=2)
-    fence_async_shared()
+    (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_bar, part_bar, q_ready, q_empty,
+     ds_bar) = bwd_slots(dtype, D, layout, acc_layout)
 
     if tid < n_dq:
         # ================================ delta task ============================================
@@ -435,12 +483,6 @@ def ring_attn_bwd_gluon(
             dq = gl.where(valid, gl.load(dq_acc + off) * sm_scale, float("nan"))
             gl.store(dq_ptr + off, dq.to(dtype))
 
-    mbarrier.invalidate(kv_bar)
-    mbarrier.invalidate(part_bar)
-    for i in gl.static_range(_STAGES):
-        mbarrier.invalidate(q_ready.index(i))
-        mbarrier.invalidate(q_empty.index(i))
-    for i in gl.static_range(2):
-        mbarrier.invalidate(ds_bar.index(i))
+    free_bwd_slots(kv_bar, part_bar, q_ready, q_empty, ds_bar)
     # ---- the protocol's end: end barrier, status, counters (the last program of this rank) -----------------
     end_call(ctl, status_ptr, heap_bases, rank, epoch, timeout_ns, W, False, STICKY_ERRORS, True)

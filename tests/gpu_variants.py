@@ -180,7 +180,7 @@ def command_records(cmd, nproc: int, tag: str) -> list:
         from benchmarks import gluon_bwd
 
         seqs = [int(x) for x in _option(cmd, "--seq", "16384,32768").split(",")]
-        return [dict(r, tag=tag) for r in gluon_bwd.launch_records(seqs)]
+        return distinct([dict(r, tag=tag) for r in gluon_bwd.launch_records(seqs)])
     if "benchmarks.gluon_ring" in cmd:
         from benchmarks import gluon_ring
 

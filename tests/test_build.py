@@ -502,6 +502,39 @@ def test_gluon_backward_compiles_warp_specialised_with_tma_reductions(tmp_path):
             assert c["acquires"] > 0 and c["tma_after_fence"], (name, c)
 
 
+GLUON_BWD_PROBE_COMPILE = textwrap.dedent("""
+    import json
+    from benchmarks import gluon_bwd
+    out = {}
+    for causal in (False, True):
+        ck = gluon_bwd.compile_for_sm90(causal=causal, H=8, HKV=2)
+        ttgir, ptx = ck.asm["ttgir"], ck.asm["ptx"]
+        out[str(causal)] = dict(ws="ttg.warp_specialize" in ttgir, shared=ck.metadata.shared,
+                                wgmma=ptx.count("wgmma.mma_async"), reduces=ptx.count("cp.reduce.async.bulk.tensor"))
+    print(json.dumps(out))
+""")
+
+
+def test_gluon_backward_probe_runs_the_products_loop(tmp_path):
+    """benchmarks/gluon_bwd.py (the backward's loop without the protocol, for the A/B with the product) compiles for
+    sm_90 from ring_core.gluon_bwd's own pieces (bwd_slots, load_steps, dkdv_steps): warp-specialised, the same
+    shared memory budget, TMA reductions; and tests/gpu_variants.py lists its launches and those of
+    benchmarks/bwd_kernels.py (each once), so a cache can be filled for them ahead of a GPU run."""
+    got = _compiled_for_sm90(GLUON_BWD_PROBE_COMPILE, tmp_path)
+    for causal, c in got.items():
+        assert c["ws"] and c["shared"] <= 227 * 1024 and c["wgmma"] >= 5 and c["reduces"] > 0, (causal, c)
+    sys.path.insert(0, str(ROOT / "tests"))
+    try:
+        import gpu_variants as gv
+    finally:
+        sys.path.remove(str(ROOT / "tests"))
+    for stage in ("probe-gluon-bwd", "probe-bwd-kernels"):
+        recs = gv.stage_records(stage, 1)
+        kinds = {r["kernel"].split(":")[1] for r in recs}
+        assert "gluon_attn_bwd" in kinds and len({json.dumps(r, sort_keys=True) for r in recs}) == len(recs), stage
+    assert "ring_attn_bwd_gluon" in {r["kernel"].split(":")[1] for r in gv.stage_records("probe-bwd-kernels", 1)}
+
+
 # ------------------------------------------------------------- the variants a run compiles, worked out ahead
 RECORD_THROUGH_JAX = textwrap.dedent("""
     import json, os, sys
