@@ -35,30 +35,16 @@ def plot(csv_path: str, png: str) -> None:
     """Bar chart of a run's backward kernels: the fused kernel's own milliseconds per run and shape (the probe's:
     its kernel plus torch's small ones), from ``main``'s CSV."""
     import csv
-    from collections import defaultdict
 
-    import matplotlib
+    from benchmarks.plot import grouped_bars
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    per = defaultdict(dict)
+    per = {}
     with open(csv_path) as f:
         for r in csv.DictReader(f):
-            per[r["run"]][f"S={int(r['S']) // 1024}k {'causal' if r['causal'] == '1' else 'full'}"] = float(
-                r["kernels_ms"])
-    shapes = sorted({k for v in per.values() for k in v})
-    fig, ax = plt.subplots(figsize=(8, 4))
-    width = 0.8 / len(per)
-    for i, (run, vals) in enumerate(per.items()):
-        ax.bar([j + i * width for j in range(len(shapes))], [vals.get(x, 0) for x in shapes], width, label=run)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))])
-    ax.set_xticklabels(shapes)
-    ax.set_ylabel("backward, GPU kernels' ms per call")
-    ax.set_title("Backward kernels at world size 1, one H200 (bf16, H=32, D=128)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
+            per.setdefault(r["run"], {})[f"S={int(r['S']) // 1024}k {'causal' if r['causal'] == '1' else 'full'}"] = (
+                float(r["kernels_ms"]))
+    grouped_bars(per, png, ylabel="backward, GPU kernels' ms per call", figsize=(8, 4),
+                 title="Backward kernels at world size 1, one H200 (bf16, H=32, D=128)")
 
 
 def main():

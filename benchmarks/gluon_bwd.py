@@ -31,7 +31,6 @@ D=128, S 16k and 32k, causal and not). ``compile_for_sm90`` compiles it on a CPU
 """
 from __future__ import annotations
 
-import argparse
 import math
 import time
 
@@ -39,7 +38,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-from benchmarks.gluon_fwd import tma_desc
+from benchmarks.gluon_fwd import probe_args, timed_row, tma_desc
 from ring_core import plans
 from ring_core.gluon_bwd import (CONSUMER_REGS, CONSUMER_WARPS, LOAD_REGS, LOAD_WARPS, bwd_slots, dkdv_steps,
                                  free_bwd_slots, load_steps)
@@ -215,13 +214,9 @@ def main(argv=None) -> int:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from benchmarks.harness import cuda_stream_ms, write_rows
+    from benchmarks.harness import write_rows
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=None, help="CSV of the check and the timings")
-    ap.add_argument("--seq", default="16384,32768")
-    ap.add_argument("--iters", type=int, default=10)
-    a = ap.parse_args(argv)
+    a = probe_args(argv, __doc__)
     dev = torch.device("cuda")
     rows = []
     for (B, S, H, HKV, causal, dt) in ((*c[:5], getattr(torch, c[5])) for c in CHECKS):
@@ -264,12 +259,7 @@ def main(argv=None) -> int:
             for name, fn in runs + [("torch_cudnn", cudnn)]:
                 if name != "torch_cudnn" and not all(r["ok"] for r in rows if r.get("config") == name.split()[-1]):
                     continue  # timed only once it computes the right thing
-                for _ in range(2):
-                    fn()
-                torch.cuda.synchronize()
-                ms = cuda_stream_ms(torch, fn, a.iters)
-                row = dict(kind="time", method=name, B=1, S=S, H=32, HKV=32, D=128, causal=int(causal),
-                           dtype="bfloat16", ms=round(ms, 4), tflops=round(flops / ms / 1e9, 1))
+                row = timed_row(torch, fn, a.iters, name, S, causal, flops, warm=2)
                 if name != "torch_cudnn":
                     errs = [_rel_err(x, r) for x, r in zip(fn(), refs)]
                     row.update(err=f"{max(errs):.2e}", ok=int(max(errs) < 2e-2))

@@ -349,10 +349,7 @@ def plot(csv_path: str, png: str, extra=(), shape=_shape, label=_shape_label,
     """Bar chart of a run's timed rows (TFLOP/s per method and shape); ``extra``: more (label, S, causal, TFLOP/s)
     rows to show beside them (e.g. the fused tl kernel of the same day, same timing). ``shape``: a row's x
     position key (sorted), ``label``: its tick label."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from benchmarks.plot import grouped_bars
 
     with open(csv_path) as f:
         rows = [r for r in csv.DictReader(f) if r["kind"] == "time"]
@@ -361,18 +358,29 @@ def plot(csv_path: str, png: str, extra=(), shape=_shape, label=_shape_label,
         bars.setdefault(r["method"], {})[shape(r)] = float(r["tflops"])
     for name, S, causal, tf in extra:
         bars.setdefault(name, {})[(S, causal)] = tf
-    shapes = sorted({k for v in bars.values() for k in v})
-    fig, ax = plt.subplots(figsize=(9, 4))
-    width = 0.8 / len(bars)
-    for i, (name, vals) in enumerate(bars.items()):
-        ax.bar([j + i * width for j in range(len(shapes))], [vals.get(s, 0) for s in shapes], width, label=name)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))])
-    ax.set_xticklabels([label(s) for s in shapes])
-    ax.set_ylabel("TFLOP/s (bf16, B=1, H=32, D=128)")
-    ax.set_title(title)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
+    grouped_bars(bars, png, ylabel="TFLOP/s (bf16, B=1, H=32, D=128)", title=title, label=label)
+
+
+def probe_args(argv, doc: str):
+    """The Gluon probes' command line (this one's and benchmarks/gluon_bwd.py's): --out, --seq, --iters."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--out", default=None, help="CSV of the check and the timings")
+    ap.add_argument("--seq", default="16384,32768")
+    ap.add_argument("--iters", type=int, default=10)
+    return ap.parse_args(argv)
+
+
+def timed_row(torch, fn, iters: int, name: str, S: int, causal: bool, flops: float, warm: int = 3) -> dict:
+    """The probes' timing row of ``fn`` (``warm`` calls first, then ``iters`` back to back on the stream; bf16, B=1,
+    H=32, D=128), with its TFLOP/s for ``flops`` per call."""
+    from benchmarks.harness import cuda_stream_ms
+
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    ms = cuda_stream_ms(torch, fn, iters)
+    return dict(kind="time", method=name, B=1, S=S, H=32, HKV=32, D=128, causal=int(causal), dtype="bfloat16",
+                ms=round(ms, 4), tflops=round(flops / ms / 1e9, 1))
 
 
 def main(argv=None) -> int:
@@ -380,13 +388,9 @@ def main(argv=None) -> int:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from benchmarks.harness import cuda_stream_ms, write_rows
+    from benchmarks.harness import write_rows
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=None, help="CSV of the check and the timings")
-    ap.add_argument("--seq", default="16384,32768")
-    ap.add_argument("--iters", type=int, default=10)
-    a = ap.parse_args(argv)
+    a = probe_args(argv, __doc__)
     dev = torch.device("cuda")
     rows = []
     # Check: small odd-ish shapes against float32 attention.
@@ -432,12 +436,7 @@ def main(argv=None) -> int:
             for name, fn in runs:
                 if name != "torch_cudnn" and not all(r["ok"] for r in rows if r.get("config") == name.split()[-1]):
                     continue  # timed only once it computes the right thing
-                for _ in range(3):
-                    fn()
-                torch.cuda.synchronize()
-                ms = cuda_stream_ms(torch, fn, a.iters)
-                row = dict(kind="time", method=name, B=1, S=S, H=32, HKV=32, D=128, causal=int(causal),
-                           dtype="bfloat16", ms=round(ms, 4), tflops=round(flops / ms / 1e9, 1))
+                row = timed_row(torch, fn, a.iters, name, S, causal, flops)
                 if name != "torch_cudnn":
                     err = (fn()[0].float() - ref).abs().max().item()
                     row.update(max_abs_err=f"{err:.3e}", ok=int(err < 2e-2))

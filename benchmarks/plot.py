@@ -151,6 +151,28 @@ def plot(rows, out: str, x: str = "global", title: str | None = None) -> int:
     return len(keys)
 
 
+def grouped_bars(bars: dict, png: str, *, ylabel: str, title: str, label=str, figsize=(9, 4)) -> None:
+    """A bar chart of ``bars`` ({series: {x key: value}}): one group per x key (sorted, ticks from ``label``), one bar
+    per series; the probes' figures (benchmarks/gluon_fwd.py, gluon_bwd.py, bwd_kernels.py)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = sorted({k for v in bars.values() for k in v})
+    fig, ax = plt.subplots(figsize=figsize)
+    width = 0.8 / max(len(bars), 1)
+    for i, (name, vals) in enumerate(bars.items()):
+        ax.bar([j + i * width for j in range(len(keys))], [vals.get(k, 0) for k in keys], width, label=name)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(keys))])
+    ax.set_xticklabels([label(k) for k in keys])
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+
+
 def table(rows) -> str:
     """Markdown: one table per pass (under a ``### pass`` heading) of the fused rows (latest per case) with
     TFLOP/s per GPU and ratios (each against the same pass's rows)."""

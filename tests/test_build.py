@@ -394,9 +394,28 @@ def test_gluon_peer_store_waits_for_the_bulk_writes_before_its_release(tmp_path)
     assert got["read_only_waits"] == 0, got
 
 
-GLUON_KERNEL_COMPILE = textwrap.dedent("""
-    import json, re
-    from ring_core import build, control, plans, validate
+# What GLUON_KERNEL_COMPILE and GLUON_BWD_COMPILE do with a plan: compile it for sm_90 and find, in the TTGIR
+# (structured: text order is program order), the load partition and its chunk waits.
+PLAN_SM90 = """
+import json, re
+from ring_core import build, control, plans, validate
+
+
+def compiled(p):
+    ck = build.compile_kernel(p.kernel(), p.arg_types(), p.constexprs(), num_warps=p.config.num_warps,
+                              num_stages=p.config.num_stages, capability=90)
+    ttgir, ptx = ck.asm["ttgir"], ck.asm["ptx"]
+    at = lambda pat, text=ptx: [m.start() for m in re.finditer(pat, text)]
+    parts = re.split(r"\\bpartition\\d+\\(", ttgir)
+    load = next((t for t in parts[1:] if "num_warps(1)" in t.split("\\n", 1)[0]), "")
+    acq = at(r"atomic_rmw add, acquire, sys", load)
+    fence = at(r"fence\\.proxy\\.async\\.global", load)
+    tma = at(r"async_tma_copy_global_to_local", load)
+    return ck, ttgir, ptx, at, load, acq, fence, tma
+"""
+
+
+GLUON_KERNEL_COMPILE = PLAN_SM90 + textwrap.dedent("""
     lay = control.HeapLayout.for_workspace(1 << 30)
     out = {}
     for B, S, H, HKV, D, dt, causal, layout, W in ((1, 1024, 8, 2, 128, "bfloat16", True, "zigzag", 2),
@@ -406,16 +425,7 @@ GLUON_KERNEL_COMPILE = textwrap.dedent("""
                                              is_causal=causal, scale=None, layout=layout, backend="fused",
                                              backends=("fused",))
         p = plans.plan(spec, W, lay, capability=(9, 0))
-        ck = build.compile_kernel(p.kernel(), p.arg_types(), p.constexprs(), num_warps=p.config.num_warps,
-                                  num_stages=p.config.num_stages, capability=90)
-        ttgir, ptx = ck.asm["ttgir"], ck.asm["ptx"]
-        at = lambda pat, text=ptx: [m.start() for m in re.finditer(pat, text)]
-        # The load partition, in the TTGIR (structured: text order is program order): its chunk waits.
-        parts = re.split(r"\\bpartition\\d+\\(", ttgir)
-        load = next((t for t in parts[1:] if "num_warps(1)" in t.split("\\n", 1)[0]), "")
-        acq = at(r"atomic_rmw add, acquire, sys", load)
-        fence = at(r"fence\\.proxy\\.async\\.global", load)
-        tma = at(r"async_tma_copy_global_to_local", load)
+        ck, ttgir, ptx, at, load, acq, fence, tma = compiled(p)
         out[f"{dt}-D{D}-W{W}-{causal}-{layout}"] = dict(
             gluon=p.config.gluon, name=ck.metadata.name, ws="ttg.warp_specialize" in ttgir, load_partition=bool(load),
             warps=ck.metadata.num_warps, shared=ck.metadata.shared, scratch=ck.metadata.global_scratch_size,
@@ -447,9 +457,7 @@ def test_gluon_product_kernel_compiles_warp_specialised_with_the_protocol(tmp_pa
             assert c["releases"] > 0 and c["global_timer"] > 0, (name, c)
 
 
-GLUON_BWD_COMPILE = textwrap.dedent("""
-    import json, re
-    from ring_core import build, control, plans, validate
+GLUON_BWD_COMPILE = PLAN_SM90 + textwrap.dedent("""
     lay = control.HeapLayout.for_workspace(1 << 30)
     out = {}
     for B, S, H, HKV, dt, causal, layout, W in ((1, 1024, 8, 2, "bfloat16", True, "zigzag", 2),
@@ -459,15 +467,7 @@ GLUON_BWD_COMPILE = textwrap.dedent("""
                                              is_causal=causal, scale=None, layout=layout, backend="fused",
                                              backends=("fused",))
         p = plans.plan_bwd(spec, W, lay, capability=(9, 0))
-        ck = build.compile_kernel(p.kernel(), p.arg_types(), p.constexprs(), num_warps=p.config.num_warps,
-                                  num_stages=p.config.num_stages, capability=90)
-        ttgir, ptx = ck.asm["ttgir"], ck.asm["ptx"]
-        at = lambda pat, text=ptx: [m.start() for m in re.finditer(pat, text)]
-        parts = re.split(r"\\bpartition\\d+\\(", ttgir)
-        load = next((t for t in parts[1:] if "num_warps(1)" in t.split("\\n", 1)[0]), "")
-        acq = at(r"atomic_rmw add, acquire, sys", load)
-        fence = at(r"fence\\.proxy\\.async\\.global", load)
-        tma = at(r"async_tma_copy_global_to_local", load)
+        ck, ttgir, ptx, at, load, acq, fence, tma = compiled(p)
         reduce, done = at(r"cp\\.reduce\\.async\\.bulk\\.tensor"), at(r"cp\\.async\\.bulk\\.wait_group 0")
         out[f"{dt}-W{W}-{causal}-{layout}"] = dict(
             gluon=p.config.gluon, deterministic=p.config.deterministic, name=ck.metadata.name,
