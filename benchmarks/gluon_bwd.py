@@ -80,7 +80,8 @@ def _probe_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
     tma.store_wait(pendings=0)  # the last reduction has read the buffer before the kernel's shared memory goes
     kv_layout: gl.constexpr = dk.type.layout
     rows = (b * S + n0 + HALF_INDEX * _BLOCK_N // 2 + gl.arange(0, _BLOCK_N // 2, layout=gl.SliceLayout(1, kv_layout)))
-    kv_off = (rows.to(gl.int64) * HKV + hkv)[:, None] * D + gl.arange(0, D, layout=gl.SliceLayout(0, kv_layout))[None, :]
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, kv_layout))
+    kv_off = (rows.to(gl.int64) * HKV + hkv)[:, None] * D + cols[None, :]
     gl.store(dk_ptr + kv_off, (dk * sm_scale).to(q_smem.dtype))
     gl.store(dv_ptr + kv_off, dv.to(q_smem.dtype))
 

@@ -249,7 +249,8 @@ def tma_desc(x, rows: int, cols: int | None = None):
     el = {"bfloat16": gl.bfloat16, "float16": gl.float16, "float32": gl.float32}[str(x.dtype).split(".")[-1]]
     b, s, heads, d = x.shape
     block = [rows, d if cols is None else cols]
-    return TensorDescriptor(x, [b * s, heads * d], [heads * d, 1], block, gl.NVMMASharedLayout.get_default_for(block, el))
+    layout = gl.NVMMASharedLayout.get_default_for(block, el)
+    return TensorDescriptor(x, [b * s, heads * d], [heads * d, 1], block, layout)
 
 
 def descriptors(q, k, v, out, block_n: int = BLOCK_N):

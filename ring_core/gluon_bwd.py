@@ -179,8 +179,8 @@ def _producer(q_desc, do_desc, k_desc, v_desc, r_desc, q_smem, do_smem, k_smem, 
             k_row = (((d - 1) * 2 * B + b) * HKV + hkv) * S + n0  # K rows in the receive slot; V B*HKV*S on
             tma_load(r_desc, [k_row, 0], kv_bar, k_smem)
             tma_load(r_desc, [k_row + B * HKV * S, 0], kv_bar, v_smem)
-    load_steps(q_desc, do_desc, q_smem, do_smem, lse_smem, dl_smem, q_ready, q_empty, lse_ptr, delta_ptr, b, hkv, S, n_m,
-               i_lo, H, G, D)
+    load_steps(q_desc, do_desc, q_smem, do_smem, lse_smem, dl_smem, q_ready, q_empty, lse_ptr, delta_ptr, b, hkv, S,
+               n_m, i_lo, H, G, D)
 
 
 @gluon.jit
@@ -309,7 +309,8 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, dl_sm
             slot = d - 1
             dst = ((slot * 2 * B + b).to(gl.int64) * HKV + hkv) * S * D
             iris.store(part + dst + part_rows, dk, rank, src, heap_bases, hint=(1, 2))
-            iris.store(part + dst + (rank * 0 + B).to(gl.int64) * HKV * S * D + part_rows, dv, rank, src, heap_bases, hint=(1, 2))
+            iris.store(part + dst + (rank * 0 + B).to(gl.int64) * HKV * S * D + part_rows, dv, rank, src, heap_bases,
+                       hint=(1, 2))
             cta_barrier()
             mbarrier.arrive(part_bar, count=1)
             if HALF_INDEX == 0:

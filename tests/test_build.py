@@ -749,7 +749,8 @@ def test_torch_jit_and_the_jax_launch_compile_one_cache_entry():
     hash to the same Triton source key: same signature, constexprs and attributes, the empty attribute entries
     the installed Triton's JIT writes included (3.6 and 3.9 differ there). Before, every variant compiled twice on
     the GPU machine, once per frontend, and a cache warmed ahead served only JAX. Also the Gluon Hopper forward's
-    and backward's plans (ring_core.gluon_kernel, ring_core.gluon_bwd), and the Gluon probe's launch (TMA descriptors) against its record
+    and backward's plans (ring_core.gluon_kernel, ring_core.gluon_bwd), and the Gluon probe's launch (TMA
+    descriptors) against its record
     (benchmarks/gluon_fwd.launch_records)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
