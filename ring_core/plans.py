@@ -139,9 +139,9 @@ class BwdKernelConfig:
 
     ``deterministic``: whether the kernel this config runs gives bit-identical gradients from run to run (and
     so between the frontends, which launch it alike). The split kernel (ring_core.kernel_bwd) always does: every
-    dQ, dK and dV block is summed in a fixed order. A kernel that accumulates dQ in the order its contributions
-    arrive would say False here, as ``KernelConfig.gluon`` says which forward kernel runs. Not a constexpr: the
-    split kernel's binary and its cache key are the same whatever the caller asked for."""
+    dQ, dK and dV block is summed in a fixed order. The Gluon kernel (``gluon``: ring_core.gluon_bwd) adds dQ up in
+    the order its contributions arrive and says False. Not a constexpr: the split kernel's binary and its cache key
+    are the same whatever the caller asked for."""
 
     dq_block_m: int
     dq_block_n: int
