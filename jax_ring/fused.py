@@ -191,9 +191,9 @@ def forward(q, k, v, spec, axis_name, world_size: int, timeout_s: float | None =
 
 def backward(q, k, v, out, lse, dout, dlse, spec, axis_name, world_size: int, timeout_s: float | None = None,
              segment_ids=None, deterministic: bool = False):
-    """Run the fused backward kernel (ring_core.kernel_bwd) on this rank's shards inside shard_map, from the
-    forward's ``out`` and ``lse`` and the cotangents ``dout`` and ``dlse``; returns (dq, dk, dv), typed as
-    q, k and v. Same context row, launch maths (ring_core.plans.plan_bwd) and argument list as the torch
+    """Run the fused backward kernel (ring_core.kernel_bwd, or ring_core.gluon_bwd) on this rank's shards inside
+    shard_map, from the forward's ``out`` and ``lse`` and the cotangents ``dout`` and ``dlse``; returns (dq, dk, dv),
+    typed as q, k and v. Same context row, launch maths (ring_core.plans.plan_bwd) and argument list as the torch
     launcher (torch_bridge.fused.backward). ``segment_ids`` as in ``forward`` (no gradient: ids are ints).
     ``deterministic``: as jax_ring.ring_attention's (XLA_FLAGS=--xla_gpu_deterministic_ops=true, read now,
     turns it on too); it picks the backward's kernel (ring_core.plans.BwdKernelConfig.get_default)."""

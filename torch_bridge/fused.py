@@ -112,8 +112,8 @@ def check_backward_fits(spec, group=None, deterministic: bool = False):
 
 def backward(q, k, v, out, lse, dout, spec, group=None, timeout_s: float | None = None, config=None, dlse=None,
              segment_ids=None, deterministic: bool = False):
-    """Launch the fused backward kernel (ring_core.kernel_bwd) on this rank's shards, from the forward's
-    ``out`` and ``lse`` and the gradients ``dout`` and ``dlse`` (None: lse carries none); returns
+    """Launch the fused backward kernel (ring_core.kernel_bwd, or ring_core.gluon_bwd) on this rank's shards, from
+    the forward's ``out`` and ``lse`` and the gradients ``dout`` and ``dlse`` (None: lse carries none); returns
     (dq, dk, dv). Same launch maths (ring_core.plans.plan_bwd) and argument list as the JAX launcher
     (jax_ring.fused.backward). ``config`` (a ring_core.plans.BwdKernelConfig) overrides the defaults: for
     tuning only. ``segment_ids`` as in ``forward``. ``deterministic``: as torch_bridge.ring_attention's
