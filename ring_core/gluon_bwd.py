@@ -386,7 +386,6 @@ def ring_attn_bwd_gluon(
     # ---- the protocol's start: this rank's ring, the call check, a ticket, every push unit left ------------
     heap_bases, rank, ctl, flags, recv_addr, epoch = ring_context(ctx_ptr, W)
     recv, seg_recv = receive_slots(recv_addr, seg_ptr, rank, B, S, q_ptr, W, HKV, D, False)
-    part = (recv_addr + (rank * 0 + part_off).to(gl.uint64)).to(gl.pointer_type(gl.float32), bitcast=True)
     n_chunks = gl.cdiv(S, CHUNK_ROWS)
     n_kvb = S // _KV_ROWS
     n_units = (W - 1) * B * HKV * n_chunks  # K/V push units; also the number of K/V flags
