@@ -365,13 +365,20 @@ def main():
     t0 = time.time()
     cases = CASES
     failed = []
+
+    def keep_going(run, what, tag=None):
+        """Run one check; an AssertionError is kept in ``failed`` (``tag``: its prefix there) and said on every
+        rank, and the run goes on: one run on the GPU machine should report every failing case, not the first, and
+        every rank still makes the same calls."""
+        try:
+            run()
+        except AssertionError as e:
+            failed.append(str(e) if tag is None else f"{tag}: {e}")
+            say(f"FAILED {what}: {e}", every_rank=True)
+
     for c in (cases if "cases" in sections else []):
         t1 = time.time()
-        try:  # keep going: one run on the GPU machine should report every failing case, not the first
-            case(*c)
-        except AssertionError as e:
-            failed.append(str(e))
-            say(f"FAILED {c}: {e}", every_rank=True)
+        keep_going(lambda: case(*c), c)
         summary["cases"] += 1
         say(f"   ({time.time() - t1:.1f} s)")
     summary["cases_s"] = round(time.time() - t0, 1)
@@ -412,11 +419,7 @@ def main():
     if "gluon" in sections:
         t0 = time.time()
         for c in GLUON_CASES:
-            try:
-                gluon_case(*c)
-            except AssertionError as e:
-                failed.append(str(e))
-                say(f"FAILED {c}: {e}", every_rank=True)
+            keep_going(lambda: gluon_case(*c), c)
         summary["gluon_cases"] = len(GLUON_CASES)
         summary["gluon_s"] = round(time.time() - t0, 1)
 
@@ -424,11 +427,7 @@ def main():
     if "gluon-bwd" in sections:
         t0 = time.time()
         for c in GLUON_BWD_CASES:
-            try:
-                bwd_case(*c[:8], scale=c[8], use_lse=c[9], deterministic=False)
-            except AssertionError as e:
-                failed.append(str(e))
-                say(f"FAILED {c}: {e}", every_rank=True)
+            keep_going(lambda: bwd_case(*c[:8], scale=c[8], use_lse=c[9], deterministic=False), c)
         summary["gluon_bwd_cases"] = len(GLUON_BWD_CASES)
         summary["gluon_bwd_s"] = round(time.time() - t0, 1)
 
@@ -486,11 +485,7 @@ def main():
         t0 = time.time()
         bwd_cases = BWD_CASES
         for c in bwd_cases:
-            try:
-                bwd_case(*c[:8], scale=c[8] if len(c) > 8 else None, use_lse=len(c) > 9 and c[9])
-            except AssertionError as e:
-                failed.append(str(e))
-                say(f"FAILED {c}: {e}", every_rank=True)
+            keep_going(lambda: bwd_case(*c[:8], scale=c[8] if len(c) > 8 else None, use_lse=len(c) > 9 and c[9]), c)
 
         # A backward grid far larger than the GPU holds at once (tasks are taken by ticket: no hang whatever
         # the residency). Reference: float32 dense gradients on the GPU; the table's bound with it standing in
@@ -588,11 +583,7 @@ def main():
                                                    segs=segs, window=window)),
                               ("bwd", lambda: bwd_case(B, S, H, HKV, D, dt, causal, lay, use_lse=True, segs=segs,
                                                        window=window))):
-                try:
-                    run()
-                except AssertionError as e:
-                    failed.append(f"masks case {i} {part}: {e}")
-                    say(f"FAILED masks case {i} {part} {mask_cases[i]}: {e}", every_rank=True)
+                keep_going(run, f"masks case {i} {part} {mask_cases[i]}", f"masks case {i} {part}")
             say(f"   masks case {i}: {time.time() - t1:.1f} s")
         summary.update(mask_cases=len(chosen), masks_s=round(time.time() - t0, 1))
 
