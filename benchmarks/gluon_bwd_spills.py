@@ -1,0 +1,85 @@
+"""ptxas's spills in the Gluon backward (ring_core.gluon_bwd) as compiled for sm_90 on the CPU, and where they sit:
+the local loads and stores (LDL/STL) inside each loop of the SASS that holds warpgroup MMAs (the consumers' steps).
+bf16, B=1, H=32, D=128, seq_local 16384: world size 1 non-causal and causal contiguous, world size 2 causal zigzag;
+with ``--probe``, benchmarks/gluon_bwd.py's probe too. Needs the GPU machine's Triton (3.6) for its numbers to be
+the ones that run there; nvdisasm comes with Triton. Run from a tree's root (any tree with ring_core.gluon_bwd, e.g.
+a git worktree of an older commit):
+
+    TRITON_CACHE_DIR=/tmp/tc PYTHONPATH=$PWD python benchmarks/gluon_bwd_spills.py [--probe]
+
+Session 9 used it to find the wgmma descriptors the consumers' loop reloaded every step (benchmarks/NOTES.md).
+"""
+import inspect
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+from triton.backends.nvidia.compiler import get_ptxas
+
+from ring_core import build, control, plans, validate
+
+
+def sass(ptx: str) -> tuple:
+    """(ptxas's spill report, the SASS text) of ``ptx`` for sm_90a."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
+        with open(src, "w") as f:
+            f.write(ptx)
+        r = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", src, "-o", cubin], capture_output=True,
+                           text=True)
+        nvdisasm = os.path.join(os.path.dirname(get_ptxas(90).path), "nvdisasm")
+        text = subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True).stdout
+    return " | ".join(line.strip() for line in r.stderr.splitlines() if "spill" in line), text
+
+
+def mma_loops(text: str) -> list:
+    """(instructions, local loads and stores) of each loop (a backward branch to a label) that holds an HGMMA and
+    fewer than 2,000 instructions: the steps of the consumers."""
+    labels, lines = {}, []
+    for line in text.splitlines():
+        m = re.match(r"\s*(\.L_x_\d+):", line)
+        if m:
+            labels[m.group(1)] = len(lines)
+        elif re.search(r"/\*[0-9a-f]{4,}\*/", line):
+            lines.append(line)
+    out = []
+    for i, line in enumerate(lines):
+        m = re.search(r"\bBRA\b.*?`\((\.L_x_\d+)\)", line)
+        if m and labels.get(m.group(1), i + 1) <= i:
+            body = lines[labels[m.group(1)]:i + 1]
+            if len(body) < 2000 and any("HGMMA" in x for x in body):
+                out.append((len(body), sum(bool(re.search(r"\b(LDL|STL)", x)) for x in body)))
+    return out
+
+
+def main() -> int:
+    build._iris_device_only()
+    heap = control.HeapLayout.for_workspace(8 << 30)
+    for W, causal in ((1, False), (1, True), (2, True)):
+        spec = validate.check_attention_args((1, 16384, 32, 128), (1, 16384, 32, 128), (1, 16384, 32, 128),
+                                             "bfloat16", "bfloat16", "bfloat16", is_causal=causal, scale=None,
+                                             layout="zigzag" if W > 1 else "contiguous", backend="fused",
+                                             backends=("fused",))
+        p = plans.plan_bwd(spec, W, heap, capability=(9, 0))
+        # Specialised on the scalars' values as the launches are (batch 1 folded in): LaunchPlan.compile_record.
+        n_in = len(p.arg_types()) - len(p.scalar_types) - len(p.out_shapes)
+        ck = build.compile_kernel(p.kernel(), p.arg_types(), p.constexprs(), num_warps=p.config.num_warps,
+                                  num_stages=p.config.num_stages, capability=90,
+                                  values=[None] * n_in + list(p.scalars()) + [None] * len(p.out_shapes))
+        report, text = sass(ck.asm["ptx"])
+        print(f"product W={W} causal={causal}: {report}; MMA loops (instructions, LDL/STL): {mma_loops(text)}")
+    if "--probe" in sys.argv:
+        from benchmarks import gluon_bwd
+
+        # Trees of session 9 before the probe ran the product's loop had dQ modes: 1 (TMA reductions) is that loop.
+        kw = {"dq_mode": 1} if "dq_mode" in inspect.signature(gluon_bwd.compile_for_sm90).parameters else {}
+        for causal in (False, True):
+            report, text = sass(gluon_bwd.compile_for_sm90(causal=causal, **kw).asm["ptx"])
+            print(f"probe causal={causal}: {report}; MMA loops (instructions, LDL/STL): {mma_loops(text)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
