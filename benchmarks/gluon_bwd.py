@@ -57,24 +57,24 @@ _REGS = gl.constexpr([LOAD_REGS, CONSUMER_REGS])
 
 
 @gluon.jit
-def _probe_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, dl_smem, kv_bar,
+def _probe_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, kv_smem, lse_smem, dl_smem, kv_bar,
                     q_ready, q_empty, lse_ptr, delta_ptr, b, hkv, n0, S, n_m, m_start, H: gl.constexpr,
                     G: gl.constexpr, D: gl.constexpr):
     """The load warp: K and V once, then the product's steps (ring_core.gluon_bwd.load_steps)."""
     mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
-    _tma_load(k_desc, [b * S + n0, hkv * D], kv_bar, k_smem)
-    _tma_load(v_desc, [b * S + n0, hkv * D], kv_bar, v_smem)
+    _tma_load(k_desc, [b * S + n0, hkv * D], kv_bar, kv_smem.index(0))
+    _tma_load(v_desc, [b * S + n0, hkv * D], kv_bar, kv_smem.index(1))
     load_steps(q_desc, do_desc, q_smem, do_smem, lse_smem, dl_smem, q_ready, q_empty, lse_ptr, delta_ptr, b, hkv, S,
                n_m, m_start, H, G, D)
 
 
 @gluon.jit
-def _probe_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_bar, q_ready, q_empty,
+def _probe_consumer(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_bar, q_ready, q_empty,
                     ds_bar, dq_desc, dk_ptr, dv_ptr, b, hkv, n0, S, n_m, m_start, sm_scale, H: gl.constexpr,
                     HKV: gl.constexpr, D: gl.constexpr, HALF_INDEX: gl.constexpr, CAUSAL: gl.constexpr):
     """One consumer: the product's steps (ring_core.gluon_bwd.dkdv_steps, at world size 1), then its rows of dK
     (scaled) and dV."""
-    dk, dv = dkdv_steps(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_bar, q_ready,
+    dk, dv = dkdv_steps(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_bar, q_ready,
                         q_empty, ds_bar, dq_desc, b, hkv, n0, 0, 0, S, n_m, m_start, sm_scale, HALF_INDEX, 1, H, HKV, D,
                         CAUSAL, False)
     tma.store_wait(pendings=0)  # the last reduction has read the buffer before the kernel's shared memory goes
@@ -104,15 +104,15 @@ def gluon_attn_bwd(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta_ptr,
     n_m = S // _BLOCK_M - m_start
     layout: gl.constexpr = q_desc.layout
     acc_layout: gl.constexpr = dq_desc.layout
-    (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_bar, part_bar, q_ready, q_empty,
+    (q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_bar, part_bar, q_ready, q_empty,
      ds_bar) = bwd_slots(q_desc.dtype, D, layout, acc_layout)
     gl.warp_specialize([
-        (_probe_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem.index(0), lse_smem, dl_smem, kv_bar,
+        (_probe_consumer, (q_smem, do_smem, kv_smem, ds_smem, dq_smem.index(0), lse_smem, dl_smem, kv_bar,
                            q_ready, q_empty, ds_bar, dq_desc, dk_ptr, dv_ptr, b, hkv, n0, S, n_m, m_start, sm_scale, H,
                            HKV, D, 0, CAUSAL)),
-        (_probe_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, dl_smem, kv_bar,
+        (_probe_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, kv_smem, lse_smem, dl_smem, kv_bar,
                            q_ready, q_empty, lse_ptr, delta_ptr, b, hkv, n0, S, n_m, m_start, H, G, D)),
-        (_probe_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem.index(1), lse_smem, dl_smem, kv_bar,
+        (_probe_consumer, (q_smem, do_smem, kv_smem, ds_smem, dq_smem.index(1), lse_smem, dl_smem, kv_bar,
                            q_ready, q_empty, ds_bar, dq_desc, dk_ptr, dv_ptr, b, hkv, n0, S, n_m, m_start, sm_scale, H,
                            HKV, D, 1, CAUSAL)),
     ], _PARTITIONS, _REGS)

@@ -98,6 +98,12 @@ def _reductions_done():
 
 
 @gluon.jit
+def _zero_at(i):
+    """0 for a step index i >= 0 (its sign bit), computed at run time: neither LLVM nor ptxas can fold it."""
+    return gl.inline_asm_elementwise("shr.u32 $0, $1, 31;", "=r,r", [i], dtype=gl.int32, is_pure=True, pack=1)
+
+
+@gluon.jit
 def _row_tile(b, h, r0, S, H: gl.constexpr, D: gl.constexpr):
     """Offsets of rows [r0, r0 + SUB_ROWS) of head h in a [B, S, H, D] tensor, and of the same rows in a
     [B, H, S] one, in a blocked layout over the 4 warps."""
@@ -117,8 +123,7 @@ def bwd_slots(dtype: gl.constexpr, D: gl.constexpr, layout: gl.constexpr, acc_la
     row_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
     q_smem = gl.allocate_shared_memory(dtype, [_STAGES, _Q_ROWS, D], layout)
     do_smem = gl.allocate_shared_memory(dtype, [_STAGES, _Q_ROWS, D], layout)
-    k_smem = gl.allocate_shared_memory(dtype, [_KV_ROWS, D], layout)
-    v_smem = gl.allocate_shared_memory(dtype, [_KV_ROWS, D], layout)
+    kv_smem = gl.allocate_shared_memory(dtype, [2, _KV_ROWS, D], layout)  # K, then V (``dkdv_steps``: why one)
     ds_smem = gl.allocate_shared_memory(dtype, [2, _KV_ROWS, _Q_ROWS], layout)
     dq_smem = gl.allocate_shared_memory(gl.float32, [2, _Q_ROWS, D // 2], acc_layout)  # one per consumer
     lse_smem = gl.allocate_shared_memory(gl.float32, [_STAGES, _Q_ROWS], row_layout)
@@ -136,7 +141,7 @@ def bwd_slots(dtype: gl.constexpr, D: gl.constexpr, layout: gl.constexpr, acc_la
     for i in gl.static_range(2):
         mbarrier.init(ds_bar.index(i), count=2)
     fence_async_shared()  # the barriers' initialisation before the async proxy (TMA) uses them
-    return (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_bar, part_bar, q_ready, q_empty,
+    return (q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_bar, part_bar, q_ready, q_empty,
             ds_bar)
 
 
@@ -160,7 +165,7 @@ def _work(i, n_m, i_lo, hkv, G: gl.constexpr):
 
 
 @gluon.jit
-def _producer(q_desc, do_desc, k_desc, v_desc, r_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, dl_smem, kv_bar,
+def _producer(q_desc, do_desc, k_desc, v_desc, r_desc, q_smem, do_smem, kv_smem, lse_smem, dl_smem, kv_bar,
               q_ready, q_empty, lse_ptr, delta_ptr, b, hkv, n0, d, src, S, B, n_m, i_lo, flags, n_chunks, epoch, ctl,
               timeout_ns, W: gl.constexpr, H: gl.constexpr, G: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr,
               CHUNK_ROWS: gl.constexpr):
@@ -171,14 +176,14 @@ def _producer(q_desc, do_desc, k_desc, v_desc, r_desc, q_smem, do_smem, k_smem, 
         if W == 1:
             peer = False  # no partial task at world size 1: no flag wait compiled in
         if not peer:
-            tma_load(k_desc, [b * S + n0, hkv * D], kv_bar, k_smem)
-            tma_load(v_desc, [b * S + n0, hkv * D], kv_bar, v_smem)
+            tma_load(k_desc, [b * S + n0, hkv * D], kv_bar, kv_smem.index(0))
+            tma_load(v_desc, [b * S + n0, hkv * D], kv_bar, kv_smem.index(1))
         else:
             c = n0 // CHUNK_ROWS
             _acquire_chunk(flags + (((d - 1) * B + b) * HKV + hkv) * n_chunks + c, epoch, ctl, timeout_ns, src, d, c)
             k_row = (((d - 1) * 2 * B + b) * HKV + hkv) * S + n0  # K rows in the receive slot; V B*HKV*S on
-            tma_load(r_desc, [k_row, 0], kv_bar, k_smem)
-            tma_load(r_desc, [k_row + B * HKV * S, 0], kv_bar, v_smem)
+            tma_load(r_desc, [k_row, 0], kv_bar, kv_smem.index(0))
+            tma_load(r_desc, [k_row + B * HKV * S, 0], kv_bar, kv_smem.index(1))
     load_steps(q_desc, do_desc, q_smem, do_smem, lse_smem, dl_smem, q_ready, q_empty, lse_ptr, delta_ptr, b, hkv, S,
                n_m, i_lo, H, G, D)
 
@@ -205,7 +210,7 @@ def load_steps(q_desc, do_desc, q_smem, do_smem, lse_smem, dl_smem, q_ready, q_e
 
 
 @gluon.jit
-def dkdv_steps(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_bar, q_ready, q_empty, ds_bar,
+def dkdv_steps(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_bar, q_ready, q_empty, ds_bar,
                dq_desc, b, hkv, n0, src, rank, S, n_m, i_lo, sm_scale, HALF_INDEX: gl.constexpr, W: gl.constexpr,
                H: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr):
     """A consumer's steps on K/V rows [n0 + 64 * HALF_INDEX, + 64) of rank ``src`` (module docstring): (dK, dV) of
@@ -221,9 +226,6 @@ def dkdv_steps(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, dl_s
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[_CONSUMER_WARPS, 1],
                                                         instr_shape=[16, DQ_COLS, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
-    k_half = k_smem.slice(HALF_INDEX * _HALF, _HALF)
-    v_half = v_smem.slice(HALF_INDEX * _HALF, _HALF)
-    k_cols = k_smem.slice(HALF_INDEX * DQ_COLS, DQ_COLS, dim=1)  # dQ's B operand: this consumer's D / 2 columns
     dk = gl.zeros([_HALF, D], gl.float32, kv_layout)
     dv = gl.zeros([_HALF, D], gl.float32, kv_layout)
     zero_s = gl.zeros([_HALF, _Q_ROWS], gl.float32, s_layout)
@@ -238,6 +240,13 @@ def dkdv_steps(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, dl_s
         mbarrier.wait(q_ready.index(s), (i // _STAGES) & 1)
         q_s = q_smem.index(s)
         do_s = do_smem.index(s)
+        # K and V viewed again at each step through an index the compilers cannot fold (0): their wgmma descriptors
+        # are then a few uniform adds per step, where views made once before the loop were 24 64-bit values held
+        # across it, which ptxas spilled and reloaded every step (benchmarks/gluon_bwd_spills.py).
+        z = _zero_at(i)
+        k_half = kv_smem.index(z).slice(HALF_INDEX * _HALF, _HALF)
+        v_half = kv_smem.index(z + 1).slice(HALF_INDEX * _HALF, _HALF)
+        k_cols = kv_smem.index(z).slice(HALF_INDEX * DQ_COLS, DQ_COLS, dim=1)  # dQ's B operand: D / 2 columns
         sT = warpgroup_mma(k_half, q_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         dpT = warpgroup_mma(v_half, do_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         sT = warpgroup_mma_wait(num_outstanding=1, deps=(sT, ))
@@ -274,7 +283,7 @@ def dkdv_steps(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, dl_s
 
 
 @gluon.jit
-def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_bar, q_ready, q_empty, ds_bar,
+def _consumer(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_bar, q_ready, q_empty, ds_bar,
               part_bar, dq_desc, dk_ptr, dv_ptr, ctx_ptr, part_off, b, hkv, n0, d, rank, S, B, n_m, i_lo, timeout_ns,
               sm_scale, HALF_INDEX: gl.constexpr, W: gl.constexpr, H: gl.constexpr, HKV: gl.constexpr,
               D: gl.constexpr, CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr, CHUNK_ROWS: gl.constexpr):
@@ -283,7 +292,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, dl_sm
     What only the end needs (the ring's words, the partial slots) is read again there from ``ctx_ptr``, not held
     across the loop: registers are what the loop is short of."""
     dtype: gl.constexpr = q_smem.dtype
-    dk, dv = dkdv_steps(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_bar, q_ready,
+    dk, dv = dkdv_steps(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_bar, q_ready,
                         q_empty, ds_bar, dq_desc, b, hkv, n0, (rank - d + W) % W, rank, S, n_m, i_lo, sm_scale,
                         HALF_INDEX, W, H, HKV, D, CAUSAL, ZIGZAG)
     kv_layout: gl.constexpr = dk.type.layout
@@ -408,7 +417,7 @@ def ring_attn_bwd_gluon(
     # ---- every task's shared memory and barriers (one allocation for the kernel) ----------------------------
     layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     acc_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
-    (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_bar, part_bar, q_ready, q_empty,
+    (q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_bar, part_bar, q_ready, q_empty,
      ds_bar) = bwd_slots(dtype, D, layout, acc_layout)
 
     if tid < n_dq:
@@ -456,13 +465,13 @@ def ring_attn_bwd_gluon(
         else:
             r_desc = k_desc  # never read: no partial task
         gl.warp_specialize([
-            (_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem.index(0), lse_smem, dl_smem, kv_bar, q_ready,
+            (_consumer, (q_smem, do_smem, kv_smem, ds_smem, dq_smem.index(0), lse_smem, dl_smem, kv_bar, q_ready,
                          q_empty, ds_bar, part_bar, dq_desc, dk_ptr, dv_ptr, ctx_ptr, part_off, b, hkv, n0, d, rank,
                          S, B, n_m, i_lo, timeout_ns, sm_scale, 0, W, H, HKV, D, CAUSAL, ZIGZAG, CHUNK_ROWS)),
-            (_producer, (q_desc, do_desc, k_desc, v_desc, r_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, dl_smem,
+            (_producer, (q_desc, do_desc, k_desc, v_desc, r_desc, q_smem, do_smem, kv_smem, lse_smem, dl_smem,
                          kv_bar, q_ready, q_empty, lse_ptr, delta_ptr, b, hkv, n0, d, src, S, B, n_m, i_lo, flags,
                          n_chunks, epoch, ctl, timeout_ns, W, H, G, HKV, D, CHUNK_ROWS)),
-            (_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem.index(1), lse_smem, dl_smem, kv_bar, q_ready,
+            (_consumer, (q_smem, do_smem, kv_smem, ds_smem, dq_smem.index(1), lse_smem, dl_smem, kv_bar, q_ready,
                          q_empty, ds_bar, part_bar, dq_desc, dk_ptr, dv_ptr, ctx_ptr, part_off, b, hkv, n0, d, rank,
                          S, B, n_m, i_lo, timeout_ns, sm_scale, 1, W, H, HKV, D, CAUSAL, ZIGZAG, CHUNK_ROWS)),
         ], [_LOAD_WARPS, _CONSUMER_WARPS], [_LOAD_REGS, _CONSUMER_REGS])
