@@ -1,8 +1,9 @@
 """Where a fused backward's time goes, at world size 1 (issue 19): the product's backward kernels, each alone.
 
 benchmarks/attention.py times forward+backward through autograd; this times the backward alone, through
-``torch.autograd.grad`` on a saved forward (the way a training step runs it), with ``deterministic=False`` (the
-Gluon Hopper backward, ring_core.gluon_bwd) and ``deterministic=True`` (the tl split, ring_core.kernel_bwd), and
+``torch.autograd.grad`` on a saved forward (the way a training step runs it), with ``deterministic=False`` and
+``True`` (the Gluon Hopper backward, ring_core.gluon_bwd, in either order of dQ's adds) and the tl split
+(ring_core.kernel_bwd, deterministic; RING_ATTENTION_GLUON=0 around the backward), and
 reads every CUDA kernel's own duration from torch.profiler (CUPTI): the fused kernel's, and the small ones
 autograd and the launcher add (zeros for dlse, casts). benchmarks/gluon_bwd.py's probe (the same loop with delta and
 dQ's conversion done by torch) runs beside them for the A/B. bf16, B=1, H=32, D=128.
@@ -10,13 +11,18 @@ dQ's conversion done by torch) runs beside them for the A/B. bf16, B=1, H=32, D=
     python -m jax_ring.launch --nproc-per-node 1 -m benchmarks.bwd_kernels --csv OUT.csv
 """
 import argparse
+import functools
+import os
+
+from ring_core import plans
 
 
 def launch_records(seqs=(16384,), heads: int = 32, tag: str = "") -> list:
     """The compile-log records of the fused launches ``main`` makes at world size 1 on an H200 (tests/gpu_variants.py:
-    the cache filled ahead): each forward, and each backward both ways; then the probe's."""
+    the cache filled ahead): each forward, each backward (the Gluon kernel both ways, the tl split); then the
+    probe's."""
     from benchmarks import gluon_bwd
-    from ring_core import control, plans, validate
+    from ring_core import control, validate
 
     lay = control.HeapLayout.for_workspace(8 << 30)
     recs = []
@@ -26,9 +32,25 @@ def launch_records(seqs=(16384,), heads: int = 32, tag: str = "") -> list:
                                                  "bfloat16", "bfloat16", "bfloat16", is_causal=causal, scale=None,
                                                  layout="contiguous", backend="fused", backends=("fused",))
             ps = [plans.plan(spec, 1, lay, capability=(9, 0))] + [
-                plans.plan_bwd(spec, 1, lay, capability=(9, 0), deterministic=d) for d in (False, True)]
+                plans.plan_bwd(spec, 1, lay, capability=(9, 0), deterministic=d) for d in (False, True)] + [
+                plans.plan_bwd(spec, 1, lay, capability=None, deterministic=True)]  # the tl split
             recs += [p.compile_record(tag=tag) for p in ps]
     return recs + [dict(r, tag=tag) for r in gluon_bwd.launch_records(seqs)]
+
+
+def _without_gluon(fn):
+    """``fn`` run with RING_ATTENTION_GLUON=0 (read at each plan): the backward it launches is the tl split."""
+    def run():
+        old = os.environ.get(plans.GLUON_ENV)
+        os.environ[plans.GLUON_ENV] = "0"
+        try:
+            return fn()
+        finally:
+            if old is None:
+                os.environ.pop(plans.GLUON_ENV)
+            else:
+                os.environ[plans.GLUON_ENV] = old
+    return run
 
 
 def plot(csv_path: str, png: str) -> None:
@@ -75,11 +97,12 @@ def main():
                            for _ in range(4))
             flops = 2.5 * 4 * a.heads * S * S * 128 * (0.5 if causal else 1.0)
             runs = []
-            for det in (False, True):
+            for det, split in ((False, False), (True, False), (True, True)):
                 ts = [x.detach().requires_grad_() for x in (q, k, v)]
                 out = torch_bridge.ring_attention(*ts, is_causal=causal, backend="fused", deterministic=det)
-                runs.append((f"fused deterministic={det}",
-                             lambda out=out, ts=ts: torch.autograd.grad(out, ts, do, retain_graph=True)))
+                fn = functools.partial(torch.autograd.grad, out, ts, do, retain_graph=True)
+                runs.append((f"fused deterministic={det}" + (" tl split" if split else ""),
+                             _without_gluon(fn) if split else fn))
             o, lse = gluon_bwd._forward(q, k, v, causal)
             runs.append((f"probe {gluon_bwd.CONFIG}", lambda o=o, lse=lse: gluon_bwd.backward(q, k, v, o, lse, do,
                                                                                             causal)))

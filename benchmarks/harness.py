@@ -113,6 +113,8 @@ METHODS = {
     "jax_fused": MethodInfo("jax", "fused", "jax_ring.ring_attention(backend='fused') in shard_map", True),
     "jax_fused_deferred": MethodInfo("jax", "fused", "jax_fused without the per-call host callback "
                                                      "(RING_ATTENTION_ERRORS=deferred)", True),
+    "torch_fused_det": MethodInfo("torch", "fused", "torch_fused with deterministic=True (the tl backward)", True),
+    "jax_fused_det": MethodInfo("jax", "fused", "jax_fused with deterministic=True (the tl backward)", True),
     "torch_ref": MethodInfo("torch", "reference", "torch_bridge backend='torch' (p2p ring, float32 maths)", True),
     "jax_xla": MethodInfo("jax", "reference", "jax_ring backend='xla' (ppermute ring, float32 maths)", True),
     "jax_cudnn_ring": MethodInfo("jax", "peer", "pure-JAX ppermute ring, cuDNN per block, LSE merge"),

@@ -333,7 +333,7 @@ def _masks(case, data) -> dict:
     return dict(window_size=case.window_size, segment_ids=data.local_ids)
 
 
-def build_torch_ring(env, args, case, data, stack, backend, **_):
+def build_torch_ring(env, args, case, data, stack, backend, deterministic=False, **_):
     import torch_bridge
 
     if backend == "fused" and not env.cuda:
@@ -341,17 +341,18 @@ def build_torch_ring(env, args, case, data, stack, backend, **_):
 
     def attn(q, k, v):
         return torch_bridge.ring_attention(q, k, v, is_causal=case.causal, layout=case.layout, backend=backend,
-                                           **_masks(case, data))
+                                           deterministic=deterministic, **_masks(case, data))
 
+    note = f"backend={backend}" + ("; deterministic=True" if deterministic else "")
     prep = _torch_prepared(env, case, stack, attn, data.local_sets, data.local_douts, lambda name, x: x,
-                           f"backend={backend}", ring_shapes(case),
+                           note, ring_shapes(case),
                            finish=torch_bridge.check_errors if backend == "fused" else None)
     if backend == "fused":
         prep.ring_steps = functools.partial(fused_ring_steps, env, case, "torch")
     return prep
 
 
-def build_jax_ring(env, args, case, data, stack, backend, **_):
+def build_jax_ring(env, args, case, data, stack, backend, deterministic=False, **_):
     import jax_ring
 
     if backend == "fused" and not env.cuda:
@@ -360,9 +361,9 @@ def build_jax_ring(env, args, case, data, stack, backend, **_):
     def body(q, k, v, *ids):  # ids: a packed case's segment ids, the last argument of every call (jax_sharded)
         return jax_ring.ring_attention(q, k, v, axis_name=AXIS, is_causal=case.causal, layout=case.layout,
                                        backend=backend, window_size=case.window_size,
-                                       segment_ids=ids[0] if ids else None)
+                                       segment_ids=ids[0] if ids else None, deterministic=deterministic)
 
-    prep = _jax_ring(env, case, data, body, f"backend={backend}")
+    prep = _jax_ring(env, case, data, body, f"backend={backend}" + ("; deterministic=True" if deterministic else ""))
     if backend == "fused":
         prep.ring_steps = functools.partial(fused_ring_steps, env, case, "jax")
     return prep
@@ -504,6 +505,8 @@ BUILDERS = {  # every method of harness.METHODS, under its name there
     "torch_fused": functools.partial(build_torch_ring, backend="fused"),
     "jax_fused": functools.partial(build_jax_ring, backend="fused"),
     "jax_fused_deferred": build_jax_fused_deferred,
+    "torch_fused_det": functools.partial(build_torch_ring, backend="fused", deterministic=True),
+    "jax_fused_det": functools.partial(build_jax_ring, backend="fused", deterministic=True),
     "torch_ref": functools.partial(build_torch_ring, backend="torch"),
     "jax_xla": functools.partial(build_jax_ring, backend="xla"),
     "jax_cudnn_ring": build_jax_cudnn_ring,

@@ -31,6 +31,8 @@ PANEL_KEY = ("pass", *CASE_FIELDS)
 STYLE = {  # method: (color, linestyle, marker)
     "torch_fused": ("tab:red", "-", "o"),
     "jax_fused": ("tab:orange", "-", "s"),
+    "torch_fused_det": ("tab:pink", "-", "o"),
+    "jax_fused_det": ("tab:olive", "-", "s"),
     "torch_ref": ("tab:gray", ":", "v"),
     "jax_xla": ("tab:brown", ":", "^"),
     "jax_cudnn_ring": ("tab:purple", "-.", "D"),

@@ -61,7 +61,7 @@ ERR_KV_TIMEOUT = 1  # a peer's K/V never arrived
 ERR_BARRIER_TIMEOUT = 2  # a peer never reached the end-of-call barrier
 ERR_PEER_FAILED = 3  # a peer failed (its error was raised there)
 ERR_PARTIAL_TIMEOUT = 4  # backward: a peer's partial dK/dV never arrived
-ERR_LOCAL_TIMEOUT = 5  # backward: this rank's own delta rows never all arrived (cannot happen but bounded)
+ERR_LOCAL_TIMEOUT = 5  # backward: a wait on this rank's own programs (delta rows, dQ turns) ran out (cannot happen)
 ERR_MISMATCH = 6  # a peer's call differs (shapes, dtype, flags, layout, world size or kernel): nothing was sent
 ERR_EPOCH = 7  # a peer is at another call (counters apart after an earlier timeout): nothing was sent
 ERR_START_TIMEOUT = 8  # a peer never published its signature: it did not start this call
@@ -267,7 +267,7 @@ def check_status(status, rank: int, timeout_s: float | None = None, members=None
     elif code == ERR_PARTIAL_TIMEOUT:  # backward kernel
         what = f"waiting for the partial dK/dV of rank {peer} (backward)"
     elif code == ERR_LOCAL_TIMEOUT:
-        what = "waiting for this rank's own backward programs (delta rows)"
+        what = "waiting for this rank's own backward programs (delta rows or dQ turns)"
     else:
         what = f"with unknown error code {code} (peer {peer}, step {step})"
     raise RingAttentionTimeout(

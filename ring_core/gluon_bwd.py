@@ -1,12 +1,12 @@
-"""The fused ring-attention backward for Hopper, in Gluon, with ``deterministic=False``: the protocol of
-ring_core.kernel_bwd, with FlashAttention-3's backward for the math (issue 19).
+"""The fused ring-attention backward for Hopper, in Gluon: the protocol of ring_core.kernel_bwd, with
+FlashAttention-3's backward for the math (issue 19).
 
 Why a second backward source: the tl backward (ring_core.kernel_bwd) is FlashAttention-2's split, seven matmuls per
 block pair where five would do, with dQ summed in a fixed order (deterministic). Five matmuls need dQ added up from
 many programs; on the math warps (float atomics) that lost (benchmarks/NOTES.md, v1e), and FlashAttention-3 takes
 the adds off them with TMA bulk reductions, which only Gluon reaches (benchmarks/gluon_bwd.py measured the loop at
-0.85-0.89x cuDNN at world size 1). The order of those adds varies from run to run: this kernel serves
-``deterministic=False`` (the frontends' default); ``deterministic=True`` runs the tl kernel, which also serves the
+0.85-0.89x cuDNN at world size 1). With DETERMINISTIC=False (the frontends' default) the adds come in any order;
+with True each waits for its turn (below), so dQ is bit-identical from run to run. The tl kernel serves the
 interpreter, other GPUs, fp32, head_dim other than 128, windows and segment ids (``plans.gluon_bwd_applies``).
 
 The protocol is ring_core.kernel_bwd's, through ring_core.protocol's own helpers (they compile under Gluon:
@@ -32,6 +32,15 @@ on the peers exactly as in the tl kernel: ring_core.protocol's no-deadlock argum
      accumulator with one TMA bulk reduction (``tma_add``), issued and left running (the buffer is rewritten a step
      later, after the reduction has read it). Causal: a query block and a half-block of keys are each contiguous
      in position (S % 128, zigzag S % 256), so the mask is one number per pair of them.
+   * DETERMINISTIC: the adds to each query block's dQ rows (per head and half of D) come in ticket order. A counter
+     per such rows (int32, after the accumulator; zeroed by the delta tasks) counts the adds made; an add waits
+     (bounded; read while the step's MMAs run) until it equals the task's turn (``_dq_turn``: the adds of earlier
+     tickets to those rows, counted from positions), a proxy fence, then the add; the count after it is released
+     a step later, once ``cp.async.bulk.wait_group 1`` says the add completed. The dK/dV tickets then go from the
+     last K/V block to the first, every (batch, kv head)'s at a time: the order in which the tasks, each going up
+     from its first visible query block, reach a block, so the turns seldom make anyone wait (causal: the lightest
+     tasks first, a few % of tail against the heaviest first). Waits only for earlier tickets of this rank: the
+     no-deadlock argument holds; the order is fixed, so the float sums are the same in every run.
    * After the loop each consumer waits for its reductions to complete, fences the async proxy against the generic
      one, and counts itself in CTL_BWD_DELTA again (release): the dQ adds of a task are in memory once both of its
      consumers have counted.
@@ -95,6 +104,40 @@ def _reductions_done():
     ordered before its generic accesses (the count that publishes them)."""
     gl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n fence.proxy.async.global;\n mov.b32 $0, 0;", "=r", [],
                               dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _reductions_done_but_one():
+    """As ``_reductions_done``, for every TMA bulk reduction of this thread but the newest: the previous step's dQ
+    adds, published a step late, when waiting for them costs nothing."""
+    gl.inline_asm_elementwise("cp.async.bulk.wait_group 1;\n fence.proxy.async.global;\n mov.b32 $0, 0;", "=r", [],
+                              dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _seen_blocks(q_last, src, S, W: gl.constexpr, CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr):
+    """How many of rank ``src``'s K/V blocks add to the dQ of a query block whose last row is at ``q_last``: the
+    blocks whose first key is at or before it (causal), a prefix of the shard (``visible_rows``); all of them
+    otherwise."""
+    if CAUSAL:
+        return (visible_rows(q_last, src, S, W, ZIGZAG) + _KV_ROWS - 1) // _KV_ROWS
+    else:
+        return S // _KV_ROWS
+
+
+@gluon.jit
+def _dq_turn(m0, n_blk, d, rank, S, W: gl.constexpr, CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr):
+    """With ``DETERMINISTIC``: how many dK/dV tasks add to the dQ rows of the query block at row m0 before the task
+    of K/V block ``n_blk`` at peer distance ``d``. The order is the tickets': the partial tasks by distance 1..W-1,
+    then the final ones; within each, the blocks from the last to the first (the kernel's ticket order then), and
+    the contributors of each source are a prefix of its blocks (``_seen_blocks``)."""
+    q_last = positions(m0 + _Q_ROWS - 1, rank, S, W, ZIGZAG)
+    turn = _seen_blocks(q_last, (rank - d + W) % W, S, W, CAUSAL, ZIGZAG) - 1 - n_blk
+    if W > 1:
+        group = gl.where(d == 0, W - 1, d - 1)
+        for g in gl.static_range(W - 1):
+            turn += gl.where(g < group, _seen_blocks(q_last, (rank - g - 1 + W) % W, S, W, CAUSAL, ZIGZAG), 0)
+    return turn
 
 
 @gluon.jit
@@ -211,11 +254,14 @@ def load_steps(q_desc, do_desc, q_smem, do_smem, lse_smem, dl_smem, q_ready, q_e
 
 @gluon.jit
 def dkdv_steps(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_bar, q_ready, q_empty, ds_bar,
-               dq_desc, b, hkv, n0, src, rank, S, n_m, i_lo, sm_scale, HALF_INDEX: gl.constexpr, W: gl.constexpr,
-               H: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr):
+               dq_desc, b, hkv, n0, d, src, rank, S, n_m, i_lo, sm_scale, turns, ctl, timeout_ns,
+               HALF_INDEX: gl.constexpr, W: gl.constexpr, H: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr,
+               CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr, DETERMINISTIC: gl.constexpr):
     """A consumer's steps on K/V rows [n0 + 64 * HALF_INDEX, + 64) of rank ``src`` (module docstring): (dK, dV) of
-    those rows, float32, unscaled; dQ's reductions issued (the caller waits for them). Also
-    benchmarks/gluon_bwd.py's."""
+    those rows, float32, unscaled; dQ's reductions issued (the caller waits for them). With DETERMINISTIC, each
+    reduction waits for its turn at its rows (``turns``: one counter per query block, head and half of D, counting
+    the adds made; ``_dq_turn``), and the count after it is published a step later, once it has completed; ``d``
+    (the K/V's peer distance), ``ctl`` and ``timeout_ns`` serve that wait only. Also benchmarks/gluon_bwd.py's."""
     G: gl.constexpr = H // HKV
     dtype: gl.constexpr = q_smem.dtype
     DQ_COLS: gl.constexpr = D // 2
@@ -234,6 +280,7 @@ def dkdv_steps(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv
     qk_scale = sm_scale * _LOG2E
     if n_m > 0:
         mbarrier.wait(kv_bar, 0)
+    prev = turns  # the counter of the previous step's rows
     for i in range(G * n_m):
         h, m0 = _work(i, n_m, i_lo, hkv, G)
         s = i % _STAGES
@@ -271,6 +318,12 @@ def dkdv_steps(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv
         # Both halves of dS stored: dQ's columns of this consumer over all 128 K/V rows.
         mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)
         dq = warpgroup_mma(ds_buf.permute((1, 0)), k_cols, zero_q, use_acc=False, is_async=True)
+        if DETERMINISTIC:
+            # This step's turn at its rows, read while the MMAs run: by the time the add is issued it has
+            # usually come (the order follows the tickets, in which the tasks start).
+            turn_ptr = turns + ((b * H + h) * (S // _Q_ROWS) + m0 // _Q_ROWS) * 2 + HALF_INDEX
+            turn = _dq_turn(m0, n0 // _KV_ROWS, d, rank, S, W, CAUSAL, ZIGZAG)
+            made = gl.atomic_add(turn_ptr, 0, sem="acquire", scope="gpu")
         dq, dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dk, dv))
         release(q_empty, s)
         tma.store_wait(pendings=0)  # the previous step's reduction has read the buffer
@@ -278,23 +331,40 @@ def dkdv_steps(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv
         dq_smem.store(dq)
         fence_async_shared()
         cta_barrier()
+        if DETERMINISTIC:
+            if made < turn:
+                if poll_ge(turn_ptr, turn, ctl, timeout_ns, False) == 0:
+                    record_error(ctl, ERR_LOCAL_TIMEOUT, rank, d, m0 // _Q_ROWS)
+            _proxy_fence()  # the earlier adds, acquired above, before this one (the async proxy's)
         tma_add(dq_desc, [b * S + m0, h * D + HALF_INDEX * DQ_COLS], dq_smem)
+        if DETERMINISTIC:
+            if i > 0:
+                _reductions_done_but_one()  # the previous step's add is in memory: count it
+                cta_barrier()
+                gl.atomic_add(prev, 1, sem="release", scope="gpu")
+            prev = turn_ptr
+    if DETERMINISTIC:
+        if G * n_m > 0:
+            _reductions_done()
+            cta_barrier()
+            gl.atomic_add(prev, 1, sem="release", scope="gpu")
     return dk, dv
 
 
 @gluon.jit
 def _consumer(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_bar, q_ready, q_empty, ds_bar,
               part_bar, dq_desc, dk_ptr, dv_ptr, ctx_ptr, part_off, b, hkv, n0, d, rank, S, B, n_m, i_lo, timeout_ns,
-              sm_scale, HALF_INDEX: gl.constexpr, W: gl.constexpr, H: gl.constexpr, HKV: gl.constexpr,
-              D: gl.constexpr, CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr, CHUNK_ROWS: gl.constexpr):
+              sm_scale, turns, ctl, HALF_INDEX: gl.constexpr, W: gl.constexpr, H: gl.constexpr, HKV: gl.constexpr,
+              D: gl.constexpr, CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr, CHUNK_ROWS: gl.constexpr,
+              DETERMINISTIC: gl.constexpr):
     """One consumer of a dK/dV task (module docstring): its steps, then its rows' partial sent or final dK/dV
     written. ``n_m`` is 0 for a task with nothing to compute or send (its block unseen, or the call check failed).
     What only the end needs (the ring's words, the partial slots) is read again there from ``ctx_ptr``, not held
     across the loop: registers are what the loop is short of."""
     dtype: gl.constexpr = q_smem.dtype
     dk, dv = dkdv_steps(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_bar, q_ready,
-                        q_empty, ds_bar, dq_desc, b, hkv, n0, (rank - d + W) % W, rank, S, n_m, i_lo, sm_scale,
-                        HALF_INDEX, W, H, HKV, D, CAUSAL, ZIGZAG)
+                        q_empty, ds_bar, dq_desc, b, hkv, n0, d, (rank - d + W) % W, rank, S, n_m, i_lo, sm_scale,
+                        turns, ctl, timeout_ns, HALF_INDEX, W, H, HKV, D, CAUSAL, ZIGZAG, DETERMINISTIC)
     kv_layout: gl.constexpr = dk.type.layout
     n_first = n0 + HALF_INDEX * _HALF
     heap_bases, rank, ctl, flags, recv_addr, epoch = ring_context(ctx_ptr, W)  # (the epoch changes only at the end
@@ -383,6 +453,7 @@ def ring_attn_bwd_gluon(
     CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr, INTERPRET: gl.constexpr, DOT_PRECISION: gl.constexpr,
     SIG_DTYPE: gl.constexpr, STICKY_ERRORS: gl.constexpr,
     WINDOW: gl.constexpr, WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr, SEGMENTED: gl.constexpr,
+    DETERMINISTIC: gl.constexpr,
 ):
     gl.static_assert(KV_BLOCK_N == _KV_ROWS and KV_BLOCK_M == _Q_ROWS and DQ_BLOCK_M == _ROW_TASK and BLOCK_D == D,
                      "ring_core.plans: the Gluon backward's config")
@@ -413,6 +484,9 @@ def ring_attn_bwd_gluon(
     n_part = (W - 1) * B * HKV * n_kvb
     n_kv = n_part + B * HKV * n_kvb  # dK/dV tasks: partial, then final
     dq_acc = delta_ptr + (rank * 0 + B).to(gl.int64) * H * S  # the float32 dQ accumulator [B, S, H, D]
+    # With DETERMINISTIC, the adds made to each query block's dQ rows, per head and half of D (int32 [B, H, S // 64,
+    # 2], after the accumulator; zeroed by the delta tasks): ``dkdv_steps``.
+    turns = (dq_acc + (rank * 0 + B).to(gl.int64) * S * H * D).to(gl.pointer_type(gl.int32), bitcast=True)
 
     # ---- every task's shared memory and barriers (one allocation for the kernel) ----------------------------
     layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -431,6 +505,9 @@ def ring_attn_bwd_gluon(
             do = gl.load(do_ptr + off).to(gl.float32)
             gl.store(delta_ptr + row_off, gl.sum(do * o, axis=1) - gl.load(dlse_ptr + row_off))
             gl.store(dq_acc + off, gl.zeros_like(o))
+        if DETERMINISTIC:
+            words = gl.arange(0, 4, layout=gl.BlockedLayout([1], [32], [4], [0]))  # 2 query blocks x 2 halves
+            gl.store(turns + (bh * n_rows + tid % n_rows) * 4 + words, words * 0)
         cta_barrier()  # every thread's stores before the count (cumulativity through bar.sync), then publish
         gl.atomic_add(ctl + CTL_BWD_DELTA, 1, sem="release", scope="gpu")
     elif tid < n_dq + n_kv:
@@ -440,9 +517,17 @@ def ring_attn_bwd_gluon(
         is_final = t >= n_part
         d = gl.where(is_final, 0, t // per_d + 1)  # peer distance of the K/V's owner; 0: local K/V
         rem = gl.where(is_final, t - n_part, t % per_d)
-        n0 = (rem % n_kvb) * _KV_ROWS
-        b = rem // n_kvb // HKV
-        hkv = rem // n_kvb % HKV
+        if DETERMINISTIC:
+            # The blocks from the last to the first, every (batch, kv head)'s at a time: the order in which the
+            # tasks reach a query block (from their first visible one upwards), so that dQ's adds, which
+            # follow the tickets (``_dq_turn``), seldom wait. Causal: the lightest tasks first.
+            n0 = (n_kvb - 1 - rem // (B * HKV)) * _KV_ROWS
+            b = rem % (B * HKV) // HKV
+            hkv = rem % HKV
+        else:
+            n0 = (rem % n_kvb) * _KV_ROWS  # causal: the heaviest first, per (batch, kv head)
+            b = rem // n_kvb // HKV
+            hkv = rem // n_kvb % HKV
         src = (rank - d + W) % W
         if poll_ge(ctl + CTL_BWD_DELTA, n_dq, ctl, timeout_ns, False) == 0:
             record_error(ctl, ERR_LOCAL_TIMEOUT, rank, d, n0 // _KV_ROWS)
@@ -467,13 +552,15 @@ def ring_attn_bwd_gluon(
         gl.warp_specialize([
             (_consumer, (q_smem, do_smem, kv_smem, ds_smem, dq_smem.index(0), lse_smem, dl_smem, kv_bar, q_ready,
                          q_empty, ds_bar, part_bar, dq_desc, dk_ptr, dv_ptr, ctx_ptr, part_off, b, hkv, n0, d, rank,
-                         S, B, n_m, i_lo, timeout_ns, sm_scale, 0, W, H, HKV, D, CAUSAL, ZIGZAG, CHUNK_ROWS)),
+                         S, B, n_m, i_lo, timeout_ns, sm_scale, turns, ctl, 0, W, H, HKV, D, CAUSAL, ZIGZAG,
+                         CHUNK_ROWS, DETERMINISTIC)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, r_desc, q_smem, do_smem, kv_smem, lse_smem, dl_smem,
                          kv_bar, q_ready, q_empty, lse_ptr, delta_ptr, b, hkv, n0, d, src, S, B, n_m, i_lo, flags,
                          n_chunks, epoch, ctl, timeout_ns, W, H, G, HKV, D, CHUNK_ROWS)),
             (_consumer, (q_smem, do_smem, kv_smem, ds_smem, dq_smem.index(1), lse_smem, dl_smem, kv_bar, q_ready,
                          q_empty, ds_bar, part_bar, dq_desc, dk_ptr, dv_ptr, ctx_ptr, part_off, b, hkv, n0, d, rank,
-                         S, B, n_m, i_lo, timeout_ns, sm_scale, 1, W, H, HKV, D, CAUSAL, ZIGZAG, CHUNK_ROWS)),
+                         S, B, n_m, i_lo, timeout_ns, sm_scale, turns, ctl, 1, W, H, HKV, D, CAUSAL, ZIGZAG,
+                         CHUNK_ROWS, DETERMINISTIC)),
         ], [_LOAD_WARPS, _CONSUMER_WARPS], [_LOAD_REGS, _CONSUMER_REGS])
     else:
         # ================================ dQ task ===============================================

@@ -219,6 +219,7 @@ def ring_attn_bwd_kernel(
     CAUSAL: tl.constexpr, ZIGZAG: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SIG_DTYPE: tl.constexpr, STICKY_ERRORS: tl.constexpr,
     WINDOW: tl.constexpr, WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SEGMENTED: tl.constexpr,
+    DETERMINISTIC: tl.constexpr,  # the Gluon kernel's (ring_core.gluon_bwd); this one always sums in a fixed order
 ):
     G: tl.constexpr = H // HKV
     CHUNK_ROWS: tl.constexpr = CHUNK_BLOCKS * KV_BLOCK_N

@@ -122,8 +122,8 @@ GLUON_BWD_HEAD_DIMS = (128,)
 
 
 def gluon_bwd_applies(spec: AttentionSpec, world_size: int, capability) -> bool:
-    """Whether the Gluon Hopper backward (ring_core.gluon_bwd) may take the backward of ``spec`` (when the caller
-    does not ask for determinism): where the Gluon forward applies (``gluon_applies``) and head_dim is 128 (its dQ
+    """Whether the Gluon Hopper backward (ring_core.gluon_bwd) takes the backward of ``spec`` (with or without
+    ``deterministic``): where the Gluon forward applies (``gluon_applies``) and head_dim is 128 (its dQ
     is split between two consumers by halves of D, 64 columns of a 128-byte swizzled row each)."""
     return gluon_applies(spec, world_size, capability) and spec.head_dim in GLUON_BWD_HEAD_DIMS
 
@@ -140,8 +140,9 @@ class BwdKernelConfig:
     ``deterministic``: whether the kernel this config runs gives bit-identical gradients from run to run (and
     so between the frontends, which launch it alike). The split kernel (ring_core.kernel_bwd) always does: every
     dQ, dK and dV block is summed in a fixed order. The Gluon kernel (``gluon``: ring_core.gluon_bwd) adds dQ up in
-    the order its contributions arrive and says False. Not a constexpr: the split kernel's binary and its cache key
-    are the same whatever the caller asked for."""
+    the order its contributions arrive when False, and in the tickets' order (each add waiting for its turn) when
+    True. The constexpr DETERMINISTIC of both kernels; the split kernel ignores it (always True for it: one binary
+    whatever the caller asked for)."""
 
     dq_block_m: int
     dq_block_n: int
@@ -159,14 +160,15 @@ class BwdKernelConfig:
     def get_default(spec: AttentionSpec, world_size: int, *, interpret: bool = False,
                     deterministic: bool = False, capability: tuple | None = None) -> "BwdKernelConfig":
         """The tiles for ``spec``. ``deterministic``: the caller needs bit-identical gradients from run to run
-        (the frontends' ``deterministic``, or the framework's switch for deterministic algorithms); False lets the
-        Gluon Hopper kernel (ring_core.gluon_bwd: dQ added up by TMA reductions, in no fixed order) take the call
-        where it applies on a GPU of compute ``capability`` (``gluon_bwd_applies``): its fixed tiles (128 K/V rows
-        per dK/dV task, 64 query rows per step, 128 rows per delta or dQ task, one K/V block per flag)."""
-        if not interpret and not deterministic and gluon_bwd_applies(spec, world_size, capability):
+        (the frontends' ``deterministic``, or the framework's switch for deterministic algorithms). Where the Gluon
+        Hopper kernel applies on a GPU of compute ``capability`` (``gluon_bwd_applies``) it takes the call either
+        way (ring_core.gluon_bwd: dQ added up by TMA reductions, in no fixed order, or in a fixed one with
+        ``deterministic``), with its fixed tiles (128 K/V rows per dK/dV task, 64 query rows per step, 128 rows per
+        delta or dQ task, one K/V block per flag)."""
+        if not interpret and gluon_bwd_applies(spec, world_size, capability):
             return BwdKernelConfig(dq_block_m=GLUON_BWD_ROW_TASK, dq_block_n=GLUON_BWD_Q_ROWS,
                                    kv_block_n=GLUON_BWD_KV_ROWS, kv_block_m=GLUON_BWD_Q_ROWS, chunk_blocks=1,
-                                   push_rows=32, num_warps=4, num_stages=2, deterministic=False, gluon=True)
+                                   push_rows=32, num_warps=4, num_stages=2, deterministic=deterministic, gluon=True)
         if interpret:
             # Small tiles: several blocks, chunks and tasks even at the tiny sizes CI can afford.
             return BwdKernelConfig(16, 16, 16, 16, chunk_blocks=1, push_rows=16, num_warps=4, num_stages=1,
@@ -279,7 +281,7 @@ class LaunchPlan:
         if self.kind == control.KIND_FWD:
             return dict(shared, BLOCK_M=c.block_m, BLOCK_N=c.block_n)
         return dict(shared, DQ_BLOCK_M=c.dq_block_m, DQ_BLOCK_N=c.dq_block_n, KV_BLOCK_N=c.kv_block_n,
-                    KV_BLOCK_M=c.kv_block_m, PART_VEC=store_hint(s.head_dim, 4))
+                    KV_BLOCK_M=c.kv_block_m, PART_VEC=store_hint(s.head_dim, 4), DETERMINISTIC=c.deterministic)
 
     def signature(self):
         """This call's signature words (ring_core.control.call_signature), as the kernel builds them."""
@@ -333,7 +335,7 @@ class LaunchPlan:
     def out_shapes(self):
         """(shape, dtype name) of the outputs, in argument order: forward out, lse, status; backward dq, dk,
         dv, delta (scratch: [B, H, S]; the Gluon kernel's, flat, with its float32 dQ accumulator [B, S, H, D]
-        after it), status."""
+        after it, then its int32 counters of dQ's adds [B, H, S // 64, 2]), status."""
         s = self.spec
         q = (s.batch, s.seq_local, s.num_heads, s.head_dim)
         rows = (s.batch, s.num_heads, s.seq_local)
@@ -342,7 +344,8 @@ class LaunchPlan:
             return (q, s.dtype), (rows, "float32"), status
         kv = (s.batch, s.seq_local, s.num_kv_heads, s.head_dim)
         if self.config.gluon:
-            rows = (math.prod(rows) + math.prod(q),)
+            turns = s.batch * s.num_heads * (s.seq_local // GLUON_BWD_Q_ROWS) * 2
+            rows = (math.prod(rows) + math.prod(q) + turns,)
         return (q, s.dtype), (kv, s.dtype), (kv, s.dtype), (rows, "float32"), status
 
 

@@ -27,6 +27,10 @@ Checks (every rank asserts; rank 0 writes a JSON summary under --out):
   8. gluon: the Gluon Hopper forward (ring_core.gluon_kernel, which the plans pick on an H200 where it applies;
      on another GPU the section says so and fails) through both frontends against float64, JAX and torch
      bit-identical, and the tl kernel on the same inputs (RING_ATTENTION_GLUON=0) against float64 beside it.
+  9. gluon-bwd: the Gluon Hopper backward (ring_core.gluon_bwd) on the gluon section's head_dim-128 cases,
+     through both frontends against float64: with deterministic=False (dQ's adds in any order) and True (in
+     the tickets' order: JAX and torch bit-identical, each bit-identical from run to run). The bwd section's
+     head_dim-128 cases run it too (deterministic).
 
 Ranks may share a GPU (``shared``): then no XLA collective runs between them, so the xla reference ring is
 left out of the tables that use it.
@@ -88,8 +92,8 @@ JIT_CASES = [(1, 256, 4, 2, 64, "bfloat16", True, "zigzag"), (1, 100, 4, 2, 64, 
 GLUON_CASES = [(1, 1024, 8, 2, 128, "bfloat16", True, "zigzag"), (2, 512, 4, 4, 64, "float16", False, "contiguous"),
                (1, 768, 8, 8, 128, "bfloat16", True, "contiguous"), (1, 512, 6, 3, 64, "bfloat16", True, "zigzag", 0.3),
                (1, 128, 4, 1, 128, "float16", True, "contiguous"), (1, 2048, 4, 2, 128, "bfloat16", False, "zigzag")]
-# The gluon-bwd section: backwards the Gluon Hopper backward takes with deterministic=False (the default;
-# ring_core.plans.gluon_bwd_applies: the Gluon forward's cases with head_dim 128), the lse gradient in one.
+# The gluon-bwd section: backwards the Gluon Hopper backward takes (ring_core.plans.gluon_bwd_applies: the Gluon
+# forward's cases with head_dim 128), the lse gradient in one; each with deterministic=False (the default) and True.
 # (B, S, H, HKV, D, dtype, causal, layout, scale, lse-grad)
 GLUON_BWD_CASES = [c[:8] + (c[8] if len(c) > 8 else None, i == 0) for i, c in enumerate(GLUON_CASES) if c[4] == 128]
 GRADS_CASE = (1, 128, 4, 2, 32, "float32", True, "zigzag")
@@ -303,19 +307,20 @@ def main():
                 else np.asarray(x.astype(jnp.float32)))
 
     def bwd_case(B, S, H, HKV, D, dt, causal, lay, scale=None, use_lse=False, segs=None, window=None,
-                 deterministic=True):
+                 deterministic=True, gluon=False):
         """The fused backward through both frontends, twice each: gradients against float64; with
         ``deterministic`` JAX and torch bit-identical and each frontend bit-identical from run to run; with masks
         (``segs``: global ids [B, S * W], natural order; ``window``), padding rows' gradients exactly 0 and no NaN.
-        deterministic=False: the plan must launch the Gluon backward (``gluon_bwd_applies`` holds for every such
-        case here), whose dQ sums come in no fixed order: each run against float64 only. Raises AssertionError."""
+        deterministic=False: whose dQ sums come in no fixed order: each run against float64 only. ``gluon``: the
+        plan must launch the Gluon backward (``gluon_bwd_applies`` holds for every such case here). Raises
+        AssertionError."""
         name = (f"bwd B{B} S{S} H{H}/{HKV} D{D} {dt} causal={causal} {lay} scale={scale} lse-grad={use_lse}"
-                f"{mask_name(segs, window)}{'' if deterministic else ' gluon'}")
-        if not deterministic:
+                f"{mask_name(segs, window)}{' gluon' if gluon else ''}{'' if deterministic else ' any-order'}")
+        if gluon:
             spec = validate.check_attention_args((B, S, H, D), (B, S, HKV, D), (B, S, HKV, D), dt, dt, dt,
                                                  is_causal=causal, scale=scale, layout=lay, backend="fused",
                                                  backends=("fused",))
-            kernel = ring_heap.get().plan_bwd(spec, W).kernel().__name__
+            kernel = ring_heap.get().plan_bwd(spec, W, deterministic=deterministic).kernel().__name__
             assert kernel == "ring_attn_bwd_gluon", f"{name}: the plan launches {kernel} on this GPU"
         t1 = time.time()
         q, k, v, do = testing.random_inputs(40 + len(name), B, S * W, H, HKV, D, dt, with_dout=True)
@@ -426,9 +431,11 @@ def main():
     # ---- the Gluon Hopper backward (deterministic=False) against float64 ----------------------------
     if "gluon-bwd" in sections:
         t0 = time.time()
-        for c in GLUON_BWD_CASES:
-            keep_going(lambda: bwd_case(*c[:8], scale=c[8], use_lse=c[9], deterministic=False), c)
-        summary["gluon_bwd_cases"] = len(GLUON_BWD_CASES)
+        for c in GLUON_BWD_CASES:  # each in both orders of dQ's adds
+            for det in (False, True):
+                keep_going(lambda: bwd_case(*c[:8], scale=c[8], use_lse=c[9], deterministic=det, gluon=True),
+                           c + (det,))
+        summary["gluon_bwd_cases"] = 2 * len(GLUON_BWD_CASES)
         summary["gluon_bwd_s"] = round(time.time() - t0, 1)
 
     # ---- two fused calls of different shapes in one jitted program -------------------------------

@@ -75,8 +75,8 @@ Stages (``NAME[:SECONDS]``; the default time limit is in brackets):
   bench-doclens  the packed forward at W=1 with documents of 16384, 4096 and 1024 tokens    [150]
   checks-masks-tail  tests/gpu_checks.py masks cases 3, 4, 5 (fp32 last)                  [420]
   bench-w1     benchmarks/attention.py at world size 1 (one rank whatever --nproc: run it with --nproc 1, so
-               that no MPS share caps it): fused and cuDNN, torch and JAX, bf16 D128 16k/32k, fwd and
-               fwd+bwd, the set-up of ../shared/gpu/README.md's world-size-1 table  [300]
+               that no MPS share caps it): fused (also with deterministic=True) and cuDNN, torch and JAX, bf16
+               D128 16k/32k, fwd and fwd+bwd, the set-up of ../shared/gpu/README.md's world-size-1 table  [300]
   examples     the four examples on 2 GPUs (flax_train.py needs flax and optax there: carry .whl and
                install them first, see the README)                                 [300]
   flax         examples/flax_train.py alone                                        [120]
@@ -204,7 +204,8 @@ STAGES = {
                                                "{out}/bwd_kernels_seq.csv"]]),
     "probe-launch-gap": (120, [LAUNCH1 + ["-m", "benchmarks.launch_gap", "--profile", "--csv", "{out}/launch_gap.csv"]]),
     "bench-w1": (300, [LAUNCH1 + ["-m", "benchmarks.attention", "--methods",
-                                  "torch_fused,torch_cudnn_1gpu,jax_fused,jax_fused_deferred,jax_cudnn_1gpu",
+                                  "torch_fused,torch_cudnn_1gpu,jax_fused,jax_fused_deferred,jax_cudnn_1gpu,"
+                                  "torch_fused_det,jax_fused_det",
                                   "--seq", "16k,32k", "--pass", "fwd,fwd+bwd", "--warmup", "2", "--iters", "5",
                                   "--csv", "{out}/attention_w1.csv"]]),
     # bench-w1's forward with the tl kernel (RING_ATTENTION_GLUON=0), beside cuDNN in the same run: the A/B of the

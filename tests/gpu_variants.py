@@ -188,14 +188,17 @@ def command_records(cmd, nproc: int, tag: str) -> list:
     return []
 
 
-FUSED_METHODS = {"torch_fused": False, "jax_fused": False, "jax_fused_deferred": True}  # -> sticky errors
+# Each fused method: (sticky errors, deterministic backward).
+FUSED_METHODS = {"torch_fused": (False, False), "jax_fused": (False, False), "jax_fused_deferred": (True, False),
+                 "torch_fused_det": (False, True), "jax_fused_det": (False, True)}
 
 
 def bench_records(argv, nproc: int, tag: str, capability=GPU_CAPABILITY) -> list:
     """The records of benchmarks/attention.py's fused launches with these arguments at ``nproc`` ranks: its cases
     (every shape, mask and pass), through each fused method asked for (JAX with deferred errors compiles with
-    sticky errors); the forward of every case, the backward of fwd+bwd ones; the forwards planned for a GPU of
-    ``capability`` (None: the tl kernel, as with RING_ATTENTION_GLUON=0)."""
+    sticky errors; the ``_det`` ones plan the deterministic backward); the forward of every case, the backward of
+    fwd+bwd ones; the forwards planned for a GPU of ``capability`` (None: the tl kernel, as with
+    RING_ATTENTION_GLUON=0)."""
     from benchmarks import attention, harness
 
     args = attention.parse_args([a for a in argv if not a.startswith("{")] + ["--csv", "/dev/null"])
@@ -208,9 +211,11 @@ def bench_records(argv, nproc: int, tag: str, capability=GPU_CAPABILITY) -> list
     for c in cases:
         spec = spec_of(c.batch, c.seq_local, c.heads, c.kv_heads, c.head_dim, c.dtype, c.causal, c.layout,
                        window=c.window if c.mask == "window" else None, segmented=c.segmented)
-        ps = [plans.plan(spec, nproc, lay, capability=capability)]
-        ps += [plans.plan_bwd(spec, nproc, lay, capability=capability)] if c.mode != "fwd" else []
-        recs += [p.compile_record(sticky_errors=FUSED_METHODS[m], tag=tag) for m in methods for p in ps]
+        for m in methods:
+            sticky, det = FUSED_METHODS[m]
+            ps = [plans.plan(spec, nproc, lay, capability=capability)]
+            ps += [plans.plan_bwd(spec, nproc, lay, capability=capability, deterministic=det)] if c.mode != "fwd" else []
+            recs += [p.compile_record(sticky_errors=sticky, tag=tag) for p in ps]
     return distinct(recs)
 
 

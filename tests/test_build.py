@@ -466,17 +466,23 @@ GLUON_BWD_COMPILE = PLAN_SM90 + textwrap.dedent("""
         spec = validate.check_attention_args((B, S, H, 128), (B, S, HKV, 128), (B, S, HKV, 128), dt, dt, dt,
                                              is_causal=causal, scale=None, layout=layout, backend="fused",
                                              backends=("fused",))
-        p = plans.plan_bwd(spec, W, lay, capability=(9, 0))
-        ck, ttgir, ptx, at, load, acq, fence, tma = compiled(p)
-        reduce, done = at(r"cp\\.reduce\\.async\\.bulk\\.tensor"), at(r"cp\\.async\\.bulk\\.wait_group 0")
-        out[f"{dt}-W{W}-{causal}-{layout}"] = dict(
-            gluon=p.config.gluon, deterministic=p.config.deterministic, name=ck.metadata.name,
-            ws="ttg.warp_specialize" in ttgir, load_partition=bool(load), warps=ck.metadata.num_warps,
-            shared=ck.metadata.shared, scratch=ck.metadata.global_scratch_size, grid=p.grid[0],
-            tasks=p.n_dq_tasks * 2 + p.n_partial_tasks + p.n_final_tasks, wgmma=ptx.count("wgmma.mma_async"),
-            reduces=len(reduce), done_after_reduce=bool(reduce and done and done[-1] > reduce[0]),
-            acquires=len(acq), tma_after_fence=bool(fence and tma and tma[-1] > fence[0] > acq[0]) if acq else None,
-            det=plans.plan_bwd(spec, W, lay, capability=(9, 0), deterministic=True).kernel().__name__)
+        for det in (False, True):
+            p = plans.plan_bwd(spec, W, lay, capability=(9, 0), deterministic=det)
+            ck, ttgir, ptx, at, load, acq, fence, tma = compiled(p)
+            reduce, done = at(r"cp\\.reduce\\.async\\.bulk\\.tensor"), at(r"cp\\.async\\.bulk\\.wait_group 0")
+            # deterministic: each add after an acquire of its turn (gpu scope: a load or an atomic), the previous
+            # add's completion (wait_group 1) before the release that counts it
+            turn, one = at(r"\\.global\\.gpu\\.acquire"), at(r"cp\\.async\\.bulk\\.wait_group 1;")
+            rel = at(r"atom\\.global\\.gpu\\.release")
+            out[f"{dt}-W{W}-{causal}-{layout}-{det}"] = dict(
+                gluon=p.config.gluon, deterministic=p.config.deterministic, name=ck.metadata.name,
+                ws="ttg.warp_specialize" in ttgir, load_partition=bool(load), warps=ck.metadata.num_warps,
+                shared=ck.metadata.shared, scratch=ck.metadata.global_scratch_size, grid=p.grid[0],
+                tasks=p.n_dq_tasks * 2 + p.n_partial_tasks + p.n_final_tasks, wgmma=ptx.count("wgmma.mma_async"),
+                reduces=len(reduce), done_after_reduce=bool(reduce and done and done[-1] > reduce[0]),
+                acquires=len(acq), tma_after_fence=bool(fence and tma and tma[-1] > fence[0] > acq[0]) if acq else None,
+                turn_before_reduce=bool(turn and reduce and turn[0] < reduce[0]), wait_one=len(one),
+                release_after_wait_one=bool(one and rel and rel[-1] > one[0]))
     print(json.dumps(out))
 """)
 
@@ -487,12 +493,14 @@ def test_gluon_backward_compiles_warp_specialised_with_tma_reductions(tmp_path):
     five warpgroup MMAs per step, dQ added by TMA bulk reductions whose completion (``cp.async.bulk.wait_group 0``,
     not only the shared-memory read) comes before the count that publishes them, within Hopper's shared memory;
     its grid the delta, dK/dV and dQ tasks; with peers, the chunk flags acquired before the proxy fence and the TMA
-    reads. deterministic=True plans the tl kernel. What it computes is checked on a GPU (tests/gpu_checks.py,
-    section ``gluon-bwd``)."""
+    reads. With deterministic=True the same kernel with its DETERMINISTIC order: each reduction after the acquire of
+    its turn, and the count of the previous one released after ``cp.async.bulk.wait_group 1`` (its completion).
+    What it computes is checked on a GPU (tests/gpu_checks.py, sections ``gluon-bwd`` and ``bwd``)."""
     got = _compiled_for_sm90(GLUON_BWD_COMPILE, tmp_path)
     for name, c in got.items():
-        assert c["gluon"] and not c["deterministic"] and c["name"] == "ring_attn_bwd_gluon", (name, c)
-        assert c["det"] == "ring_attn_bwd_kernel", (name, c)
+        det = name.endswith("-True")
+        assert c["gluon"] and c["deterministic"] is det and c["name"] == "ring_attn_bwd_gluon", (name, c)
+        assert (c["wait_one"] > 0 and c["turn_before_reduce"] and c["release_after_wait_one"]) is det, (name, c)
         assert c["ws"] and c["load_partition"] and c["warps"] > 8 and c["scratch"] > 0, (name, c)
         assert c["shared"] <= 227 * 1024 and c["wgmma"] >= 5 and c["grid"] == c["tasks"], (name, c)
         assert c["reduces"] > 0 and c["done_after_reduce"], (name, c)

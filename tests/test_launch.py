@@ -114,8 +114,9 @@ def _spec(S=1024, D=128, dtype="bfloat16", layout="contiguous", window=None, seg
 ])
 def test_the_gluon_kernel_takes_the_forwards_it_applies_to(kw, capability, gluon):
     """ring_core.plans picks the Gluon Hopper kernel exactly where it applies (plans.gluon_applies) and the tl
-    kernel everywhere else; the backward with deterministic=False (the default) likewise where head_dim is also 128
-    (plans.gluon_bwd_applies), the tl one with deterministic=True; the interpreter always runs the tl kernels."""
+    kernel everywhere else; the backward likewise where head_dim is also 128 (plans.gluon_bwd_applies), with
+    deterministic=False (the default) or True (the same grid and scratch, its DETERMINISTIC constexpr set); the
+    interpreter always runs the tl kernels."""
     lay = control.HeapLayout.for_workspace(1 << 30)
     spec = _spec(**kw)
     p = plans.plan(spec, 2, lay, capability=capability)
@@ -130,10 +131,15 @@ def test_the_gluon_kernel_takes_the_forwards_it_applies_to(kw, capability, gluon
     assert fast.kernel().__name__ == ("ring_attn_bwd_gluon" if fast.config.gluon else "ring_attn_bwd_kernel")
     if fast.config.gluon:  # its tasks: delta, partial and final dK/dV, dQ; its scratch: delta, then dQ's sums
         assert fast.grid == (2 * fast.n_dq_tasks + fast.n_partial_tasks + fast.n_final_tasks,)
-        assert fast.out_shapes[3] == ((1 * 8 * spec.seq_local * (1 + spec.head_dim),), "float32")
-    for p in (plans.plan_bwd(spec, 2, lay, capability=capability, deterministic=True),
-              plans.plan_bwd(spec, 2, lay, capability=capability, interpret=True)):
-        assert p.kernel().__name__ == "ring_attn_bwd_kernel" and p.config.deterministic
+        # (then its counters of dQ's adds: 2 per head and 64 query rows)
+        assert fast.out_shapes[3] == ((1 * 8 * spec.seq_local * (1 + spec.head_dim) + 8 * spec.seq_local // 32,),
+                                      "float32")
+        assert not fast.constexprs()["DETERMINISTIC"]
+    det = plans.plan_bwd(spec, 2, lay, capability=capability, deterministic=True)
+    assert det.config.gluon is fast.config.gluon and det.config.deterministic and det.constexprs()["DETERMINISTIC"]
+    assert (det.kernel(), det.grid, det.out_shapes) == (fast.kernel(), fast.grid, fast.out_shapes)
+    p = plans.plan_bwd(spec, 2, lay, capability=capability, interpret=True)
+    assert p.kernel().__name__ == "ring_attn_bwd_kernel" and p.config.deterministic
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(D=64, dtype="float16", causal=False, layout="zigzag", S=512),
