@@ -36,7 +36,8 @@ on the peers exactly as in the tl kernel: ring_core.protocol's no-deadlock argum
      per such rows (int32, after the accumulator; zeroed by the delta tasks) counts the adds made; an add waits
      (bounded; read while the step's MMAs run) until it equals the task's turn (``_dq_turn``: the adds of earlier
      tickets to those rows, counted from positions), a proxy fence, then the add; the count after it is released
-     a step later, once ``cp.async.bulk.wait_group 1`` says the add completed. The dK/dV tickets then go from the
+     DQ_LAG steps later, once ``cp.async.bulk.wait_group DQ_LAG`` says the add completed (a reduction under load
+     takes longer than a step to complete: counting it sooner would hold the consumer for it). The dK/dV tickets then go from the
      last K/V block to the first, every (batch, kv head)'s at a time: the order in which the tasks, each going up
      from its first visible query block, reach a block, so the turns seldom make anyone wait (causal: the lightest
      tasks first, a few % of tail against the heaviest first). Waits only for earlier tickets of this rank: the
@@ -106,12 +107,24 @@ def _reductions_done():
                               dtype=gl.int32, is_pure=False, pack=1)
 
 
+DQ_LAG = 4  # deterministic: a step's dQ add is counted this many steps later (``dkdv_steps``)
+_DQ_LAG = gl.constexpr(DQ_LAG)
+_WAIT_LAG = gl.constexpr(f"cp.async.bulk.wait_group {DQ_LAG};\n fence.proxy.async.global;\n mov.b32 $0, 0;")
+
+
 @gluon.jit
-def _reductions_done_but_one():
-    """As ``_reductions_done``, for every TMA bulk reduction of this thread but the newest: the previous step's dQ
-    adds, published a step late, when waiting for them costs nothing."""
-    gl.inline_asm_elementwise("cp.async.bulk.wait_group 1;\n fence.proxy.async.global;\n mov.b32 $0, 0;", "=r", [],
-                              dtype=gl.int32, is_pure=False, pack=1)
+def _reductions_done_but_lag():
+    """As ``_reductions_done``, for every TMA bulk reduction of this thread but the newest DQ_LAG: the dQ add of
+    DQ_LAG steps ago, published that late so that waiting for it costs nothing (call B: a reduction under load
+    takes about two steps to complete, and counting each one a step later halved the kernel's speed)."""
+    gl.inline_asm_elementwise(_WAIT_LAG, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _turn_ptr(turns, i, n_m, i_lo, b, hkv, S, H: gl.constexpr, G: gl.constexpr, HALF_INDEX: gl.constexpr):
+    """The counter of step i's dQ rows (``dkdv_steps``): int32 [B, H, S // 64, 2] after the accumulator."""
+    h, m0 = _work(i, n_m, i_lo, hkv, G)
+    return turns + ((b * H + h) * (S // _Q_ROWS) + m0 // _Q_ROWS) * 2 + HALF_INDEX
 
 
 @gluon.jit
@@ -260,8 +273,8 @@ def dkdv_steps(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv
     """A consumer's steps on K/V rows [n0 + 64 * HALF_INDEX, + 64) of rank ``src`` (module docstring): (dK, dV) of
     those rows, float32, unscaled; dQ's reductions issued (the caller waits for them). With DETERMINISTIC, each
     reduction waits for its turn at its rows (``turns``: one counter per query block, head and half of D, counting
-    the adds made; ``_dq_turn``), and the count after it is published a step later, once it has completed; ``d``
-    (the K/V's peer distance), ``ctl`` and ``timeout_ns`` serve that wait only. Also benchmarks/gluon_bwd.py's."""
+    the adds made; ``_dq_turn``), and the count after it is published DQ_LAG steps later, once it has completed;
+    ``d`` (the K/V's peer distance), ``ctl`` and ``timeout_ns`` serve that wait only. Also benchmarks/gluon_bwd.py's."""
     G: gl.constexpr = H // HKV
     dtype: gl.constexpr = q_smem.dtype
     DQ_COLS: gl.constexpr = D // 2
@@ -280,7 +293,6 @@ def dkdv_steps(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv
     qk_scale = sm_scale * _LOG2E
     if n_m > 0:
         mbarrier.wait(kv_bar, 0)
-    prev = turns  # the counter of the previous step's rows
     for i in range(G * n_m):
         h, m0 = _work(i, n_m, i_lo, hkv, G)
         s = i % _STAGES
@@ -321,7 +333,7 @@ def dkdv_steps(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv
         if DETERMINISTIC:
             # This step's turn at its rows, read while the MMAs run: by the time the add is issued it has
             # usually come (the order follows the tickets, in which the tasks start).
-            turn_ptr = turns + ((b * H + h) * (S // _Q_ROWS) + m0 // _Q_ROWS) * 2 + HALF_INDEX
+            turn_ptr = _turn_ptr(turns, i, n_m, i_lo, b, hkv, S, H, G, HALF_INDEX)
             turn = _dq_turn(m0, n0 // _KV_ROWS, d, rank, S, W, CAUSAL, ZIGZAG)
             made = gl.atomic_add(turn_ptr, 0, sem="acquire", scope="gpu")
         dq, dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dk, dv))
@@ -338,16 +350,18 @@ def dkdv_steps(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv
             _proxy_fence()  # the earlier adds, acquired above, before this one (the async proxy's)
         tma_add(dq_desc, [b * S + m0, h * D + HALF_INDEX * DQ_COLS], dq_smem)
         if DETERMINISTIC:
-            if i > 0:
-                _reductions_done_but_one()  # the previous step's add is in memory: count it
+            if i >= _DQ_LAG:
+                _reductions_done_but_lag()  # the add of DQ_LAG steps ago is in memory: count it
                 cta_barrier()
-                gl.atomic_add(prev, 1, sem="release", scope="gpu")
-            prev = turn_ptr
+                gl.atomic_add(_turn_ptr(turns, i - _DQ_LAG, n_m, i_lo, b, hkv, S, H, G, HALF_INDEX), 1,
+                              sem="release", scope="gpu")
     if DETERMINISTIC:
         if G * n_m > 0:
             _reductions_done()
             cta_barrier()
-            gl.atomic_add(prev, 1, sem="release", scope="gpu")
+            for j in range(gl.maximum(G * n_m - _DQ_LAG, 0), G * n_m):  # the last adds, not counted yet
+                gl.atomic_add(_turn_ptr(turns, j, n_m, i_lo, b, hkv, S, H, G, HALF_INDEX), 1, sem="release",
+                              scope="gpu")
     return dk, dv
 
 

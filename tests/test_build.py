@@ -470,9 +470,9 @@ GLUON_BWD_COMPILE = PLAN_SM90 + textwrap.dedent("""
             p = plans.plan_bwd(spec, W, lay, capability=(9, 0), deterministic=det)
             ck, ttgir, ptx, at, load, acq, fence, tma = compiled(p)
             reduce, done = at(r"cp\\.reduce\\.async\\.bulk\\.tensor"), at(r"cp\\.async\\.bulk\\.wait_group 0")
-            # deterministic: each add after an acquire of its turn (gpu scope: a load or an atomic), the previous
-            # add's completion (wait_group 1) before the release that counts it
-            turn, one = at(r"\\.global\\.gpu\\.acquire"), at(r"cp\\.async\\.bulk\\.wait_group 1;")
+            # deterministic: each add after an acquire of its turn (gpu scope: a load or an atomic), an earlier
+            # add's completion (wait_group DQ_LAG) before the release that counts it
+            turn, one = at(r"\\.global\\.gpu\\.acquire"), at(r"cp\\.async\\.bulk\\.wait_group [1-9];")
             rel = at(r"atom\\.global\\.gpu\\.release")
             out[f"{dt}-W{W}-{causal}-{layout}-{det}"] = dict(
                 gluon=p.config.gluon, deterministic=p.config.deterministic, name=ck.metadata.name,
@@ -494,7 +494,7 @@ def test_gluon_backward_compiles_warp_specialised_with_tma_reductions(tmp_path):
     not only the shared-memory read) comes before the count that publishes them, within Hopper's shared memory;
     its grid the delta, dK/dV and dQ tasks; with peers, the chunk flags acquired before the proxy fence and the TMA
     reads. With deterministic=True the same kernel with its DETERMINISTIC order: each reduction after the acquire of
-    its turn, and the count of the previous one released after ``cp.async.bulk.wait_group 1`` (its completion).
+    its turn, and the count of an earlier one released after ``cp.async.bulk.wait_group DQ_LAG`` (its completion).
     What it computes is checked on a GPU (tests/gpu_checks.py, sections ``gluon-bwd`` and ``bwd``)."""
     got = _compiled_for_sm90(GLUON_BWD_COMPILE, tmp_path)
     for name, c in got.items():
