@@ -646,6 +646,14 @@ def test_gpu_variants_lists_the_runs_kernels():
     assert kinds == ["ring_attn_bwd_gluon"] * 4 + ["ring_attn_fwd_gluon"] * 4, kinds  # the default: deterministic=False
     tl = [r["kernel"].split(":")[1] for r in gv.stage_records("bench-w1-tl", 1)]  # RING_ATTENTION_GLUON=0
     assert tl and set(tl) == {"ring_attn_fwd_kernel"}, tl
+    # Issue 18's other shapes (D64, D256, GQA 32/8), forward only through torch: the Gluon forward, in its tiles.
+    shapes = gv.stage_records("bench-w1-shapes", 1)
+    assert {r["kernel"].split(":")[1] for r in shapes} == {"ring_attn_fwd_gluon"}, shapes
+    got = sorted((r["constexprs"]["D"], r["constexprs"]["HKV"], r["constexprs"]["CAUSAL"], r["constexprs"]["BLOCK_N"],
+                  r["num_stages"]) for r in shapes)
+    assert got == [(d, hkv, causal, 64 if d == 256 else 128, 2 if d == 256 else 3)
+                   for d, hkv in ((64, 32), (128, 8), (256, 32)) for causal in (False, True)], got
+    assert any(r["constexprs"]["D"] == 256 for r in gl_section if r["kernel"].endswith("fwd_gluon"))
     soak = gv.stage_records("soak", 4)
     assert soak and sum(r["kernel"].endswith("bwd_kernel") for r in soak) == 1
     faults = gv.stage_records("faults", 3)  # the fault sections' right calls (forward only)
