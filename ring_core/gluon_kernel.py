@@ -73,7 +73,7 @@ else:  # Triton 3.6 builds the op (ttng.async_tma_reduce) but its Gluon language
 
 # The tiles (query rows per tile, K/V rows per block, K/V slots) depend on head_dim: ring_core.plans.GLUON_TILES,
 # which the plans pass as BLOCK_M / BLOCK_N and the kernel reads for its slots (``kv_slots``).
-CONSUMER_WARPS = 4  # each consumer partition: one warpgroup on half the tile's rows; also the prologue's and epilogue's
+CONSUMER_WARPS = 4  # each consumer partition: one warpgroup on 64 rows; also the prologue's and epilogue's warps
 LOAD_WARPS, LOAD_REGS, CONSUMER_REGS = 1, 24, 232
 # As the kernel reads them (a @gluon.jit function reads constexpr globals only).
 _CONSUMER_WARPS = gl.constexpr(CONSUMER_WARPS)
