@@ -198,7 +198,7 @@ def _slots(q_desc, k_desc, v_desc, STAGES: gl.constexpr, RELEASERS: gl.constexpr
     descriptors' blocks and layout."""
     layout: gl.constexpr = q_desc.layout  # as a constexpr: Triton 3.6 cannot pass a bare layout to a jit function
     return slots(q_desc.dtype, q_desc.block_type.shape[0], k_desc.block_type.shape[0], q_desc.block_type.shape[1],
-                 layout, STAGES, RELEASERS)
+                 layout, STAGES, RELEASERS, 1)
 
 
 @gluon.jit

@@ -63,7 +63,9 @@ def main(argv=None) -> int:
                 f.write(strip_debug(ptx))
         report, text = sass(ptx)
         regs = sorted({int(r) for r in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)})
-        print(f"{name}: tiles {p.config.block_m}x{p.config.block_n} slots {p.config.num_stages}, shared "
+        tiles = getattr(plans, "GLUON_TILES", {}).get(spec.head_dim, ())
+        rings = tiles[3] if len(tiles) > 3 else 1  # K and V in rings of their own (2) or sharing slots (1)
+        print(f"{name}: tiles {p.config.block_m}x{p.config.block_n} slots {p.config.num_stages} rings {rings}, shared "
               f"{ck.metadata.shared / 1024:.1f} KiB, setmaxnreg {regs}, ws {'ttg.warp_specialize' in ck.asm['ttgir']}; "
               f"{report}; MMA loops (instructions, LDL/STL): {mma_loops(text)}", flush=True)
     return 0

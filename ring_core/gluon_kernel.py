@@ -18,8 +18,9 @@ start), and waits only for flags that pushes set.
 
 One program per (batch, head, BLOCK_M query rows) tile, in the tl kernel's order (ring_core.tiles.query_tile). The
 tiles depend on head_dim, set in one place (``ring_core.plans.GLUON_TILES``, passed as BLOCK_M / BLOCK_N, the slots
-read by ``kv_slots``): 128 query rows, K/V blocks of 128 rows in 3 slots at D64 / D128, of 64 rows in 2 slots at D256
-(shared memory: Q and the slots 224 KiB at D128, 192 KiB at D256).
+read by ``kv_slots`` and ``kv_rings``): 128 query rows, K/V blocks of 128 rows in 3 slots at D64 / D128, of 64 rows
+in 2 slots at D256, there with K and V in rings of their own (shared memory: Q and the slots 224 KiB at D128, 192 KiB
+at D256).
 * Prologue (the kernel's 4 warps): ring context, call check, push every unclaimed unit (``drain_pushes``), TMA
   descriptors made on the device (global scratch: the launchers pass it), shared memory for Q and ``STAGES``
   K/V slots with their mbarriers.
@@ -82,30 +83,44 @@ _LOAD_REGS, _CONSUMER_REGS = gl.constexpr(LOAD_REGS), gl.constexpr(CONSUMER_REGS
 _UNMASKED = gl.constexpr(1 << 30)  # the mask number of a block every query of the tile sees whole
 
 
+# ring_core.plans.GLUON_TILES as a constexpr global: read by name in ``kv_slots`` / ``kv_rings``, its value is part
+# of the kernel's cache key (Triton hashes the constexpr globals a jit function and its callees read), so a binary
+# compiled for other tiles is never taken from the cache.
+_TILES = gl.constexpr(plans.GLUON_TILES)
+
+
 @triton.constexpr_function
 def kv_slots(head_dim, block_m, block_n):
     """The K/V slots of the tiles at ``head_dim`` (ring_core.plans.GLUON_TILES), whose query and K/V block rows the
     plans pass (``block_m``, ``block_n``: checked against the table here)."""
-    tile_m, tile_n, slots = plans.GLUON_TILES[head_dim]
+    tile_m, tile_n, slots, _ = _TILES.value[head_dim]
     assert (block_m, block_n) == (tile_m, tile_n), f"ring_core.plans: the Gluon tiles at head_dim {head_dim}"
     return slots
 
 
+@triton.constexpr_function
+def kv_rings(head_dim):
+    """1: a K/V block's K and V share a slot and its barriers; 2: K and V have rings of their own (the slots'
+    barriers ``[RINGS * STAGES]``: V's from ``STAGES`` on), at ``head_dim`` (ring_core.plans.GLUON_TILES)."""
+    return _TILES.value[head_dim][3]
+
+
 @gluon.jit
 def slots(dtype: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, layout: gl.constexpr,
-          STAGES: gl.constexpr, RELEASERS: gl.constexpr):
+          STAGES: gl.constexpr, RELEASERS: gl.constexpr, RINGS: gl.constexpr):
     """Shared memory for Q (``BLOCK_M`` rows of D) and ``STAGES`` K/V slots (``BLOCK_N`` rows of D each), and their
     mbarriers, initialised: ``q_bar`` (Q landed), ``kv_ready`` (a slot's bytes landed), ``kv_empty`` (a slot freed
-    by its ``RELEASERS`` consumer partitions). Also the Gluon probes' (benchmarks/gluon_fwd.py). The consumers and
-    the load partition read the tiles back from these buffers' shapes."""
+    by its ``RELEASERS`` consumer partitions); ``RINGS`` 2: K and V in rings of their own, each slot's V with the
+    barriers ``STAGES`` on (``kv_rings``). Also the Gluon probes' (benchmarks/gluon_fwd.py). The consumers and the
+    load partition read the tiles and the rings back from these buffers' shapes."""
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D], layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_ready = gl.allocate_shared_memory(gl.int64, [RINGS * STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [RINGS * STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
-    for i in gl.static_range(STAGES):
+    for i in gl.static_range(RINGS * STAGES):
         mbarrier.init(kv_ready.index(i), count=1)
         mbarrier.init(kv_empty.index(i), count=RELEASERS)
     fence_async_shared()  # the barriers' initialisation before the async proxy (TMA) uses them
@@ -114,7 +129,7 @@ def slots(dtype: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: 
 
 @gluon.jit
 def free_slots(q_bar, kv_ready, kv_empty, STAGES: gl.constexpr):
-    """``slots``' mbarriers invalidated, once every partition is done with them."""
+    """``slots``' mbarriers invalidated, once every partition is done with them (``STAGES``: RINGS * STAGES)."""
     mbarrier.invalidate(q_bar)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(kv_ready.index(i))
@@ -135,10 +150,12 @@ def _acquire_chunk(flag, epoch, ctl, timeout_ns, src, step, c):
 def _producer(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, b, h, hkv,
               q0, rank, B, S, flags, n_chunks, epoch, ctl, timeout_ns, W: gl.constexpr, HKV: gl.constexpr,
               D: gl.constexpr, CHUNK_BLOCKS: gl.constexpr, CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr):
-    """The load partition: Q, then every ring step's blocks (see the module docstring)."""
+    """The load partition: Q, then every ring step's blocks (see the module docstring); K and V in rings of their
+    own (RINGS 2): a block's K, then its V once its V slot is free."""
     BLOCK_M: gl.constexpr = q_smem.shape[0]
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
+    RINGS: gl.constexpr = kv_ready.shape[0] // STAGES
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     tma_load(q_desc, [b * S + q0, h * D], q_bar, q_smem)
     q_pos_min = positions(q0, rank, S, W, ZIGZAG)
@@ -156,15 +173,35 @@ def _producer(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_bar, kv_
             s = j % STAGES
             # Round r of a slot waits for the consumers' release of round r - 1 (a fresh barrier passes round 0).
             mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
-            if step == 0:
-                mbarrier.expect(kv_ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-                tma_load(k_desc, [b * S + jb * BLOCK_N, hkv * D], kv_ready.index(s), k_smem.index(s))
-                tma_load(v_desc, [b * S + jb * BLOCK_N, hkv * D], kv_ready.index(s), v_smem.index(s))
+            if RINGS == 1:
+                if step == 0:
+                    mbarrier.expect(kv_ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+                    tma_load(k_desc, [b * S + jb * BLOCK_N, hkv * D], kv_ready.index(s), k_smem.index(s))
+                    tma_load(v_desc, [b * S + jb * BLOCK_N, hkv * D], kv_ready.index(s), v_smem.index(s))
+                else:
+                    mbarrier.expect(kv_ready.index(s), 2 * r_desc.block_type.nbytes)
+                    tma_load(r_desc, [k_row + jb * BLOCK_N, 0], kv_ready.index(s), k_smem.index(s))
+                    tma_load(r_desc, [k_row + B * HKV * S + jb * BLOCK_N, 0], kv_ready.index(s), v_smem.index(s))
             else:
-                mbarrier.expect(kv_ready.index(s), 2 * r_desc.block_type.nbytes)
-                tma_load(r_desc, [k_row + jb * BLOCK_N, 0], kv_ready.index(s), k_smem.index(s))
-                tma_load(r_desc, [k_row + B * HKV * S + jb * BLOCK_N, 0], kv_ready.index(s), v_smem.index(s))
+                if step == 0:
+                    _load_apart(k_desc, v_desc, [b * S + jb * BLOCK_N, hkv * D], [b * S + jb * BLOCK_N, hkv * D],
+                                k_smem.index(s), v_smem.index(s), kv_ready, kv_empty, s, j // STAGES, STAGES)
+                else:
+                    _load_apart(r_desc, r_desc, [k_row + jb * BLOCK_N, 0], [k_row + B * HKV * S + jb * BLOCK_N, 0],
+                                k_smem.index(s), v_smem.index(s), kv_ready, kv_empty, s, j // STAGES, STAGES)
             j += 1
+
+
+@gluon.jit
+def _load_apart(k_desc, v_desc, k_at, v_at, k_dst, v_dst, kv_ready, kv_empty, s, rnd, STAGES: gl.constexpr):
+    """One block's K and V through rings of their own (``kv_rings`` 2), slot ``s`` in its round ``rnd``: K (its
+    slot already free: the caller waited), then V once the consumers freed its slot's last round, each on its own
+    barrier (V's ``STAGES`` on)."""
+    mbarrier.expect(kv_ready.index(s), k_desc.block_type.nbytes)
+    tma_load(k_desc, k_at, kv_ready.index(s), k_dst)
+    mbarrier.wait(kv_empty.index(STAGES + s), (rnd & 1) ^ 1)
+    mbarrier.expect(kv_ready.index(STAGES + s), v_desc.block_type.nbytes)
+    tma_load(v_desc, v_at, kv_ready.index(STAGES + s), v_dst)
 
 
 @gluon.jit
@@ -234,10 +271,13 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, n_blocks, qk_sc
               ZIGZAG: gl.constexpr):
     """One consumer partition on its half of the tile's query rows (64): the pipelined online softmax over the
     tile's ``n_blocks`` blocks (block j's S = Q K^T beside block j-1's O += P V), then its rows of O / l (NaN rows
-    after a failure) into its half of Q's buffer and its lse. The tiles are the buffers' (``slots``)."""
+    after a failure) into its half of Q's buffer and its lse. The tiles are the buffers' (``slots``). K and V in
+    rings of their own (RINGS 2): block j's K freed once S_j is done, its V once P_j V_j is, each waited for just
+    before its MMA."""
     HALF: gl.constexpr = q_smem.shape[0] // 2
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
+    RINGS: gl.constexpr = kv_ready.shape[0] // STAGES
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[_CONSUMER_WARPS, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[_CONSUMER_WARPS, 1],
@@ -255,6 +295,8 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, n_blocks, qk_sc
     mbarrier.wait(kv_ready.index(0), 0)
     qk = warpgroup_mma(q_half, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
+    if RINGS > 1:
+        release(kv_empty, 0)  # K_0
     p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, d, HALF_INDEX * HALF, qk_scale, CAUSAL)
     p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)  # acc is 0: no rescale for block 0
     for j in range(1, n_blocks):
@@ -264,17 +306,29 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, n_blocks, qk_sc
                                              ZIGZAG)
         mbarrier.wait(kv_ready.index(s), (j // STAGES) & 1)
         qk = warpgroup_mma(q_half, k_smem.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        if RINGS > 1:
+            mbarrier.wait(kv_ready.index(STAGES + sp), ((j - 1) // STAGES) & 1)  # V_{j-1}
         acc = warpgroup_mma(p_op, v_smem.index(sp), acc, is_async=True)
         qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk, ))  # S done; P V may still run
+        if RINGS > 1:
+            release(kv_empty, s)  # K_j
         p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, d, HALF_INDEX * HALF, qk_scale, CAUSAL)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        release(kv_empty, sp)
+        if RINGS > 1:
+            release(kv_empty, STAGES + sp)  # V_{j-1}
+        else:
+            release(kv_empty, sp)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)
     sp = (n_blocks - 1) % STAGES
+    if RINGS > 1:
+        mbarrier.wait(kv_ready.index(STAGES + sp), ((n_blocks - 1) // STAGES) & 1)
     acc = warpgroup_mma(p_op, v_smem.index(sp), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-    release(kv_empty, sp)
+    if RINGS > 1:
+        release(kv_empty, STAGES + sp)
+    else:
+        release(kv_empty, sp)
     # Every wait of this tile came before its blocks: a failure of any is in the error record by now.
     err = gl.atomic_add(ctl + CTL_ERROR, 0, sem="relaxed", scope="gpu")
     valid = (call_ok != 0) & (err == 0)
@@ -307,6 +361,7 @@ def ring_attn_fwd_gluon(
     WINDOW: gl.constexpr, WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr, SEGMENTED: gl.constexpr,
 ):
     STAGES: gl.constexpr = kv_slots(D, BLOCK_M, BLOCK_N)  # ring_core.plans.GLUON_TILES
+    RINGS: gl.constexpr = kv_rings(D)
     gl.static_assert(BLOCK_D == D, "ring_core.plans: the Gluon config")
     gl.static_assert(not WINDOW and not SEGMENTED, "windows and segment ids run the tl kernel (gluon_applies)")
     CHUNK_ROWS: gl.constexpr = CHUNK_BLOCKS * BLOCK_N
@@ -345,7 +400,7 @@ def ring_attn_fwd_gluon(
     else:
         r_desc = k_desc  # never read: no ring step reads a receive slot
     # Each slot released by both consumer partitions.
-    q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty = slots(dtype, BLOCK_M, BLOCK_N, D, layout, STAGES, 2)
+    q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty = slots(dtype, BLOCK_M, BLOCK_N, D, layout, STAGES, 2, RINGS)
 
     qk_scale = sm_scale * 1.4426950408889634
     lse_row = lse_ptr + (b * H + h).to(gl.int64) * S + q0
@@ -360,7 +415,7 @@ def ring_attn_fwd_gluon(
     ], [_LOAD_WARPS, _CONSUMER_WARPS], [_LOAD_REGS, _CONSUMER_REGS])
     tma_store(o_desc, [b * S + q0, h * D], q_smem)  # both halves written (the partitions joined)
     tma.store_wait(pendings=0)
-    free_slots(q_bar, kv_ready, kv_empty, STAGES)
+    free_slots(q_bar, kv_ready, kv_empty, RINGS * STAGES)
 
     # ---- the protocol's end: end barrier, status, counters (the last program of this rank) -----------------
     end_call(ctl, status_ptr, heap_bases, rank, epoch, timeout_ns, W, False, STICKY_ERRORS, False)

@@ -431,7 +431,7 @@ GLUON_KERNEL_COMPILE = PLAN_SM90 + textwrap.dedent("""
         out[f"{dt}-D{D}-W{W}-{causal}-{layout}"] = dict(
             gluon=p.config.gluon, name=ck.metadata.name, ws="ttg.warp_specialize" in ttgir, load_partition=bool(load),
             warps=ck.metadata.num_warps, shared=ck.metadata.shared, scratch=ck.metadata.global_scratch_size,
-            tiles=[p.config.block_m, p.config.block_n, p.config.num_stages],
+            tiles=[p.config.block_m, p.config.block_n, p.config.num_stages], barriers=ptx.count("mbarrier.init"),
             mma_n=sorted(set(int(n) for n in re.findall(r"wgmma\\.mma_async\\.sync\\.aligned\\.m64n(\\d+)k16", ptx))),
             wgmma=ptx.count("wgmma.mma_async"), tma=len(at(r"cp\\.async\\.bulk\\.tensor")), fences=len(fence),
             acquires=len(acq), fence_after_acquire=bool(acq and fence and fence[0] > acq[0]),
@@ -450,7 +450,8 @@ def test_gluon_product_kernel_compiles_warp_specialised_with_the_protocol(tmp_pa
     scope releases of the pushes, the call check and the end barrier; at world size 1 nothing to wait for. What it
     computes is checked on a GPU against float64 and the tl kernel (tests/gpu_checks.py, section ``gluon``).
     Head dim 256 in its own tiles (ring_core.plans.GLUON_TILES): 64-row K/V blocks in 2 slots, S of 64 columns and
-    P V of 256 per warpgroup MMA, 192 KiB of shared memory (Q's 64 and the slots' 128)."""
+    P V of 256 per warpgroup MMA, 192 KiB of shared memory (Q's 64 and the slots' 128), K and V in rings of their own
+    (a ready and an empty barrier per slot of each, beside Q's; D64/D128: one pair per slot of both)."""
     got = _compiled_for_sm90(GLUON_KERNEL_COMPILE, tmp_path)
     for name, c in got.items():
         assert c["gluon"] and c["name"] == "ring_attn_fwd_gluon", (name, c)
@@ -459,9 +460,10 @@ def test_gluon_product_kernel_compiles_warp_specialised_with_the_protocol(tmp_pa
         D = int(name.split("-D")[1].split("-")[0])
         if D == 256:
             assert c["tiles"] == [128, 64, 2] and c["mma_n"] == [64, 256], (name, c)
-            assert 192 * 1024 <= c["shared"] < 193 * 1024, (name, c)
+            assert 192 * 1024 <= c["shared"] < 193 * 1024 and c["barriers"] == 1 + 2 * 2 * 2, (name, c)
         else:
             assert c["tiles"] == [128, 128, 3] and c["mma_n"] == sorted({128, D}), (name, c)
+            assert c["barriers"] == 1 + 2 * 3, (name, c)
         if "-W1-" in name:
             assert c["acquires"] == 0 and c["fences"] == 0, (name, c)
         else:
