@@ -194,10 +194,11 @@ def _tile(S, H, HKV, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.co
 
 @gluon.jit
 def _slots(q_desc, k_desc, v_desc, STAGES: gl.constexpr, RELEASERS: gl.constexpr):
-    """Shared memory and mbarriers for Q and ``STAGES`` K/V slots (ring_core.gluon_kernel.slots: 128-row blocks, as
-    every configuration here has them), in the descriptors' layout."""
+    """Shared memory and mbarriers for Q and ``STAGES`` K/V slots (ring_core.gluon_kernel.slots), in the
+    descriptors' blocks and layout."""
     layout: gl.constexpr = q_desc.layout  # as a constexpr: Triton 3.6 cannot pass a bare layout to a jit function
-    return slots(q_desc.dtype, q_desc.block_type.shape[1], layout, STAGES, RELEASERS)
+    return slots(q_desc.dtype, q_desc.block_type.shape[0], k_desc.block_type.shape[0], q_desc.block_type.shape[1],
+                 layout, STAGES, RELEASERS, 1)
 
 
 @gluon.jit

@@ -5,7 +5,7 @@ Why a second kernel source: Triton's automatic warp specialisation takes only on
 ``while`` anywhere in the kernel (benchmarks/NOTES.md), which the ring protocol's waits and pushes cannot meet;
 Gluon's explicit partitions can (benchmarks/gluon_fwd.py and gluon_ring.py measured the loop at 0.97-1.04x cuDNN
 at world size 1 and the ring steps' waits as free). The tl kernel (ring_core.kernel) stays the kernel of the
-interpreter, of other GPUs, of fp32, D other than 64 and 128, windows and segment ids, and the parity reference
+interpreter, of other GPUs, of fp32, D other than 64, 128 and 256, windows and segment ids, and the parity reference
 of this one (tests/gpu_checks.py compares both against float64). ``ring_core.plans`` picks this kernel where it
 applies (``KernelConfig.get_default``, ``plans.gluon_applies``).
 
@@ -16,7 +16,11 @@ of the call (``end_call``: end barrier, status words, counters). The no-deadlock
 holds as it is: a program drains the push counter before anything of it waits (here: before the partitions
 start), and waits only for flags that pushes set.
 
-One program per (batch, head, 128 query rows) tile, in the tl kernel's order (ring_core.tiles.query_tile):
+One program per (batch, head, BLOCK_M query rows) tile, in the tl kernel's order (ring_core.tiles.query_tile). The
+tiles depend on head_dim, set in one place (``ring_core.plans.GLUON_TILES``, passed as BLOCK_M / BLOCK_N, the slots
+read by ``kv_slots`` and ``kv_rings``): 128 query rows, K/V blocks of 128 rows in 3 slots at D64 / D128, of 64 rows
+in 2 slots at D256, there with K and V in rings of their own (shared memory: Q and the slots 224 KiB at D128, 192 KiB
+at D256).
 * Prologue (the kernel's 4 warps): ring context, call check, push every unclaimed unit (``drain_pushes``), TMA
   descriptors made on the device (global scratch: the launchers pass it), shared memory for Q and ``STAGES``
   K/V slots with their mbarriers.
@@ -31,13 +35,16 @@ One program per (batch, head, 128 query rows) tile, in the tl kernel's order (ri
   softmax (S of block j and P V of block j-1 in flight together), each releasing the slots on its own. They follow
   the producer's block order with scalar bookkeeping (``_next_block``), which gives each block's causal mask as one
   number: query minus key position at the tile's first row and the block's first key (positions are contiguous
-  within a tile and a block: ``plans.gluon_applies`` asks S % 128 == 0, zigzag S % 256 == 0). At the end
+  within a tile and a block: ``plans.gluon_applies`` asks S % 128 == 0, zigzag S % 256 == 0, so that each half of
+  a zigzag shard holds whole tiles and whole blocks). With 64-row blocks (D256) the first consumer sees nothing of
+  the diagonal's last block (its mask drops every column: m and l stay as they were). At the end
   each writes its rows of O / l into its half of Q's buffer and its lse, or NaN rows if the call check failed or
   any wait of this rank gave up (the error record: a superset of the tl kernel's per-tile NaN rows; the call's
   status raises either way).
 * Epilogue: one TMA store of O, then ``end_call``.
 """
 
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
@@ -65,31 +72,55 @@ else:  # Triton 3.6 builds the op (ttng.async_tma_reduce) but its Gluon language
         _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
                                                   src.handle)
 
-BLOCK = plans.GLUON_BLOCK  # query rows per tile and K/V rows per block
-STAGES = 3  # K/V slots: the split consumers need the third (benchmarks/NOTES.md, session 7)
+# The tiles (query rows per tile, K/V rows per block, K/V slots) depend on head_dim: ring_core.plans.GLUON_TILES,
+# which the plans pass as BLOCK_M / BLOCK_N and the kernel reads for its slots (``kv_slots``).
 CONSUMER_WARPS = 4  # each consumer partition: one warpgroup on 64 rows; also the prologue's and epilogue's warps
 LOAD_WARPS, LOAD_REGS, CONSUMER_REGS = 1, 24, 232
 # As the kernel reads them (a @gluon.jit function reads constexpr globals only).
-_BLOCK, _STAGES, _CONSUMER_WARPS = gl.constexpr(BLOCK), gl.constexpr(STAGES), gl.constexpr(CONSUMER_WARPS)
+_CONSUMER_WARPS = gl.constexpr(CONSUMER_WARPS)
 _LOAD_WARPS = gl.constexpr(LOAD_WARPS)
 _LOAD_REGS, _CONSUMER_REGS = gl.constexpr(LOAD_REGS), gl.constexpr(CONSUMER_REGS)
 _UNMASKED = gl.constexpr(1 << 30)  # the mask number of a block every query of the tile sees whole
 
 
+# ring_core.plans.GLUON_TILES as a constexpr global: read by name in ``kv_slots`` / ``kv_rings``, its value is part
+# of the kernel's cache key (Triton hashes the constexpr globals a jit function and its callees read), so a binary
+# compiled for other tiles is never taken from the cache.
+_TILES = gl.constexpr(plans.GLUON_TILES)
+
+
+@triton.constexpr_function
+def kv_slots(head_dim, block_m, block_n):
+    """The K/V slots of the tiles at ``head_dim`` (ring_core.plans.GLUON_TILES), whose query and K/V block rows the
+    plans pass (``block_m``, ``block_n``: checked against the table here)."""
+    tile_m, tile_n, slots, _ = _TILES.value[head_dim]
+    assert (block_m, block_n) == (tile_m, tile_n), f"ring_core.plans: the Gluon tiles at head_dim {head_dim}"
+    return slots
+
+
+@triton.constexpr_function
+def kv_rings(head_dim):
+    """1: a K/V block's K and V share a slot and its barriers; 2: K and V have rings of their own (the slots'
+    barriers ``[RINGS * STAGES]``: V's from ``STAGES`` on), at ``head_dim`` (ring_core.plans.GLUON_TILES)."""
+    return _TILES.value[head_dim][3]
+
+
 @gluon.jit
-def slots(dtype: gl.constexpr, D: gl.constexpr, layout: gl.constexpr, STAGES: gl.constexpr,
-          RELEASERS: gl.constexpr):
-    """Shared memory for Q and ``STAGES`` K/V slots (128 rows of D each), and their mbarriers, initialised:
-    ``q_bar`` (Q landed), ``kv_ready`` (a slot's bytes landed), ``kv_empty`` (a slot freed by its ``RELEASERS``
-    consumer partitions). Also the Gluon probes' (benchmarks/gluon_fwd.py)."""
-    q_smem = gl.allocate_shared_memory(dtype, [_BLOCK, D], layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, _BLOCK, D], layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, _BLOCK, D], layout)
+def slots(dtype: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, layout: gl.constexpr,
+          STAGES: gl.constexpr, RELEASERS: gl.constexpr, RINGS: gl.constexpr):
+    """Shared memory for Q (``BLOCK_M`` rows of D) and ``STAGES`` K/V slots (``BLOCK_N`` rows of D each), and their
+    mbarriers, initialised: ``q_bar`` (Q landed), ``kv_ready`` (a slot's bytes landed), ``kv_empty`` (a slot freed
+    by its ``RELEASERS`` consumer partitions); ``RINGS`` 2: K and V in rings of their own, each slot's V with the
+    barriers ``STAGES`` on (``kv_rings``). Also the Gluon probes' (benchmarks/gluon_fwd.py). The consumers and the
+    load partition read the tiles and the rings back from these buffers' shapes."""
+    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D], layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_ready = gl.allocate_shared_memory(gl.int64, [RINGS * STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [RINGS * STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
-    for i in gl.static_range(STAGES):
+    for i in gl.static_range(RINGS * STAGES):
         mbarrier.init(kv_ready.index(i), count=1)
         mbarrier.init(kv_empty.index(i), count=RELEASERS)
     fence_async_shared()  # the barriers' initialisation before the async proxy (TMA) uses them
@@ -98,7 +129,7 @@ def slots(dtype: gl.constexpr, D: gl.constexpr, layout: gl.constexpr, STAGES: gl
 
 @gluon.jit
 def free_slots(q_bar, kv_ready, kv_empty, STAGES: gl.constexpr):
-    """``slots``' mbarriers invalidated, once every partition is done with them."""
+    """``slots``' mbarriers invalidated, once every partition is done with them (``STAGES``: RINGS * STAGES)."""
     mbarrier.invalidate(q_bar)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(kv_ready.index(i))
@@ -119,38 +150,63 @@ def _acquire_chunk(flag, epoch, ctl, timeout_ns, src, step, c):
 def _producer(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, b, h, hkv,
               q0, rank, B, S, flags, n_chunks, epoch, ctl, timeout_ns, W: gl.constexpr, HKV: gl.constexpr,
               D: gl.constexpr, CHUNK_BLOCKS: gl.constexpr, CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr):
-    """The load partition: Q, then every ring step's blocks (see the module docstring)."""
+    """The load partition: Q, then every ring step's blocks (see the module docstring); K and V in rings of their
+    own (RINGS 2): a block's K, then its V once its V slot is free."""
+    BLOCK_M: gl.constexpr = q_smem.shape[0]
+    STAGES: gl.constexpr = k_smem.shape[0]
+    BLOCK_N: gl.constexpr = k_smem.shape[1]
+    RINGS: gl.constexpr = kv_ready.shape[0] // STAGES
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     tma_load(q_desc, [b * S + q0, h * D], q_bar, q_smem)
     q_pos_min = positions(q0, rank, S, W, ZIGZAG)
-    q_pos_max = positions(q0 + _BLOCK - 1, rank, S, W, ZIGZAG)
+    q_pos_max = positions(q0 + BLOCK_M - 1, rank, S, W, ZIGZAG)
     j = 0
     for step in gl.static_range(W):
         src = (rank - step + W) % W
-        _, n_hi, _ = block_range(q_pos_min, q_pos_max, src, S, W, _BLOCK, CAUSAL, ZIGZAG)
+        _, n_hi, _ = block_range(q_pos_min, q_pos_max, src, S, W, BLOCK_N, CAUSAL, ZIGZAG)
         flag0 = flags + (((step - 1) * B + b) * HKV + hkv) * n_chunks
         k_row = (((step - 1) * 2 * B + b) * HKV + hkv) * S  # step >= 1: K rows in the receive slot; V B*HKV*S on
         for jb in range(0, n_hi):
             if step > 0:
                 if jb % CHUNK_BLOCKS == 0:
                     _acquire_chunk(flag0 + jb // CHUNK_BLOCKS, epoch, ctl, timeout_ns, src, step, jb // CHUNK_BLOCKS)
-            s = j % _STAGES
+            s = j % STAGES
             # Round r of a slot waits for the consumers' release of round r - 1 (a fresh barrier passes round 0).
-            mbarrier.wait(kv_empty.index(s), ((j // _STAGES) & 1) ^ 1)
-            if step == 0:
-                mbarrier.expect(kv_ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-                tma_load(k_desc, [b * S + jb * _BLOCK, hkv * D], kv_ready.index(s), k_smem.index(s))
-                tma_load(v_desc, [b * S + jb * _BLOCK, hkv * D], kv_ready.index(s), v_smem.index(s))
+            mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
+            if RINGS == 1:
+                if step == 0:
+                    mbarrier.expect(kv_ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+                    tma_load(k_desc, [b * S + jb * BLOCK_N, hkv * D], kv_ready.index(s), k_smem.index(s))
+                    tma_load(v_desc, [b * S + jb * BLOCK_N, hkv * D], kv_ready.index(s), v_smem.index(s))
+                else:
+                    mbarrier.expect(kv_ready.index(s), 2 * r_desc.block_type.nbytes)
+                    tma_load(r_desc, [k_row + jb * BLOCK_N, 0], kv_ready.index(s), k_smem.index(s))
+                    tma_load(r_desc, [k_row + B * HKV * S + jb * BLOCK_N, 0], kv_ready.index(s), v_smem.index(s))
             else:
-                mbarrier.expect(kv_ready.index(s), 2 * r_desc.block_type.nbytes)
-                tma_load(r_desc, [k_row + jb * _BLOCK, 0], kv_ready.index(s), k_smem.index(s))
-                tma_load(r_desc, [k_row + B * HKV * S + jb * _BLOCK, 0], kv_ready.index(s), v_smem.index(s))
+                if step == 0:
+                    _load_apart(k_desc, v_desc, [b * S + jb * BLOCK_N, hkv * D], [b * S + jb * BLOCK_N, hkv * D],
+                                k_smem.index(s), v_smem.index(s), kv_ready, kv_empty, s, j // STAGES, STAGES)
+                else:
+                    _load_apart(r_desc, r_desc, [k_row + jb * BLOCK_N, 0], [k_row + B * HKV * S + jb * BLOCK_N, 0],
+                                k_smem.index(s), v_smem.index(s), kv_ready, kv_empty, s, j // STAGES, STAGES)
             j += 1
 
 
 @gluon.jit
-def _next_block(t, jb, n_hi, n_full, rank, S, q_pos_min, q_pos_max, W: gl.constexpr, CAUSAL: gl.constexpr,
-                ZIGZAG: gl.constexpr):
+def _load_apart(k_desc, v_desc, k_at, v_at, k_dst, v_dst, kv_ready, kv_empty, s, rnd, STAGES: gl.constexpr):
+    """One block's K and V through rings of their own (``kv_rings`` 2), slot ``s`` in its round ``rnd``: K (its
+    slot already free: the caller waited), then V once the consumers freed its slot's last round, each on its own
+    barrier (V's ``STAGES`` on)."""
+    mbarrier.expect(kv_ready.index(s), k_desc.block_type.nbytes)
+    tma_load(k_desc, k_at, kv_ready.index(s), k_dst)
+    mbarrier.wait(kv_empty.index(STAGES + s), (rnd & 1) ^ 1)
+    mbarrier.expect(kv_ready.index(STAGES + s), v_desc.block_type.nbytes)
+    tma_load(v_desc, v_at, kv_ready.index(STAGES + s), v_dst)
+
+
+@gluon.jit
+def _next_block(t, jb, n_hi, n_full, rank, S, q_pos_min, q_pos_max, W: gl.constexpr, BLOCK_N: gl.constexpr,
+                CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr):
     """The tile's next block, in the producer's order (ring step ``t``, its block ``jb``; ``n_hi`` / ``n_full``: the
     step's blocks and its blocks every query sees whole, ``protocol.block_range``): the new (t, jb, n_hi, n_full)
     and the block's mask number, query minus key position at the tile's first row and the block's first key
@@ -159,12 +215,12 @@ def _next_block(t, jb, n_hi, n_full, rank, S, q_pos_min, q_pos_max, W: gl.conste
     jb += 1
     while (jb >= n_hi) & (t < W - 1):  # steps whose blocks the tile does not see are skipped, as the producer does
         t += 1
-        _, n_hi, n_full = block_range(q_pos_min, q_pos_max, (rank - t + W) % W, S, W, _BLOCK, CAUSAL, ZIGZAG)
+        _, n_hi, n_full = block_range(q_pos_min, q_pos_max, (rank - t + W) % W, S, W, BLOCK_N, CAUSAL, ZIGZAG)
         jb = jb * 0
     d = jb * 0 + _UNMASKED
     if CAUSAL:
         if jb >= n_full:
-            d = q_pos_min - positions(jb * _BLOCK, (rank - t + W) % W, S, W, ZIGZAG)
+            d = q_pos_min - positions(jb * BLOCK_N, (rank - t + W) % W, S, W, ZIGZAG)
     return t, jb, n_hi, n_full, d
 
 
@@ -213,12 +269,17 @@ def release(kv_empty, s):
 def _consumer(q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, n_blocks, qk_scale, lse_row, ctl, call_ok, rank, S,
               q_pos_min, q_pos_max, HALF_INDEX: gl.constexpr, W: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
               ZIGZAG: gl.constexpr):
-    """One consumer partition on its 64 query rows: the pipelined online softmax over the tile's ``n_blocks``
-    blocks (block j's S = Q K^T beside block j-1's O += P V), then its rows of O / l (NaN rows after a failure)
-    into its half of Q's buffer and its lse."""
-    HALF: gl.constexpr = _BLOCK // 2
+    """One consumer partition on its half of the tile's query rows (64): the pipelined online softmax over the
+    tile's ``n_blocks`` blocks (block j's S = Q K^T beside block j-1's O += P V), then its rows of O / l (NaN rows
+    after a failure) into its half of Q's buffer and its lse. The tiles are the buffers' (``slots``). K and V in
+    rings of their own (RINGS 2): block j's K freed once S_j is done, its V once P_j V_j is, each waited for just
+    before its MMA."""
+    HALF: gl.constexpr = q_smem.shape[0] // 2
+    STAGES: gl.constexpr = k_smem.shape[0]
+    BLOCK_N: gl.constexpr = k_smem.shape[1]
+    RINGS: gl.constexpr = kv_ready.shape[0] // STAGES
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[_CONSUMER_WARPS, 1],
-                                                       instr_shape=[16, _BLOCK, 16])
+                                                       instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[_CONSUMER_WARPS, 1],
                                                        instr_shape=[16, D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -226,33 +287,48 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, n_blocks, qk_sc
     m_i = gl.full([HALF], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([HALF], gl.float32, gl.SliceLayout(1, s_layout))
     acc = gl.zeros([HALF, D], gl.float32, o_layout)
-    zero_s = gl.zeros([HALF, _BLOCK], gl.float32, s_layout)
-    _, n_hi, n_full = block_range(q_pos_min, q_pos_max, rank, S, W, _BLOCK, CAUSAL, ZIGZAG)  # step 0: the local K/V
+    zero_s = gl.zeros([HALF, BLOCK_N], gl.float32, s_layout)
+    _, n_hi, n_full = block_range(q_pos_min, q_pos_max, rank, S, W, BLOCK_N, CAUSAL, ZIGZAG)  # step 0: the local K/V
     t, jb, n_hi, n_full, d = _next_block(rank * 0, rank * 0 - 1, n_hi, n_full, rank, S, q_pos_min, q_pos_max, W,
-                                         CAUSAL, ZIGZAG)
+                                         BLOCK_N, CAUSAL, ZIGZAG)
     mbarrier.wait(q_bar, 0)
     mbarrier.wait(kv_ready.index(0), 0)
     qk = warpgroup_mma(q_half, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
+    if RINGS > 1:
+        release(kv_empty, 0)  # K_0
     p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, d, HALF_INDEX * HALF, qk_scale, CAUSAL)
     p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)  # acc is 0: no rescale for block 0
     for j in range(1, n_blocks):
-        s = j % _STAGES
-        sp = (j - 1) % _STAGES
-        t, jb, n_hi, n_full, d = _next_block(t, jb, n_hi, n_full, rank, S, q_pos_min, q_pos_max, W, CAUSAL, ZIGZAG)
-        mbarrier.wait(kv_ready.index(s), (j // _STAGES) & 1)
+        s = j % STAGES
+        sp = (j - 1) % STAGES
+        t, jb, n_hi, n_full, d = _next_block(t, jb, n_hi, n_full, rank, S, q_pos_min, q_pos_max, W, BLOCK_N, CAUSAL,
+                                             ZIGZAG)
+        mbarrier.wait(kv_ready.index(s), (j // STAGES) & 1)
         qk = warpgroup_mma(q_half, k_smem.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        if RINGS > 1:
+            mbarrier.wait(kv_ready.index(STAGES + sp), ((j - 1) // STAGES) & 1)  # V_{j-1}
         acc = warpgroup_mma(p_op, v_smem.index(sp), acc, is_async=True)
         qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk, ))  # S done; P V may still run
+        if RINGS > 1:
+            release(kv_empty, s)  # K_j
         p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, d, HALF_INDEX * HALF, qk_scale, CAUSAL)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        release(kv_empty, sp)
+        if RINGS > 1:
+            release(kv_empty, STAGES + sp)  # V_{j-1}
+        else:
+            release(kv_empty, sp)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)
-    sp = (n_blocks - 1) % _STAGES
+    sp = (n_blocks - 1) % STAGES
+    if RINGS > 1:
+        mbarrier.wait(kv_ready.index(STAGES + sp), ((n_blocks - 1) // STAGES) & 1)
     acc = warpgroup_mma(p_op, v_smem.index(sp), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-    release(kv_empty, sp)
+    if RINGS > 1:
+        release(kv_empty, STAGES + sp)
+    else:
+        release(kv_empty, sp)
     # Every wait of this tile came before its blocks: a failure of any is in the error record by now.
     err = gl.atomic_add(ctl + CTL_ERROR, 0, sem="relaxed", scope="gpu")
     valid = (call_ok != 0) & (err == 0)
@@ -284,9 +360,11 @@ def ring_attn_fwd_gluon(
     SIG_DTYPE: gl.constexpr, STICKY_ERRORS: gl.constexpr,
     WINDOW: gl.constexpr, WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr, SEGMENTED: gl.constexpr,
 ):
-    gl.static_assert(BLOCK_M == _BLOCK and BLOCK_N == _BLOCK and BLOCK_D == D, "ring_core.plans: the Gluon config")
+    STAGES: gl.constexpr = kv_slots(D, BLOCK_M, BLOCK_N)  # ring_core.plans.GLUON_TILES
+    RINGS: gl.constexpr = kv_rings(D)
+    gl.static_assert(BLOCK_D == D, "ring_core.plans: the Gluon config")
     gl.static_assert(not WINDOW and not SEGMENTED, "windows and segment ids run the tl kernel (gluon_applies)")
-    CHUNK_ROWS: gl.constexpr = CHUNK_BLOCKS * _BLOCK
+    CHUNK_ROWS: gl.constexpr = CHUNK_BLOCKS * BLOCK_N
     dtype: gl.constexpr = q_ptr.dtype.element_ty
 
     # ---- the protocol's start: this rank's ring, the call check, every push unit left --------------------
@@ -295,7 +373,7 @@ def ring_attn_fwd_gluon(
     n_chunks = gl.cdiv(S, CHUNK_ROWS)
     rng = ranks_rng(flags, B, HKV, n_chunks, 0, W)
     call_ok = start_call(ctl, heap_bases, rank, epoch, timeout_ns, seg_ptr, rng, B, S, sm_scale, n_chunks,
-                         control.KIND_FWD, W, H, HKV, D, SIG_DTYPE, CAUSAL, ZIGZAG, CHUNK_ROWS, _BLOCK, WIN_LEFT,
+                         control.KIND_FWD, W, H, HKV, D, SIG_DTYPE, CAUSAL, ZIGZAG, CHUNK_ROWS, BLOCK_N, WIN_LEFT,
                          WIN_RIGHT, False, False)
     if W > 1:
         # Before anything of this program waits (the partitions): ring_core.protocol's no-deadlock argument.
@@ -304,24 +382,25 @@ def ring_attn_fwd_gluon(
                      ZIGZAG, False, WIN_LEFT, WIN_RIGHT, False, rng, False)
 
     # ---- the tile, its blocks, TMA descriptors and shared memory ----------------------------------------
-    b, h, hkv, m_blk = query_tile(gl.program_id(0), H // HKV, S // _BLOCK, HKV, CAUSAL)
-    q0 = m_blk * _BLOCK
+    b, h, hkv, m_blk = query_tile(gl.program_id(0), H // HKV, S // BLOCK_M, HKV, CAUSAL)
+    q0 = m_blk * BLOCK_M
     q_pos_min = positions(q0, rank, S, W, ZIGZAG)
-    q_pos_max = positions(q0 + _BLOCK - 1, rank, S, W, ZIGZAG)
+    q_pos_max = positions(q0 + BLOCK_M - 1, rank, S, W, ZIGZAG)
     n_blocks = 0
     for step in gl.static_range(W):
-        _, n_hi, _ = block_range(q_pos_min, q_pos_max, (rank - step + W) % W, S, W, _BLOCK, CAUSAL, ZIGZAG)
+        _, n_hi, _ = block_range(q_pos_min, q_pos_max, (rank - step + W) % W, S, W, BLOCK_N, CAUSAL, ZIGZAG)
         n_blocks += n_hi
     layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    q_desc = tma.make_tensor_descriptor(q_ptr, [B * S, H * D], [H * D, 1], [_BLOCK, D], layout)
-    o_desc = tma.make_tensor_descriptor(out_ptr, [B * S, H * D], [H * D, 1], [_BLOCK, D], layout)
-    k_desc = tma.make_tensor_descriptor(k_ptr, [B * S, HKV * D], [HKV * D, 1], [_BLOCK, D], layout)
-    v_desc = tma.make_tensor_descriptor(v_ptr, [B * S, HKV * D], [HKV * D, 1], [_BLOCK, D], layout)
+    q_desc = tma.make_tensor_descriptor(q_ptr, [B * S, H * D], [H * D, 1], [BLOCK_M, D], layout)
+    o_desc = tma.make_tensor_descriptor(out_ptr, [B * S, H * D], [H * D, 1], [BLOCK_M, D], layout)
+    k_desc = tma.make_tensor_descriptor(k_ptr, [B * S, HKV * D], [HKV * D, 1], [BLOCK_N, D], layout)
+    v_desc = tma.make_tensor_descriptor(v_ptr, [B * S, HKV * D], [HKV * D, 1], [BLOCK_N, D], layout)
     if W > 1:
-        r_desc = tma.make_tensor_descriptor(recv, [(W - 1) * 2 * B * HKV * S, D], [D, 1], [_BLOCK, D], layout)
+        r_desc = tma.make_tensor_descriptor(recv, [(W - 1) * 2 * B * HKV * S, D], [D, 1], [BLOCK_N, D], layout)
     else:
         r_desc = k_desc  # never read: no ring step reads a receive slot
-    q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty = slots(dtype, D, layout, _STAGES, 2)  # two consumers
+    # Each slot released by both consumer partitions.
+    q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty = slots(dtype, BLOCK_M, BLOCK_N, D, layout, STAGES, 2, RINGS)
 
     qk_scale = sm_scale * 1.4426950408889634
     lse_row = lse_ptr + (b * H + h).to(gl.int64) * S + q0
@@ -336,7 +415,7 @@ def ring_attn_fwd_gluon(
     ], [_LOAD_WARPS, _CONSUMER_WARPS], [_LOAD_REGS, _CONSUMER_REGS])
     tma_store(o_desc, [b * S + q0, h * D], q_smem)  # both halves written (the partitions joined)
     tma.store_wait(pendings=0)
-    free_slots(q_bar, kv_ready, kv_empty, _STAGES)
+    free_slots(q_bar, kv_ready, kv_empty, RINGS * STAGES)
 
     # ---- the protocol's end: end barrier, status, counters (the last program of this rank) -----------------
     end_call(ctl, status_ptr, heap_bases, rank, epoch, timeout_ns, W, False, STICKY_ERRORS, False)

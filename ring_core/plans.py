@@ -57,11 +57,12 @@ class KernelConfig:
     def get_default(spec: AttentionSpec, world_size: int, *, interpret: bool = False,
                     capability: tuple | None = None) -> "KernelConfig":
         """The tuned tiles for ``spec``; on a GPU of compute ``capability`` where ``gluon_applies``, the Gluon
-        kernel's fixed ones (ring_core.gluon_kernel: 128-row tiles and blocks, 4 warps per partition, chunks of
-        4 blocks per flag)."""
+        kernel's (ring_core.gluon_kernel): its query rows per tile, K/V rows per block and K/V slots at this head_dim
+        (``GLUON_TILES``; ``num_stages``: the slots), 4 warps per partition, chunks of 4 blocks per flag."""
         if not interpret and gluon_applies(spec, world_size, capability):
-            return KernelConfig(block_m=GLUON_BLOCK, block_n=GLUON_BLOCK, chunk_blocks=4, push_rows=32, num_warps=4,
-                                num_stages=3, gluon=True)
+            block_m, block_n, slots, _ = GLUON_TILES[spec.head_dim]
+            return KernelConfig(block_m=block_m, block_n=block_n, chunk_blocks=4, push_rows=32, num_warps=4,
+                                num_stages=slots, gluon=True)
         if interpret:
             # Small tiles: many blocks, chunks and push units even at the tiny sizes CI can afford.
             return KernelConfig(block_m=16, block_n=16, chunk_blocks=1, push_rows=16, num_warps=4, num_stages=1,
@@ -85,8 +86,19 @@ class KernelConfig:
                             num_stages=1 if wide else 2)
 
 
-GLUON_BLOCK = 128  # ring_core.gluon_kernel.BLOCK
-GLUON_HEAD_DIMS = (64, 128)
+# The Gluon forward's tiles by head_dim, the one place they are set (ring_core.gluon_kernel reads them at compile
+# time, and its binaries' cache key holds them): (query rows per tile, two consumer warpgroups of half as many rows
+# each; K/V rows per block; K/V slots in shared memory; rings: 1 when a block's K and V share a slot and its
+# barriers, 2 when K and V have rings of their own, FlashAttention-3's separate K and V pipelines).
+# D64/D128: 3 shared slots of 128-row blocks (the split consumers need the third: benchmarks/NOTES.md, session 7;
+# D128 224 KiB of shared memory). D256: Q 64 KiB + 2 slots of 64-row K and V blocks, 64 KiB each = 192 KiB (a
+# third slot would make 256), in rings of their own: the pipelined consumers use block j's K beside block j-1's V,
+# so with 2 shared slots they hold both at once and block j+1's load waits for block j-1's P V; in rings of their
+# own each K is freed once S = Q K^T is done, each V after P V, and the loads run a block ahead, as with 3 shared
+# slots. The O accumulator: 64 x 256 float32 per warpgroup (128 registers a thread). FlashAttention-3 takes
+# hdim 256 in 128-row tiles and 80-row blocks in 2 stages.
+GLUON_TILES = {64: (128, 128, 3, 1), 128: (128, 128, 3, 1), 256: (128, 64, 2, 2)}
+GLUON_HEAD_DIMS = tuple(GLUON_TILES)
 GLUON_ENV = "RING_ATTENTION_GLUON"  # "0": the tl kernel on every GPU (read at each plan)
 _CAPABILITY = {}  # torch device -> (major, minor)
 
@@ -107,14 +119,17 @@ def gluon_applies(spec: AttentionSpec, world_size: int, capability) -> bool:
     """Whether the Gluon Hopper kernel (ring_core.gluon_kernel) takes the forward of ``spec`` over ``world_size``
     ranks on a GPU of compute ``capability`` ((major, minor); None: no GPU, or the Gluon kernel turned off): Hopper
     (9.x), fp16/bf16,
-    head_dim 64 or 128, seq_local a multiple of 128 (zigzag: of 256, so that a tile's and a block's positions are
-    contiguous), no window, no segment ids. Everything else runs the tl kernel (ring_core.kernel)."""
-    if capability is None or tuple(capability)[0] != 9:
+    head_dim 64, 128 or 256 (``GLUON_TILES``), seq_local a multiple of the tile's query rows and of the K/V block's
+    (128; zigzag: of twice that, 256, so that each half of the shard holds whole tiles and blocks: the causal mask
+    is one number per block, which needs a tile's and a block's positions contiguous), no window, no segment ids.
+    Everything else runs the tl kernel (ring_core.kernel)."""
+    if capability is None or tuple(capability)[0] != 9 or spec.head_dim not in GLUON_TILES:
         return False
-    rows = 2 * GLUON_BLOCK if spec.layout == "zigzag" else GLUON_BLOCK
+    block_m, block_n, _, _ = GLUON_TILES[spec.head_dim]
+    rows = math.lcm(block_m, block_n) * (2 if spec.layout == "zigzag" else 1)
     unmasked = masks.kernel_window(spec.is_causal, spec.window, world_size * spec.seq_local) == masks.NO_WINDOW
-    return (spec.dtype in ("float16", "bfloat16") and spec.head_dim in GLUON_HEAD_DIMS and spec.seq_local % rows == 0
-            and unmasked and not spec.segmented)
+    return (spec.dtype in ("float16", "bfloat16") and spec.seq_local % rows == 0 and unmasked
+            and not spec.segmented)
 
 
 GLUON_BWD_KV_ROWS, GLUON_BWD_Q_ROWS, GLUON_BWD_ROW_TASK = 128, 64, 128  # ring_core.gluon_bwd's tiles

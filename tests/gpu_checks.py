@@ -86,12 +86,14 @@ SOAK_SHAPES = [(1, 200, 4, 2, 64, "bfloat16", True, "zigzag"), (2, 97, 2, 1, 80,
                (1, 512, 8, 8, 128, "bfloat16", False, "contiguous"), (1, 33, 4, 4, 32, "float32", True, "contiguous"),
                (1, 1000, 4, 1, 128, "float16", True, "zigzag")]
 JIT_CASES = [(1, 256, 4, 2, 64, "bfloat16", True, "zigzag"), (1, 100, 4, 2, 64, "bfloat16", False, "contiguous")]
-# The gluon section: forwards the Gluon Hopper kernel takes (ring_core.plans.gluon_applies: fp16/bf16, D 64 or 128,
-# seq_local a multiple of 128, zigzag 256): both layouts, causal and not, GQA and MQA, batch 2, a custom scale, one
-# tile per head, many chunks. (B, S, H, HKV, D, dtype, causal, layout[, scale])
+# The gluon section: forwards the Gluon Hopper kernel takes (ring_core.plans.gluon_applies: fp16/bf16, D 64, 128 or
+# 256, seq_local a multiple of 128, zigzag 256): both layouts, causal and not, GQA and MQA, batch 2, a custom scale,
+# one tile per head, many chunks; D256 (64-row K/V blocks in 2 slots: ring_core.plans.GLUON_TILES) causal zigzag
+# with GQA. (B, S, H, HKV, D, dtype, causal, layout[, scale])
 GLUON_CASES = [(1, 1024, 8, 2, 128, "bfloat16", True, "zigzag"), (2, 512, 4, 4, 64, "float16", False, "contiguous"),
                (1, 768, 8, 8, 128, "bfloat16", True, "contiguous"), (1, 512, 6, 3, 64, "bfloat16", True, "zigzag", 0.3),
-               (1, 128, 4, 1, 128, "float16", True, "contiguous"), (1, 2048, 4, 2, 128, "bfloat16", False, "zigzag")]
+               (1, 128, 4, 1, 128, "float16", True, "contiguous"), (1, 2048, 4, 2, 128, "bfloat16", False, "zigzag"),
+               (1, 768, 8, 2, 256, "bfloat16", True, "zigzag")]
 # The gluon-bwd section: backwards the Gluon Hopper backward takes (ring_core.plans.gluon_bwd_applies: the Gluon
 # forward's cases with head_dim 128), the lse gradient in one; each with deterministic=False (the default) and True.
 # (B, S, H, HKV, D, dtype, causal, layout, scale, lse-grad)

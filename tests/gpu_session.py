@@ -39,6 +39,8 @@ Stages (``NAME[:SECONDS]``; the default time limit is in brackets):
   checks-fwdbwd tests/gpu_checks.py --sections cases,gluon,bwd                     [420]
   checks-gluon tests/gpu_checks.py --sections gluon: the Gluon Hopper forward against float64 and the tl kernel [240]
   bench-w1-tl  bench-w1's forward with RING_ATTENTION_GLUON=0 (the tl kernel), beside cuDNN: the Gluon A/B [150]
+  bench-w1-shapes  bench-w1's forward at issue 18's other shapes, world size 1, torch_fused beside cuDNN: head_dim
+               64 and 256 (32 kv heads), then GQA 32/8 at head_dim 128; bf16 16k/32k, causal and not      [150]
   checks-quick tests/gpu_checks.py, forward sections cases, gluon, jit, grads, launch (no big grid) [300]
   checks-grads tests/gpu_checks.py, sections grads and launch (the end of checks-quick)  [240]
   probe-callback  benchmarks/callback_cost.py: what a host callback per call costs a JAX program (issue 18's
@@ -134,6 +136,8 @@ BENCH = ["-m", "benchmarks.attention", "--causal", "yes", "--seq", "16k", "--met
 PACKED = BENCH + ["--mask", "none,packed", "--csv", "{out}/masks_packed.csv"]
 WINDOW = BENCH + ["--mask", "window", "--window", "4095,0", "--layout", "contiguous", "--pass", "fwd,fwd+bwd",
                   "--csv", "{out}/masks_window.csv"]
+W1_SHAPES = ["-m", "benchmarks.attention", "--methods", "torch_fused,torch_cudnn_1gpu", "--seq", "16k,32k", "--pass",
+             "fwd", "--warmup", "2", "--iters", "5", "--csv", "{out}/attention_w1_shapes.csv"]
 
 STAGES = {
     # First in a call after a kernel edit: the later stages' variants (as an earlier session recorded them, at
@@ -213,6 +217,10 @@ STAGES = {
     "bench-w1-tl": (150, [["env", "RING_ATTENTION_GLUON=0"] + LAUNCH1 + [
         "-m", "benchmarks.attention", "--methods", "torch_fused,jax_fused_deferred,torch_cudnn_1gpu", "--seq",
         "16k,32k", "--pass", "fwd", "--warmup", "2", "--iters", "5", "--csv", "{out}/attention_w1_tl.csv"]]),
+    # Issue 18's targets beyond D128 (D64 and D256 at >= 0.9x cuDNN; GQA): the forward at world size 1 through torch
+    # (JAX runs the same binary), beside cuDNN in the same run; two processes, one CSV.
+    "bench-w1-shapes": (150, [LAUNCH1 + W1_SHAPES + ["--head-dim", "64,256", "--kv-heads", "32"],
+                              LAUNCH1 + W1_SHAPES + ["--head-dim", "128", "--kv-heads", "8"]]),
     "examples": (300, [LAUNCH + ["examples/jax_ring_attention.py"],
                        TORCHRUN + ["examples/torch_ring_attention.py"],
                        TORCHRUN + ["examples/torch_train.py"],

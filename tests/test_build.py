@@ -420,7 +420,9 @@ GLUON_KERNEL_COMPILE = PLAN_SM90 + textwrap.dedent("""
     out = {}
     for B, S, H, HKV, D, dt, causal, layout, W in ((1, 1024, 8, 2, 128, "bfloat16", True, "zigzag", 2),
                                                    (2, 512, 4, 4, 64, "float16", False, "contiguous", 3),
-                                                   (1, 256, 4, 1, 128, "bfloat16", True, "contiguous", 1)):
+                                                   (1, 256, 4, 1, 128, "bfloat16", True, "contiguous", 1),
+                                                   (1, 512, 8, 2, 256, "bfloat16", True, "zigzag", 2),
+                                                   (2, 256, 4, 4, 256, "float16", False, "contiguous", 1)):
         spec = validate.check_attention_args((B, S, H, D), (B, S, HKV, D), (B, S, HKV, D), dt, dt, dt,
                                              is_causal=causal, scale=None, layout=layout, backend="fused",
                                              backends=("fused",))
@@ -429,6 +431,8 @@ GLUON_KERNEL_COMPILE = PLAN_SM90 + textwrap.dedent("""
         out[f"{dt}-D{D}-W{W}-{causal}-{layout}"] = dict(
             gluon=p.config.gluon, name=ck.metadata.name, ws="ttg.warp_specialize" in ttgir, load_partition=bool(load),
             warps=ck.metadata.num_warps, shared=ck.metadata.shared, scratch=ck.metadata.global_scratch_size,
+            tiles=[p.config.block_m, p.config.block_n, p.config.num_stages], barriers=ptx.count("mbarrier.init"),
+            mma_n=sorted(set(int(n) for n in re.findall(r"wgmma\\.mma_async\\.sync\\.aligned\\.m64n(\\d+)k16", ptx))),
             wgmma=ptx.count("wgmma.mma_async"), tma=len(at(r"cp\\.async\\.bulk\\.tensor")), fences=len(fence),
             acquires=len(acq), fence_after_acquire=bool(acq and fence and fence[0] > acq[0]),
             tma_after_fence=bool(fence and tma and tma[-1] > fence[0]),
@@ -444,12 +448,22 @@ def test_gluon_product_kernel_compiles_warp_specialised_with_the_protocol(tmp_pa
     protocol compiled in from ring_core.protocol's own helpers: with peers, bounded acquires of the chunks' flags
     (timed by %globaltimer) each followed by the generic-to-async proxy fence before the TMA reads, and the system-
     scope releases of the pushes, the call check and the end barrier; at world size 1 nothing to wait for. What it
-    computes is checked on a GPU against float64 and the tl kernel (tests/gpu_checks.py, section ``gluon``)."""
+    computes is checked on a GPU against float64 and the tl kernel (tests/gpu_checks.py, section ``gluon``).
+    Head dim 256 in its own tiles (ring_core.plans.GLUON_TILES): 64-row K/V blocks in 2 slots, S of 64 columns and
+    P V of 256 per warpgroup MMA, 192 KiB of shared memory (Q's 64 and the slots' 128), K and V in rings of their own
+    (a ready and an empty barrier per slot of each, beside Q's; D64/D128: one pair per slot of both)."""
     got = _compiled_for_sm90(GLUON_KERNEL_COMPILE, tmp_path)
     for name, c in got.items():
         assert c["gluon"] and c["name"] == "ring_attn_fwd_gluon", (name, c)
         assert c["ws"] and c["load_partition"] and c["warps"] > 8 and c["scratch"] > 0, (name, c)
         assert c["shared"] <= 227 * 1024 and c["wgmma"] > 0 and c["tma"] > 0, (name, c)
+        D = int(name.split("-D")[1].split("-")[0])
+        if D == 256:
+            assert c["tiles"] == [128, 64, 2] and c["mma_n"] == [64, 256], (name, c)
+            assert 192 * 1024 <= c["shared"] < 193 * 1024 and c["barriers"] == 1 + 2 * 2 * 2, (name, c)
+        else:
+            assert c["tiles"] == [128, 128, 3] and c["mma_n"] == sorted({128, D}), (name, c)
+            assert c["barriers"] == 1 + 2 * 3, (name, c)
         if "-W1-" in name:
             assert c["acquires"] == 0 and c["fences"] == 0, (name, c)
         else:
@@ -642,6 +656,14 @@ def test_gpu_variants_lists_the_runs_kernels():
     assert kinds == ["ring_attn_bwd_gluon"] * 4 + ["ring_attn_fwd_gluon"] * 4, kinds  # the default: deterministic=False
     tl = [r["kernel"].split(":")[1] for r in gv.stage_records("bench-w1-tl", 1)]  # RING_ATTENTION_GLUON=0
     assert tl and set(tl) == {"ring_attn_fwd_kernel"}, tl
+    # Issue 18's other shapes (D64, D256, GQA 32/8), forward only through torch: the Gluon forward, in its tiles.
+    shapes = gv.stage_records("bench-w1-shapes", 1)
+    assert {r["kernel"].split(":")[1] for r in shapes} == {"ring_attn_fwd_gluon"}, shapes
+    got = sorted((r["constexprs"]["D"], r["constexprs"]["HKV"], r["constexprs"]["CAUSAL"], r["constexprs"]["BLOCK_N"],
+                  r["num_stages"]) for r in shapes)
+    assert got == [(d, hkv, causal, 64 if d == 256 else 128, 2 if d == 256 else 3)
+                   for d, hkv in ((64, 32), (128, 8), (256, 32)) for causal in (False, True)], got
+    assert any(r["constexprs"]["D"] == 256 for r in gl_section if r["kernel"].endswith("fwd_gluon"))
     soak = gv.stage_records("soak", 4)
     assert soak and sum(r["kernel"].endswith("bwd_kernel") for r in soak) == 1
     faults = gv.stage_records("faults", 3)  # the fault sections' right calls (forward only)

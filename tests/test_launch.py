@@ -103,6 +103,11 @@ def _spec(S=1024, D=128, dtype="bfloat16", layout="contiguous", window=None, seg
     (dict(D=64, dtype="float16", causal=False), (9, 0), True),
     (dict(layout="zigzag", S=512), (9, 0), True),
     (dict(layout="zigzag", S=384), (9, 0), False),  # a tile would hold rows of both zigzag halves
+    (dict(D=256), (9, 0), True),
+    (dict(D=256, dtype="float16", causal=False, layout="zigzag", S=256), (9, 0), True),
+    (dict(D=256, layout="zigzag", S=384), (9, 0), False),  # 64-row blocks fit each half, 128-row tiles do not
+    (dict(D=256, S=192), (9, 0), False),  # three 64-row blocks, one and a half tiles
+    (dict(D=256, dtype="float32"), (9, 0), False),
     (dict(S=1000), (9, 0), False),
     (dict(D=80), (9, 0), False),
     (dict(dtype="float32"), (9, 0), False),
@@ -122,8 +127,11 @@ def test_the_gluon_kernel_takes_the_forwards_it_applies_to(kw, capability, gluon
     p = plans.plan(spec, 2, lay, capability=capability)
     kernel = "ring_attn_fwd_gluon" if gluon else "ring_attn_fwd_kernel"
     assert p.config.gluon is gluon and p.kernel().__name__ == kernel
-    if gluon:
-        assert (p.config.block_m, p.config.block_n, p.config.num_warps, p.chunk_rows) == (128, 128, 4, 512)
+    if gluon:  # head_dim 256: 64-row K/V blocks in 2 slots (shared memory), chunks of 4 blocks as at 64 and 128
+        tiles = (128, 64, 2, 256) if spec.head_dim == 256 else (128, 128, 3, 512)
+        assert (p.config.block_m, p.config.block_n, p.config.num_stages, p.chunk_rows) == tiles
+        assert p.config.num_warps == 4 and p.block == p.config.block_n
+        assert p.grid == (8 * spec.seq_local // 128,)
     assert not plans.plan(spec, 2, lay, capability=capability, interpret=True).config.gluon
     assert plans.plan_bwd(spec, 2, lay).kernel().__name__ == "ring_attn_bwd_kernel"
     fast = plans.plan_bwd(spec, 2, lay, capability=capability)
