@@ -50,6 +50,9 @@ except ImportError:  # pragma: no cover - older JAX
 TARGET = "ring_attention_status"
 SLOTS = 64  # statuses in flight per process; a call that finds none free waits for the oldest
 _STATUS_BYTES = 4 * control.STATUS_WORDS
+REPORTED = ("a failure of an earlier fused call on this process, reported by a later one "
+            "(RING_ATTENTION_ERRORS=deferred). The program making that later call stopped there: its fused calls "
+            "after it did not run on this rank, so call jax_ring.reset() on every rank before the next fused call")
 
 
 # ---------------------------------------------------------------------------- XLA's FFI, as much as we read
@@ -229,11 +232,12 @@ def _check(words, site: int) -> None:
     control.check_status(words, position, timeout_s, members=members)
 
 
-def _poll(wait: bool) -> None:
-    """Check the statuses that have landed, in issue order (``wait``: all of them, waiting for each); failures go
-    to ``_unreported`` and, the first since the last take(), to ``_first``."""
+def _poll(wait: bool, at_most=None) -> None:
+    """Check the statuses that have landed, in issue order (``wait``: wait for each first; ``at_most``: check no
+    more than that many); failures go to ``_unreported`` and, the first since the last take(), to ``_first``."""
     global _first
-    while _pending:
+    done = 0
+    while _pending and (at_most is None or done < at_most):
         platform, slot, site = _pending[0]
         slots = _slots[platform]
         if wait:
@@ -241,6 +245,7 @@ def _poll(wait: bool) -> None:
         elif not slots.landed(slot):
             return
         _pending.popleft()
+        done += 1
         try:
             _check(slots.words[slot], site)
         except RuntimeError as e:  # RingAttentionTimeout / RingAttentionMismatch, or a call that never completed
@@ -290,22 +295,15 @@ def _execute(frame, platform: str):
             _slots[platform] = _CudaSlots(SLOTS, stream) if platform == "cuda" else _HostSlots(SLOTS)
             _free[platform] = list(range(SLOTS - 1, -1, -1))
         while not _free[platform]:  # the host is SLOTS calls ahead of the GPU: wait for the oldest
-            _wait_oldest()
+            _poll(wait=True, at_most=1)
         slot = _free[platform].pop()
         _slots[platform].copy(slot, src, stream)
         _pending.append((platform, slot, site))
         if _unreported:
             e = _unreported.popleft()
-            return _ffi_error(frame, f"{type(e).__name__}: {e} (a failure of an earlier fused call on this "
-                                     f"process, reported here: RING_ATTENTION_ERRORS=deferred; "
-                                     f"jax_ring.check_errors() raises it as ring_core.control.{type(e).__name__})")
+            return _ffi_error(frame, f"{type(e).__name__}: {e} [{REPORTED}; jax_ring.check_errors() raises it as "
+                                     f"ring_core.control.{type(e).__name__}]")
     return None
-
-
-def _wait_oldest() -> None:
-    platform, slot, _ = _pending[0]
-    _slots[platform].wait(slot)
-    _poll(wait=False)  # checks it, and any after it that have landed too
 
 
 def _handler(platform: str):
