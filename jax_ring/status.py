@@ -51,8 +51,8 @@ TARGET = "ring_attention_status"
 SLOTS = 64  # statuses in flight per process; a call that finds none free waits for the oldest
 _STATUS_BYTES = 4 * control.STATUS_WORDS
 REPORTED = ("a failure of an earlier fused call on this process, reported by a later one "
-            "(RING_ATTENTION_ERRORS=deferred). The program making that later call stopped there: its fused calls "
-            "after it did not run on this rank, so call jax_ring.reset() on every rank before the next fused call")
+            "(RING_ATTENTION_ERRORS=deferred). The program making that later call stopped there: if it has fused "
+            "calls after that one, they did not run on this rank, so call jax_ring.reset() on every rank")
 
 
 # ---------------------------------------------------------------------------- XLA's FFI, as much as we read
@@ -143,9 +143,10 @@ class _HostSlots:
 
     def __init__(self, n: int):
         self.words = np.zeros((n, control.STATUS_WORDS), np.int32)
+        self.address = [self.words.ctypes.data + i * _STATUS_BYTES for i in range(n)]
 
     def copy(self, slot: int, src: int, stream) -> None:
-        ctypes.memmove(self.words[slot].ctypes.data, src, _STATUS_BYTES)
+        ctypes.memmove(self.address[slot], src, _STATUS_BYTES)
 
     def landed(self, slot: int) -> bool:
         return True
@@ -177,6 +178,7 @@ class _CudaSlots:
                  "cuMemHostAlloc")  # 1: CU_MEMHOSTALLOC_PORTABLE
         self.words = np.ctypeslib.as_array(ctypes.cast(host, POINTER(ctypes.c_int32)),
                                            shape=(n, control.STATUS_WORDS))
+        self.address = [host.value + i * _STATUS_BYTES for i in range(n)]
         self.events = []
         for _ in range(n):
             ev = c_void_p()
@@ -197,7 +199,7 @@ class _CudaSlots:
 
     def copy(self, slot: int, src: int, stream) -> None:
         self._current()
-        self._ok(self.cu.cuMemcpyDtoHAsync_v2(self.words[slot].ctypes.data, src, _STATUS_BYTES, stream),
+        self._ok(self.cu.cuMemcpyDtoHAsync_v2(self.address[slot], src, _STATUS_BYTES, stream),
                  "cuMemcpyDtoHAsync")
         self._ok(self.cu.cuEventRecord(self.events[slot], stream), "cuEventRecord")
 
@@ -228,6 +230,8 @@ _first = None  # the first failure since the last take(): what check_errors() ra
 
 def _check(words, site: int) -> None:
     """Raise the failure in one call's status words (ring_core.control.check_status), naming global ranks."""
+    if words[0] == control.ERR_NONE and words[3] > 0:  # the common case, without building the message's parts
+        return
     position, members, timeout_s = _sites.get(site, (0, None, None))
     control.check_status(words, position, timeout_s, members=members)
 
@@ -259,7 +263,7 @@ def _site_of(frame) -> int:
     attrs = frame.attrs
     if attrs.size != 1 or attrs.types[0] != _ATTR_SCALAR:
         raise RuntimeError(f"{TARGET}: expected one scalar attribute (site), got {attrs.size}")
-    scalar = ctypes.cast(attrs.items[0], POINTER(_Scalar)).contents
+    scalar = _Scalar.from_address(attrs.items[0])
     if scalar.dtype != _S64:
         raise RuntimeError(f"{TARGET}: the site attribute has dtype code {scalar.dtype}, not int64")
     return c_int64.from_address(scalar.value).value
@@ -268,16 +272,20 @@ def _site_of(frame) -> int:
 def _status_pointer(frame) -> int:
     if frame.args.size != 1 or frame.args.types[0] != 1:  # XLA_FFI_ArgType_BUFFER
         raise RuntimeError(f"{TARGET}: expected one buffer operand, got {frame.args.size}")
-    buf = ctypes.cast(frame.args.items[0], POINTER(_Buffer)).contents
+    buf = _Buffer.from_address(frame.args.items[0])
     if buf.dtype != _S32 or buf.rank != 1 or buf.dims[0] != control.STATUS_WORDS:
         raise RuntimeError(f"{TARGET}: the status must be int32[{control.STATUS_WORDS}]")
     return buf.data
 
 
+_stream_get = {}  # XLA_FFI_Stream_Get's address -> its ctypes function (made once: making one costs microseconds)
+
+
 def _stream(frame):
     args = _StreamArgs(ctypes.sizeof(_StreamArgs), None, frame.ctx, None)
-    err = _STREAM_GET(frame.api.contents.stream_get)(ctypes.byref(args))
-    if err:
+    address = frame.api.contents.stream_get
+    get = _stream_get.get(address) or _stream_get.setdefault(address, _STREAM_GET(address))
+    if get(ctypes.byref(args)):
         raise RuntimeError(f"{TARGET}: XLA gave no stream")
     return args.stream
 
@@ -361,9 +369,12 @@ def _abstract(status, **_):
 
 
 def _lowering(ctx, status, *, axis_name, ring_size, timeout_s, platform):
-    from jax_ring import fused
+    if axis_name is None:  # no ring to name ranks with (benchmarks/callback_cost.py)
+        position, members, table = 0, None, None
+    else:
+        from jax_ring import fused
 
-    position, members, table = fused.local_ring(ctx, axis_name, ring_size)
+        position, members, table = fused.local_ring(ctx, axis_name, ring_size)
     key = site_key(axis_name, ring_size, timeout_s, table)
     register_site(key, position, members, timeout_s)
     err = _register(platform)
@@ -396,10 +407,28 @@ except (ImportError, AttributeError):  # pragma: no cover - a JAX without dce_ru
     pass
 
 
+_left_out = threading.local()
+
+
 def check(status, axis_name, ring_size: int, timeout_s) -> None:
     """Check ``status`` (a launch's int32[STATUS_WORDS] on the ring along ``axis_name``, inside shard_map) at a later
-    fused call on this process, or at ``take(wait=True)``, without a host sync now."""
+    fused call on this process, or at ``take(wait=True)``, without a host sync now. ``axis_name`` None: a status
+    of no ring (ranks named by ring position)."""
+    if getattr(_left_out, "on", False):
+        return
     ring_status_p.bind(status, axis_name=axis_name, ring_size=int(ring_size), timeout_s=timeout_s)
+
+
+class left_out:
+    """``with status.left_out():`` fused calls traced inside it have no per-call check (the kernel still keeps a
+    failure for check_errors()): for benchmarks, where the check's cost is the difference. Not for programs."""
+
+    def __enter__(self):
+        self.before, _left_out.on = getattr(_left_out, "on", False), True
+        return self
+
+    def __exit__(self, *exc):
+        _left_out.on = self.before
 
 
 # ---------------------------------------------------------------------------- the host's side
