@@ -17,6 +17,8 @@ Under shard_map's default check_vma, the kernels' outputs are typed like values 
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
 import jax
@@ -189,16 +191,33 @@ def _launch(name: str, inputs, spec, axis_name, world_size: int, timeout_s, *, b
     program writes it), checked as ``errors_mode()`` says."""
     call = _kernel_call()
     p, ctx = _launch_context(spec, axis_name, world_size, backward=backward, deterministic=deterministic)
-    deferred = errors_mode() == "deferred"
+    check = _check_of(errors_mode())
     *outs, status = call(
         *inputs, ctx, *_scalars(p, timeout_s), kernel=p.kernel(), out_shape=_out_shapes(p), grid=p.grid,
         num_warps=p.config.num_warps, num_stages=p.config.num_stages, scalar_types=p.scalar_types,
-        zeroed_outputs=(len(p.out_shapes) - 1,), name=name, **p.constexprs(sticky_errors=deferred))
-    if deferred:  # the kernel keeps a failure on the heap too (sticky_errors), for jax_ring.check_errors()
+        zeroed_outputs=(len(p.out_shapes) - 1,), name=name, **p.constexprs(sticky_errors=check is None))
+    if check == "status":
         _status.check(status, axis_name, world_size, timeout_s)
-    else:
+    elif check == "callback":
         jax.debug.callback(_raise_status, jnp.concatenate([status, ctx]), world_size, timeout_s)
     return outs
+
+
+def _check_of(mode: str):
+    """How a launch traced now is checked: "status" (jax_ring.status: mode "deferred"), "callback" (mode "call", or
+    "deferred" where XLA would not take the status check's handler: said once), or None (the check left out,
+    ``jax_ring.status.left_out()``: the kernel keeps a failure on the heap for ``check_errors()`` instead)."""
+    if mode == "call":
+        return "callback"
+    if _status.is_left_out():
+        return None
+    err = _status.register(jax.default_backend())
+    if err is not None:
+        warnings.warn(f"jax_ring: RING_ATTENTION_ERRORS=deferred needs the status check's XLA handler, which could not "
+                      f"be registered ({err}); fused calls are checked by a host callback instead (as with "
+                      f"RING_ATTENTION_ERRORS=call, a host round trip per call)", RuntimeWarning, stacklevel=4)
+        return "callback"
+    return "status"
 
 
 def forward(q, k, v, spec, axis_name, world_size: int, timeout_s: float | None = None, segment_ids=None):

@@ -31,7 +31,6 @@ import collections
 import ctypes
 import functools
 import threading
-import warnings
 import zlib
 from ctypes import POINTER, Structure, c_char_p, c_int, c_int64, c_size_t, c_uint32, c_void_p
 
@@ -309,8 +308,9 @@ def _execute(frame, platform: str):
         _pending.append((platform, slot, site))
         if _unreported:
             e = _unreported.popleft()
-            return _ffi_error(frame, f"{type(e).__name__}: {e} [{REPORTED}; jax_ring.check_errors() raises it as "
-                                     f"ring_core.control.{type(e).__name__}]")
+            name = type(e).__name__
+            where = "ring_core.control." if type(e).__module__ == control.__name__ else ""
+            return _ffi_error(frame, f"{name}: {e} [{REPORTED}; jax_ring.check_errors() raises it as {where}{name}]")
     return None
 
 
@@ -334,9 +334,14 @@ _handlers = {}  # platform -> the ctypes function (kept alive: XLA holds its add
 _registered = {}  # platform -> True, or the error that registration raised
 
 
-def _register(platform: str):
-    """Register the handler for ``platform`` ("cpu" or "cuda") with XLA, once; returns None or the error."""
+def register(platform: str):
+    """Register the handler for ``platform`` (a JAX platform: "cpu", or "gpu"/"cuda") with XLA, once; returns None,
+    or the error registration raised (e.g. a jaxlib whose FFI this handler does not speak; a ROCm GPU)."""
+    platform = "cuda" if platform == "gpu" else platform
     if platform not in _registered:
+        if platform not in ("cpu", "cuda"):
+            _registered[platform] = ValueError(f"no status check for the {platform!r} platform")
+            return _registered[platform]
         fn = _handlers[platform] = _handler(platform)
         new = ctypes.pythonapi.PyCapsule_New
         new.restype, new.argtypes = ctypes.py_object, (c_void_p, c_char_p, c_void_p)
@@ -344,7 +349,7 @@ def _register(platform: str):
             jax.ffi.register_ffi_target(TARGET, new(ctypes.cast(fn, c_void_p), None, None),
                                         platform="CUDA" if platform == "cuda" else "cpu", api_version=1)
             _registered[platform] = True
-        except Exception as e:  # e.g. a jaxlib whose FFI this handler does not speak
+        except Exception as e:
             _registered[platform] = e
     got = _registered[platform]
     return None if got is True else got
@@ -377,12 +382,10 @@ def _lowering(ctx, status, *, axis_name, ring_size, timeout_s, platform):
         position, members, table = fused.local_ring(ctx, axis_name, ring_size)
     key = site_key(axis_name, ring_size, timeout_s, table)
     register_site(key, position, members, timeout_s)
-    err = _register(platform)
-    if err is not None:
-        warnings.warn(f"jax_ring: the per-call status check ({TARGET}) could not be registered with XLA ({err}); "
-                      "fused calls will not raise by themselves: call jax_ring.check_errors() (the kernel keeps "
-                      "the first failure), or set RING_ATTENTION_ERRORS=call", RuntimeWarning, stacklevel=2)
-        return []
+    err = register(platform)
+    if err is not None:  # jax_ring.fused registered it when the call was traced, for the default backend
+        raise RuntimeError(f"the status check ({TARGET}) cannot be lowered for {platform}: {err}; set "
+                           f"RING_ATTENTION_ERRORS=call")
     return jax.ffi.ffi_lowering(TARGET, has_side_effect=True)(ctx, status, site=np.int64(key))
 
 
@@ -414,9 +417,11 @@ def check(status, axis_name, ring_size: int, timeout_s) -> None:
     """Check ``status`` (a launch's int32[STATUS_WORDS] on the ring along ``axis_name``, inside shard_map) at a later
     fused call on this process, or at ``take(wait=True)``, without a host sync now. ``axis_name`` None: a status
     of no ring (ranks named by ring position)."""
-    if getattr(_left_out, "on", False):
-        return
     ring_status_p.bind(status, axis_name=axis_name, ring_size=int(ring_size), timeout_s=timeout_s)
+
+
+def is_left_out() -> bool:
+    return getattr(_left_out, "on", False)
 
 
 class left_out:

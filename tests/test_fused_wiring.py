@@ -357,12 +357,15 @@ def test_torch_eager_calls_skip_the_custom_op_dispatch(cpu_heap, monkeypatch):
         assert torch.equal(x, y), name
 
 
-@pytest.mark.parametrize("mode", ["call", "deferred"])
+@pytest.mark.parametrize("mode", ["call", "deferred", "left_out"])
 def test_jax_error_modes(cpu_heap, monkeypatch, mode):
     """RING_ATTENTION_ERRORS: "call" puts a host callback after every fused launch; "deferred" (the default) the
     status check of jax_ring.status instead (no JAX effect: jit keeps its fast path; never dead-code eliminated,
-    not even under grad, whose forward's status nothing reads), and tells the kernel to keep a failure on the heap,
+    not even under grad, whose forward's status nothing reads); both launch the kernels torch launches. With the
+    check left out (jax_ring.status.left_out(), for benchmarks) the kernel keeps a failure on the heap instead,
     which jax_ring.check_errors() raises once."""
+    import contextlib
+
     import jax
     import jax.numpy as jnp
     import torch
@@ -370,14 +373,15 @@ def test_jax_error_modes(cpu_heap, monkeypatch, mode):
 
     import jax_ring
     from jax_ring import fused as jfused
+    from jax_ring import status as jstatus
 
     launches = []
     monkeypatch.setattr(jfused, "_kernel_call", lambda: _fake_kernel_call(launches))
     monkeypatch.setattr(jfused, "fused_available", lambda: True)
-    if mode == "deferred":
-        monkeypatch.delenv(control.ERRORS_ENV, raising=False)  # the default
-    else:
+    if mode == "call":
         monkeypatch.setenv(control.ERRORS_ENV, mode)
+    else:
+        monkeypatch.delenv(control.ERRORS_ENV, raising=False)  # the default
     mesh = Mesh(np.array(jax.devices("cpu")[:1]), ("sp",))
 
     def loss(q, k, v):
@@ -386,16 +390,17 @@ def test_jax_error_modes(cpu_heap, monkeypatch, mode):
     f = jax.shard_map(jax.grad(loss, argnums=(0, 1, 2)), mesh=mesh, in_specs=(P(None, "sp"),) * 3,
                       out_specs=(P(None, "sp"),) * 3)
     q, k, v = (jnp.asarray(x, jnp.float32) for x in testing.random_inputs(5, 1, 8, 2, 1, 16, "float32"))
-    jaxpr = jax.make_jaxpr(f)(q, k, v)
+    with jstatus.left_out() if mode == "left_out" else contextlib.nullcontext():
+        jaxpr = jax.make_jaxpr(f)(q, k, v)
+        hlo = jax.jit(f).lower(q, k, v).as_text()
+        jax.block_until_ready(jax.jit(f)(q, k, v))
     text = str(jaxpr)
     assert ("debug_callback" in text) == (mode == "call"), text[:2000]
     assert text.count("ring_attention_status") == (2 if mode == "deferred" else 0), text[:2000]  # fwd, bwd
-    hlo = jax.jit(f).lower(q, k, v).as_text()
     assert hlo.count("@ring_attention_status") == (2 if mode == "deferred" else 0)
-    if mode == "deferred":
+    if mode != "call":
         assert not jaxpr.effects  # an effect would take jit's calls off its C++ fast path
-    jax.block_until_ready(jax.jit(f)(q, k, v))
-    assert [c["constexprs"]["STICKY_ERRORS"] for c in launches] == [mode == "deferred"] * 2  # fwd, bwd
+    assert [c["constexprs"]["STICKY_ERRORS"] for c in launches] == [mode == "left_out"] * 2  # fwd, bwd
     jax_ring.check_errors()  # nothing failed
     # A failure kept by the kernel (here written by hand: one rank cannot fail) is raised once.
     status = np.zeros(control.STATUS_WORDS, np.int32)
@@ -405,6 +410,31 @@ def test_jax_error_modes(cpu_heap, monkeypatch, mode):
     with pytest.raises(control.RingAttentionTimeout, match=r"call #7\) gave up .* K/V shard of rank 1"):
         jax_ring.check_errors()
     jax_ring.check_errors()
+
+
+def test_jax_deferred_falls_back_to_the_callback_where_xla_refuses_the_handler(cpu_heap, monkeypatch):
+    """A jaxlib that would not take the status check's handler: the deferred mode says so and checks each call by
+    the host callback instead (errors still raised, at a round trip's cost)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    import jax_ring
+    from jax_ring import fused as jfused
+    from jax_ring import status as jstatus
+
+    monkeypatch.setattr(jfused, "_kernel_call", lambda: _fake_kernel_call([]))
+    monkeypatch.setattr(jfused, "fused_available", lambda: True)
+    monkeypatch.setattr(jstatus, "register", lambda platform: RuntimeError("UNIMPLEMENTED: API version 9"))
+    monkeypatch.delenv(control.ERRORS_ENV, raising=False)
+    mesh = Mesh(np.array(jax.devices("cpu")[:1]), ("sp",))
+    f = jax.shard_map(lambda q, k, v: jax_ring.ring_attention(q, k, v, axis_name="sp", backend="fused"),
+                      mesh=mesh, in_specs=(P(None, "sp"),) * 3, out_specs=P(None, "sp"))
+    q, k, v = (jnp.asarray(x, jnp.float32) for x in testing.random_inputs(5, 1, 8, 2, 1, 16, "float32"))
+    with pytest.warns(RuntimeWarning, match=r"could not be registered \(UNIMPLEMENTED: API version 9\); fused calls "
+                                            r"are checked by a host callback instead"):
+        text = str(jax.make_jaxpr(f)(q, k, v))
+    assert "debug_callback" in text and "ring_attention_status" not in text
 
 
 def test_jax_deferred_check_raises_at_the_next_call(cpu_heap, monkeypatch):
