@@ -188,12 +188,13 @@ def command_records(cmd, nproc: int, tag: str) -> list:
     return []
 
 
-FUSED_METHODS = {"torch_fused": False, "jax_fused": False, "jax_fused_deferred": True}  # -> sticky errors
+FUSED_METHODS = {"torch_fused": False, "jax_fused": False, "jax_fused_deferred": True,  # -> sticky errors
+                 "jax_fused_call": False}
 
 
 def bench_records(argv, nproc: int, tag: str, capability=GPU_CAPABILITY) -> list:
     """The records of benchmarks/attention.py's fused launches with these arguments at ``nproc`` ranks: its cases
-    (every shape, mask and pass), through each fused method asked for (JAX with deferred errors compiles with
+    (every shape, mask and pass), through each fused method asked for (JAX with the check left out compiles with
     sticky errors); the forward of every case, the backward of fwd+bwd ones; the forwards planned for a GPU of
     ``capability`` (None: the tl kernel, as with RING_ATTENTION_GLUON=0)."""
     from benchmarks import attention, harness
