@@ -130,7 +130,7 @@ def check_errors():
     themselves and there is nothing kept here."""
     h = _heap.get()
     first = _status.take(wait=True)
-    kept = h.take_error()  # the kernel's own copy of the first failure (sticky_errors), cleared either way
+    kept = h.take_error()  # programs traced under jax_ring.status.left_out(): the kernel kept it on the heap
     if first is not None:
         raise first
     if kept is not None:
