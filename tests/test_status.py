@@ -141,3 +141,23 @@ def test_the_site_key_is_the_same_for_the_same_program():
     assert len({status.site_key("sp", 2, 2.5, table), status.site_key("sp", 2, None, table),
                 status.site_key("sp", 2, 2.5, table + 1), status.site_key("dp", 2, 2.5, table)}) == 4
     assert 0 <= status.site_key("sp", 2, 2.5, table) < 2 ** 63
+
+
+def test_error_modes_from_the_environment(monkeypatch):
+    """Both frontends default to "deferred"; RING_ATTENTION_ERRORS decides for both; the older variables are read
+    where it is unset: RING_ATTENTION_JAX_ERRORS by JAX only, RING_ATTENTION_SYNC_ERRORS=1 ("call") by both."""
+    for name in (control.ERRORS_ENV, "RING_ATTENTION_JAX_ERRORS", "RING_ATTENTION_SYNC_ERRORS"):
+        monkeypatch.delenv(name, raising=False)
+    jax_mode = fused.errors_mode
+    assert jax_mode() == control.errors_mode("deferred") == "deferred"
+    monkeypatch.setenv("RING_ATTENTION_JAX_ERRORS", "call")
+    assert jax_mode() == "call" and control.errors_mode("deferred") == "deferred"
+    monkeypatch.setenv(control.ERRORS_ENV, "deferred")
+    assert jax_mode() == "deferred"
+    monkeypatch.delenv(control.ERRORS_ENV)
+    monkeypatch.delenv("RING_ATTENTION_JAX_ERRORS")
+    monkeypatch.setenv("RING_ATTENTION_SYNC_ERRORS", "1")
+    assert jax_mode() == control.errors_mode("deferred") == "call"
+    monkeypatch.setenv(control.ERRORS_ENV, "sometimes")
+    with pytest.raises(ValueError, match=r"RING_ATTENTION_ERRORS must be one of \('call', 'deferred'\)"):
+        jax_mode()
