@@ -50,6 +50,8 @@ Stages (``NAME[:SECONDS]``; the default time limit is in brackets):
   checks-masks tests/gpu_checks.py --sections masks: segment ids and windows, forward and
                backward (6 cases; compiles dominate)                                [540]
   faults       tests/gpu_faults.py (timeout, concurrent, mismatch, bad_inputs, security) [240]
+  probe-status tests/gpu_status.py: jax_ring.status's CUDA side alone (one process, no ring): registered,
+               no sync, raised by the next call, the slots, its cost                    [120]
   status       tests/gpu_faults.py --sections timeout,mismatch: JAX's default error mode (jax_ring.status:
                raised by the next fused call and by check_errors()) and the callback mode, torch's [180]
   bench-status the per-call check's cost at seq_local 4k, world size 1: jax_fused (default check),
@@ -167,6 +169,9 @@ STAGES = {
     "checks-masks-tail": (420, [LAUNCH + ["tests/gpu_checks.py", "--sections", "masks", "--mask-cases", "3,4,5",
                                           "--out", "{out}"]]),
     "faults": (240, [LAUNCH + ["tests/gpu_faults.py", "--deadline", "{limit_minus}", "--out", "{out}"]]),
+    # Issue 18: jax_ring.status's CUDA side alone (one process, no ring, no Triton): registration, no sync, a failure
+    # raised by the next call, the ring of slots, the cost per call (also with the main thread busy in Python).
+    "probe-status": (120, [["env", "-u", gpus.MPS_SHARE_ENV, sys.executable, "tests/gpu_status.py", "--out", "{out}"]]),
     # Issue 18: JAX's default error mode (jax_ring.status) against the GPU: a timeout and a mismatch raised by the
     # next fused call and by check_errors(), the host-callback mode beside it, torch's as before.
     "status": (180, [LAUNCH + ["tests/gpu_faults.py", "--sections", "timeout,mismatch", "--deadline", "{limit_minus}",
