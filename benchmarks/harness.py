@@ -111,10 +111,12 @@ class MethodInfo:
 METHODS = {
     "torch_fused": MethodInfo("torch", "fused", "torch_bridge.ring_attention(backend='fused')", True),
     "jax_fused": MethodInfo("jax", "fused", "jax_ring.ring_attention(backend='fused') in shard_map", True),
-    "jax_fused_deferred": MethodInfo("jax", "fused", "jax_fused without the per-call host callback "
-                                                     "(RING_ATTENTION_ERRORS=deferred)", True),
-    "torch_fused_det": MethodInfo("torch", "fused", "torch_fused with deterministic=True (the tl backward)", True),
-    "jax_fused_det": MethodInfo("jax", "fused", "jax_fused with deterministic=True (the tl backward)", True),
+    "jax_fused_deferred": MethodInfo("jax", "fused", "jax_fused without any per-call check "
+                                                     "(jax_ring.status.left_out(); check_errors() after)", True),
+    "jax_fused_call": MethodInfo("jax", "fused", "jax_fused checked by a host callback per call "
+                                                 "(RING_ATTENTION_ERRORS=call)", True),
+    "torch_fused_det": MethodInfo("torch", "fused", "torch_fused with deterministic=True", True),
+    "jax_fused_det": MethodInfo("jax", "fused", "jax_fused with deterministic=True", True),
     "torch_ref": MethodInfo("torch", "reference", "torch_bridge backend='torch' (p2p ring, float32 maths)", True),
     "jax_xla": MethodInfo("jax", "reference", "jax_ring backend='xla' (ppermute ring, float32 maths)", True),
     "jax_cudnn_ring": MethodInfo("jax", "peer", "pure-JAX ppermute ring, cuDNN per block, LSE merge"),

@@ -6,9 +6,11 @@ timing, the check and the columns).
 Methods, each timed in the same process group on the same inputs:
 
 * ``torch_fused`` / ``jax_fused``: ``torch_bridge`` / ``jax_ring`` ``backend="fused"`` (this project);
-* ``jax_fused_deferred``: ``jax_fused`` traced with ``RING_ATTENTION_ERRORS=deferred``: no host callback
-  after each call; ``jax_ring.check_errors()`` after the timed calls raises a kept failure (the cost of
-  the per-call check is the difference to ``jax_fused``);
+* ``jax_fused_deferred``: ``jax_fused`` traced without any per-call check (``jax_ring.status.left_out()``: the
+  kernel keeps a failure on the heap and ``jax_ring.check_errors()`` after the timed calls raises it; what
+  ``RING_ATTENTION_ERRORS=deferred`` meant before the status check): the cost of ``jax_fused``'s per-call check
+  (the default, jax_ring.status) is the difference;
+* ``jax_fused_call``: ``jax_fused`` traced with ``RING_ATTENTION_ERRORS=call``: a host callback after each call;
 * ``torch_ref`` / ``jax_xla``: the reference rings (``backend="torch"``, ``backend="xla"``; float32
   maths); skipped above ``--ref-max-seq`` (slow, and they run out of memory at long sequences);
 * ``jax_cudnn_ring``: what a JAX user would write by hand: K/V around the mesh axis with
@@ -370,13 +372,22 @@ def build_jax_ring(env, args, case, data, stack, backend, deterministic=False, *
 
 
 def build_jax_fused_deferred(env, args, case, data, stack, **_):
-    """``jax_fused`` traced in the deferred error mode (read by jax_ring at trace time, which happens here):
-    no host callback per call; a kept failure is raised by ``jax_ring.check_errors()`` after the timed calls."""
+    """``jax_fused`` traced (here) with no per-call check, ``jax_ring.status.left_out()``: a kept failure is raised by
+    ``jax_ring.check_errors()`` after the timed calls."""
     import jax_ring
+    from jax_ring import status
+
+    with status.left_out():
+        prep = build_jax_ring(env, args, case, data, stack, backend="fused")
+    return dataclasses.replace(prep, note=f"{prep.note}; no per-call check", finish=jax_ring.check_errors)
+
+
+def build_jax_fused_call(env, args, case, data, stack, **_):
+    """``jax_fused`` traced (here) with RING_ATTENTION_ERRORS=call: a host callback after every call."""
     from ring_core.control import ERRORS_ENV
 
     old = os.environ.get(ERRORS_ENV)
-    os.environ[ERRORS_ENV] = "deferred"
+    os.environ[ERRORS_ENV] = "call"
     try:
         prep = build_jax_ring(env, args, case, data, stack, backend="fused")
     finally:
@@ -384,7 +395,7 @@ def build_jax_fused_deferred(env, args, case, data, stack, **_):
             os.environ.pop(ERRORS_ENV, None)
         else:
             os.environ[ERRORS_ENV] = old
-    return dataclasses.replace(prep, note=f"{prep.note}; {ERRORS_ENV}=deferred", finish=jax_ring.check_errors)
+    return dataclasses.replace(prep, note=f"{prep.note}; {ERRORS_ENV}=call")
 
 
 def check_lse_differentiates(env, block, q, k, v):
@@ -505,6 +516,7 @@ BUILDERS = {  # every method of harness.METHODS, under its name there
     "torch_fused": functools.partial(build_torch_ring, backend="fused"),
     "jax_fused": functools.partial(build_jax_ring, backend="fused"),
     "jax_fused_deferred": build_jax_fused_deferred,
+    "jax_fused_call": build_jax_fused_call,
     "torch_fused_det": functools.partial(build_torch_ring, backend="fused", deterministic=True),
     "jax_fused_det": functools.partial(build_jax_ring, backend="fused", deterministic=True),
     "torch_ref": functools.partial(build_torch_ring, backend="torch"),

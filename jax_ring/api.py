@@ -144,8 +144,11 @@ def ring_attention(q, k, v, *, axis_name, is_causal=False, scale=None, layout="c
         missing rank and ring step. Baked into the compiled program. The xla ring has no waits of its own.
         Ranks whose fused calls differ (shapes, dtype, flags, layout, scale) raise
         ``ring_core.control.RingAttentionMismatch`` naming both calls (found before any data moves).
-        With RING_ATTENTION_ERRORS=deferred (read when tracing) the call does not raise: the failure
-        is kept for ``jax_ring.check_errors()`` and what the call could not compute is NaN.
+        By default (RING_ATTENTION_ERRORS=deferred, read when tracing) the failed call does not raise
+        itself, and there is no host sync per call: a later fused call on this process reports it (its program
+        fails with a ``jax.errors.JaxRuntimeError`` whose message starts with the exception's name) and
+        ``jax_ring.check_errors()`` raises it as its type; what the failed call could not compute is NaN.
+        RING_ATTENTION_ERRORS=call raises it from the call itself (a host callback per call: for debugging).
       segment_ids: packed sequences: int32 [batch, seq_local], this rank's tokens' segment ids in the layout's
         order (as q's tokens; one array serves this rank's queries and keys, so they cannot disagree). Query i
         attends key j only where their ids are equal; a negative id marks padding: that row attends nothing

@@ -17,6 +17,8 @@ Under shard_map's default check_vma, the kernels' outputs are typed like values 
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
 import jax
@@ -25,6 +27,7 @@ from jax import lax
 from jax.interpreters import mlir
 
 from jax_ring import _platform
+from jax_ring import status as _status
 from ring_core import heap as _heap
 from ring_core import control, validate
 
@@ -60,10 +63,12 @@ def _raise_status(words, ring_size: int, timeout_s):
     control.check_status(status, int(row[ring_size]), timeout_s, members=row[ring_size + 4:2 * ring_size + 4])
 
 
-def errors_deferred() -> bool:
-    """Whether a fused call traced now keeps its failure for ``jax_ring.check_errors()`` instead of raising
-    from the call (ring_core.control.errors_mode; JAX's default "call")."""
-    return control.errors_mode("call") == "deferred"
+def errors_mode() -> str:
+    """How a fused call traced now reports a failure (ring_core.control.errors_mode; JAX's default "deferred"):
+    "deferred": its status is checked by jax_ring.status (copied to the host without a sync, raised by a later
+    fused call on this process or by ``jax_ring.check_errors()``), and the kernel also keeps it on the heap;
+    "call": a host callback after the call raises it from the call (a host round trip per call)."""
+    return control.errors_mode("deferred", legacy_env="RING_ATTENTION_JAX_ERRORS")
 
 
 # ---------------------------------------------------------------------------- the ring's context row
@@ -109,12 +114,28 @@ def _ring_ctx_abstract(pos, *, axis_name, ring_size):
     return pos.update(shape=(2 * (2 * ring_size + 4),), dtype=jnp.dtype(jnp.int32))
 
 
-def _ring_ctx_lowering(ctx, pos, *, axis_name, ring_size):
+def _lowering_mesh(ctx):
     mesh = getattr(ctx.module_context.axis_context, "mesh", None)
     if mesh is None or not hasattr(mesh, "devices"):
         raise ValueError("the fused backend must run inside jax.shard_map over a mesh of devices (the program is "
                          "lowered without one)")
+    return mesh
+
+
+def local_ring(ctx, axis_name, ring_size: int):
+    """(position in its ring, the ring's global ranks, the whole ring table) of this process's device, for a
+    lowering inside shard_map (jax_ring.status names a failure's ranks with them)."""
+    mesh = _lowering_mesh(ctx)
     table = ring_table(_heap.get(), mesh, axis_name)
+    mine = [i for i, d in enumerate(np.asarray(mesh.devices).flat) if d.process_index == jax.process_index()]
+    if len(mine) != 1:
+        raise ValueError(f"the fused backend needs exactly one device of this process in the mesh, found {len(mine)}")
+    row = table[mine[0]].view(np.int64)
+    return int(row[ring_size]), row[ring_size + 4:2 * ring_size + 4].copy(), table
+
+
+def _ring_ctx_lowering(ctx, pos, *, axis_name, ring_size):
+    table = ring_table(_heap.get(), _lowering_mesh(ctx), axis_name)
     row = lambda i: lax.dynamic_index_in_dim(jnp.asarray(table), i, axis=0, keepdims=False)  # noqa: E731
     return mlir.lower_fun(row, multiple_results=False)(ctx, pos)
 
@@ -167,17 +188,36 @@ def _launch(name: str, inputs, spec, axis_name, world_size: int, timeout_s, *, b
             deterministic: bool = False):
     """One fused launch inside shard_map: the inputs, this device's context row and the plan's scalars in
     the kernel's argument order (ring_core.plans); the outputs (the status last, zeroed: the kernel's last
-    program writes it), checked by a host callback unless errors are deferred."""
+    program writes it), checked as ``errors_mode()`` says."""
     call = _kernel_call()
     p, ctx = _launch_context(spec, axis_name, world_size, backward=backward, deterministic=deterministic)
-    deferred = errors_deferred()
+    check = _check_of(errors_mode())
     *outs, status = call(
         *inputs, ctx, *_scalars(p, timeout_s), kernel=p.kernel(), out_shape=_out_shapes(p), grid=p.grid,
         num_warps=p.config.num_warps, num_stages=p.config.num_stages, scalar_types=p.scalar_types,
-        zeroed_outputs=(len(p.out_shapes) - 1,), name=name, **p.constexprs(sticky_errors=deferred))
-    if not deferred:  # else the kernel keeps a failure for jax_ring.check_errors()
+        zeroed_outputs=(len(p.out_shapes) - 1,), name=name, **p.constexprs(sticky_errors=check is None))
+    if check == "status":
+        _status.check(status, axis_name, world_size, timeout_s)
+    elif check == "callback":
         jax.debug.callback(_raise_status, jnp.concatenate([status, ctx]), world_size, timeout_s)
     return outs
+
+
+def _check_of(mode: str):
+    """How a launch traced now is checked: "status" (jax_ring.status: mode "deferred"), "callback" (mode "call", or
+    "deferred" where XLA would not take the status check's handler: said once), or None (the check left out,
+    ``jax_ring.status.left_out()``: the kernel keeps a failure on the heap for ``check_errors()`` instead)."""
+    if mode == "call":
+        return "callback"
+    if _status.is_left_out():
+        return None
+    err = _status.register(jax.default_backend())
+    if err is not None:
+        warnings.warn(f"jax_ring: RING_ATTENTION_ERRORS=deferred needs the status check's XLA handler, which could not "
+                      f"be registered ({err}); fused calls are checked by a host callback instead (as with "
+                      f"RING_ATTENTION_ERRORS=call, a host round trip per call)", RuntimeWarning, stacklevel=4)
+        return "callback"
+    return "status"
 
 
 def forward(q, k, v, spec, axis_name, world_size: int, timeout_s: float | None = None, segment_ids=None):

@@ -1,11 +1,19 @@
 """The fused backend's lifecycle in JAX: joining a job of one process per rank (one GPU each, or ranks sharing
-GPUs), the symmetric heap's lifetime (initialize, shutdown, reset) and the failures kept for check_errors
-(GPU path). The twin of torch_bridge.lifecycle."""
+GPUs), the symmetric heap's lifetime (initialize, shutdown, reset) and the failures of fused calls (check_errors;
+GPU path). The twin of torch_bridge.lifecycle.
+
+Errors found by the kernel (a bounded wait that expired, ranks that disagree) come back in a small status array
+per launch. Checking it from the call would cost a host round trip per call, so by default
+(RING_ATTENTION_ERRORS=deferred) jax_ring.status copies it to pinned memory asynchronously and a later fused
+call on this process raises it, as do ``check_errors()`` (which waits) and ``shutdown()``;
+RING_ATTENTION_ERRORS=call raises it from the call itself (ring_core.control.errors_mode).
+"""
 
 from __future__ import annotations
 
 import os
 
+from jax_ring import status as _status
 from ring_core import control
 from ring_core import heap as _heap
 
@@ -85,30 +93,46 @@ def _jax_distributed_ready() -> bool:
 
 
 def shutdown() -> bool:
-    """Release the symmetric heap (waits for this GPU first); returns False if there was none (so a second
-    call is harmless). Local: no communication, but every rank should shut down before any re-initialises.
+    """Wait for outstanding fused calls, release the symmetric heap, then raise the first failure they reported
+    that ``check_errors()`` has not raised (if any). Returns False if there was no heap (so a second call is
+    harmless). Local: no communication, but every rank should shut down before any re-initialises.
 
     Programs already compiled with ``backend="fused"`` refer to the released heap, so every JAX compilation
     cache is cleared: the next call of such a program traces again, and raises until ``initialize()`` made
     a new heap. torch.distributed and ``jax.distributed`` stay up (``initialize()`` may follow)."""
-    return _heap.shutdown()
+    try:
+        if _heap.is_initialized():
+            check_errors()  # a failure still raises, after the heap is released
+    finally:
+        released = _heap.shutdown()
+    return released
 
 
 def reset():
     """Collective: after a fused call raised a timeout, call on every rank (no call in flight) to zero
-    the protocol state so that the ranks' call counters agree again; the heap stays allocated. Raises
+    the protocol state so that the ranks' call counters agree again; the heap stays allocated. Failures of
+    earlier calls not yet raised are dropped (they were raised or are being handled). Raises
     ``NotInitializedError`` (a RuntimeError) when there is no heap."""
-    _heap.get().reset()
+    h = _heap.get()
+    _status.clear()
+    h.reset()  # zeroes the kernel's kept failure too
 
 
 def check_errors():
-    """Raise the first failure of a fused call on this rank since the last ``check_errors()`` or ``reset()``,
-    for programs traced with RING_ATTENTION_ERRORS=deferred (their calls run without a host callback and do
-    not raise by themselves; what a failed call could not compute is NaN). Waits for this GPU's work first.
-    Local: call it on every rank, e.g. once per training step; the exception is the one the call would have
-    raised (ring_core.control.RingAttentionTimeout / RingAttentionMismatch), naming global ranks."""
+    """Raise the first failure of a fused call on this rank since the last ``check_errors()`` or ``reset()``
+    (ring_core.control.RingAttentionTimeout / RingAttentionMismatch, naming global ranks); waits for this GPU's
+    calls first. Local: call it on every rank, e.g. once per training step.
+
+    With RING_ATTENTION_ERRORS=deferred (the default) a failed call does not raise by itself: a later fused call
+    on this process does (its program fails with a ``jax.errors.JaxRuntimeError`` whose message starts with
+    the exception's name), and this raises the failure as its own type, whether a call reported it already or
+    not. What a failed call could not compute is NaN. With RING_ATTENTION_ERRORS=call the calls raise
+    themselves and there is nothing kept here."""
     h = _heap.get()
-    kept = h.take_error()
+    first = _status.take(wait=True)
+    kept = h.take_error()  # programs traced under jax_ring.status.left_out(): the kernel kept it on the heap
+    if first is not None:
+        raise first
     if kept is not None:
         status, members = kept
         control.check_status(status, members.index(h.rank) if members else h.rank, members=members)

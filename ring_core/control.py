@@ -166,19 +166,22 @@ def timeout_ns(timeout_s: float | None = None) -> int:
     return int(timeout_s * 1e9)
 
 
-def errors_mode(default: str) -> str:
+def errors_mode(default: str = "deferred", legacy_env: str | None = None) -> str:
     """How a fused call reports a failure (RING_ATTENTION_ERRORS; torch reads it at each call, JAX when it
-    traces): "call": the failed call raises (JAX: a host callback after every call, 0.1-0.9 ms each; torch:
-    it waits for the GPU after every call); "deferred": no per-call cost: the failure is kept and
-    ``check_errors()`` raises it (torch: the next fused call too), and what the failed call could not
-    compute is NaN meanwhile. ``default``: the frontend's (JAX "call", torch "deferred"). The older
-    RING_ATTENTION_JAX_ERRORS (JAX) and RING_ATTENTION_SYNC_ERRORS=1 (torch: "call") are still read."""
+    traces). "deferred", both frontends' default: no host sync per call; each call's status is copied to pinned
+    host memory asynchronously and a failure is raised by a later fused call on that process (torch: the next
+    fused call, before it launches; JAX: the next call that finds the copy landed, as the error of that
+    program), by ``check_errors()`` (which waits for the copies) or at ``shutdown()``; what the failed call
+    could not compute is NaN meanwhile. "call": the failed call raises itself (torch: it waits for the GPU
+    after every call; JAX: a host callback after every call, 0.2-1 ms each): for debugging.
+    ``legacy_env``: the frontend's older variable, read when RING_ATTENTION_ERRORS is unset (JAX:
+    RING_ATTENTION_JAX_ERRORS); RING_ATTENTION_SYNC_ERRORS=1 still means "call"."""
     mode = os.environ.get(ERRORS_ENV)
     if mode is None:
         if os.environ.get("RING_ATTENTION_SYNC_ERRORS") == "1":
             mode = "call"
         else:
-            mode = os.environ.get("RING_ATTENTION_JAX_ERRORS", default) if default == "call" else default
+            mode = os.environ.get(legacy_env, default) if legacy_env else default
     if mode not in ERROR_MODES:
         raise ValueError(f"{ERRORS_ENV} must be one of {ERROR_MODES}, got {mode!r}")
     return mode

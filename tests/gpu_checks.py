@@ -193,6 +193,9 @@ def main():
         g = lambda x: jax.make_array_from_process_local_data(
             sh, jnp.asarray(x, dtype=jdt[dt]), (x.shape[0], x.shape[1] * W, *x.shape[2:]))
         out, lse = jax_fns[key](g(q), g(k), g(v), *jax_ids(seg))
+        if backend == "fused":
+            out.block_until_ready()
+            jax_ring.check_errors()  # the default error mode defers a failure (jax_ring.status), as torch's does
         return (np.asarray(out.addressable_shards[0].data.astype(jnp.float32)),
                 np.asarray(lse.addressable_shards[0].data), out.addressable_shards[0].data)
 

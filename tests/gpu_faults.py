@@ -4,8 +4,10 @@
     python -m jax_ring.launch --nproc-per-node 2 tests/gpu_faults.py --sections kill --out /tmp/gpu_faults
 
 Sections (default ``timeout,concurrent,bad_inputs,security``; ``kill`` must run alone: it ends rank 1):
-  timeout     rank 1 skips a fused call (torch_bridge, then jax_ring): rank 0 raises RingAttentionTimeout
-              within the per-call ``timeout_s``, naming rank 1 and the ring step; then ``reset()`` on every
+  timeout     rank 1 skips a fused call (torch_bridge, then jax_ring with RING_ATTENTION_ERRORS=call, then
+              jax_ring's default deferred check): rank 0 raises RingAttentionTimeout within the per-call
+              ``timeout_s``, naming rank 1 and the ring step (deferred: the failed call returns with NaN rows,
+              the next fused call raises it, check_errors() raises it as its type); then ``reset()`` on every
               rank, and the next calls through both frontends are right;
   concurrent  the fused kernel runs while an NCCL all-reduce runs on another torch stream, launched in
               the same order on every rank (fused first; all-reduce first) and in opposite orders once the
@@ -13,8 +15,9 @@ Sections (default ``timeout,concurrent,bad_inputs,security``; ``kill`` must run 
               first call: completes, or (CUDA lazy loading, see section_concurrent) every waiting rank raises
               RingAttentionTimeout and reset() brings them back; and a jitted JAX program holds a psum next
               to a fused call: completes and is right;
-  mismatch    rank 1's call differs (torch: seq_local; JAX: is_causal): every rank raises
-              RingAttentionMismatch naming the field; the next right calls need no reset();
+  mismatch    rank 1's call differs (torch: seq_local; JAX: is_causal, in both error modes): every rank
+              raises RingAttentionMismatch naming the field (JAX deferred: at its next right call, and from
+              check_errors()); the next right calls need no reset();
   bad_inputs  the bad-input table's torch rows (tests/bad_input_cases.py) through backend="fused" with CUDA
               tensors, each followed by a right fused call; CPU tensors to the fused backend; strided CUDA
               inputs; NaN through the fused kernel (propagates, the other rows unchanged, no hang);
@@ -191,6 +194,7 @@ class Job:
             import jax_ring
 
             jax_ring.initialize(heap_size=int(args.heap_gib * (1 << 30)))  # before JAX touches the GPU
+            self.jax_ring = jax_ring
         torch_bridge.initialize(heap_size=int(args.heap_gib * (1 << 30)))
         self.torch, self.dist, self.tb = torch, dist, torch_bridge
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -287,16 +291,19 @@ class Job:
 
         return mesh, sh, glob
 
-    def jax_fused(self, xs, idx, dtype, *, is_causal, layout, timeout_s=None):
-        """One jitted shard_map over all processes; returns this rank's (out, lse) as numpy (blocks)."""
+    def jax_fused(self, xs, idx, dtype, *, is_causal, layout, timeout_s=None, errors=None):
+        """One jitted shard_map over all processes; returns this rank's (out, lse) as numpy (blocks). ``errors``:
+        RING_ATTENTION_ERRORS when the call is traced (None: the default, "deferred": a failure is raised by a
+        later fused call or jax_ring.check_errors(); "call": by the call itself)."""
         import jax
         import jax.numpy as jnp
         from jax.sharding import PartitionSpec as P
 
         import jax_ring
+        from ring_core.control import ERRORS_ENV
 
         mesh, sh, glob = self._jax_mesh(idx, dtype)
-        key = (xs[0].shape, xs[1].shape, dtype, is_causal, layout, timeout_s)
+        key = (xs[0].shape, xs[1].shape, dtype, is_causal, layout, timeout_s, errors)
         if key not in self._jax_fns:
             def body(q, k, v):
                 return jax_ring.ring_attention(q, k, v, axis_name="sp", backend="fused", is_causal=is_causal,
@@ -304,9 +311,17 @@ class Job:
 
             self._jax_fns[key] = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(None, "sp"),) * 3,
                                                        out_specs=(P(None, "sp"), P(None, None, "sp"))))
-        out, lse = self._jax_fns[key](*(glob(x) for x in xs))
-        out.block_until_ready()
-        jax.effects_barrier()  # the status callback has run (and raised if the kernel gave up)
+        before = os.environ.pop(ERRORS_ENV, None)
+        if errors is not None:
+            os.environ[ERRORS_ENV] = errors  # read when the call is traced, at its first run
+        try:
+            out, lse = self._jax_fns[key](*(glob(x) for x in xs))
+            out.block_until_ready()
+            jax.effects_barrier()  # "call": the status callback has run (and raised if the kernel gave up)
+        finally:
+            os.environ.pop(ERRORS_ENV, None)
+            if before is not None:
+                os.environ[ERRORS_ENV] = before
         return (np.asarray(out.addressable_shards[0].data.astype(jnp.float32)),
                 np.asarray(lse.addressable_shards[0].data))
 
@@ -327,12 +342,18 @@ class Job:
 
 
 def section_timeout(job: Job):
-    """Rank 1 skips one fused call (torch, then JAX): rank 0 times out naming rank 1 and the ring step; then
-    reset() everywhere and the next calls through both frontends are right."""
+    """Rank 1 skips one fused call (torch, then JAX with RING_ATTENTION_ERRORS=call, then JAX's default deferred
+    check): rank 0 times out naming rank 1 and the ring step (deferred: the failed call returns, its rows NaN; the
+    next fused call on rank 0 raises it, and check_errors() raises it as RingAttentionTimeout); then reset()
+    everywhere and the next calls through both frontends are right."""
+    import functools
+
     a, rank = job.args, job.rank
     dtype, causal, layout = "bfloat16", False, "contiguous"  # non-causal: rank 0 needs rank 1's K/V at step 1
     xs, idx = job.inputs(1, 1, 256, 4, 2, 64, dtype, layout)
-    frontends = [("torch", job.torch_fused)] + ([("jax", job.jax_fused)] if job.with_jax else [])
+    frontends = [("torch", job.torch_fused)]
+    if job.with_jax:
+        frontends += [("jax-call", functools.partial(job.jax_fused, errors="call")), ("jax", job.jax_fused)]
     for fw, call in frontends:
         job.barrier(f"{fw} warm-up")
         with job.report.check(f"timeout/{fw}: a call with every rank present is right") as c:
@@ -341,15 +362,51 @@ def section_timeout(job: Job):
         job.barrier(f"{fw} good call")
         if rank == 0:
             with job.report.check(f"timeout/{fw}: rank 1 absent -> RingAttentionTimeout on rank 0") as c:
-                c.detail = expect_timeout(lambda: call(xs, idx, dtype, is_causal=causal, layout=layout,
-                                                       timeout_s=a.timeout), a, "rank 1 never called")
-        job.barrier(f"{fw} timeout", deadline_s=a.timeout + a.slack + 60)
+                once = lambda: call(xs, idx, dtype, is_causal=causal, layout=layout, timeout_s=a.timeout)  # noqa: E731
+                c.detail = (_deferred_timeout(once, a) if fw == "jax" else
+                            expect_timeout(once, a, "rank 1 never called"))
+        job.barrier(f"{fw} timeout", deadline_s=2 * a.timeout + a.slack + 60)
         with job.report.check(f"timeout/{fw}: reset() on every rank, then right calls through both frontends"):
             (job.tb.reset if fw == "torch" else _jax_reset)()
             for fw2, call2 in frontends:
                 out, lse = call2(xs, idx, dtype, is_causal=causal, layout=layout, timeout_s=a.timeout)
                 job.check_out(f"after reset {fw2}", _as_np(out), xs, idx, dtype, causal, lse=_as_np(lse))
         job.barrier(f"{fw} reset")
+
+
+def _deferred_timeout(call, a) -> str:
+    """JAX's default mode on rank 0 with rank 1 absent: ``call()`` returns (its rows NaN: it could not compute
+    them); the next ``call()`` raises the first one's RingAttentionTimeout, said to be reported by a later call,
+    within two timeouts (its own kernel waits too); then jax_ring.check_errors() raises it as its own type."""
+    import jax_ring
+    from jax_ring import status
+    from ring_core.control import RingAttentionTimeout
+
+    t0 = time.monotonic()
+    out, _ = call()
+    if not np.isnan(out).any():
+        raise AssertionError("the failed call returned no NaN rows")
+    first = time.monotonic() - t0
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001 - checked here
+        msg = expect_timeout_message(e, rank=0, peer=1, timeout_s=a.timeout)
+        if status.REPORTED[:60] not in msg:
+            raise AssertionError(f"the next call's error does not say it reports an earlier call: {msg[:600]}") from None
+        kind = type(e).__name__
+    else:
+        raise AssertionError("the next fused call did not raise the failed call's timeout")
+    elapsed = time.monotonic() - t0
+    if elapsed > 2 * a.timeout + a.slack:
+        raise AssertionError(f"raised after {elapsed:.1f} s, limit 2 x {a.timeout} s + {a.slack} s")
+    try:
+        jax_ring.check_errors()
+    except RingAttentionTimeout as e:
+        expect_timeout_message(e, rank=0, peer=1, timeout_s=a.timeout)
+    else:
+        raise AssertionError("check_errors() did not raise the kept timeout")
+    return (f"the failed call returned after {first:.1f} s (NaN rows); the next call raised it ({kind}) after "
+            f"{elapsed:.1f} s; check_errors() raised RingAttentionTimeout")
 
 
 def _as_np(x):
@@ -499,16 +556,20 @@ def section_concurrent(job: Job):
 
 
 def section_mismatch(job: Job):
-    """Ranks that disagree: rank 1's torch call has another seq_local, then rank 1's JAX call another
-    is_causal. Every rank raises RingAttentionMismatch naming the field (the kernel finds it before any
-    data moves); then right calls through both frontends, without reset()."""
+    """Ranks that disagree: rank 1's torch call has another seq_local, then rank 1's JAX call another is_causal
+    (RING_ATTENTION_ERRORS=call, then the default deferred check). Every rank raises RingAttentionMismatch naming
+    the field (the kernel finds it before any data moves; deferred: the failed call returns, the next right call
+    raises it, check_errors() raises it as its type); then right calls through both frontends, without reset()."""
+    from jax_ring import status
     from ring_core.control import RingAttentionMismatch
 
     a, rank = job.args, job.rank
     dtype, layout = "bfloat16", "contiguous"
     xs, idx = job.inputs(6, 1, 256, 4, 2, 64, dtype, layout)
     cases = [("torch", "seq_local", dict(is_causal=False)),
-             ("jax", "flags", dict(is_causal=rank == 1))][:2 if job.with_jax else 1]
+             ("jax-call", "flags", dict(is_causal=rank == 1, errors="call")),
+             ("jax", "flags", dict(is_causal=rank == 1))][:3 if job.with_jax else 1]
+    right = dict(layout=layout, timeout_s=a.timeout_concurrent)
     for fw, field, kw in cases:
         job.barrier(f"mismatch {fw}")
         with job.report.check(f"mismatch/{fw}: rank 1's call differs in {field} -> every rank raises") as c:
@@ -516,22 +577,38 @@ def section_mismatch(job: Job):
             try:
                 if fw == "torch":
                     ys, idy = job.inputs(7, 1, 256 if rank == 0 else 320, 4, 2, 64, dtype, layout)
-                    job.torch_fused(ys, idy, dtype, layout=layout, timeout_s=a.timeout_concurrent, **kw)
+                    job.torch_fused(ys, idy, dtype, **right, **kw)
+                elif fw == "jax-call":
+                    job.jax_fused(xs, idx, dtype, **right, **kw)
                 else:
-                    job.jax_fused(xs, idx, dtype, layout=layout, timeout_s=a.timeout_concurrent, **kw)
+                    job.jax_fused(xs, idx, dtype, **right, **kw)  # returns: deferred
+                    job.barrier("mismatch jax: the failed calls returned")
+                    job.jax_fused(xs, idx, dtype, is_causal=False, **right)  # a right call raises it
             except Exception as e:  # noqa: BLE001 - checked below
                 msg = str(e)
                 if not (isinstance(e, RingAttentionMismatch) or "RingAttentionMismatch" in msg):
                     raise
                 if f"first difference: {field}" not in msg or "no reset() needed" not in msg:
                     raise AssertionError(f"the mismatch message lacks the field or the advice: {msg[:600]}")
+                if fw == "jax" and status.REPORTED[:60] not in msg:
+                    raise AssertionError(f"the right call's error does not say it reports an earlier call: "
+                                         f"{msg[:600]}")
                 c.detail = f"after {time.monotonic() - t0:.2f} s: " + msg[msg.index("the ranks disagree"):][:160]
             else:
                 raise AssertionError("the call returned although the ranks' calls differ")
+        if fw == "jax":
+            with job.report.check("mismatch/jax: check_errors() raises it as RingAttentionMismatch"):
+                try:
+                    job.jax_ring.check_errors()
+                except RingAttentionMismatch as e:
+                    if f"first difference: {field}" not in str(e):
+                        raise AssertionError(f"check_errors() raised another mismatch: {str(e)[:400]}") from None
+                else:
+                    raise AssertionError("check_errors() did not raise the kept mismatch")
         job.barrier(f"mismatch {fw} raised")
         with job.report.check(f"mismatch/{fw}: then right calls through both frontends, no reset()"):
             for call in [job.torch_fused] + ([job.jax_fused] if job.with_jax else []):
-                out, lse = call(xs, idx, dtype, is_causal=False, layout=layout, timeout_s=a.timeout_concurrent)
+                out, lse = call(xs, idx, dtype, is_causal=False, **right)
                 job.check_out("after mismatch", _as_np(out), xs, idx, dtype, False, lse=_as_np(lse))
 
 

@@ -52,6 +52,13 @@ Stages (``NAME[:SECONDS]``; the default time limit is in brackets):
   checks-masks tests/gpu_checks.py --sections masks: segment ids and windows, forward and
                backward (6 cases; compiles dominate)                                [540]
   faults       tests/gpu_faults.py (timeout, concurrent, mismatch, bad_inputs, security) [240]
+  probe-status tests/gpu_status.py: jax_ring.status's CUDA side alone (one process, no ring): registered,
+               no sync, raised by the next call, the slots, its cost                    [120]
+  status       tests/gpu_faults.py --sections timeout,mismatch: JAX's default error mode (jax_ring.status:
+               raised by the next fused call and by check_errors()) and the callback mode, torch's [180]
+  bench-status the per-call check's cost at seq_local 4k, world size 1: jax_fused (default check),
+               jax_fused_deferred (none), jax_fused_call (callback), torch_fused; timed per call and back to
+               back; then benchmarks/callback_cost.py (variant status)                 [420]
   bad_inputs   tests/gpu_faults.py --sections bad_inputs                           [150]
   kill         tests/gpu_faults.py --sections kill (ends rank 1)                   [90]
   soak         tests/gpu_soak.py --calls 10000, stopped 50 s before its limit      [420]
@@ -139,6 +146,9 @@ WINDOW = BENCH + ["--mask", "window", "--window", "4095,0", "--layout", "contigu
 W1_SHAPES = ["-m", "benchmarks.attention", "--methods", "torch_fused,torch_cudnn_1gpu", "--seq", "16k,32k", "--pass",
              "fwd", "--warmup", "2", "--iters", "5", "--csv", "{out}/attention_w1_shapes.csv"]
 
+STATUS_BENCH = ["-m", "benchmarks.attention", "--methods", "jax_fused,jax_fused_deferred,jax_fused_call,torch_fused",
+                "--seq", "4k", "--pass", "fwd,fwd+bwd", "--warmup", "5", "--iters", "30"]
+
 STAGES = {
     # First in a call after a kernel edit: the later stages' variants (as an earlier session recorded them, at
     # the same --nproc), compiled from the current source many at a time, instead of one after another as each
@@ -163,6 +173,20 @@ STAGES = {
     "checks-masks-tail": (420, [LAUNCH + ["tests/gpu_checks.py", "--sections", "masks", "--mask-cases", "3,4,5",
                                           "--out", "{out}"]]),
     "faults": (240, [LAUNCH + ["tests/gpu_faults.py", "--deadline", "{limit_minus}", "--out", "{out}"]]),
+    # Issue 18: jax_ring.status's CUDA side alone (one process, no ring, no Triton): registration, no sync, a failure
+    # raised by the next call, the ring of slots, the cost per call (also with the main thread busy in Python).
+    "probe-status": (120, [["env", "-u", gpus.MPS_SHARE_ENV, sys.executable, "tests/gpu_status.py", "--out", "{out}"]]),
+    # Issue 18: JAX's default error mode (jax_ring.status) against the GPU: a timeout and a mismatch raised by the
+    # next fused call and by check_errors(), the host-callback mode beside it, torch's as before.
+    "status": (180, [LAUNCH + ["tests/gpu_faults.py", "--sections", "timeout,mismatch", "--deadline", "{limit_minus}",
+                               "--out", "{out}"]]),
+    # Its cost at seq_local 4k (target: 2 % of a call): jax_fused (the default check) against jax_fused_deferred
+    # (no per-call check) and jax_fused_call (the host callback), one process on the whole GPU, timed per call
+    # (a sync after each) and back to back; then benchmarks/callback_cost.py's stand-in (variant "status").
+    "bench-status": (420, [LAUNCH1 + STATUS_BENCH + ["--timing", timing, "--csv", f"{{out}}/status_4k_{timing}.csv"]
+                           for timing in ("call", "stream")]
+                     + [["env", "-u", gpus.MPS_SHARE_ENV, sys.executable, "-m", "benchmarks.callback_cost",
+                         "--work-ms", "0.3,0.7", "--out", "{out}/callback_cost_status.csv"]]),
     "bad_inputs": (150, [LAUNCH + ["tests/gpu_faults.py", "--sections", "bad_inputs", "--deadline", "{limit_minus}",
                                    "--out", "{out}"]]),
     "kill": (90, [LAUNCH + ["tests/gpu_faults.py", "--sections", "kill", "--deadline", "{limit_minus}",

@@ -190,12 +190,12 @@ def command_records(cmd, nproc: int, tag: str) -> list:
 
 # Each fused method: (sticky errors, deterministic backward).
 FUSED_METHODS = {"torch_fused": (False, False), "jax_fused": (False, False), "jax_fused_deferred": (True, False),
-                 "torch_fused_det": (False, True), "jax_fused_det": (False, True)}
+                 "jax_fused_call": (False, False), "torch_fused_det": (False, True), "jax_fused_det": (False, True)}
 
 
 def bench_records(argv, nproc: int, tag: str, capability=GPU_CAPABILITY) -> list:
     """The records of benchmarks/attention.py's fused launches with these arguments at ``nproc`` ranks: its cases
-    (every shape, mask and pass), through each fused method asked for (JAX with deferred errors compiles with
+    (every shape, mask and pass), through each fused method asked for (JAX with the check left out compiles with
     sticky errors; the ``_det`` ones plan the deterministic backward); the forward of every case, the backward of
     fwd+bwd ones; the forwards planned for a GPU of ``capability`` (None: the tl kernel, as with
     RING_ATTENTION_GLUON=0)."""
@@ -214,7 +214,8 @@ def bench_records(argv, nproc: int, tag: str, capability=GPU_CAPABILITY) -> list
         for m in methods:
             sticky, det = FUSED_METHODS[m]
             ps = [plans.plan(spec, nproc, lay, capability=capability)]
-            ps += [plans.plan_bwd(spec, nproc, lay, capability=capability, deterministic=det)] if c.mode != "fwd" else []
+            if c.mode != "fwd":
+                ps.append(plans.plan_bwd(spec, nproc, lay, capability=capability, deterministic=det))
             recs += [p.compile_record(sticky_errors=sticky, tag=tag) for p in ps]
     return distinct(recs)
 

@@ -194,8 +194,8 @@ def test_mask_arguments():
         with pytest.raises(SystemExit):
             cli.parse_args(bad)
     assert {m for m, i in harness.METHODS.items() if i.masks} == {"torch_fused", "jax_fused", "jax_fused_deferred",
-                                                                   "torch_fused_det", "jax_fused_det", "torch_ref",
-                                                                   "jax_xla"}
+                                                                   "jax_fused_call", "torch_fused_det", "jax_fused_det",
+                                                                   "torch_ref", "jax_xla"}
 
 
 # ---------------------------------------------------------------------------------- arguments, cases
@@ -583,7 +583,8 @@ def test_cpu_smoke_both_passes_through_the_launcher(tmp_path):
     rows = list(csv.DictReader(open(out)))
     by = {(r["pass"], r["causal"], r["method"]): r for r in rows}
     assert len(rows) == len(by) == 2 * 2 * len(harness.METHODS), f"{len(rows)} rows in {time.perf_counter() - t0:.0f} s"
-    gpu_only = {"torch_fused", "jax_fused", "jax_fused_deferred", "torch_fused_det", "jax_fused_det", "torch_cp"}
+    gpu_only = {"torch_fused", "jax_fused", "jax_fused_deferred", "jax_fused_call", "torch_fused_det", "jax_fused_det",
+                "torch_cp"}
     for (mode, causal, method), r in by.items():
         assert (r["world"], r["seq_global"], r["kv_heads"], r["timing"]) == ("2", "128", "2", "call")
         if method in gpu_only:

@@ -74,7 +74,7 @@ def _torch_dtypes():
 def _fake_kernel_call(launches, status=None):
     """A stand-in for jax_ring._triton_call.triton_call: launches the interpreted kernel from a host callback with
     the arguments it was given. ``status``: status words to return instead of the kernel's (a failure one rank
-    cannot cause)."""
+    cannot cause), or an iterator of them, one per launch."""
     import jax
     import torch
 
@@ -102,7 +102,8 @@ def _fake_kernel_call(launches, status=None):
             outs = [torch.zeros(o.shape, dtype=TORCH_DTYPES[str(np.dtype(o.dtype))]) for o in out_shape]
             kernel[grid](*call, *outs, **constexprs)
             if status is not None:
-                outs[-1] = torch.from_numpy(np.asarray(status, np.int32))
+                words = status if isinstance(status, np.ndarray) else next(status)
+                outs[-1] = torch.from_numpy(np.asarray(words, np.int32))
             return tuple(interpret._to_numpy(o, str(np.dtype(od.dtype))) for o, od in zip(outs, out_shape))
 
         return list(jax.pure_callback(host, tuple(out_shape), *arrays))
@@ -356,10 +357,15 @@ def test_torch_eager_calls_skip_the_custom_op_dispatch(cpu_heap, monkeypatch):
         assert torch.equal(x, y), name
 
 
-@pytest.mark.parametrize("mode", ["call", "deferred"])
+@pytest.mark.parametrize("mode", ["call", "deferred", "left_out"])
 def test_jax_error_modes(cpu_heap, monkeypatch, mode):
-    """RING_ATTENTION_ERRORS: "call" puts a host callback after every fused launch; "deferred" none,
-    and tells the kernel to keep a failure on the heap, which jax_ring.check_errors() raises once."""
+    """RING_ATTENTION_ERRORS: "call" puts a host callback after every fused launch; "deferred" (the default) the
+    status check of jax_ring.status instead (no JAX effect: jit keeps its fast path; never dead-code eliminated,
+    not even under grad, whose forward's status nothing reads); both launch the kernels torch launches. With the
+    check left out (jax_ring.status.left_out(), for benchmarks) the kernel keeps a failure on the heap instead,
+    which jax_ring.check_errors() raises once."""
+    import contextlib
+
     import jax
     import jax.numpy as jnp
     import torch
@@ -367,11 +373,15 @@ def test_jax_error_modes(cpu_heap, monkeypatch, mode):
 
     import jax_ring
     from jax_ring import fused as jfused
+    from jax_ring import status as jstatus
 
     launches = []
     monkeypatch.setattr(jfused, "_kernel_call", lambda: _fake_kernel_call(launches))
     monkeypatch.setattr(jfused, "fused_available", lambda: True)
-    monkeypatch.setenv(control.ERRORS_ENV, mode)
+    if mode == "call":
+        monkeypatch.setenv(control.ERRORS_ENV, mode)
+    else:
+        monkeypatch.delenv(control.ERRORS_ENV, raising=False)  # the default
     mesh = Mesh(np.array(jax.devices("cpu")[:1]), ("sp",))
 
     def loss(q, k, v):
@@ -380,10 +390,17 @@ def test_jax_error_modes(cpu_heap, monkeypatch, mode):
     f = jax.shard_map(jax.grad(loss, argnums=(0, 1, 2)), mesh=mesh, in_specs=(P(None, "sp"),) * 3,
                       out_specs=(P(None, "sp"),) * 3)
     q, k, v = (jnp.asarray(x, jnp.float32) for x in testing.random_inputs(5, 1, 8, 2, 1, 16, "float32"))
-    text = str(jax.make_jaxpr(f)(q, k, v))
+    with jstatus.left_out() if mode == "left_out" else contextlib.nullcontext():
+        jaxpr = jax.make_jaxpr(f)(q, k, v)
+        hlo = jax.jit(f).lower(q, k, v).as_text()
+        jax.block_until_ready(jax.jit(f)(q, k, v))
+    text = str(jaxpr)
     assert ("debug_callback" in text) == (mode == "call"), text[:2000]
-    jax.block_until_ready(jax.jit(f)(q, k, v))
-    assert [c["constexprs"]["STICKY_ERRORS"] for c in launches] == [mode == "deferred"] * 2  # fwd, bwd
+    assert text.count("ring_attention_status") == (2 if mode == "deferred" else 0), text[:2000]  # fwd, bwd
+    assert hlo.count("@ring_attention_status") == (2 if mode == "deferred" else 0)
+    if mode != "call":
+        assert not jaxpr.effects  # an effect would take jit's calls off its C++ fast path
+    assert [c["constexprs"]["STICKY_ERRORS"] for c in launches] == [mode == "left_out"] * 2  # fwd, bwd
     jax_ring.check_errors()  # nothing failed
     # A failure kept by the kernel (here written by hand: one rank cannot fail) is raised once.
     status = np.zeros(control.STATUS_WORDS, np.int32)
@@ -393,6 +410,71 @@ def test_jax_error_modes(cpu_heap, monkeypatch, mode):
     with pytest.raises(control.RingAttentionTimeout, match=r"call #7\) gave up .* K/V shard of rank 1"):
         jax_ring.check_errors()
     jax_ring.check_errors()
+
+
+def test_jax_deferred_falls_back_to_the_callback_where_xla_refuses_the_handler(cpu_heap, monkeypatch):
+    """A jaxlib that would not take the status check's handler: the deferred mode says so and checks each call by
+    the host callback instead (errors still raised, at a round trip's cost)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    import jax_ring
+    from jax_ring import fused as jfused
+    from jax_ring import status as jstatus
+
+    monkeypatch.setattr(jfused, "_kernel_call", lambda: _fake_kernel_call([]))
+    monkeypatch.setattr(jfused, "fused_available", lambda: True)
+    monkeypatch.setattr(jstatus, "register", lambda platform: RuntimeError("UNIMPLEMENTED: API version 9"))
+    monkeypatch.delenv(control.ERRORS_ENV, raising=False)
+    mesh = Mesh(np.array(jax.devices("cpu")[:1]), ("sp",))
+    f = jax.shard_map(lambda q, k, v: jax_ring.ring_attention(q, k, v, axis_name="sp", backend="fused"),
+                      mesh=mesh, in_specs=(P(None, "sp"),) * 3, out_specs=P(None, "sp"))
+    q, k, v = (jnp.asarray(x, jnp.float32) for x in testing.random_inputs(5, 1, 8, 2, 1, 16, "float32"))
+    with pytest.warns(RuntimeWarning, match=r"could not be registered \(UNIMPLEMENTED: API version 9\); fused calls "
+                                            r"are checked by a host callback instead"):
+        text = str(jax.make_jaxpr(f)(q, k, v))
+    assert "debug_callback" in text and "ring_attention_status" not in text
+
+
+def test_jax_deferred_check_raises_at_the_next_call(cpu_heap, monkeypatch):
+    """The default mode on the CPU platform (the copy a memcpy): a failed call returns normally; the next fused
+    call on this process fails with the failure's message (naming global ranks, from the ring's members), later
+    calls run again, and jax_ring.check_errors() raises the failure as its own type, once."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    import jax_ring
+    from jax_ring import fused as jfused
+    from jax_ring import status as jstatus
+
+    bad = np.zeros(control.STATUS_WORDS, np.int32)
+    bad[:4] = (control.ERR_KV_TIMEOUT, 0, 1, 7)
+    good = np.zeros(control.STATUS_WORDS, np.int32)
+    good[3] = 8
+    statuses = iter([good, bad, good, good, good])
+    monkeypatch.setattr(jfused, "_kernel_call", lambda: _fake_kernel_call([], statuses))
+    monkeypatch.setattr(jfused, "fused_available", lambda: True)
+    monkeypatch.delenv(control.ERRORS_ENV, raising=False)
+    jstatus.clear()
+    mesh = Mesh(np.array(jax.devices("cpu")[:1]), ("sp",))
+    f = jax.jit(jax.shard_map(lambda q, k, v: jax_ring.ring_attention(q, k, v, axis_name="sp", backend="fused",
+                                                                      timeout_s=2.5),
+                              mesh=mesh, in_specs=(P(None, "sp"),) * 3, out_specs=P(None, "sp")))
+    q, k, v = (jnp.asarray(x, jnp.float32) for x in testing.random_inputs(5, 1, 8, 2, 1, 16, "float32"))
+    jax.block_until_ready(f(q, k, v))  # good
+    jax.block_until_ready(f(q, k, v))  # bad: does not raise itself
+    with pytest.raises((jax.errors.JaxRuntimeError, ValueError),
+                       match=r"RingAttentionTimeout: fused ring attention on rank 0 \(call #7\) gave up after 2.5 s "
+                             r"waiting for the K/V shard of rank 0 at ring step 1.*jax_ring.check_errors\(\) raises it"):
+        jax.block_until_ready(f(q, k, v))
+    jax.block_until_ready(f(q, k, v))  # reported once
+    with pytest.raises(control.RingAttentionTimeout, match=r"rank 0 \(call #7\) gave up after 2.5 s"):
+        jax_ring.check_errors()
+    jax.block_until_ready(f(q, k, v))
+    jax_ring.check_errors()
+    assert jstatus.in_flight() == 0
 
 
 def test_jax_per_call_check_raises_the_kernels_status(cpu_heap, monkeypatch):

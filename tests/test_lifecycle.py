@@ -39,6 +39,9 @@ class FakeHeap:
     def reset(self):
         self.resets += 1
 
+    def take_error(self):
+        return None  # the kernel kept no failure
+
 
 @pytest.fixture
 def fake_heap(monkeypatch):
@@ -186,6 +189,28 @@ def test_torch_shutdown_releases_the_heap_then_raises_a_pending_timeout(fake_hea
         torch_bridge.shutdown()
     assert h.closed and not heap.is_initialized() and lifecycle._pending == []
     assert torch_bridge.shutdown() is False
+
+
+def test_jax_shutdown_releases_the_heap_then_raises_a_pending_failure(fake_heap, monkeypatch):
+    """The twin of torch's: a failure found in a status copy still in flight (jax_ring.status) is raised by
+    shutdown(), after the heap is released."""
+    import jax_ring
+    from jax_ring import status as jstatus
+
+    monkeypatch.setattr(heap, "init_torch_distributed_from_env", lambda: (0, 1, 0))
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    h = jax_ring.initialize(64 << 20)
+    slots = jstatus._HostSlots(1)
+    slots.words[0, :4] = (control.ERR_KV_TIMEOUT, 1, 1, 3)  # as a timed-out call leaves it
+    monkeypatch.setitem(jstatus._slots, "test", slots)
+    monkeypatch.setitem(jstatus._free, "test", [])
+    monkeypatch.setitem(jstatus._sites, -1, (0, (4, 6), 5.0))
+    jstatus._pending.append(("test", 0, -1))
+    with pytest.raises(control.RingAttentionTimeout, match=r"rank 4 \(call #3\) gave up after 5 s waiting for the "
+                                                          r"K/V shard of rank 6 at ring step 1"):
+        jax_ring.shutdown()
+    assert h.closed and not heap.is_initialized() and jstatus.in_flight() == 0 and jstatus._free["test"] == [0]
+    assert jax_ring.shutdown() is False
 
 
 def test_jax_forgets_programs_that_baked_the_released_heap(fake_heap):

@@ -1,0 +1,461 @@
+"""The fused calls' status checked without stalling the stream: JAX's default error mode, "deferred" (the twin of
+torch_bridge.lifecycle's pinned copies; ring_core.control.errors_mode).
+
+Every fused launch writes its status words (ring_core.control.check_status) to a small device array. After the
+launch, one more custom call, ``ring_attention_status`` (XLA's typed FFI, its handler written here in Python
+through ctypes: no compiled extension), runs on the host when XLA *enqueues* it, not when the GPU reaches it:
+
+1. it reads the statuses of earlier calls that have landed (pinned host slots, one CUDA event each, queried in
+   the order they were issued); if one failed, it returns an XLA error carrying the failure's message, so the
+   program making this later call fails: ``jax.errors.JaxRuntimeError`` (a RuntimeError; jit's C++ dispatch may
+   raise it as ValueError) whose message reads ``RingAttentionTimeout: fused ring attention on rank ...``;
+2. it enqueues an asynchronous copy of this call's status into the next free slot, and an event, on XLA's stream.
+
+So a call's failure is raised by a later fused call on this process, or by ``jax_ring.check_errors()`` /
+``shutdown()``, which wait for the copies and raise it as its own type (RingAttentionTimeout /
+RingAttentionMismatch). Per call: a few microseconds of host time and a 144-byte copy on the stream, no sync.
+
+Where XLA may run it. The handler has no JAX effect (an effect would take jit's calls off its C++ fast path:
++0.1-0.2 ms a call on our CPU), so JAX's own dead-code elimination is told to keep it (``dce_rules``); XLA keeps
+and orders it because it has the status as operand and ``has_side_effect``. It is registered without the
+command-buffer trait, so XLA never captures it into a CUDA graph (where a host handler would run only when the
+graph is recorded). Like jax.debug.callback's handler, it takes the GIL, on whichever thread XLA runs it: XLA's
+CPU client runs it on threads of its own (jax 0.10), and there a main thread busy in Python meanwhile delays
+each call's handler (tests/gpu_status.py, on our CPU: 70 us a call without the check, 96 us with it, 231 us
+with it while the main thread spins in Python). Where a GPU client runs it is measured by tests/gpu_status.py.
+
+On the CPU platform the same handler runs with a memcpy for the copy (a slot lands at once): that is how the
+tests check the host side (the ring of slots, the message, raising at the next call) without a GPU.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import functools
+import threading
+import zlib
+from ctypes import POINTER, Structure, c_char_p, c_int, c_int64, c_size_t, c_uint32, c_void_p
+
+import numpy as np
+
+import jax
+from jax.interpreters import mlir
+
+from ring_core import control
+
+try:
+    from jax.extend.core import Primitive
+except ImportError:  # pragma: no cover - older JAX
+    from jax.core import Primitive
+
+TARGET = "ring_attention_status"
+SLOTS = 64  # statuses in flight per process; a call that finds none free waits for the oldest
+_STATUS_BYTES = 4 * control.STATUS_WORDS
+REPORTED = ("a failure of an earlier fused call on this process, reported by a later one "
+            "(RING_ATTENTION_ERRORS=deferred). The program making that later call stopped there: if it has fused "
+            "calls after that one, they did not run on this rank, so call jax_ring.reset() on every rank")
+
+
+# ---------------------------------------------------------------------------- XLA's FFI, as much as we read
+# xla/ffi/api/c_api.h (API 0.3 in jaxlib 0.10, 0.4 in 0.11: these structs are the same in both).
+class _Version(Structure):
+    _fields_ = [("struct_size", c_size_t), ("extension_start", c_void_p), ("major", c_int), ("minor", c_int)]
+
+
+class _Extension(Structure):
+    _fields_ = [("struct_size", c_size_t), ("type", c_int), ("next", c_void_p)]
+
+
+class _Metadata(Structure):
+    _fields_ = [("struct_size", c_size_t), ("api_version", _Version), ("traits", c_uint32),
+                ("state_type_id", c_int64)]
+
+
+class _MetadataExtension(Structure):
+    _fields_ = [("base", _Extension), ("metadata", POINTER(_Metadata))]
+
+
+class _List(Structure):  # XLA_FFI_Args / XLA_FFI_Rets
+    _fields_ = [("struct_size", c_size_t), ("extension_start", c_void_p), ("size", c_int64),
+                ("types", POINTER(c_int)), ("items", POINTER(c_void_p))]
+
+
+class _Attrs(Structure):
+    _fields_ = [("struct_size", c_size_t), ("extension_start", c_void_p), ("size", c_int64),
+                ("types", POINTER(c_int)), ("names", c_void_p), ("items", POINTER(c_void_p))]
+
+
+class _Api(Structure):  # the leading fields of XLA_FFI_Api
+    _fields_ = [("struct_size", c_size_t), ("extension_start", c_void_p), ("api_version", _Version),
+                ("internal_api", c_void_p), ("error_create", c_void_p), ("error_get_message", c_void_p),
+                ("error_destroy", c_void_p), ("handler_register", c_void_p), ("stream_get", c_void_p)]
+
+
+class _CallFrame(Structure):
+    _fields_ = [("struct_size", c_size_t), ("extension_start", POINTER(_Extension)), ("api", POINTER(_Api)),
+                ("ctx", c_void_p), ("stage", c_int), ("args", _List), ("rets", _List), ("attrs", _Attrs),
+                ("future", c_void_p)]
+
+
+class _Buffer(Structure):
+    _fields_ = [("struct_size", c_size_t), ("extension_start", c_void_p), ("dtype", c_int), ("data", c_void_p),
+                ("rank", c_int64), ("dims", POINTER(c_int64))]
+
+
+class _Scalar(Structure):
+    _fields_ = [("dtype", c_int), ("value", c_void_p)]
+
+
+class _ErrorArgs(Structure):
+    _fields_ = [("struct_size", c_size_t), ("extension_start", c_void_p), ("message", c_char_p), ("errc", c_int)]
+
+
+class _StreamArgs(Structure):
+    _fields_ = [("struct_size", c_size_t), ("extension_start", c_void_p), ("ctx", c_void_p), ("stream", c_void_p)]
+
+
+_EXT_METADATA, _STAGE_EXECUTE, _ATTR_SCALAR, _S32, _S64, _ERR_INTERNAL = 1, 3, 3, 4, 5, 13
+_FFI_VERSION = (0, 3)  # the API these structs follow; XLA accepts handlers of 0.1 and newer (jaxlib 0.10, 0.11)
+_HANDLER = ctypes.CFUNCTYPE(c_void_p, POINTER(_CallFrame))
+_ERROR_CREATE = ctypes.CFUNCTYPE(c_void_p, POINTER(_ErrorArgs))
+_STREAM_GET = ctypes.CFUNCTYPE(c_void_p, POINTER(_StreamArgs))
+
+
+def _ffi_error(frame, message: str):
+    args = _ErrorArgs(ctypes.sizeof(_ErrorArgs), None, message.encode("utf-8", "replace"), _ERR_INTERNAL)
+    return _ERROR_CREATE(frame.api.contents.error_create)(ctypes.byref(args))
+
+
+def _answer_metadata(frame) -> bool:
+    """XLA calls a handler once when it is registered, with a metadata extension, to learn its FFI version and
+    traits (no traits: not command-buffer compatible). True if this was that call."""
+    ext = frame.extension_start
+    if not ext or ext.contents.type != _EXT_METADATA:
+        return False
+    md = ctypes.cast(ext, POINTER(_MetadataExtension)).contents.metadata.contents
+    md.api_version.major, md.api_version.minor = _FFI_VERSION
+    md.traits = 0
+    return True
+
+
+# ---------------------------------------------------------------------------- the slots: pinned host + events
+class _HostSlots:
+    """The CPU platform's slots: ``copy`` is a memcpy, so a slot has landed as soon as it is written."""
+
+    def __init__(self, n: int):
+        self.words = np.zeros((n, control.STATUS_WORDS), np.int32)
+        self.address = [self.words.ctypes.data + i * _STATUS_BYTES for i in range(n)]
+
+    def copy(self, slot: int, src: int, stream) -> None:
+        ctypes.memmove(self.address[slot], src, _STATUS_BYTES)
+
+    def landed(self, slot: int) -> bool:
+        return True
+
+    def wait(self, slot: int) -> None:
+        pass
+
+
+class _CudaSlots:
+    """Pinned host slots filled by cuMemcpyDtoHAsync on XLA's stream, each followed by an event (CUDA driver API
+    through ctypes: libcuda is there wherever a GPU is)."""
+
+    def __init__(self, n: int, stream):
+        self.cu = cu = ctypes.CDLL("libcuda.so.1")
+        for name in ("cuCtxGetCurrent", "cuStreamGetCtx", "cuCtxSetCurrent", "cuCtxPushCurrent_v2",
+                     "cuCtxPopCurrent_v2", "cuMemHostAlloc", "cuEventCreate", "cuEventRecord", "cuEventQuery",
+                     "cuEventSynchronize", "cuMemcpyDtoHAsync_v2"):
+            getattr(cu, name).restype = c_int
+        cu.cuStreamGetCtx.argtypes = (c_void_p, POINTER(c_void_p))
+        cu.cuMemcpyDtoHAsync_v2.argtypes = (c_void_p, ctypes.c_uint64, c_size_t, c_void_p)
+        cu.cuEventRecord.argtypes = (c_void_p, c_void_p)
+        cu.cuEventQuery.argtypes = (c_void_p,)
+        cu.cuEventSynchronize.argtypes = (c_void_p,)
+        self.context = c_void_p()
+        self._ok(cu.cuStreamGetCtx(c_void_p(stream), ctypes.byref(self.context)), "cuStreamGetCtx")
+        self._current()
+        host = c_void_p()
+        self._ok(cu.cuMemHostAlloc(ctypes.byref(host), c_size_t(n * _STATUS_BYTES), c_uint32(1)),
+                 "cuMemHostAlloc")  # 1: CU_MEMHOSTALLOC_PORTABLE
+        self.words = np.ctypeslib.as_array(ctypes.cast(host, POINTER(ctypes.c_int32)),
+                                           shape=(n, control.STATUS_WORDS))
+        self.address = [host.value + i * _STATUS_BYTES for i in range(n)]
+        self.events = []
+        for _ in range(n):
+            ev = c_void_p()
+            self._ok(cu.cuEventCreate(ctypes.byref(ev), c_uint32(2)), "cuEventCreate")  # 2: DISABLE_TIMING
+            self.events.append(ev)
+
+    @staticmethod
+    def _ok(rc: int, what: str) -> None:
+        if rc != 0:
+            raise RuntimeError(f"{what} failed with CUDA error {rc}")
+
+    def _current(self) -> None:
+        """Make the context of XLA's stream current on this thread (XLA's threads normally have it already)."""
+        cur = c_void_p()
+        self.cu.cuCtxGetCurrent(ctypes.byref(cur))
+        if cur.value != self.context.value:
+            self._ok(self.cu.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
+
+    def copy(self, slot: int, src: int, stream) -> None:
+        self._current()
+        self._ok(self.cu.cuMemcpyDtoHAsync_v2(self.address[slot], src, _STATUS_BYTES, stream),
+                 "cuMemcpyDtoHAsync")
+        self._ok(self.cu.cuEventRecord(self.events[slot], stream), "cuEventRecord")
+
+    def landed(self, slot: int) -> bool:
+        rc = self.cu.cuEventQuery(self.events[slot])
+        if rc == 600:  # CUDA_ERROR_NOT_READY
+            return False
+        self._ok(rc, "cuEventQuery")
+        return True
+
+    def wait(self, slot: int) -> None:
+        self._ok(self.cu.cuCtxPushCurrent_v2(self.context), "cuCtxPushCurrent")
+        try:
+            self._ok(self.cu.cuEventSynchronize(self.events[slot]), "cuEventSynchronize")
+        finally:
+            self.cu.cuCtxPopCurrent_v2(ctypes.byref(c_void_p()))
+
+
+# ---------------------------------------------------------------------------- what this process has in flight
+_lock = threading.RLock()
+_sites = {}  # site key -> (ring position, ring members (global ranks), timeout_s) of this process's device
+_slots = {}  # platform -> _HostSlots / _CudaSlots, made at the first call
+_free = {}  # platform -> free slot indices
+_pending = collections.deque()  # (platform, slot, site key), in the order the calls were enqueued
+_unreported = collections.deque()  # failures found, not yet returned to XLA by a call
+_first = None  # the first failure since the last take(): what check_errors() raises
+
+
+def _check(words, site: int) -> None:
+    """Raise the failure in one call's status words (ring_core.control.check_status), naming global ranks."""
+    if words[0] == control.ERR_NONE and words[3] > 0:  # the common case, without building the message's parts
+        return
+    position, members, timeout_s = _sites.get(site, (0, None, None))
+    control.check_status(words, position, timeout_s, members=members)
+
+
+def _poll(wait: bool, at_most=None) -> None:
+    """Check the statuses that have landed, in issue order (``wait``: wait for each first; ``at_most``: check no
+    more than that many); failures go to ``_unreported`` and, the first since the last take(), to ``_first``."""
+    global _first
+    done = 0
+    while _pending and (at_most is None or done < at_most):
+        platform, slot, site = _pending[0]
+        slots = _slots[platform]
+        if wait:
+            slots.wait(slot)
+        elif not slots.landed(slot):
+            return
+        _pending.popleft()
+        done += 1
+        try:
+            _check(slots.words[slot], site)
+        except RuntimeError as e:  # RingAttentionTimeout / RingAttentionMismatch, or a call that never completed
+            _unreported.append(e)
+            _first = _first or e
+        finally:
+            _free[platform].append(slot)
+
+
+def _site_of(frame) -> int:
+    attrs = frame.attrs
+    if attrs.size != 1 or attrs.types[0] != _ATTR_SCALAR:
+        raise RuntimeError(f"{TARGET}: expected one scalar attribute (site), got {attrs.size}")
+    scalar = _Scalar.from_address(attrs.items[0])
+    if scalar.dtype != _S64:
+        raise RuntimeError(f"{TARGET}: the site attribute has dtype code {scalar.dtype}, not int64")
+    return c_int64.from_address(scalar.value).value
+
+
+def _status_pointer(frame) -> int:
+    if frame.args.size != 1 or frame.args.types[0] != 1:  # XLA_FFI_ArgType_BUFFER
+        raise RuntimeError(f"{TARGET}: expected one buffer operand, got {frame.args.size}")
+    buf = _Buffer.from_address(frame.args.items[0])
+    if buf.dtype != _S32 or buf.rank != 1 or buf.dims[0] != control.STATUS_WORDS:
+        raise RuntimeError(f"{TARGET}: the status must be int32[{control.STATUS_WORDS}]")
+    return buf.data
+
+
+_stream_get = {}  # XLA_FFI_Stream_Get's address -> its ctypes function (made once: making one costs microseconds)
+
+
+def _stream(frame):
+    args = _StreamArgs(ctypes.sizeof(_StreamArgs), None, frame.ctx, None)
+    address = frame.api.contents.stream_get
+    get = _stream_get.get(address) or _stream_get.setdefault(address, _STREAM_GET(address))
+    if get(ctypes.byref(args)):
+        raise RuntimeError(f"{TARGET}: XLA gave no stream")
+    return args.stream
+
+
+def _execute(frame, platform: str):
+    """One call: report a failure that earlier calls' statuses show, then start this call's copy (the copy is
+    enqueued first, so this call's status is tracked even when this call fails)."""
+    if frame.stage != _STAGE_EXECUTE:
+        return None
+    src, site = _status_pointer(frame), _site_of(frame)
+    stream = _stream(frame) if platform == "cuda" else None
+    with _lock:
+        _poll(wait=False)
+        if platform not in _slots:
+            _slots[platform] = _CudaSlots(SLOTS, stream) if platform == "cuda" else _HostSlots(SLOTS)
+            _free[platform] = list(range(SLOTS - 1, -1, -1))
+        while not _free[platform]:  # the host is SLOTS calls ahead of the GPU: wait for the oldest
+            _poll(wait=True, at_most=1)
+        slot = _free[platform].pop()
+        _slots[platform].copy(slot, src, stream)
+        _pending.append((platform, slot, site))
+        if _unreported:
+            e = _unreported.popleft()
+            name = type(e).__name__
+            where = "ring_core.control." if type(e).__module__ == control.__name__ else ""
+            return _ffi_error(frame, f"{name}: {e} [{REPORTED}; jax_ring.check_errors() raises it as {where}{name}]")
+    return None
+
+
+def _handler(platform: str):
+    def handler(frame_p):
+        try:
+            frame = frame_p.contents
+            if _answer_metadata(frame):
+                return None
+            return _execute(frame, platform)
+        except BaseException as e:  # never let an exception into XLA's thread: ctypes would drop it
+            try:
+                return _ffi_error(frame_p.contents, f"{TARGET} handler failed: {type(e).__name__}: {e}")
+            except BaseException:
+                return None
+
+    return _HANDLER(handler)
+
+
+_handlers = {}  # platform -> the ctypes function (kept alive: XLA holds its address)
+_registered = {}  # platform -> True, or the error that registration raised
+
+
+def register(platform: str):
+    """Register the handler for ``platform`` (a JAX platform: "cpu", or "gpu"/"cuda") with XLA, once; returns None,
+    or the error registration raised (e.g. a jaxlib whose FFI this handler does not speak; a ROCm GPU)."""
+    platform = "cuda" if platform == "gpu" else platform
+    if platform not in _registered:
+        if platform not in ("cpu", "cuda"):
+            _registered[platform] = ValueError(f"no status check for the {platform!r} platform")
+            return _registered[platform]
+        fn = _handlers[platform] = _handler(platform)
+        new = ctypes.pythonapi.PyCapsule_New
+        new.restype, new.argtypes = ctypes.py_object, (c_void_p, c_char_p, c_void_p)
+        try:
+            jax.ffi.register_ffi_target(TARGET, new(ctypes.cast(fn, c_void_p), None, None),
+                                        platform="CUDA" if platform == "cuda" else "cpu", api_version=1)
+            _registered[platform] = True
+        except Exception as e:
+            _registered[platform] = e
+    got = _registered[platform]
+    return None if got is True else got
+
+
+# ---------------------------------------------------------------------------- the primitive
+def site_key(*parts) -> int:
+    """A call site's key (int63): the same in every process for the same program (multi-controller JAX compiles
+    one program everywhere), from values every process has alike (the ring table, the timeout)."""
+    crc = zlib.crc32(repr([p for p in parts if not isinstance(p, np.ndarray)]).encode())
+    crc2 = zlib.crc32(b"".join(np.asarray(p).tobytes() for p in parts if isinstance(p, np.ndarray)), crc)
+    return (crc << 31) ^ crc2
+
+
+def register_site(key: int, position: int, members, timeout_s) -> None:
+    """What this process's failures at site ``key`` are named with (ring_core.control.check_status)."""
+    _sites[key] = (int(position), tuple(int(m) for m in members) if members is not None else None, timeout_s)
+
+
+def _abstract(status, **_):
+    return []
+
+
+def _lowering(ctx, status, *, axis_name, ring_size, timeout_s, platform):
+    if axis_name is None:  # no ring to name ranks with (benchmarks/callback_cost.py)
+        position, members, table = 0, None, None
+    else:
+        from jax_ring import fused
+
+        position, members, table = fused.local_ring(ctx, axis_name, ring_size)
+    key = site_key(axis_name, ring_size, timeout_s, table)
+    register_site(key, position, members, timeout_s)
+    err = register(platform)
+    if err is not None:  # jax_ring.fused registered it when the call was traced, for the default backend
+        raise RuntimeError(f"the status check ({TARGET}) cannot be lowered for {platform}: {err}; set "
+                           f"RING_ATTENTION_ERRORS=call")
+    return jax.ffi.ffi_lowering(TARGET, has_side_effect=True)(ctx, status, site=np.int64(key))
+
+
+# Checks one call's status words (int32[STATUS_WORDS]) of a ring along ``axis_name``; no outputs and no JAX effect
+# (see the module docstring). Lowered where the mesh is known, which names the ring's members (the context row's).
+ring_status_p = Primitive("ring_attention_status")
+ring_status_p.multiple_results = True
+ring_status_p.def_abstract_eval(_abstract)
+for _platform in ("cpu", "cuda"):
+    mlir.register_lowering(ring_status_p, functools.partial(_lowering, platform=_platform), platform=_platform)
+
+
+def _keep(used_outputs, eqn):
+    return [True] * len(eqn.invars), eqn
+
+
+try:
+    from jax._src.interpreters import partial_eval as _pe
+
+    _pe.dce_rules[ring_status_p] = _keep
+except (ImportError, AttributeError):  # pragma: no cover - a JAX without dce_rules: the tests see the call gone
+    pass
+
+
+_left_out = threading.local()
+
+
+def check(status, axis_name, ring_size: int, timeout_s) -> None:
+    """Check ``status`` (a launch's int32[STATUS_WORDS] on the ring along ``axis_name``, inside shard_map) at a later
+    fused call on this process, or at ``take(wait=True)``, without a host sync now. ``axis_name`` None: a status
+    of no ring (ranks named by ring position)."""
+    ring_status_p.bind(status, axis_name=axis_name, ring_size=int(ring_size), timeout_s=timeout_s)
+
+
+def is_left_out() -> bool:
+    return getattr(_left_out, "on", False)
+
+
+class left_out:
+    """``with status.left_out():`` fused calls traced inside it have no per-call check (the kernel still keeps a
+    failure for check_errors()): for benchmarks, where the check's cost is the difference. Not for programs."""
+
+    def __enter__(self):
+        self.before, _left_out.on = getattr(_left_out, "on", False), True
+        return self
+
+    def __exit__(self, *exc):
+        _left_out.on = self.before
+
+
+# ---------------------------------------------------------------------------- the host's side
+def take(wait: bool = True):
+    """The first failure (the exception) found since the last take() or clear(), or None; with ``wait``, after
+    waiting for every status copy in flight. Clears it, and the failures not yet reported by a call."""
+    global _first
+    with _lock:
+        _poll(wait)
+        first, _first = _first, None
+        _unreported.clear()
+        return first
+
+
+def clear() -> None:
+    """Wait for the copies in flight and forget every failure (after reset(): the ranks start again)."""
+    take(wait=True)
+
+
+def in_flight() -> int:
+    """Status copies not yet checked (for tests and benchmarks)."""
+    return len(_pending)
