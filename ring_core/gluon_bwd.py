@@ -36,12 +36,12 @@ on the peers exactly as in the tl kernel: ring_core.protocol's no-deadlock argum
      per such rows (int32, after the accumulator; zeroed by the delta tasks) counts the adds made; an add waits
      (bounded; read while the step's MMAs run) until it equals the task's turn (``_dq_turn``: the adds of earlier
      tickets to those rows, counted from positions), a proxy fence, then the add; the count after it is released
-     DQ_LAG steps later, once ``cp.async.bulk.wait_group DQ_LAG`` says the add completed (a reduction under load
-     takes longer than a step to complete: counting it sooner would hold the consumer for it). The dK/dV tickets then go from the
-     last K/V block to the first, every (batch, kv head)'s at a time: the order in which the tasks, each going up
-     from its first visible query block, reach a block, so the turns seldom make anyone wait (causal: the lightest
-     tasks first, a few % of tail against the heaviest first). Waits only for earlier tickets of this rank: the
-     no-deadlock argument holds; the order is fixed, so the float sums are the same in every run.
+     DQ_LAG steps later, once ``cp.async.bulk.wait_group DQ_LAG`` says the add completed (not waiting each step
+     for the add just issued). Within each (batch, kv head) the dK/dV tickets then go from the last K/V block to
+     the first: the order in which the tasks, each going up from its first visible query block, reach a block, so
+     the turns seldom make anyone wait (causal: the lightest tasks first, a few % of tail against the heaviest
+     first); a task trails the one before it by about DQ_LAG steps, once. Waits only for earlier tickets of this
+     rank: the no-deadlock argument holds; the order is fixed, so the float sums are the same in every run.
    * After the loop each consumer waits for its reductions to complete, fences the async proxy against the generic
      one, and counts itself in CTL_BWD_DELTA again (release): the dQ adds of a task are in memory once both of its
      consumers have counted.
@@ -107,7 +107,7 @@ def _reductions_done():
                               dtype=gl.int32, is_pure=False, pack=1)
 
 
-DQ_LAG = 4  # deterministic: a step's dQ add is counted this many steps later (``dkdv_steps``)
+DQ_LAG = 2  # deterministic: a step's dQ add is counted this many steps later (``dkdv_steps``)
 _DQ_LAG = gl.constexpr(DQ_LAG)
 _WAIT_LAG = gl.constexpr(f"cp.async.bulk.wait_group {DQ_LAG};\n fence.proxy.async.global;\n mov.b32 $0, 0;")
 
@@ -115,8 +115,8 @@ _WAIT_LAG = gl.constexpr(f"cp.async.bulk.wait_group {DQ_LAG};\n fence.proxy.asyn
 @gluon.jit
 def _reductions_done_but_lag():
     """As ``_reductions_done``, for every TMA bulk reduction of this thread but the newest DQ_LAG: the dQ add of
-    DQ_LAG steps ago, published that late so that waiting for it costs nothing (call B: a reduction under load
-    takes about two steps to complete, and counting each one a step later halved the kernel's speed)."""
+    DQ_LAG steps ago, published that late so that waiting for its completion seldom holds the consumer. Each step
+    of lag is a step more a successor trails (once per task, benchmarks/NOTES.md, session 10)."""
     gl.inline_asm_elementwise(_WAIT_LAG, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
 
@@ -531,17 +531,17 @@ def ring_attn_bwd_gluon(
         is_final = t >= n_part
         d = gl.where(is_final, 0, t // per_d + 1)  # peer distance of the K/V's owner; 0: local K/V
         rem = gl.where(is_final, t - n_part, t % per_d)
+        # One (batch, kv head) after another, as their Q, dO and dQ rows then stay in L2 while its tasks run (call
+        # C: interleaving the heads' tasks made the deterministic kernel 1.9x slower). Within one: the heaviest
+        # block first (causal); with DETERMINISTIC the last block first, the order in which the tasks, each going
+        # up from its first visible query block, reach a query block, so that dQ's adds, which follow the
+        # tickets (``_dq_turn``), seldom wait (causal: the lightest tasks first).
+        n_blk = rem % n_kvb
         if DETERMINISTIC:
-            # The blocks from the last to the first, every (batch, kv head)'s at a time: the order in which the
-            # tasks reach a query block (from their first visible one upwards), so that dQ's adds, which
-            # follow the tickets (``_dq_turn``), seldom wait. Causal: the lightest tasks first.
-            n0 = (n_kvb - 1 - rem // (B * HKV)) * _KV_ROWS
-            b = rem % (B * HKV) // HKV
-            hkv = rem % HKV
-        else:
-            n0 = (rem % n_kvb) * _KV_ROWS  # causal: the heaviest first, per (batch, kv head)
-            b = rem // n_kvb // HKV
-            hkv = rem // n_kvb % HKV
+            n_blk = n_kvb - 1 - n_blk
+        n0 = n_blk * _KV_ROWS
+        b = rem // n_kvb // HKV
+        hkv = rem // n_kvb % HKV
         src = (rank - d + W) % W
         if poll_ge(ctl + CTL_BWD_DELTA, n_dq, ctl, timeout_ns, False) == 0:
             record_error(ctl, ERR_LOCAL_TIMEOUT, rank, d, n0 // _KV_ROWS)
