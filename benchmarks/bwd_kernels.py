@@ -1,9 +1,9 @@
 """Where a fused backward's time goes, at world size 1 (issue 19): the product's backward kernels, each alone.
 
 benchmarks/attention.py times forward+backward through autograd; this times the backward alone, through
-``torch.autograd.grad`` on a saved forward (the way a training step runs it), with ``deterministic=False`` and
-``True`` (the Gluon Hopper backward, ring_core.gluon_bwd, in either order of dQ's adds) and the tl split
-(ring_core.kernel_bwd, deterministic; RING_ATTENTION_GLUON=0 around the backward), and
+``torch.autograd.grad`` on a saved forward (the way a training step runs it), with ``deterministic=False`` (the
+Gluon Hopper backward, ring_core.gluon_bwd), ``True`` (the tl split, ring_core.kernel_bwd) and ``True`` with
+RING_ATTENTION_GLUON_DETERMINISTIC=1 (the Gluon kernel's own deterministic order), and
 reads every CUDA kernel's own duration from torch.profiler (CUPTI): the fused kernel's, and the small ones
 autograd and the launcher add (zeros for dlse, casts). benchmarks/gluon_bwd.py's probe (the same loop with delta and
 dQ's conversion done by torch) runs beside them for the A/B. bf16, B=1, H=32, D=128.
@@ -20,7 +20,7 @@ from ring_core import plans
 def launch_records(seqs=(16384,), heads: int = 32, tag: str = "") -> list:
     """The compile-log records of the fused launches ``main`` makes at world size 1 on an H200 (tests/gpu_variants.py:
     the cache filled ahead): each forward, each backward (the Gluon kernel both ways, the tl split); then the
-    probe's."""
+    probe's. (Call it with RING_ATTENTION_GLUON_DETERMINISTIC unset.)"""
     from benchmarks import gluon_bwd
     from ring_core import control, validate
 
@@ -32,24 +32,28 @@ def launch_records(seqs=(16384,), heads: int = 32, tag: str = "") -> list:
                                                  "bfloat16", "bfloat16", "bfloat16", is_causal=causal, scale=None,
                                                  layout="contiguous", backend="fused", backends=("fused",))
             ps = [plans.plan(spec, 1, lay, capability=(9, 0))] + [
-                plans.plan_bwd(spec, 1, lay, capability=(9, 0), deterministic=d) for d in (False, True)] + [
-                plans.plan_bwd(spec, 1, lay, capability=None, deterministic=True)]  # the tl split
+                plans.plan_bwd(spec, 1, lay, capability=(9, 0), deterministic=d) for d in (False, True)]
+            os.environ[plans.GLUON_DET_ENV] = "1"
+            try:
+                ps.append(plans.plan_bwd(spec, 1, lay, capability=(9, 0), deterministic=True))
+            finally:
+                del os.environ[plans.GLUON_DET_ENV]
             recs += [p.compile_record(tag=tag) for p in ps]
     return recs + [dict(r, tag=tag) for r in gluon_bwd.launch_records(seqs)]
 
 
-def _without_gluon(fn):
-    """``fn`` run with RING_ATTENTION_GLUON=0 (read at each plan): the backward it launches is the tl split."""
+def _with_env(fn, name: str, value: str):
+    """``fn`` run with the environment variable ``name`` set to ``value`` (the plans read theirs at each plan)."""
     def run():
-        old = os.environ.get(plans.GLUON_ENV)
-        os.environ[plans.GLUON_ENV] = "0"
+        old = os.environ.get(name)
+        os.environ[name] = value
         try:
             return fn()
         finally:
             if old is None:
-                os.environ.pop(plans.GLUON_ENV)
+                os.environ.pop(name)
             else:
-                os.environ[plans.GLUON_ENV] = old
+                os.environ[name] = old
     return run
 
 
@@ -97,12 +101,12 @@ def main():
                            for _ in range(4))
             flops = 2.5 * 4 * a.heads * S * S * 128 * (0.5 if causal else 1.0)
             runs = []
-            for det, split in ((False, False), (True, False), (True, True)):
+            for det, gluon_det in ((False, False), (True, False), (True, True)):
                 ts = [x.detach().requires_grad_() for x in (q, k, v)]
                 out = torch_bridge.ring_attention(*ts, is_causal=causal, backend="fused", deterministic=det)
                 fn = functools.partial(torch.autograd.grad, out, ts, do, retain_graph=True)
-                runs.append((f"fused deterministic={det}" + (" tl split" if split else ""),
-                             _without_gluon(fn) if split else fn))
+                runs.append((f"fused deterministic={det}" + (" gluon" if gluon_det else ""),
+                             _with_env(fn, plans.GLUON_DET_ENV, "1") if gluon_det else fn))
             o, lse = gluon_bwd._forward(q, k, v, causal)
             runs.append((f"probe {gluon_bwd.CONFIG}", lambda o=o, lse=lse: gluon_bwd.backward(q, k, v, o, lse, do,
                                                                                             causal)))

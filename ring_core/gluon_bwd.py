@@ -6,8 +6,10 @@ block pair where five would do, with dQ summed in a fixed order (deterministic).
 many programs; on the math warps (float atomics) that lost (benchmarks/NOTES.md, v1e), and FlashAttention-3 takes
 the adds off them with TMA bulk reductions, which only Gluon reaches (benchmarks/gluon_bwd.py measured the loop at
 0.85-0.89x cuDNN at world size 1). With DETERMINISTIC=False (the frontends' default) the adds come in any order;
-with True each waits for its turn (below), so dQ is bit-identical from run to run. The tl kernel serves the
-interpreter, other GPUs, fp32, head_dim other than 128, windows and segment ids (``plans.gluon_bwd_applies``).
+with True each waits for its turn (below), so dQ is bit-identical from run to run, but slower so far than the tl
+kernel, which the plans give ``deterministic=True`` unless RING_ATTENTION_GLUON_DETERMINISTIC=1. The tl kernel also
+serves the interpreter, other GPUs, fp32, head_dim other than 128, windows and segment ids
+(``plans.gluon_bwd_applies``).
 
 The protocol is ring_core.kernel_bwd's, through ring_core.protocol's own helpers (they compile under Gluon:
 ring_core.lanes): the call check, the K/V pushes (every program drains the push counter before anything of it

@@ -100,6 +100,7 @@ class KernelConfig:
 GLUON_TILES = {64: (128, 128, 3, 1), 128: (128, 128, 3, 1), 256: (128, 64, 2, 2)}
 GLUON_HEAD_DIMS = tuple(GLUON_TILES)
 GLUON_ENV = "RING_ATTENTION_GLUON"  # "0": the tl kernel on every GPU (read at each plan)
+GLUON_DET_ENV = "RING_ATTENTION_GLUON_DETERMINISTIC"  # "1": deterministic backwards on the Gluon kernel (each plan)
 _CAPABILITY = {}  # torch device -> (major, minor)
 
 
@@ -137,8 +138,8 @@ GLUON_BWD_HEAD_DIMS = (128,)
 
 
 def gluon_bwd_applies(spec: AttentionSpec, world_size: int, capability) -> bool:
-    """Whether the Gluon Hopper backward (ring_core.gluon_bwd) takes the backward of ``spec`` (with or without
-    ``deterministic``): where the Gluon forward applies (``gluon_applies``) and head_dim is 128 (its dQ
+    """Whether the Gluon Hopper backward (ring_core.gluon_bwd) may take the backward of ``spec`` (without
+    ``deterministic``: BwdKernelConfig.get_default): where the Gluon forward applies (``gluon_applies``) and head_dim is 128 (its dQ
     is split between two consumers by halves of D, 64 columns of a 128-byte swizzled row each)."""
     return gluon_applies(spec, world_size, capability) and spec.head_dim in GLUON_BWD_HEAD_DIMS
 
@@ -173,14 +174,17 @@ class BwdKernelConfig:
 
     @staticmethod
     def get_default(spec: AttentionSpec, world_size: int, *, interpret: bool = False,
-                    deterministic: bool = False, capability: tuple | None = None) -> "BwdKernelConfig":
+                    deterministic: bool = False, capability: tuple | None = None,
+                    gluon_det: bool = False) -> "BwdKernelConfig":
         """The tiles for ``spec``. ``deterministic``: the caller needs bit-identical gradients from run to run
-        (the frontends' ``deterministic``, or the framework's switch for deterministic algorithms). Where the Gluon
-        Hopper kernel applies on a GPU of compute ``capability`` (``gluon_bwd_applies``) it takes the call either
-        way (ring_core.gluon_bwd: dQ added up by TMA reductions, in no fixed order, or in a fixed one with
-        ``deterministic``), with its fixed tiles (128 K/V rows per dK/dV task, 64 query rows per step, 128 rows per
-        delta or dQ task, one K/V block per flag)."""
-        if not interpret and gluon_bwd_applies(spec, world_size, capability):
+        (the frontends' ``deterministic``, or the framework's switch for deterministic algorithms). Without it, the
+        Gluon Hopper kernel takes the call where it applies on a GPU of compute ``capability``
+        (``gluon_bwd_applies``; ring_core.gluon_bwd: dQ added up by TMA reductions in no fixed order), with its fixed
+        tiles (128 K/V rows per dK/dV task, 64 query rows per step, 128 rows per delta or dQ task, one K/V block per
+        flag). With it, the split kernel: the Gluon kernel's own deterministic order (DETERMINISTIC) is slower than
+        the split so far (benchmarks/NOTES.md, session 10) and runs only with ``gluon_det``
+        (RING_ATTENTION_GLUON_DETERMINISTIC=1, read by ``plan_bwd``: A/B runs and its checks)."""
+        if not interpret and (gluon_det or not deterministic) and gluon_bwd_applies(spec, world_size, capability):
             return BwdKernelConfig(dq_block_m=GLUON_BWD_ROW_TASK, dq_block_n=GLUON_BWD_Q_ROWS,
                                    kv_block_n=GLUON_BWD_KV_ROWS, kv_block_m=GLUON_BWD_Q_ROWS, chunk_blocks=1,
                                    push_rows=32, num_warps=4, num_stages=2, deterministic=deterministic, gluon=True)
@@ -483,17 +487,23 @@ def plan(spec: AttentionSpec, world_size: int, heap: HeapLayout, *, interpret: b
                       interpret)
 
 
-@functools.lru_cache(maxsize=512)
 def plan_bwd(spec: AttentionSpec, world_size: int, heap: HeapLayout, *, interpret: bool = False,
              config: BwdKernelConfig | None = None, deterministic: bool = False,
              capability: tuple | None = None) -> LaunchPlan:
     """The backward's launch; raises HeapTooSmallError (before anything runs) when the heap is short of
     receive space or flags. Cached, as ``plan``. ``deterministic``: the caller needs bit-identical gradients
     (``BwdKernelConfig.get_default``; the default, False, is the frontends' default); ``capability``: the GPU's,
-    where the Gluon backward may run (``gluon_bwd_applies``)."""
+    where the Gluon backward may run (``gluon_bwd_applies``). RING_ATTENTION_GLUON_DETERMINISTIC is read here, at
+    each plan."""
+    return _plan_bwd(spec, world_size, heap, interpret, config, deterministic, capability,
+                     os.environ.get(GLUON_DET_ENV, "0") == "1")
+
+
+@functools.lru_cache(maxsize=512)
+def _plan_bwd(spec, world_size, heap, interpret, config, deterministic, capability, gluon_det) -> LaunchPlan:
     check_fused(spec, "a reference backend")
     cfg = config or BwdKernelConfig.get_default(spec, world_size, interpret=interpret, deterministic=deterministic,
-                                                capability=capability)
+                                                capability=capability, gluon_det=gluon_det)
     kv, part_off, need = bwd_recv_bytes(spec, world_size)
     if need > heap.recv_capacity:
         raise _too_small("backward call", need, heap.recv_capacity, spec, world_size,

@@ -28,9 +28,9 @@ Checks (every rank asserts; rank 0 writes a JSON summary under --out):
      on another GPU the section says so and fails) through both frontends against float64, JAX and torch
      bit-identical, and the tl kernel on the same inputs (RING_ATTENTION_GLUON=0) against float64 beside it.
   9. gluon-bwd: the Gluon Hopper backward (ring_core.gluon_bwd) on the gluon section's head_dim-128 cases,
-     through both frontends against float64: with deterministic=False (dQ's adds in any order) and True (in
-     the tickets' order: JAX and torch bit-identical, each bit-identical from run to run). The bwd section's
-     head_dim-128 cases run it too (deterministic).
+     through both frontends against float64: with deterministic=False (dQ's adds in any order) and True with
+     RING_ATTENTION_GLUON_DETERMINISTIC=1 (in the tickets' order: JAX and torch bit-identical, each bit-identical
+     from run to run; without the variable deterministic=True runs the tl kernel, the bwd section's).
 
 Ranks may share a GPU (``shared``): then no XLA collective runs between them, so the xla reference ring is
 left out of the tables that use it.
@@ -130,7 +130,7 @@ def main():
     import torch_bridge
     from ring_core import layout as L
     from ring_core import heap as ring_heap
-    from ring_core import reference, testing, validate
+    from ring_core import plans, reference, testing, validate
 
     torch_bridge.initialize()
     rank, W = dist.get_rank(), dist.get_world_size()
@@ -396,8 +396,6 @@ def main():
 
     # ---- the Gluon Hopper forward against float64 and against the tl kernel ------------------------
     def gluon_case(B, S, H, HKV, D, dt, causal, lay, scale=None):
-        from ring_core import plans
-
         name = f"gluon B{B} S{S} H{H}/{HKV} D{D} {dt} causal={causal} {lay} scale={scale}"
         spec = validate.check_attention_args((B, S, H, D), (B, S, HKV, D), (B, S, HKV, D), dt, dt, dt,
                                              is_causal=causal, scale=scale, layout=lay, backend="fused",
@@ -436,10 +434,14 @@ def main():
     # ---- the Gluon Hopper backward (deterministic=False) against float64 ----------------------------
     if "gluon-bwd" in sections:
         t0 = time.time()
-        for c in GLUON_BWD_CASES:  # each in both orders of dQ's adds
+        for c in GLUON_BWD_CASES:  # each in both orders of dQ's adds (the deterministic one asked for: plans)
             for det in (False, True):
-                keep_going(lambda: bwd_case(*c[:8], scale=c[8], use_lse=c[9], deterministic=det, gluon=True),
-                           c + (det,))
+                os.environ[plans.GLUON_DET_ENV] = "1" if det else "0"
+                try:
+                    keep_going(lambda: bwd_case(*c[:8], scale=c[8], use_lse=c[9], deterministic=det, gluon=True),
+                               c + (det,))
+                finally:
+                    del os.environ[plans.GLUON_DET_ENV]
         summary["gluon_bwd_cases"] = 2 * len(GLUON_BWD_CASES)
         summary["gluon_bwd_s"] = round(time.time() - t0, 1)
 

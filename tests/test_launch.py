@@ -119,9 +119,10 @@ def _spec(S=1024, D=128, dtype="bfloat16", layout="contiguous", window=None, seg
 ])
 def test_the_gluon_kernel_takes_the_forwards_it_applies_to(kw, capability, gluon):
     """ring_core.plans picks the Gluon Hopper kernel exactly where it applies (plans.gluon_applies) and the tl
-    kernel everywhere else; the backward likewise where head_dim is also 128 (plans.gluon_bwd_applies), with
-    deterministic=False (the default) or True (the same grid and scratch, its DETERMINISTIC constexpr set); the
-    interpreter always runs the tl kernels."""
+    kernel everywhere else; the backward with deterministic=False (the default) likewise where head_dim is also 128
+    (plans.gluon_bwd_applies), the tl one with deterministic=True unless RING_ATTENTION_GLUON_DETERMINISTIC=1 (then
+    the Gluon kernel with its DETERMINISTIC constexpr, the same grid and scratch); the interpreter always runs the
+    tl kernels."""
     lay = control.HeapLayout.for_workspace(1 << 30)
     spec = _spec(**kw)
     p = plans.plan(spec, 2, lay, capability=capability)
@@ -143,11 +144,18 @@ def test_the_gluon_kernel_takes_the_forwards_it_applies_to(kw, capability, gluon
         assert fast.out_shapes[3] == ((1 * 8 * spec.seq_local * (1 + spec.head_dim) + 8 * spec.seq_local // 32,),
                                       "float32")
         assert not fast.constexprs()["DETERMINISTIC"]
-    det = plans.plan_bwd(spec, 2, lay, capability=capability, deterministic=True)
-    assert det.config.gluon is fast.config.gluon and det.config.deterministic and det.constexprs()["DETERMINISTIC"]
-    assert (det.kernel(), det.grid, det.out_shapes) == (fast.kernel(), fast.grid, fast.out_shapes)
-    p = plans.plan_bwd(spec, 2, lay, capability=capability, interpret=True)
-    assert p.kernel().__name__ == "ring_attn_bwd_kernel" and p.config.deterministic
+    for p in (plans.plan_bwd(spec, 2, lay, capability=capability, deterministic=True),
+              plans.plan_bwd(spec, 2, lay, capability=capability, interpret=True)):
+        assert p.kernel().__name__ == "ring_attn_bwd_kernel" and p.config.deterministic
+    os.environ[plans.GLUON_DET_ENV] = "1"
+    try:
+        det = plans.plan_bwd(spec, 2, lay, capability=capability, deterministic=True)
+    finally:
+        del os.environ[plans.GLUON_DET_ENV]
+    assert det.config.gluon is fast.config.gluon and det.config.deterministic
+    if det.config.gluon:
+        assert det.constexprs()["DETERMINISTIC"] and (det.kernel(), det.grid, det.out_shapes) == (
+            fast.kernel(), fast.grid, fast.out_shapes)
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(D=64, dtype="float16", causal=False, layout="zigzag", S=512),
