@@ -50,20 +50,22 @@ def _resolve_backend(backend: str, spec) -> str:
 # None, or this rank's int32 ids, which the backward kernel needs as the forward did. Integers carry no
 # gradient: the bwd rule returns None for them, which JAX (0.10 and 0.11 alike) turns into a symbolic zero
 # of their float0 cotangent type. ``deterministic`` (the call's effective value, a bool) is for the backward's
-# plan only: the forward kernel is the same either way.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
-def _fused(q, k, v, segment_ids, spec, axis_name, world_size, timeout_s, deterministic):
+# plan only: the forward kernel is the same either way. ``errors``: how a launch traced now is checked
+# (fused.error_check(), read by the launches when traced), a static argument so that JAX's caches of the traced
+# rule, keyed by the static arguments, never serve a program traced under another RING_ATTENTION_ERRORS.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
+def _fused(q, k, v, segment_ids, spec, axis_name, world_size, timeout_s, deterministic, errors):
     return fused.forward(q, k, v, spec, axis_name, world_size, timeout_s, segment_ids=segment_ids)
 
 
-def _fused_fwd(q, k, v, segment_ids, spec, axis_name, world_size, timeout_s, deterministic):
+def _fused_fwd(q, k, v, segment_ids, spec, axis_name, world_size, timeout_s, deterministic, errors):
     # A heap too small for the backward raises now, before anything runs.
     _heap.get().plan_bwd(spec, world_size, deterministic=deterministic)
     out, lse = fused.forward(q, k, v, spec, axis_name, world_size, timeout_s, segment_ids=segment_ids)
     return (out, lse), (q, k, v, segment_ids, out, lse)
 
 
-def _fused_bwd(spec, axis_name, world_size, timeout_s, deterministic, res, cts):
+def _fused_bwd(spec, axis_name, world_size, timeout_s, deterministic, errors, res, cts):
     """The fused backward kernel from the saved q, k, v, segment ids, out and lse, with the cotangents of both
     out and lse (zeros for lse unless the caller uses it); no cotangent for the segment ids."""
     q, k, v, segment_ids, out, lse = res
@@ -92,7 +94,7 @@ def _ring_attention_fused(q, k, v, segment_ids, spec, axis_name, world_size, tim
             "of its own. Fold the mapped axis into the batch axis instead (q.reshape(-1, *q.shape[-3:]) and back), "
             "or use backend='xla'")
     _heap.on_release(_forget_compiled_programs)
-    return _fused(q, k, v, segment_ids, spec, axis_name, world_size, timeout_s, deterministic)
+    return _fused(q, k, v, segment_ids, spec, axis_name, world_size, timeout_s, deterministic, fused.error_check())
 
 
 # ------------------------------------------------------------------------------------------ public API
@@ -242,7 +244,7 @@ def ring_attention_sharded(q, k, v, *, mesh, axis_name, is_causal=False, scale=N
     timeout_s = check_timeout(timeout_s)
     deterministic = _deterministic(deterministic)  # XLA_FLAGS read at each call: a change makes a new program
     _resolve_backend(backend, spec)  # errors now, not when traced
-    fn = _sharded_fn(mesh, axis_name, spec, return_lse, backend, timeout_s, deterministic)
+    fn = _sharded_fn(mesh, axis_name, spec, return_lse, backend, timeout_s, deterministic, fused.error_check())
     return fn(q, k, v) if segment_ids is None else fn(q, k, v, segment_ids)
 
 
@@ -252,8 +254,9 @@ def _deterministic(deterministic) -> bool:
 
 
 @functools.lru_cache(maxsize=64)
-def _sharded_fn(mesh, axis_name, spec, return_lse, backend, timeout_s, deterministic):
-    """The jitted shard_map for one validated configuration (cached: eager shard_map would dispatch op by op)."""
+def _sharded_fn(mesh, axis_name, spec, return_lse, backend, timeout_s, deterministic, errors):
+    """The jitted shard_map for one validated configuration (cached: eager shard_map would dispatch op by op);
+    ``errors`` (fused.error_check()) is in the key only: the program traced under another error mode is another."""
 
     def body(q, k, v, *segment_ids):
         return _run(q, k, v, segment_ids[0] if segment_ids else None, spec, axis_name=axis_name,

@@ -203,6 +203,12 @@ def _launch(name: str, inputs, spec, axis_name, world_size: int, timeout_s, *, b
     return outs
 
 
+def error_check() -> tuple:
+    """What decides how a launch traced now is checked (``errors_mode()``, and whether the check is left out):
+    hashable, for the caches of traced programs (jax_ring.api)."""
+    return errors_mode(), _status.is_left_out()
+
+
 def _check_of(mode: str):
     """How a launch traced now is checked: "status" (jax_ring.status: mode "deferred"), "callback" (mode "call", or
     "deferred" where XLA would not take the status check's handler: said once), or None (the check left out,

@@ -412,6 +412,32 @@ def test_jax_error_modes(cpu_heap, monkeypatch, mode):
     jax_ring.check_errors()
 
 
+def test_jax_error_mode_is_read_at_each_trace_not_cached(cpu_heap, monkeypatch):
+    """RING_ATTENTION_ERRORS is read when a call is traced, also where jax_ring caches a traced program: the same
+    configuration through ring_attention_sharded (whose jitted shard_map is cached per configuration) under
+    "call", then the default, then "call" again gets each mode's check, not the first one's."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh
+
+    import jax_ring
+    from jax_ring import fused as jfused
+
+    monkeypatch.setattr(jfused, "_kernel_call", lambda: _fake_kernel_call([]))
+    monkeypatch.setattr(jfused, "fused_available", lambda: True)
+    mesh = Mesh(np.array(jax.devices("cpu")[:1]), ("sp",))
+    q, k, v = (jnp.asarray(x, jnp.float32) for x in testing.random_inputs(6, 1, 8, 2, 1, 16, "float32"))
+    for mode in ("call", None, "call"):
+        if mode is None:
+            monkeypatch.delenv(control.ERRORS_ENV, raising=False)
+        else:
+            monkeypatch.setenv(control.ERRORS_ENV, mode)
+        text = str(jax.make_jaxpr(lambda a, b, c: jax_ring.ring_attention_sharded(
+            a, b, c, mesh=mesh, axis_name="sp", backend="fused", is_causal=True))(q, k, v))
+        assert ("debug_callback" in text) == (mode == "call"), (mode, text[:1500])
+        assert ("ring_attention_status" in text) == (mode is None), (mode, text[:1500])
+
+
 def test_jax_deferred_falls_back_to_the_callback_where_xla_refuses_the_handler(cpu_heap, monkeypatch):
     """A jaxlib that would not take the status check's handler: the deferred mode says so and checks each call by
     the host callback instead (errors still raised, at a round trip's cost)."""
