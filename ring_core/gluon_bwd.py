@@ -276,7 +276,8 @@ def dkdv_steps(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv
     those rows, float32, unscaled; dQ's reductions issued (the caller waits for them). With DETERMINISTIC, each
     reduction waits for its turn at its rows (``turns``: one counter per query block, head and half of D, counting
     the adds made; ``_dq_turn``), and the count after it is published DQ_LAG steps later, once it has completed;
-    ``d`` (the K/V's peer distance), ``ctl`` and ``timeout_ns`` serve that wait only. Also benchmarks/gluon_bwd.py's."""
+    ``d`` (the K/V's peer distance), ``ctl`` and ``timeout_ns`` serve that wait only. Also
+    benchmarks/gluon_bwd.py's."""
     G: gl.constexpr = H // HKV
     dtype: gl.constexpr = q_smem.dtype
     DQ_COLS: gl.constexpr = D // 2

@@ -139,8 +139,8 @@ GLUON_BWD_HEAD_DIMS = (128,)
 
 def gluon_bwd_applies(spec: AttentionSpec, world_size: int, capability) -> bool:
     """Whether the Gluon Hopper backward (ring_core.gluon_bwd) may take the backward of ``spec`` (without
-    ``deterministic``: BwdKernelConfig.get_default): where the Gluon forward applies (``gluon_applies``) and head_dim is 128 (its dQ
-    is split between two consumers by halves of D, 64 columns of a 128-byte swizzled row each)."""
+    ``deterministic``: BwdKernelConfig.get_default): where the Gluon forward applies (``gluon_applies``) and head_dim
+    is 128 (its dQ is split between two consumers by halves of D, 64 columns of a 128-byte swizzled row each)."""
     return gluon_applies(spec, world_size, capability) and spec.head_dim in GLUON_BWD_HEAD_DIMS
 
 
