@@ -12,17 +12,16 @@ dQ's conversion done by torch) runs beside them for the A/B. bf16, B=1, H=32, D=
 """
 import argparse
 import functools
-import os
 
-from ring_core import plans
+from ring_core import control, plans
 
 
 def launch_records(seqs=(16384,), heads: int = 32, tag: str = "") -> list:
     """The compile-log records of the fused launches ``main`` makes at world size 1 on an H200 (tests/gpu_variants.py:
     the cache filled ahead): each forward, each backward (the Gluon kernel both ways, the tl split); then the
-    probe's. (Call it with RING_ATTENTION_GLUON_DETERMINISTIC unset.)"""
+    probe's."""
     from benchmarks import gluon_bwd
-    from ring_core import control, validate
+    from ring_core import validate
 
     lay = control.HeapLayout.for_workspace(8 << 30)
     recs = []
@@ -32,28 +31,18 @@ def launch_records(seqs=(16384,), heads: int = 32, tag: str = "") -> list:
                                                  "bfloat16", "bfloat16", "bfloat16", is_causal=causal, scale=None,
                                                  layout="contiguous", backend="fused", backends=("fused",))
             ps = [plans.plan(spec, 1, lay, capability=(9, 0))] + [
-                plans.plan_bwd(spec, 1, lay, capability=(9, 0), deterministic=d) for d in (False, True)]
-            os.environ[plans.GLUON_DET_ENV] = "1"
-            try:
-                ps.append(plans.plan_bwd(spec, 1, lay, capability=(9, 0), deterministic=True))
-            finally:
-                del os.environ[plans.GLUON_DET_ENV]
+                plans.plan_bwd(spec, 1, lay, capability=(9, 0), deterministic=d, gluon_det=g)
+                for d, g in ((False, False), (True, False), (True, True))]
             recs += [p.compile_record(tag=tag) for p in ps]
     return recs + [dict(r, tag=tag) for r in gluon_bwd.launch_records(seqs)]
 
 
-def _with_env(fn, name: str, value: str):
-    """``fn`` run with the environment variable ``name`` set to ``value`` (the plans read theirs at each plan)."""
+def _gluon_det(fn):
+    """``fn`` run with RING_ATTENTION_GLUON_DETERMINISTIC=1 (read at each plan): a deterministic backward it launches
+    is the Gluon kernel's own order."""
     def run():
-        old = os.environ.get(name)
-        os.environ[name] = value
-        try:
+        with control.environ(**{plans.GLUON_DET_ENV: "1"}):
             return fn()
-        finally:
-            if old is None:
-                os.environ.pop(name)
-            else:
-                os.environ[name] = old
     return run
 
 
@@ -106,7 +95,7 @@ def main():
                 out = torch_bridge.ring_attention(*ts, is_causal=causal, backend="fused", deterministic=det)
                 fn = functools.partial(torch.autograd.grad, out, ts, do, retain_graph=True)
                 runs.append((f"fused deterministic={det}" + (" gluon" if gluon_det else ""),
-                             _with_env(fn, plans.GLUON_DET_ENV, "1") if gluon_det else fn))
+                             _gluon_det(fn) if gluon_det else fn))
             o, lse = gluon_bwd._forward(q, k, v, causal)
             runs.append((f"probe {gluon_bwd.CONFIG}", lambda o=o, lse=lse: gluon_bwd.backward(q, k, v, o, lse, do,
                                                                                             causal)))

@@ -68,7 +68,10 @@ def main() -> int:
                                              "bfloat16", "bfloat16", "bfloat16", is_causal=causal, scale=None,
                                              layout="zigzag" if W > 1 else "contiguous", backend="fused",
                                              backends=("fused",))
-        p = plans.plan_bwd(spec, W, heap, capability=(9, 0), **({"deterministic": True} if det else {}))
+        kw = {"deterministic": True, "gluon_det": True} if det else {}  # the Gluon kernel's own order
+        if "gluon_det" not in inspect.signature(plans.plan_bwd).parameters:  # (session 10's trees before ff5e45c)
+            kw.pop("gluon_det", None)
+        p = plans.plan_bwd(spec, W, heap, capability=(9, 0), **kw)
         # Specialised on the scalars' values as the launches are (batch 1 folded in): LaunchPlan.compile_record.
         n_in = len(p.arg_types()) - len(p.scalar_types) - len(p.out_shapes)
         ck = build.compile_kernel(p.kernel(), p.arg_types(), p.constexprs(), num_warps=p.config.num_warps,

@@ -50,22 +50,20 @@ def _resolve_backend(backend: str, spec) -> str:
 # None, or this rank's int32 ids, which the backward kernel needs as the forward did. Integers carry no
 # gradient: the bwd rule returns None for them, which JAX (0.10 and 0.11 alike) turns into a symbolic zero
 # of their float0 cotangent type. ``deterministic`` (the call's effective value, a bool) is for the backward's
-# plan only: the forward kernel is the same either way. ``errors``: how a launch traced now is checked
-# (fused.error_check(), read by the launches when traced), a static argument so that JAX's caches of the traced
-# rule, keyed by the static arguments, never serve a program traced under another RING_ATTENTION_ERRORS.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
-def _fused(q, k, v, segment_ids, spec, axis_name, world_size, timeout_s, deterministic, errors):
+# plan only: the forward kernel is the same either way.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _fused(q, k, v, segment_ids, spec, axis_name, world_size, timeout_s, deterministic):
     return fused.forward(q, k, v, spec, axis_name, world_size, timeout_s, segment_ids=segment_ids)
 
 
-def _fused_fwd(q, k, v, segment_ids, spec, axis_name, world_size, timeout_s, deterministic, errors):
+def _fused_fwd(q, k, v, segment_ids, spec, axis_name, world_size, timeout_s, deterministic):
     # A heap too small for the backward raises now, before anything runs.
     _heap.get().plan_bwd(spec, world_size, deterministic=deterministic)
     out, lse = fused.forward(q, k, v, spec, axis_name, world_size, timeout_s, segment_ids=segment_ids)
     return (out, lse), (q, k, v, segment_ids, out, lse)
 
 
-def _fused_bwd(spec, axis_name, world_size, timeout_s, deterministic, errors, res, cts):
+def _fused_bwd(spec, axis_name, world_size, timeout_s, deterministic, res, cts):
     """The fused backward kernel from the saved q, k, v, segment ids, out and lse, with the cotangents of both
     out and lse (zeros for lse unless the caller uses it); no cotangent for the segment ids."""
     q, k, v, segment_ids, out, lse = res
@@ -94,7 +92,7 @@ def _ring_attention_fused(q, k, v, segment_ids, spec, axis_name, world_size, tim
             "of its own. Fold the mapped axis into the batch axis instead (q.reshape(-1, *q.shape[-3:]) and back), "
             "or use backend='xla'")
     _heap.on_release(_forget_compiled_programs)
-    return _fused(q, k, v, segment_ids, spec, axis_name, world_size, timeout_s, deterministic, fused.error_check())
+    return _fused(q, k, v, segment_ids, spec, axis_name, world_size, timeout_s, deterministic)
 
 
 # ------------------------------------------------------------------------------------------ public API

@@ -21,6 +21,7 @@ slot's offsets (make_ctx).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from dataclasses import dataclass
@@ -164,6 +165,22 @@ def timeout_ns(timeout_s: float | None = None) -> int:
     if not (timeout_s > 0 and math.isfinite(timeout_s)):
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout_s}")
     return int(timeout_s * 1e9)
+
+
+@contextlib.contextmanager
+def environ(**values):
+    """Environment variables set to ``values`` for a block (read where this project reads them: at each plan, at
+    each trace), then as they were."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, val in old.items():
+            if val is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = val
 
 
 def errors_mode(default: str = "deferred", legacy_env: str | None = None) -> str:

@@ -489,14 +489,15 @@ def plan(spec: AttentionSpec, world_size: int, heap: HeapLayout, *, interpret: b
 
 def plan_bwd(spec: AttentionSpec, world_size: int, heap: HeapLayout, *, interpret: bool = False,
              config: BwdKernelConfig | None = None, deterministic: bool = False,
-             capability: tuple | None = None) -> LaunchPlan:
+             capability: tuple | None = None, gluon_det: bool | None = None) -> LaunchPlan:
     """The backward's launch; raises HeapTooSmallError (before anything runs) when the heap is short of
     receive space or flags. Cached, as ``plan``. ``deterministic``: the caller needs bit-identical gradients
     (``BwdKernelConfig.get_default``; the default, False, is the frontends' default); ``capability``: the GPU's,
-    where the Gluon backward may run (``gluon_bwd_applies``). RING_ATTENTION_GLUON_DETERMINISTIC is read here, at
-    each plan."""
-    return _plan_bwd(spec, world_size, heap, interpret, config, deterministic, capability,
-                     os.environ.get(GLUON_DET_ENV, "0") == "1")
+    where the Gluon backward may run (``gluon_bwd_applies``); ``gluon_det``: ``get_default``'s (None: whether
+    RING_ATTENTION_GLUON_DETERMINISTIC is "1", read here at each plan)."""
+    if gluon_det is None:
+        gluon_det = os.environ.get(GLUON_DET_ENV, "0") == "1"
+    return _plan_bwd(spec, world_size, heap, interpret, config, deterministic, capability, gluon_det)
 
 
 @functools.lru_cache(maxsize=512)

@@ -23,7 +23,6 @@ simulates and then wants the fused kernel on a GPU should simulate in a subproce
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import multiprocessing
 import os
@@ -179,20 +178,6 @@ def _finish_grad(call: _Call, results):
 
 
 # ------------------------------------------------------------------------------------ execution
-@contextlib.contextmanager
-def _env(**values):
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, val in old.items():
-            if val is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = val
-
-
 def _local_job(world_size: int, workspace_bytes: int | None):
     """A SimulatedJob in this process (the interpreter must be usable here, and gets its fixes)."""
     from ring_core import interpret
@@ -252,7 +237,7 @@ class _SubprocessJob:
         self._proc = ctx.Process(target=_worker_main, args=(child, world_size, workspace_bytes), daemon=True,
                                  name=f"simulated-ring-w{world_size}")
         # The child reads TRITON_INTERPRET from the environment it starts with, before anything it imports.
-        with _env(TRITON_INTERPRET="1"):
+        with control.environ(TRITON_INTERPRET="1"):
             self._proc.start()
         child.close()
         self._finalizer = weakref.finalize(self, _shutdown_worker, self._proc, self._conn)

@@ -130,7 +130,7 @@ def main():
     import torch_bridge
     from ring_core import layout as L
     from ring_core import heap as ring_heap
-    from ring_core import plans, reference, testing, validate
+    from ring_core import control, plans, reference, testing, validate
 
     torch_bridge.initialize()
     rank, W = dist.get_rank(), dist.get_world_size()
@@ -436,12 +436,9 @@ def main():
         t0 = time.time()
         for c in GLUON_BWD_CASES:  # each in both orders of dQ's adds (the deterministic one asked for: plans)
             for det in (False, True):
-                os.environ[plans.GLUON_DET_ENV] = "1" if det else "0"
-                try:
+                with control.environ(**{plans.GLUON_DET_ENV: "1" if det else "0"}):
                     keep_going(lambda: bwd_case(*c[:8], scale=c[8], use_lse=c[9], deterministic=det, gluon=True),
                                c + (det,))
-                finally:
-                    del os.environ[plans.GLUON_DET_ENV]
         summary["gluon_bwd_cases"] = 2 * len(GLUON_BWD_CASES)
         summary["gluon_bwd_s"] = round(time.time() - t0, 1)
 

@@ -474,16 +474,14 @@ def test_gluon_product_kernel_compiles_warp_specialised_with_the_protocol(tmp_pa
 GLUON_BWD_COMPILE = PLAN_SM90 + textwrap.dedent("""
     lay = control.HeapLayout.for_workspace(1 << 30)
     out = {}
-    import os
     for B, S, H, HKV, dt, causal, layout, W in ((1, 1024, 8, 2, "bfloat16", True, "zigzag", 2),
                                                (2, 256, 4, 4, "float16", False, "contiguous", 3),
                                                (1, 256, 4, 1, "bfloat16", True, "contiguous", 1)):
         spec = validate.check_attention_args((B, S, H, 128), (B, S, HKV, 128), (B, S, HKV, 128), dt, dt, dt,
                                              is_causal=causal, scale=None, layout=layout, backend="fused",
                                              backends=("fused",))
-        for det in (False, True):
-            os.environ[plans.GLUON_DET_ENV] = "1"  # the Gluon kernel's deterministic order (not the default)
-            p = plans.plan_bwd(spec, W, lay, capability=(9, 0), deterministic=det)
+        for det in (False, True):  # deterministic: the Gluon kernel's own order (not the default)
+            p = plans.plan_bwd(spec, W, lay, capability=(9, 0), deterministic=det, gluon_det=True)
             ck, ttgir, ptx, at, load, acq, fence, tma = compiled(p)
             reduce, done = at(r"cp\\.reduce\\.async\\.bulk\\.tensor"), at(r"cp\\.async\\.bulk\\.wait_group 0")
             # deterministic: each add after an acquire of its turn (gpu scope: a load or an atomic), an earlier
@@ -509,8 +507,8 @@ def test_gluon_backward_compiles_warp_specialised_with_tma_reductions(tmp_path):
     five warpgroup MMAs per step, dQ added by TMA bulk reductions whose completion (``cp.async.bulk.wait_group 0``,
     not only the shared-memory read) comes before the count that publishes them, within Hopper's shared memory;
     its grid the delta, dK/dV and dQ tasks; with peers, the chunk flags acquired before the proxy fence and the TMA
-    reads. With deterministic=True and RING_ATTENTION_GLUON_DETERMINISTIC=1 (else deterministic plans the split
-    kernel) the same kernel with its DETERMINISTIC order: each reduction after the acquire of
+    reads. With deterministic=True and ``gluon_det`` (RING_ATTENTION_GLUON_DETERMINISTIC=1; else deterministic plans
+    the split kernel) the same kernel with its DETERMINISTIC order: each reduction after the acquire of
     its turn, and the count of an earlier one released after ``cp.async.bulk.wait_group DQ_LAG`` (its completion).
     What it computes is checked on a GPU (tests/gpu_checks.py, sections ``gluon-bwd`` and ``bwd``)."""
     got = _compiled_for_sm90(GLUON_BWD_COMPILE, tmp_path)

@@ -147,11 +147,9 @@ def test_the_gluon_kernel_takes_the_forwards_it_applies_to(kw, capability, gluon
     for p in (plans.plan_bwd(spec, 2, lay, capability=capability, deterministic=True),
               plans.plan_bwd(spec, 2, lay, capability=capability, interpret=True)):
         assert p.kernel().__name__ == "ring_attn_bwd_kernel" and p.config.deterministic
-    os.environ[plans.GLUON_DET_ENV] = "1"
-    try:
-        det = plans.plan_bwd(spec, 2, lay, capability=capability, deterministic=True)
-    finally:
-        del os.environ[plans.GLUON_DET_ENV]
+    det = plans.plan_bwd(spec, 2, lay, capability=capability, deterministic=True, gluon_det=True)
+    with control.environ(**{plans.GLUON_DET_ENV: "1"}):  # what gluon_det=None reads
+        assert plans.plan_bwd(spec, 2, lay, capability=capability, deterministic=True) == det
     assert det.config.gluon is fast.config.gluon and det.config.deterministic
     if det.config.gluon:
         assert det.constexprs()["DETERMINISTIC"] and (det.kernel(), det.grid, det.out_shapes) == (
