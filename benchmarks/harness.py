@@ -113,8 +113,8 @@ METHODS = {
     "jax_fused": MethodInfo("jax", "fused", "jax_ring.ring_attention(backend='fused') in shard_map", True),
     "jax_fused_deferred": MethodInfo("jax", "fused", "jax_fused without any per-call check "
                                                      "(jax_ring.status.left_out(); check_errors() after)", True),
-    "jax_fused_call": MethodInfo("jax", "fused", "jax_fused checked by a host callback per call "
-                                                 "(RING_ATTENTION_ERRORS=call)", True),
+    "jax_fused_call": MethodInfo("jax", "fused", "jax_fused raising each call's own failure "
+                                                 "(RING_ATTENTION_ERRORS=call: a host sync per call)", True),
     "torch_fused_det": MethodInfo("torch", "fused", "torch_fused with deterministic=True", True),
     "jax_fused_det": MethodInfo("jax", "fused", "jax_fused with deterministic=True", True),
     "torch_ref": MethodInfo("torch", "reference", "torch_bridge backend='torch' (p2p ring, float32 maths)", True),

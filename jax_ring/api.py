@@ -148,7 +148,8 @@ def ring_attention(q, k, v, *, axis_name, is_causal=False, scale=None, layout="c
         itself, and there is no host sync per call: a later fused call on this process reports it (its program
         fails with a ``jax.errors.JaxRuntimeError`` whose message starts with the exception's name) and
         ``jax_ring.check_errors()`` raises it as its type; what the failed call could not compute is NaN.
-        RING_ATTENTION_ERRORS=call raises it from the call itself (a host callback per call: for debugging).
+        RING_ATTENTION_ERRORS=call raises it from the call itself (its program fails; a host sync per call: for
+        debugging).
       segment_ids: packed sequences: int32 [batch, seq_local], this rank's tokens' segment ids in the layout's
         order (as q's tokens; one array serves this rank's queries and keys, so they cannot disagree). Query i
         attends key j only where their ids are equal; a negative id marks padding: that row attends nothing

@@ -67,7 +67,8 @@ def errors_mode() -> str:
     """How a fused call traced now reports a failure (ring_core.control.errors_mode; JAX's default "deferred"):
     "deferred": its status is checked by jax_ring.status (copied to the host without a sync, raised by a later
     fused call on this process or by ``jax_ring.check_errors()``), and the kernel also keeps it on the heap;
-    "call": a host callback after the call raises it from the call (a host round trip per call)."""
+    "call": jax_ring.status waits for the call's own status and fails the call's program with it (a host sync
+    per call)."""
     return control.errors_mode("deferred", legacy_env="RING_ATTENTION_JAX_ERRORS")
 
 
@@ -196,8 +197,8 @@ def _launch(name: str, inputs, spec, axis_name, world_size: int, timeout_s, *, b
         *inputs, ctx, *_scalars(p, timeout_s), kernel=p.kernel(), out_shape=_out_shapes(p), grid=p.grid,
         num_warps=p.config.num_warps, num_stages=p.config.num_stages, scalar_types=p.scalar_types,
         zeroed_outputs=(len(p.out_shapes) - 1,), name=name, **p.constexprs(sticky_errors=check is None))
-    if check == "status":
-        _status.check(status, axis_name, world_size, timeout_s)
+    if check in ("status", "now"):
+        _status.check(status, axis_name, world_size, timeout_s, now=check == "now")
     elif check == "callback":
         jax.debug.callback(_raise_status, jnp.concatenate([status, ctx]), world_size, timeout_s)
     return outs
@@ -210,20 +211,26 @@ def error_check() -> tuple:
 
 
 def _check_of(mode: str):
-    """How a launch traced now is checked: "status" (jax_ring.status: mode "deferred"), "callback" (mode "call", or
-    "deferred" where XLA would not take the status check's handler: said once), or None (the check left out,
-    ``jax_ring.status.left_out()``: the kernel keeps a failure on the heap for ``check_errors()`` instead)."""
-    if mode == "call":
-        return "callback"
-    if _status.is_left_out():
+    """How a launch traced now is checked: "status" (jax_ring.status, mode "deferred"), "now" (jax_ring.status
+    waiting for this call's status, mode "call"), "callback" (a host callback: where XLA would not take the status
+    check's handler, said once), or None (the check left out, ``jax_ring.status.left_out()``: the kernel keeps a
+    failure on the heap for ``check_errors()`` instead).
+
+    Why mode "call" is not a host callback where the handler exists: a failed ``jax.debug.callback`` fails the
+    program's runtime token, not its outputs, so the call does not raise by itself on a GPU (only
+    ``jax.effects_barrier()`` raises it), and JAX keeps that failed token (its ``RuntimeTokenSet.block_until_ready``
+    raises before it clears): every later ``effects_barrier()`` raised the same failure again until another program
+    with host callbacks ran (seen on an H200, jax 0.11.2: tests/gpu_faults.py's mismatch section). The status
+    handler's error fails the program's outputs, like any XLA error, and leaves no token behind."""
+    if mode == "deferred" and _status.is_left_out():
         return None
     err = _status.register(jax.default_backend())
     if err is not None:
-        warnings.warn(f"jax_ring: RING_ATTENTION_ERRORS=deferred needs the status check's XLA handler, which could not "
-                      f"be registered ({err}); fused calls are checked by a host callback instead (as with "
-                      f"RING_ATTENTION_ERRORS=call, a host round trip per call)", RuntimeWarning, stacklevel=4)
+        warnings.warn(f"jax_ring: RING_ATTENTION_ERRORS={mode} needs the status check's XLA handler, which could not "
+                      f"be registered ({err}); fused calls are checked by a host callback instead (a host round "
+                      f"trip per call; a failure is raised by jax.effects_barrier())", RuntimeWarning, stacklevel=4)
         return "callback"
-    return "status"
+    return "now" if mode == "call" else "status"
 
 
 def forward(q, k, v, spec, axis_name, world_size: int, timeout_s: float | None = None, segment_ids=None):

@@ -15,6 +15,10 @@ So a call's failure is raised by a later fused call on this process, or by ``jax
 ``shutdown()``, which wait for the copies and raise it as its own type (RingAttentionTimeout /
 RingAttentionMismatch). Per call: a few microseconds of host time and a 144-byte copy on the stream, no sync.
 
+RING_ATTENTION_ERRORS=call sets the call's attribute ``now``: the handler then waits for the copy it enqueued (a
+host sync per call: the host waits for the GPU to finish the call) and fails this call's program with this call's
+failure, which is then not kept for check_errors(), as torch's call mode consumes it.
+
 Where XLA may run it. The handler has no JAX effect (an effect would take jit's calls off its C++ fast path:
 +0.1-0.2 ms a call on our CPU), so JAX's own dead-code elimination is told to keep it (``dce_rules``); XLA keeps
 and orders it because it has the status as operand and ``has_side_effect``. It is registered without the
@@ -101,6 +105,10 @@ class _CallFrame(Structure):
 class _Buffer(Structure):
     _fields_ = [("struct_size", c_size_t), ("extension_start", c_void_p), ("dtype", c_int), ("data", c_void_p),
                 ("rank", c_int64), ("dims", POINTER(c_int64))]
+
+
+class _ByteSpan(Structure):
+    _fields_ = [("ptr", c_void_p), ("len", c_size_t)]
 
 
 class _Scalar(Structure):
@@ -225,8 +233,9 @@ _lock = threading.RLock()
 _sites = {}  # site key -> (ring position, ring members (global ranks), timeout_s) of this process's device
 _slots = {}  # platform -> _HostSlots / _CudaSlots, made at the first call
 _free = {}  # platform -> free slot indices
-_pending = collections.deque()  # (platform, slot, site key), in the order the calls were enqueued
-_unreported = collections.deque()  # failures found, not yet returned to XLA by a call
+_pending = collections.deque()  # (platform, slot, site key, sequence number), in the order the calls were enqueued
+_unreported = collections.deque()  # (sequence number, failure) found, not yet returned to XLA by a call
+_issued = 0  # sequence numbers of the calls' statuses
 _first = None  # the first failure since the last take(): what check_errors() raises
 
 
@@ -244,7 +253,7 @@ def _poll(wait: bool, at_most=None) -> None:
     global _first
     done = 0
     while _pending and (at_most is None or done < at_most):
-        platform, slot, site = _pending[0]
+        platform, slot, site, seq = _pending[0]
         slots = _slots[platform]
         if wait:
             slots.wait(slot)
@@ -255,20 +264,25 @@ def _poll(wait: bool, at_most=None) -> None:
         try:
             _check(slots.words[slot], site)
         except RuntimeError as e:  # RingAttentionTimeout / RingAttentionMismatch, or a call that never completed
-            _unreported.append(e)
+            _unreported.append((seq, e))
             _first = _first or e
         finally:
             _free[platform].append(slot)
 
 
-def _site_of(frame) -> int:
-    attrs = frame.attrs
-    if attrs.size != 1 or attrs.types[0] != _ATTR_SCALAR:
-        raise RuntimeError(f"{TARGET}: expected one scalar attribute (site), got {attrs.size}")
-    scalar = _Scalar.from_address(attrs.items[0])
-    if scalar.dtype != _S64:
-        raise RuntimeError(f"{TARGET}: the site attribute has dtype code {scalar.dtype}, not int64")
-    return c_int64.from_address(scalar.value).value
+def _attributes(frame) -> dict:
+    """The call's attributes by name (``site``, ``now``: int64 scalars)."""
+    attrs, got = frame.attrs, {}
+    for i in range(attrs.size):
+        name = _ByteSpan.from_address(ctypes.cast(attrs.names, POINTER(c_void_p))[i])
+        name = ctypes.string_at(name.ptr, name.len).decode()
+        scalar = _Scalar.from_address(attrs.items[i]) if attrs.types[i] == _ATTR_SCALAR else None
+        if scalar is None or scalar.dtype != _S64:
+            raise RuntimeError(f"{TARGET}: the attribute {name!r} is not an int64 scalar")
+        got[name] = c_int64.from_address(scalar.value).value
+    if set(got) != {"site", "now"}:
+        raise RuntimeError(f"{TARGET}: expected the attributes site and now, got {sorted(got)}")
+    return got
 
 
 def _status_pointer(frame) -> int:
@@ -294,10 +308,14 @@ def _stream(frame):
 
 def _execute(frame, platform: str):
     """One call: report a failure that earlier calls' statuses show, then start this call's copy (the copy is
-    enqueued first, so this call's status is tracked even when this call fails)."""
+    enqueued first, so this call's status is tracked even when this call fails). With the attribute ``now``
+    (RING_ATTENTION_ERRORS=call) it first waits for this call's copy, so that this call reports its own failure,
+    which is then not kept for check_errors() (as torch's call mode: the call raised it)."""
+    global _issued, _first
     if frame.stage != _STAGE_EXECUTE:
         return None
-    src, site = _status_pointer(frame), _site_of(frame)
+    src, attrs = _status_pointer(frame), _attributes(frame)
+    site = attrs["site"]
     stream = _stream(frame) if platform == "cuda" else None
     with _lock:
         _poll(wait=False)
@@ -308,9 +326,17 @@ def _execute(frame, platform: str):
             _poll(wait=True, at_most=1)
         slot = _free[platform].pop()
         _slots[platform].copy(slot, src, stream)
-        _pending.append((platform, slot, site))
+        _issued += 1
+        _pending.append((platform, slot, site, _issued))
+        if attrs["now"]:
+            _poll(wait=True)  # every copy in flight, this call's last: a host sync
+            mine = [e for seq, e in _unreported if seq == _issued]
+            if mine:
+                _unreported.clear()
+                _first = None
+                return _ffi_error(frame, f"{type(mine[0]).__name__}: {mine[0]}")
         if _unreported:
-            e = _unreported.popleft()
+            e = _unreported.popleft()[1]
             name = type(e).__name__
             where = "ring_core.control." if type(e).__module__ == control.__name__ else ""
             return _ffi_error(frame, f"{name}: {e} [{REPORTED}; jax_ring.check_errors() raises it as {where}{name}]")
@@ -376,7 +402,7 @@ def _abstract(status, **_):
     return []
 
 
-def _lowering(ctx, status, *, axis_name, ring_size, timeout_s, platform):
+def _lowering(ctx, status, *, axis_name, ring_size, timeout_s, now, platform):
     if axis_name is None:  # no ring to name ranks with (benchmarks/callback_cost.py)
         position, members, table = 0, None, None
     else:
@@ -389,7 +415,8 @@ def _lowering(ctx, status, *, axis_name, ring_size, timeout_s, platform):
     if err is not None:  # jax_ring.fused registered it when the call was traced, for the default backend
         raise RuntimeError(f"the status check ({TARGET}) cannot be lowered for {platform}: {err}; set "
                            f"RING_ATTENTION_ERRORS=call")
-    return jax.ffi.ffi_lowering(TARGET, has_side_effect=True)(ctx, status, site=np.int64(key))
+    return jax.ffi.ffi_lowering(TARGET, has_side_effect=True)(ctx, status, site=np.int64(key),
+                                                               now=np.int64(bool(now)))
 
 
 # Checks one call's status words (int32[STATUS_WORDS]) of a ring along ``axis_name``; no outputs and no JAX effect
@@ -416,11 +443,12 @@ except (ImportError, AttributeError):  # pragma: no cover - a JAX without dce_ru
 _left_out = threading.local()
 
 
-def check(status, axis_name, ring_size: int, timeout_s) -> None:
+def check(status, axis_name, ring_size: int, timeout_s, now: bool = False) -> None:
     """Check ``status`` (a launch's int32[STATUS_WORDS] on the ring along ``axis_name``, inside shard_map) at a later
-    fused call on this process, or at ``take(wait=True)``, without a host sync now. ``axis_name`` None: a status
-    of no ring (ranks named by ring position)."""
-    ring_status_p.bind(status, axis_name=axis_name, ring_size=int(ring_size), timeout_s=timeout_s)
+    fused call on this process, or at ``take(wait=True)``, without a host sync now; ``now`` (RING_ATTENTION_ERRORS=
+    call): wait for it when the program reaches the check, and fail this program with its failure. ``axis_name``
+    None: a status of no ring (ranks named by ring position)."""
+    ring_status_p.bind(status, axis_name=axis_name, ring_size=int(ring_size), timeout_s=timeout_s, now=bool(now))
 
 
 def is_left_out() -> bool:

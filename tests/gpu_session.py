@@ -55,10 +55,12 @@ Stages (``NAME[:SECONDS]``; the default time limit is in brackets):
   probe-status tests/gpu_status.py: jax_ring.status's CUDA side alone (one process, no ring): registered,
                no sync, raised by the next call, the slots, its cost                    [120]
   status       tests/gpu_faults.py --sections timeout,mismatch: JAX's default error mode (jax_ring.status:
-               raised by the next fused call and by check_errors()) and the callback mode, torch's [180]
+               raised by the next fused call and by check_errors()) and the call mode, torch's   [180]
   bench-status the per-call check's cost at seq_local 4k, world size 1: jax_fused (default check),
-               jax_fused_deferred (none), jax_fused_call (callback), torch_fused; timed per call and back to
+               jax_fused_deferred (none), jax_fused_call (a sync), torch_fused; timed per call and back to
                back; then benchmarks/callback_cost.py (variant status)                 [420]
+  status-cost  benchmarks/status_cost.py: the same cost in interleaved rounds, per-round ratios to no check,
+               fwd and fwd+bwd, causal and not                                     [150]
   bad_inputs   tests/gpu_faults.py --sections bad_inputs                           [150]
   kill         tests/gpu_faults.py --sections kill (ends rank 1)                   [90]
   soak         tests/gpu_soak.py --calls 10000, stopped 50 s before its limit      [420]
@@ -177,16 +179,20 @@ STAGES = {
     # raised by the next call, the ring of slots, the cost per call (also with the main thread busy in Python).
     "probe-status": (120, [["env", "-u", gpus.MPS_SHARE_ENV, sys.executable, "tests/gpu_status.py", "--out", "{out}"]]),
     # Issue 18: JAX's default error mode (jax_ring.status) against the GPU: a timeout and a mismatch raised by the
-    # next fused call and by check_errors(), the host-callback mode beside it, torch's as before.
+    # next fused call and by check_errors(), the call mode beside it (the call's own), torch's as before.
     "status": (180, [LAUNCH + ["tests/gpu_faults.py", "--sections", "timeout,mismatch", "--deadline", "{limit_minus}",
                                "--out", "{out}"]]),
     # Its cost at seq_local 4k (target: 2 % of a call): jax_fused (the default check) against jax_fused_deferred
-    # (no per-call check) and jax_fused_call (the host callback), one process on the whole GPU, timed per call
+    # (no per-call check) and jax_fused_call (the call mode: a host sync), one process on the whole GPU, timed per call
     # (a sync after each) and back to back; then benchmarks/callback_cost.py's stand-in (variant "status").
     "bench-status": (420, [LAUNCH1 + STATUS_BENCH + ["--timing", timing, "--csv", f"{{out}}/status_4k_{timing}.csv"]
                            for timing in ("call", "stream")]
                      + [["env", "-u", gpus.MPS_SHARE_ENV, sys.executable, "-m", "benchmarks.callback_cost",
                          "--work-ms", "0.3,0.7", "--out", "{out}/callback_cost_status.csv"]]),
+    # The same cost, timed against drift: interleaved rounds, per-round ratios to the unchecked program (none,
+    # deferred, call; fwd and fwd+bwd, causal and not), one process on the whole GPU.
+    "status-cost": (150, [LAUNCH1 + ["-m", "benchmarks.status_cost", "--csv", "{out}/status_cost.csv",
+                                     "--png", "{out}/status_cost.png"]]),
     "bad_inputs": (150, [LAUNCH + ["tests/gpu_faults.py", "--sections", "bad_inputs", "--deadline", "{limit_minus}",
                                    "--out", "{out}"]]),
     "kill": (90, [LAUNCH + ["tests/gpu_faults.py", "--sections", "kill", "--deadline", "{limit_minus}",

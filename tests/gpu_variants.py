@@ -144,8 +144,8 @@ def _option(cmd, flag: str, default=None):
 def command_records(cmd, nproc: int, tag: str) -> list:
     """The records of one command line of a GPU session stage (tests/gpu_session.py's STAGES) at ``nproc``
     ranks: tests/gpu_checks.py with its ``--sections`` and ``--mask-cases``, tests/gpu_faults.py with its
-    ``--sections``, tests/gpu_soak.py with its defaults, benchmarks/attention.py's fused methods (``bench_records``),
-    benchmarks/gluon_fwd.py (issue 18's Gluon forward) and gluon_bwd.py (issue 19's backward) with their ``--seq``,
+    ``--sections``, tests/gpu_soak.py with its defaults, benchmarks/attention.py's fused methods (``bench_records``)
+    and benchmarks/status_cost.py's (the same cases), benchmarks/gluon_fwd.py (issue 18's Gluon forward) and gluon_bwd.py (issue 19's backward) with their ``--seq``,
     benchmarks/gluon_ring.py; none for other scripts (they compile at run time, as before)."""
     if "tests/gpu_checks.py" in cmd:
         sections = _option(cmd, "--sections", ",".join(CHECKS_SECTIONS)).split(",")
@@ -166,6 +166,10 @@ def command_records(cmd, nproc: int, tag: str) -> list:
         gluon = f"{plans.GLUON_ENV}=0" not in cmd  # a stage that turns the Gluon forward off (env VAR=0 ...)
         return bench_records(cmd[cmd.index("benchmarks.attention") + 1:], nproc, tag,
                              GPU_CAPABILITY if gluon else None)
+    if "benchmarks.status_cost" in cmd:  # the 4k cases of bench-status's JAX methods
+        argv = ["--methods", "jax_fused,jax_fused_deferred,jax_fused_call", "--seq", _option(cmd, "--seq", "4096"),
+                "--pass", _option(cmd, "--pass", "fwd,fwd+bwd")]
+        return bench_records(argv, nproc, tag)
     if "benchmarks.gluon_fwd" in cmd:
         from benchmarks import gluon_fwd
 

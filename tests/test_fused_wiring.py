@@ -11,6 +11,7 @@ launches the kernel with exactly the arguments it was given, with the GPU's defa
 per callback, so ranks could not meet. The multi-rank protocol is tested by test_simulate*.py.
 """
 
+import contextlib
 import functools
 import os
 
@@ -359,9 +360,10 @@ def test_torch_eager_calls_skip_the_custom_op_dispatch(cpu_heap, monkeypatch):
 
 @pytest.mark.parametrize("mode", ["call", "deferred", "left_out"])
 def test_jax_error_modes(cpu_heap, monkeypatch, mode):
-    """RING_ATTENTION_ERRORS: "call" puts a host callback after every fused launch; "deferred" (the default) the
-    status check of jax_ring.status instead (no JAX effect: jit keeps its fast path; never dead-code eliminated,
-    not even under grad, whose forward's status nothing reads); both launch the kernels torch launches. With the
+    """RING_ATTENTION_ERRORS: "deferred" (the default) puts the status check of jax_ring.status after every fused
+    launch (no JAX effect: jit keeps its fast path; never dead-code eliminated, not even under grad, whose forward's
+    status nothing reads); "call" the same check told to wait for the call's own status (``now``), no host
+    callback (whose failure would fail JAX's runtime token, not the call); both launch the kernels torch launches. With the
     check left out (jax_ring.status.left_out(), for benchmarks) the kernel keeps a failure on the heap instead,
     which jax_ring.check_errors() raises once."""
     import contextlib
@@ -395,11 +397,13 @@ def test_jax_error_modes(cpu_heap, monkeypatch, mode):
         hlo = jax.jit(f).lower(q, k, v).as_text()
         jax.block_until_ready(jax.jit(f)(q, k, v))
     text = str(jaxpr)
-    assert ("debug_callback" in text) == (mode == "call"), text[:2000]
-    assert text.count("ring_attention_status") == (2 if mode == "deferred" else 0), text[:2000]  # fwd, bwd
-    assert hlo.count("@ring_attention_status") == (2 if mode == "deferred" else 0)
-    if mode != "call":
-        assert not jaxpr.effects  # an effect would take jit's calls off its C++ fast path
+    assert "debug_callback" not in text, text[:2000]
+    checks = 0 if mode == "left_out" else 2  # fwd, bwd
+    assert text.count("ring_attention_status") == checks, text[:2000]
+    assert text.count("now=True") == (checks if mode == "call" else 0), text[:2000]
+    assert hlo.count("@ring_attention_status") == checks
+    assert hlo.count("now = 1 : i64") == (checks if mode == "call" else 0), hlo[-3000:]
+    assert not jaxpr.effects  # an effect would take jit's calls off its C++ fast path
     assert [c["constexprs"]["STICKY_ERRORS"] for c in launches] == [mode == "left_out"] * 2  # fwd, bwd
     jax_ring.check_errors()  # nothing failed
     # A failure kept by the kernel (here written by hand: one rank cannot fail) is raised once.
@@ -434,8 +438,8 @@ def test_jax_error_mode_is_read_at_each_trace_not_cached(cpu_heap, monkeypatch):
             monkeypatch.setenv(control.ERRORS_ENV, mode)
         text = str(jax.make_jaxpr(lambda a, b, c: jax_ring.ring_attention_sharded(
             a, b, c, mesh=mesh, axis_name="sp", backend="fused", is_causal=True))(q, k, v))
-        assert ("debug_callback" in text) == (mode == "call"), (mode, text[:1500])
-        assert ("ring_attention_status" in text) == (mode is None), (mode, text[:1500])
+        assert "ring_attention_status" in text, (mode, text[:1500])
+        assert ("now=True" in text) == (mode == "call"), (mode, text[:1500])
 
 
 def test_jax_deferred_falls_back_to_the_callback_where_xla_refuses_the_handler(cpu_heap, monkeypatch):
@@ -503,30 +507,50 @@ def test_jax_deferred_check_raises_at_the_next_call(cpu_heap, monkeypatch):
     assert jstatus.in_flight() == 0
 
 
-def test_jax_per_call_check_raises_the_kernels_status(cpu_heap, monkeypatch):
-    """In "call" mode the host callback gets the status words and the context row in one operand and raises the
-    failure, naming ranks by their global ranks (from the context row's members)."""
+@pytest.mark.parametrize("route", ["status", "callback"])
+def test_jax_per_call_check_raises_the_kernels_status(cpu_heap, monkeypatch, route):
+    """In "call" mode the failed call raises itself, naming ranks by their global ranks, and the next calls run
+    again. ``status``: jax_ring.status waits for the call's own status and fails its program (its outputs: no
+    effects_barrier() needed, none left failing), the failure then not kept for check_errors(). ``callback``: where
+    XLA refuses that handler, a host callback gets the status words and the context row in one operand and raises
+    it (through effects_barrier())."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh, PartitionSpec as P
 
     import jax_ring
     from jax_ring import fused as jfused
+    from jax_ring import status as jstatus
 
-    status = np.zeros(control.STATUS_WORDS, np.int32)
-    status[:4] = (control.ERR_KV_TIMEOUT, 0, 1, 7)
-    monkeypatch.setattr(jfused, "_kernel_call", lambda: _fake_kernel_call([], status))
+    bad = np.zeros(control.STATUS_WORDS, np.int32)
+    bad[:4] = (control.ERR_KV_TIMEOUT, 0, 1, 7)
+    good = np.zeros(control.STATUS_WORDS, np.int32)
+    good[3] = 8
+    statuses = iter([good, bad, good, good])
+    monkeypatch.setattr(jfused, "_kernel_call", lambda: _fake_kernel_call([], statuses))
     monkeypatch.setattr(jfused, "fused_available", lambda: True)
+    if route == "callback":
+        monkeypatch.setattr(jstatus, "register", lambda platform: RuntimeError("UNIMPLEMENTED: API version 9"))
     monkeypatch.setenv(control.ERRORS_ENV, "call")
+    jstatus.clear()
     mesh = Mesh(np.array(jax.devices("cpu")[:1]), ("sp",))
     f = jax.jit(jax.shard_map(lambda q, k, v: jax_ring.ring_attention(q, k, v, axis_name="sp", backend="fused",
                                                                       timeout_s=2.5),
                               mesh=mesh, in_specs=(P(None, "sp"),) * 3, out_specs=P(None, "sp")))
     q, k, v = (jnp.asarray(x, jnp.float32) for x in testing.random_inputs(5, 1, 8, 2, 1, 16, "float32"))
-    with pytest.raises(Exception, match=r"rank 0 \(call #7\) gave up after 2.5 s waiting for the K/V shard of "
-                                        r"rank 0 at ring step 1"):
+    with pytest.warns(RuntimeWarning) if route == "callback" else contextlib.nullcontext():
         jax.block_until_ready(f(q, k, v))
-        jax.effects_barrier()
+    with pytest.raises(Exception, match=r"RingAttentionTimeout: fused ring attention on rank 0 \(call #7\) gave up "
+                                        r"after 2.5 s waiting for the K/V shard of rank 0 at ring step 1") as e:
+        jax.block_until_ready(f(q, k, v))
+        if route == "callback":
+            jax.effects_barrier()
+    assert jstatus.REPORTED[:40] not in str(e.value)  # this call's own failure, not an earlier one's
+    jax.block_until_ready(f(q, k, v))
+    jax.effects_barrier()
+    if route == "status":
+        jax_ring.check_errors()  # raised by the call: not kept
+        assert jstatus.in_flight() == 0
 
 
 @pytest.fixture

@@ -1,0 +1,153 @@
+"""What JAX's per-call error check costs the real fused call (issue 18's target: at most 2 % at seq_local 4k), timed
+so that drift between methods cannot pass for a cost: rounds of interleaved runs, the methods in a new random
+order each round, and the ratio to the unchecked program taken within each round.
+
+Methods (the same kernel; the error mode is read when a program is traced, so each has its own program):
+
+* ``none``: the check left out (``jax_ring.status.left_out()``: the kernel keeps a failure on the heap for
+  ``check_errors()``), the floor;
+* ``deferred``: JAX's default, ``RING_ATTENTION_ERRORS=deferred`` (``jax_ring.status``: an asynchronous copy of
+  the status per call, a failure raised by a later call);
+* ``call``: ``RING_ATTENTION_ERRORS=call`` (the same handler waiting for the call's own status: a host sync).
+
+A round runs ``--calls`` calls of each method back to back (input sets rotating), then waits for the last
+(``block_until_ready``), a training loop's pattern: the host issues call i + 1 while the GPU runs call i.
+Per round and method: milliseconds per call (host clock). Printed and written (``--csv``): per method the median
+and 20/80 % quantiles over rounds, and of the per-round ratio to ``none``; ``--png``: those ratios per round.
+
+    python -m jax_ring.launch --nproc-per-node 1 -m benchmarks.status_cost --csv $OUT/status_cost.csv \\
+        --png $OUT/status_cost.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import os
+import random
+import time
+
+import numpy as np
+
+MODES = ("none", "deferred", "call")
+
+
+def _trace_context(mode):
+    from jax_ring import status
+    from ring_core import control
+
+    if mode == "none":
+        return status.left_out()
+    return control.environ(**{control.ERRORS_ENV: mode})
+
+
+def build(mode, mesh, pass_, causal, q, k, v, do):
+    """A jitted program of ``pass_`` ("fwd" or "fwd+bwd") traced (and run once) under ``mode``'s error check."""
+    import jax
+    import jax.numpy as jnp
+
+    import jax_ring
+
+    def attn(a, b, c):
+        # Causal in the zigzag layout, as benchmarks/attention.py runs it (at world size 1 the same token order):
+        # the same kernel variants, which tests/gpu_variants.py lists from that script's cases.
+        return jax_ring.ring_attention_sharded(a, b, c, mesh=mesh, axis_name="sp", backend="fused", is_causal=causal,
+                                               layout="zigzag" if causal else "contiguous")
+
+    if pass_ == "fwd":
+        fn = jax.jit(attn)
+    else:
+        fn = jax.jit(jax.grad(lambda a, b, c: jnp.sum(attn(a, b, c).astype(jnp.float32) * do), argnums=(0, 1, 2)))
+    with _trace_context(mode):
+        jax.block_until_ready(fn(q, k, v))
+    return fn
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--causal", default="no,yes")
+    ap.add_argument("--pass", dest="passes", default="fwd,fwd+bwd")
+    ap.add_argument("--rounds", type=int, default=25)
+    ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--sets", type=int, default=3, help="input sets, rotating")
+    ap.add_argument("--csv")
+    ap.add_argument("--png")
+    a = ap.parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh
+
+    import jax_ring
+
+    jax_ring.initialize()
+    mesh = Mesh(np.array(jax.devices()[:1]), ("sp",))
+    rng = np.random.default_rng(0)
+    shape = (1, a.seq, a.heads, a.head_dim)
+    sets = [[jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for _ in range(3)] for _ in range(a.sets)]
+    do = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    order = random.Random(0)
+    rows, per_round = [], {}
+    for pass_ in a.passes.split(","):
+        for causal in (c == "yes" for c in a.causal.split(",")):
+            fns = {m: build(m, mesh, pass_, causal, *sets[0], do) for m in MODES}
+            times = {m: [] for m in MODES}
+            for _ in range(a.rounds):
+                modes = list(MODES)
+                order.shuffle(modes)
+                for m in modes:
+                    out = None
+                    t0 = time.perf_counter()
+                    for i in range(a.calls):
+                        out = fns[m](*sets[i % a.sets])
+                    jax.block_until_ready(out)
+                    times[m].append((time.perf_counter() - t0) * 1e3 / a.calls)
+            jax_ring.check_errors()
+            case = f"{pass_} {'causal' if causal else 'full'}"
+            for m in MODES:
+                ms = np.asarray(times[m])
+                ratio = ms / np.asarray(times["none"])
+                per_round[(case, m)] = ratio
+                rows.append(dict(pass_=pass_, causal=int(causal), seq_local=a.seq, heads=a.heads, head_dim=a.head_dim,
+                                 mode=m, rounds=a.rounds, calls=a.calls, ms_median=np.median(ms),
+                                 ms_q20=np.quantile(ms, 0.2), ms_q80=np.quantile(ms, 0.8),
+                                 ratio_median=np.median(ratio), ratio_q20=np.quantile(ratio, 0.2),
+                                 ratio_q80=np.quantile(ratio, 0.8)))
+                r = rows[-1]
+                print(f"{case:16s} {m:9s} {r['ms_median']:.4f} ms [{r['ms_q20']:.4f}, {r['ms_q80']:.4f}]  "
+                      f"x none {r['ratio_median']:.4f} [{r['ratio_q20']:.4f}, {r['ratio_q80']:.4f}]", flush=True)
+    if a.csv:
+        os.makedirs(os.path.dirname(os.path.abspath(a.csv)), exist_ok=True)
+        with open(a.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]) + ["command"])
+            w.writeheader()
+            for r in rows:
+                w.writerow({**r, "command": "python -m benchmarks.status_cost " + " ".join(argv or [])})
+    if a.png:
+        with contextlib.suppress(ImportError):
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+
+            keys = [k for k in per_round if k[1] != "none"]
+            fig, ax = plt.subplots(figsize=(1.2 * len(keys) + 2, 4))
+            ax.boxplot([per_round[k] for k in keys], labels=[f"{c}\n{m}" for c, m in keys])
+            ax.axhline(1.02, color="r", ls="--", lw=1, label="target: 1.02")
+            ax.axhline(1.0, color="k", lw=0.5)
+            ax.set_ylabel("ms per call / unchecked, per round")
+            ax.set_title(f"JAX per-call error check, seq_local {a.seq}, bf16 H{a.heads} D{a.head_dim}, world 1")
+            ax.legend()
+            fig.tight_layout()
+            fig.savefig(a.png, dpi=110)
+    jax_ring.shutdown()
+
+
+if __name__ == "__main__":
+    import sys
+
+    main(sys.argv[1:])
