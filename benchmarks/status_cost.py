@@ -13,7 +13,8 @@ Methods (the same kernel; the error mode is read when a program is traced, so ea
 A round runs ``--calls`` calls of each method back to back (input sets rotating), then waits for the last
 (``block_until_ready``), a training loop's pattern: the host issues call i + 1 while the GPU runs call i.
 Per round and method: milliseconds per call (host clock). Printed and written (``--csv``): per method the median
-and 20/80 % quantiles over rounds, and of the per-round ratio to ``none``; ``--png``: those ratios per round.
+and 20/80 % quantiles over rounds, and of the per-round ratio to ``none``; ``--png``: those ratios (``--plot
+CSV PNG`` redraws it from a CSV).
 
     python -m jax_ring.launch --nproc-per-node 1 -m benchmarks.status_cost --csv $OUT/status_cost.csv \\
         --png $OUT/status_cost.png
@@ -22,7 +23,6 @@ and 20/80 % quantiles over rounds, and of the per-round ratio to ``none``; ``--p
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
 import os
 import random
@@ -64,6 +64,35 @@ def build(mode, mesh, pass_, causal, q, k, v, do):
     return fn
 
 
+def plot(csv_path: str, png: str) -> None:
+    """Each case's ratio to the unchecked program (median over rounds, bars from the 20 % to the 80 % quantile)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(csv_path) as f:
+        rows = [r for r in csv.DictReader(f) if r["mode"] != "none"]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    for i, mode in enumerate(m for m in MODES if m != "none"):
+        sel = [r for r in rows if r["mode"] == mode]
+        x = np.arange(len(sel)) + 0.2 * i
+        med = np.array([float(r["ratio_median"]) for r in sel])
+        err = [med - [float(r["ratio_q20"]) for r in sel], [float(r["ratio_q80"]) for r in sel] - med]
+        ax.errorbar(x, med, yerr=err, fmt="o", capsize=3, label=mode)
+        ax.set_xticks(np.arange(len(sel)) + 0.1,
+                      [f"{r['pass_']} {'causal' if r['causal'] == '1' else 'full'}" for r in sel])
+    ax.axhline(1.02, color="r", ls="--", lw=1, label="target 1.02 (deferred)")
+    ax.axhline(1.0, color="k", lw=0.5)
+    r0 = rows[0]
+    ax.set_ylabel("ms per call / no check (per round)")
+    ax.set_title(f"JAX per-call error check, seq_local {r0['seq_local']}, bf16 H{r0['heads']} D{r0['head_dim']}, "
+                 f"world 1 ({r0['rounds']} rounds x {r0['calls']} calls)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seq", type=int, default=4096)
@@ -76,7 +105,10 @@ def main(argv=None):
     ap.add_argument("--sets", type=int, default=3, help="input sets, rotating")
     ap.add_argument("--csv")
     ap.add_argument("--png")
+    ap.add_argument("--plot", nargs=2, metavar=("CSV", "PNG"), help="only plot an earlier run's CSV")
     a = ap.parse_args(argv)
+    if a.plot:
+        return plot(*a.plot)
 
     import jax
     import jax.numpy as jnp
@@ -91,7 +123,7 @@ def main(argv=None):
     sets = [[jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for _ in range(3)] for _ in range(a.sets)]
     do = jnp.asarray(rng.standard_normal(shape), jnp.float32)
     order = random.Random(0)
-    rows, per_round = [], {}
+    rows = []
     for pass_ in a.passes.split(","):
         for causal in (c == "yes" for c in a.causal.split(",")):
             fns = {m: build(m, mesh, pass_, causal, *sets[0], do) for m in MODES}
@@ -111,7 +143,6 @@ def main(argv=None):
             for m in MODES:
                 ms = np.asarray(times[m])
                 ratio = ms / np.asarray(times["none"])
-                per_round[(case, m)] = ratio
                 rows.append(dict(pass_=pass_, causal=int(causal), seq_local=a.seq, heads=a.heads, head_dim=a.head_dim,
                                  mode=m, rounds=a.rounds, calls=a.calls, ms_median=np.median(ms),
                                  ms_q20=np.quantile(ms, 0.2), ms_q80=np.quantile(ms, 0.8),
@@ -127,23 +158,8 @@ def main(argv=None):
             w.writeheader()
             for r in rows:
                 w.writerow({**r, "command": "python -m benchmarks.status_cost " + " ".join(argv or [])})
-    if a.png:
-        with contextlib.suppress(ImportError):
-            import matplotlib
-
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-
-            keys = [k for k in per_round if k[1] != "none"]
-            fig, ax = plt.subplots(figsize=(1.2 * len(keys) + 2, 4))
-            ax.boxplot([per_round[k] for k in keys], labels=[f"{c}\n{m}" for c, m in keys])
-            ax.axhline(1.02, color="r", ls="--", lw=1, label="target: 1.02")
-            ax.axhline(1.0, color="k", lw=0.5)
-            ax.set_ylabel("ms per call / unchecked, per round")
-            ax.set_title(f"JAX per-call error check, seq_local {a.seq}, bf16 H{a.heads} D{a.head_dim}, world 1")
-            ax.legend()
-            fig.tight_layout()
-            fig.savefig(a.png, dpi=110)
+    if a.png and a.csv:
+        plot(a.csv, a.png)
     jax_ring.shutdown()
 
 
