@@ -49,6 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from ring_core import control
 from ring_core.gluon_kernel import _consumer as consumer  # the product's split consumer partition
 from ring_core.gluon_kernel import free_slots as _free_slots
+from ring_core.gluon_kernel import free_turns, turns
 from ring_core.gluon_kernel import online_softmax, release as _release, slots
 from ring_core.gluon_kernel import tma_load as _tma_load
 from ring_core.gluon_kernel import tma_store as _tma_store
@@ -219,16 +220,18 @@ def gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, lse_ptr, ctl_ptr, S, H, HKV, 
     lse_row = lse_ptr + (b * H + h).to(gl.int64) * S + q0
     if SPLIT:
         HALF: gl.constexpr = BLOCK_M // 2
+        pp = turns()
         gl.warp_specialize([
-            (consumer, (q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, n_blocks, qk_scale, lse_row, ctl_ptr, 1,
+            (consumer, (q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, pp, n_blocks, qk_scale, lse_row, ctl_ptr, 1,
                         S * 0, S, q0, q0 + BLOCK_M - 1, 0, 1, D, CAUSAL, False)),  # world size 1: rank 0, contiguous
             (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, row_q,
                                row_kv, col_q, col_kv, n_blocks, BLOCK_N, STAGES)),
-            (consumer, (q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, n_blocks, qk_scale, lse_row, ctl_ptr, 1,
+            (consumer, (q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, pp, n_blocks, qk_scale, lse_row, ctl_ptr, 1,
                         S * 0, S, q0, q0 + BLOCK_M - 1, 1, 1, D, CAUSAL, False)),
         ], [_LOAD_WARPS, NUM_WARPS], [_LOAD_REGS, _SPLIT_REGS])
         _tma_store(o_desc, [row_q, col_q], q_smem)  # both halves written (the partitions joined)
         tma.store_wait(pendings=0)
+        free_turns(pp)
     else:  # one consumer partition of two warpgroups over the whole tile
         acc, l_i, m_i = gl.warp_specialize([
             (_compute_partition, (q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, n_full, n_blocks, q0, qk_scale,

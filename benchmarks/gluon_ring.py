@@ -38,7 +38,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from benchmarks.gluon_fwd import (_LOAD_REGS, _LOAD_WARPS, _SPLIT_REGS, BLOCK_M, BLOCK_N, DEFAULT_NUM_STAGES,
                                   SPLIT_WARPS, _free_slots, _slots, _tile, _tma_load, _tma_store, consumer,
-                                  descriptors)
+                                  descriptors, free_turns, turns)
 from ring_core import control
 
 STAGES = 3  # n128s3x: the split consumers need the third slot (NOTES, session 7)
@@ -116,19 +116,21 @@ def gluon_ring_fwd(q_desc, k_desc, v_desc, r_desc, o_desc, lse_ptr, flags_ptr, e
     lse_row = lse_ptr + (b * H + h).to(gl.int64) * S + q0
     rank = S * 0 + (W - 1)  # the last rank of a contiguous ring (a run-time value, as the product's rank is)
     q_pos = rank * S + q0
+    pp = turns()
     gl.warp_specialize([
-        (consumer, (q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, n_blocks, qk_scale, lse_row, err_ptr, 1,
+        (consumer, (q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, pp, n_blocks, qk_scale, lse_row, err_ptr, 1,
                     rank, S, q_pos, q_pos + BLOCK_M - 1, 0, W, D, CAUSAL, False)),
         (_load_ring_partition, (q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty,
                                 b * S + q0, b * S, h * D, hkv * D, n_local, n_peer, n_blocks, n_step, r_row,
                                 2 * B * HKV * S, B * HKV * S, flag0, B * HKV * n_chunks, epoch, max_polls,
                                 err_ptr + CTL_ERROR, BLOCK_N, STAGES, CHUNK_BLOCKS)),
-        (consumer, (q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, n_blocks, qk_scale, lse_row, err_ptr, 1,
+        (consumer, (q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, pp, n_blocks, qk_scale, lse_row, err_ptr, 1,
                     rank, S, q_pos, q_pos + BLOCK_M - 1, 1, W, D, CAUSAL, False)),
     ], [_LOAD_WARPS, NUM_WARPS], [_LOAD_REGS, _SPLIT_REGS])
     _tma_store(o_desc, [b * S + q0, h * D], q_smem)  # both halves written (the partitions joined)
     tma.store_wait(pendings=0)
     _free_slots(q_bar, kv_ready, kv_empty, STAGES)
+    free_turns(pp)
 
 
 @triton.jit

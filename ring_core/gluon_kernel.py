@@ -44,6 +44,8 @@ at D256).
 * Epilogue: one TMA store of O, then ``end_call``.
 """
 
+import os
+
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -81,6 +83,11 @@ _CONSUMER_WARPS = gl.constexpr(CONSUMER_WARPS)
 _LOAD_WARPS = gl.constexpr(LOAD_WARPS)
 _LOAD_REGS, _CONSUMER_REGS = gl.constexpr(LOAD_REGS), gl.constexpr(CONSUMER_REGS)
 _UNMASKED = gl.constexpr(1 << 30)  # the mask number of a block every query of the tile sees whole
+# FlashAttention-3's ping-pong: the two consumer warpgroups take turns issuing their MMAs (a pair of mbarriers passes
+# the turn), so that one's softmax runs while the other's MMAs hold the tensor cores. Read at import (a constexpr
+# global: part of the kernel's cache key); RING_ATTENTION_GLUON_PINGPONG=1 turns it on, for A/B runs.
+PINGPONG_ENV = "RING_ATTENTION_GLUON_PINGPONG"
+_PINGPONG = gl.constexpr(os.environ.get(PINGPONG_ENV, "0") == "1")
 
 
 # ring_core.plans.GLUON_TILES as a constexpr global: read by name in ``kv_slots`` / ``kv_rings``, its value is part
@@ -266,9 +273,42 @@ def release(kv_empty, s):
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, n_blocks, qk_scale, lse_row, ctl, call_ok, rank, S,
-              q_pos_min, q_pos_max, HALF_INDEX: gl.constexpr, W: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
-              ZIGZAG: gl.constexpr):
+def turns():
+    """The two consumer partitions' turns for ping-pong (``_PINGPONG``): a pair of mbarriers, the first consumer's
+    first turn given (unused otherwise)."""
+    pp = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    if _PINGPONG:
+        mbarrier.init(pp.index(0), count=1)
+        mbarrier.init(pp.index(1), count=1)
+        mbarrier.arrive(pp.index(0), count=1)
+    return pp
+
+
+@gluon.jit
+def free_turns(pp):
+    if _PINGPONG:
+        mbarrier.invalidate(pp.index(0))
+        mbarrier.invalidate(pp.index(1))
+
+
+@gluon.jit
+def _turn(pp, g, HALF_INDEX: gl.constexpr):
+    """Ping-pong (``_PINGPONG``): wait for this warpgroup's turn to issue the MMAs of its ``g``-th group."""
+    if _PINGPONG:
+        mbarrier.wait(pp.index(HALF_INDEX), g & 1)
+
+
+@gluon.jit
+def _pass_turn(pp, HALF_INDEX: gl.constexpr):
+    """Ping-pong: this warpgroup's MMAs of the group are issued; the other warpgroup's turn."""
+    if _PINGPONG:
+        mbarrier.arrive(pp.index(1 - HALF_INDEX), count=1)
+
+
+@gluon.jit
+def _consumer(q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, pp, n_blocks, qk_scale, lse_row, ctl, call_ok, rank,
+              S, q_pos_min, q_pos_max, HALF_INDEX: gl.constexpr, W: gl.constexpr, D: gl.constexpr,
+              CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr):
     """One consumer partition on its half of the tile's query rows (64): the pipelined online softmax over the
     tile's ``n_blocks`` blocks (block j's S = Q K^T beside block j-1's O += P V), then its rows of O / l (NaN rows
     after a failure) into its half of Q's buffer and its lse. The tiles are the buffers' (``slots``). K and V in
@@ -293,7 +333,9 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, n_blocks, qk_sc
                                          BLOCK_N, CAUSAL, ZIGZAG)
     mbarrier.wait(q_bar, 0)
     mbarrier.wait(kv_ready.index(0), 0)
+    _turn(pp, 0, HALF_INDEX)
     qk = warpgroup_mma(q_half, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    _pass_turn(pp, HALF_INDEX)
     qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
     if RINGS > 1:
         release(kv_empty, 0)  # K_0
@@ -305,10 +347,12 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, n_blocks, qk_sc
         t, jb, n_hi, n_full, d = _next_block(t, jb, n_hi, n_full, rank, S, q_pos_min, q_pos_max, W, BLOCK_N, CAUSAL,
                                              ZIGZAG)
         mbarrier.wait(kv_ready.index(s), (j // STAGES) & 1)
+        _turn(pp, j, HALF_INDEX)
         qk = warpgroup_mma(q_half, k_smem.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         if RINGS > 1:
             mbarrier.wait(kv_ready.index(STAGES + sp), ((j - 1) // STAGES) & 1)  # V_{j-1}
         acc = warpgroup_mma(p_op, v_smem.index(sp), acc, is_async=True)
+        _pass_turn(pp, HALF_INDEX)
         qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk, ))  # S done; P V may still run
         if RINGS > 1:
             release(kv_empty, s)  # K_j
@@ -323,7 +367,9 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, n_blocks, qk_sc
     sp = (n_blocks - 1) % STAGES
     if RINGS > 1:
         mbarrier.wait(kv_ready.index(STAGES + sp), ((n_blocks - 1) // STAGES) & 1)
+    _turn(pp, n_blocks, HALF_INDEX)
     acc = warpgroup_mma(p_op, v_smem.index(sp), acc, is_async=True)
+    _pass_turn(pp, HALF_INDEX)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     if RINGS > 1:
         release(kv_empty, STAGES + sp)
@@ -401,21 +447,23 @@ def ring_attn_fwd_gluon(
         r_desc = k_desc  # never read: no ring step reads a receive slot
     # Each slot released by both consumer partitions.
     q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty = slots(dtype, BLOCK_M, BLOCK_N, D, layout, STAGES, 2, RINGS)
+    pp = turns()
 
     qk_scale = sm_scale * 1.4426950408889634
     lse_row = lse_ptr + (b * H + h).to(gl.int64) * S + q0
     gl.warp_specialize([
-        (_consumer, (q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, n_blocks, qk_scale, lse_row, ctl, call_ok,
-                     rank, S, q_pos_min, q_pos_max, 0, W, D, CAUSAL, ZIGZAG)),
+        (_consumer, (q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, pp, n_blocks, qk_scale, lse_row, ctl,
+                     call_ok, rank, S, q_pos_min, q_pos_max, 0, W, D, CAUSAL, ZIGZAG)),
         (_producer, (q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, b, h,
                      hkv, q0, rank, B, S, flags, n_chunks, epoch, ctl, timeout_ns, W, HKV, D, CHUNK_BLOCKS, CAUSAL,
                      ZIGZAG)),
-        (_consumer, (q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, n_blocks, qk_scale, lse_row, ctl, call_ok,
-                     rank, S, q_pos_min, q_pos_max, 1, W, D, CAUSAL, ZIGZAG)),
+        (_consumer, (q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, pp, n_blocks, qk_scale, lse_row, ctl,
+                     call_ok, rank, S, q_pos_min, q_pos_max, 1, W, D, CAUSAL, ZIGZAG)),
     ], [_LOAD_WARPS, _CONSUMER_WARPS], [_LOAD_REGS, _CONSUMER_REGS])
     tma_store(o_desc, [b * S + q0, h * D], q_smem)  # both halves written (the partitions joined)
     tma.store_wait(pendings=0)
     free_slots(q_bar, kv_ready, kv_empty, RINGS * STAGES)
+    free_turns(pp)
 
     # ---- the protocol's end: end barrier, status, counters (the last program of this rank) -----------------
     end_call(ctl, status_ptr, heap_bases, rank, epoch, timeout_ns, W, False, STICKY_ERRORS, False)

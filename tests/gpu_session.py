@@ -61,6 +61,8 @@ Stages (``NAME[:SECONDS]``; the default time limit is in brackets):
                back; then benchmarks/callback_cost.py (variant status)                 [420]
   status-cost  benchmarks/status_cost.py: the same cost in interleaved rounds, per-round ratios to no check,
                fwd and fwd+bwd, causal and not                                     [150]
+  bench-w1-fwd every forward target of issue 18 at world size 1 (D128, D64, D256, GQA 32/8), torch beside
+               cuDNN, 10 timed calls: the A/B of a Gluon forward change              [200]
   bad_inputs   tests/gpu_faults.py --sections bad_inputs                           [150]
   kill         tests/gpu_faults.py --sections kill (ends rank 1)                   [90]
   soak         tests/gpu_soak.py --calls 10000, stopped 50 s before its limit      [420]
@@ -251,6 +253,12 @@ STAGES = {
     # (JAX runs the same binary), beside cuDNN in the same run; two processes, one CSV.
     "bench-w1-shapes": (150, [LAUNCH1 + W1_SHAPES + ["--head-dim", "64,256", "--kv-heads", "32"],
                               LAUNCH1 + W1_SHAPES + ["--head-dim", "128", "--kv-heads", "8"]]),
+    # Every forward target of issue 18 at world size 1 in one stage (D128, D64, D256, GQA 32/8; torch beside cuDNN;
+    # 10 timed calls): the A/B of a Gluon forward change (e.g. RING_ATTENTION_GLUON_PINGPONG=1 in the environment).
+    "bench-w1-fwd": (200, [LAUNCH1 + W1_SHAPES[:-4] + ["--iters", "10", "--csv", "{out}/attention_w1_fwd.csv",
+                                                        "--head-dim", "128,64,256", "--kv-heads", "32"],
+                           LAUNCH1 + W1_SHAPES[:-4] + ["--iters", "10", "--csv", "{out}/attention_w1_fwd.csv",
+                                                        "--head-dim", "128", "--kv-heads", "8"]]),
     "examples": (300, [LAUNCH + ["examples/jax_ring_attention.py"],
                        TORCHRUN + ["examples/torch_ring_attention.py"],
                        TORCHRUN + ["examples/torch_train.py"],
