@@ -88,6 +88,11 @@ _UNMASKED = gl.constexpr(1 << 30)  # the mask number of a block every query of t
 # global: part of the kernel's cache key); RING_ATTENTION_GLUON_PINGPONG=1 turns it on, for A/B runs.
 PINGPONG_ENV = "RING_ATTENTION_GLUON_PINGPONG"
 _PINGPONG = gl.constexpr(os.environ.get(PINGPONG_ENV, "0") == "1")
+# The softmax's scale folded into exp2's argument (one FFMA per score: the row max taken on the raw scores, then
+# scaled) instead of a multiply per score before the max and a subtraction after it. A/B switch for now:
+# RING_ATTENTION_GLUON_FOLD_SCALE=0 gives the multiply first.
+FOLD_SCALE_ENV = "RING_ATTENTION_GLUON_FOLD_SCALE"
+_FOLD_SCALE = gl.constexpr(os.environ.get(FOLD_SCALE_ENV, "1") == "1")
 
 
 # ring_core.plans.GLUON_TILES as a constexpr global: read by name in ``kv_slots`` / ``kv_rings``, its value is part
@@ -238,13 +243,16 @@ def _softmax_block(qk, m_i, l_i, d, row0, qk_scale, CAUSAL: gl.constexpr):
     the tile) says some are; rows that see nothing yet keep m = -inf and are shifted by 0, so exp2 gives 0, not
     NaN. The masks' indices are made here, not kept across the loop: held in registers they made the consumers
     spill."""
-    qk = qk * qk_scale  # log2 units
+    if not _FOLD_SCALE:
+        qk = qk * qk_scale  # log2 units
     if CAUSAL:
         if d != _UNMASKED:
             s_layout: gl.constexpr = qk.type.layout
             last = row0 + d + gl.arange(0, qk.shape[0], layout=gl.SliceLayout(1, s_layout))  # each row's last key
             cols = gl.arange(0, qk.shape[1], layout=gl.SliceLayout(0, s_layout))
             qk = gl.where(cols[None, :] <= last[:, None], qk, float("-inf"))
+    if _FOLD_SCALE:
+        return online_softmax_scaled(qk, m_i, l_i, qk_scale, CAUSAL)
     return online_softmax(qk, m_i, l_i, CAUSAL)
 
 
@@ -262,6 +270,32 @@ def online_softmax(qk, m_i, l_i, SAFE: gl.constexpr):
     alpha = gl.exp2(m_i - m_safe)
     l_i = l_i * alpha + gl.sum(p, axis=1)
     return p, alpha, m_new, l_i
+
+
+@gluon.jit
+def online_softmax_scaled(qk, m_i, l_i, qk_scale, SAFE: gl.constexpr):
+    """``online_softmax`` of raw scores ``qk`` (masked ones -inf) times ``qk_scale`` (> 0: the callers clamp it, see
+    ``_fold``), without scaling every score first: the row max is taken on the raw scores and then scaled (the
+    scale is positive), and each score's scale and shift are one fused multiply-add in exp2's argument."""
+    m_new = gl.maximum(m_i, gl.max(qk, axis=1) * qk_scale)
+    if SAFE:
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_safe = m_new
+    p = gl.exp2(qk * qk_scale - m_safe[:, None])
+    alpha = gl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    return p, alpha, m_new, l_i
+
+
+@gluon.jit
+def _fold(qk_scale):
+    """The scale ``online_softmax_scaled`` multiplies by: a scale of 0 (allowed: validate.py asks >= 0) as 1e-30,
+    so that a masked score (-inf) times it stays -inf, not NaN; every score of bf16/fp16 inputs is far below 1e28
+    in magnitude, so exp2 of it times 1e-30 rounds to exp2(0) = 1 in float32, exactly what scale 0 gives."""
+    if _FOLD_SCALE:
+        qk_scale = gl.maximum(qk_scale, 1e-30)
+    return qk_scale
 
 
 @gluon.jit
@@ -449,7 +483,7 @@ def ring_attn_fwd_gluon(
     q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty = slots(dtype, BLOCK_M, BLOCK_N, D, layout, STAGES, 2, RINGS)
     pp = turns()
 
-    qk_scale = sm_scale * 1.4426950408889634
+    qk_scale = _fold(sm_scale * 1.4426950408889634)
     lse_row = lse_ptr + (b * H + h).to(gl.int64) * S + q0
     gl.warp_specialize([
         (_consumer, (q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, pp, n_blocks, qk_scale, lse_row, ctl,
