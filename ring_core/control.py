@@ -210,6 +210,18 @@ SIG_FIELDS = ("epoch", "kernel", "world", "batch", "seq_local", "heads", "kv_hea
 # (masks.kernel_window) plus one, so that 0 is unbounded and a call without a window keeps the words it had.
 
 
+KERNEL_MIN_SCALE = 1e-30
+
+
+def kernel_scale(scale: float) -> float:
+    """The scale the fused kernels are given for ``scale`` (>= 0, validated): a scale of 0 as 1e-30. The kernels
+    multiply masked scores (-inf) by the scale (the row max is taken before scaling; the scale and shift are one
+    FMA), which for 0 gave NaN (-inf * 0). With 1e-30 every score of a float16/bfloat16/float32 input (far below
+    1e28 in magnitude) gives exp2(~0) = 1 in float32, as scale 0 does: the same outputs and lse; the gradients of q
+    and k are 1e-30 times finite values instead of 0."""
+    return max(float(scale), KERNEL_MIN_SCALE)
+
+
 def call_signature(kind: int, world_size: int, spec: AttentionSpec, chunk_rows: int, block: int) -> np.ndarray:
     """The SIG_WORDS int32 words by which ranks check, inside the kernel and before anything moves, that
     they make the same call: word 0 the epoch (the kernel fills it in), then ``SIG_FIELDS``. The kernels
@@ -221,8 +233,8 @@ def call_signature(kind: int, world_size: int, spec: AttentionSpec, chunk_rows: 
     left, right = masks.kernel_window(spec.is_causal, spec.window, world_size * spec.seq_local)
     w[1:15] = [kind, world_size, spec.batch, spec.seq_local, spec.num_heads, spec.num_kv_heads, spec.head_dim,
                DTYPE_CODES[spec.dtype], int(spec.is_causal) | (int(spec.layout == "zigzag") << 1)
-               | (int(spec.segmented) << 2), np.float32(spec.scale).view(np.int32), chunk_rows, block, left + 1,
-               right + 1]
+               | (int(spec.segmented) << 2), np.float32(kernel_scale(spec.scale)).view(np.int32), chunk_rows, block,
+               left + 1, right + 1]
     return w
 
 
@@ -232,6 +244,7 @@ def describe_signature(words) -> str:
     kind = {KIND_FWD: "forward", KIND_BWD: "backward"}.get(w[1], f"kernel {w[1]}")
     dtype = {v: k for k, v in DTYPE_CODES.items()}.get(w[8], f"dtype code {w[8]}")
     scale = float(np.array(w[10], np.int32).view(np.float32))
+    scale = 0.0 if scale <= 2 * KERNEL_MIN_SCALE else scale  # kernel_scale's stand-in for 0
     mask = ("causal " + ("zigzag" if w[9] & 2 else "contiguous")) if w[9] & 1 else (
         "non-causal " + ("zigzag" if w[9] & 2 else "contiguous"))
     if w[13] or w[14]:

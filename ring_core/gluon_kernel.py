@@ -274,8 +274,8 @@ def online_softmax(qk, m_i, l_i, SAFE: gl.constexpr):
 
 @gluon.jit
 def online_softmax_scaled(qk, m_i, l_i, qk_scale, SAFE: gl.constexpr):
-    """``online_softmax`` of raw scores ``qk`` (masked ones -inf) times ``qk_scale`` (> 0: the callers clamp it, see
-    ``_fold``), without scaling every score first: the row max is taken on the raw scores and then scaled (the
+    """``online_softmax`` of raw scores ``qk`` (masked ones -inf) times ``qk_scale`` (> 0: a scale of 0 comes as 1e-30,
+    ring_core.control.kernel_scale), without scaling every score first: the row max is taken on the raw scores and then scaled (the
     scale is positive), and each score's scale and shift are one fused multiply-add in exp2's argument."""
     m_new = gl.maximum(m_i, gl.max(qk, axis=1) * qk_scale)
     if SAFE:
@@ -286,16 +286,6 @@ def online_softmax_scaled(qk, m_i, l_i, qk_scale, SAFE: gl.constexpr):
     alpha = gl.exp2(m_i - m_safe)
     l_i = l_i * alpha + gl.sum(p, axis=1)
     return p, alpha, m_new, l_i
-
-
-@gluon.jit
-def _fold(qk_scale):
-    """The scale ``online_softmax_scaled`` multiplies by: a scale of 0 (allowed: validate.py asks >= 0) as 1e-30,
-    so that a masked score (-inf) times it stays -inf, not NaN; every score of bf16/fp16 inputs is far below 1e28
-    in magnitude, so exp2 of it times 1e-30 rounds to exp2(0) = 1 in float32, exactly what scale 0 gives."""
-    if _FOLD_SCALE:
-        qk_scale = gl.maximum(qk_scale, 1e-30)
-    return qk_scale
 
 
 @gluon.jit
@@ -483,7 +473,7 @@ def ring_attn_fwd_gluon(
     q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty = slots(dtype, BLOCK_M, BLOCK_N, D, layout, STAGES, 2, RINGS)
     pp = turns()
 
-    qk_scale = _fold(sm_scale * 1.4426950408889634)
+    qk_scale = sm_scale * 1.4426950408889634
     lse_row = lse_ptr + (b * H + h).to(gl.int64) * S + q0
     gl.warp_specialize([
         (_consumer, (q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, pp, n_blocks, qk_scale, lse_row, ctl,

@@ -309,7 +309,7 @@ class LaunchPlan:
     def scalars(self, timeout_s: float | None = None) -> tuple:
         """The runtime scalars, in argument order; their Triton types are ``scalar_types``."""
         s = self.spec
-        base = (s.batch, s.seq_local, float(s.scale), control.timeout_ns(timeout_s))
+        base = (s.batch, s.seq_local, control.kernel_scale(s.scale), control.timeout_ns(timeout_s))
         return base if self.kind == control.KIND_FWD else (*base, self.part_off)
 
     @property

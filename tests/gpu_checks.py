@@ -94,7 +94,7 @@ GLUON_CASES = [(1, 1024, 8, 2, 128, "bfloat16", True, "zigzag"), (2, 512, 4, 4, 
                (1, 768, 8, 8, 128, "bfloat16", True, "contiguous"), (1, 512, 6, 3, 64, "bfloat16", True, "zigzag", 0.3),
                (1, 128, 4, 1, 128, "float16", True, "contiguous"), (1, 2048, 4, 2, 128, "bfloat16", False, "zigzag"),
                (1, 768, 8, 2, 256, "bfloat16", True, "zigzag"),
-               # scale 0 (allowed): the Gluon forward's folded scale clamps it (ring_core.gluon_kernel._fold)
+               # scale 0 (allowed): the kernels get 1e-30 (ring_core.control.kernel_scale; 0 gave NaN under masks)
                (1, 512, 6, 3, 64, "bfloat16", True, "zigzag", 0.0)]
 # The gluon-bwd section: backwards the Gluon Hopper backward takes (ring_core.plans.gluon_bwd_applies: the Gluon
 # forward's cases with head_dim 128), the lse gradient in one; each with deterministic=False (the default) and True.

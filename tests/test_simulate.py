@@ -391,3 +391,13 @@ def test_falls_back_to_subprocess_when_kernel_compiled_for_gpu():
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0 and "FALLBACK-OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+def test_scale_zero_under_masks_is_uniform_attention_not_nan():
+    """scale=0 (allowed): every visible key weighs the same. The kernels multiply masked scores (-inf) by the scale,
+    which gave NaN for 0; they now get 1e-30 (ring_core.control.kernel_scale), the same float32 results."""
+    case = (2, 1, 8, 2, 1, 16, "float32", True, "zigzag", True, 0.0)
+    W, B, S, H, HKV, D, dtype, causal, layout, return_lse, scale = case
+    ref, (q, k, v) = testing.sharded_inputs(77, W, B, S, H, HKV, D, dtype)
+    result = simulate_ring_attention(q, k, v, W, is_causal=causal, scale=scale, layout=layout, return_lse=return_lse)
+    _check(_case_id(case), result, ref, dtype, is_causal=causal, scale=scale, return_lse=return_lse)

@@ -262,3 +262,13 @@ def test_grad_falls_back_to_subprocess_when_kernel_compiled_for_gpu():
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0 and "GRAD-FALLBACK-OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+def test_scale_zero_grads_under_masks():
+    """scale=0 through the backward kernel (ring_core.control.kernel_scale: 1e-30 for the kernels; dq and dk 1e-30
+    times finite values instead of 0)."""
+    case = (2, 1, 6, 2, 1, 16, "float32", True, "contiguous", 0.0)
+    W, B, S, H, HKV, D, dtype, causal, layout, scale = case
+    ref, (q, k, v, do) = testing.sharded_inputs(78, W, B, S, H, HKV, D, dtype, with_dout=True)
+    grads = simulate_ring_attention_grad(q, k, v, do, W, is_causal=causal, scale=scale, layout=layout)
+    _check(_case_id(case), grads, ref, dtype, is_causal=causal, scale=scale)
