@@ -98,6 +98,12 @@ class KernelConfig:
 # slots. The O accumulator: 64 x 256 float32 per warpgroup (128 registers a thread). FlashAttention-3 takes
 # hdim 256 in 128-row tiles and 80-row blocks in 2 stages.
 GLUON_TILES = {64: (128, 128, 3, 1), 128: (128, 128, 3, 1), 256: (128, 64, 2, 2)}
+# For tuning runs only: RING_ATTENTION_GLUON_TILES="64=128,128,4,1;256=..." replaces entries, read at import (the
+# Gluon kernel reads the table as a constexpr global: part of its cache key).
+GLUON_TILES_ENV = "RING_ATTENTION_GLUON_TILES"
+for _entry in filter(None, os.environ.get(GLUON_TILES_ENV, "").split(";")):
+    _d, _t = _entry.split("=")
+    GLUON_TILES[int(_d)] = tuple(int(x) for x in _t.split(","))
 GLUON_HEAD_DIMS = tuple(GLUON_TILES)
 GLUON_ENV = "RING_ATTENTION_GLUON"  # "0": the tl kernel on every GPU (read at each plan)
 GLUON_DET_ENV = "RING_ATTENTION_GLUON_DETERMINISTIC"  # "1": deterministic backwards on the Gluon kernel (each plan)
