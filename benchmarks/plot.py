@@ -153,7 +153,7 @@ def plot(rows, out: str, x: str = "global", title: str | None = None) -> int:
     return len(keys)
 
 
-def grouped_bars(bars: dict, png: str, *, ylabel: str, title: str, label=str, figsize=(9, 4)) -> None:
+def grouped_bars(bars: dict, png: str, *, ylabel: str, title: str, label=str, figsize=(9, 4), ylim=None) -> None:
     """A bar chart of ``bars`` ({series: {x key: value}}): one group per x key (sorted, ticks from ``label``), one bar
     per series; the probes' figures (benchmarks/gluon_fwd.py, gluon_bwd.py, bwd_kernels.py)."""
     import matplotlib
@@ -170,7 +170,9 @@ def grouped_bars(bars: dict, png: str, *, ylabel: str, title: str, label=str, fi
     ax.set_xticklabels([label(k) for k in keys])
     ax.set_ylabel(ylabel)
     ax.set_title(title)
-    ax.legend(fontsize=8)
+    if ylim:
+        ax.set_ylim(*ylim)
+    ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(png, dpi=120)
 
@@ -202,7 +204,21 @@ def main(argv=None) -> int:
     ap.add_argument("--title", default=None)
     ap.add_argument("--table", action="store_true", help="print the fused rows and their ratios as markdown, "
                                                          "one table per pass")
+    ap.add_argument("--runs", action="store_true", help="A/B runs: one series per CSV (its name), bars of each fused "
+                                                        "row's ratio to cuDNN in its own run, one group per case")
     a = ap.parse_args(argv)
+    if a.runs:
+        out = a.out or os.path.splitext(a.csv[0])[0] + "_runs.png"
+        bars = {}
+        for path in a.csv:
+            for r in compute_ratios(load_rows([path])):
+                if METHODS.get(r["method"]) and METHODS[r["method"]].kind == "fused" and _f(r.get("vs_cudnn_1gpu")):
+                    key = (r["method"], int(r["head_dim"]), r["kv_heads"], int(r["seq_local"]), r["causal"])
+                    bars.setdefault(os.path.splitext(os.path.basename(path))[0], {})[key] = _f(r["vs_cudnn_1gpu"])
+        grouped_bars(bars, out, ylabel="ratio to cuDNN (same run)", title=a.title or "A/B runs", figsize=(16, 5), ylim=(0.7, 1.15),
+                     label=lambda k: f"D{k[1]} kv{k[2]}\n{k[3] // 1024}k{' c' if k[4] in ('1', 'True') else ''}")
+        print(f"wrote {out}")
+        return 0
     rows = load_rows(a.csv)
     out = a.out or os.path.splitext(a.csv[0])[0] + ".png"
     n = plot(rows, out, a.x, a.title)

@@ -166,7 +166,7 @@ def command_records(cmd, nproc: int, tag: str) -> list:
         gluon = f"{plans.GLUON_ENV}=0" not in cmd  # a stage that turns the Gluon forward off (env VAR=0 ...)
         return bench_records(cmd[cmd.index("benchmarks.attention") + 1:], nproc, tag,
                              GPU_CAPABILITY if gluon else None)
-    if "benchmarks.status_cost" in cmd:  # the 4k cases of bench-status's JAX methods
+    if "benchmarks.status_cost" in cmd:  # the 4k cases of bench-status's JAX methods (--probe: the same programs)
         argv = ["--methods", "jax_fused,jax_fused_deferred,jax_fused_call", "--seq", _option(cmd, "--seq", "4096"),
                 "--pass", _option(cmd, "--pass", "fwd,fwd+bwd")]
         return bench_records(argv, nproc, tag)
