@@ -36,8 +36,9 @@ MODES = ("none", "deferred", "call")
 # (the handler is Python, looked up at each call; the compiled program is the same): "deferred-nocopy" records the
 # event but copies nothing (the slot is marked right by hand), "deferred-noop" returns at once (what is left: XLA
 # calling a host handler between the kernel and the rest of the program). Measurement only: such a handler checks
-# nothing.
-PROBES = ("deferred-nocopy", "deferred-noop")
+# nothing. "deferred-kernel" is a real check: the slots filled by jax_ring.status's one-warp copy kernel
+# (RING_ATTENTION_STATUS_COPY=kernel) instead of cuMemcpyDtoHAsync.
+PROBES = ("deferred-nocopy", "deferred-noop", "deferred-kernel")
 
 
 @contextlib.contextmanager
@@ -58,6 +59,13 @@ def _probe(mode):
             yield
         finally:
             status._CudaSlots.copy = original
+    elif mode == "deferred-kernel":
+        slots = status._slots["cuda"]  # made by the programs' first runs
+        original, slots.mode = slots.mode, "kernel"
+        try:
+            yield
+        finally:
+            slots.mode = original
     elif mode == "deferred-noop":
         original = status._execute
         status._execute = lambda frame, platform: None

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import os
 import functools
 import threading
 import zlib
@@ -165,18 +166,52 @@ class _HostSlots:
         pass
 
 
+# A kernel of one warp's worth of threads that copies ``n`` int32 words from device memory to pinned host memory
+# mapped into the device's address space (zero-copy): what ``_CudaSlots`` uses instead of cuMemcpyDtoHAsync where
+# COPY_ENV says "kernel". PTX for sm_70 and later, compiled by the driver when the slots are made.
+_COPY_PTX = b"""
+.version 7.0
+.target sm_70
+.address_size 64
+.visible .entry ring_status_copy(.param .u64 src, .param .u64 dst, .param .u32 n)
+{
+  .reg .pred %p<2>;
+  .reg .b32 %r<4>;
+  .reg .b64 %rd<6>;
+  ld.param.u64 %rd1, [src];
+  ld.param.u64 %rd2, [dst];
+  ld.param.u32 %r1, [n];
+  mov.u32 %r2, %tid.x;
+  setp.ge.u32 %p1, %r2, %r1;
+  @%p1 bra DONE;
+  mul.wide.u32 %rd3, %r2, 4;
+  add.s64 %rd4, %rd1, %rd3;
+  ld.global.u32 %r3, [%rd4];
+  add.s64 %rd5, %rd2, %rd3;
+  st.global.u32 [%rd5], %r3;
+DONE:
+  ret;
+}
+"""
+COPY_ENV = "RING_ATTENTION_STATUS_COPY"  # "dma" (cuMemcpyDtoHAsync, the default) or "kernel" (``_COPY_PTX``)
+
+
 class _CudaSlots:
-    """Pinned host slots filled by cuMemcpyDtoHAsync on XLA's stream, each followed by an event (CUDA driver API
-    through ctypes: libcuda is there wherever a GPU is)."""
+    """Pinned host slots filled on XLA's stream, each followed by an event (CUDA driver API through ctypes: libcuda
+    is there wherever a GPU is): by cuMemcpyDtoHAsync, or (``mode`` "kernel", COPY_ENV) by a one-warp kernel that
+    stores the words into the slots mapped into the device's address space."""
 
     def __init__(self, n: int, stream):
         self.cu = cu = ctypes.CDLL("libcuda.so.1")
         for name in ("cuCtxGetCurrent", "cuStreamGetCtx", "cuCtxSetCurrent", "cuCtxPushCurrent_v2",
                      "cuCtxPopCurrent_v2", "cuMemHostAlloc", "cuEventCreate", "cuEventRecord", "cuEventQuery",
-                     "cuEventSynchronize", "cuMemcpyDtoHAsync_v2"):
+                     "cuEventSynchronize", "cuMemcpyDtoHAsync_v2", "cuMemHostGetDevicePointer_v2",
+                     "cuModuleLoadData", "cuModuleGetFunction", "cuLaunchKernel"):
             getattr(cu, name).restype = c_int
         cu.cuStreamGetCtx.argtypes = (c_void_p, POINTER(c_void_p))
         cu.cuMemcpyDtoHAsync_v2.argtypes = (c_void_p, ctypes.c_uint64, c_size_t, c_void_p)
+        cu.cuLaunchKernel.argtypes = (c_void_p, c_uint32, c_uint32, c_uint32, c_uint32, c_uint32, c_uint32, c_uint32,
+                                      c_void_p, POINTER(c_void_p), c_void_p)
         cu.cuEventRecord.argtypes = (c_void_p, c_void_p)
         cu.cuEventQuery.argtypes = (c_void_p,)
         cu.cuEventSynchronize.argtypes = (c_void_p,)
@@ -184,11 +219,20 @@ class _CudaSlots:
         self._ok(cu.cuStreamGetCtx(c_void_p(stream), ctypes.byref(self.context)), "cuStreamGetCtx")
         self._current()
         host = c_void_p()
-        self._ok(cu.cuMemHostAlloc(ctypes.byref(host), c_size_t(n * _STATUS_BYTES), c_uint32(1)),
-                 "cuMemHostAlloc")  # 1: CU_MEMHOSTALLOC_PORTABLE
+        self._ok(cu.cuMemHostAlloc(ctypes.byref(host), c_size_t(n * _STATUS_BYTES), c_uint32(1 | 2)),
+                 "cuMemHostAlloc")  # 1: CU_MEMHOSTALLOC_PORTABLE, 2: DEVICEMAP
         self.words = np.ctypeslib.as_array(ctypes.cast(host, POINTER(ctypes.c_int32)),
                                            shape=(n, control.STATUS_WORDS))
         self.address = [host.value + i * _STATUS_BYTES for i in range(n)]
+        mapped = ctypes.c_uint64()
+        self._ok(cu.cuMemHostGetDevicePointer_v2(ctypes.byref(mapped), host, c_uint32(0)), "cuMemHostGetDevicePointer")
+        self.mapped = [mapped.value + i * _STATUS_BYTES for i in range(n)]
+        module, self.kernel = c_void_p(), c_void_p()
+        self._ok(cu.cuModuleLoadData(ctypes.byref(module), ctypes.c_char_p(_COPY_PTX)), "cuModuleLoadData")
+        self._ok(cu.cuModuleGetFunction(ctypes.byref(self.kernel), module, b"ring_status_copy"), "cuModuleGetFunction")
+        self.mode = os.environ.get(COPY_ENV, "dma")
+        if self.mode not in ("dma", "kernel"):
+            raise ValueError(f"{COPY_ENV} must be dma or kernel, got {self.mode!r}")
         self.events = []
         for _ in range(n):
             ev = c_void_p()
@@ -209,8 +253,13 @@ class _CudaSlots:
 
     def copy(self, slot: int, src: int, stream) -> None:
         self._current()
-        self._ok(self.cu.cuMemcpyDtoHAsync_v2(self.address[slot], src, _STATUS_BYTES, stream),
-                 "cuMemcpyDtoHAsync")
+        if self.mode == "kernel":
+            args = (ctypes.c_uint64(src), ctypes.c_uint64(self.mapped[slot]), c_uint32(control.STATUS_WORDS))
+            params = (c_void_p * 3)(*(ctypes.cast(ctypes.pointer(a), c_void_p) for a in args))
+            self._ok(self.cu.cuLaunchKernel(self.kernel, 1, 1, 1, 64, 1, 1, 0, stream, params, None), "cuLaunchKernel")
+        else:
+            self._ok(self.cu.cuMemcpyDtoHAsync_v2(self.address[slot], src, _STATUS_BYTES, stream),
+                     "cuMemcpyDtoHAsync")
         self._ok(self.cu.cuEventRecord(self.events[slot], stream), "cuEventRecord")
 
     def landed(self, slot: int) -> bool:
