@@ -36,9 +36,9 @@ MODES = ("none", "deferred", "call")
 # (the handler is Python, looked up at each call; the compiled program is the same): "deferred-nocopy" records the
 # event but copies nothing (the slot is marked right by hand), "deferred-noop" returns at once (what is left: XLA
 # calling a host handler between the kernel and the rest of the program). Measurement only: such a handler checks
-# nothing. "deferred-kernel" is a real check: the slots filled by jax_ring.status's one-warp copy kernel
-# (RING_ATTENTION_STATUS_COPY=kernel) instead of cuMemcpyDtoHAsync.
-PROBES = ("deferred-nocopy", "deferred-noop", "deferred-kernel")
+# nothing. "deferred-kernel" and "deferred-dma" are real checks, the slots filled by jax_ring.status's one-warp copy
+# kernel or by cuMemcpyDtoHAsync (RING_ATTENTION_STATUS_COPY), whichever "deferred" does not use.
+PROBES = ("deferred-nocopy", "deferred-noop", "deferred-kernel", "deferred-dma")
 
 
 @contextlib.contextmanager
@@ -59,9 +59,9 @@ def _probe(mode):
             yield
         finally:
             status._CudaSlots.copy = original
-    elif mode == "deferred-kernel":
+    elif mode in ("deferred-kernel", "deferred-dma"):
         slots = status._slots["cuda"]  # made by the programs' first runs
-        original, slots.mode = slots.mode, "kernel"
+        original, slots.mode = slots.mode, mode.split("-")[1]
         try:
             yield
         finally:
