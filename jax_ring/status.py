@@ -40,8 +40,8 @@ from __future__ import annotations
 
 import collections
 import ctypes
-import os
 import functools
+import os
 import threading
 import zlib
 from ctypes import POINTER, Structure, c_char_p, c_int, c_int64, c_size_t, c_uint32, c_void_p
@@ -467,8 +467,8 @@ def _lowering(ctx, status, *, axis_name, ring_size, timeout_s, now, platform):
     register_site(key, position, members, timeout_s)
     err = register(platform)
     if err is not None:  # jax_ring.fused registered it when the call was traced, for the default backend
-        raise RuntimeError(f"the status check ({TARGET}) cannot be lowered for {platform}: {err}; set "
-                           f"RING_ATTENTION_ERRORS=call")
+        raise RuntimeError(f"the status check ({TARGET}) cannot be lowered for {platform}: {err} (the program was "
+                           f"traced where the handler is registered, for another platform)")
     return jax.ffi.ffi_lowering(TARGET, has_side_effect=True)(ctx, status, site=np.int64(key),
                                                                now=np.int64(bool(now)))
 
