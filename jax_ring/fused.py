@@ -224,6 +224,7 @@ def _check_of(mode: str):
     handler's error fails the program's outputs, like any XLA error, and leaves no token behind."""
     if mode == "deferred" and _status.is_left_out():
         return None
+    _status.copy_mode()  # a wrong RING_ATTENTION_STATUS_COPY raises now, not in XLA's call of the handler
     err = _status.register(jax.default_backend())
     if err is not None:
         warnings.warn(f"jax_ring: RING_ATTENTION_ERRORS={mode} needs the status check's XLA handler, which could not "

@@ -201,6 +201,15 @@ DONE:
 COPY_ENV = "RING_ATTENTION_STATUS_COPY"  # "kernel" (``_COPY_PTX``, the default) or "dma" (cuMemcpyDtoHAsync)
 
 
+def copy_mode() -> str:
+    """COPY_ENV, checked (read when the slots are made; jax_ring.fused also reads it when a call is traced, so that a
+    wrong value raises there, before anything runs)."""
+    mode = os.environ.get(COPY_ENV, "kernel")
+    if mode not in ("dma", "kernel"):
+        raise ValueError(f"{COPY_ENV} must be kernel (the default) or dma, got {mode!r}")
+    return mode
+
+
 class _CudaSlots:
     """Pinned host slots filled on XLA's stream, each followed by an event (CUDA driver API through ctypes: libcuda
     is there wherever a GPU is): by a one-warp kernel that stores the words into the slots mapped into the device's
@@ -235,9 +244,7 @@ class _CudaSlots:
         module, self.kernel = c_void_p(), c_void_p()
         self._ok(cu.cuModuleLoadData(ctypes.byref(module), ctypes.c_char_p(_COPY_PTX)), "cuModuleLoadData")
         self._ok(cu.cuModuleGetFunction(ctypes.byref(self.kernel), module, b"ring_status_copy"), "cuModuleGetFunction")
-        self.mode = os.environ.get(COPY_ENV, "kernel")
-        if self.mode not in ("dma", "kernel"):
-            raise ValueError(f"{COPY_ENV} must be dma or kernel, got {self.mode!r}")
+        self.mode = copy_mode()
         self.events = []
         for _ in range(n):
             ev = c_void_p()
