@@ -679,3 +679,19 @@ def test_cuda_stream_ms_times_the_calls_back_to_back():
     fake = types.SimpleNamespace(cuda=types.SimpleNamespace(Event=Event))
     assert harness.cuda_stream_ms(fake, lambda: log.append("call"), 4) == 10.0
     assert log == ["record", "call", "call", "call", "call", "record", "sync"]
+
+
+def test_ab_runs_and_status_cost_plots_draw_from_committed_csvs(tmp_path):
+    """The figures of session 11's A/B runs and of benchmarks/status_cost.py are drawn on the CPU from committed CSVs
+    (the GPU run of status_cost's own plot once failed on a matplotlib keyword; these would have caught it)."""
+    pytest.importorskip("matplotlib")
+    from benchmarks import status_cost
+
+    results = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results")
+    runs = [os.path.join(results, f"attention_w1_fwd_tiles-{r}_1xH200_2026-12-02J.csv") for r in ("base", "s4")]
+    png = tmp_path / "runs.png"
+    assert bplot.main(["--runs", *runs, "--out", str(png)]) == 0 and png.stat().st_size > 10_000
+    for name in ("status_cost_1xH200_2026-12-02N.csv", "status_cost_probe_1xH200_2026-12-02L.csv"):
+        png = tmp_path / (name + ".png")
+        status_cost.plot(os.path.join(results, name), str(png))
+        assert png.stat().st_size > 10_000
