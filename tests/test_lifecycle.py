@@ -205,7 +205,7 @@ def test_jax_shutdown_releases_the_heap_then_raises_a_pending_failure(fake_heap,
     monkeypatch.setitem(jstatus._slots, "test", slots)
     monkeypatch.setitem(jstatus._free, "test", [])
     monkeypatch.setitem(jstatus._sites, -1, (0, (4, 6), 5.0))
-    jstatus._pending.append(("test", 0, -1))
+    jstatus._pending.append(("test", 0, -1, 0))  # (platform, slot, site, sequence number)
     with pytest.raises(control.RingAttentionTimeout, match=r"rank 4 \(call #3\) gave up after 5 s waiting for the "
                                                           r"K/V shard of rank 6 at ring step 1"):
         jax_ring.shutdown()
