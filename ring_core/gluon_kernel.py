@@ -252,31 +252,17 @@ def _softmax_block(qk, m_i, l_i, d, row0, qk_scale, CAUSAL: gl.constexpr):
             cols = gl.arange(0, qk.shape[1], layout=gl.SliceLayout(0, s_layout))
             qk = gl.where(cols[None, :] <= last[:, None], qk, float("-inf"))
     if _FOLD_SCALE:
-        return online_softmax_scaled(qk, m_i, l_i, qk_scale, CAUSAL)
+        return online_softmax(qk, m_i, l_i, CAUSAL, qk_scale)
     return online_softmax(qk, m_i, l_i, CAUSAL)
 
 
 @gluon.jit
-def online_softmax(qk, m_i, l_i, SAFE: gl.constexpr):
-    """One block of scaled scores (log2 units) into the running max and sum: (P unnormalised, alpha: the old
-    rows' rescale, new max, new sum). SAFE (masked scores): a row with nothing visible yet keeps m = -inf and is
-    shifted by 0, so exp2 gives 0, not NaN."""
-    m_new = gl.maximum(m_i, gl.max(qk, axis=1))
-    if SAFE:
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-    else:
-        m_safe = m_new
-    p = gl.exp2(qk - m_safe[:, None])
-    alpha = gl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + gl.sum(p, axis=1)
-    return p, alpha, m_new, l_i
-
-
-@gluon.jit
-def online_softmax_scaled(qk, m_i, l_i, qk_scale, SAFE: gl.constexpr):
-    """``online_softmax`` of raw scores ``qk`` (masked ones -inf) times ``qk_scale`` (> 0: a scale of 0 comes as 1e-30,
-    ring_core.control.kernel_scale), without scaling every score first: the row max is taken on the raw scores and then scaled (the
-    scale is positive), and each score's scale and shift are one fused multiply-add in exp2's argument."""
+def online_softmax(qk, m_i, l_i, SAFE: gl.constexpr, qk_scale=1.0):
+    """One block of scores into the running max and sum, in log2 units once multiplied by ``qk_scale`` (> 0: a scale
+    of 0 comes as 1e-30, ring_core.control.kernel_scale; 1.0 where ``qk`` is scaled already): (P unnormalised,
+    alpha: the old rows' rescale, new max, new sum). The row max is taken on the raw scores and then scaled (the
+    scale is positive), so each score's scale and shift are one fused multiply-add in exp2's argument. SAFE (masked
+    scores, -inf): a row with nothing visible yet keeps m = -inf and is shifted by 0, so exp2 gives 0, not NaN."""
     m_new = gl.maximum(m_i, gl.max(qk, axis=1) * qk_scale)
     if SAFE:
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
