@@ -102,8 +102,12 @@ GLUON_TILES = {64: (128, 128, 3, 1), 128: (128, 128, 3, 1), 256: (128, 64, 2, 2)
 # Gluon kernel reads the table as a constexpr global: part of its cache key).
 GLUON_TILES_ENV = "RING_ATTENTION_GLUON_TILES"
 for _entry in filter(None, os.environ.get(GLUON_TILES_ENV, "").split(";")):
-    _d, _t = _entry.split("=")
-    GLUON_TILES[int(_d)] = tuple(int(x) for x in _t.split(","))
+    _d, _, _t = _entry.partition("=")
+    _nums = [x.strip() for x in (_d, *_t.split(","))]
+    if len(_nums) != 5 or not all(x.isdigit() for x in _nums):
+        raise ValueError(f'{GLUON_TILES_ENV}: each entry is head_dim=query rows,K/V rows,slots,rings (e.g. '
+                         f'"64=128,128,4,1"), got {_entry!r}')
+    GLUON_TILES[int(_nums[0])] = tuple(int(x) for x in _nums[1:])
 GLUON_HEAD_DIMS = tuple(GLUON_TILES)
 GLUON_ENV = "RING_ATTENTION_GLUON"  # "0": the tl kernel on every GPU (read at each plan)
 GLUON_DET_ENV = "RING_ATTENTION_GLUON_DETERMINISTIC"  # "1": deterministic backwards on the Gluon kernel (each plan)
