@@ -391,11 +391,11 @@ def _execute(frame, platform: str):
         _pending.append((platform, slot, site, _issued))
         if attrs["now"]:
             _poll(wait=True)  # every copy in flight, this call's last: a host sync
-            mine = [e for seq, e in _unreported if seq == _issued]
-            if mine:
-                _unreported.clear()
-                _first = None
-                return _ffi_error(frame, f"{type(mine[0]).__name__}: {mine[0]}")
+            mine = next((e for seq, e in _unreported if seq == _issued), None)
+            if mine is not None:  # reported by this call: not kept (earlier calls' failures stay for their turn)
+                _unreported.remove((_issued, mine))
+                _first = None if _first is mine else _first
+                return _ffi_error(frame, f"{type(mine).__name__}: {mine}")
         if _unreported:
             e = _unreported.popleft()[1]
             name = type(e).__name__

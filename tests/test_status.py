@@ -7,6 +7,7 @@ several threads. The fused path end to end (the kernel's status through this che
 the GPU's copies and events in tests/gpu_faults.py (stage ``faults``) and benchmarks/callback_cost.py.
 """
 
+import re
 import threading
 
 import numpy as np
@@ -173,3 +174,27 @@ def test_a_wrong_status_copy_mode_raises_when_traced(monkeypatch):
     assert status.copy_mode() == "dma"
     monkeypatch.delenv(status.COPY_ENV)
     assert status.copy_mode() == "kernel"
+
+
+def test_call_mode_reports_its_own_failure_and_keeps_an_earlier_one(ring):
+    """A call with ``now`` (RING_ATTENTION_ERRORS=call) raises its own failure, which is then not kept; a failure of an
+    earlier deferred call that no call has reported yet stays for the next call and for take()."""
+    mesh = Mesh(np.array(jax.devices("cpu")[:1]), ("sp",))
+
+    def checked(now):
+        def body(words, x):
+            status.check(words, "sp", 2, 2.5, now=now)
+            return x + 1
+
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P()), out_specs=P()))
+
+    deferred, now, x = checked(False), checked(True), jnp.zeros(3)
+    x = jax.block_until_ready(deferred(_words(control.ERR_KV_TIMEOUT, peer=1, step=1, epoch=5), x))  # kept
+    with pytest.raises(Exception, match=r"RingAttentionTimeout: .*rank 4 \(call #6\)") as e:
+        jax.block_until_ready(now(_words(control.ERR_KV_TIMEOUT, peer=1, step=1, epoch=6), x))
+    assert status.REPORTED[:40] not in str(e.value)
+    with pytest.raises(Exception, match=r"rank 4 \(call #5\).*" + re.escape(status.REPORTED[:40])):
+        jax.block_until_ready(deferred(_words(epoch=7), jnp.zeros(3)))
+    first = status.take()
+    assert isinstance(first, control.RingAttentionTimeout) and "call #5" in str(first)
+    assert status.take() is None
