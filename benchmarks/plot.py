@@ -215,8 +215,9 @@ def main(argv=None) -> int:
                 if METHODS.get(r["method"]) and METHODS[r["method"]].kind == "fused" and _f(r.get("vs_cudnn_1gpu")):
                     key = (r["method"], int(r["head_dim"]), r["kv_heads"], int(r["seq_local"]), r["causal"])
                     bars.setdefault(os.path.splitext(os.path.basename(path))[0], {})[key] = _f(r["vs_cudnn_1gpu"])
-        grouped_bars(bars, out, ylabel="ratio to cuDNN (same run)", title=a.title or "A/B runs", figsize=(16, 5), ylim=(0.7, 1.15),
-                     label=lambda k: f"D{k[1]} kv{k[2]}\n{k[3] // 1024}k{' c' if k[4] in ('1', 'True') else ''}")
+        causal = ("1", "True")
+        grouped_bars(bars, out, ylabel="ratio to cuDNN (same run)", title=a.title or "A/B runs", figsize=(16, 5),
+                     ylim=(0.7, 1.15), label=lambda k: f"D{k[1]} kv{k[2]}\n{k[3] // 1024}k{' c' * (k[4] in causal)}")
         print(f"wrote {out}")
         return 0
     rows = load_rows(a.csv)

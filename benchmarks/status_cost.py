@@ -28,6 +28,7 @@ import csv
 import os
 import random
 import time
+from unittest import mock
 
 import numpy as np
 
@@ -41,40 +42,23 @@ MODES = ("none", "deferred", "call")
 PROBES = ("deferred-nocopy", "deferred-noop", "deferred-kernel", "deferred-dma")
 
 
-@contextlib.contextmanager
 def _probe(mode):
+    """The handler's change for ``mode`` (PROBES) while a round runs; nothing for the other modes."""
     from jax_ring import status
 
     if mode == "deferred-nocopy":
-        original = status._CudaSlots.copy
-
         def copy(self, slot, src, stream):
             self.words[slot] = 0
             self.words[slot, 3] = 1  # a call that completed without failure
             self._current()
             self._ok(self.cu.cuEventRecord(self.events[slot], stream), "cuEventRecord")
 
-        status._CudaSlots.copy = copy
-        try:
-            yield
-        finally:
-            status._CudaSlots.copy = original
-    elif mode in ("deferred-kernel", "deferred-dma"):
-        slots = status._slots["cuda"]  # made by the programs' first runs
-        original, slots.mode = slots.mode, mode.split("-")[1]
-        try:
-            yield
-        finally:
-            slots.mode = original
-    elif mode == "deferred-noop":
-        original = status._execute
-        status._execute = lambda frame, platform: None
-        try:
-            yield
-        finally:
-            status._execute = original
-    else:
-        yield
+        return mock.patch.object(status._CudaSlots, "copy", copy)
+    if mode in ("deferred-kernel", "deferred-dma"):
+        return mock.patch.object(status._slots["cuda"], "mode", mode.split("-")[1])  # made by the first runs
+    if mode == "deferred-noop":
+        return mock.patch.object(status, "_execute", lambda frame, platform: None)
+    return contextlib.nullcontext()
 
 
 def _trace_context(mode):
