@@ -5,7 +5,8 @@ seq_local 16384, head_dim 64, 128 and 256: world size 1 non-causal and causal co
 with GQA 32/8. Needs the GPU machine's Triton (3.6) for its numbers to be the ones that run there; nvdisasm comes
 with Triton. Run from a tree's root (any tree with ring_core.gluon_kernel, e.g. a git worktree of an older commit):
 
-    TRITON_CACHE_DIR=/tmp/tc PYTHONPATH=$PWD python benchmarks/gluon_fwd_spills.py [--dims 64,128,256] [--ptx DIR]
+    TRITON_CACHE_DIR=/tmp/tc PYTHONPATH=$PWD python benchmarks/gluon_fwd_spills.py [--dims 64,128,256] [--ptx DIR] \
+        [--masks]
 
 ``--ptx DIR``: also write each variant's PTX there without its debug line information (``.loc`` / ``.file``
 directives and the debug sections), to compare two trees' binaries (``diff -r``). Head dims the tree's plans do not
@@ -20,15 +21,21 @@ from benchmarks.gluon_bwd_spills import mma_loops, sass
 from ring_core import build, control, plans, validate
 
 
-def cases(dims):
-    """(name, spec, world size) of every variant reported."""
+def cases(dims, masks=False):
+    """(name, spec, world size) of every variant reported; ``masks``: those of issue 20's benchmarks instead (causal,
+    segment ids at world size 1 and 2, a causal window of 4096 tokens at world size 1)."""
+    rows = ((1, True, 32, None, True), (2, True, 8, None, True), (1, True, 32, (4095, 0), False)) if masks else \
+        ((1, False, 32, None, False), (1, True, 32, None, False), (2, True, 8, None, False))
     for D in dims:
-        for W, causal, hkv in ((1, False, 32), (1, True, 32), (2, True, 8)):
+        for W, causal, hkv, window, segs in rows:
             layout = "zigzag" if W > 1 else "contiguous"
             spec = validate.check_attention_args((1, 16384, 32, D), (1, 16384, hkv, D), (1, 16384, hkv, D),
                                                  "bfloat16", "bfloat16", "bfloat16", is_causal=causal, scale=None,
-                                                 layout=layout, backend="fused", backends=("fused",))
-            yield f"D{D}-W{W}-{'causal' if causal else 'full'}-{layout}-hkv{hkv}", spec, W
+                                                 layout=layout, backend="fused", backends=("fused",),
+                                                 window_size=window, segment_ids_shape=(1, 16384) if segs else None,
+                                                 segment_ids_dtype="int32" if segs else None)
+            mask = (f"-window{window[0]}" if window else "") + ("-segments" if segs else "")
+            yield f"D{D}-W{W}-{'causal' if causal else 'full'}-{layout}-hkv{hkv}{mask}", spec, W
 
 
 def strip_debug(ptx: str) -> str:
@@ -42,12 +49,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dims", default="64,128,256", help="head dims, comma-separated")
     ap.add_argument("--ptx", default=None, help="a directory for each variant's PTX without debug lines")
+    ap.add_argument("--masks", action="store_true", help="issue 20's variants (segment ids, a window) instead")
     args = ap.parse_args(argv)
     build._iris_device_only()
     heap = control.HeapLayout.for_workspace(8 << 30)
     if args.ptx:
         os.makedirs(args.ptx, exist_ok=True)
-    for name, spec, W in cases(int(d) for d in args.dims.split(",")):
+    for name, spec, W in cases((int(d) for d in args.dims.split(",")), args.masks):
         p = plans.plan(spec, W, heap, capability=(9, 0))
         if not p.config.gluon:
             print(f"{name}: not the Gluon kernel in this tree's plans")

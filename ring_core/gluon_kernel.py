@@ -5,9 +5,9 @@ Why a second kernel source: Triton's automatic warp specialisation takes only on
 ``while`` anywhere in the kernel (benchmarks/NOTES.md), which the ring protocol's waits and pushes cannot meet;
 Gluon's explicit partitions can (benchmarks/gluon_fwd.py and gluon_ring.py measured the loop at 0.97-1.04x cuDNN
 at world size 1 and the ring steps' waits as free). The tl kernel (ring_core.kernel) stays the kernel of the
-interpreter, of other GPUs, of fp32, D other than 64, 128 and 256, windows and segment ids, and the parity reference
-of this one (tests/gpu_checks.py compares both against float64). ``ring_core.plans`` picks this kernel where it
-applies (``KernelConfig.get_default``, ``plans.gluon_applies``).
+interpreter, of other GPUs, of fp32, of D other than 64, 128 and 256, and the parity reference of this one
+(tests/gpu_checks.py compares both against float64). ``ring_core.plans`` picks this kernel where it applies
+(``KernelConfig.get_default``, ``plans.gluon_applies``).
 
 The protocol is not copied: every protocol step below is a call of ring_core.protocol's own ``triton.language``
 helpers, which compile under Gluon (their index vectors come from ring_core.lanes): the call check
@@ -42,6 +42,18 @@ at D256).
   any wait of this rank gave up (the error record: a superset of the tl kernel's per-tile NaN rows; the call's
   status raises either way).
 * Epilogue: one TMA store of O, then ``end_call``.
+
+Windows and segment ids (constexprs WINDOW, SEGMENTED; issue 20): the blocks come from the tl kernel's rules
+(``protocol.step_blocks``: positions, windows included) narrowed by the id ranges every rank publishes per chunk with
+the call check (chunks of one block with segment ids: ``plans.KernelConfig``), which say whether a block can hold a
+pair the tile attends and whether it needs masks (``protocol.block_met``; unmasked: every query sees every key by
+position and the tile's rows and the block's all carry one id). The prologue plans each ring step's run of blocks
+(``make_plan``: before anything waits) and counts them for the consumers; the load partition
+(``_producer_masked``) walks the runs, skips a block no query of the tile attends (not sent, not waited for, not
+loaded: only blocks sent whole are read, as TMA reads whole blocks) and passes each block's word (ring step, block,
+masked) to the consumers through a word per slot; the consumers apply the one mask rule (``protocol.pairs_allowed``)
+to masked blocks, with the block's ids read while S = Q K^T runs. A tile of padding rows has no block (out 0, lse
+-inf). Without them the kernel is the one above.
 """
 
 import os
@@ -53,8 +65,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from ring_core import control, plans
-from ring_core.protocol import (CTL_ERROR, ERR_KV_TIMEOUT, block_range, drain_pushes, end_call, poll_ge, positions,
-                                ranks_rng, receive_slots, record_error, ring_context, start_call)
+from ring_core.lanes import iota
+from ring_core.protocol import (CTL_ERROR, ERR_KV_TIMEOUT, block_met, block_range, drain_pushes, end_call,
+                                met_blocks, pairs_allowed, poll_ge, positions, range_at, ranges_of, ranks_rng,
+                                receive_slots, record_error, ring_context, start_call, step_blocks, tile_id_parts,
+                                tile_ids)
 from ring_core.tiles import query_tile
 
 # Gluon's TMA copies were renamed after Triton 3.6 (async_copy_global_to_shared -> async_load, ...); the GPU
@@ -205,6 +220,129 @@ def _producer(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_bar, kv_
 
 
 @gluon.jit
+def _producer_masked(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, meta, plan, b,
+                     h, hkv, q0, rank, B, S, flags, n_chunks, epoch, ctl, timeout_ns, rng, s_hi, t_id, a_lo, a_hi,
+                     b_lo, b_hi, q_pos_min, q_pos_max, W: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr,
+                     CHUNK_BLOCKS: gl.constexpr, CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr, WINDOW: gl.constexpr,
+                     WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr, SEGMENTED: gl.constexpr):
+    """The load partition with a window or segment ids: ``_producer``'s loads, of the blocks the tile's plan holds
+    (``plan``: each ring step's run [first, end), ``protocol.met_blocks``), each tested again (``block_met``: a
+    block no query of the tile may attend is neither waited for nor loaded; its chunk may not have been sent), and
+    for each block loaded its word in ``meta`` (``block_word``) before the slot's barrier: which step and block, and
+    whether it needs masks (not when every query of the tile sees every key by position and, with segment ids,
+    the tile's rows and the block's all carry one id: the chunk's published range is [t, t], padding counted)."""
+    BLOCK_M: gl.constexpr = q_smem.shape[0]
+    STAGES: gl.constexpr = k_smem.shape[0]
+    BLOCK_N: gl.constexpr = k_smem.shape[1]
+    RINGS: gl.constexpr = kv_ready.shape[0] // STAGES
+    CHUNK_ROWS: gl.constexpr = CHUNK_BLOCKS * BLOCK_N
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    tma_load(q_desc, [b * S + q0, h * D], q_bar, q_smem)
+    j = 0
+    for step in gl.static_range(W):
+        src = (rank - step + W) % W
+        _, nf_lo, nf_hi, _, lo1, hi1, lo2, hi2, _ = step_blocks(q0, q0 + BLOCK_M, q_pos_min, q_pos_max, s_hi, rank,
+                                                                src, S, W, BLOCK_N, ZIGZAG, CAUSAL, WINDOW,
+                                                                WIN_LEFT, WIN_RIGHT, SEGMENTED)
+        first, end = plan_at(plan, step)
+        rng_src = ranges_of(rng, src, b, B, n_chunks)
+        flag0 = flags + (((step - 1) * B + b) * HKV + hkv) * n_chunks
+        k_row = (((step - 1) * 2 * B + b) * HKV + hkv) * S  # step >= 1: as _producer
+        c_done = first * 0 - 1
+        for jb in range(first, end):
+            if block_met(jb, lo1, hi1, lo2, hi2, rng_src, a_lo, a_hi, b_lo, b_hi, BLOCK_N, CHUNK_ROWS, SEGMENTED):
+                by_pos = (jb >= nf_lo) & (jb < nf_hi)  # every query sees every key by position
+                by_ids = jb >= 0  # ... and by id (without ids: always)
+                if SEGMENTED:
+                    c_lo, c_hi = range_at(rng_src, (jb * BLOCK_N) // CHUNK_ROWS)
+                    by_ids = (c_lo == t_id) & (c_hi == t_id)
+                if step > 0:
+                    c = jb // CHUNK_BLOCKS
+                    if c != c_done:
+                        _acquire_chunk(flag0 + c, epoch, ctl, timeout_ns, src, step, c)
+                        c_done = c
+                s = j % STAGES
+                mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
+                meta.index(s).store(gl.full([1], block_word(step, jb, by_pos & by_ids), gl.int32, _WORD_LAYOUT_1))
+                if RINGS == 1:
+                    if step == 0:
+                        mbarrier.expect(kv_ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+                        tma_load(k_desc, [b * S + jb * BLOCK_N, hkv * D], kv_ready.index(s), k_smem.index(s))
+                        tma_load(v_desc, [b * S + jb * BLOCK_N, hkv * D], kv_ready.index(s), v_smem.index(s))
+                    else:
+                        mbarrier.expect(kv_ready.index(s), 2 * r_desc.block_type.nbytes)
+                        tma_load(r_desc, [k_row + jb * BLOCK_N, 0], kv_ready.index(s), k_smem.index(s))
+                        tma_load(r_desc, [k_row + B * HKV * S + jb * BLOCK_N, 0], kv_ready.index(s),
+                                 v_smem.index(s))
+                else:
+                    if step == 0:
+                        _load_apart(k_desc, v_desc, [b * S + jb * BLOCK_N, hkv * D],
+                                    [b * S + jb * BLOCK_N, hkv * D], k_smem.index(s), v_smem.index(s), kv_ready,
+                                    kv_empty, s, j // STAGES, STAGES)
+                    else:
+                        _load_apart(r_desc, r_desc, [k_row + jb * BLOCK_N, 0],
+                                    [k_row + B * HKV * S + jb * BLOCK_N, 0], k_smem.index(s), v_smem.index(s),
+                                    kv_ready, kv_empty, s, j // STAGES, STAGES)
+                j += 1
+
+
+# A block's word (``_producer_masked`` -> the consumers, through the slot's ``meta``): ring step, block, and bit 0 set
+# where the block needs masks (then the whole rule is applied: the positions' alone for the diagonal of a tile of one
+# document measured no faster, its separate path made the consumers spill).
+_WORD_LAYOUT_1 = gl.constexpr(gl.BlockedLayout([1], [32], [1], [0]))  # the load partition's one warp
+_WORD_LAYOUT_4 = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))  # a consumer's warpgroup
+
+
+@gluon.jit
+def block_word(step, jb, unmasked):
+    return (step << 24) | (jb << 1) | (1 - unmasked.to(gl.int32))
+
+
+@triton.constexpr_function
+def pow2(n):
+    """The least power of 2 >= n, at least 2 (a shared buffer's dimensions are powers of 2)."""
+    return max(2, triton.next_power_of_2(n))
+
+
+@gluon.jit
+def make_plan(q0, q_pos_min, q_pos_max, s_hi, rank, S, rng, b, B, n_chunks, a_lo, a_hi, b_lo, b_hi, W: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CHUNK_ROWS: gl.constexpr, CAUSAL: gl.constexpr,
+              ZIGZAG: gl.constexpr, WINDOW: gl.constexpr, WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr,
+              SEGMENTED: gl.constexpr):
+    """With a window or segment ids, in the prologue (before the partitions; no wait): per ring step the run of
+    blocks [first, end) holding every block the tile loads (``protocol.met_blocks``: by position, ``step_blocks``,
+    and by the chunks' published id ranges, which the call check acquired), into shared memory for the load
+    partition (``plan_at``), and the number of blocks loaded, which the consumers' loop needs: (plan, n_blocks)."""
+    n: gl.constexpr = pow2(2 * W)
+    lay: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    i = gl.arange(0, n, layout=lay)
+    words = gl.zeros([n], gl.int32, lay)
+    n_blocks = q0 * 0
+    for step in gl.static_range(W):
+        src = (rank - step + W) % W
+        j_lo, _, _, n_hi, lo1, hi1, lo2, hi2, _ = step_blocks(q0, q0 + BLOCK_M, q_pos_min, q_pos_max, s_hi, rank, src,
+                                                              S, W, BLOCK_N, ZIGZAG, CAUSAL, WINDOW, WIN_LEFT,
+                                                              WIN_RIGHT, SEGMENTED)
+        first, end, count = met_blocks(j_lo, n_hi, lo1, hi1, lo2, hi2, ranges_of(rng, src, b, B, n_chunks), a_lo,
+                                       a_hi, b_lo, b_hi, BLOCK_N, CHUNK_ROWS, SEGMENTED)
+        words = gl.where(i == 2 * step, first, gl.where(i == 2 * step + 1, end, words))
+        n_blocks += count
+    plan = gl.allocate_shared_memory(gl.int32, [n], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    plan.store(words)
+    return plan, n_blocks
+
+
+@gluon.jit
+def plan_at(plan, step):
+    """Ring step ``step``'s run of blocks [first, end) in the tile's plan (``make_plan``), in any partition."""
+    n: gl.constexpr = plan.shape[0]
+    lay: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    words = plan.load(lay)
+    i = gl.arange(0, n, layout=lay)
+    return gl.sum(gl.where(i == 2 * step, words, 0), axis=0), gl.sum(gl.where(i == 2 * step + 1, words, 0), axis=0)
+
+
+@gluon.jit
 def _load_apart(k_desc, v_desc, k_at, v_at, k_dst, v_dst, kv_ready, kv_empty, s, rnd, STAGES: gl.constexpr):
     """One block's K and V through rings of their own (``kv_rings`` 2), slot ``s`` in its round ``rnd``: K (its
     slot already free: the caller waited), then V once the consumers freed its slot's last round, each on its own
@@ -316,15 +454,100 @@ def _pass_turn(pp, HALF_INDEX: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, pp, n_blocks, qk_scale, lse_row, ctl, call_ok, rank,
-              S, q_pos_min, q_pos_max, HALF_INDEX: gl.constexpr, W: gl.constexpr, D: gl.constexpr,
-              CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr):
+def _block_ids(w, seg_local, seg_recv_b, B, S, HKV: gl.constexpr, BLOCK_N: gl.constexpr, layout: gl.constexpr):
+    """The segment ids of the block of word ``w`` (``block_word``) where it needs masks (else -1, unread):
+    step 0's from this rank's ids (``seg_local``: batch b's), step t's from receive slot t - 1's (``seg_recv_b``: slot
+    0's of (b, kv head); they came with the chunk, before its flag, which the load partition acquired before the
+    slot's barrier, whose wait orders these loads after it)."""
+    ids = gl.full([BLOCK_N], -1, gl.int32, layout)
+    if (w & 1) != 0:
+        t = w >> 24
+        jb = (w >> 1) & 0x7FFFFF
+        if t == 0:
+            base = seg_local
+        else:
+            base = seg_recv_b + (t - 1).to(gl.int64) * B * HKV * S
+        ids = gl.load(base + jb * BLOCK_N + gl.arange(0, BLOCK_N, layout=layout))
+    return ids
+
+
+@gluon.jit
+def _softmax_masked(qk, m_i, l_i, w, q_ids, k_ids, row0, q_pos_min, rank, S, qk_scale, W: gl.constexpr,
+                    CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr, WINDOW: gl.constexpr, WIN_LEFT: gl.constexpr,
+                    WIN_RIGHT: gl.constexpr, SEGMENTED: gl.constexpr):
+    """``_softmax_block`` of a block of word ``w`` (``block_word``) with a window or segment ids: where the block
+    needs masks, the one mask rule of every kernel (protocol.pairs_allowed) on positions relative to the block's
+    first key (contiguous in a tile and in a block: ``plans.gluon_applies``) and on the ids (``q_ids`` the rows',
+    ``k_ids`` the block's); rows that see nothing keep m = -inf (a padding row: out 0, lse -inf)."""
+    if (w & 1) != 0:
+        s_layout: gl.constexpr = qk.type.layout
+        t = w >> 24
+        jb = (w >> 1) & 0x7FFFFF
+        d = q_pos_min - positions(jb * qk.shape[1], (rank - t + W) % W, S, W, ZIGZAG)
+        q_rel = row0 + d + gl.arange(0, qk.shape[0], layout=gl.SliceLayout(1, s_layout))
+        cols = gl.arange(0, qk.shape[1], layout=gl.SliceLayout(0, s_layout))
+        ok = pairs_allowed(cols[None, :] >= 0, q_rel[:, None], cols[None, :], q_ids[:, None], k_ids[None, :], CAUSAL,
+                           WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)
+        qk = gl.where(ok, qk, float("-inf"))
+    return _softmax_block(qk, m_i, l_i, _UNMASKED, row0, qk_scale, True)
+
+
+@gluon.jit
+def _consumer(q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, pp, meta, n_blocks, qk_scale, lse_row, ctl, call_ok,
+              rank, B, S, q_pos_min, q_pos_max, seg_q, seg_local, seg_recv_b, HALF_INDEX: gl.constexpr, W: gl.constexpr,
+              HKV: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr, WINDOW: gl.constexpr,
+              WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr, SEGMENTED: gl.constexpr):
     """One consumer partition on its half of the tile's query rows (64): the pipelined online softmax over the
-    tile's ``n_blocks`` blocks (block j's S = Q K^T beside block j-1's O += P V), then its rows of O / l (NaN rows
-    after a failure) into its half of Q's buffer and its lse. The tiles are the buffers' (``slots``). K and V in
-    rings of their own (RINGS 2): block j's K freed once S_j is done, its V once P_j V_j is, each waited for just
-    before its MMA."""
+    tile's ``n_blocks`` blocks (``_blocks``), then its rows of O / l (NaN rows after a failure) into its half of
+    Q's buffer and its lse. With a window or segment ids a tile may have no block (padding rows): its rows are
+    then out 0, lse -inf."""
     HALF: gl.constexpr = q_smem.shape[0] // 2
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[_CONSUMER_WARPS, 1],
+                                                       instr_shape=[16, k_smem.shape[1], 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[_CONSUMER_WARPS, 1],
+                                                       instr_shape=[16, D, 16])
+    q_half = q_smem.slice(HALF_INDEX * HALF, HALF)
+    m_i = gl.full([HALF], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([HALF], gl.float32, gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([HALF, D], gl.float32, o_layout)
+    if WINDOW or SEGMENTED:
+        mbarrier.wait(q_bar, 0)  # (also where there is no block: Q's buffer takes the output below)
+        if n_blocks > 0:
+            acc, m_i, l_i = _blocks(q_half, k_smem, v_smem, kv_ready, kv_empty, pp, meta, n_blocks, qk_scale, rank, B,
+                                    S, q_pos_min, q_pos_max, seg_q, seg_local, seg_recv_b, acc, m_i, l_i, HALF_INDEX, W,
+                                    HKV, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)
+    else:
+        acc, m_i, l_i = _blocks(q_half, k_smem, v_smem, kv_ready, kv_empty, pp, meta, n_blocks, qk_scale, rank, B, S,
+                                q_pos_min, q_pos_max, seg_q, seg_local, seg_recv_b, acc, m_i, l_i, HALF_INDEX, W, HKV,
+                                CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED, q_bar)
+    # Every wait of this tile came before its blocks: a failure of any is in the error record by now.
+    err = gl.atomic_add(ctl + CTL_ERROR, 0, sem="relaxed", scope="gpu")
+    valid = (call_ok != 0) & (err == 0)
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+    l_safe = gl.where(l_o == 0.0, 1.0, l_o)
+    out = gl.where(valid, acc / l_safe[:, None], float("nan"))
+    q_half.store(out.to(q_smem.dtype))  # every MMA reading Q has completed
+    fence_async_shared()  # these generic-proxy stores before the TMA store (async proxy) after the join
+    lse_rows = HALF_INDEX * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, o_layout))
+    m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
+    lse = gl.where(valid, (m_o + gl.log2(l_safe)) * 0.6931471805599453, float("nan"))
+    gl.store(lse_row + lse_rows, lse)
+
+
+@gluon.jit
+def _blocks(q_half, k_smem, v_smem, kv_ready, kv_empty, pp, meta, n_blocks, qk_scale, rank, B, S, q_pos_min,
+            q_pos_max, seg_q, seg_local, seg_recv_b, acc, m_i, l_i, HALF_INDEX: gl.constexpr, W: gl.constexpr,
+            HKV: gl.constexpr, CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr, WINDOW: gl.constexpr,
+            WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr, SEGMENTED: gl.constexpr, q_bar=None):
+    """The pipelined online softmax of one consumer over the tile's ``n_blocks`` (>= 1) blocks (block j's S = Q K^T
+    beside block j-1's O += P V): (acc, m, l). The tiles are the buffers' (``slots``). K and V in rings of their own
+    (RINGS 2): block j's K freed once S_j is done, its V once P_j V_j is, each waited for just before its MMA.
+    Without masks the blocks follow the producer's order by scalar bookkeeping (``_next_block``; ``q_bar``: Q's
+    barrier, waited for here); with a window or segment ids each block's word comes with its slot (``meta``,
+    ``_producer_masked``), read once the slot's barrier passed."""
+    MASKS: gl.constexpr = WINDOW or SEGMENTED
+    HALF: gl.constexpr = q_half.shape[0]
+    D: gl.constexpr = q_half.shape[1]
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     RINGS: gl.constexpr = kv_ready.shape[0] // STAGES
@@ -333,40 +556,60 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, pp, n_blocks, q
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[_CONSUMER_WARPS, 1],
                                                        instr_shape=[16, D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    q_half = q_smem.slice(HALF_INDEX * HALF, HALF)
-    m_i = gl.full([HALF], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([HALF], gl.float32, gl.SliceLayout(1, s_layout))
-    acc = gl.zeros([HALF, D], gl.float32, o_layout)
     zero_s = gl.zeros([HALF, BLOCK_N], gl.float32, s_layout)
-    _, n_hi, n_full = block_range(q_pos_min, q_pos_max, rank, S, W, BLOCK_N, CAUSAL, ZIGZAG)  # step 0: the local K/V
-    t, jb, n_hi, n_full, d = _next_block(rank * 0, rank * 0 - 1, n_hi, n_full, rank, S, q_pos_min, q_pos_max, W,
-                                         BLOCK_N, CAUSAL, ZIGZAG)
-    mbarrier.wait(q_bar, 0)
-    mbarrier.wait(kv_ready.index(0), 0)
+    if MASKS:
+        row_ids: gl.constexpr = gl.SliceLayout(1, s_layout)
+        q_ids = gl.full([HALF], -1, gl.int32, row_ids)
+        if SEGMENTED:
+            q_ids = gl.load(seg_q + HALF_INDEX * HALF + gl.arange(0, HALF, layout=row_ids))  # seg_q: the tile's ids
+        mbarrier.wait(kv_ready.index(0), 0)
+        w = gl.max(meta.index(0).load(_WORD_LAYOUT_4), axis=0)
+    else:
+        _, n_hi, n_full = block_range(q_pos_min, q_pos_max, rank, S, W, BLOCK_N, CAUSAL, ZIGZAG)  # step 0: local K/V
+        t, jb, n_hi, n_full, d = _next_block(rank * 0, rank * 0 - 1, n_hi, n_full, rank, S, q_pos_min, q_pos_max, W,
+                                             BLOCK_N, CAUSAL, ZIGZAG)
+        mbarrier.wait(q_bar, 0)
+        mbarrier.wait(kv_ready.index(0), 0)
     _turn(pp, 0, HALF_INDEX)
     qk = warpgroup_mma(q_half, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     _pass_turn(pp, HALF_INDEX)
+    if MASKS:  # (read while S runs)
+        k_ids = _block_ids(w, seg_local, seg_recv_b, B, S, HKV, BLOCK_N, gl.SliceLayout(0, s_layout))
     qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
     if RINGS > 1:
         release(kv_empty, 0)  # K_0
-    p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, d, HALF_INDEX * HALF, qk_scale, CAUSAL)
+    if MASKS:
+        p, alpha, m_i, l_i = _softmax_masked(qk, m_i, l_i, w, q_ids, k_ids, HALF_INDEX * HALF, q_pos_min, rank, S,
+                                             qk_scale, W, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)
+    else:
+        p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, d, HALF_INDEX * HALF, qk_scale, CAUSAL)
     p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)  # acc is 0: no rescale for block 0
     for j in range(1, n_blocks):
         s = j % STAGES
         sp = (j - 1) % STAGES
-        t, jb, n_hi, n_full, d = _next_block(t, jb, n_hi, n_full, rank, S, q_pos_min, q_pos_max, W, BLOCK_N, CAUSAL,
-                                             ZIGZAG)
+        if not MASKS:
+            t, jb, n_hi, n_full, d = _next_block(t, jb, n_hi, n_full, rank, S, q_pos_min, q_pos_max, W, BLOCK_N,
+                                                 CAUSAL, ZIGZAG)
         mbarrier.wait(kv_ready.index(s), (j // STAGES) & 1)
+        if MASKS:
+            w = gl.max(meta.index(s).load(_WORD_LAYOUT_4), axis=0)
         _turn(pp, j, HALF_INDEX)
         qk = warpgroup_mma(q_half, k_smem.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         if RINGS > 1:
             mbarrier.wait(kv_ready.index(STAGES + sp), ((j - 1) // STAGES) & 1)  # V_{j-1}
         acc = warpgroup_mma(p_op, v_smem.index(sp), acc, is_async=True)
         _pass_turn(pp, HALF_INDEX)
+        if MASKS:
+            k_ids = _block_ids(w, seg_local, seg_recv_b, B, S, HKV, BLOCK_N, gl.SliceLayout(0, s_layout))
         qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk, ))  # S done; P V may still run
         if RINGS > 1:
             release(kv_empty, s)  # K_j
-        p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, d, HALF_INDEX * HALF, qk_scale, CAUSAL)
+        if MASKS:
+            p, alpha, m_i, l_i = _softmax_masked(qk, m_i, l_i, w, q_ids, k_ids, HALF_INDEX * HALF, q_pos_min, rank,
+                                                 S, qk_scale, W, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT,
+                                                 SEGMENTED)
+        else:
+            p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, d, HALF_INDEX * HALF, qk_scale, CAUSAL)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         if RINGS > 1:
             release(kv_empty, STAGES + sp)  # V_{j-1}
@@ -385,18 +628,7 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, pp, n_blocks, q
         release(kv_empty, STAGES + sp)
     else:
         release(kv_empty, sp)
-    # Every wait of this tile came before its blocks: a failure of any is in the error record by now.
-    err = gl.atomic_add(ctl + CTL_ERROR, 0, sem="relaxed", scope="gpu")
-    valid = (call_ok != 0) & (err == 0)
-    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-    l_safe = gl.where(l_o == 0.0, 1.0, l_o)
-    out = gl.where(valid, acc / l_safe[:, None], float("nan"))
-    q_half.store(out.to(q_smem.dtype))  # every MMA reading Q has completed
-    fence_async_shared()  # these generic-proxy stores before the TMA store (async proxy) after the join
-    lse_rows = HALF_INDEX * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, o_layout))
-    m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
-    lse = gl.where(valid, (m_o + gl.log2(l_safe)) * 0.6931471805599453, float("nan"))
-    gl.store(lse_row + lse_rows, lse)
+    return acc, m_i, l_i
 
 
 @gluon.jit(do_not_specialize=["timeout_ns"])
@@ -419,33 +651,49 @@ def ring_attn_fwd_gluon(
     STAGES: gl.constexpr = kv_slots(D, BLOCK_M, BLOCK_N)  # ring_core.plans.GLUON_TILES
     RINGS: gl.constexpr = kv_rings(D)
     gl.static_assert(BLOCK_D == D, "ring_core.plans: the Gluon config")
-    gl.static_assert(not WINDOW and not SEGMENTED, "windows and segment ids run the tl kernel (gluon_applies)")
+    MASKS: gl.constexpr = WINDOW or SEGMENTED
     CHUNK_ROWS: gl.constexpr = CHUNK_BLOCKS * BLOCK_N
     dtype: gl.constexpr = q_ptr.dtype.element_ty
 
     # ---- the protocol's start: this rank's ring, the call check, every push unit left --------------------
     heap_bases, rank, ctl, flags, recv_addr, epoch = ring_context(ctx_ptr, W)
-    recv, seg_recv = receive_slots(recv_addr, seg_ptr, rank, B, S, q_ptr, W, HKV, D, False)
+    recv, seg_recv = receive_slots(recv_addr, seg_ptr, rank, B, S, q_ptr, W, HKV, D, SEGMENTED)
     n_chunks = gl.cdiv(S, CHUNK_ROWS)
     rng = ranks_rng(flags, B, HKV, n_chunks, 0, W)
     call_ok = start_call(ctl, heap_bases, rank, epoch, timeout_ns, seg_ptr, rng, B, S, sm_scale, n_chunks,
                          control.KIND_FWD, W, H, HKV, D, SIG_DTYPE, CAUSAL, ZIGZAG, CHUNK_ROWS, BLOCK_N, WIN_LEFT,
-                         WIN_RIGHT, False, False)
+                         WIN_RIGHT, SEGMENTED, False)
     if W > 1:
         # Before anything of this program waits (the partitions): ring_core.protocol's no-deadlock argument.
         drain_pushes(ctl, (W - 1) * B * HKV * n_chunks * call_ok, k_ptr, v_ptr, seg_ptr, recv, seg_recv, flags,
                      heap_bases, rank, epoch, B, S, n_chunks, W, HKV, D, D, CHUNK_ROWS, PUSH_ROWS, PUSH_VEC, CAUSAL,
-                     ZIGZAG, False, WIN_LEFT, WIN_RIGHT, False, rng, False)
+                     ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED, rng, SEGMENTED)
 
     # ---- the tile, its blocks, TMA descriptors and shared memory ----------------------------------------
     b, h, hkv, m_blk = query_tile(gl.program_id(0), H // HKV, S // BLOCK_M, HKV, CAUSAL)
     q0 = m_blk * BLOCK_M
     q_pos_min = positions(q0, rank, S, W, ZIGZAG)
     q_pos_max = positions(q0 + BLOCK_M - 1, rank, S, W, ZIGZAG)
-    n_blocks = 0
-    for step in gl.static_range(W):
-        _, n_hi, _ = block_range(q_pos_min, q_pos_max, (rank - step + W) % W, S, W, BLOCK_N, CAUSAL, ZIGZAG)
-        n_blocks += n_hi
+    seg_local = seg_ptr + b.to(gl.int64) * S  # batch b's ids (SEGMENTED)
+    if MASKS:
+        # The tile's ids (SEGMENTED) and, per ring step, the run of blocks it loads (``make_plan``).
+        s_hi = q0 * 0
+        t_id = s_hi
+        a_lo, a_hi, b_lo, b_hi = s_hi, s_hi, s_hi, s_hi
+        if SEGMENTED:
+            rows_q = q0 + iota(BLOCK_M)
+            q_seg, _, s_hi, t_id = tile_ids(seg_local, rows_q, rows_q < S, True)
+            a_lo, a_hi, b_lo, b_hi = tile_id_parts(q_seg, rows_q, S, ZIGZAG)
+        plan, n_blocks = make_plan(q0, q_pos_min, q_pos_max, s_hi, rank, S, rng, b, B, n_chunks, a_lo, a_hi, b_lo,
+                                   b_hi, W, BLOCK_M, BLOCK_N, CHUNK_ROWS, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT,
+                                   SEGMENTED)
+        seg_recv_b = seg_recv + (b * HKV + hkv).to(gl.int64) * S  # receive slot 0's ids of (b, kv head)
+    else:
+        n_blocks = 0
+        for step in gl.static_range(W):
+            _, n_hi, _ = block_range(q_pos_min, q_pos_max, (rank - step + W) % W, S, W, BLOCK_N, CAUSAL, ZIGZAG)
+            n_blocks += n_hi
+        seg_recv_b = seg_local  # never read
     layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     q_desc = tma.make_tensor_descriptor(q_ptr, [B * S, H * D], [H * D, 1], [BLOCK_M, D], layout)
     o_desc = tma.make_tensor_descriptor(out_ptr, [B * S, H * D], [H * D, 1], [BLOCK_M, D], layout)
@@ -458,18 +706,38 @@ def ring_attn_fwd_gluon(
     # Each slot released by both consumer partitions.
     q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty = slots(dtype, BLOCK_M, BLOCK_N, D, layout, STAGES, 2, RINGS)
     pp = turns()
+    if MASKS:
+        meta = gl.allocate_shared_memory(gl.int32, [pow2(STAGES), 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    else:
+        meta = q_bar  # never read
 
     qk_scale = sm_scale * 1.4426950408889634
     lse_row = lse_ptr + (b * H + h).to(gl.int64) * S + q0
-    gl.warp_specialize([
-        (_consumer, (q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, pp, n_blocks, qk_scale, lse_row, ctl,
-                     call_ok, rank, S, q_pos_min, q_pos_max, 0, W, D, CAUSAL, ZIGZAG)),
-        (_producer, (q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, b, h,
-                     hkv, q0, rank, B, S, flags, n_chunks, epoch, ctl, timeout_ns, W, HKV, D, CHUNK_BLOCKS, CAUSAL,
-                     ZIGZAG)),
-        (_consumer, (q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, pp, n_blocks, qk_scale, lse_row, ctl,
-                     call_ok, rank, S, q_pos_min, q_pos_max, 1, W, D, CAUSAL, ZIGZAG)),
-    ], [_LOAD_WARPS, _CONSUMER_WARPS], [_LOAD_REGS, _CONSUMER_REGS])
+    if MASKS:
+        gl.warp_specialize([
+            (_consumer, (q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, pp, meta, n_blocks, qk_scale, lse_row, ctl,
+                         call_ok, rank, B, S, q_pos_min, q_pos_max, seg_local + q0, seg_local, seg_recv_b, 0, W,
+                         HKV, D, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
+            (_producer_masked, (q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, meta,
+                                plan, b, h, hkv, q0, rank, B, S, flags, n_chunks, epoch, ctl, timeout_ns, rng, s_hi,
+                                t_id, a_lo, a_hi, b_lo, b_hi, q_pos_min, q_pos_max, W, HKV, D, CHUNK_BLOCKS, CAUSAL,
+                                ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
+            (_consumer, (q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, pp, meta, n_blocks, qk_scale, lse_row, ctl,
+                         call_ok, rank, B, S, q_pos_min, q_pos_max, seg_local + q0, seg_local, seg_recv_b, 1, W,
+                         HKV, D, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
+        ], [_LOAD_WARPS, _CONSUMER_WARPS], [_LOAD_REGS, _CONSUMER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer, (q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, pp, meta, n_blocks, qk_scale, lse_row, ctl,
+                         call_ok, rank, B, S, q_pos_min, q_pos_max, seg_local + q0, seg_local, seg_recv_b, 0, W,
+                         HKV, D, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
+            (_producer, (q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, b, h, hkv,
+                         q0, rank, B, S, flags, n_chunks, epoch, ctl, timeout_ns, W, HKV, D, CHUNK_BLOCKS, CAUSAL,
+                         ZIGZAG)),
+            (_consumer, (q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, pp, meta, n_blocks, qk_scale, lse_row, ctl,
+                         call_ok, rank, B, S, q_pos_min, q_pos_max, seg_local + q0, seg_local, seg_recv_b, 1, W,
+                         HKV, D, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
+        ], [_LOAD_WARPS, _CONSUMER_WARPS], [_LOAD_REGS, _CONSUMER_REGS])
     tma_store(o_desc, [b * S + q0, h * D], q_smem)  # both halves written (the partitions joined)
     tma.store_wait(pendings=0)
     free_slots(q_bar, kv_ready, kv_empty, RINGS * STAGES)

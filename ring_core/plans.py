@@ -58,11 +58,13 @@ class KernelConfig:
                     capability: tuple | None = None) -> "KernelConfig":
         """The tuned tiles for ``spec``; on a GPU of compute ``capability`` where ``gluon_applies``, the Gluon
         kernel's (ring_core.gluon_kernel): its query rows per tile, K/V rows per block and K/V slots at this head_dim
-        (``GLUON_TILES``; ``num_stages``: the slots), 4 warps per partition, chunks of 4 blocks per flag."""
+        (``GLUON_TILES``; ``num_stages``: the slots), 4 warps per partition, chunks of 4 blocks per flag; with
+        segment ids chunks of one block, whose published id ranges then say which blocks a tile loads and which it
+        computes unmasked (ring_core.gluon_kernel reads blocks whole: its skipping is as fine as the ranges)."""
         if not interpret and gluon_applies(spec, world_size, capability):
             block_m, block_n, slots, _ = GLUON_TILES[spec.head_dim]
-            return KernelConfig(block_m=block_m, block_n=block_n, chunk_blocks=4, push_rows=32, num_warps=4,
-                                num_stages=slots, gluon=True)
+            return KernelConfig(block_m=block_m, block_n=block_n, chunk_blocks=1 if spec.segmented else 4,
+                                push_rows=32, num_warps=4, num_stages=slots, gluon=True)
         if interpret:
             # Small tiles: many blocks, chunks and push units even at the tiny sizes CI can afford.
             return KernelConfig(block_m=16, block_n=16, chunk_blocks=1, push_rows=16, num_warps=4, num_stages=1,
@@ -131,16 +133,14 @@ def gluon_applies(spec: AttentionSpec, world_size: int, capability) -> bool:
     ranks on a GPU of compute ``capability`` ((major, minor); None: no GPU, or the Gluon kernel turned off): Hopper
     (9.x), fp16/bf16,
     head_dim 64, 128 or 256 (``GLUON_TILES``), seq_local a multiple of the tile's query rows and of the K/V block's
-    (128; zigzag: of twice that, 256, so that each half of the shard holds whole tiles and blocks: the causal mask
-    is one number per block, which needs a tile's and a block's positions contiguous), no window, no segment ids.
-    Everything else runs the tl kernel (ring_core.kernel)."""
+    (128; zigzag: of twice that, 256, so that each half of the shard holds whole tiles and blocks: the masks are
+    positions relative to one number per block, which needs a tile's and a block's positions contiguous); windows
+    and segment ids too. Everything else runs the tl kernel (ring_core.kernel)."""
     if capability is None or tuple(capability)[0] != 9 or spec.head_dim not in GLUON_TILES:
         return False
     block_m, block_n, _, _ = GLUON_TILES[spec.head_dim]
     rows = math.lcm(block_m, block_n) * (2 if spec.layout == "zigzag" else 1)
-    unmasked = masks.kernel_window(spec.is_causal, spec.window, world_size * spec.seq_local) == masks.NO_WINDOW
-    return (spec.dtype in ("float16", "bfloat16") and spec.seq_local % rows == 0 and unmasked
-            and not spec.segmented)
+    return spec.dtype in ("float16", "bfloat16") and spec.seq_local % rows == 0
 
 
 GLUON_BWD_KV_ROWS, GLUON_BWD_Q_ROWS, GLUON_BWD_ROW_TASK = 128, 64, 128  # ring_core.gluon_bwd's tiles
@@ -150,8 +150,11 @@ GLUON_BWD_HEAD_DIMS = (128,)
 def gluon_bwd_applies(spec: AttentionSpec, world_size: int, capability) -> bool:
     """Whether the Gluon Hopper backward (ring_core.gluon_bwd) may take the backward of ``spec`` (without
     ``deterministic``: BwdKernelConfig.get_default): where the Gluon forward applies (``gluon_applies``) and head_dim
-    is 128 (its dQ is split between two consumers by halves of D, 64 columns of a 128-byte swizzled row each)."""
-    return gluon_applies(spec, world_size, capability) and spec.head_dim in GLUON_BWD_HEAD_DIMS
+    is 128 (its dQ is split between two consumers by halves of D, 64 columns of a 128-byte swizzled row each), with
+    neither a window nor segment ids (those run the tl backward)."""
+    unmasked = masks.kernel_window(spec.is_causal, spec.window, world_size * spec.seq_local) == masks.NO_WINDOW
+    return (gluon_applies(spec, world_size, capability) and spec.head_dim in GLUON_BWD_HEAD_DIMS and unmasked
+            and not spec.segmented)
 
 
 @dataclass(frozen=True)

@@ -856,24 +856,71 @@ def seg_blocks(seg_base, j_lo, j_hi, lo1, hi1, lo2, hi2, nf_lo, nf_hi, s_lo, s_h
     return first, tl.where(one_run, f_first, end), tl.where(one_run, f_end, end), end
 
 
+@triton.jit
+def block_met(blk, lo1, hi1, lo2, hi2, rng_src_b, a_lo, a_hi, b_lo, b_hi, BLOCK: tl.constexpr,
+              CHUNK_ROWS: tl.constexpr, SEGMENTED: tl.constexpr):
+    """For a tile that reads whole blocks of BLOCK rows (the Gluon forward, ring_core.gluon_kernel): whether it
+    loads block ``blk`` (a scalar or a vector) of the other side's K/V: the block meets the rows some query of the
+    tile sees by position, [lo1, hi1) | [lo2, hi2) (``step_blocks``), and, with segment ids, its chunk's published
+    range meets the tile's ids (``tile_id_parts``). Such a block was sent whole (chunks are whole blocks, and
+    ``push_unit`` sends a chunk that a query of the receiver sees by position and whose range meets a half of the
+    receiver's, which holds the tile's part), so a block read whole holds no row left by an earlier call."""
+    r0 = blk * BLOCK
+    met = overlaps(r0, r0 + BLOCK, lo1, hi1) | overlaps(r0, r0 + BLOCK, lo2, hi2)
+    if SEGMENTED:
+        met = id_ranges_meet(rng_src_b, r0 // CHUNK_ROWS, a_lo, a_hi, b_lo, b_hi, met)
+    return met
+
+
+@triton.jit
+def met_blocks(j_lo, j_hi, lo1, hi1, lo2, hi2, rng_src_b, a_lo, a_hi, b_lo, b_hi, BLOCK: tl.constexpr,
+               CHUNK_ROWS: tl.constexpr, SEGMENTED: tl.constexpr):
+    """``block_met`` over blocks [j_lo, j_hi), a vector of them at a time: (first, end, count), every block met
+    lies in [first, end) (first = end: none), ``count`` of them. The Gluon forward's plan of a ring step: its
+    consumers need the count before the loop, its load partition the run to test block by block."""
+    RB: tl.constexpr = 256  # blocks per vector step
+    offs = iota(RB)
+    first = j_hi
+    end = j_lo
+    count = j_lo * 0
+    for j0 in range(j_lo, j_hi, RB):
+        blk = j0 + offs
+        met = block_met(blk, lo1, hi1, lo2, hi2, rng_src_b, a_lo, a_hi, b_lo, b_hi, BLOCK, CHUNK_ROWS,
+                        SEGMENTED) & (blk < j_hi)
+        first = tl.minimum(first, tl.min(tl.where(met, blk, j_hi), axis=0))
+        end = tl.maximum(end, tl.max(tl.where(met, blk + 1, j_lo), axis=0))
+        count += tl.sum(met.to(tl.int32), axis=0)
+    return first, tl.maximum(end, first), count
+
+
 # ---- segment-id ranges: what lets ids decide pushes and waits ----------------------------------------------------
 # With segment ids the call check carries, with each rank's signature, the [min, max] of the non-padding ids of each
 # of its K/V chunks and of each half of its shard (zigzag: the two chunks of the layout; contiguous: the shard, then
 # an empty range), per batch (``publish_id_ranges``), into the ring slot's flag words after the K/V (and, backward,
 # partial) flags: per rank p, [B][n_chunks + 2][lo, hi]. Words are stored as -1 - value (<= 0; an empty range is
 # (BIG_ID, -1)), so no flag wait (>= an epoch >= 1) is ever met by a range word that a call of another shape left
-# where its flags now lie.
+# where its flags now lie. A chunk's lo counts its padding as -1 (a chunk with padding has lo = -1, one of padding
+# only (-1, -1), which meets no tile's ids), so that lo = hi = t says every row of the chunk carries id t: a chunk
+# of one document and no padding, which a tile of that one document attends unmasked (the Gluon forward,
+# ring_core.gluon_kernel). Every test of these words is a meet of ranges (``ranges_meet``), which a lower lo only
+# widens: a chunk with padding may be sent and waited for where none of its ids is attended, never the reverse,
+# and sender and receiver still read the same words. The halves' ranges count ids >= 0 only (``id_range``).
 @triton.jit
-def id_range(seg_b, r0, r1, RP: tl.constexpr):
+def id_range(seg_b, r0, r1, RP: tl.constexpr, PADDED: tl.constexpr):
     """[lo, hi] of the non-padding ids in rows [r0, r1) of one batch's ids at ``seg_b`` (lo > hi: none; hi >= -1),
-    RP rows at a time. Exact (integer min / max): whoever computes it for the same rows gets the same range."""
-    offs = tl.arange(0, RP)
+    RP rows at a time; PADDED (a chunk's published range): a padding row counts as -1 in lo. Exact (integer min /
+    max): whoever computes it for the same rows gets the same range."""
+    offs = iota(RP)
     lo = r0 * 0 + BIG_ID
     hi = r0 * 0 - 1
     for a in range(r0, r1, RP):
         rows = a + offs
         ids = tl.load(seg_b + rows, mask=rows < r1, other=-1)
-        lo = tl.minimum(lo, tl.min(tl.where(ids >= 0, ids, BIG_ID), axis=0))
+        if PADDED:
+            ids_lo = tl.where(ids >= 0, ids, tl.where(rows < r1, -1, BIG_ID))
+        else:
+            ids_lo = tl.where(ids >= 0, ids, BIG_ID)
+        lo = tl.minimum(lo, tl.min(ids_lo, axis=0))
         hi = tl.maximum(hi, tl.max(ids, axis=0))
     return lo, hi
 
@@ -897,28 +944,26 @@ def publish_id_ranges(seg_ptr, rng, heap_bases, rank, B, S, n_chunks, W: tl.cons
     release (a peer that acquired the signature reads them after it) and before CTL_RANGES' release (this
     rank's programs, ``id_ranges_ready``). The chunks' ranges 2048 ids at a time (a vector of chunks), so that
     every other program, which waits for these, waits for a few vector steps, not one step per chunk."""
-    two = tl.arange(0, 2)
-    four = tl.arange(0, 4)
+    _, two = iota2(1, 2)  # [1, 2]: lo, hi
+    four = iota(4)
     for b in range(B):
         seg_b = seg_ptr + (rank * 0 + b).to(tl.int64) * S  # (b may be a Python int in the interpreter)
         inbox = ranges_of(rng, rank, b, B, n_chunks)
         if CHUNK_ROWS <= 2048:
             NC: tl.constexpr = 2048 // CHUNK_ROWS  # chunks per vector step
-            offs_c = tl.arange(0, NC)
-            offs_r = tl.arange(0, CHUNK_ROWS)
+            c_col, offs_r = iota2(NC, CHUNK_ROWS)  # [NC, 1], [1, CHUNK_ROWS]
             for c0 in range(0, n_chunks, NC):
-                c = c0 + offs_c
-                rows = c[:, None] * CHUNK_ROWS + offs_r[None, :]
+                c = c0 + c_col
+                rows = c * CHUNK_ROWS + offs_r
                 ids = tl.load(seg_b + rows, mask=rows < S, other=-1)
-                lo = tl.min(tl.where(ids >= 0, ids, BIG_ID), axis=1)
+                lo = tl.min(tl.where(ids >= 0, ids, tl.where(rows < S, -1, BIG_ID)), axis=1)  # padding: -1
                 hi = tl.maximum(tl.max(ids, axis=1), -1)  # as id_range: >= -1, so every word is <= 0
-                words = -1 - tl.where(two[None, :] == 0, lo[:, None], hi[:, None])
-                keep = (c < n_chunks)[:, None] & (two >= 0)[None, :]
-                for p in tl.static_range(W):
-                    iris.store(inbox + c[:, None] * 2 + two[None, :], words, rank, p, heap_bases, mask=keep)
+                for p in tl.static_range(W):  # (lo and hi apart: one layout under Gluon, the chunks')
+                    iris.store(inbox + c * 2, -1 - lo[:, None], rank, p, heap_bases, mask=c < n_chunks)
+                    iris.store(inbox + c * 2 + 1, -1 - hi[:, None], rank, p, heap_bases, mask=c < n_chunks)
         else:
             for c in range(n_chunks):
-                lo, hi = id_range(seg_b, c * CHUNK_ROWS, tl.minimum(S, c * CHUNK_ROWS + CHUNK_ROWS), 2048)
+                lo, hi = id_range(seg_b, c * CHUNK_ROWS, tl.minimum(S, c * CHUNK_ROWS + CHUNK_ROWS), 2048, True)
                 words = -1 - tl.where(two == 0, lo, hi)
                 for p in tl.static_range(W):
                     iris.store(inbox + c * 2 + two, words, rank, p, heap_bases)
@@ -1021,9 +1066,9 @@ def meets_halves(rng, dst, b, B, n_chunks, lo, hi):
 def own_halves(seg_b, S, ZIGZAG: tl.constexpr):
     """This rank's ranges of the two halves of its shard (batch ``seg_b``), as it publishes them."""
     r0, r1 = half_rows(0, S, ZIGZAG)
-    h0_lo, h0_hi = id_range(seg_b, r0, r1, 2048)
+    h0_lo, h0_hi = id_range(seg_b, r0, r1, 2048, False)
     r0, r1 = half_rows(1, S, ZIGZAG)
-    h1_lo, h1_hi = id_range(seg_b, r0, r1, 2048)
+    h1_lo, h1_hi = id_range(seg_b, r0, r1, 2048, False)
     return h0_lo, h0_hi, h1_lo, h1_hi
 
 

@@ -96,6 +96,16 @@ GLUON_CASES = [(1, 1024, 8, 2, 128, "bfloat16", True, "zigzag"), (2, 512, 4, 4, 
                (1, 768, 8, 2, 256, "bfloat16", True, "zigzag"),
                # scale 0 (allowed): the kernels get 1e-30 (ring_core.control.kernel_scale; 0 gave NaN under masks)
                (1, 512, 6, 3, 64, "bfloat16", True, "zigzag", 0.0)]
+# ... and with masks (issue 20): packed documents with padding (a 160-token run, more than a tile, and the tail),
+# windows one- and two-sided, both together, GQA, D64 / D128 / D256, both layouts, a tile of one document
+# (documents longer than the tiles: blocks unmasked by their published ranges). (B, S, H, HKV, D, dtype, causal,
+# layout, window, segment ids)
+GLUON_MASK_CASES = [(1, 512, 8, 2, 128, "bfloat16", True, "zigzag", None, "padded"),
+                    (1, 768, 4, 4, 64, "float16", True, "contiguous", (300, -1), None),
+                    (1, 512, 4, 2, 128, "bfloat16", False, "zigzag", (200, 90), None),
+                    (2, 512, 8, 2, 256, "bfloat16", True, "zigzag", (350, -1), "padded"),
+                    (1, 1024, 8, 8, 128, "bfloat16", True, "contiguous", None, "long"),
+                    (1, 256, 4, 1, 64, "bfloat16", False, "contiguous", None, "packed")]
 # The gluon-bwd section: backwards the Gluon Hopper backward takes (ring_core.plans.gluon_bwd_applies: the Gluon
 # forward's cases with head_dim 128), the lse gradient in one; each with deterministic=False (the default) and True.
 # (B, S, H, HKV, D, dtype, causal, layout, scale, lse-grad)
@@ -397,30 +407,56 @@ def main():
     summary["cases_failed"] = failed
 
     # ---- the Gluon Hopper forward against float64 and against the tl kernel ------------------------
-    def gluon_case(B, S, H, HKV, D, dt, causal, lay, scale=None):
-        name = f"gluon B{B} S{S} H{H}/{HKV} D{D} {dt} causal={causal} {lay} scale={scale}"
+    def segment_ids(kind, seed, B, n):
+        """Global segment ids [B, n] in natural order (None for None): documents of up to n/5 tokens packed
+        back to back, crossing shard boundaries; "padded" adds padding (id -1): a run of 160 tokens (more
+        than a 128-row query tile, so some tile of a rank may hold nothing else) a third of the way in,
+        and the last 37 tokens; "long": documents of 600 tokens (whole tiles and blocks inside one document)."""
+        if kind is None:
+            return None
+        if kind == "long":
+            return np.ascontiguousarray(np.broadcast_to(np.arange(n, dtype=np.int32) // 600, (B, n)))
+        ids = testing.random_segment_ids(seed, B, n, max_len=max(2, n // 5), padding=False)
+        if kind == "padded":
+            ids[:, n // 3:n // 3 + min(160, n // 6)] = -1
+            ids[:, n - 37:] = -1
+        return ids
+
+    def gluon_case(B, S, H, HKV, D, dt, causal, lay, scale=None, window=None, kind=None, seed=0):
+        """``window``: window_size or None; ``kind``: segment ids as ``segment_ids`` makes them (None: none)."""
+        segs = segment_ids(kind, 400 + seed, B, S * W)
+        name = (f"gluon B{B} S{S} H{H}/{HKV} D{D} {dt} causal={causal} {lay} scale={scale}"
+                f"{mask_name(segs, window)}")
         spec = validate.check_attention_args((B, S, H, D), (B, S, HKV, D), (B, S, HKV, D), dt, dt, dt,
                                              is_causal=causal, scale=scale, layout=lay, backend="fused",
-                                             backends=("fused",))
+                                             backends=("fused",), window_size=window,
+                                             segment_ids_shape=None if segs is None else (B, S),
+                                             segment_ids_dtype=None if segs is None else "int32")
         kernel = ring_heap.get().plan(spec, W).kernel().__name__
         assert kernel == "ring_attn_fwd_gluon", f"{name}: the plan launches {kernel} on this GPU"
-        q, k, v = testing.random_inputs(11 + S + H, B, S * W, H, HKV, D, dt)
+        q, k, v = testing.random_inputs(11 + S + H + seed, B, S * W, H, HKV, D, dt)
         idx = shards(q, lay)
         ql, kl, vl = q[:, idx], k[:, idx], v[:, idx]
+        seg = None if segs is None else np.ascontiguousarray(segs[:, idx])
         kw = dict(is_causal=causal, layout=lay, scale=scale)
-        o64, l64 = reference.attention(q, k, v, is_causal=causal, scale=scale, q_rows=idx)
-        olp, llp = reference.attention_lowp(q, k, v, dt, is_causal=causal, scale=scale, q_rows=idx)
-        jo, jl, jraw = run_jax(ql, kl, vl, dt, "fused", **kw)
-        to, tl_, traw = run_torch(ql, kl, vl, dt, "fused", **kw)
+        if window is not None:
+            kw["window_size"] = window
+        mask = dict(segment_ids=segs, window=window)
+        o64, l64 = reference.attention(q, k, v, is_causal=causal, scale=scale, q_rows=idx, **mask)
+        olp, llp = reference.attention_lowp(q, k, v, dt, is_causal=causal, scale=scale, q_rows=idx, **mask)
+        jo, jl, jraw = run_jax(ql, kl, vl, dt, "fused", seg=seg, **kw)
+        to, tl_, traw = run_torch(ql, kl, vl, dt, "fused", seg=seg, **kw)
         os.environ[plans.GLUON_ENV] = "0"  # the tl kernel, same inputs (torch; read at each call's plan)
         try:
-            lo, ll, _ = run_torch(ql, kl, vl, dt, "fused", **kw)
+            lo, ll, _ = run_torch(ql, kl, vl, dt, "fused", seg=seg, **kw)
         finally:
             del os.environ[plans.GLUON_ENV]
         errs = {}
         for what, o, l in (("jax", jo, jl), ("torch", to, tl_), ("tl", lo, ll)):
             errs[what] = testing.check(f"{what} {name} out", o, o64, olp, dt, "out")
             testing.check(f"{what} {name} lse", l, l64, llp, dt, "lse")
+            if seg is not None or window is not None:
+                masked_rows(f"{what} {name}", np.zeros(o.shape[:2], np.int32) if seg is None else seg, o, l)
         assert np.array_equal(bits(jraw), bits(traw)) and np.array_equal(jl.view(np.int32), tl_.view(np.int32)), \
             f"{name}: jax and torch fused differ"
         say(f"ok {name}: err gluon {errs['torch']:.2e} tl {errs['tl']:.2e} |gluon-tl| "
@@ -430,7 +466,9 @@ def main():
         t0 = time.time()
         for c in GLUON_CASES:
             keep_going(lambda: gluon_case(*c), c)
-        summary["gluon_cases"] = len(GLUON_CASES)
+        for i, c in enumerate(GLUON_MASK_CASES):
+            keep_going(lambda: gluon_case(*c[:8], scale=None, window=c[8], kind=c[9], seed=i), c)
+        summary["gluon_cases"] = len(GLUON_CASES) + len(GLUON_MASK_CASES)
         summary["gluon_s"] = round(time.time() - t0, 1)
 
     # ---- the Gluon Hopper backward (deterministic=False) against float64 ----------------------------
@@ -569,19 +607,6 @@ def main():
     # ---- masks: segment ids and sliding windows (issue 20) through both frontends' fused kernels ---------
     if "masks" in sections:
         t0 = time.time()
-
-        def segment_ids(kind, seed, B, n):
-            """Global segment ids [B, n] in natural order (None for None): documents of up to n/5 tokens packed
-            back to back, crossing shard boundaries; "padded" adds padding (id -1): a run of 160 tokens (more
-            than a 128-row query tile, so some tile of a rank may hold nothing else) a third of the way in,
-            and the last 37 tokens."""
-            if kind is None:
-                return None
-            ids = testing.random_segment_ids(seed, B, n, max_len=max(2, n // 5), padding=False)
-            if kind == "padded":
-                ids[:, n // 3:n // 3 + min(160, n // 6)] = -1
-                ids[:, n - 37:] = -1
-            return ids
 
         mask_cases = MASK_CASES
         chosen = (range(len(mask_cases)) if a.mask_cases is None

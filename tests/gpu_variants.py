@@ -92,6 +92,8 @@ def checks_calls(world: int, sections=CHECKS_SECTIONS, mask_cases=None) -> list:
         calls += [(spec_of(*c[:8]), False) for c in g.CASES]
     if "gluon" in sections:  # the Gluon kernel, then the tl kernel on the same call (RING_ATTENTION_GLUON=0)
         calls += [(spec_of(*c[:8]), False, cap) for c in g.GLUON_CASES for cap in (GPU_CAPABILITY, None)]
+        calls += [(spec_of(*c[:8], window=c[8], segmented=c[9] is not None), False, cap) for c in g.GLUON_MASK_CASES
+                  for cap in (GPU_CAPABILITY, None)]
     if "jit" in sections:
         calls += [(spec_of(*c), False) for c in g.JIT_CASES]
     if "grads" in sections:

@@ -418,17 +418,23 @@ def compiled(p):
 GLUON_KERNEL_COMPILE = PLAN_SM90 + textwrap.dedent("""
     lay = control.HeapLayout.for_workspace(1 << 30)
     out = {}
-    for B, S, H, HKV, D, dt, causal, layout, W in ((1, 1024, 8, 2, 128, "bfloat16", True, "zigzag", 2),
-                                                   (2, 512, 4, 4, 64, "float16", False, "contiguous", 3),
-                                                   (1, 256, 4, 1, 128, "bfloat16", True, "contiguous", 1),
-                                                   (1, 512, 8, 2, 256, "bfloat16", True, "zigzag", 2),
-                                                   (2, 256, 4, 4, 256, "float16", False, "contiguous", 1)):
+    for B, S, H, HKV, D, dt, causal, layout, W, win, seg in (
+            (1, 1024, 8, 2, 128, "bfloat16", True, "zigzag", 2, None, False),
+            (2, 512, 4, 4, 64, "float16", False, "contiguous", 3, None, False),
+            (1, 256, 4, 1, 128, "bfloat16", True, "contiguous", 1, None, False),
+            (1, 512, 8, 2, 256, "bfloat16", True, "zigzag", 2, None, False),
+            (2, 256, 4, 4, 256, "float16", False, "contiguous", 1, None, False),
+            (1, 512, 8, 2, 128, "bfloat16", True, "zigzag", 2, None, True),  # masks (issue 20)
+            (1, 256, 4, 1, 64, "float16", True, "contiguous", 1, (300, -1), False),
+            (2, 512, 4, 2, 256, "bfloat16", False, "zigzag", 3, (200, 90), True)):
         spec = validate.check_attention_args((B, S, H, D), (B, S, HKV, D), (B, S, HKV, D), dt, dt, dt,
                                              is_causal=causal, scale=None, layout=layout, backend="fused",
-                                             backends=("fused",))
+                                             backends=("fused",), window_size=win,
+                                             segment_ids_shape=(B, S) if seg else None,
+                                             segment_ids_dtype="int32" if seg else None)
         p = plans.plan(spec, W, lay, capability=(9, 0))
         ck, ttgir, ptx, at, load, acq, fence, tma = compiled(p)
-        out[f"{dt}-D{D}-W{W}-{causal}-{layout}"] = dict(
+        out[f"{dt}-D{D}-W{W}-{causal}-{layout}-{win is not None or seg}"] = dict(
             gluon=p.config.gluon, name=ck.metadata.name, ws="ttg.warp_specialize" in ttgir, load_partition=bool(load),
             warps=ck.metadata.num_warps, shared=ck.metadata.shared, scratch=ck.metadata.global_scratch_size,
             tiles=[p.config.block_m, p.config.block_n, p.config.num_stages], barriers=ptx.count("mbarrier.init"),
@@ -451,7 +457,9 @@ def test_gluon_product_kernel_compiles_warp_specialised_with_the_protocol(tmp_pa
     computes is checked on a GPU against float64 and the tl kernel (tests/gpu_checks.py, section ``gluon``).
     Head dim 256 in its own tiles (ring_core.plans.GLUON_TILES): 64-row K/V blocks in 2 slots, S of 64 columns and
     P V of 256 per warpgroup MMA, 192 KiB of shared memory (Q's 64 and the slots' 128), K and V in rings of their own
-    (a ready and an empty barrier per slot of each, beside Q's; D64/D128: one pair per slot of both)."""
+    (a ready and an empty barrier per slot of each, beside Q's; D64/D128: one pair per slot of both). With a window or
+    segment ids (issue 20; the last three) the same, with a few words more of shared memory (the tile's plan and the
+    slots' block words)."""
     got = _compiled_for_sm90(GLUON_KERNEL_COMPILE, tmp_path)
     for name, c in got.items():
         assert c["gluon"] and c["name"] == "ring_attn_fwd_gluon", (name, c)
@@ -460,7 +468,7 @@ def test_gluon_product_kernel_compiles_warp_specialised_with_the_protocol(tmp_pa
         D = int(name.split("-D")[1].split("-")[0])
         if D == 256:
             assert c["tiles"] == [128, 64, 2] and c["mma_n"] == [64, 256], (name, c)
-            assert 192 * 1024 <= c["shared"] < 193 * 1024 and c["barriers"] == 1 + 2 * 2 * 2, (name, c)
+            assert 192 * 1024 <= c["shared"] < 193 * 1024 + 512 and c["barriers"] == 1 + 2 * 2 * 2, (name, c)
         else:
             assert c["tiles"] == [128, 128, 3] and c["mma_n"] == sorted({128, D}), (name, c)
             assert c["barriers"] == 1 + 2 * 3, (name, c)

@@ -111,8 +111,10 @@ def _spec(S=1024, D=128, dtype="bfloat16", layout="contiguous", window=None, seg
     (dict(S=1000), (9, 0), False),
     (dict(D=80), (9, 0), False),
     (dict(dtype="float32"), (9, 0), False),
-    (dict(window=(100, 0)), (9, 0), False),
-    (dict(segmented=True), (9, 0), False),
+    (dict(window=(100, 0)), (9, 0), True),  # masks (issue 20): the forward only; the tl backward
+    (dict(segmented=True), (9, 0), True),
+    (dict(D=256, layout="zigzag", S=512, window=(300, -1), segmented=True), (9, 0), True),
+    (dict(window=(100, 0), segmented=True, S=1000), (9, 0), False),
     (dict(), (8, 0), False),
     (dict(), (10, 0), False),
     (dict(), None, False),
@@ -120,7 +122,7 @@ def _spec(S=1024, D=128, dtype="bfloat16", layout="contiguous", window=None, seg
 def test_the_gluon_kernel_takes_the_forwards_it_applies_to(kw, capability, gluon):
     """ring_core.plans picks the Gluon Hopper kernel exactly where it applies (plans.gluon_applies) and the tl
     kernel everywhere else; the backward with deterministic=False (the default) likewise where head_dim is also 128
-    (plans.gluon_bwd_applies), the tl one with deterministic=True unless RING_ATTENTION_GLUON_DETERMINISTIC=1 (then
+    and there is neither a window nor segment ids (plans.gluon_bwd_applies), the tl one with deterministic=True unless RING_ATTENTION_GLUON_DETERMINISTIC=1 (then
     the Gluon kernel with its DETERMINISTIC constexpr, the same grid and scratch); the interpreter always runs the
     tl kernels."""
     lay = control.HeapLayout.for_workspace(1 << 30)
@@ -128,15 +130,20 @@ def test_the_gluon_kernel_takes_the_forwards_it_applies_to(kw, capability, gluon
     p = plans.plan(spec, 2, lay, capability=capability)
     kernel = "ring_attn_fwd_gluon" if gluon else "ring_attn_fwd_kernel"
     assert p.config.gluon is gluon and p.kernel().__name__ == kernel
-    if gluon:  # head_dim 256: 64-row K/V blocks in 2 slots (shared memory), chunks of 4 blocks as at 64 and 128
+    masked = spec.segmented or spec.window != (-1, -1)
+    if gluon:  # head_dim 256: 64-row K/V blocks in 2 slots (shared memory), chunks of 4 blocks as at 64 and 128;
+        # with segment ids chunks of one block (its published id range: which blocks a tile loads, unmasked)
         tiles = (128, 64, 2, 256) if spec.head_dim == 256 else (128, 128, 3, 512)
+        if spec.segmented:
+            tiles = tiles[:3] + (tiles[1], )
         assert (p.config.block_m, p.config.block_n, p.config.num_stages, p.chunk_rows) == tiles
         assert p.config.num_warps == 4 and p.block == p.config.block_n
         assert p.grid == (8 * spec.seq_local // 128,)
     assert not plans.plan(spec, 2, lay, capability=capability, interpret=True).config.gluon
     assert plans.plan_bwd(spec, 2, lay).kernel().__name__ == "ring_attn_bwd_kernel"
     fast = plans.plan_bwd(spec, 2, lay, capability=capability)
-    assert fast.config.gluon is (gluon and spec.head_dim == 128) and fast.config.deterministic is not fast.config.gluon
+    assert fast.config.gluon is (gluon and spec.head_dim == 128 and not masked)
+    assert fast.config.deterministic is not fast.config.gluon
     assert fast.kernel().__name__ == ("ring_attn_bwd_gluon" if fast.config.gluon else "ring_attn_bwd_kernel")
     if fast.config.gluon:  # its tasks: delta, partial and final dK/dV, dQ; its scratch: delta, then dQ's sums
         assert fast.grid == (2 * fast.n_dq_tasks + fast.n_partial_tasks + fast.n_final_tasks,)

@@ -423,8 +423,9 @@ def test_a_rank_of_padding_waits_for_nothing_and_sends_nothing():
 def _expected_chunks(ids_local, W, S, B, *, is_causal, layout):
     """[dst][d - 1][b][c]: whether rank dst - d pushes chunk c of batch b to rank dst, by the rule of
     ring_core.protocol.push_unit (no window): causal masking lets some query of dst see the chunk's first row,
-    and the [min, max] of the chunk's non-padding ids meets that of a half of dst's shard (zigzag: its two
-    chunks of the layout; contiguous: the shard)."""
+    and the chunk's published [min, max] (its padding counted as -1 in the min: protocol.publish_id_ranges) meets
+    the [min, max] of the non-padding ids of a half of dst's shard (zigzag: its two chunks of the layout;
+    contiguous: the shard)."""
     from ring_core import layout as lay
 
     n_chunks = -(-S // TILE)
@@ -444,7 +445,10 @@ def _expected_chunks(ids_local, W, S, B, *, is_causal, layout):
                 for c in range(n_chunks):
                     if is_causal and pos[src][c * TILE] > pos[dst].max():
                         continue
-                    chunk = rng(ids_local[src][b, c * TILE:(c + 1) * TILE])
+                    ids = ids_local[src][b, c * TILE:(c + 1) * TILE]
+                    chunk = rng(ids)
+                    if chunk is not None and (ids < 0).any():
+                        chunk = (-1, chunk[1])
                     exp[dst, d - 1, b, c] = chunk is not None and any(
                         h is not None and chunk[0] <= h[1] and chunk[1] >= h[0] for h in halves)
     return exp
