@@ -26,7 +26,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--seq", type=int, default=16384)
     ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--doc-lens", default="none,512-8192,1024-1024", help="comma list: none (dense) or LO-HI")
+    ap.add_argument("--doc-lens", default="none,16384-16384,512-8192,1024-1024",
+                    help="comma list: none (dense) or LO-HI (16384-16384: one document, the dense blocks with ids)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--csv", default=None)
     ap.add_argument("--profile", action="store_true",

@@ -66,10 +66,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from ring_core import control, plans
 from ring_core.lanes import iota
-from ring_core.protocol import (CTL_ERROR, ERR_KV_TIMEOUT, block_met, block_range, drain_pushes, end_call,
-                                met_blocks, pairs_allowed, poll_ge, positions, range_at, ranges_of, ranks_rng,
-                                receive_slots, record_error, ring_context, start_call, step_blocks, tile_id_parts,
-                                tile_ids)
+from ring_core.protocol import (BIG_ID, CTL_ERROR, ERR_KV_TIMEOUT, block_met, block_range, chunk_ranges,
+                                drain_pushes, end_call, ids_summary, met_blocks, pairs_allowed, poll_ge, positions,
+                                ranges_of, ranks_rng, receive_slots, record_error, ring_context, start_call,
+                                step_blocks)
 from ring_core.tiles import query_tile
 
 # Gluon's TMA copies were renamed after Triton 3.6 (async_copy_global_to_shared -> async_load, ...); the GPU
@@ -250,12 +250,15 @@ def _producer_masked(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_b
         k_row = (((step - 1) * 2 * B + b) * HKV + hkv) * S  # step >= 1: as _producer
         c_done = first * 0 - 1
         for jb in range(first, end):
-            if block_met(jb, lo1, hi1, lo2, hi2, rng_src, a_lo, a_hi, b_lo, b_hi, BLOCK_N, CHUNK_ROWS, SEGMENTED):
-                by_pos = (jb >= nf_lo) & (jb < nf_hi)  # every query sees every key by position
-                by_ids = jb >= 0  # ... and by id (without ids: always)
+            c_lo, c_hi = jb, jb  # (unused without ids)
+            if SEGMENTED:
+                c_lo, c_hi = chunk_ranges(rng_src, (jb * BLOCK_N) // CHUNK_ROWS, jb >= 0)
+            if block_met(jb, lo1, hi1, lo2, hi2, c_lo, c_hi, a_lo, a_hi, b_lo, b_hi, BLOCK_N, SEGMENTED):
+                # Unmasked where every query sees every key by position and, with ids, the block's rows all carry
+                # the tile's one id (t_id: -2 where the tile's rows do not).
+                unmasked = (jb >= nf_lo) & (jb < nf_hi)
                 if SEGMENTED:
-                    c_lo, c_hi = range_at(rng_src, (jb * BLOCK_N) // CHUNK_ROWS)
-                    by_ids = (c_lo == t_id) & (c_hi == t_id)
+                    unmasked = unmasked & (c_lo == t_id) & (c_hi == t_id)
                 if step > 0:
                     c = jb // CHUNK_BLOCKS
                     if c != c_done:
@@ -263,7 +266,7 @@ def _producer_masked(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_b
                         c_done = c
                 s = j % STAGES
                 mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
-                meta.index(s).store(gl.full([1], block_word(step, jb, by_pos & by_ids), gl.int32, _WORD_LAYOUT_1))
+                meta.index(s).store(gl.full([1], block_word(step, jb, unmasked), gl.int32, _WORD_LAYOUT_1))
                 if RINGS == 1:
                     if step == 0:
                         mbarrier.expect(kv_ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
@@ -655,6 +658,11 @@ def ring_attn_fwd_gluon(
     CHUNK_ROWS: gl.constexpr = CHUNK_BLOCKS * BLOCK_N
     dtype: gl.constexpr = q_ptr.dtype.element_ty
 
+    if SEGMENTED:  # the tile's ids (the caller's input) loaded first: their latency beside the call check's
+        b_q, _, _, m_q = query_tile(gl.program_id(0), H // HKV, S // BLOCK_M, HKV, CAUSAL)
+        rows_q = m_q * BLOCK_M + iota(BLOCK_M)
+        ids_q = gl.load(seg_ptr + b_q.to(gl.int64) * S + rows_q)  # (rows_q < S: S % BLOCK_M == 0)
+
     # ---- the protocol's start: this rank's ring, the call check, every push unit left --------------------
     heap_bases, rank, ctl, flags, recv_addr, epoch = ring_context(ctx_ptr, W)
     recv, seg_recv = receive_slots(recv_addr, seg_ptr, rank, B, S, q_ptr, W, HKV, D, SEGMENTED)
@@ -681,9 +689,13 @@ def ring_attn_fwd_gluon(
         t_id = s_hi
         a_lo, a_hi, b_lo, b_hi = s_hi, s_hi, s_hi, s_hi
         if SEGMENTED:
-            rows_q = q0 + iota(BLOCK_M)
-            q_seg, _, s_hi, t_id = tile_ids(seg_local, rows_q, rows_q < S, True)
-            a_lo, a_hi, b_lo, b_hi = tile_id_parts(q_seg, rows_q, S, ZIGZAG)
+            s_lo, s_hi, t_id = ids_summary(ids_q, rows_q < S)  # (protocol.tile_ids)
+            # protocol.tile_id_parts without its reductions: a tile lies in one half of the shard
+            # (plans.gluon_applies), so its ids are that half's part and the other part is empty.
+            a_lo, a_hi, b_lo, b_hi = s_lo, s_hi, s_lo * 0 + BIG_ID, s_hi * 0 - 1
+            if ZIGZAG:
+                if q0 >= S // 2:
+                    a_lo, a_hi, b_lo, b_hi = b_lo, b_hi, a_lo, a_hi
         plan, n_blocks = make_plan(q0, q_pos_min, q_pos_max, s_hi, rank, S, rng, b, B, n_chunks, a_lo, a_hi, b_lo,
                                    b_hi, W, BLOCK_M, BLOCK_N, CHUNK_ROWS, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT,
                                    SEGMENTED)

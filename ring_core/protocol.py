@@ -777,16 +777,22 @@ def tile_ids(seg_base, rows, row_ok, SEGMENTED: tl.constexpr):
     read (nothing is loaded)."""
     if SEGMENTED:
         ids = tl.load(seg_base + rows, mask=row_ok, other=-1)
-        s_lo = tl.min(tl.where(ids >= 0, ids, BIG_ID), axis=0)
-        s_hi = tl.max(ids, axis=0)
-        u_lo = tl.min(tl.where(row_ok, ids, BIG_ID), axis=0)
-        t = tl.where((u_lo == s_hi) & (u_lo >= 0), u_lo, -2)
+        s_lo, s_hi, t = ids_summary(ids, row_ok)
     else:
         ids = rows * 0
         s_lo = tl.program_id(0) * 0
         s_hi = s_lo
         t = s_lo
     return ids, s_lo, s_hi, t
+
+
+@triton.jit
+def ids_summary(ids, row_ok):
+    """``tile_ids``' (s_lo, s_hi, t) of ids already loaded (-1 where not ``row_ok``)."""
+    s_lo = tl.min(tl.where(ids >= 0, ids, BIG_ID), axis=0)
+    s_hi = tl.max(ids, axis=0)
+    u_lo = tl.min(tl.where(row_ok, ids, BIG_ID), axis=0)
+    return s_lo, s_hi, tl.where((u_lo == s_hi) & (u_lo >= 0), u_lo, -2)
 
 
 @triton.jit
@@ -857,19 +863,30 @@ def seg_blocks(seg_base, j_lo, j_hi, lo1, hi1, lo2, hi2, nf_lo, nf_hi, s_lo, s_h
 
 
 @triton.jit
-def block_met(blk, lo1, hi1, lo2, hi2, rng_src_b, a_lo, a_hi, b_lo, b_hi, BLOCK: tl.constexpr,
-              CHUNK_ROWS: tl.constexpr, SEGMENTED: tl.constexpr):
+def block_met(blk, lo1, hi1, lo2, hi2, c_lo, c_hi, a_lo, a_hi, b_lo, b_hi, BLOCK: tl.constexpr,
+              SEGMENTED: tl.constexpr):
     """For a tile that reads whole blocks of BLOCK rows (the Gluon forward, ring_core.gluon_kernel): whether it
     loads block ``blk`` (a scalar or a vector) of the other side's K/V: the block meets the rows some query of the
     tile sees by position, [lo1, hi1) | [lo2, hi2) (``step_blocks``), and, with segment ids, its chunk's published
-    range meets the tile's ids (``tile_id_parts``). Such a block was sent whole (chunks are whole blocks, and
-    ``push_unit`` sends a chunk that a query of the receiver sees by position and whose range meets a half of the
-    receiver's, which holds the tile's part), so a block read whole holds no row left by an earlier call."""
+    range [c_lo, c_hi] (``chunk_ranges``) meets the tile's ids (``tile_id_parts``). Such a block was sent whole
+    (chunks are whole blocks, and ``push_unit`` sends a chunk that a query of the receiver sees by position and whose
+    range meets a half of the receiver's, which holds the tile's part), so a block read whole holds no row left by an
+    earlier call."""
     r0 = blk * BLOCK
     met = overlaps(r0, r0 + BLOCK, lo1, hi1) | overlaps(r0, r0 + BLOCK, lo2, hi2)
     if SEGMENTED:
-        met = id_ranges_meet(rng_src_b, r0 // CHUNK_ROWS, a_lo, a_hi, b_lo, b_hi, met)
+        met = met & ranges_meet(c_lo, c_hi, a_lo, a_hi, b_lo, b_hi)
     return met
+
+
+@triton.jit
+def chunk_ranges(rng_src_b, c, mask):
+    """The published [lo, hi] of chunks ``c`` (a scalar or a vector; rank src's, batch b: ``rng_src_b``), (BIG_ID,
+    -1) where not ``mask``, by ordinary loads (cached: the words do not change during a call): only after the program
+    acquired them (``start_call``: the call check's acquire, or ``id_ranges_ready``'s, and a barrier after it)."""
+    lo = -1 - tl.load(rng_src_b + c * 2, mask=mask, other=-1 - BIG_ID)
+    hi = -1 - tl.load(rng_src_b + c * 2 + 1, mask=mask, other=0)
+    return lo, hi
 
 
 @triton.jit
@@ -885,8 +902,10 @@ def met_blocks(j_lo, j_hi, lo1, hi1, lo2, hi2, rng_src_b, a_lo, a_hi, b_lo, b_hi
     count = j_lo * 0
     for j0 in range(j_lo, j_hi, RB):
         blk = j0 + offs
-        met = block_met(blk, lo1, hi1, lo2, hi2, rng_src_b, a_lo, a_hi, b_lo, b_hi, BLOCK, CHUNK_ROWS,
-                        SEGMENTED) & (blk < j_hi)
+        c_lo, c_hi = blk, blk  # (unused without ids)
+        if SEGMENTED:
+            c_lo, c_hi = chunk_ranges(rng_src_b, (blk * BLOCK) // CHUNK_ROWS, blk < j_hi)
+        met = block_met(blk, lo1, hi1, lo2, hi2, c_lo, c_hi, a_lo, a_hi, b_lo, b_hi, BLOCK, SEGMENTED) & (blk < j_hi)
         first = tl.minimum(first, tl.min(tl.where(met, blk, j_hi), axis=0))
         end = tl.maximum(end, tl.max(tl.where(met, blk + 1, j_lo), axis=0))
         count += tl.sum(met.to(tl.int32), axis=0)
@@ -981,15 +1000,21 @@ def id_ranges_ready(ctl, seg_ptr, rng, heap_bases, rank, epoch, timeout_ns, B, S
     rank's own ranges lie in its own inbox, CTL_RANGES = epoch. With peers the program that publishes the call's
     signature wrote them (``check_call``); alone (W = 1) the first program of the call writes them here. Either
     way that program writes them before it waits for anything, so the wait ends. Returns 1, or 0 after recording
-    ERR_START_TIMEOUT (or at once if an error is already recorded)."""
+    ERR_START_TIMEOUT (or at once if an error is already recorded). Alone, a program that finds them published
+    already (one acquire: epochs only grow, and CTL_RANGES = epoch is this call's) neither claims nor polls: most
+    programs of a call, each one round trip to L2 sooner."""
+    ok = epoch * 0
     if W == 1:
-        if tl.atomic_add(ctl + CTL_SIG_CLAIM, 1, sem="relaxed", scope="gpu") == 0:
-            publish_id_ranges(seg_ptr, rng, heap_bases, rank, B, S, n_chunks, W, CHUNK_ROWS, ZIGZAG)
-            tl.debug_barrier()  # every thread's words before the epoch (cumulativity through bar.sync)
-            tl.atomic_xchg(ctl + CTL_RANGES, epoch, sem="release", scope="gpu")
-    ok = poll_ge(ctl + CTL_RANGES, epoch, ctl, timeout_ns, INTERPRET)
+        ok = (tl.atomic_add(ctl + CTL_RANGES, 0, sem="acquire", scope="gpu") >= epoch).to(tl.int32)
+        if ok == 0:
+            if tl.atomic_add(ctl + CTL_SIG_CLAIM, 1, sem="relaxed", scope="gpu") == 0:
+                publish_id_ranges(seg_ptr, rng, heap_bases, rank, B, S, n_chunks, W, CHUNK_ROWS, ZIGZAG)
+                tl.debug_barrier()  # every thread's words before the epoch (cumulativity through bar.sync)
+                tl.atomic_xchg(ctl + CTL_RANGES, epoch, sem="release", scope="gpu")
     if ok == 0:
-        record_error(ctl, ERR_START_TIMEOUT, rank, 0, -1)
+        ok = poll_ge(ctl + CTL_RANGES, epoch, ctl, timeout_ns, INTERPRET)
+        if ok == 0:
+            record_error(ctl, ERR_START_TIMEOUT, rank, 0, -1)
     tl.debug_barrier()  # every thread's range loads after the acquire (cumulativity through bar.sync)
     return ok
 
