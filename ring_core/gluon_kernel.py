@@ -182,7 +182,6 @@ def _producer(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_bar, kv_
     BLOCK_M: gl.constexpr = q_smem.shape[0]
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
-    RINGS: gl.constexpr = kv_ready.shape[0] // STAGES
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     tma_load(q_desc, [b * S + q0, h * D], q_bar, q_smem)
     q_pos_min = positions(q0, rank, S, W, ZIGZAG)
@@ -200,22 +199,8 @@ def _producer(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_bar, kv_
             s = j % STAGES
             # Round r of a slot waits for the consumers' release of round r - 1 (a fresh barrier passes round 0).
             mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
-            if RINGS == 1:
-                if step == 0:
-                    mbarrier.expect(kv_ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-                    tma_load(k_desc, [b * S + jb * BLOCK_N, hkv * D], kv_ready.index(s), k_smem.index(s))
-                    tma_load(v_desc, [b * S + jb * BLOCK_N, hkv * D], kv_ready.index(s), v_smem.index(s))
-                else:
-                    mbarrier.expect(kv_ready.index(s), 2 * r_desc.block_type.nbytes)
-                    tma_load(r_desc, [k_row + jb * BLOCK_N, 0], kv_ready.index(s), k_smem.index(s))
-                    tma_load(r_desc, [k_row + B * HKV * S + jb * BLOCK_N, 0], kv_ready.index(s), v_smem.index(s))
-            else:
-                if step == 0:
-                    _load_apart(k_desc, v_desc, [b * S + jb * BLOCK_N, hkv * D], [b * S + jb * BLOCK_N, hkv * D],
-                                k_smem.index(s), v_smem.index(s), kv_ready, kv_empty, s, j // STAGES, STAGES)
-                else:
-                    _load_apart(r_desc, r_desc, [k_row + jb * BLOCK_N, 0], [k_row + B * HKV * S + jb * BLOCK_N, 0],
-                                k_smem.index(s), v_smem.index(s), kv_ready, kv_empty, s, j // STAGES, STAGES)
+            _load_block(k_desc, v_desc, r_desc, k_smem, v_smem, kv_ready, kv_empty, s, j // STAGES, step, b, hkv, jb,
+                        k_row, B, S, HKV, D)
             j += 1
 
 
@@ -234,7 +219,6 @@ def _producer_masked(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_b
     BLOCK_M: gl.constexpr = q_smem.shape[0]
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
-    RINGS: gl.constexpr = kv_ready.shape[0] // STAGES
     CHUNK_ROWS: gl.constexpr = CHUNK_BLOCKS * BLOCK_N
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     tma_load(q_desc, [b * S + q0, h * D], q_bar, q_smem)
@@ -267,25 +251,8 @@ def _producer_masked(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_b
                 s = j % STAGES
                 mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
                 meta.index(s).store(gl.full([1], block_word(step, jb, unmasked), gl.int32, _WORD_LAYOUT_1))
-                if RINGS == 1:
-                    if step == 0:
-                        mbarrier.expect(kv_ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-                        tma_load(k_desc, [b * S + jb * BLOCK_N, hkv * D], kv_ready.index(s), k_smem.index(s))
-                        tma_load(v_desc, [b * S + jb * BLOCK_N, hkv * D], kv_ready.index(s), v_smem.index(s))
-                    else:
-                        mbarrier.expect(kv_ready.index(s), 2 * r_desc.block_type.nbytes)
-                        tma_load(r_desc, [k_row + jb * BLOCK_N, 0], kv_ready.index(s), k_smem.index(s))
-                        tma_load(r_desc, [k_row + B * HKV * S + jb * BLOCK_N, 0], kv_ready.index(s),
-                                 v_smem.index(s))
-                else:
-                    if step == 0:
-                        _load_apart(k_desc, v_desc, [b * S + jb * BLOCK_N, hkv * D],
-                                    [b * S + jb * BLOCK_N, hkv * D], k_smem.index(s), v_smem.index(s), kv_ready,
-                                    kv_empty, s, j // STAGES, STAGES)
-                    else:
-                        _load_apart(r_desc, r_desc, [k_row + jb * BLOCK_N, 0],
-                                    [k_row + B * HKV * S + jb * BLOCK_N, 0], k_smem.index(s), v_smem.index(s),
-                                    kv_ready, kv_empty, s, j // STAGES, STAGES)
+                _load_block(k_desc, v_desc, r_desc, k_smem, v_smem, kv_ready, kv_empty, s, j // STAGES, step, b, hkv,
+                            jb, k_row, B, S, HKV, D)
                 j += 1
 
 
@@ -343,6 +310,32 @@ def plan_at(plan, step):
     words = plan.load(lay)
     i = gl.arange(0, n, layout=lay)
     return gl.sum(gl.where(i == 2 * step, words, 0), axis=0), gl.sum(gl.where(i == 2 * step + 1, words, 0), axis=0)
+
+
+@gluon.jit
+def _load_block(k_desc, v_desc, r_desc, k_smem, v_smem, kv_ready, kv_empty, s, rnd, step: gl.constexpr, b, hkv, jb,
+                k_row, B, S, HKV: gl.constexpr, D: gl.constexpr):
+    """Block ``jb`` of ring step ``step`` into slot ``s`` (its round ``rnd``, the slot already free): step 0 from this
+    rank's K and V, a later step from its receive slot (``k_row``: its K rows' first row there, V's B * HKV * S on);
+    K and V together on the slot's barrier, or (``kv_rings`` 2) apart (``_load_apart``)."""
+    STAGES: gl.constexpr = k_smem.shape[0]
+    BLOCK_N: gl.constexpr = k_smem.shape[1]
+    if kv_ready.shape[0] // STAGES == 1:
+        if step == 0:
+            mbarrier.expect(kv_ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+            tma_load(k_desc, [b * S + jb * BLOCK_N, hkv * D], kv_ready.index(s), k_smem.index(s))
+            tma_load(v_desc, [b * S + jb * BLOCK_N, hkv * D], kv_ready.index(s), v_smem.index(s))
+        else:
+            mbarrier.expect(kv_ready.index(s), 2 * r_desc.block_type.nbytes)
+            tma_load(r_desc, [k_row + jb * BLOCK_N, 0], kv_ready.index(s), k_smem.index(s))
+            tma_load(r_desc, [k_row + B * HKV * S + jb * BLOCK_N, 0], kv_ready.index(s), v_smem.index(s))
+    else:
+        if step == 0:
+            _load_apart(k_desc, v_desc, [b * S + jb * BLOCK_N, hkv * D], [b * S + jb * BLOCK_N, hkv * D],
+                        k_smem.index(s), v_smem.index(s), kv_ready, kv_empty, s, rnd, STAGES)
+        else:
+            _load_apart(r_desc, r_desc, [k_row + jb * BLOCK_N, 0], [k_row + B * HKV * S + jb * BLOCK_N, 0],
+                        k_smem.index(s), v_smem.index(s), kv_ready, kv_empty, s, rnd, STAGES)
 
 
 @gluon.jit

@@ -94,6 +94,8 @@ Stages (``NAME[:SECONDS]``; the default time limit is in brackets):
   examples     the four examples on 2 GPUs (flax_train.py needs flax and optax there: carry .whl and
                install them first, see the README)                                 [300]
   flax         examples/flax_train.py alone                                        [120]
+  examples-torch  the two torch examples (gloo between the ranks: they run with ranks sharing a GPU, which the JAX
+               examples' NCCL collectives cannot)                                  [240]
   limits       tests/gpu_shared_limits.py: what works between ranks sharing a GPU   [240]
   rings        tests/gpu_rings.py: 2 x 2 meshes, DeviceMesh groups, torch.compile (--nproc 4) [300]
   train-dp     examples/torch_train.py --dp 2 (data x sequence parallel; --nproc 4)  [180]
@@ -267,6 +269,9 @@ STAGES = {
                        TORCHRUN + ["examples/torch_ring_attention.py"],
                        TORCHRUN + ["examples/torch_train.py"],
                        LAUNCH + ["examples/flax_train.py"]]),  # last: it needs the extra wheels
+    # The torch examples alone: with ranks sharing a GPU the JAX ones cannot run (their XLA collectives need NCCL,
+    # which refuses two ranks on one GPU), and a stage stops at its first failing command.
+    "examples-torch": (240, [TORCHRUN + ["examples/torch_ring_attention.py"], TORCHRUN + ["examples/torch_train.py"]]),
     "probe-callback": (150, [["env", "-u", gpus.MPS_SHARE_ENV, sys.executable, "-m", "benchmarks.callback_cost",
                               "--out", "{out}/callback_cost.csv"]]),
     "flax": (120, [LAUNCH + ["examples/flax_train.py"]]),
