@@ -252,7 +252,7 @@ def main():
         idx = shards(q, lay)
         ql, kl, vl = q[:, idx], k[:, idx], v[:, idx]
         seg = None if segs is None else np.ascontiguousarray(segs[:, idx])
-        kw = dict(is_causal=causal, layout=lay, scale=scale, deterministic=deterministic)
+        kw = dict(is_causal=causal, layout=lay, scale=scale)  # a forward: no backward to make deterministic
         if window is not None:
             kw["window_size"] = window
         mask = dict(segment_ids=segs, window=window)
