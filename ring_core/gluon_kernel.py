@@ -16,40 +16,45 @@ of the call (``end_call``: end barrier, status words, counters). The no-deadlock
 holds as it is: a program drains the push counter before anything of it waits (here: before the partitions
 start), and waits only for flags that pushes set.
 
-One program per (batch, head, BLOCK_M query rows) tile, in the tl kernel's order (ring_core.tiles.query_tile). The
+Persistent: a program per SM (``ring_core.plans.plan``'s grid), each taking the tiles ``pid``, ``pid + grid``, ... of
+(batch, head, BLOCK_M query rows) in the tl kernel's order (ring_core.tiles.query_tile), so that what a program pays
+however few blocks its tile has (the call check, the descriptors, the barriers, the end count: about 11 us,
+benchmarks/NOTES.md, session 12) is paid once per SM, and a tile's first loads overlap the last tile's end. The
 tiles depend on head_dim, set in one place (``ring_core.plans.GLUON_TILES``, passed as BLOCK_M / BLOCK_N, the slots
 read by ``kv_slots`` and ``kv_rings``): 128 query rows, K/V blocks of 128 rows in 3 slots at D64 / D128, of 64 rows
 in 2 slots at D256, there with K and V in rings of their own (shared memory: Q and the slots 224 KiB at D128, 192 KiB
 at D256).
-* Prologue (the kernel's 4 warps): ring context, call check, push every unclaimed unit (``drain_pushes``), TMA
-  descriptors made on the device (global scratch: the launchers pass it), shared memory for Q and ``STAGES``
-  K/V slots with their mbarriers.
-* The **load partition** (one warp): Q once, then the tile's K/V blocks of every ring step in order, each through
-  TMA into a slot. Step 0 reads the local K/V; step t >= 1 reads the receive slot of rank ``rank - t``, each chunk
-  after a bounded acquire of its flag (``poll_ge``; a wait that gives up records ERR_KV_TIMEOUT and the loads go
-  on, so the consumers never stall) and a generic-to-async proxy fence (the flag is acquired by ordinary loads,
-  the chunk read by TMA: PTX ISA, memory consistency model, proxies). The blocks a tile visits per step are the
-  tl kernel's (``protocol.block_range``: every block below the causal frontier whole, the frontier's masked, the
-  hidden ones neither waited for nor loaded).
-* Two **consumer partitions** (one warpgroup each, 64 query rows apiece): FlashAttention-3's pipelined online
-  softmax (S of block j and P V of block j-1 in flight together), each releasing the slots on its own. They follow
-  the producer's block order with scalar bookkeeping (``_next_block``), which gives each block's causal mask as one
-  number: query minus key position at the tile's first row and the block's first key (positions are contiguous
-  within a tile and a block: ``plans.gluon_applies`` asks S % 128 == 0, zigzag S % 256 == 0, so that each half of
-  a zigzag shard holds whole tiles and whole blocks). With 64-row blocks (D256) the first consumer sees nothing of
-  the diagonal's last block (its mask drops every column: m and l stay as they were). At the end
-  each writes its rows of O / l into its half of Q's buffer and its lse, or NaN rows if the call check failed or
-  any wait of this rank gave up (the error record: a superset of the tl kernel's per-tile NaN rows; the call's
-  status raises either way).
-* Epilogue: one TMA store of O, then ``end_call``.
+* Prologue (the kernel's 4 warps), once per program: ring context, call check, push every unclaimed unit
+  (``drain_pushes``), TMA descriptors made on the device (global scratch: the launchers pass it), shared memory for
+  Q (a half per consumer, ``q_halves``) and ``STAGES`` K/V slots with their mbarriers.
+* The **load partition** (one warp), tile after tile: the tile's first K/V block, then each half of its Q once that
+  half's consumer has freed it, then the rest of its blocks, every ring step's in order, each through TMA into a
+  slot (the slots' rounds go on from tile to tile). Step 0 reads the local K/V; step t >= 1 reads the receive slot
+  of rank ``rank - t``, each chunk after a bounded acquire of its flag (``poll_ge``; a wait that gives up records
+  ERR_KV_TIMEOUT and the loads go on, so the consumers never stall) and a generic-to-async proxy fence (the flag is
+  acquired by ordinary loads, the chunk read by TMA: PTX ISA, memory consistency model, proxies). The blocks a tile
+  visits per step are the tl kernel's (``protocol.block_range``: every block below the causal frontier whole, the
+  frontier's masked, the hidden ones neither waited for nor loaded).
+* Two **consumer partitions** (one warpgroup each, 64 query rows apiece), tile after tile: FlashAttention-3's
+  pipelined online softmax (S of block j and P V of block j-1 in flight together), each releasing the slots on its
+  own. They follow the producer's block order with scalar bookkeeping (``_next_block``), which gives each block's
+  causal mask as one number: query minus key position at the tile's first row and the block's first key (positions
+  are contiguous within a tile and a block: ``plans.gluon_applies`` asks S % 128 == 0, zigzag S % 256 == 0, so that
+  each half of a zigzag shard holds whole tiles and whole blocks). With 64-row blocks (D256) the first consumer sees
+  nothing of the diagonal's last block (its mask drops every column: m and l stay as they were). At the end of a
+  tile each writes its rows of O / l into its half of Q's buffer and its lse, or NaN rows if the call check failed
+  or any wait of this rank gave up (the error record: a superset of the tl kernel's per-tile NaN rows; the call's
+  status raises either way), stores them by TMA, and frees the half for the next tile's Q once the store has read
+  it (``q_empty``).
+* Epilogue: ``end_call``.
 
 Windows and segment ids (constexprs WINDOW, SEGMENTED; issue 20): the blocks come from the tl kernel's rules
-(``protocol.step_blocks``: positions, windows included) narrowed by the id ranges every rank publishes per chunk with
-the call check (chunks of one block with segment ids: ``plans.KernelConfig``), which say whether a block can hold a
-pair the tile attends and whether it needs masks (``protocol.block_met``; unmasked: every query sees every key by
-position and the tile's rows and the block's all carry one id). The prologue plans each ring step's run of blocks
-(``make_plan``: before anything waits) and counts them for the consumers; the load partition
-(``_producer_masked``) walks the runs, skips a block no query of the tile attends (not sent, not waited for, not
+(``protocol.step_blocks``: positions, windows included) narrowed by the id ranges every rank publishes per chunk
+with the call check (chunks of one block with segment ids: ``plans.KernelConfig``), which say whether a block can
+hold a pair the tile attends and whether it needs masks (``protocol.block_met``; unmasked: every query sees every
+key by position and the tile's rows and the block's all carry one id). The load partition plans each ring step's run
+of blocks per tile (``make_plan``), counts them for the consumers (in a word per half, published with Q), then
+(``_tile_loads_masked``) walks the runs, skips a block no query of the tile attends (not sent, not waited for, not
 loaded: only blocks sent whole are read, as TMA reads whole blocks) and passes each block's word (ring step, block,
 masked) to the consumers through a word per slot; the consumers apply the one mask rule (``protocol.pairs_allowed``)
 to masked blocks, with the block's ids read while S = Q K^T runs. A tile of padding rows has no block (out 0, lse
@@ -91,7 +96,7 @@ else:  # Triton 3.6 builds the op (ttng.async_tma_reduce) but its Gluon language
 
 # The tiles (query rows per tile, K/V rows per block, K/V slots) depend on head_dim: ring_core.plans.GLUON_TILES,
 # which the plans pass as BLOCK_M / BLOCK_N and the kernel reads for its slots (``kv_slots``).
-CONSUMER_WARPS = 4  # each consumer partition: one warpgroup on 64 rows; also the prologue's and epilogue's warps
+CONSUMER_WARPS = 4  # a consumer partition: one warpgroup on 64 rows; also the prologue's (num_warps)
 LOAD_WARPS, LOAD_REGS, CONSUMER_REGS = 1, 24, 232
 # As the kernel reads them (a @gluon.jit function reads constexpr globals only).
 _CONSUMER_WARPS = gl.constexpr(CONSUMER_WARPS)
@@ -135,29 +140,57 @@ def kv_rings(head_dim):
 @gluon.jit
 def slots(dtype: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, layout: gl.constexpr,
           STAGES: gl.constexpr, RELEASERS: gl.constexpr, RINGS: gl.constexpr):
-    """Shared memory for Q (``BLOCK_M`` rows of D) and ``STAGES`` K/V slots (``BLOCK_N`` rows of D each), and their
-    mbarriers, initialised: ``q_bar`` (Q landed), ``kv_ready`` (a slot's bytes landed), ``kv_empty`` (a slot freed
-    by its ``RELEASERS`` consumer partitions); ``RINGS`` 2: K and V in rings of their own, each slot's V with the
-    barriers ``STAGES`` on (``kv_rings``). Also the Gluon probes' (benchmarks/gluon_fwd.py). The consumers and the
-    load partition read the tiles and the rings back from these buffers' shapes."""
+    """Shared memory for Q (``BLOCK_M`` rows of D) and its mbarrier ``q_bar`` (Q landed), and ``kv_slots_smem``'s
+    K/V slots: the Gluon probes' (benchmarks/gluon_fwd.py), one tile per program. The consumers and the load
+    partitions read the tiles and the rings back from these buffers' shapes."""
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D], layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    k_smem, v_smem, kv_ready, kv_empty = kv_slots_smem(dtype, BLOCK_N, D, layout, STAGES, RELEASERS, RINGS)
+    return q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty
+
+
+@gluon.jit
+def kv_slots_smem(dtype: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, layout: gl.constexpr,
+                  STAGES: gl.constexpr, RELEASERS: gl.constexpr, RINGS: gl.constexpr):
+    """``STAGES`` K/V slots (``BLOCK_N`` rows of D each) and their mbarriers, initialised: ``kv_ready`` (a slot's
+    bytes landed), ``kv_empty`` (a slot freed by its ``RELEASERS`` consumer partitions); ``RINGS`` 2: K and V in rings
+    of their own, each slot's V with the barriers ``STAGES`` on (``kv_rings``)."""
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [RINGS * STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [RINGS * STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
     for i in gl.static_range(RINGS * STAGES):
         mbarrier.init(kv_ready.index(i), count=1)
         mbarrier.init(kv_empty.index(i), count=RELEASERS)
     fence_async_shared()  # the barriers' initialisation before the async proxy (TMA) uses them
-    return q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty
+    return k_smem, v_smem, kv_ready, kv_empty
+
+
+@gluon.jit
+def q_halves(dtype: gl.constexpr, HALF: gl.constexpr, D: gl.constexpr, layout: gl.constexpr):
+    """The persistent kernel's Q buffer, a half of the tile's rows per consumer partition (``HALF`` rows of D
+    each), with a pair of mbarriers per half: ``q_ready`` (the half landed), ``q_empty`` (its consumer is done with
+    it: the tile's O, which it holds at the end, stored)."""
+    q_smem = gl.allocate_shared_memory(dtype, [2, HALF, D], layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=1)
+    return q_smem, q_ready, q_empty
 
 
 @gluon.jit
 def free_slots(q_bar, kv_ready, kv_empty, STAGES: gl.constexpr):
     """``slots``' mbarriers invalidated, once every partition is done with them (``STAGES``: RINGS * STAGES)."""
     mbarrier.invalidate(q_bar)
+    free_slots_kv(kv_ready, kv_empty, STAGES)
+
+
+@gluon.jit
+def free_slots_kv(kv_ready, kv_empty, STAGES: gl.constexpr):
+    """``kv_slots_smem``'s mbarriers invalidated (``STAGES``: RINGS * STAGES)."""
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(kv_ready.index(i))
         mbarrier.invalidate(kv_empty.index(i))
@@ -174,19 +207,67 @@ def _acquire_chunk(flag, epoch, ctl, timeout_ns, src, step, c):
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, b, h, hkv,
-              q0, rank, B, S, flags, n_chunks, epoch, ctl, timeout_ns, W: gl.constexpr, HKV: gl.constexpr,
-              D: gl.constexpr, CHUNK_BLOCKS: gl.constexpr, CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr):
-    """The load partition: Q, then every ring step's blocks (see the module docstring); K and V in rings of their
-    own (RINGS 2): a block's K, then its V once its V slot is free."""
-    BLOCK_M: gl.constexpr = q_smem.shape[0]
+def free_q_halves(q_ready, q_empty):
+    """``q_halves``' mbarriers invalidated, once every partition is done with them."""
+    for i in gl.static_range(2):
+        mbarrier.invalidate(q_ready.index(i))
+        mbarrier.invalidate(q_empty.index(i))
+
+
+@gluon.jit
+def _load_q(q_desc, q_smem, q_ready, q_empty, tword, row, col, i, n_blocks, MASKS: gl.constexpr):
+    """The load partition: the program's ``i``-th tile's Q (rows from ``row``), each half once its consumer is done
+    with the last tile's (its O stored from there); with a window or segment ids the tile's block count first, in
+    the half's word ``tword``, which the half's barrier publishes (the consumers' loop needs it)."""
+    HALF: gl.constexpr = q_smem.shape[1]
+    for half in gl.static_range(2):
+        mbarrier.wait(q_empty.index(half), (i & 1) ^ 1)
+        if MASKS:
+            tword.index(half).store(gl.full([1], n_blocks, gl.int32, _WORD_LAYOUT_1))
+        mbarrier.expect(q_ready.index(half), q_desc.block_type.nbytes)
+        tma_load(q_desc, [row + half * HALF, col], q_ready.index(half), q_smem.index(half))
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, meta,
+              tword, rank, B, S, seg_ptr, flags, n_chunks, epoch, ctl, timeout_ns, rng, H: gl.constexpr,
+              W: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, CHUNK_BLOCKS: gl.constexpr, CAUSAL: gl.constexpr,
+              ZIGZAG: gl.constexpr, WINDOW: gl.constexpr, WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr,
+              SEGMENTED: gl.constexpr):
+    """The load partition: the program's tiles (``tiles``) one after another, each one's Q and blocks
+    (``_tile_loads`` / ``_tile_loads_masked``); the slots' rounds go on from tile to tile."""
+    BLOCK_M: gl.constexpr = 2 * q_smem.shape[1]
+    j = 0
+    i = 0
+    for tile in range(gl.program_id(0), B * H * (S // BLOCK_M), gl.num_programs(0)):
+        b, h, hkv, m_blk = query_tile(tile, H // HKV, S // BLOCK_M, HKV, CAUSAL)
+        if WINDOW or SEGMENTED:
+            j = _tile_loads_masked(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready,
+                                   kv_empty, meta, tword, b, h, hkv, m_blk * BLOCK_M, i, j, rank, B, S, seg_ptr,
+                                   flags, n_chunks, epoch, ctl, timeout_ns, rng, W, HKV, D, CHUNK_BLOCKS, CAUSAL,
+                                   ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)
+        else:
+            j = _tile_loads(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready,
+                            kv_empty, tword, b, h, hkv, m_blk * BLOCK_M, i, j, rank, B, S, flags, n_chunks, epoch,
+                            ctl, timeout_ns, W, HKV, D, CHUNK_BLOCKS, CAUSAL, ZIGZAG)
+        i += 1
+
+
+@gluon.jit
+def _tile_loads(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, tword, b,
+                h, hkv, q0, i, j, rank, B, S, flags, n_chunks, epoch, ctl, timeout_ns, W: gl.constexpr,
+                HKV: gl.constexpr, D: gl.constexpr, CHUNK_BLOCKS: gl.constexpr, CAUSAL: gl.constexpr,
+                ZIGZAG: gl.constexpr):
+    """One tile's loads (the program's ``i``-th; ``j``: the slots' count of blocks so far, returned with this tile's
+    added): every ring step's blocks (see the module docstring), Q after the first (which may fill a slot while the
+    consumers finish the last tile); K and V in rings of their own (RINGS 2): a block's K, then its V once its V
+    slot is free."""
+    BLOCK_M: gl.constexpr = 2 * q_smem.shape[1]
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
-    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-    tma_load(q_desc, [b * S + q0, h * D], q_bar, q_smem)
     q_pos_min = positions(q0, rank, S, W, ZIGZAG)
     q_pos_max = positions(q0 + BLOCK_M - 1, rank, S, W, ZIGZAG)
-    j = 0
+    j_first = j
     for step in gl.static_range(W):
         src = (rank - step + W) % W
         _, n_hi, _ = block_range(q_pos_min, q_pos_max, src, S, W, BLOCK_N, CAUSAL, ZIGZAG)
@@ -201,28 +282,46 @@ def _producer(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_bar, kv_
             mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
             _load_block(k_desc, v_desc, r_desc, k_smem, v_smem, kv_ready, kv_empty, s, j // STAGES, step, b, hkv, jb,
                         k_row, B, S, HKV, D)
+            if j == j_first:
+                _load_q(q_desc, q_smem, q_ready, q_empty, tword, b * S + q0, h * D, i, 0, False)
             j += 1
+    return j
 
 
 @gluon.jit
-def _producer_masked(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, meta, plan, b,
-                     h, hkv, q0, rank, B, S, flags, n_chunks, epoch, ctl, timeout_ns, rng, s_hi, t_id, a_lo, a_hi,
-                     b_lo, b_hi, q_pos_min, q_pos_max, W: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr,
-                     CHUNK_BLOCKS: gl.constexpr, CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr, WINDOW: gl.constexpr,
-                     WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr, SEGMENTED: gl.constexpr):
-    """The load partition with a window or segment ids: ``_producer``'s loads, of the blocks the tile's plan holds
-    (``plan``: each ring step's run [first, end), ``protocol.met_blocks``), each tested again (``block_met``: a
-    block no query of the tile may attend is neither waited for nor loaded; its chunk may not have been sent), and
-    for each block loaded its word in ``meta`` (``block_word``) before the slot's barrier: which step and block, and
-    whether it needs masks (not when every query of the tile sees every key by position and, with segment ids,
-    the tile's rows and the block's all carry one id: the chunk's published range is [t, t], padding counted)."""
-    BLOCK_M: gl.constexpr = q_smem.shape[0]
+def _tile_loads_masked(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
+                       meta, tword, b, h, hkv, q0, i, j, rank, B, S, seg_ptr, flags, n_chunks, epoch, ctl, timeout_ns,
+                       rng, W: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, CHUNK_BLOCKS: gl.constexpr,
+                       CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr, WINDOW: gl.constexpr, WIN_LEFT: gl.constexpr,
+                       WIN_RIGHT: gl.constexpr, SEGMENTED: gl.constexpr):
+    """``_tile_loads`` with a window or segment ids: the tile's plan first (``make_plan``: each ring step's run
+    [first, end) and the count of blocks loaded, which goes to the consumers with Q), then the blocks the plan
+    holds, each tested again (``block_met``: a block no query of the tile may attend is neither waited for nor
+    loaded; its chunk may not have been sent), and for each block loaded its word in ``meta`` (``block_word``)
+    before the slot's barrier: which step and block, and whether it needs masks (not when every query of the tile
+    sees every key by position and, with segment ids, the tile's rows and the block's all carry one id: the chunk's
+    published range is [t, t], padding counted). A tile with no block (padding rows) gets Q alone."""
+    BLOCK_M: gl.constexpr = 2 * q_smem.shape[1]
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     CHUNK_ROWS: gl.constexpr = CHUNK_BLOCKS * BLOCK_N
-    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-    tma_load(q_desc, [b * S + q0, h * D], q_bar, q_smem)
-    j = 0
+    q_pos_min = positions(q0, rank, S, W, ZIGZAG)
+    q_pos_max = positions(q0 + BLOCK_M - 1, rank, S, W, ZIGZAG)
+    s_hi = q0 * 0
+    t_id = s_hi
+    a_lo, a_hi, b_lo, b_hi = s_hi, s_hi, s_hi, s_hi
+    if SEGMENTED:  # the tile's ids (protocol.tile_ids)
+        rows_q = q0 + iota(BLOCK_M)
+        s_lo, s_hi, t_id = ids_summary(gl.load(seg_ptr + b.to(gl.int64) * S + rows_q), rows_q < S)
+        # protocol.tile_id_parts without its reductions: a tile lies in one half of the shard
+        # (plans.gluon_applies), so its ids are that half's part and the other part is empty.
+        a_lo, a_hi, b_lo, b_hi = s_lo, s_hi, s_lo * 0 + BIG_ID, s_hi * 0 - 1
+        if ZIGZAG:
+            if q0 >= S // 2:
+                a_lo, a_hi, b_lo, b_hi = b_lo, b_hi, a_lo, a_hi
+    plan, n_blocks = make_plan(q0, q_pos_min, q_pos_max, s_hi, rank, S, rng, b, B, n_chunks, a_lo, a_hi, b_lo, b_hi, W,
+                               BLOCK_M, BLOCK_N, CHUNK_ROWS, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)
+    j_first = j
     for step in gl.static_range(W):
         src = (rank - step + W) % W
         _, nf_lo, nf_hi, _, lo1, hi1, lo2, hi2, _ = step_blocks(q0, q0 + BLOCK_M, q_pos_min, q_pos_max, s_hi, rank,
@@ -231,7 +330,7 @@ def _producer_masked(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_b
         first, end = plan_at(plan, step)
         rng_src = ranges_of(rng, src, b, B, n_chunks)
         flag0 = flags + (((step - 1) * B + b) * HKV + hkv) * n_chunks
-        k_row = (((step - 1) * 2 * B + b) * HKV + hkv) * S  # step >= 1: as _producer
+        k_row = (((step - 1) * 2 * B + b) * HKV + hkv) * S  # step >= 1: as _tile_loads
         c_done = first * 0 - 1
         for jb in range(first, end):
             c_lo, c_hi = jb, jb  # (unused without ids)
@@ -253,10 +352,15 @@ def _producer_masked(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_b
                 meta.index(s).store(gl.full([1], block_word(step, jb, unmasked), gl.int32, _WORD_LAYOUT_1))
                 _load_block(k_desc, v_desc, r_desc, k_smem, v_smem, kv_ready, kv_empty, s, j // STAGES, step, b, hkv,
                             jb, k_row, B, S, HKV, D)
+                if j == j_first:
+                    _load_q(q_desc, q_smem, q_ready, q_empty, tword, b * S + q0, h * D, i, n_blocks, True)
                 j += 1
+    if j == j_first:  # no block: out 0, lse -inf
+        _load_q(q_desc, q_smem, q_ready, q_empty, tword, b * S + q0, h * D, i, n_blocks, True)
+    return j
 
 
-# A block's word (``_producer_masked`` -> the consumers, through the slot's ``meta``): ring step, block, and bit 0 set
+# A block's word (``_tile_loads_masked`` -> the consumers, through the slot's ``meta``): ring step, block, and bit 0 set
 # where the block needs masks (then the whole rule is applied: the positions' alone for the diagonal of a tile of one
 # document measured no faster, its separate path made the consumers spill).
 _WORD_LAYOUT_1 = gl.constexpr(gl.BlockedLayout([1], [32], [1], [0]))  # the load partition's one warp
@@ -279,10 +383,11 @@ def make_plan(q0, q_pos_min, q_pos_max, s_hi, rank, S, rng, b, B, n_chunks, a_lo
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CHUNK_ROWS: gl.constexpr, CAUSAL: gl.constexpr,
               ZIGZAG: gl.constexpr, WINDOW: gl.constexpr, WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr,
               SEGMENTED: gl.constexpr):
-    """With a window or segment ids, in the prologue (before the partitions; no wait): per ring step the run of
-    blocks [first, end) holding every block the tile loads (``protocol.met_blocks``: by position, ``step_blocks``,
-    and by the chunks' published id ranges, which the call check acquired), into shared memory for the load
-    partition (``plan_at``), and the number of blocks loaded, which the consumers' loop needs: (plan, n_blocks)."""
+    """With a window or segment ids, in the load partition before a tile's first wait: per ring step the run of
+    blocks [first, end) holding every block the tile loads (``protocol.met_blocks``, 32 blocks at a time, a lane
+    each: by position, ``step_blocks``, and by the chunks' published id ranges, which the call check acquired), as
+    a vector (``plan_at`` reads it), and the number of blocks loaded, which the consumers' loop needs: (plan,
+    n_blocks)."""
     n: gl.constexpr = pow2(2 * W)
     lay: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
     i = gl.arange(0, n, layout=lay)
@@ -294,22 +399,17 @@ def make_plan(q0, q_pos_min, q_pos_max, s_hi, rank, S, rng, b, B, n_chunks, a_lo
                                                               S, W, BLOCK_N, ZIGZAG, CAUSAL, WINDOW, WIN_LEFT,
                                                               WIN_RIGHT, SEGMENTED)
         first, end, count = met_blocks(j_lo, n_hi, lo1, hi1, lo2, hi2, ranges_of(rng, src, b, B, n_chunks), a_lo,
-                                       a_hi, b_lo, b_hi, BLOCK_N, CHUNK_ROWS, SEGMENTED)
+                                       a_hi, b_lo, b_hi, BLOCK_N, CHUNK_ROWS, SEGMENTED, 32)
         words = gl.where(i == 2 * step, first, gl.where(i == 2 * step + 1, end, words))
         n_blocks += count
-    plan = gl.allocate_shared_memory(gl.int32, [n], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-    plan.store(words)
-    return plan, n_blocks
+    return words, n_blocks
 
 
 @gluon.jit
 def plan_at(plan, step):
-    """Ring step ``step``'s run of blocks [first, end) in the tile's plan (``make_plan``), in any partition."""
-    n: gl.constexpr = plan.shape[0]
-    lay: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-    words = plan.load(lay)
-    i = gl.arange(0, n, layout=lay)
-    return gl.sum(gl.where(i == 2 * step, words, 0), axis=0), gl.sum(gl.where(i == 2 * step + 1, words, 0), axis=0)
+    """Ring step ``step``'s run of blocks [first, end) in the tile's plan (``make_plan``)."""
+    i = gl.arange(0, plan.shape[0], layout=plan.type.layout)
+    return gl.sum(gl.where(i == 2 * step, plan, 0), axis=0), gl.sum(gl.where(i == 2 * step + 1, plan, 0), axis=0)
 
 
 @gluon.jit
@@ -493,37 +593,106 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, pp, meta, n_blo
               rank, B, S, q_pos_min, q_pos_max, seg_q, seg_local, seg_recv_b, HALF_INDEX: gl.constexpr, W: gl.constexpr,
               HKV: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr, WINDOW: gl.constexpr,
               WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr, SEGMENTED: gl.constexpr):
-    """One consumer partition on its half of the tile's query rows (64): the pipelined online softmax over the
-    tile's ``n_blocks`` blocks (``_blocks``), then its rows of O / l (NaN rows after a failure) into its half of
-    Q's buffer and its lse. With a window or segment ids a tile may have no block (padding rows): its rows are
-    then out 0, lse -inf."""
+    """One consumer partition of a program of one tile (the Gluon probes: benchmarks/gluon_fwd.py, gluon_ring.py) on
+    its half of the tile's query rows (64): the pipelined online softmax over the tile's ``n_blocks`` blocks
+    (``_blocks``), then its rows of O / l (NaN rows after a failure) into its half of Q's buffer and its lse
+    (``_tile_out``). No window nor segment ids. The product's kernel is persistent: ``_consumer_tiles``."""
+    gl.static_assert(not (WINDOW or SEGMENTED), "the probes' consumer has no masks")
     HALF: gl.constexpr = q_smem.shape[0] // 2
+    q_half = q_smem.slice(HALF_INDEX * HALF, HALF)
+    acc, m_i, l_i = _rows_init(HALF, D, k_smem.shape[1])
+    acc, m_i, l_i = _blocks(q_half, k_smem, v_smem, kv_ready, kv_empty, pp, meta, n_blocks, qk_scale, rank, B, S,
+                            q_pos_min, q_pos_max, seg_q, seg_local, seg_recv_b, acc, m_i, l_i, HALF_INDEX, W, HKV,
+                            CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED, q_bar, 0, 0, 0)
+    _tile_out(acc, m_i, l_i, q_half, lse_row, ctl, call_ok, HALF_INDEX)
+
+
+@gluon.jit
+def _consumer_tiles(q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, pp, meta, tword, o_desc, lse_ptr,
+                    qk_scale, ctl, call_ok, rank, B, S, seg_ptr, seg_recv, HALF_INDEX: gl.constexpr, H: gl.constexpr,
+                    W: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr,
+                    WINDOW: gl.constexpr, WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr, SEGMENTED: gl.constexpr):
+    """One consumer partition of the persistent kernel, on its half of each of the program's tiles (64 query rows,
+    ``q_smem.index(HALF_INDEX)``), the tiles in the load partition's order: the pipelined online softmax over the
+    tile's blocks (``_blocks``; their count: without masks the tl kernel's rules, with a window or segment ids the
+    load partition's plan, in the half's word ``tword``), its rows of O / l (NaN rows after a failure) into its half
+    of Q's buffer (``_tile_out``), from there to global memory by TMA, and the half freed for the next tile's Q once
+    that store has read it. A tile with no block (padding rows, masks only): out 0, lse -inf. The slots' rounds and
+    the ping-pong's turns go on from tile to tile."""
+    HALF: gl.constexpr = q_smem.shape[1]
+    BLOCK_M: gl.constexpr = 2 * HALF
+    BLOCK_N: gl.constexpr = k_smem.shape[1]
+    MASKS: gl.constexpr = WINDOW or SEGMENTED
+    q_half = q_smem.index(HALF_INDEX)
+    j0 = rank * 0  # the blocks of the program's tiles so far (the slots' rounds)
+    g0 = j0  # the ping-pong's turns so far
+    i = j0  # the program's tiles so far (Q's rounds)
+    for tile in range(gl.program_id(0), B * H * (S // BLOCK_M), gl.num_programs(0)):
+        b, h, hkv, m_blk = query_tile(tile, H // HKV, S // BLOCK_M, HKV, CAUSAL)
+        q0 = m_blk * BLOCK_M
+        q_pos_min = positions(q0, rank, S, W, ZIGZAG)
+        q_pos_max = positions(q0 + BLOCK_M - 1, rank, S, W, ZIGZAG)
+        seg_local = seg_ptr + b.to(gl.int64) * S  # batch b's ids (SEGMENTED)
+        acc, m_i, l_i = _rows_init(HALF, D, BLOCK_N)
+        if MASKS:
+            mbarrier.wait(q_ready.index(HALF_INDEX), i & 1)  # (also where there is no block: the buffer takes O)
+            n_blocks = gl.max(tword.index(HALF_INDEX).load(_WORD_LAYOUT_4), axis=0)
+            if n_blocks > 0:
+                acc, m_i, l_i = _blocks(q_half, k_smem, v_smem, kv_ready, kv_empty, pp, meta, n_blocks, qk_scale, rank,
+                                        B, S, q_pos_min, q_pos_max, seg_local + q0, seg_local,
+                                        seg_recv + (b * HKV + hkv).to(gl.int64) * S, acc, m_i, l_i, HALF_INDEX, W,
+                                        HKV, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED, None, 0, j0, g0)
+                g0 += n_blocks + 1
+        else:
+            n_blocks = q0 * 0
+            for step in gl.static_range(W):
+                _, n_hi, _ = block_range(q_pos_min, q_pos_max, (rank - step + W) % W, S, W, BLOCK_N, CAUSAL, ZIGZAG)
+                n_blocks += n_hi
+            acc, m_i, l_i = _blocks(q_half, k_smem, v_smem, kv_ready, kv_empty, pp, meta, n_blocks, qk_scale, rank, B,
+                                    S, q_pos_min, q_pos_max, seg_local, seg_local, seg_local, acc, m_i, l_i, HALF_INDEX,
+                                    W, HKV, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED,
+                                    q_ready.index(HALF_INDEX), i & 1, j0, g0)
+            g0 += n_blocks + 1
+        # The tile's place again from its index (cheap): held across the blocks, it took the consumers' registers.
+        b, h, _, m_blk = query_tile(tile, H // HKV, S // BLOCK_M, HKV, CAUSAL)
+        _tile_out(acc, m_i, l_i, q_half, lse_ptr + ((b * H + h).to(gl.int64) * S + m_blk * BLOCK_M), ctl, call_ok,
+                  HALF_INDEX)
+        cta_barrier()  # every warp's rows of O (and their proxy fence) before the store
+        tma_store(o_desc, [b * S + m_blk * BLOCK_M + HALF_INDEX * HALF, h * D], q_half)
+        tma.store_wait(pendings=0)  # (the issuing thread's) store has read the buffer
+        release(q_empty, HALF_INDEX)
+        j0 += n_blocks
+        i += 1
+
+
+@gluon.jit
+def _rows_init(HALF: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr):
+    """A consumer's running (acc, m, l) at the start of a tile, in the layouts of ``_blocks``."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[_CONSUMER_WARPS, 1],
-                                                       instr_shape=[16, k_smem.shape[1], 16])
+                                                       instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[_CONSUMER_WARPS, 1],
                                                        instr_shape=[16, D, 16])
-    q_half = q_smem.slice(HALF_INDEX * HALF, HALF)
     m_i = gl.full([HALF], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([HALF], gl.float32, gl.SliceLayout(1, s_layout))
     acc = gl.zeros([HALF, D], gl.float32, o_layout)
-    if WINDOW or SEGMENTED:
-        mbarrier.wait(q_bar, 0)  # (also where there is no block: Q's buffer takes the output below)
-        if n_blocks > 0:
-            acc, m_i, l_i = _blocks(q_half, k_smem, v_smem, kv_ready, kv_empty, pp, meta, n_blocks, qk_scale, rank, B,
-                                    S, q_pos_min, q_pos_max, seg_q, seg_local, seg_recv_b, acc, m_i, l_i, HALF_INDEX, W,
-                                    HKV, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)
-    else:
-        acc, m_i, l_i = _blocks(q_half, k_smem, v_smem, kv_ready, kv_empty, pp, meta, n_blocks, qk_scale, rank, B, S,
-                                q_pos_min, q_pos_max, seg_q, seg_local, seg_recv_b, acc, m_i, l_i, HALF_INDEX, W, HKV,
-                                CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED, q_bar)
-    # Every wait of this tile came before its blocks: a failure of any is in the error record by now.
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def _tile_out(acc, m_i, l_i, q_half, lse_row, ctl, call_ok, HALF_INDEX: gl.constexpr):
+    """A consumer's rows of O (acc / l; NaN rows if the call check failed or any wait of this rank gave up: every
+    wait of the tile came before its blocks, so a failure of any is in the error record by now) into its half of
+    Q's buffer (every MMA reading Q has completed), with the proxy fence before a TMA store of them, and its rows'
+    lse (-inf where a row saw nothing)."""
+    HALF: gl.constexpr = q_half.shape[0]
+    o_layout: gl.constexpr = acc.type.layout
     err = gl.atomic_add(ctl + CTL_ERROR, 0, sem="relaxed", scope="gpu")
     valid = (call_ok != 0) & (err == 0)
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
     l_safe = gl.where(l_o == 0.0, 1.0, l_o)
     out = gl.where(valid, acc / l_safe[:, None], float("nan"))
-    q_half.store(out.to(q_smem.dtype))  # every MMA reading Q has completed
-    fence_async_shared()  # these generic-proxy stores before the TMA store (async proxy) after the join
+    q_half.store(out.to(q_half.dtype))
+    fence_async_shared()  # these generic-proxy stores before the TMA store (async proxy) of them
     lse_rows = HALF_INDEX * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, o_layout))
     m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
     lse = gl.where(valid, (m_o + gl.log2(l_safe)) * 0.6931471805599453, float("nan"))
@@ -534,13 +703,15 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, pp, meta, n_blo
 def _blocks(q_half, k_smem, v_smem, kv_ready, kv_empty, pp, meta, n_blocks, qk_scale, rank, B, S, q_pos_min,
             q_pos_max, seg_q, seg_local, seg_recv_b, acc, m_i, l_i, HALF_INDEX: gl.constexpr, W: gl.constexpr,
             HKV: gl.constexpr, CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr, WINDOW: gl.constexpr,
-            WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr, SEGMENTED: gl.constexpr, q_bar=None):
+            WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr, SEGMENTED: gl.constexpr, q_bar, q_phase, j0, g0):
     """The pipelined online softmax of one consumer over the tile's ``n_blocks`` (>= 1) blocks (block j's S = Q K^T
     beside block j-1's O += P V): (acc, m, l). The tiles are the buffers' (``slots``). K and V in rings of their own
     (RINGS 2): block j's K freed once S_j is done, its V once P_j V_j is, each waited for just before its MMA.
     Without masks the blocks follow the producer's order by scalar bookkeeping (``_next_block``; ``q_bar``: Q's
-    barrier, waited for here); with a window or segment ids each block's word comes with its slot (``meta``,
-    ``_producer_masked``), read once the slot's barrier passed."""
+    barrier, waited for here in its phase ``q_phase``); with a window or segment ids each block's word comes with its
+    slot (``meta``, ``_tile_loads_masked``), read once the slot's barrier passed (Q's waited for by the caller).
+    ``j0``: the blocks of the program's tiles before this one (the slots' rounds go on), ``g0``: the ping-pong's
+    turns before it."""
     MASKS: gl.constexpr = WINDOW or SEGMENTED
     HALF: gl.constexpr = q_half.shape[0]
     D: gl.constexpr = q_half.shape[1]
@@ -553,34 +724,35 @@ def _blocks(q_half, k_smem, v_smem, kv_ready, kv_empty, pp, meta, n_blocks, qk_s
                                                        instr_shape=[16, D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     zero_s = gl.zeros([HALF, BLOCK_N], gl.float32, s_layout)
+    s0 = j0 % STAGES  # the tile's first block's slot
     if MASKS:
         row_ids: gl.constexpr = gl.SliceLayout(1, s_layout)
         q_ids = gl.full([HALF], -1, gl.int32, row_ids)
         if SEGMENTED:
             q_ids = gl.load(seg_q + HALF_INDEX * HALF + gl.arange(0, HALF, layout=row_ids))  # seg_q: the tile's ids
-        mbarrier.wait(kv_ready.index(0), 0)
-        w = gl.max(meta.index(0).load(_WORD_LAYOUT_4), axis=0)
+        mbarrier.wait(kv_ready.index(s0), (j0 // STAGES) & 1)
+        w = gl.max(meta.index(s0).load(_WORD_LAYOUT_4), axis=0)
     else:
         _, n_hi, n_full = block_range(q_pos_min, q_pos_max, rank, S, W, BLOCK_N, CAUSAL, ZIGZAG)  # step 0: local K/V
         t, jb, n_hi, n_full, d = _next_block(rank * 0, rank * 0 - 1, n_hi, n_full, rank, S, q_pos_min, q_pos_max, W,
                                              BLOCK_N, CAUSAL, ZIGZAG)
-        mbarrier.wait(q_bar, 0)
-        mbarrier.wait(kv_ready.index(0), 0)
-    _turn(pp, 0, HALF_INDEX)
-    qk = warpgroup_mma(q_half, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        mbarrier.wait(q_bar, q_phase)
+        mbarrier.wait(kv_ready.index(s0), (j0 // STAGES) & 1)
+    _turn(pp, g0, HALF_INDEX)
+    qk = warpgroup_mma(q_half, k_smem.index(s0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     _pass_turn(pp, HALF_INDEX)
     if MASKS:  # (read while S runs)
         k_ids = _block_ids(w, seg_local, seg_recv_b, B, S, HKV, BLOCK_N, gl.SliceLayout(0, s_layout))
     qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
     if RINGS > 1:
-        release(kv_empty, 0)  # K_0
+        release(kv_empty, s0)  # K_0
     if MASKS:
         p, alpha, m_i, l_i = _softmax_masked(qk, m_i, l_i, w, q_ids, k_ids, HALF_INDEX * HALF, q_pos_min, rank, S,
                                              qk_scale, W, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)
     else:
         p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, d, HALF_INDEX * HALF, qk_scale, CAUSAL)
     p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)  # acc is 0: no rescale for block 0
-    for j in range(1, n_blocks):
+    for j in range(j0 + 1, j0 + n_blocks):
         s = j % STAGES
         sp = (j - 1) % STAGES
         if not MASKS:
@@ -589,7 +761,7 @@ def _blocks(q_half, k_smem, v_smem, kv_ready, kv_empty, pp, meta, n_blocks, qk_s
         mbarrier.wait(kv_ready.index(s), (j // STAGES) & 1)
         if MASKS:
             w = gl.max(meta.index(s).load(_WORD_LAYOUT_4), axis=0)
-        _turn(pp, j, HALF_INDEX)
+        _turn(pp, g0 + j - j0, HALF_INDEX)
         qk = warpgroup_mma(q_half, k_smem.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         if RINGS > 1:
             mbarrier.wait(kv_ready.index(STAGES + sp), ((j - 1) // STAGES) & 1)  # V_{j-1}
@@ -613,10 +785,10 @@ def _blocks(q_half, k_smem, v_smem, kv_ready, kv_empty, pp, meta, n_blocks, qk_s
             release(kv_empty, sp)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)
-    sp = (n_blocks - 1) % STAGES
+    sp = (j0 + n_blocks - 1) % STAGES
     if RINGS > 1:
-        mbarrier.wait(kv_ready.index(STAGES + sp), ((n_blocks - 1) // STAGES) & 1)
-    _turn(pp, n_blocks, HALF_INDEX)
+        mbarrier.wait(kv_ready.index(STAGES + sp), ((j0 + n_blocks - 1) // STAGES) & 1)
+    _turn(pp, g0 + n_blocks, HALF_INDEX)
     acc = warpgroup_mma(p_op, v_smem.index(sp), acc, is_async=True)
     _pass_turn(pp, HALF_INDEX)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
@@ -651,11 +823,6 @@ def ring_attn_fwd_gluon(
     CHUNK_ROWS: gl.constexpr = CHUNK_BLOCKS * BLOCK_N
     dtype: gl.constexpr = q_ptr.dtype.element_ty
 
-    if SEGMENTED:  # the tile's ids (the caller's input) loaded first: their latency beside the call check's
-        b_q, _, _, m_q = query_tile(gl.program_id(0), H // HKV, S // BLOCK_M, HKV, CAUSAL)
-        rows_q = m_q * BLOCK_M + iota(BLOCK_M)
-        ids_q = gl.load(seg_ptr + b_q.to(gl.int64) * S + rows_q)  # (rows_q < S: S % BLOCK_M == 0)
-
     # ---- the protocol's start: this rank's ring, the call check, every push unit left --------------------
     heap_bases, rank, ctl, flags, recv_addr, epoch = ring_context(ctx_ptr, W)
     recv, seg_recv = receive_slots(recv_addr, seg_ptr, rank, B, S, q_ptr, W, HKV, D, SEGMENTED)
@@ -670,82 +837,43 @@ def ring_attn_fwd_gluon(
                      heap_bases, rank, epoch, B, S, n_chunks, W, HKV, D, D, CHUNK_ROWS, PUSH_ROWS, PUSH_VEC, CAUSAL,
                      ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED, rng, SEGMENTED)
 
-    # ---- the tile, its blocks, TMA descriptors and shared memory ----------------------------------------
-    b, h, hkv, m_blk = query_tile(gl.program_id(0), H // HKV, S // BLOCK_M, HKV, CAUSAL)
-    q0 = m_blk * BLOCK_M
-    q_pos_min = positions(q0, rank, S, W, ZIGZAG)
-    q_pos_max = positions(q0 + BLOCK_M - 1, rank, S, W, ZIGZAG)
-    seg_local = seg_ptr + b.to(gl.int64) * S  # batch b's ids (SEGMENTED)
-    if MASKS:
-        # The tile's ids (SEGMENTED) and, per ring step, the run of blocks it loads (``make_plan``).
-        s_hi = q0 * 0
-        t_id = s_hi
-        a_lo, a_hi, b_lo, b_hi = s_hi, s_hi, s_hi, s_hi
-        if SEGMENTED:
-            s_lo, s_hi, t_id = ids_summary(ids_q, rows_q < S)  # (protocol.tile_ids)
-            # protocol.tile_id_parts without its reductions: a tile lies in one half of the shard
-            # (plans.gluon_applies), so its ids are that half's part and the other part is empty.
-            a_lo, a_hi, b_lo, b_hi = s_lo, s_hi, s_lo * 0 + BIG_ID, s_hi * 0 - 1
-            if ZIGZAG:
-                if q0 >= S // 2:
-                    a_lo, a_hi, b_lo, b_hi = b_lo, b_hi, a_lo, a_hi
-        plan, n_blocks = make_plan(q0, q_pos_min, q_pos_max, s_hi, rank, S, rng, b, B, n_chunks, a_lo, a_hi, b_lo,
-                                   b_hi, W, BLOCK_M, BLOCK_N, CHUNK_ROWS, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT,
-                                   SEGMENTED)
-        seg_recv_b = seg_recv + (b * HKV + hkv).to(gl.int64) * S  # receive slot 0's ids of (b, kv head)
-    else:
-        n_blocks = 0
-        for step in gl.static_range(W):
-            _, n_hi, _ = block_range(q_pos_min, q_pos_max, (rank - step + W) % W, S, W, BLOCK_N, CAUSAL, ZIGZAG)
-            n_blocks += n_hi
-        seg_recv_b = seg_local  # never read
+    # ---- TMA descriptors and shared memory, once for the program's tiles -----------------------------------
+    HALF: gl.constexpr = BLOCK_M // 2
     layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    q_desc = tma.make_tensor_descriptor(q_ptr, [B * S, H * D], [H * D, 1], [BLOCK_M, D], layout)
-    o_desc = tma.make_tensor_descriptor(out_ptr, [B * S, H * D], [H * D, 1], [BLOCK_M, D], layout)
+    q_desc = tma.make_tensor_descriptor(q_ptr, [B * S, H * D], [H * D, 1], [HALF, D], layout)
+    o_desc = tma.make_tensor_descriptor(out_ptr, [B * S, H * D], [H * D, 1], [HALF, D], layout)
     k_desc = tma.make_tensor_descriptor(k_ptr, [B * S, HKV * D], [HKV * D, 1], [BLOCK_N, D], layout)
     v_desc = tma.make_tensor_descriptor(v_ptr, [B * S, HKV * D], [HKV * D, 1], [BLOCK_N, D], layout)
     if W > 1:
         r_desc = tma.make_tensor_descriptor(recv, [(W - 1) * 2 * B * HKV * S, D], [D, 1], [BLOCK_N, D], layout)
     else:
         r_desc = k_desc  # never read: no ring step reads a receive slot
+    q_smem, q_ready, q_empty = q_halves(dtype, HALF, D, layout)
     # Each slot released by both consumer partitions.
-    q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty = slots(dtype, BLOCK_M, BLOCK_N, D, layout, STAGES, 2, RINGS)
+    k_smem, v_smem, kv_ready, kv_empty = kv_slots_smem(dtype, BLOCK_N, D, layout, STAGES, 2, RINGS)
     pp = turns()
     if MASKS:
         meta = gl.allocate_shared_memory(gl.int32, [pow2(STAGES), 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        tword = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     else:
-        meta = q_bar  # never read
+        meta = q_ready  # never read
+        tword = q_ready  # never read
 
+    # ---- the program's tiles (ring_core.tiles.query_tile's order, one in every grid's width) ---------------
     qk_scale = sm_scale * 1.4426950408889634
-    lse_row = lse_ptr + (b * H + h).to(gl.int64) * S + q0
-    if MASKS:
-        gl.warp_specialize([
-            (_consumer, (q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, pp, meta, n_blocks, qk_scale, lse_row, ctl,
-                         call_ok, rank, B, S, q_pos_min, q_pos_max, seg_local + q0, seg_local, seg_recv_b, 0, W,
-                         HKV, D, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
-            (_producer_masked, (q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, meta,
-                                plan, b, h, hkv, q0, rank, B, S, flags, n_chunks, epoch, ctl, timeout_ns, rng, s_hi,
-                                t_id, a_lo, a_hi, b_lo, b_hi, q_pos_min, q_pos_max, W, HKV, D, CHUNK_BLOCKS, CAUSAL,
-                                ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
-            (_consumer, (q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, pp, meta, n_blocks, qk_scale, lse_row, ctl,
-                         call_ok, rank, B, S, q_pos_min, q_pos_max, seg_local + q0, seg_local, seg_recv_b, 1, W,
-                         HKV, D, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
-        ], [_LOAD_WARPS, _CONSUMER_WARPS], [_LOAD_REGS, _CONSUMER_REGS])
-    else:
-        gl.warp_specialize([
-            (_consumer, (q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, pp, meta, n_blocks, qk_scale, lse_row, ctl,
-                         call_ok, rank, B, S, q_pos_min, q_pos_max, seg_local + q0, seg_local, seg_recv_b, 0, W,
-                         HKV, D, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
-            (_producer, (q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, b, h, hkv,
-                         q0, rank, B, S, flags, n_chunks, epoch, ctl, timeout_ns, W, HKV, D, CHUNK_BLOCKS, CAUSAL,
-                         ZIGZAG)),
-            (_consumer, (q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, pp, meta, n_blocks, qk_scale, lse_row, ctl,
-                         call_ok, rank, B, S, q_pos_min, q_pos_max, seg_local + q0, seg_local, seg_recv_b, 1, W,
-                         HKV, D, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
-        ], [_LOAD_WARPS, _CONSUMER_WARPS], [_LOAD_REGS, _CONSUMER_REGS])
-    tma_store(o_desc, [b * S + q0, h * D], q_smem)  # both halves written (the partitions joined)
-    tma.store_wait(pendings=0)
-    free_slots(q_bar, kv_ready, kv_empty, RINGS * STAGES)
+    gl.warp_specialize([
+        (_consumer_tiles, (q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, pp, meta, tword, o_desc,
+                           lse_ptr, qk_scale, ctl, call_ok, rank, B, S, seg_ptr, seg_recv, 0, H, W, HKV, D, CAUSAL,
+                           ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
+        (_producer, (q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, meta,
+                     tword, rank, B, S, seg_ptr, flags, n_chunks, epoch, ctl, timeout_ns, rng, H, W, HKV, D,
+                     CHUNK_BLOCKS, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
+        (_consumer_tiles, (q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, pp, meta, tword, o_desc,
+                           lse_ptr, qk_scale, ctl, call_ok, rank, B, S, seg_ptr, seg_recv, 1, H, W, HKV, D, CAUSAL,
+                           ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
+    ], [_LOAD_WARPS, _CONSUMER_WARPS], [_LOAD_REGS, _CONSUMER_REGS])
+    free_q_halves(q_ready, q_empty)
+    free_slots_kv(kv_ready, kv_empty, RINGS * STAGES)
     free_turns(pp)
 
     # ---- the protocol's end: end barrier, status, counters (the last program of this rank) -----------------

@@ -266,7 +266,8 @@ class HeapRings:
     def plan(self, spec, ring_size: int, **kw) -> plans.LaunchPlan:
         """The forward kernel's launch (ring_core.plans.plan; on a Hopper GPU the Gluon kernel where it applies,
         unless RING_ATTENTION_GLUON=0); raises HeapTooSmallError."""
-        return plans.plan(spec, ring_size, self.layout, capability=plans.gluon_capability(self.device), **kw)
+        return plans.plan(spec, ring_size, self.layout, capability=plans.gluon_capability(self.device),
+                          sms=plans.device_sms(self.device), **kw)
 
     def plan_bwd(self, spec, ring_size: int, **kw) -> plans.LaunchPlan:
         """The backward kernel's launch (ring_core.plans.plan_bwd: the frontends pass their call's

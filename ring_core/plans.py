@@ -128,6 +128,25 @@ def gluon_capability(device):
     return _CAPABILITY[device]
 
 
+_SMS = {}  # torch device -> streaming multiprocessors
+PERSISTENT_ENV = "RING_ATTENTION_GLUON_PERSISTENT"  # "0": the Gluon forward with a program per tile (A/B runs)
+
+
+def device_sms(device) -> int | None:
+    """The streaming multiprocessors of torch ``device`` (None: not a CUDA device, or RING_ATTENTION_GLUON_PERSISTENT
+    is "0", read at each plan: a program per tile, for A/B runs): the persistent Gluon forward's programs
+    (``plan``). Ranks sharing a GPU under MPS see the whole GPU's count; each rank's programs then run in as many
+    waves as its share of the SMs asks, the protocol being indifferent to how many are resident (a program pushes
+    every unit left before it waits: ring_core.protocol)."""
+    if getattr(device, "type", None) != "cuda" or os.environ.get(PERSISTENT_ENV, "1") == "0":
+        return None
+    if device not in _SMS:
+        import torch
+
+        _SMS[device] = int(torch.cuda.get_device_properties(device).multi_processor_count)
+    return _SMS[device]
+
+
 def gluon_applies(spec: AttentionSpec, world_size: int, capability) -> bool:
     """Whether the Gluon Hopper kernel (ring_core.gluon_kernel) takes the forward of ``spec`` over ``world_size``
     ranks on a GPU of compute ``capability`` ((major, minor); None: no GPU, or the Gluon kernel turned off): Hopper
@@ -482,10 +501,12 @@ def _too_small(what: str, need: int, have: int, spec: AttentionSpec, world_size:
 
 @functools.lru_cache(maxsize=512)
 def plan(spec: AttentionSpec, world_size: int, heap: HeapLayout, *, interpret: bool = False,
-         config: KernelConfig | None = None, capability: tuple | None = None) -> LaunchPlan:
+         config: KernelConfig | None = None, capability: tuple | None = None, sms: int | None = None) -> LaunchPlan:
     """The forward's launch; raises HeapTooSmallError (before anything runs) when the heap is short. Cached
     (every argument is frozen and hashable; the torch launcher plans at every call); errors are not.
-    ``capability``: the GPU's, where the Gluon kernel may run (``gluon_applies``)."""
+    ``capability``: the GPU's, where the Gluon kernel may run (``gluon_applies``); ``sms``: its streaming
+    multiprocessors (``device_sms``), the Gluon kernel's programs: it is persistent, each program takes the tiles
+    ``pid``, ``pid + grid``, ... (None: a program per tile, e.g. planned without a GPU)."""
     check_fused(spec, "a reference backend")
     cfg = config or KernelConfig.get_default(spec, world_size, interpret=interpret, capability=capability)
     need = recv_bytes(spec, world_size)
@@ -495,7 +516,8 @@ def plan(spec: AttentionSpec, world_size: int, heap: HeapLayout, *, interpret: b
     chunk_blocks, flags = _chunking("call", math.ceil(spec.seq_local / cfg.block_n), cfg.chunk_blocks,
                                     lambda n_chunks: per_chunk * n_chunks + id_range_words(spec, world_size, n_chunks),
                                     heap.flag_capacity)
-    grid = (spec.batch * spec.num_heads * math.ceil(spec.seq_local / cfg.block_m),)
+    n_tiles = spec.batch * spec.num_heads * math.ceil(spec.seq_local / cfg.block_m)
+    grid = (min(n_tiles, sms) if cfg.gluon and sms else n_tiles,)
     return LaunchPlan(control.KIND_FWD, spec, world_size, cfg, chunk_blocks, cfg.block_n, grid, need, flags,
                       interpret)
 

@@ -891,11 +891,11 @@ def chunk_ranges(rng_src_b, c, mask):
 
 @triton.jit
 def met_blocks(j_lo, j_hi, lo1, hi1, lo2, hi2, rng_src_b, a_lo, a_hi, b_lo, b_hi, BLOCK: tl.constexpr,
-               CHUNK_ROWS: tl.constexpr, SEGMENTED: tl.constexpr):
+               CHUNK_ROWS: tl.constexpr, SEGMENTED: tl.constexpr, RB: tl.constexpr = 256):
     """``block_met`` over blocks [j_lo, j_hi), a vector of them at a time: (first, end, count), every block met
-    lies in [first, end) (first = end: none), ``count`` of them. The Gluon forward's plan of a ring step: its
-    consumers need the count before the loop, its load partition the run to test block by block."""
-    RB: tl.constexpr = 256  # blocks per vector step
+    lies in [first, end) (first = end: none), ``count`` of them, RB blocks per vector step. The Gluon forward's plan
+    of a ring step: its consumers need the count before the loop, its load partition the run to test block by
+    block."""
     offs = iota(RB)
     first = j_hi
     end = j_lo

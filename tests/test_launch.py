@@ -138,7 +138,13 @@ def test_the_gluon_kernel_takes_the_forwards_it_applies_to(kw, capability, gluon
             tiles = tiles[:3] + (tiles[1], )
         assert (p.config.block_m, p.config.block_n, p.config.num_stages, p.chunk_rows) == tiles
         assert p.config.num_warps == 4 and p.block == p.config.block_n
-        assert p.grid == (8 * spec.seq_local // 128,)
+        assert p.grid == (8 * spec.seq_local // 128,)  # without the GPU's SM count: a program per tile
+        # Persistent: a program per SM (132 on an H200) where there are more tiles, a program per tile where fewer
+        n_tiles = 8 * spec.seq_local // 128
+        assert plans.plan(spec, 2, lay, capability=capability, sms=132).grid == (min(n_tiles, 132),)
+        assert plans.plan(spec, 2, lay, capability=capability, sms=3).grid == (3,)
+    else:  # the tl kernels: a program per tile whatever the GPU
+        assert plans.plan(spec, 2, lay, capability=capability, sms=3).grid == p.grid
     assert not plans.plan(spec, 2, lay, capability=capability, interpret=True).config.gluon
     assert plans.plan_bwd(spec, 2, lay).kernel().__name__ == "ring_attn_bwd_kernel"
     fast = plans.plan_bwd(spec, 2, lay, capability=capability)
