@@ -102,6 +102,8 @@ LOAD_WARPS, LOAD_REGS, CONSUMER_REGS = 1, 24, 232
 _CONSUMER_WARPS = gl.constexpr(CONSUMER_WARPS)
 _LOAD_WARPS = gl.constexpr(LOAD_WARPS)
 _LOAD_REGS, _CONSUMER_REGS = gl.constexpr(LOAD_REGS), gl.constexpr(CONSUMER_REGS)
+CTL_FWD_TILE = gl.constexpr(control.CTL_FWD_TILE)
+CTL_FWD_DONE = gl.constexpr(control.CTL_FWD_DONE)
 _UNMASKED = gl.constexpr(1 << 30)  # the mask number of a block every query of the tile sees whole
 # FlashAttention-3's ping-pong: the two consumer warpgroups take turns issuing their MMAs (a pair of mbarriers passes
 # the turn), so that one's softmax runs while the other's MMAs hold the tensor cores. Read at import (a constexpr
@@ -215,17 +217,33 @@ def free_q_halves(q_ready, q_empty):
 
 
 @gluon.jit
-def _load_q(q_desc, q_smem, q_ready, q_empty, tword, row, col, i, n_blocks, MASKS: gl.constexpr):
-    """The load partition: the program's ``i``-th tile's Q (rows from ``row``), each half once its consumer is done
-    with the last tile's (its O stored from there); with a window or segment ids the tile's block count first, in
-    the half's word ``tword``, which the half's barrier publishes (the consumers' loop needs it)."""
+def _load_q(q_desc, q_smem, q_ready, q_empty, tword, row, col, i, tile, n_blocks):
+    """The load partition: the program's ``i``-th tile's Q (tile ``tile``, rows from ``row``), each half once its
+    consumer is done with the last tile's (its O stored from there), after the tile and its block count (masks
+    only) in the half's words ``tword``, which the half's barrier publishes (the consumers' loop needs both)."""
     HALF: gl.constexpr = q_smem.shape[1]
     for half in gl.static_range(2):
         mbarrier.wait(q_empty.index(half), (i & 1) ^ 1)
-        if MASKS:
-            tword.index(half).store(gl.full([1], n_blocks, gl.int32, _WORD_LAYOUT_1))
+        tword.index(2 * half).store(gl.full([1], tile, gl.int32, _WORD_LAYOUT_1))
+        tword.index(2 * half + 1).store(gl.full([1], n_blocks, gl.int32, _WORD_LAYOUT_1))
         mbarrier.expect(q_ready.index(half), q_desc.block_type.nbytes)
         tma_load(q_desc, [row + half * HALF, col], q_ready.index(half), q_smem.index(half))
+
+
+@gluon.jit
+def _no_more_tiles(q_ready, q_empty, tword, i):
+    """The load partition, after the program's ``i`` tiles: tile -1 to each consumer, once it is done with the last
+    (published by the half's barrier, with no bytes to wait for)."""
+    for half in gl.static_range(2):
+        mbarrier.wait(q_empty.index(half), (i & 1) ^ 1)
+        tword.index(2 * half).store(gl.full([1], -1, gl.int32, _WORD_LAYOUT_1))
+        mbarrier.arrive(q_ready.index(half), count=1)
+
+
+@gluon.jit
+def _tile_word(tword, k):
+    """Word ``k`` of ``tword`` (``_load_q``), in a consumer (after the half's barrier)."""
+    return gl.max(tword.index(k).load(_WORD_LAYOUT_4), axis=0)
 
 
 @gluon.jit
@@ -234,34 +252,42 @@ def _producer(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_ready, q
               W: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, CHUNK_BLOCKS: gl.constexpr, CAUSAL: gl.constexpr,
               ZIGZAG: gl.constexpr, WINDOW: gl.constexpr, WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr,
               SEGMENTED: gl.constexpr):
-    """The load partition: the program's tiles (``tiles``) one after another, each one's Q and blocks
-    (``_tile_loads`` / ``_tile_loads_masked``); the slots' rounds go on from tile to tile."""
+    """The load partition: the program's tiles one after another, each one's Q and blocks (``_tile_loads`` /
+    ``_tile_loads_masked``; the slots' rounds go on from tile to tile), then tile -1 to the consumers. The first
+    tile is the program's own; every next one is taken from the call's tile counter (CTL_FWD_TILE, fetched while
+    the tile before is loaded), so the tiles start in ring_core.tiles.query_tile's order, as a program per tile
+    would: the programs running at once share K/V in L2 and the heaviest tiles go first."""
     BLOCK_M: gl.constexpr = 2 * q_smem.shape[1]
-    j = 0
-    i = 0
-    for tile in range(gl.program_id(0), B * H * (S // BLOCK_M), gl.num_programs(0)):
+    n_tiles = B * H * (S // BLOCK_M)
+    tile = gl.program_id(0) + rank * 0
+    j = tile * 0
+    i = j
+    while tile < n_tiles:
+        nxt = gl.num_programs(0) + gl.atomic_add(ctl + CTL_FWD_TILE, 1, sem="relaxed", scope="gpu")
         b, h, hkv, m_blk = query_tile(tile, H // HKV, S // BLOCK_M, HKV, CAUSAL)
         if WINDOW or SEGMENTED:
             j = _tile_loads_masked(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready,
-                                   kv_empty, meta, tword, b, h, hkv, m_blk * BLOCK_M, i, j, rank, B, S, seg_ptr,
+                                   kv_empty, meta, tword, tile, b, h, hkv, m_blk * BLOCK_M, i, j, rank, B, S, seg_ptr,
                                    flags, n_chunks, epoch, ctl, timeout_ns, rng, W, HKV, D, CHUNK_BLOCKS, CAUSAL,
                                    ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)
         else:
             j = _tile_loads(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready,
-                            kv_empty, tword, b, h, hkv, m_blk * BLOCK_M, i, j, rank, B, S, flags, n_chunks, epoch,
-                            ctl, timeout_ns, W, HKV, D, CHUNK_BLOCKS, CAUSAL, ZIGZAG)
+                            kv_empty, tword, tile, b, h, hkv, m_blk * BLOCK_M, i, j, rank, B, S, flags, n_chunks,
+                            epoch, ctl, timeout_ns, W, HKV, D, CHUNK_BLOCKS, CAUSAL, ZIGZAG)
         i += 1
+        tile = nxt
+    _no_more_tiles(q_ready, q_empty, tword, i)
 
 
 @gluon.jit
-def _tile_loads(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, tword, b,
-                h, hkv, q0, i, j, rank, B, S, flags, n_chunks, epoch, ctl, timeout_ns, W: gl.constexpr,
+def _tile_loads(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, tword,
+                tile, b, h, hkv, q0, i, j, rank, B, S, flags, n_chunks, epoch, ctl, timeout_ns, W: gl.constexpr,
                 HKV: gl.constexpr, D: gl.constexpr, CHUNK_BLOCKS: gl.constexpr, CAUSAL: gl.constexpr,
                 ZIGZAG: gl.constexpr):
-    """One tile's loads (the program's ``i``-th; ``j``: the slots' count of blocks so far, returned with this tile's
-    added): every ring step's blocks (see the module docstring), Q after the first (which may fill a slot while the
-    consumers finish the last tile); K and V in rings of their own (RINGS 2): a block's K, then its V once its V
-    slot is free."""
+    """One tile's loads (tile ``tile``, the program's ``i``-th; ``j``: the slots' count of blocks so far, returned
+    with this tile's added): every ring step's blocks (see the module docstring), Q after the first (which may fill
+    a slot while the consumers finish the last tile); K and V in rings of their own (RINGS 2): a block's K, then its
+    V once its V slot is free."""
     BLOCK_M: gl.constexpr = 2 * q_smem.shape[1]
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
@@ -283,15 +309,15 @@ def _tile_loads(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_ready,
             _load_block(k_desc, v_desc, r_desc, k_smem, v_smem, kv_ready, kv_empty, s, j // STAGES, step, b, hkv, jb,
                         k_row, B, S, HKV, D)
             if j == j_first:
-                _load_q(q_desc, q_smem, q_ready, q_empty, tword, b * S + q0, h * D, i, 0, False)
+                _load_q(q_desc, q_smem, q_ready, q_empty, tword, b * S + q0, h * D, i, tile, j_first * 0)
             j += 1
     return j
 
 
 @gluon.jit
 def _tile_loads_masked(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
-                       meta, tword, b, h, hkv, q0, i, j, rank, B, S, seg_ptr, flags, n_chunks, epoch, ctl, timeout_ns,
-                       rng, W: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, CHUNK_BLOCKS: gl.constexpr,
+                       meta, tword, tile, b, h, hkv, q0, i, j, rank, B, S, seg_ptr, flags, n_chunks, epoch, ctl,
+                       timeout_ns, rng, W: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, CHUNK_BLOCKS: gl.constexpr,
                        CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr, WINDOW: gl.constexpr, WIN_LEFT: gl.constexpr,
                        WIN_RIGHT: gl.constexpr, SEGMENTED: gl.constexpr):
     """``_tile_loads`` with a window or segment ids: the tile's plan first (``make_plan``: each ring step's run
@@ -353,10 +379,10 @@ def _tile_loads_masked(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q
                 _load_block(k_desc, v_desc, r_desc, k_smem, v_smem, kv_ready, kv_empty, s, j // STAGES, step, b, hkv,
                             jb, k_row, B, S, HKV, D)
                 if j == j_first:
-                    _load_q(q_desc, q_smem, q_ready, q_empty, tword, b * S + q0, h * D, i, n_blocks, True)
+                    _load_q(q_desc, q_smem, q_ready, q_empty, tword, b * S + q0, h * D, i, tile, n_blocks)
                 j += 1
     if j == j_first:  # no block: out 0, lse -inf
-        _load_q(q_desc, q_smem, q_ready, q_empty, tword, b * S + q0, h * D, i, n_blocks, True)
+        _load_q(q_desc, q_smem, q_ready, q_empty, tword, b * S + q0, h * D, i, tile, n_blocks)
     return j
 
 
@@ -613,12 +639,13 @@ def _consumer_tiles(q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty
                     W: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr,
                     WINDOW: gl.constexpr, WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr, SEGMENTED: gl.constexpr):
     """One consumer partition of the persistent kernel, on its half of each of the program's tiles (64 query rows,
-    ``q_smem.index(HALF_INDEX)``), the tiles in the load partition's order: the pipelined online softmax over the
-    tile's blocks (``_blocks``; their count: without masks the tl kernel's rules, with a window or segment ids the
-    load partition's plan, in the half's word ``tword``), its rows of O / l (NaN rows after a failure) into its half
-    of Q's buffer (``_tile_out``), from there to global memory by TMA, and the half freed for the next tile's Q once
-    that store has read it. A tile with no block (padding rows, masks only): out 0, lse -inf. The slots' rounds and
-    the ping-pong's turns go on from tile to tile."""
+    ``q_smem.index(HALF_INDEX)``), the tiles as the load partition takes them (each one's index in the half's word,
+    published with its Q; -1: no more): the pipelined online softmax over the tile's blocks (``_blocks``; their
+    count: without masks the tl kernel's rules, with a window or segment ids the load partition's plan, in the
+    half's second word), its rows of O / l (NaN rows after a failure) into its half of Q's buffer (``_tile_out``),
+    from there to global memory by TMA, and the half freed for the next tile's Q once that store has read it. A tile
+    with no block (padding rows, masks only): out 0, lse -inf. The slots' rounds and the ping-pong's turns go on
+    from tile to tile."""
     HALF: gl.constexpr = q_smem.shape[1]
     BLOCK_M: gl.constexpr = 2 * HALF
     BLOCK_N: gl.constexpr = k_smem.shape[1]
@@ -627,7 +654,9 @@ def _consumer_tiles(q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty
     j0 = rank * 0  # the blocks of the program's tiles so far (the slots' rounds)
     g0 = j0  # the ping-pong's turns so far
     i = j0  # the program's tiles so far (Q's rounds)
-    for tile in range(gl.program_id(0), B * H * (S // BLOCK_M), gl.num_programs(0)):
+    mbarrier.wait(q_ready.index(HALF_INDEX), 0)
+    tile = _tile_word(tword, 2 * HALF_INDEX)
+    while tile >= 0:
         b, h, hkv, m_blk = query_tile(tile, H // HKV, S // BLOCK_M, HKV, CAUSAL)
         q0 = m_blk * BLOCK_M
         q_pos_min = positions(q0, rank, S, W, ZIGZAG)
@@ -635,8 +664,7 @@ def _consumer_tiles(q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty
         seg_local = seg_ptr + b.to(gl.int64) * S  # batch b's ids (SEGMENTED)
         acc, m_i, l_i = _rows_init(HALF, D, BLOCK_N)
         if MASKS:
-            mbarrier.wait(q_ready.index(HALF_INDEX), i & 1)  # (also where there is no block: the buffer takes O)
-            n_blocks = gl.max(tword.index(HALF_INDEX).load(_WORD_LAYOUT_4), axis=0)
+            n_blocks = _tile_word(tword, 2 * HALF_INDEX + 1)
             if n_blocks > 0:
                 acc, m_i, l_i = _blocks(q_half, k_smem, v_smem, kv_ready, kv_empty, pp, meta, n_blocks, qk_scale, rank,
                                         B, S, q_pos_min, q_pos_max, seg_local + q0, seg_local,
@@ -650,8 +678,7 @@ def _consumer_tiles(q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty
                 n_blocks += n_hi
             acc, m_i, l_i = _blocks(q_half, k_smem, v_smem, kv_ready, kv_empty, pp, meta, n_blocks, qk_scale, rank, B,
                                     S, q_pos_min, q_pos_max, seg_local, seg_local, seg_local, acc, m_i, l_i, HALF_INDEX,
-                                    W, HKV, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED,
-                                    q_ready.index(HALF_INDEX), i & 1, j0, g0)
+                                    W, HKV, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED, None, 0, j0, g0)
             g0 += n_blocks + 1
         # The tile's place again from its index (cheap): held across the blocks, it took the consumers' registers.
         b, h, _, m_blk = query_tile(tile, H // HKV, S // BLOCK_M, HKV, CAUSAL)
@@ -663,6 +690,8 @@ def _consumer_tiles(q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty
         release(q_empty, HALF_INDEX)
         j0 += n_blocks
         i += 1
+        mbarrier.wait(q_ready.index(HALF_INDEX), i & 1)
+        tile = _tile_word(tword, 2 * HALF_INDEX)
 
 
 @gluon.jit
@@ -708,8 +737,9 @@ def _blocks(q_half, k_smem, v_smem, kv_ready, kv_empty, pp, meta, n_blocks, qk_s
     beside block j-1's O += P V): (acc, m, l). The tiles are the buffers' (``slots``). K and V in rings of their own
     (RINGS 2): block j's K freed once S_j is done, its V once P_j V_j is, each waited for just before its MMA.
     Without masks the blocks follow the producer's order by scalar bookkeeping (``_next_block``; ``q_bar``: Q's
-    barrier, waited for here in its phase ``q_phase``); with a window or segment ids each block's word comes with its
-    slot (``meta``, ``_tile_loads_masked``), read once the slot's barrier passed (Q's waited for by the caller).
+    barrier, waited for here in its phase ``q_phase``, or None where the caller waited); with a window or segment
+    ids each block's word comes with its slot (``meta``, ``_tile_loads_masked``), read once the slot's barrier passed
+    (Q's waited for by the caller).
     ``j0``: the blocks of the program's tiles before this one (the slots' rounds go on), ``g0``: the ping-pong's
     turns before it."""
     MASKS: gl.constexpr = WINDOW or SEGMENTED
@@ -736,7 +766,8 @@ def _blocks(q_half, k_smem, v_smem, kv_ready, kv_empty, pp, meta, n_blocks, qk_s
         _, n_hi, n_full = block_range(q_pos_min, q_pos_max, rank, S, W, BLOCK_N, CAUSAL, ZIGZAG)  # step 0: local K/V
         t, jb, n_hi, n_full, d = _next_block(rank * 0, rank * 0 - 1, n_hi, n_full, rank, S, q_pos_min, q_pos_max, W,
                                              BLOCK_N, CAUSAL, ZIGZAG)
-        mbarrier.wait(q_bar, q_phase)
+        if q_bar is not None:
+            mbarrier.wait(q_bar, q_phase)
         mbarrier.wait(kv_ready.index(s0), (j0 // STAGES) & 1)
     _turn(pp, g0, HALF_INDEX)
     qk = warpgroup_mma(q_half, k_smem.index(s0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
@@ -852,14 +883,14 @@ def ring_attn_fwd_gluon(
     # Each slot released by both consumer partitions.
     k_smem, v_smem, kv_ready, kv_empty = kv_slots_smem(dtype, BLOCK_N, D, layout, STAGES, 2, RINGS)
     pp = turns()
+    # Each half's tile and block count (``_load_q``); with masks each slot's block word (``_tile_loads_masked``).
+    tword = gl.allocate_shared_memory(gl.int32, [4, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     if MASKS:
         meta = gl.allocate_shared_memory(gl.int32, [pow2(STAGES), 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-        tword = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     else:
         meta = q_ready  # never read
-        tword = q_ready  # never read
 
-    # ---- the program's tiles (ring_core.tiles.query_tile's order, one in every grid's width) ---------------
+    # ---- the program's tiles (its own, then the call's tile counter's: ring_core.tiles.query_tile's order) --
     qk_scale = sm_scale * 1.4426950408889634
     gl.warp_specialize([
         (_consumer_tiles, (q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, pp, meta, tword, o_desc,
@@ -875,6 +906,10 @@ def ring_attn_fwd_gluon(
     free_q_halves(q_ready, q_empty)
     free_slots_kv(kv_ready, kv_empty, RINGS * STAGES)
     free_turns(pp)
+    # The last program done with the tile counter resets it for the next call (which starts after this one ends).
+    if gl.atomic_add(ctl + CTL_FWD_DONE, 1, sem="acq_rel", scope="gpu") == gl.num_programs(0) - 1:
+        gl.atomic_xchg(ctl + CTL_FWD_TILE, 0, sem="relaxed", scope="gpu")
+        gl.atomic_xchg(ctl + CTL_FWD_DONE, 0, sem="relaxed", scope="gpu")
 
     # ---- the protocol's end: end barrier, status, counters (the last program of this rank) -----------------
     end_call(ctl, status_ptr, heap_bases, rank, epoch, timeout_ns, W, False, STICKY_ERRORS, False)
