@@ -41,11 +41,11 @@ at D256).
   causal mask as one number: query minus key position at the tile's first row and the block's first key (positions
   are contiguous within a tile and a block: ``plans.gluon_applies`` asks S % 128 == 0, zigzag S % 256 == 0, so that
   each half of a zigzag shard holds whole tiles and whole blocks). With 64-row blocks (D256) the first consumer sees
-  nothing of the diagonal's last block (its mask drops every column: m and l stay as they were). At the end of a
-  tile each writes its rows of O / l into its half of Q's buffer and its lse, or NaN rows if the call check failed
-  or any wait of this rank gave up (the error record: a superset of the tl kernel's per-tile NaN rows; the call's
-  status raises either way), stores them by TMA, and frees the half for the next tile's Q once the store has read
-  it (``q_empty``).
+  nothing of the diagonal's last block (its mask drops every column: m and l stay as they were). Each frees its
+  half of Q's buffer for the next tile's Q (``q_empty``) as soon as the tile's last S = Q K^T is done, and at the
+  end of the tile stores its rows of O / l and their lse straight from registers to global memory, or NaN rows if
+  the call check failed or any wait of this rank gave up (the error record: a superset of the tl kernel's per-tile
+  NaN rows; the call's status raises either way).
 * Epilogue: ``end_call``.
 
 Windows and segment ids (constexprs WINDOW, SEGMENTED; issue 20): the blocks come from the tl kernel's rules
@@ -538,8 +538,14 @@ def online_softmax(qk, m_i, l_i, SAFE: gl.constexpr, qk_scale=1.0):
 def release(kv_empty, s):
     """This consumer partition is done with slot s (it waited for its own MMAs): one thread frees its share of it
     (Gluon's arrive is thread 0's), and the producer may refill it once every consumer has."""
+    release_bar(kv_empty.index(s))
+
+
+@gluon.jit
+def release_bar(bar):
+    """``release`` of one barrier (e.g. a half of Q's buffer): this partition is done with what ``bar`` guards."""
     cta_barrier()  # within a partition: a named barrier of its warps only
-    mbarrier.arrive(kv_empty.index(s), count=1)
+    mbarrier.arrive(bar, count=1)
 
 
 @gluon.jit
@@ -622,19 +628,22 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, pp, meta, n_blo
     """One consumer partition of a program of one tile (the Gluon probes: benchmarks/gluon_fwd.py, gluon_ring.py) on
     its half of the tile's query rows (64): the pipelined online softmax over the tile's ``n_blocks`` blocks
     (``_blocks``), then its rows of O / l (NaN rows after a failure) into its half of Q's buffer and its lse
-    (``_tile_out``). No window nor segment ids. The product's kernel is persistent: ``_consumer_tiles``."""
+    (``_rows_out``). No window nor segment ids. The product's kernel is persistent: ``_consumer_tiles``."""
     gl.static_assert(not (WINDOW or SEGMENTED), "the probes' consumer has no masks")
     HALF: gl.constexpr = q_smem.shape[0] // 2
     q_half = q_smem.slice(HALF_INDEX * HALF, HALF)
     acc, m_i, l_i = _rows_init(HALF, D, k_smem.shape[1])
-    acc, m_i, l_i = _blocks(q_half, k_smem, v_smem, kv_ready, kv_empty, pp, meta, n_blocks, qk_scale, rank, B, S,
-                            q_pos_min, q_pos_max, seg_q, seg_local, seg_recv_b, acc, m_i, l_i, HALF_INDEX, W, HKV,
-                            CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED, q_bar, 0, 0, 0)
-    _tile_out(acc, m_i, l_i, q_half, lse_row, ctl, call_ok, HALF_INDEX)
+    acc, m_i, l_i, err = _blocks(q_half, k_smem, v_smem, kv_ready, kv_empty, pp, meta, n_blocks, qk_scale, rank, B,
+                                 S, q_pos_min, q_pos_max, seg_q, seg_local, seg_recv_b, acc, m_i, l_i, ctl, HALF_INDEX,
+                                 W, HKV, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED, q_bar, 0, 0, 0)
+    out, lse = _rows_out(acc, m_i, l_i, err, call_ok)
+    q_half.store(out.to(q_half.dtype))  # every MMA reading Q has completed
+    fence_async_shared()  # these generic-proxy stores before the TMA store (async proxy) after the join
+    gl.store(lse_row + HALF_INDEX * HALF + gl.arange(0, HALF, layout=lse.type.layout), lse)
 
 
 @gluon.jit
-def _consumer_tiles(q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, pp, meta, tword, o_desc, lse_ptr,
+def _consumer_tiles(q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, pp, meta, tword, out_ptr, lse_ptr,
                     qk_scale, ctl, call_ok, rank, B, S, seg_ptr, seg_recv, HALF_INDEX: gl.constexpr, H: gl.constexpr,
                     W: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr,
                     WINDOW: gl.constexpr, WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr, SEGMENTED: gl.constexpr):
@@ -642,10 +651,11 @@ def _consumer_tiles(q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty
     ``q_smem.index(HALF_INDEX)``), the tiles as the load partition takes them (each one's index in the half's word,
     published with its Q; -1: no more): the pipelined online softmax over the tile's blocks (``_blocks``; their
     count: without masks the tl kernel's rules, with a window or segment ids the load partition's plan, in the
-    half's second word), its rows of O / l (NaN rows after a failure) into its half of Q's buffer (``_tile_out``),
-    from there to global memory by TMA, and the half freed for the next tile's Q once that store has read it. A tile
-    with no block (padding rows, masks only): out 0, lse -inf. The slots' rounds and the ping-pong's turns go on
-    from tile to tile."""
+    half's second word), its half of Q's buffer freed once the tile's last S is done (the next tile's Q loads while
+    the last P V runs), then its rows of O / l (NaN rows after a failure: ``_rows_out``) stored from registers,
+    straight to global memory (no shared memory is left for them at D128, and a TMA store from Q's buffer would hold
+    it until the store had read it). A tile with no block (padding rows, masks only): out 0, lse -inf. The slots'
+    rounds and the ping-pong's turns go on from tile to tile."""
     HALF: gl.constexpr = q_smem.shape[1]
     BLOCK_M: gl.constexpr = 2 * HALF
     BLOCK_N: gl.constexpr = k_smem.shape[1]
@@ -666,28 +676,35 @@ def _consumer_tiles(q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty
         if MASKS:
             n_blocks = _tile_word(tword, 2 * HALF_INDEX + 1)
             if n_blocks > 0:
-                acc, m_i, l_i = _blocks(q_half, k_smem, v_smem, kv_ready, kv_empty, pp, meta, n_blocks, qk_scale, rank,
-                                        B, S, q_pos_min, q_pos_max, seg_local + q0, seg_local,
-                                        seg_recv + (b * HKV + hkv).to(gl.int64) * S, acc, m_i, l_i, HALF_INDEX, W,
-                                        HKV, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED, None, 0, j0, g0)
+                acc, m_i, l_i, err = _blocks(q_half, k_smem, v_smem, kv_ready, kv_empty, pp, meta, n_blocks, qk_scale,
+                                             rank, B, S, q_pos_min, q_pos_max, seg_local + q0, seg_local,
+                                             seg_recv + (b * HKV + hkv).to(gl.int64) * S, acc, m_i, l_i, ctl,
+                                             HALF_INDEX, W, HKV, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT,
+                                             SEGMENTED, None, 0, j0, g0, q_empty.index(HALF_INDEX))
                 g0 += n_blocks + 1
+            else:  # (Q unread)
+                release_bar(q_empty.index(HALF_INDEX))
+                err = gl.atomic_add(ctl + CTL_ERROR, 0, sem="relaxed", scope="gpu")
         else:
             n_blocks = q0 * 0
             for step in gl.static_range(W):
                 _, n_hi, _ = block_range(q_pos_min, q_pos_max, (rank - step + W) % W, S, W, BLOCK_N, CAUSAL, ZIGZAG)
                 n_blocks += n_hi
-            acc, m_i, l_i = _blocks(q_half, k_smem, v_smem, kv_ready, kv_empty, pp, meta, n_blocks, qk_scale, rank, B,
-                                    S, q_pos_min, q_pos_max, seg_local, seg_local, seg_local, acc, m_i, l_i, HALF_INDEX,
-                                    W, HKV, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED, None, 0, j0, g0)
+            acc, m_i, l_i, err = _blocks(q_half, k_smem, v_smem, kv_ready, kv_empty, pp, meta, n_blocks, qk_scale,
+                                         rank, B, S, q_pos_min, q_pos_max, seg_local, seg_local, seg_local, acc, m_i,
+                                         l_i, ctl, HALF_INDEX, W, HKV, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT,
+                                         SEGMENTED, None, 0, j0, g0, q_empty.index(HALF_INDEX))
             g0 += n_blocks + 1
         # The tile's place again from its index (cheap): held across the blocks, it took the consumers' registers.
         b, h, _, m_blk = query_tile(tile, H // HKV, S // BLOCK_M, HKV, CAUSAL)
-        _tile_out(acc, m_i, l_i, q_half, lse_ptr + ((b * H + h).to(gl.int64) * S + m_blk * BLOCK_M), ctl, call_ok,
-                  HALF_INDEX)
-        cta_barrier()  # every warp's rows of O (and their proxy fence) before the store
-        tma_store(o_desc, [b * S + m_blk * BLOCK_M + HALF_INDEX * HALF, h * D], q_half)
-        tma.store_wait(pendings=0)  # (the issuing thread's) store has read the buffer
-        release(q_empty, HALF_INDEX)
+        row0 = b * S + m_blk * BLOCK_M + HALF_INDEX * HALF  # the half's first row of [B * S] (O), its first lse
+        out, lse = _rows_out(acc, m_i, l_i, err, call_ok)
+        rows = gl.arange(0, HALF, layout=gl.SliceLayout(1, acc.type.layout))
+        cols = gl.arange(0, D, layout=gl.SliceLayout(0, acc.type.layout))
+        gl.store(out_ptr + (row0.to(gl.int64) * H + h) * D + (rows[:, None] * (H * D) + cols[None, :]),
+                 out.to(out_ptr.dtype.element_ty))
+        gl.store(lse_ptr + ((b * H + h).to(gl.int64) * S + m_blk * BLOCK_M + HALF_INDEX * HALF) +
+                 gl.arange(0, HALF, layout=lse.type.layout), lse)
         j0 += n_blocks
         i += 1
         mbarrier.wait(q_ready.index(HALF_INDEX), i & 1)
@@ -708,33 +725,31 @@ def _rows_init(HALF: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
-def _tile_out(acc, m_i, l_i, q_half, lse_row, ctl, call_ok, HALF_INDEX: gl.constexpr):
-    """A consumer's rows of O (acc / l; NaN rows if the call check failed or any wait of this rank gave up: every
-    wait of the tile came before its blocks, so a failure of any is in the error record by now) into its half of
-    Q's buffer (every MMA reading Q has completed), with the proxy fence before a TMA store of them, and its rows'
-    lse (-inf where a row saw nothing)."""
-    HALF: gl.constexpr = q_half.shape[0]
+def _rows_out(acc, m_i, l_i, err, call_ok):
+    """A consumer's rows of O (acc / l, in the accumulator's layout) and their lse (-inf where a row saw nothing), or
+    NaN rows if the call check failed or any wait of this rank gave up (``err``: the error record, read once every
+    wait of the tile had come, ``_blocks``)."""
     o_layout: gl.constexpr = acc.type.layout
-    err = gl.atomic_add(ctl + CTL_ERROR, 0, sem="relaxed", scope="gpu")
     valid = (call_ok != 0) & (err == 0)
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
     l_safe = gl.where(l_o == 0.0, 1.0, l_o)
     out = gl.where(valid, acc / l_safe[:, None], float("nan"))
-    q_half.store(out.to(q_half.dtype))
-    fence_async_shared()  # these generic-proxy stores before the TMA store (async proxy) of them
-    lse_rows = HALF_INDEX * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, o_layout))
     m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
     lse = gl.where(valid, (m_o + gl.log2(l_safe)) * 0.6931471805599453, float("nan"))
-    gl.store(lse_row + lse_rows, lse)
+    return out, lse
 
 
 @gluon.jit
 def _blocks(q_half, k_smem, v_smem, kv_ready, kv_empty, pp, meta, n_blocks, qk_scale, rank, B, S, q_pos_min,
-            q_pos_max, seg_q, seg_local, seg_recv_b, acc, m_i, l_i, HALF_INDEX: gl.constexpr, W: gl.constexpr,
+            q_pos_max, seg_q, seg_local, seg_recv_b, acc, m_i, l_i, ctl, HALF_INDEX: gl.constexpr, W: gl.constexpr,
             HKV: gl.constexpr, CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr, WINDOW: gl.constexpr,
-            WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr, SEGMENTED: gl.constexpr, q_bar, q_phase, j0, g0):
+            WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr, SEGMENTED: gl.constexpr, q_bar, q_phase, j0, g0,
+            q_free=None):
     """The pipelined online softmax of one consumer over the tile's ``n_blocks`` (>= 1) blocks (block j's S = Q K^T
-    beside block j-1's O += P V): (acc, m, l). The tiles are the buffers' (``slots``). K and V in rings of their own
+    beside block j-1's O += P V): (acc, m, l, err), ``err`` the error record (``ctl``) read while the last P V runs,
+    when every wait of the tile has come (each came before its block's barrier). ``q_free``: the barrier that frees
+    this consumer's half of Q's buffer, released once its last S is done (the next tile's Q may load during the last
+    P V and the rows' output), or None. The tiles are the buffers' (``slots``). K and V in rings of their own
     (RINGS 2): block j's K freed once S_j is done, its V once P_j V_j is, each waited for just before its MMA.
     Without masks the blocks follow the producer's order by scalar bookkeeping (``_next_block``; ``q_bar``: Q's
     barrier, waited for here in its phase ``q_phase``, or None where the caller waited); with a window or segment
@@ -816,18 +831,21 @@ def _blocks(q_half, k_smem, v_smem, kv_ready, kv_empty, pp, meta, n_blocks, qk_s
             release(kv_empty, sp)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)
+    if q_free is not None:  # every S of the tile done: Q's half is free
+        release_bar(q_free)
     sp = (j0 + n_blocks - 1) % STAGES
     if RINGS > 1:
         mbarrier.wait(kv_ready.index(STAGES + sp), ((j0 + n_blocks - 1) // STAGES) & 1)
     _turn(pp, g0 + n_blocks, HALF_INDEX)
     acc = warpgroup_mma(p_op, v_smem.index(sp), acc, is_async=True)
     _pass_turn(pp, HALF_INDEX)
+    err = gl.atomic_add(ctl + CTL_ERROR, 0, sem="relaxed", scope="gpu")  # (while P V runs)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     if RINGS > 1:
         release(kv_empty, STAGES + sp)
     else:
         release(kv_empty, sp)
-    return acc, m_i, l_i
+    return acc, m_i, l_i, err
 
 
 @gluon.jit(do_not_specialize=["timeout_ns"])
@@ -872,7 +890,6 @@ def ring_attn_fwd_gluon(
     HALF: gl.constexpr = BLOCK_M // 2
     layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     q_desc = tma.make_tensor_descriptor(q_ptr, [B * S, H * D], [H * D, 1], [HALF, D], layout)
-    o_desc = tma.make_tensor_descriptor(out_ptr, [B * S, H * D], [H * D, 1], [HALF, D], layout)
     k_desc = tma.make_tensor_descriptor(k_ptr, [B * S, HKV * D], [HKV * D, 1], [BLOCK_N, D], layout)
     v_desc = tma.make_tensor_descriptor(v_ptr, [B * S, HKV * D], [HKV * D, 1], [BLOCK_N, D], layout)
     if W > 1:
@@ -893,13 +910,13 @@ def ring_attn_fwd_gluon(
     # ---- the program's tiles (its own, then the call's tile counter's: ring_core.tiles.query_tile's order) --
     qk_scale = sm_scale * 1.4426950408889634
     gl.warp_specialize([
-        (_consumer_tiles, (q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, pp, meta, tword, o_desc,
+        (_consumer_tiles, (q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, pp, meta, tword, out_ptr,
                            lse_ptr, qk_scale, ctl, call_ok, rank, B, S, seg_ptr, seg_recv, 0, H, W, HKV, D, CAUSAL,
                            ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
         (_producer, (q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, meta,
                      tword, rank, B, S, seg_ptr, flags, n_chunks, epoch, ctl, timeout_ns, rng, H, W, HKV, D,
                      CHUNK_BLOCKS, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
-        (_consumer_tiles, (q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, pp, meta, tword, o_desc,
+        (_consumer_tiles, (q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, pp, meta, tword, out_ptr,
                            lse_ptr, qk_scale, ctl, call_ok, rank, B, S, seg_ptr, seg_recv, 1, H, W, HKV, D, CAUSAL,
                            ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
     ], [_LOAD_WARPS, _CONSUMER_WARPS], [_LOAD_REGS, _CONSUMER_REGS])
