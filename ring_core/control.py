@@ -51,7 +51,7 @@ CTL_SIG = 128  # 128 + p * SIG_WORDS: the signature peer p published for its cur
 CTL_WORDS = CTL_SIG + MAX_WORLD * SIG_WORDS
 CTL_BWD_TICKET = CTL_WORDS  # backward: task tickets handed out in this call (tasks are taken in ticket order)
 CTL_BWD_DELTA = CTL_WORDS + 1  # backward: dq tasks that have published their rows of delta = rowsum(dO * O)
-CTL_FWD_TILE = CTL_WORDS + 2  # the persistent Gluon forward: tiles handed out in this call beyond the first wave
+CTL_FWD_TILE = CTL_WORDS + 2  # the persistent Gluon forward: tiles handed out in this call (in order)
 CTL_FWD_DONE = CTL_WORDS + 3  # the persistent Gluon forward: its programs done with CTL_FWD_TILE (the last resets both)
 # The first failed call's status words since the last read (ring_core.heap.HeapRings.take_error) or reset:
 # how errors reach a program that runs without a check per call (deferred errors).

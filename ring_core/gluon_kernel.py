@@ -253,17 +253,18 @@ def _producer(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_ready, q
               ZIGZAG: gl.constexpr, WINDOW: gl.constexpr, WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr,
               SEGMENTED: gl.constexpr):
     """The load partition: the program's tiles one after another, each one's Q and blocks (``_tile_loads`` /
-    ``_tile_loads_masked``; the slots' rounds go on from tile to tile), then tile -1 to the consumers. The first
-    tile is the program's own; every next one is taken from the call's tile counter (CTL_FWD_TILE, fetched while
-    the tile before is loaded), so the tiles start in ring_core.tiles.query_tile's order, as a program per tile
-    would: the programs running at once share K/V in L2 and the heaviest tiles go first."""
+    ``_tile_loads_masked``; the slots' rounds go on from tile to tile), then tile -1 to the consumers. Every tile
+    is taken from the call's tile counter (CTL_FWD_TILE; the next one fetched while the tile before is loaded), so
+    the tiles start in ring_core.tiles.query_tile's order, as a program per tile would: the programs running at once
+    share K/V in L2, the heaviest tiles go first, and where fewer programs are resident than launched (ranks sharing
+    a GPU under MPS) none of them keeps a tile of its own for when it starts."""
     BLOCK_M: gl.constexpr = 2 * q_smem.shape[1]
     n_tiles = B * H * (S // BLOCK_M)
-    tile = gl.program_id(0) + rank * 0
+    tile = gl.atomic_add(ctl + CTL_FWD_TILE, 1, sem="relaxed", scope="gpu")
     j = tile * 0
     i = j
     while tile < n_tiles:
-        nxt = gl.num_programs(0) + gl.atomic_add(ctl + CTL_FWD_TILE, 1, sem="relaxed", scope="gpu")
+        nxt = gl.atomic_add(ctl + CTL_FWD_TILE, 1, sem="relaxed", scope="gpu")
         b, h, hkv, m_blk = query_tile(tile, H // HKV, S // BLOCK_M, HKV, CAUSAL)
         if WINDOW or SEGMENTED:
             j = _tile_loads_masked(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready,
