@@ -505,8 +505,9 @@ def plan(spec: AttentionSpec, world_size: int, heap: HeapLayout, *, interpret: b
     """The forward's launch; raises HeapTooSmallError (before anything runs) when the heap is short. Cached
     (every argument is frozen and hashable; the torch launcher plans at every call); errors are not.
     ``capability``: the GPU's, where the Gluon kernel may run (``gluon_applies``); ``sms``: its streaming
-    multiprocessors (``device_sms``), the Gluon kernel's programs: it is persistent, each program takes the tiles
-    ``pid``, ``pid + grid``, ... (None: a program per tile, e.g. planned without a GPU)."""
+    multiprocessors (``device_sms``), the Gluon kernel's programs: it is persistent, each program taking tiles in
+    order from the call's tile counter (ring_core.gluon_kernel) until none is left (None: a program per tile, e.g.
+    planned without a GPU)."""
     check_fused(spec, "a reference backend")
     cfg = config or KernelConfig.get_default(spec, world_size, interpret=interpret, capability=capability)
     need = recv_bytes(spec, world_size)
