@@ -16,10 +16,14 @@ of the call (``end_call``: end barrier, status words, counters). The no-deadlock
 holds as it is: a program drains the push counter before anything of it waits (here: before the partitions
 start), and waits only for flags that pushes set.
 
-Persistent: a program per SM (``ring_core.plans.plan``'s grid), each taking the tiles ``pid``, ``pid + grid``, ... of
-(batch, head, BLOCK_M query rows) in the tl kernel's order (ring_core.tiles.query_tile), so that what a program pays
-however few blocks its tile has (the call check, the descriptors, the barriers, the end count: about 11 us,
-benchmarks/NOTES.md, session 12) is paid once per SM, and a tile's first loads overlap the last tile's end. The
+Persistent: a program per SM (``ring_core.plans.plan``'s grid), each taking tiles of (batch, head, BLOCK_M query
+rows) from the call's tile counter (CTL_FWD_TILE) in the tl kernel's order (ring_core.tiles.query_tile: the
+programs running at once share K/V in L2, the heaviest tiles go first; a static round-robin lost 8-15 % on causal
+rows, benchmarks/NOTES.md, session 13), so that what a program pays however few blocks its tile has (the call check,
+the descriptors, the barriers, the end count: about 11 us, session 12) is paid once per SM, and a tile's first loads
+overlap the last tile's end. The no-deadlock argument is unchanged: every program pushes every unit left before
+anything of it waits, so the pushes never depend on how many programs are resident (ranks sharing a GPU under MPS
+run fewer at once than the grid holds); the last program done resets the counter for the next call. The
 tiles depend on head_dim, set in one place (``ring_core.plans.GLUON_TILES``, passed as BLOCK_M / BLOCK_N, the slots
 read by ``kv_slots`` and ``kv_rings``): 128 query rows, K/V blocks of 128 rows in 3 slots at D64 / D128, of 64 rows
 in 2 slots at D256, there with K and V in rings of their own (shared memory: Q and the slots 224 KiB at D128, 192 KiB
