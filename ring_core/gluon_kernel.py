@@ -912,7 +912,7 @@ def ring_attn_fwd_gluon(
     else:
         meta = q_ready  # never read
 
-    # ---- the program's tiles (its own, then the call's tile counter's: ring_core.tiles.query_tile's order) --
+    # ---- the program's tiles, from the call's tile counter (ring_core.tiles.query_tile's order) -------------
     qk_scale = sm_scale * 1.4426950408889634
     gl.warp_specialize([
         (_consumer_tiles, (q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, pp, meta, tword, out_ptr,
