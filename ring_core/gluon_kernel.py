@@ -177,7 +177,7 @@ def kv_slots_smem(dtype: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, l
 def q_halves(dtype: gl.constexpr, HALF: gl.constexpr, D: gl.constexpr, layout: gl.constexpr):
     """The persistent kernel's Q buffer, a half of the tile's rows per consumer partition (``HALF`` rows of D
     each), with a pair of mbarriers per half: ``q_ready`` (the half landed), ``q_empty`` (its consumer is done with
-    it: the tile's O, which it holds at the end, stored)."""
+    it: the tile's last S = Q K^T done)."""
     q_smem = gl.allocate_shared_memory(dtype, [2, HALF, D], layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -223,8 +223,8 @@ def free_q_halves(q_ready, q_empty):
 @gluon.jit
 def _load_q(q_desc, q_smem, q_ready, q_empty, tword, row, col, i, tile, n_blocks):
     """The load partition: the program's ``i``-th tile's Q (tile ``tile``, rows from ``row``), each half once its
-    consumer is done with the last tile's (its O stored from there), after the tile and its block count (masks
-    only) in the half's words ``tword``, which the half's barrier publishes (the consumers' loop needs both)."""
+    consumer is done with the last tile's (its last S done), after the tile and its block count (masks only) in the
+    half's words ``tword``, which the half's barrier publishes (the consumers' loop needs both)."""
     HALF: gl.constexpr = q_smem.shape[1]
     for half in gl.static_range(2):
         mbarrier.wait(q_empty.index(half), (i & 1) ^ 1)
@@ -270,15 +270,18 @@ def _producer(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_ready, q
     while tile < n_tiles:
         nxt = gl.atomic_add(ctl + CTL_FWD_TILE, 1, sem="relaxed", scope="gpu")
         b, h, hkv, m_blk = query_tile(tile, H // HKV, S // BLOCK_M, HKV, CAUSAL)
+        q0 = m_blk * BLOCK_M
+        q_pos_min = positions(q0, rank, S, W, ZIGZAG)
+        q_pos_max = positions(q0 + BLOCK_M - 1, rank, S, W, ZIGZAG)
         if WINDOW or SEGMENTED:
             j = _tile_loads_masked(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready,
-                                   kv_empty, meta, tword, tile, b, h, hkv, m_blk * BLOCK_M, i, j, rank, B, S, seg_ptr,
-                                   flags, n_chunks, epoch, ctl, timeout_ns, rng, W, HKV, D, CHUNK_BLOCKS, CAUSAL,
-                                   ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)
+                                   kv_empty, meta, tword, tile, b, h, hkv, q0, q_pos_min, q_pos_max, i, j, rank, B, S,
+                                   seg_ptr, flags, n_chunks, epoch, ctl, timeout_ns, rng, W, HKV, D, CHUNK_BLOCKS,
+                                   CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)
         else:
             j = _tile_loads(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready,
-                            kv_empty, tword, tile, b, h, hkv, m_blk * BLOCK_M, i, j, rank, B, S, flags, n_chunks,
-                            epoch, ctl, timeout_ns, W, HKV, D, CHUNK_BLOCKS, CAUSAL, ZIGZAG)
+                            kv_empty, tword, tile, b, h, hkv, q0, q_pos_min, q_pos_max, i, j, rank, B, S, flags,
+                            n_chunks, epoch, ctl, timeout_ns, W, HKV, D, CHUNK_BLOCKS, CAUSAL, ZIGZAG)
         i += 1
         tile = nxt
     _no_more_tiles(q_ready, q_empty, tword, i)
@@ -286,18 +289,16 @@ def _producer(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_ready, q
 
 @gluon.jit
 def _tile_loads(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, tword,
-                tile, b, h, hkv, q0, i, j, rank, B, S, flags, n_chunks, epoch, ctl, timeout_ns, W: gl.constexpr,
+                tile, b, h, hkv, q0, q_pos_min, q_pos_max, i, j, rank, B, S, flags, n_chunks, epoch, ctl, timeout_ns,
+                W: gl.constexpr,
                 HKV: gl.constexpr, D: gl.constexpr, CHUNK_BLOCKS: gl.constexpr, CAUSAL: gl.constexpr,
                 ZIGZAG: gl.constexpr):
     """One tile's loads (tile ``tile``, the program's ``i``-th; ``j``: the slots' count of blocks so far, returned
     with this tile's added): every ring step's blocks (see the module docstring), Q after the first (which may fill
     a slot while the consumers finish the last tile); K and V in rings of their own (RINGS 2): a block's K, then its
     V once its V slot is free."""
-    BLOCK_M: gl.constexpr = 2 * q_smem.shape[1]
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
-    q_pos_min = positions(q0, rank, S, W, ZIGZAG)
-    q_pos_max = positions(q0 + BLOCK_M - 1, rank, S, W, ZIGZAG)
     j_first = j
     for step in gl.static_range(W):
         src = (rank - step + W) % W
@@ -321,10 +322,10 @@ def _tile_loads(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_ready,
 
 @gluon.jit
 def _tile_loads_masked(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
-                       meta, tword, tile, b, h, hkv, q0, i, j, rank, B, S, seg_ptr, flags, n_chunks, epoch, ctl,
-                       timeout_ns, rng, W: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, CHUNK_BLOCKS: gl.constexpr,
-                       CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr, WINDOW: gl.constexpr, WIN_LEFT: gl.constexpr,
-                       WIN_RIGHT: gl.constexpr, SEGMENTED: gl.constexpr):
+                       meta, tword, tile, b, h, hkv, q0, q_pos_min, q_pos_max, i, j, rank, B, S, seg_ptr, flags,
+                       n_chunks, epoch, ctl, timeout_ns, rng, W: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr,
+                       CHUNK_BLOCKS: gl.constexpr, CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr, WINDOW: gl.constexpr,
+                       WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr, SEGMENTED: gl.constexpr):
     """``_tile_loads`` with a window or segment ids: the tile's plan first (``make_plan``: each ring step's run
     [first, end) and the count of blocks loaded, which goes to the consumers with Q), then the blocks the plan
     holds, each tested again (``block_met``: a block no query of the tile may attend is neither waited for nor
@@ -336,8 +337,6 @@ def _tile_loads_masked(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     CHUNK_ROWS: gl.constexpr = CHUNK_BLOCKS * BLOCK_N
-    q_pos_min = positions(q0, rank, S, W, ZIGZAG)
-    q_pos_max = positions(q0 + BLOCK_M - 1, rank, S, W, ZIGZAG)
     s_hi = q0 * 0
     t_id = s_hi
     a_lo, a_hi, b_lo, b_hi = s_hi, s_hi, s_hi, s_hi
@@ -700,7 +699,8 @@ def _consumer_tiles(q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty
                                          l_i, ctl, HALF_INDEX, W, HKV, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT,
                                          SEGMENTED, None, 0, j0, g0, q_empty.index(HALF_INDEX))
             g0 += n_blocks + 1
-        # The tile's place again from its index (cheap): held across the blocks, it took the consumers' registers.
+        # The tile's place again from its index (b, h and q0 above would do as well: no fewer spills either way,
+        # but other PTX; this one is the binary the GPU checked, session 13's call H).
         b, h, _, m_blk = query_tile(tile, H // HKV, S // BLOCK_M, HKV, CAUSAL)
         row0 = b * S + m_blk * BLOCK_M + HALF_INDEX * HALF  # the half's first row of [B * S] (O), its first lse
         out, lse = _rows_out(acc, m_i, l_i, err, call_ok)
