@@ -5,7 +5,10 @@ with ``--probe``, benchmarks/gluon_bwd.py's probe too. Needs the GPU machine's T
 the ones that run there; nvdisasm comes with Triton. Run from a tree's root (any tree with ring_core.gluon_bwd, e.g.
 a git worktree of an older commit):
 
-    TRITON_CACHE_DIR=/tmp/tc PYTHONPATH=$PWD python benchmarks/gluon_bwd_spills.py [--probe]
+    TRITON_CACHE_DIR=/tmp/tc PYTHONPATH=$PWD python benchmarks/gluon_bwd_spills.py [--probe] [--masks]
+
+``--masks``: the variants with segment ids or a window instead (issue 20; deterministic=False only): segment ids at
+world size 1 and 2 (causal), a causal window of 4095 at world size 1.
 
 Session 9 used it to find the wgmma descriptors the consumers' loop reloaded every step (benchmarks/NOTES.md).
 """
@@ -60,14 +63,19 @@ def main() -> int:
     from ring_core import gluon_bwd
 
     det_ok = "DETERMINISTIC" in inspect.getsource(gluon_bwd)  # the deterministic order (session 10 on)
-    for W, causal, det in ((1, False, False), (1, True, False), (2, True, False), (1, False, True), (1, True, True),
-                           (2, True, True)):
+    variants = [(W, causal, det, None, False) for W, causal, det in (
+        (1, False, False), (1, True, False), (2, True, False), (1, False, True), (1, True, True), (2, True, True))]
+    if "--masks" in sys.argv:
+        variants = [(1, True, False, None, True), (2, True, False, None, True), (1, True, False, (4095, 0), False)]
+    for W, causal, det, window, seg in variants:
         if det and not det_ok:
             continue
         spec = validate.check_attention_args((1, 16384, 32, 128), (1, 16384, 32, 128), (1, 16384, 32, 128),
                                              "bfloat16", "bfloat16", "bfloat16", is_causal=causal, scale=None,
                                              layout="zigzag" if W > 1 else "contiguous", backend="fused",
-                                             backends=("fused",))
+                                             backends=("fused",), window_size=window,
+                                             segment_ids_shape=(1, 16384) if seg else None,
+                                             segment_ids_dtype="int32" if seg else None)
         kw = {"deterministic": True, "gluon_det": True} if det else {}  # the Gluon kernel's own order
         if "gluon_det" not in inspect.signature(plans.plan_bwd).parameters:  # (session 10's trees before ff5e45c)
             kw.pop("gluon_det", None)
@@ -78,9 +86,10 @@ def main() -> int:
                                   num_stages=p.config.num_stages, capability=90,
                                   values=[None] * n_in + list(p.scalars()) + [None] * len(p.out_shapes))
         report, text = sass(ck.asm["ptx"])
-        name = f"product W={W} causal={causal}{' deterministic' if det else ''}"
+        name = (f"product W={W} causal={causal}{' deterministic' if det else ''}{' window' if window else ''}"
+                f"{' segment ids' if seg else ''}")
         print(f"{name}: {report}; MMA loops (instructions, LDL/STL): {mma_loops(text)}")
-    if "--probe" in sys.argv:
+    if "--probe" in sys.argv and "--masks" not in sys.argv:
         from benchmarks import gluon_bwd
 
         # Trees of session 9 before the probe ran the product's loop had dQ modes: 1 (TMA reductions) is that loop.

@@ -70,11 +70,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 import iris
 
 from ring_core import control, plans
-from ring_core.gluon_kernel import _acquire_chunk, cta_barrier, release, tma_add, tma_load
+from ring_core.gluon_kernel import (_WORD_LAYOUT_1, _WORD_LAYOUT_4, _acquire_chunk, cta_barrier, release, tma_add,
+                                    tma_load)
 from ring_core.kernel_bwd import _partial_sent
-from ring_core.protocol import (CTL_BWD_DELTA, CTL_BWD_TICKET, CTL_ERROR, drain_pushes, end_call, last_pos, poll_ge,
-                                positions, ranks_rng, receive_slots, record_error, record_peer_error, ring_context,
-                                start_call, visible_rows)
+from ring_core.protocol import (BIG_ID, CTL_BWD_DELTA, CTL_BWD_TICKET, CTL_ERROR, chunk_ranges, drain_pushes, end_call,
+                                last_pos, meets_halves, met_blocks, pairs_allowed, poll_ge, positions, published_range,
+                                ranges_of, ranks_rng, receive_slots, record_error, record_peer_error, ring_context,
+                                row_blocks, rows_seen, rows_within, start_call, visible_rows)
 
 KV_ROWS = plans.GLUON_BWD_KV_ROWS  # K/V rows per dK/dV task (two consumers of half each)
 Q_ROWS = plans.GLUON_BWD_Q_ROWS  # query rows per step of the dK/dV loop
@@ -226,8 +228,10 @@ def _work(i, n_m, i_lo, hkv, G: gl.constexpr):
 def _producer(q_desc, do_desc, k_desc, v_desc, r_desc, q_smem, do_smem, kv_smem, lse_smem, dl_smem, kv_bar,
               q_ready, q_empty, lse_ptr, delta_ptr, b, hkv, n0, d, src, S, B, n_m, i_lo, flags, n_chunks, epoch, ctl,
               timeout_ns, W: gl.constexpr, H: gl.constexpr, G: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr,
-              CHUNK_ROWS: gl.constexpr):
-    """The load warp of a dK/dV task (module docstring); nothing at all if the task has no step (n_m == 0)."""
+              CHUNK_ROWS: gl.constexpr, ids_smem=None, meta_smem=None, seg_b=None, i_full=0, i_fend=0, kv_t=0,
+              rng_b=None, SEGMENTED: gl.constexpr = False):
+    """The load warp of a dK/dV task (module docstring); nothing at all if the task has no step (n_m == 0). With a
+    window or segment ids (``meta_smem`` given) also each step's word and ids (``load_steps``)."""
     if n_m > 0:
         mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
         peer = d > 0
@@ -242,15 +246,26 @@ def _producer(q_desc, do_desc, k_desc, v_desc, r_desc, q_smem, do_smem, kv_smem,
             k_row = (((d - 1) * 2 * B + b) * HKV + hkv) * S + n0  # K rows in the receive slot; V B*HKV*S on
             tma_load(r_desc, [k_row, 0], kv_bar, kv_smem.index(0))
             tma_load(r_desc, [k_row + B * HKV * S, 0], kv_bar, kv_smem.index(1))
-    load_steps(q_desc, do_desc, q_smem, do_smem, lse_smem, dl_smem, q_ready, q_empty, lse_ptr, delta_ptr, b, hkv, S,
-               n_m, i_lo, H, G, D)
+    if meta_smem is not None:
+        load_steps(q_desc, do_desc, q_smem, do_smem, lse_smem, dl_smem, q_ready, q_empty, lse_ptr, delta_ptr, b, hkv,
+                   S, n_m, i_lo, H, G, D, ids_smem, meta_smem, seg_b, i_full, i_fend, kv_t, rng_b, CHUNK_ROWS,
+                   SEGMENTED)
+    else:
+        load_steps(q_desc, do_desc, q_smem, do_smem, lse_smem, dl_smem, q_ready, q_empty, lse_ptr, delta_ptr, b, hkv,
+                   S, n_m, i_lo, H, G, D)
 
 
 @gluon.jit
 def load_steps(q_desc, do_desc, q_smem, do_smem, lse_smem, dl_smem, q_ready, q_empty, lse_ptr, delta_ptr, b, hkv, S,
-               n_m, i_lo, H: gl.constexpr, G: gl.constexpr, D: gl.constexpr):
+               n_m, i_lo, H: gl.constexpr, G: gl.constexpr, D: gl.constexpr, ids_smem=None, meta_smem=None, seg_b=None,
+               i_full=0, i_fend=0, kv_t=0, rng_b=None, CHUNK_ROWS: gl.constexpr = 0, SEGMENTED: gl.constexpr = False):
     """The load warp's steps (``dkdv_steps``' inputs): Q and dO of every step through TMA, with its lse (log2 units)
-    and delta, into slot i % STAGES once the consumers freed it. Also benchmarks/gluon_bwd.py's."""
+    and delta, into slot i % STAGES once the consumers freed it. Also benchmarks/gluon_bwd.py's.
+    With a window or segment ids (``meta_smem`` given), also the step's word in ``meta_smem``: 1 where the step
+    needs masks, 0 where every query of the block sees every key of the task's by position (blocks [i_full,
+    i_fend)) and, with segment ids, the query block's chunk and the K/V block both carry one id alone (their
+    published ranges [kv_t, kv_t]: ``kv_t`` -2 where the K/V block's does not); with segment ids, the query block's
+    ids in ``ids_smem`` (``seg_b``: this rank's ids of batch b; ``rng_b``: its published ranges)."""
     rows = gl.arange(0, _Q_ROWS, layout=gl.BlockedLayout([_Q_ROWS // 32], [32], [1], [0]))
     for i in range(G * n_m):
         h, m0 = _work(i, n_m, i_lo, hkv, G)
@@ -262,6 +277,14 @@ def load_steps(q_desc, do_desc, q_smem, do_smem, lse_smem, dl_smem, q_ready, q_e
         row = (b * H + h).to(gl.int64) * S + m0
         lse_smem.index(s).store(gl.load(lse_ptr + row + rows) * _LOG2E)
         dl_smem.index(s).store(gl.load(delta_ptr + row + rows))
+        if meta_smem is not None:
+            blk = m0 // _Q_ROWS
+            unmasked = (blk >= i_full) & (blk < i_fend)
+            if SEGMENTED:
+                ids_smem.index(s).store(gl.load(seg_b + m0 + rows))
+                q_lo, q_hi = chunk_ranges(rng_b, m0 // CHUNK_ROWS, m0 >= 0)
+                unmasked = unmasked & (q_lo == kv_t) & (q_hi == kv_t)
+            meta_smem.index(s).store(gl.full([1], gl.where(unmasked, 0, 1), gl.int32, _WORD_LAYOUT_1))
         mbarrier.expect(q_ready.index(s), 2 * q_desc.block_type.nbytes)
         tma_load(q_desc, [b * S + m0, h * D], q_ready.index(s), q_smem.index(s))
         tma_load(do_desc, [b * S + m0, h * D], q_ready.index(s), do_smem.index(s))
@@ -271,13 +294,22 @@ def load_steps(q_desc, do_desc, q_smem, do_smem, lse_smem, dl_smem, q_ready, q_e
 def dkdv_steps(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_bar, q_ready, q_empty, ds_bar,
                dq_desc, b, hkv, n0, d, src, rank, S, n_m, i_lo, sm_scale, turns, ctl, timeout_ns,
                HALF_INDEX: gl.constexpr, W: gl.constexpr, H: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr,
-               CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr, DETERMINISTIC: gl.constexpr):
+               CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr, DETERMINISTIC: gl.constexpr, ids_smem=None,
+               meta_smem=None, seg_k=None, WINDOW: gl.constexpr = False, WIN_LEFT: gl.constexpr = -1,
+               WIN_RIGHT: gl.constexpr = -1, SEGMENTED: gl.constexpr = False):
     """A consumer's steps on K/V rows [n0 + 64 * HALF_INDEX, + 64) of rank ``src`` (module docstring): (dK, dV) of
     those rows, float32, unscaled; dQ's reductions issued (the caller waits for them). With DETERMINISTIC, each
     reduction waits for its turn at its rows (``turns``: one counter per query block, head and half of D, counting
     the adds made; ``_dq_turn``), and the count after it is published DQ_LAG steps later, once it has completed;
     ``d`` (the K/V's peer distance), ``ctl`` and ``timeout_ns`` serve that wait only. Also
-    benchmarks/gluon_bwd.py's."""
+    benchmarks/gluon_bwd.py's.
+    With a window or segment ids (``meta_smem`` given): a step whose word (``load_steps``) says so gets the one mask
+    rule of every kernel (protocol.pairs_allowed) on P^T, on positions relative to the block's first query and the
+    half's first key (each contiguous: ``plans.gluon_applies``) and on the ids (the query block's from ``ids_smem``,
+    the half's keys' from ``seg_k``, read once K/V landed: they came with the chunk, before its flag). A masked
+    pair's P is 0, so its dS is 0 too (dP^T's rows are finite: the blocks read were sent whole)."""
+    MASKS: gl.constexpr = meta_smem is not None
+    gl.static_assert(not (MASKS and DETERMINISTIC), "masks run the Gluon backward in any order only")
     G: gl.constexpr = H // HKV
     dtype: gl.constexpr = q_smem.dtype
     DQ_COLS: gl.constexpr = D // 2
@@ -294,8 +326,12 @@ def dkdv_steps(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv
     zero_q = gl.zeros([_Q_ROWS, DQ_COLS], gl.float32, dq_layout)
     k_pos0 = positions(n0 + HALF_INDEX * _HALF, src, S, W, ZIGZAG)  # contiguous over its 64 rows (gluon_bwd_applies)
     qk_scale = sm_scale * _LOG2E
+    k_rows = gl.arange(0, _HALF, layout=gl.SliceLayout(1, s_layout))  # (masks only: the causal path makes its own)
+    k_ids = gl.full([_HALF], -1, gl.int32, gl.SliceLayout(1, s_layout))  # (read with segment ids only)
     if n_m > 0:
         mbarrier.wait(kv_bar, 0)
+        if SEGMENTED:
+            k_ids = gl.load(seg_k + n0 + HALF_INDEX * _HALF + k_rows)
     for i in range(G * n_m):
         h, m0 = _work(i, n_m, i_lo, hkv, G)
         s = i % _STAGES
@@ -313,7 +349,17 @@ def dkdv_steps(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv
         dpT = warpgroup_mma(v_half, do_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         sT = warpgroup_mma_wait(num_outstanding=1, deps=(sT, ))
         pT = gl.exp2(sT * qk_scale - lse_smem.index(s).load(gl.SliceLayout(0, s_layout))[None, :])
-        if CAUSAL:
+        if MASKS:
+            if gl.max(meta_smem.index(s).load(_WORD_LAYOUT_4), axis=0) != 0:
+                shift = positions(m0, rank, S, W, ZIGZAG) - k_pos0  # query minus key position at (row 0, column 0)
+                cols = gl.arange(0, _Q_ROWS, layout=gl.SliceLayout(0, s_layout))
+                q_ids = cols  # (read with segment ids only)
+                if SEGMENTED:
+                    q_ids = ids_smem.index(s).load(gl.SliceLayout(0, s_layout))
+                ok = pairs_allowed(cols[None, :] >= 0, cols[None, :] + shift, k_rows[:, None], q_ids[None, :],
+                                   k_ids[:, None], CAUSAL, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)
+                pT = gl.where(ok, pT, 0.0)
+        elif CAUSAL:
             shift = positions(m0, rank, S, W, ZIGZAG) - k_pos0  # query minus key position at (row 0, column 0)
             if shift < _HALF - 1:  # some key of the half after some query of the block
                 # (the indices made here, not held across the loop: registers are what it is short of)
@@ -373,15 +419,29 @@ def _consumer(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_
               part_bar, dq_desc, dk_ptr, dv_ptr, ctx_ptr, part_off, b, hkv, n0, d, rank, S, B, n_m, i_lo, timeout_ns,
               sm_scale, turns, ctl, HALF_INDEX: gl.constexpr, W: gl.constexpr, H: gl.constexpr, HKV: gl.constexpr,
               D: gl.constexpr, CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr, CHUNK_ROWS: gl.constexpr,
-              DETERMINISTIC: gl.constexpr):
+              DETERMINISTIC: gl.constexpr, sent=None, ids_smem=None, meta_smem=None, seg_k=None,
+              WINDOW: gl.constexpr = False, WIN_LEFT: gl.constexpr = -1, WIN_RIGHT: gl.constexpr = -1,
+              SEGMENTED: gl.constexpr = False):
     """One consumer of a dK/dV task (module docstring): its steps, then its rows' partial sent or final dK/dV
-    written. ``n_m`` is 0 for a task with nothing to compute or send (its block unseen, or the call check failed).
+    written. ``n_m`` is 0 for a task with nothing to compute (its block unseen, or the call check failed). With a
+    window or segment ids (``sent`` given, ``_masked_steps``): ``sent`` is nonzero for a partial task that sends its
+    partial, even where no query block meets the block's ids (the owner's test); without, a partial task sends
+    exactly when it has steps.
     What only the end needs (the ring's words, the partial slots) is read again there from ``ctx_ptr``, not held
     across the loop: registers are what the loop is short of."""
     dtype: gl.constexpr = q_smem.dtype
-    dk, dv = dkdv_steps(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_bar, q_ready,
-                        q_empty, ds_bar, dq_desc, b, hkv, n0, d, (rank - d + W) % W, rank, S, n_m, i_lo, sm_scale,
-                        turns, ctl, timeout_ns, HALF_INDEX, W, H, HKV, D, CAUSAL, ZIGZAG, DETERMINISTIC)
+    MASKS: gl.constexpr = WINDOW or SEGMENTED
+    if sent is None:
+        sent = n_m
+    if MASKS:
+        dk, dv = dkdv_steps(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_bar, q_ready,
+                            q_empty, ds_bar, dq_desc, b, hkv, n0, d, (rank - d + W) % W, rank, S, n_m, i_lo, sm_scale,
+                            turns, ctl, timeout_ns, HALF_INDEX, W, H, HKV, D, CAUSAL, ZIGZAG, DETERMINISTIC, ids_smem,
+                            meta_smem, seg_k, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)
+    else:
+        dk, dv = dkdv_steps(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_bar, q_ready,
+                            q_empty, ds_bar, dq_desc, b, hkv, n0, d, (rank - d + W) % W, rank, S, n_m, i_lo, sm_scale,
+                            turns, ctl, timeout_ns, HALF_INDEX, W, H, HKV, D, CAUSAL, ZIGZAG, DETERMINISTIC)
     kv_layout: gl.constexpr = dk.type.layout
     n_first = n0 + HALF_INDEX * _HALF
     heap_bases, rank, ctl, flags, recv_addr, epoch = ring_context(ctx_ptr, W)  # (the epoch changes only at the end
@@ -400,7 +460,7 @@ def _consumer(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_
     # After every wait of this task; a failed call check is in it too (protocol.check_call records it).
     err = gl.atomic_add(ctl + CTL_ERROR, 0, sem="acquire", scope="gpu")
     if d > 0:
-        if n_m > 0:
+        if sent > 0:
             # Unscaled float32 partials into slot d-1 of the owner's partial region; the flag after both halves.
             slot = d - 1
             dst = ((slot * 2 * B + b).to(gl.int64) * HKV + hkv) * S * D
@@ -421,10 +481,16 @@ def _consumer(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_
         # block: the test its partial task makes), then the sum in rank order, the local one at its place.
         k_pos_min = positions(n0, rank, S, W, ZIGZAG)
         n_blk = n0 // _KV_ROWS
+        n_chunks = gl.cdiv(S, CHUNK_ROWS)
+        rng = ranks_rng(flags, B, HKV, n_chunks, n_kvb, W)
+        my_lo = n0 * 0  # the block's published id range (segment ids: what the peers' partial tasks test)
+        my_hi = my_lo
+        if SEGMENTED:
+            my_lo, my_hi = published_range(rng, rank, b, B, n_chunks, n0 // CHUNK_ROWS)
         for r in gl.static_range(W):
             if r != rank:
-                if _partial_sent(n0, n0 + _KV_ROWS, k_pos_min, rank, r, 0, b, B, 0, 0, 0, S, W, ZIGZAG, CAUSAL,
-                                 False, -1, -1, False):
+                if _partial_sent(n0, n0 + _KV_ROWS, k_pos_min, rank, r, rng, b, B, n_chunks, my_lo, my_hi, S, W,
+                                 ZIGZAG, CAUSAL, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED):
                     rslot = (r - rank + W) % W - 1
                     if poll_ge(flags + n_units + (rslot * B * HKV + bh) * n_kvb + n_blk, epoch, ctl, timeout_ns,
                                False) == 0:
@@ -442,8 +508,8 @@ def _consumer(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_
                     else:
                         total += dv
                 else:
-                    if _partial_sent(n0, n0 + _KV_ROWS, k_pos_min, rank, r, 0, b, B, 0, 0, 0, S, W, ZIGZAG, CAUSAL,
-                                     False, -1, -1, False):
+                    if _partial_sent(n0, n0 + _KV_ROWS, k_pos_min, rank, r, rng, b, B, n_chunks, my_lo, my_hi, S, W,
+                                     ZIGZAG, CAUSAL, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED):
                         rslot = (r - rank + W) % W - 1
                         src_off = ((rslot * 2 * B + which * B + b).to(gl.int64) * HKV + hkv) * S * D
                         total += gl.load(part + src_off + part_rows)
@@ -452,6 +518,46 @@ def _consumer(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_
                 gl.store(dk_ptr + out_off, (total * sm_scale).to(dtype))
             else:
                 gl.store(dv_ptr + out_off, total.to(dtype))
+
+
+@gluon.jit
+def _masked_steps(n0, d, src, rank, b, B, S, rng, rng_b, n_chunks, W: gl.constexpr, CHUNK_ROWS: gl.constexpr,
+                  CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr, WINDOW: gl.constexpr, WIN_LEFT: gl.constexpr,
+                  WIN_RIGHT: gl.constexpr, SEGMENTED: gl.constexpr):
+    """With a window or segment ids, a dK/dV task's steps over the local query blocks for K/V block [n0, n0 + 128)
+    of rank ``src`` (peer distance ``d``): (sent, i_lo, n_m, i_full, i_fend, kv_t).
+    ``sent``: the block reaches this rank at all, the tl kernel's test (ring_core.kernel_bwd): some local query sees
+    a row of it by position (``rows_seen``: the test its pusher made, chunks being blocks here) and, with segment
+    ids, its chunk's published id range meets a half of this rank's (the pusher's test again; the final task's own
+    block always). A partial task sends its partial exactly then, the owner waits for it exactly then
+    (``_partial_sent``), whatever the steps below.
+    The steps: query blocks [i_lo, i_lo + n_m) (0 unless sent) hold every local query the mask's positions let meet
+    the block (``rows_within``, ``row_blocks``), narrowed with segment ids to the run of those whose chunk's
+    published range meets the block's (``met_blocks``: ranges, not ids, so nothing waits here; 64-row blocks in
+    128-row chunks); in the run, blocks that hold no pair are computed with every pair masked (local queries: their
+    rows are there; the block's keys were sent whole). [i_full, i_fend): the blocks whose every query sees every
+    key by position; ``kv_t``: the block's one id where its published range is [t, t] (no padding), else -2."""
+    ql1, qh1, ql2, qh2, qf_lo, qf_hi = rows_within(n0, n0 + _KV_ROWS, src, rank, S, W, ZIGZAG, CAUSAL, WIN_LEFT,
+                                                   WIN_RIGHT, False)
+    i_lo, i_full, i_fend, i_hi = row_blocks(ql1, qh1, ql2, qh2, qf_lo, qf_hi, _Q_ROWS)
+    if WINDOW:
+        sent = rows_seen(n0, n0 + _KV_ROWS, src, rank, S, W, ZIGZAG, CAUSAL, WIN_LEFT, WIN_RIGHT)
+    elif CAUSAL:
+        sent = positions(n0, src, S, W, ZIGZAG) <= last_pos(rank, S, W, ZIGZAG)
+    else:
+        sent = n0 >= 0
+    kv_t = n0 * 0 - 2
+    if SEGMENTED:
+        c_lo, c_hi = published_range(rng, src, b, B, n_chunks, n0 // CHUNK_ROWS)
+        if d > 0:
+            sent = sent & meets_halves(rng, rank, b, B, n_chunks, c_lo, c_hi)
+        kv_t = gl.where((c_lo == c_hi) & (c_lo >= 0), c_lo, -2)
+        # The block's non-padding ids lie in [max(c_lo, 0), c_hi] (its lo counts padding as -1; a padding key is
+        # attended by nobody): all padding, an empty range, no step.
+        i_lo, i_hi, _ = met_blocks(i_lo, i_hi, ql1, qh1, ql2, qh2, rng_b, gl.maximum(c_lo, 0), c_hi, n0 * 0 + BIG_ID,
+                                   n0 * 0 - 1, _Q_ROWS, CHUNK_ROWS, SEGMENTED, 128)
+    sent = sent.to(gl.int32)
+    return sent, i_lo, gl.where(sent != 0, i_hi - i_lo, 0), i_full, i_fend, kv_t
 
 
 @gluon.jit(do_not_specialize=["timeout_ns", "part_off"])
@@ -475,27 +581,28 @@ def ring_attn_bwd_gluon(
     gl.static_assert(KV_BLOCK_N == _KV_ROWS and KV_BLOCK_M == _Q_ROWS and DQ_BLOCK_M == _ROW_TASK and BLOCK_D == D,
                      "ring_core.plans: the Gluon backward's config")
     gl.static_assert(D == 128, "the dQ split takes half of D per consumer: one 128-byte swizzle atom")
-    gl.static_assert(not WINDOW and not SEGMENTED, "windows and segment ids run the tl kernel (gluon_bwd_applies)")
+    MASKS: gl.constexpr = WINDOW or SEGMENTED
+    gl.static_assert(not (MASKS and DETERMINISTIC), "with a window or segment ids: the tl kernel (gluon_bwd_applies)")
     G: gl.constexpr = H // HKV
     CHUNK_ROWS: gl.constexpr = CHUNK_BLOCKS * _KV_ROWS
     dtype: gl.constexpr = q_ptr.dtype.element_ty
 
     # ---- the protocol's start: this rank's ring, the call check, a ticket, every push unit left ------------
     heap_bases, rank, ctl, flags, recv_addr, epoch = ring_context(ctx_ptr, W)
-    recv, seg_recv = receive_slots(recv_addr, seg_ptr, rank, B, S, q_ptr, W, HKV, D, False)
+    recv, seg_recv = receive_slots(recv_addr, seg_ptr, rank, B, S, q_ptr, W, HKV, D, SEGMENTED)
     n_chunks = gl.cdiv(S, CHUNK_ROWS)
     n_kvb = S // _KV_ROWS
     n_units = (W - 1) * B * HKV * n_chunks  # K/V push units; also the number of K/V flags
     rng = ranks_rng(flags, B, HKV, n_chunks, n_kvb, W)
     call_ok = start_call(ctl, heap_bases, rank, epoch, timeout_ns, seg_ptr, rng, B, S, sm_scale, n_chunks, KIND_BWD, W,
-                         H, HKV, D, SIG_DTYPE, CAUSAL, ZIGZAG, CHUNK_ROWS, _KV_ROWS, WIN_LEFT, WIN_RIGHT, False,
-                         False)
+                         H, HKV, D, SIG_DTYPE, CAUSAL, ZIGZAG, CHUNK_ROWS, _KV_ROWS, WIN_LEFT, WIN_RIGHT,
+                         SEGMENTED, False)
     tid = gl.atomic_add(ctl + CTL_BWD_TICKET, 1, sem="relaxed", scope="gpu")
     if W > 1:
         # Before anything of this program waits: ring_core.protocol's no-deadlock argument.
         drain_pushes(ctl, n_units * call_ok, k_ptr, v_ptr, seg_ptr, recv, seg_recv, flags, heap_bases, rank, epoch,
-                     B, S, n_chunks, W, HKV, D, D, CHUNK_ROWS, PUSH_ROWS, PUSH_VEC, CAUSAL, ZIGZAG, False, WIN_LEFT,
-                     WIN_RIGHT, False, rng, False)
+                     B, S, n_chunks, W, HKV, D, D, CHUNK_ROWS, PUSH_ROWS, PUSH_VEC, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT,
+                     WIN_RIGHT, SEGMENTED, rng, SEGMENTED)
     n_rows = S // _ROW_TASK
     n_dq = B * H * n_rows  # delta tasks, and as many dQ tasks at the end
     n_part = (W - 1) * B * HKV * n_kvb
@@ -510,6 +617,10 @@ def ring_attn_bwd_gluon(
     acc_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
     (q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_bar, part_bar, q_ready, q_empty,
      ds_bar) = bwd_slots(dtype, D, layout, acc_layout)
+    if MASKS:  # each slot's word (masked or not) and, with segment ids, its query rows' ids (``load_steps``)
+        row_words: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+        meta_smem = gl.allocate_shared_memory(gl.int32, [_STAGES, 1], row_words)
+        ids_smem = gl.allocate_shared_memory(gl.int32, [_STAGES, _Q_ROWS], row_words)
 
     if tid < n_dq:
         # ================================ delta task ============================================
@@ -520,7 +631,12 @@ def ring_attn_bwd_gluon(
             off, row_off = _row_tile(b, h, (tid % n_rows) * _ROW_TASK + sub * _SUB_ROWS, S, H, D)
             o = gl.load(o_ptr + off).to(gl.float32)
             do = gl.load(do_ptr + off).to(gl.float32)
-            gl.store(delta_ptr + row_off, gl.sum(do * o, axis=1) - gl.load(dlse_ptr + row_off))
+            dst = delta_ptr + row_off
+            rowsum = gl.sum(do * o, axis=1)
+            dl = gl.load(dlse_ptr + row_off)
+            if SEGMENTED:  # a padding row's lse is the constant -inf: its dlse selected away (as the tl kernel)
+                dl = gl.where(gl.load(lse_ptr + row_off) == float("-inf"), 0.0, dl)
+            gl.store(dst, rowsum - dl)
             gl.store(dq_acc + off, gl.zeros_like(o))
         if DETERMINISTIC:
             words = gl.arange(0, 4, layout=gl.BlockedLayout([1], [32], [4], [0]))  # 2 query blocks x 2 halves
@@ -552,7 +668,18 @@ def ring_attn_bwd_gluon(
         # The local query blocks that see some key of the block: a suffix (positions grow with the row).
         i_lo = n0 * 0
         n_m = S // _Q_ROWS
-        if CAUSAL:
+        if MASKS:
+            seg_b = seg_ptr + b.to(gl.int64) * S  # this rank's ids of batch b (segment ids only)
+            rng_b = ranges_of(rng, rank, b, B, n_chunks)  # and the ranges it published for them
+            seg_k = seg_b  # the block's keys' ids (segment ids only; a peer's came with its chunk, before the flag)
+            if SEGMENTED:
+                if d > 0:
+                    seg_k = seg_recv + (((d - 1) * B + b) * HKV + hkv).to(gl.int64) * S
+            sent, i_lo, n_m, i_full, i_fend, kv_t = _masked_steps(n0, d, src, rank, b, B, S, rng, rng_b, n_chunks, W,
+                                                                 CHUNK_ROWS, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT,
+                                                                 WIN_RIGHT, SEGMENTED)
+            sent = sent * call_ok
+        elif CAUSAL:
             k_pos_min = positions(n0, src, S, W, ZIGZAG)
             i_lo = visible_rows(k_pos_min - 1, rank, S, W, ZIGZAG) // _Q_ROWS
             n_m = gl.where(k_pos_min <= last_pos(rank, S, W, ZIGZAG), n_m - i_lo, 0)
@@ -566,19 +693,37 @@ def ring_attn_bwd_gluon(
             r_desc = tma.make_tensor_descriptor(recv, [(W - 1) * 2 * B * HKV * S, D], [D, 1], [_KV_ROWS, D], layout)
         else:
             r_desc = k_desc  # never read: no partial task
-        gl.warp_specialize([
-            (_consumer, (q_smem, do_smem, kv_smem, ds_smem, dq_smem.index(0), lse_smem, dl_smem, kv_bar, q_ready,
-                         q_empty, ds_bar, part_bar, dq_desc, dk_ptr, dv_ptr, ctx_ptr, part_off, b, hkv, n0, d, rank,
-                         S, B, n_m, i_lo, timeout_ns, sm_scale, turns, ctl, 0, W, H, HKV, D, CAUSAL, ZIGZAG,
-                         CHUNK_ROWS, DETERMINISTIC)),
-            (_producer, (q_desc, do_desc, k_desc, v_desc, r_desc, q_smem, do_smem, kv_smem, lse_smem, dl_smem,
-                         kv_bar, q_ready, q_empty, lse_ptr, delta_ptr, b, hkv, n0, d, src, S, B, n_m, i_lo, flags,
-                         n_chunks, epoch, ctl, timeout_ns, W, H, G, HKV, D, CHUNK_ROWS)),
-            (_consumer, (q_smem, do_smem, kv_smem, ds_smem, dq_smem.index(1), lse_smem, dl_smem, kv_bar, q_ready,
-                         q_empty, ds_bar, part_bar, dq_desc, dk_ptr, dv_ptr, ctx_ptr, part_off, b, hkv, n0, d, rank,
-                         S, B, n_m, i_lo, timeout_ns, sm_scale, turns, ctl, 1, W, H, HKV, D, CAUSAL, ZIGZAG,
-                         CHUNK_ROWS, DETERMINISTIC)),
-        ], [_LOAD_WARPS, _CONSUMER_WARPS], [_LOAD_REGS, _CONSUMER_REGS])
+        if MASKS:
+            gl.warp_specialize([
+                (_consumer, (q_smem, do_smem, kv_smem, ds_smem, dq_smem.index(0), lse_smem, dl_smem, kv_bar, q_ready,
+                             q_empty, ds_bar, part_bar, dq_desc, dk_ptr, dv_ptr, ctx_ptr, part_off, b, hkv, n0, d,
+                             rank, S, B, n_m, i_lo, timeout_ns, sm_scale, turns, ctl, 0, W, H, HKV, D, CAUSAL, ZIGZAG,
+                             CHUNK_ROWS, DETERMINISTIC, sent, ids_smem, meta_smem, seg_k, WINDOW, WIN_LEFT, WIN_RIGHT,
+                             SEGMENTED)),
+                (_producer, (q_desc, do_desc, k_desc, v_desc, r_desc, q_smem, do_smem, kv_smem, lse_smem, dl_smem,
+                             kv_bar, q_ready, q_empty, lse_ptr, delta_ptr, b, hkv, n0, d, src, S, B, n_m, i_lo, flags,
+                             n_chunks, epoch, ctl, timeout_ns, W, H, G, HKV, D, CHUNK_ROWS, ids_smem, meta_smem, seg_b,
+                             i_full, i_fend, kv_t, rng_b, SEGMENTED)),
+                (_consumer, (q_smem, do_smem, kv_smem, ds_smem, dq_smem.index(1), lse_smem, dl_smem, kv_bar, q_ready,
+                             q_empty, ds_bar, part_bar, dq_desc, dk_ptr, dv_ptr, ctx_ptr, part_off, b, hkv, n0, d,
+                             rank, S, B, n_m, i_lo, timeout_ns, sm_scale, turns, ctl, 1, W, H, HKV, D, CAUSAL, ZIGZAG,
+                             CHUNK_ROWS, DETERMINISTIC, sent, ids_smem, meta_smem, seg_k, WINDOW, WIN_LEFT, WIN_RIGHT,
+                             SEGMENTED)),
+            ], [_LOAD_WARPS, _CONSUMER_WARPS], [_LOAD_REGS, _CONSUMER_REGS])
+        else:
+            gl.warp_specialize([
+                (_consumer, (q_smem, do_smem, kv_smem, ds_smem, dq_smem.index(0), lse_smem, dl_smem, kv_bar, q_ready,
+                             q_empty, ds_bar, part_bar, dq_desc, dk_ptr, dv_ptr, ctx_ptr, part_off, b, hkv, n0, d,
+                             rank, S, B, n_m, i_lo, timeout_ns, sm_scale, turns, ctl, 0, W, H, HKV, D, CAUSAL, ZIGZAG,
+                             CHUNK_ROWS, DETERMINISTIC)),
+                (_producer, (q_desc, do_desc, k_desc, v_desc, r_desc, q_smem, do_smem, kv_smem, lse_smem, dl_smem,
+                             kv_bar, q_ready, q_empty, lse_ptr, delta_ptr, b, hkv, n0, d, src, S, B, n_m, i_lo, flags,
+                             n_chunks, epoch, ctl, timeout_ns, W, H, G, HKV, D, CHUNK_ROWS)),
+                (_consumer, (q_smem, do_smem, kv_smem, ds_smem, dq_smem.index(1), lse_smem, dl_smem, kv_bar, q_ready,
+                             q_empty, ds_bar, part_bar, dq_desc, dk_ptr, dv_ptr, ctx_ptr, part_off, b, hkv, n0, d,
+                             rank, S, B, n_m, i_lo, timeout_ns, sm_scale, turns, ctl, 1, W, H, HKV, D, CAUSAL, ZIGZAG,
+                             CHUNK_ROWS, DETERMINISTIC)),
+            ], [_LOAD_WARPS, _CONSUMER_WARPS], [_LOAD_REGS, _CONSUMER_REGS])
     else:
         # ================================ dQ task ===============================================
         t = tid - n_dq - n_kv

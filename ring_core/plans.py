@@ -166,14 +166,16 @@ GLUON_BWD_KV_ROWS, GLUON_BWD_Q_ROWS, GLUON_BWD_ROW_TASK = 128, 64, 128  # ring_c
 GLUON_BWD_HEAD_DIMS = (128,)
 
 
-def gluon_bwd_applies(spec: AttentionSpec, world_size: int, capability) -> bool:
-    """Whether the Gluon Hopper backward (ring_core.gluon_bwd) may take the backward of ``spec`` (without
-    ``deterministic``: BwdKernelConfig.get_default): where the Gluon forward applies (``gluon_applies``) and head_dim
-    is 128 (its dQ is split between two consumers by halves of D, 64 columns of a 128-byte swizzled row each), with
-    neither a window nor segment ids (those run the tl backward)."""
-    unmasked = masks.kernel_window(spec.is_causal, spec.window, world_size * spec.seq_local) == masks.NO_WINDOW
-    return (gluon_applies(spec, world_size, capability) and spec.head_dim in GLUON_BWD_HEAD_DIMS and unmasked
-            and not spec.segmented)
+def gluon_bwd_applies(spec: AttentionSpec, world_size: int, capability, deterministic: bool = False) -> bool:
+    """Whether the Gluon Hopper backward (ring_core.gluon_bwd) may take the backward of ``spec``
+    (BwdKernelConfig.get_default): where the Gluon forward applies (``gluon_applies``) and head_dim is 128 (its dQ is
+    split between two consumers by halves of D, 64 columns of a 128-byte swizzled row each); with a window or segment
+    ids only in its any-order mode (``deterministic`` False: its deterministic order counts each query block's
+    contributors by position, which masks change; those run the tl backward)."""
+    unmasked = (masks.kernel_window(spec.is_causal, spec.window, world_size * spec.seq_local) == masks.NO_WINDOW
+                and not spec.segmented)
+    return (gluon_applies(spec, world_size, capability) and spec.head_dim in GLUON_BWD_HEAD_DIMS
+            and (unmasked or not deterministic))
 
 
 @dataclass(frozen=True)
@@ -216,7 +218,8 @@ class BwdKernelConfig:
         flag). With it, the split kernel: the Gluon kernel's own deterministic order (DETERMINISTIC) is slower than
         the split so far (benchmarks/NOTES.md, session 10) and runs only with ``gluon_det``
         (RING_ATTENTION_GLUON_DETERMINISTIC=1, read by ``plan_bwd``: A/B runs and its checks)."""
-        if not interpret and (gluon_det or not deterministic) and gluon_bwd_applies(spec, world_size, capability):
+        if (not interpret and (gluon_det or not deterministic)
+                and gluon_bwd_applies(spec, world_size, capability, deterministic)):
             return BwdKernelConfig(dq_block_m=GLUON_BWD_ROW_TASK, dq_block_n=GLUON_BWD_Q_ROWS,
                                    kv_block_n=GLUON_BWD_KV_ROWS, kv_block_m=GLUON_BWD_Q_ROWS, chunk_blocks=1,
                                    push_rows=32, num_warps=4, num_stages=2, deterministic=deterministic, gluon=True)

@@ -110,6 +110,12 @@ GLUON_MASK_CASES = [(1, 512, 8, 2, 128, "bfloat16", True, "zigzag", None, "padde
 # forward's cases with head_dim 128), the lse gradient in one; each with deterministic=False (the default) and True.
 # (B, S, H, HKV, D, dtype, causal, layout, scale, lse-grad)
 GLUON_BWD_CASES = [c[:8] + (c[8] if len(c) > 8 else None, i == 0) for i, c in enumerate(GLUON_CASES) if c[4] == 128]
+# The gluon-bwd-masks section: the masked backwards the Gluon backward takes (deterministic=False only:
+# plans.gluon_bwd_applies), the head_dim-128 masked cases of the forward's and two more at D128 (a one-sided window,
+# short packed documents without padding), each with the lse gradient (the padding rows' dlse selected away).
+GLUON_BWD_MASK_CASES = [c for c in GLUON_MASK_CASES if c[4] == 128] + [
+    (1, 768, 4, 4, 128, "float16", True, "contiguous", (300, -1), None),
+    (1, 256, 4, 1, 128, "bfloat16", False, "contiguous", None, "packed")]
 GRADS_CASE = (1, 128, 4, 2, 32, "float32", True, "zigzag")
 BWD_BIG = (2, 4096, 32, 8, 128, "bfloat16", True, "zigzag")  # the bwd section's grid larger than the GPU holds
 
@@ -124,8 +130,9 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--calls", type=int, default=1000)
     ap.add_argument("--skip-big", action="store_true")
-    ap.add_argument("--sections", default="cases,gluon,jit,grads,launch,bwd,gluon-bwd,masks,soak,big",
-                    help="comma-separated subset of cases,gluon,jit,grads,launch,bwd,gluon-bwd,masks,soak,big "
+    ap.add_argument("--sections", default="cases,gluon,jit,grads,launch,bwd,gluon-bwd,gluon-bwd-masks,masks,soak,big",
+                    help="comma-separated subset of cases,gluon,jit,grads,launch,bwd,gluon-bwd,gluon-bwd-masks,masks,"
+                         "soak,big "
                          "(default: all)")
     ap.add_argument("--mask-cases", default=None,
                     help="masks section: comma-separated indices of its cases to run (default: all)")
@@ -336,7 +343,9 @@ def main():
         if gluon:
             spec = validate.check_attention_args((B, S, H, D), (B, S, HKV, D), (B, S, HKV, D), dt, dt, dt,
                                                  is_causal=causal, scale=scale, layout=lay, backend="fused",
-                                                 backends=("fused",))
+                                                 backends=("fused",), window_size=window,
+                                                 segment_ids_shape=None if segs is None else (B, S),
+                                                 segment_ids_dtype=None if segs is None else "int32")
             kernel = ring_heap.get().plan_bwd(spec, W, deterministic=deterministic).kernel().__name__
             assert kernel == "ring_attn_bwd_gluon", f"{name}: the plan launches {kernel} on this GPU"
         t1 = time.time()
@@ -481,6 +490,13 @@ def main():
                                c + (det,))
         summary["gluon_bwd_cases"] = 2 * len(GLUON_BWD_CASES)
         summary["gluon_bwd_s"] = round(time.time() - t0, 1)
+    if "gluon-bwd-masks" in sections:  # (issue 20) any order only: masks run the tl kernel with deterministic=True
+        t0 = time.time()
+        for i, c in enumerate(GLUON_BWD_MASK_CASES):
+            keep_going(lambda: bwd_case(*c[:8], use_lse=True, segs=segment_ids(c[9], 500 + i, c[0], c[1] * W),
+                                        window=c[8], deterministic=False, gluon=True), c)
+        summary["gluon_bwd_mask_cases"] = len(GLUON_BWD_MASK_CASES)
+        summary["gluon_bwd_masks_s"] = round(time.time() - t0, 1)
 
     # ---- two fused calls of different shapes in one jitted program -------------------------------
     if "jit" in sections:

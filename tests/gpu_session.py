@@ -49,6 +49,8 @@ Stages (``NAME[:SECONDS]``; the default time limit is in brackets):
   checks-bwd   tests/gpu_checks.py --sections bwd                                  [300]
   checks-gluon-bwd tests/gpu_checks.py --sections gluon-bwd: the Gluon Hopper backward (deterministic=False)
                against float64 [240]
+  checks-gluon-bwd-masks tests/gpu_checks.py --sections gluon-bwd-masks: the Gluon backward with windows and
+               segment ids (deterministic=False) against float64 [240]
   checks-masks tests/gpu_checks.py --sections masks: segment ids and windows, forward and
                backward (6 cases; compiles dominate)                                [540]
   faults       tests/gpu_faults.py (timeout, concurrent, mismatch, bad_inputs, security) [240]
@@ -171,6 +173,8 @@ STAGES = {
     "checks-fwdbwd": (420, [LAUNCH + ["tests/gpu_checks.py", "--sections", "cases,gluon,bwd", "--out", "{out}"]]),
     "checks-gluon": (240, [LAUNCH + ["tests/gpu_checks.py", "--sections", "gluon", "--out", "{out}"]]),
     "checks-gluon-bwd": (240, [LAUNCH + ["tests/gpu_checks.py", "--sections", "gluon-bwd", "--out", "{out}"]]),
+    "checks-gluon-bwd-masks": (240, [LAUNCH + ["tests/gpu_checks.py", "--sections", "gluon-bwd-masks", "--out",
+                                               "{out}"]]),
     "checks-quick": (300, [LAUNCH + ["tests/gpu_checks.py", "--sections", "cases,gluon,jit,grads,launch", "--out", "{out}"]]),
     "checks-grads": (240, [LAUNCH + ["tests/gpu_checks.py", "--sections", "grads,launch", "--out", "{out}"]]),
     "checks-big": (180, [LAUNCH + ["tests/gpu_checks.py", "--sections", "big", "--out", "{out}"]]),

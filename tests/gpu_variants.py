@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ring_core import build, control, plans, validate  # noqa: E402
 
-CHECKS_SECTIONS = ("cases", "gluon", "jit", "grads", "bwd", "gluon-bwd", "masks", "soak", "big")
+CHECKS_SECTIONS = ("cases", "gluon", "jit", "grads", "bwd", "gluon-bwd", "gluon-bwd-masks", "masks", "soak", "big")
 GPU_CAPABILITY = (9, 0)  # the GPU machine's H200: its plans pick the Gluon forward where it applies
 
 
@@ -102,6 +102,8 @@ def checks_calls(world: int, sections=CHECKS_SECTIONS, mask_cases=None) -> list:
         calls += [(spec_of(*c[:8]), True, GPU_CAPABILITY, True) for c in g.BWD_CASES] + [(spec_of(*g.BWD_BIG), True)]
     if "gluon-bwd" in sections:
         calls += [(spec_of(*c[:8]), True) for c in g.GLUON_BWD_CASES]
+    if "gluon-bwd-masks" in sections:  # deterministic=False: the Gluon backward
+        calls += [(spec_of(*c[:8], window=c[8], segmented=c[9] is not None), True) for c in g.GLUON_BWD_MASK_CASES]
     if "masks" in sections:
         chosen = range(len(g.MASK_CASES)) if mask_cases is None else mask_cases
         calls += [(spec_of(*c[:8], window=c[8], segmented=c[9] is not None), True, GPU_CAPABILITY, True)

@@ -483,13 +483,20 @@ def test_gluon_product_kernel_compiles_warp_specialised_with_the_protocol(tmp_pa
 GLUON_BWD_COMPILE = PLAN_SM90 + textwrap.dedent("""
     lay = control.HeapLayout.for_workspace(1 << 30)
     out = {}
-    for B, S, H, HKV, dt, causal, layout, W in ((1, 1024, 8, 2, "bfloat16", True, "zigzag", 2),
-                                               (2, 256, 4, 4, "float16", False, "contiguous", 3),
-                                               (1, 256, 4, 1, "bfloat16", True, "contiguous", 1)):
+    for B, S, H, HKV, dt, causal, layout, W, win, seg in (
+            (1, 1024, 8, 2, "bfloat16", True, "zigzag", 2, None, False),
+            (2, 256, 4, 4, "float16", False, "contiguous", 3, None, False),
+            (1, 256, 4, 1, "bfloat16", True, "contiguous", 1, None, False),
+            (1, 512, 8, 2, "bfloat16", True, "zigzag", 2, None, True),  # masks (issue 20): in any order only
+            (1, 512, 4, 4, "float16", True, "contiguous", 1, (300, -1), False),
+            (2, 512, 4, 2, "bfloat16", False, "zigzag", 3, (200, 90), True)):
         spec = validate.check_attention_args((B, S, H, 128), (B, S, HKV, 128), (B, S, HKV, 128), dt, dt, dt,
                                              is_causal=causal, scale=None, layout=layout, backend="fused",
-                                             backends=("fused",))
-        for det in (False, True):  # deterministic: the Gluon kernel's own order (not the default)
+                                             backends=("fused",), window_size=win,
+                                             segment_ids_shape=(B, S) if seg else None,
+                                             segment_ids_dtype="int32" if seg else None)
+        masked = win is not None or seg
+        for det in (False, ) if masked else (False, True):  # deterministic: the Gluon kernel's own order
             p = plans.plan_bwd(spec, W, lay, capability=(9, 0), deterministic=det, gluon_det=True)
             ck, ttgir, ptx, at, load, acq, fence, tma = compiled(p)
             reduce, done = at(r"cp\\.reduce\\.async\\.bulk\\.tensor"), at(r"cp\\.async\\.bulk\\.wait_group 0")
@@ -497,7 +504,7 @@ GLUON_BWD_COMPILE = PLAN_SM90 + textwrap.dedent("""
             # add's completion (wait_group DQ_LAG) before the release that counts it
             turn, one = at(r"\\.global\\.gpu\\.acquire"), at(r"cp\\.async\\.bulk\\.wait_group [1-9];")
             rel = at(r"atom\\.global\\.gpu\\.release")
-            out[f"{dt}-W{W}-{causal}-{layout}-{det}"] = dict(
+            out[f"{dt}-W{W}-{causal}-{layout}-{'masked-' if masked else ''}{det}"] = dict(
                 gluon=p.config.gluon, deterministic=p.config.deterministic, name=ck.metadata.name,
                 ws="ttg.warp_specialize" in ttgir, load_partition=bool(load), warps=ck.metadata.num_warps,
                 shared=ck.metadata.shared, scratch=ck.metadata.global_scratch_size, grid=p.grid[0],
@@ -516,7 +523,7 @@ def test_gluon_backward_compiles_warp_specialised_with_tma_reductions(tmp_path):
     five warpgroup MMAs per step, dQ added by TMA bulk reductions whose completion (``cp.async.bulk.wait_group 0``,
     not only the shared-memory read) comes before the count that publishes them, within Hopper's shared memory;
     its grid the delta, dK/dV and dQ tasks; with peers, the chunk flags acquired before the proxy fence and the TMA
-    reads. With deterministic=True and ``gluon_det`` (RING_ATTENTION_GLUON_DETERMINISTIC=1; else deterministic plans
+    reads. With a window or segment ids (issue 20; the last three) the same, in any order only. With deterministic=True and ``gluon_det`` (RING_ATTENTION_GLUON_DETERMINISTIC=1; else deterministic plans
     the split kernel) the same kernel with its DETERMINISTIC order: each reduction after the acquire of
     its turn, and the count of an earlier one released after ``cp.async.bulk.wait_group DQ_LAG`` (its completion).
     What it computes is checked on a GPU (tests/gpu_checks.py, sections ``gluon-bwd`` and ``bwd``)."""

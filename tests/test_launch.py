@@ -111,7 +111,7 @@ def _spec(S=1024, D=128, dtype="bfloat16", layout="contiguous", window=None, seg
     (dict(S=1000), (9, 0), False),
     (dict(D=80), (9, 0), False),
     (dict(dtype="float32"), (9, 0), False),
-    (dict(window=(100, 0)), (9, 0), True),  # masks (issue 20): the forward only; the tl backward
+    (dict(window=(100, 0)), (9, 0), True),  # masks (issue 20): the Gluon backward too, in any order only
     (dict(segmented=True), (9, 0), True),
     (dict(D=256, layout="zigzag", S=512, window=(300, -1), segmented=True), (9, 0), True),
     (dict(window=(100, 0), segmented=True, S=1000), (9, 0), False),
@@ -122,9 +122,9 @@ def _spec(S=1024, D=128, dtype="bfloat16", layout="contiguous", window=None, seg
 def test_the_gluon_kernel_takes_the_forwards_it_applies_to(kw, capability, gluon):
     """ring_core.plans picks the Gluon Hopper kernel exactly where it applies (plans.gluon_applies) and the tl
     kernel everywhere else; the backward with deterministic=False (the default) likewise where head_dim is also 128
-    and there is neither a window nor segment ids (plans.gluon_bwd_applies), the tl one with deterministic=True unless RING_ATTENTION_GLUON_DETERMINISTIC=1 (then
-    the Gluon kernel with its DETERMINISTIC constexpr, the same grid and scratch); the interpreter always runs the
-    tl kernels."""
+    (plans.gluon_bwd_applies; windows and segment ids included), the tl one with deterministic=True unless
+    RING_ATTENTION_GLUON_DETERMINISTIC=1 and there is neither a window nor segment ids (then the Gluon kernel with its
+    DETERMINISTIC constexpr, the same grid and scratch); the interpreter always runs the tl kernels."""
     lay = control.HeapLayout.for_workspace(1 << 30)
     spec = _spec(**kw)
     p = plans.plan(spec, 2, lay, capability=capability)
@@ -148,7 +148,7 @@ def test_the_gluon_kernel_takes_the_forwards_it_applies_to(kw, capability, gluon
     assert not plans.plan(spec, 2, lay, capability=capability, interpret=True).config.gluon
     assert plans.plan_bwd(spec, 2, lay).kernel().__name__ == "ring_attn_bwd_kernel"
     fast = plans.plan_bwd(spec, 2, lay, capability=capability)
-    assert fast.config.gluon is (gluon and spec.head_dim == 128 and not masked)
+    assert fast.config.gluon is (gluon and spec.head_dim == 128)
     assert fast.config.deterministic is not fast.config.gluon
     assert fast.kernel().__name__ == ("ring_attn_bwd_gluon" if fast.config.gluon else "ring_attn_bwd_kernel")
     if fast.config.gluon:  # its tasks: delta, partial and final dK/dV, dQ; its scratch: delta, then dQ's sums
@@ -163,7 +163,7 @@ def test_the_gluon_kernel_takes_the_forwards_it_applies_to(kw, capability, gluon
     det = plans.plan_bwd(spec, 2, lay, capability=capability, deterministic=True, gluon_det=True)
     with control.environ(**{plans.GLUON_DET_ENV: "1"}):  # what gluon_det=None reads
         assert plans.plan_bwd(spec, 2, lay, capability=capability, deterministic=True) == det
-    assert det.config.gluon is fast.config.gluon and det.config.deterministic
+    assert det.config.gluon is (fast.config.gluon and not masked) and det.config.deterministic
     if det.config.gluon:
         assert det.constexprs()["DETERMINISTIC"] and (det.kernel(), det.grid, det.out_shapes) == (
             fast.kernel(), fast.grid, fast.out_shapes)

@@ -253,8 +253,8 @@ def ring_attention(q, k, v, *, group=None, is_causal=False, scale=None, layout="
     dQ in a nondeterministic order where a kernel does. True: the fused backend's gradients bit-identical from
     run to run and between torch and JAX (the same inputs on the same GPUs).
     ``torch.use_deterministic_algorithms(True)`` turns it on too (read at each call; under torch.compile a
-    change recompiles). With False, on Hopper for fp16/bf16, head_dim 128, no window or segment ids
-    (ring_core.plans.gluon_bwd_applies), the fused backward is the Gluon kernel whose dQ sums come in no fixed
+    change recompiles). With False, on Hopper for fp16/bf16, head_dim 128 (windows and segment ids included:
+    ring_core.plans.gluon_bwd_applies), the fused backward is the Gluon kernel whose dQ sums come in no fixed
     order (ring_core/gluon_bwd.py); elsewhere, and with True, it is the deterministic tl kernel. The ``"torch"``
     backend ignores it: it runs torch's own ops, which torch.use_deterministic_algorithms governs.
 
