@@ -76,6 +76,7 @@ Stages (``NAME[:SECONDS]``; the default time limit is in brackets):
                torch_fused, fwd and fwd+bwd (--nproc ranks)                          [300]
   bench-masks-w1  the world-1 runs of bench-packed and bench-window (one process, whatever --nproc; the
                MPS SM share of a shared session is dropped for it, so it gets the whole GPU)  [540]
+  bench-masks-w1-stream  bench-masks-w1 with --timing stream (the calls back to back)       [300]
   bench-w1-stream  bench-w1 with --timing stream (the calls back to back)                [300]
   probe-gluon-fwd  benchmarks/gluon_fwd.py: a Gluon warp-specialised forward (single GPU), checked, then
                timed against cuDNN, bf16 D128 16k/32k                                      [240]
@@ -217,6 +218,12 @@ STAGES = {
     "bench-window": (300, [LAUNCH + WINDOW]),
     "bench-masks-w1": (540, [LAUNCH1 + PACKED + ["--pass", "fwd"], LAUNCH1 + PACKED + ["--pass", "fwd+bwd"],
                              LAUNCH1 + WINDOW]),
+    # The same rows back to back (--timing stream: the host's work for a call hidden behind the GPU's for the one
+    # before, as in a training step), into CSVs of their own.
+    "bench-masks-w1-stream": (300, [LAUNCH1 + [x.replace("masks_packed", "masks_packed_stream") for x in PACKED]
+                                    + ["--pass", p, "--timing", "stream"] for p in ("fwd", "fwd+bwd")]
+                              + [LAUNCH1 + [x.replace("masks_window", "masks_window_stream") for x in WINDOW]
+                                 + ["--timing", "stream"]]),
     # Where the packed forward's time goes (benchmarks/NOTES.md): world size 1, documents of one length each, from
     # one per 16k shard (the segment-id path at dense work) down to 1024 tokens (many short rows per tile).
     "bench-doclens": (150, [LAUNCH1 + BENCH + ["--mask", "packed", "--pass", "fwd", "--doc-lens", f"{n}-{n}",
