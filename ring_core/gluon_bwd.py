@@ -111,6 +111,7 @@ def _reductions_done():
                               dtype=gl.int32, is_pure=False, pack=1)
 
 
+UNMASKED = gl.constexpr(-2147483648)  # a masked backward step's word (``load_steps``) when it needs no mask
 DQ_LAG = 2  # deterministic: a step's dQ add is counted this many steps later (``dkdv_steps``)
 _DQ_LAG = gl.constexpr(DQ_LAG)
 _WAIT_LAG = gl.constexpr(f"cp.async.bulk.wait_group {DQ_LAG};\n fence.proxy.async.global;\n mov.b32 $0, 0;")
@@ -229,7 +230,7 @@ def _producer(q_desc, do_desc, k_desc, v_desc, r_desc, q_smem, do_smem, kv_smem,
               q_ready, q_empty, lse_ptr, delta_ptr, b, hkv, n0, d, src, S, B, n_m, i_lo, flags, n_chunks, epoch, ctl,
               timeout_ns, W: gl.constexpr, H: gl.constexpr, G: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr,
               CHUNK_ROWS: gl.constexpr, ids_smem=None, meta_smem=None, seg_b=None, i_full=0, i_fend=0, kv_t=0,
-              rng_b=None, SEGMENTED: gl.constexpr = False):
+              rng_b=None, rank=0, k_pos_n0=0, ZIGZAG: gl.constexpr = False, SEGMENTED: gl.constexpr = False):
     """The load warp of a dK/dV task (module docstring); nothing at all if the task has no step (n_m == 0). With a
     window or segment ids (``meta_smem`` given) also each step's word and ids (``load_steps``)."""
     if n_m > 0:
@@ -248,8 +249,8 @@ def _producer(q_desc, do_desc, k_desc, v_desc, r_desc, q_smem, do_smem, kv_smem,
             tma_load(r_desc, [k_row + B * HKV * S, 0], kv_bar, kv_smem.index(1))
     if meta_smem is not None:
         load_steps(q_desc, do_desc, q_smem, do_smem, lse_smem, dl_smem, q_ready, q_empty, lse_ptr, delta_ptr, b, hkv,
-                   S, n_m, i_lo, H, G, D, ids_smem, meta_smem, seg_b, i_full, i_fend, kv_t, rng_b, CHUNK_ROWS,
-                   SEGMENTED)
+                   S, n_m, i_lo, H, G, D, ids_smem, meta_smem, seg_b, i_full, i_fend, kv_t, rng_b, rank, k_pos_n0,
+                   CHUNK_ROWS, W, ZIGZAG, SEGMENTED)
     else:
         load_steps(q_desc, do_desc, q_smem, do_smem, lse_smem, dl_smem, q_ready, q_empty, lse_ptr, delta_ptr, b, hkv,
                    S, n_m, i_lo, H, G, D)
@@ -258,14 +259,17 @@ def _producer(q_desc, do_desc, k_desc, v_desc, r_desc, q_smem, do_smem, kv_smem,
 @gluon.jit
 def load_steps(q_desc, do_desc, q_smem, do_smem, lse_smem, dl_smem, q_ready, q_empty, lse_ptr, delta_ptr, b, hkv, S,
                n_m, i_lo, H: gl.constexpr, G: gl.constexpr, D: gl.constexpr, ids_smem=None, meta_smem=None, seg_b=None,
-               i_full=0, i_fend=0, kv_t=0, rng_b=None, CHUNK_ROWS: gl.constexpr = 0, SEGMENTED: gl.constexpr = False):
+               i_full=0, i_fend=0, kv_t=0, rng_b=None, rank=0, k_pos_n0=0, CHUNK_ROWS: gl.constexpr = 0,
+               W: gl.constexpr = 1, ZIGZAG: gl.constexpr = False, SEGMENTED: gl.constexpr = False):
     """The load warp's steps (``dkdv_steps``' inputs): Q and dO of every step through TMA, with its lse (log2 units)
     and delta, into slot i % STAGES once the consumers freed it. Also benchmarks/gluon_bwd.py's.
-    With a window or segment ids (``meta_smem`` given), also the step's word in ``meta_smem``: 1 where the step
-    needs masks, 0 where every query of the block sees every key of the task's by position (blocks [i_full,
-    i_fend)) and, with segment ids, the query block's chunk and the K/V block both carry one id alone (their
-    published ranges [kv_t, kv_t]: ``kv_t`` -2 where the K/V block's does not); with segment ids, the query block's
-    ids in ``ids_smem`` (``seg_b``: this rank's ids of batch b; ``rng_b``: its published ranges)."""
+    With a window or segment ids (``meta_smem`` given), also the step's word in ``meta_smem``: UNMASKED where every
+    query of the block sees every key of the task's by position (blocks [i_full, i_fend)) and, with segment ids, the
+    query block's chunk and the K/V block both carry one id alone (their published ranges [kv_t, kv_t]: ``kv_t`` -2
+    where the K/V block's does not); else the step needs masks and the word is the query block's first position
+    minus the K/V block's (``k_pos_n0``), which the consumers' mask is relative to (made here, where time is
+    free, not in their registers). With segment ids, the query block's ids in ``ids_smem`` (``seg_b``: this rank's
+    ids of batch b; ``rng_b``: its published ranges)."""
     rows = gl.arange(0, _Q_ROWS, layout=gl.BlockedLayout([_Q_ROWS // 32], [32], [1], [0]))
     for i in range(G * n_m):
         h, m0 = _work(i, n_m, i_lo, hkv, G)
@@ -284,7 +288,8 @@ def load_steps(q_desc, do_desc, q_smem, do_smem, lse_smem, dl_smem, q_ready, q_e
                 ids_smem.index(s).store(gl.load(seg_b + m0 + rows))
                 q_lo, q_hi = chunk_ranges(rng_b, m0 // CHUNK_ROWS, m0 >= 0)
                 unmasked = unmasked & (q_lo == kv_t) & (q_hi == kv_t)
-            meta_smem.index(s).store(gl.full([1], gl.where(unmasked, 0, 1), gl.int32, _WORD_LAYOUT_1))
+            word = gl.where(unmasked, UNMASKED, positions(m0, rank, S, W, ZIGZAG) - k_pos_n0)
+            meta_smem.index(s).store(gl.full([1], word, gl.int32, _WORD_LAYOUT_1))
         mbarrier.expect(q_ready.index(s), 2 * q_desc.block_type.nbytes)
         tma_load(q_desc, [b * S + m0, h * D], q_ready.index(s), q_smem.index(s))
         tma_load(do_desc, [b * S + m0, h * D], q_ready.index(s), do_smem.index(s))
@@ -350,8 +355,9 @@ def dkdv_steps(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv
         sT = warpgroup_mma_wait(num_outstanding=1, deps=(sT, ))
         pT = gl.exp2(sT * qk_scale - lse_smem.index(s).load(gl.SliceLayout(0, s_layout))[None, :])
         if MASKS:
-            if gl.max(meta_smem.index(s).load(_WORD_LAYOUT_4), axis=0) != 0:
-                shift = positions(m0, rank, S, W, ZIGZAG) - k_pos0  # query minus key position at (row 0, column 0)
+            word = gl.max(meta_smem.index(s).load(_WORD_LAYOUT_4), axis=0)
+            if word != UNMASKED:
+                shift = word - HALF_INDEX * _HALF  # query minus key position at (row 0, column 0)
                 cols = gl.arange(0, _Q_ROWS, layout=gl.SliceLayout(0, s_layout))
                 q_ids = cols  # (read with segment ids only)
                 if SEGMENTED:
@@ -703,7 +709,8 @@ def ring_attn_bwd_gluon(
                 (_producer, (q_desc, do_desc, k_desc, v_desc, r_desc, q_smem, do_smem, kv_smem, lse_smem, dl_smem,
                              kv_bar, q_ready, q_empty, lse_ptr, delta_ptr, b, hkv, n0, d, src, S, B, n_m, i_lo, flags,
                              n_chunks, epoch, ctl, timeout_ns, W, H, G, HKV, D, CHUNK_ROWS, ids_smem, meta_smem, seg_b,
-                             i_full, i_fend, kv_t, rng_b, SEGMENTED)),
+                             i_full, i_fend, kv_t, rng_b, rank, positions(n0, src, S, W, ZIGZAG), ZIGZAG,
+                             SEGMENTED)),
                 (_consumer, (q_smem, do_smem, kv_smem, ds_smem, dq_smem.index(1), lse_smem, dl_smem, kv_bar, q_ready,
                              q_empty, ds_bar, part_bar, dq_desc, dk_ptr, dv_ptr, ctx_ptr, part_off, b, hkv, n0, d,
                              rank, S, B, n_m, i_lo, timeout_ns, sm_scale, turns, ctl, 1, W, H, HKV, D, CAUSAL, ZIGZAG,
