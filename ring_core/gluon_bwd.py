@@ -8,8 +8,8 @@ the adds off them with TMA bulk reductions, which only Gluon reaches (benchmarks
 0.85-0.89x cuDNN at world size 1). With DETERMINISTIC=False (the frontends' default) the adds come in any order;
 with True each waits for its turn (below), so dQ is bit-identical from run to run, but slower so far than the tl
 kernel, which the plans give ``deterministic=True`` unless RING_ATTENTION_GLUON_DETERMINISTIC=1. The tl kernel also
-serves the interpreter, other GPUs, fp32, head_dim other than 128, windows and segment ids
-(``plans.gluon_bwd_applies``).
+serves the interpreter, other GPUs, fp32, head_dim other than 128, and windows and segment ids with
+``deterministic=True`` (``plans.gluon_bwd_applies``).
 
 The protocol is ring_core.kernel_bwd's, through ring_core.protocol's own helpers (they compile under Gluon:
 ring_core.lanes): the call check, the K/V pushes (every program drains the push counter before anything of it
@@ -34,6 +34,16 @@ on the peers exactly as in the tl kernel: ring_core.protocol's no-deadlock argum
      accumulator with one TMA bulk reduction (``tma_add``), issued and left running (the buffer is rewritten a step
      later, after the reduction has read it). Causal: a query block and a half-block of keys are each contiguous
      in position (S % 128, zigzag S % 256), so the mask is one number per pair of them.
+   * Windows and segment ids (WINDOW, SEGMENTED; issue 20; any order only): the task's steps are worked out before
+     the partitions start (``_masked_steps``): the query blocks the mask's positions let meet the K/V block (the tl
+     kernel's ``rows_within``), narrowed with segment ids to the run whose chunks' published id ranges meet the
+     block's (ranges, not ids: nothing waits for them; a block of such a run holding no pair is computed with every
+     pair masked, its rows being local). Whether the block comes at all, and so whether its partial goes back and its
+     owner waits for that, is the tl kernel's test on every side (``rows_seen``, the causal frontier,
+     ``meets_halves``). The load warp writes each step's word beside its lse (no mask needed, or the query block's
+     first position minus the K/V block's) and, with ids, the query block's ids; a masked step applies
+     ``protocol.pairs_allowed`` to P^T (the K/V half's ids read once, after its barrier: they came with the chunk,
+     before its flag). Blocks read were sent whole (chunks are blocks), so dP is finite and a masked pair's dS is 0.
    * DETERMINISTIC: the adds to each query block's dQ rows (per head and half of D) come in ticket order. A counter
      per such rows (int32, after the accumulator; zeroed by the delta tasks) counts the adds made; an add waits
      (bounded; read while the step's MMAs run) until it equals the task's turn (``_dq_turn``: the adds of earlier
