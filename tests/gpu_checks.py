@@ -31,6 +31,9 @@ Checks (every rank asserts; rank 0 writes a JSON summary under --out):
      through both frontends against float64: with deterministic=False (dQ's adds in any order) and True with
      RING_ATTENTION_GLUON_DETERMINISTIC=1 (in the tickets' order: JAX and torch bit-identical, each bit-identical
      from run to run; without the variable deterministic=True runs the tl kernel, the bwd section's).
+ 10. gluon-bwd-masks (issue 20): the Gluon backward with windows and segment ids (deterministic=False only; True
+     runs the tl kernel, the masks section's): padding, windows one- and two-sided, long and short documents,
+     zigzag and contiguous, GQA, with the lse gradient; gradients against float64, padding rows' exactly 0.
 
 Ranks may share a GPU (``shared``): then no XLA collective runs between them, so the xla reference ring is
 left out of the tables that use it.
