@@ -35,7 +35,7 @@ on the peers exactly as in the tl kernel: ring_core.protocol's no-deadlock argum
      later, after the reduction has read it). Causal: a query block and a half-block of keys are each contiguous
      in position (S % 128, zigzag S % 256), so the mask is one number per pair of them.
    * Windows and segment ids (WINDOW, SEGMENTED; issue 20; any order only): the task's steps are worked out before
-     the partitions start (``_masked_steps``): the query blocks the mask's positions let meet the K/V block (the tl
+     the partitions start (``protocol.bwd_task_steps``): the query blocks the mask's positions let meet the K/V block (the tl
      kernel's ``rows_within``), narrowed with segment ids to the run whose chunks' published id ranges meet the
      block's (ranges, not ids: nothing waits for them; a block of such a run holding no pair is computed with every
      pair masked, its rows being local). Whether the block comes at all, and so whether its partial goes back and its
@@ -83,10 +83,10 @@ from ring_core import control, plans
 from ring_core.gluon_kernel import (_WORD_LAYOUT_1, _WORD_LAYOUT_4, _acquire_chunk, cta_barrier, release, tma_add,
                                     tma_load)
 from ring_core.kernel_bwd import _partial_sent
-from ring_core.protocol import (BIG_ID, CTL_BWD_DELTA, CTL_BWD_TICKET, CTL_ERROR, chunk_ranges, drain_pushes, end_call,
-                                last_pos, meets_halves, met_blocks, pairs_allowed, poll_ge, positions, published_range,
-                                ranges_of, ranks_rng, receive_slots, record_error, record_peer_error, ring_context,
-                                row_blocks, rows_seen, rows_within, start_call, visible_rows)
+from ring_core.protocol import (CTL_BWD_DELTA, CTL_BWD_TICKET, CTL_ERROR, bwd_step_unmasked, bwd_task_steps,
+                                chunk_one_id, drain_pushes, end_call, last_pos, pairs_allowed, poll_ge, positions,
+                                published_range, ranges_of, ranks_rng, receive_slots, record_error, record_peer_error,
+                                ring_context, start_call, visible_rows)
 
 KV_ROWS = plans.GLUON_BWD_KV_ROWS  # K/V rows per dK/dV task (two consumers of half each)
 Q_ROWS = plans.GLUON_BWD_Q_ROWS  # query rows per step of the dK/dV loop
@@ -292,12 +292,10 @@ def load_steps(q_desc, do_desc, q_smem, do_smem, lse_smem, dl_smem, q_ready, q_e
         lse_smem.index(s).store(gl.load(lse_ptr + row + rows) * _LOG2E)
         dl_smem.index(s).store(gl.load(delta_ptr + row + rows))
         if meta_smem is not None:
-            blk = m0 // _Q_ROWS
-            unmasked = (blk >= i_full) & (blk < i_fend)
+            unmasked = bwd_step_unmasked(m0, i_full, i_fend, _Q_ROWS)
             if SEGMENTED:
                 ids_smem.index(s).store(gl.load(seg_b + m0 + rows))
-                q_lo, q_hi = chunk_ranges(rng_b, m0 // CHUNK_ROWS, m0 >= 0)
-                unmasked = unmasked & (q_lo == kv_t) & (q_hi == kv_t)
+                unmasked = unmasked & chunk_one_id(rng_b, m0 // CHUNK_ROWS, m0 >= 0, kv_t)
             word = gl.where(unmasked, UNMASKED, positions(m0, rank, S, W, ZIGZAG) - k_pos_n0)
             meta_smem.index(s).store(gl.full([1], word, gl.int32, _WORD_LAYOUT_1))
         mbarrier.expect(q_ready.index(s), 2 * q_desc.block_type.nbytes)
@@ -440,7 +438,7 @@ def _consumer(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_
               SEGMENTED: gl.constexpr = False):
     """One consumer of a dK/dV task (module docstring): its steps, then its rows' partial sent or final dK/dV
     written. ``n_m`` is 0 for a task with nothing to compute (its block unseen, or the call check failed). With a
-    window or segment ids (``sent`` given, ``_masked_steps``): ``sent`` is nonzero for a partial task that sends its
+    window or segment ids (``sent`` given, ``protocol.bwd_task_steps``): ``sent`` is nonzero for a partial task that sends its
     partial, even where no query block meets the block's ids (the owner's test); without, a partial task sends
     exactly when it has steps.
     What only the end needs (the ring's words, the partial slots) is read again there from ``ctx_ptr``, not held
@@ -534,46 +532,6 @@ def _consumer(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_
                 gl.store(dk_ptr + out_off, (total * sm_scale).to(dtype))
             else:
                 gl.store(dv_ptr + out_off, total.to(dtype))
-
-
-@gluon.jit
-def _masked_steps(n0, d, src, rank, b, B, S, rng, rng_b, n_chunks, W: gl.constexpr, CHUNK_ROWS: gl.constexpr,
-                  CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr, WINDOW: gl.constexpr, WIN_LEFT: gl.constexpr,
-                  WIN_RIGHT: gl.constexpr, SEGMENTED: gl.constexpr):
-    """With a window or segment ids, a dK/dV task's steps over the local query blocks for K/V block [n0, n0 + 128)
-    of rank ``src`` (peer distance ``d``): (sent, i_lo, n_m, i_full, i_fend, kv_t).
-    ``sent``: the block reaches this rank at all, the tl kernel's test (ring_core.kernel_bwd): some local query sees
-    a row of it by position (``rows_seen``: the test its pusher made, chunks being blocks here) and, with segment
-    ids, its chunk's published id range meets a half of this rank's (the pusher's test again; the final task's own
-    block always). A partial task sends its partial exactly then, the owner waits for it exactly then
-    (``_partial_sent``), whatever the steps below.
-    The steps: query blocks [i_lo, i_lo + n_m) (0 unless sent) hold every local query the mask's positions let meet
-    the block (``rows_within``, ``row_blocks``), narrowed with segment ids to the run of those whose chunk's
-    published range meets the block's (``met_blocks``: ranges, not ids, so nothing waits here; 64-row blocks in
-    128-row chunks); in the run, blocks that hold no pair are computed with every pair masked (local queries: their
-    rows are there; the block's keys were sent whole). [i_full, i_fend): the blocks whose every query sees every
-    key by position; ``kv_t``: the block's one id where its published range is [t, t] (no padding), else -2."""
-    ql1, qh1, ql2, qh2, qf_lo, qf_hi = rows_within(n0, n0 + _KV_ROWS, src, rank, S, W, ZIGZAG, CAUSAL, WIN_LEFT,
-                                                   WIN_RIGHT, False)
-    i_lo, i_full, i_fend, i_hi = row_blocks(ql1, qh1, ql2, qh2, qf_lo, qf_hi, _Q_ROWS)
-    if WINDOW:
-        sent = rows_seen(n0, n0 + _KV_ROWS, src, rank, S, W, ZIGZAG, CAUSAL, WIN_LEFT, WIN_RIGHT)
-    elif CAUSAL:
-        sent = positions(n0, src, S, W, ZIGZAG) <= last_pos(rank, S, W, ZIGZAG)
-    else:
-        sent = n0 >= 0
-    kv_t = n0 * 0 - 2
-    if SEGMENTED:
-        c_lo, c_hi = published_range(rng, src, b, B, n_chunks, n0 // CHUNK_ROWS)
-        if d > 0:
-            sent = sent & meets_halves(rng, rank, b, B, n_chunks, c_lo, c_hi)
-        kv_t = gl.where((c_lo == c_hi) & (c_lo >= 0), c_lo, -2)
-        # The block's non-padding ids lie in [max(c_lo, 0), c_hi] (its lo counts padding as -1; a padding key is
-        # attended by nobody): all padding, an empty range, no step.
-        i_lo, i_hi, _ = met_blocks(i_lo, i_hi, ql1, qh1, ql2, qh2, rng_b, gl.maximum(c_lo, 0), c_hi, n0 * 0 + BIG_ID,
-                                   n0 * 0 - 1, _Q_ROWS, CHUNK_ROWS, SEGMENTED, 128)
-    sent = sent.to(gl.int32)
-    return sent, i_lo, gl.where(sent != 0, i_hi - i_lo, 0), i_full, i_fend, kv_t
 
 
 @gluon.jit(do_not_specialize=["timeout_ns", "part_off"])
@@ -691,9 +649,9 @@ def ring_attn_bwd_gluon(
             if SEGMENTED:
                 if d > 0:
                     seg_k = seg_recv + (((d - 1) * B + b) * HKV + hkv).to(gl.int64) * S
-            sent, i_lo, n_m, i_full, i_fend, kv_t = _masked_steps(n0, d, src, rank, b, B, S, rng, rng_b, n_chunks, W,
-                                                                 CHUNK_ROWS, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT,
-                                                                 WIN_RIGHT, SEGMENTED)
+            sent, i_lo, n_m, i_full, i_fend, kv_t = bwd_task_steps(n0, d, src, rank, b, B, S, rng, rng_b, n_chunks, W,
+                                                                  _KV_ROWS, _Q_ROWS, CHUNK_ROWS, CAUSAL, ZIGZAG, WINDOW,
+                                                                  WIN_LEFT, WIN_RIGHT, SEGMENTED)
             sent = sent * call_ok
         elif CAUSAL:
             k_pos_min = positions(n0, src, S, W, ZIGZAG)

@@ -912,6 +912,67 @@ def met_blocks(j_lo, j_hi, lo1, hi1, lo2, hi2, rng_src_b, a_lo, a_hi, b_lo, b_hi
     return first, tl.maximum(end, first), count
 
 
+@triton.jit
+def bwd_task_steps(n0, d, src, rank, b, B, S, rng, rng_b, n_chunks, W: tl.constexpr, KV_ROWS: tl.constexpr,
+                   Q_ROWS: tl.constexpr, CHUNK_ROWS: tl.constexpr, CAUSAL: tl.constexpr, ZIGZAG: tl.constexpr,
+                   WINDOW: tl.constexpr, WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SEGMENTED: tl.constexpr):
+    """With a window or segment ids, for a backward that reads whole K/V blocks of KV_ROWS rows (chunks of one
+    block) and steps over the local queries in blocks of Q_ROWS (the Gluon backward, ring_core.gluon_bwd): a dK/dV
+    task's steps for K/V block [n0, n0 + KV_ROWS) of rank ``src`` (peer distance ``d``; ``rng_b``: this rank's
+    published ranges of batch b, ``ranges_of``): (sent, i_lo, n_m, i_full, i_fend, kv_t).
+    ``sent``: the block reaches this rank at all, the tl kernel's test (ring_core.kernel_bwd): some local query sees
+    a row of it by position (``rows_seen``: the test its pusher made, chunks being blocks) and, with segment ids,
+    its chunk's published id range meets a half of this rank's (the pusher's test again; the final task's own block
+    always). A partial task sends its partial exactly then, the owner waits for it exactly then
+    (kernel_bwd._partial_sent), whatever the steps below.
+    The steps: query blocks [i_lo, i_lo + n_m) (0 unless sent) hold every local query the mask's positions let meet
+    the block (``rows_within``, ``row_blocks``), narrowed with segment ids to the run of those whose chunk's
+    published range meets the block's (``met_blocks``: ranges, not ids, so nothing waits here); in the run, blocks
+    that hold no pair are computed with every pair masked (local queries: their rows are there; the block's keys
+    were sent whole). [i_full, i_fend): the blocks whose every query sees every key by position; ``kv_t``: the
+    block's one id where its published range is [t, t] (no padding), else -2 (``bwd_step_unmasked``,
+    ``chunk_one_id``).
+    tests/test_protocol_steps.py checks both against every pair the mask allows, in the interpreter."""
+    ql1, qh1, ql2, qh2, qf_lo, qf_hi = rows_within(n0, n0 + KV_ROWS, src, rank, S, W, ZIGZAG, CAUSAL, WIN_LEFT,
+                                                   WIN_RIGHT, False)
+    i_lo, i_full, i_fend, i_hi = row_blocks(ql1, qh1, ql2, qh2, qf_lo, qf_hi, Q_ROWS)
+    if WINDOW:
+        sent = rows_seen(n0, n0 + KV_ROWS, src, rank, S, W, ZIGZAG, CAUSAL, WIN_LEFT, WIN_RIGHT)
+    elif CAUSAL:
+        sent = positions(n0, src, S, W, ZIGZAG) <= last_pos(rank, S, W, ZIGZAG)
+    else:
+        sent = n0 >= 0
+    kv_t = n0 * 0 - 2
+    if SEGMENTED:
+        c_lo, c_hi = published_range(rng, src, b, B, n_chunks, n0 // CHUNK_ROWS)
+        if d > 0:
+            sent = sent & meets_halves(rng, rank, b, B, n_chunks, c_lo, c_hi)
+        kv_t = tl.where((c_lo == c_hi) & (c_lo >= 0), c_lo, -2)
+        # The block's non-padding ids lie in [max(c_lo, 0), c_hi] (its lo counts padding as -1; a padding key is
+        # attended by nobody): all padding, an empty range, no step.
+        i_lo, i_hi, _ = met_blocks(i_lo, i_hi, ql1, qh1, ql2, qh2, rng_b, tl.maximum(c_lo, 0), c_hi, n0 * 0 + BIG_ID,
+                                   n0 * 0 - 1, Q_ROWS, CHUNK_ROWS, SEGMENTED, 128)
+    sent = sent.to(tl.int32)
+    return sent, i_lo, tl.where(sent != 0, i_hi - i_lo, 0), i_full, i_fend, kv_t
+
+
+@triton.jit
+def bwd_step_unmasked(m0, i_full, i_fend, Q_ROWS: tl.constexpr):
+    """Whether a step of ``bwd_task_steps``' task over the query block at local row ``m0`` needs no mask by
+    position: the block lies in [i_full, i_fend), where every query sees every key. With segment ids it also takes
+    ``chunk_one_id`` of the block's chunk and the task's ``kv_t`` (the block's one id; no padding either)."""
+    blk = m0 // Q_ROWS
+    return (blk >= i_full) & (blk < i_fend)
+
+
+@triton.jit
+def chunk_one_id(rng_b, c, mask, t):
+    """Whether chunk ``c``'s published range (``rng_b``: one rank's and batch's, ``ranges_of``) is [t, t]: every row
+    of it carries id t (t = -2: never), read where ``mask``."""
+    lo, hi = chunk_ranges(rng_b, c, mask)
+    return (lo == t) & (hi == t)
+
+
 # ---- segment-id ranges: what lets ids decide pushes and waits ----------------------------------------------------
 # With segment ids the call check carries, with each rank's signature, the [min, max] of the non-padding ids of each
 # of its K/V chunks and of each half of its shard (zigzag: the two chunks of the layout; contiguous: the shard, then
