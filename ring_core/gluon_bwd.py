@@ -35,8 +35,8 @@ on the peers exactly as in the tl kernel: ring_core.protocol's no-deadlock argum
      later, after the reduction has read it). Causal: a query block and a half-block of keys are each contiguous
      in position (S % 128, zigzag S % 256), so the mask is one number per pair of them.
    * Windows and segment ids (WINDOW, SEGMENTED; issue 20; any order only): the task's steps are worked out before
-     the partitions start (``protocol.bwd_task_steps``): the query blocks the mask's positions let meet the K/V block (the tl
-     kernel's ``rows_within``), narrowed with segment ids to the run whose chunks' published id ranges meet the
+     the partitions start (``protocol.bwd_task_steps``): the query blocks the mask's positions let meet the K/V block
+     (the tl kernel's ``rows_within``), narrowed with segment ids to the run whose chunks' published id ranges meet the
      block's (ranges, not ids: nothing waits for them; a block of such a run holding no pair is computed with every
      pair masked, its rows being local). Whether the block comes at all, and so whether its partial goes back and its
      owner waits for that, is the tl kernel's test on every side (``rows_seen``, the causal frontier,
@@ -438,9 +438,9 @@ def _consumer(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_
               SEGMENTED: gl.constexpr = False):
     """One consumer of a dK/dV task (module docstring): its steps, then its rows' partial sent or final dK/dV
     written. ``n_m`` is 0 for a task with nothing to compute (its block unseen, or the call check failed). With a
-    window or segment ids (``sent`` given, ``protocol.bwd_task_steps``): ``sent`` is nonzero for a partial task that sends its
-    partial, even where no query block meets the block's ids (the owner's test); without, a partial task sends
-    exactly when it has steps.
+    window or segment ids (``sent`` given, ``protocol.bwd_task_steps``): ``sent`` is nonzero for a partial task that
+    sends its partial, even where no query block meets the block's ids (the owner's test); without, a partial task
+    sends exactly when it has steps.
     What only the end needs (the ring's words, the partial slots) is read again there from ``ctx_ptr``, not held
     across the loop: registers are what the loop is short of."""
     dtype: gl.constexpr = q_smem.dtype

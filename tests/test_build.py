@@ -523,9 +523,9 @@ def test_gluon_backward_compiles_warp_specialised_with_tma_reductions(tmp_path):
     five warpgroup MMAs per step, dQ added by TMA bulk reductions whose completion (``cp.async.bulk.wait_group 0``,
     not only the shared-memory read) comes before the count that publishes them, within Hopper's shared memory;
     its grid the delta, dK/dV and dQ tasks; with peers, the chunk flags acquired before the proxy fence and the TMA
-    reads. With a window or segment ids (issue 20; the last three) the same, in any order only. With deterministic=True and ``gluon_det`` (RING_ATTENTION_GLUON_DETERMINISTIC=1; else deterministic plans
-    the split kernel) the same kernel with its DETERMINISTIC order: each reduction after the acquire of
-    its turn, and the count of an earlier one released after ``cp.async.bulk.wait_group DQ_LAG`` (its completion).
+    reads. With a window or segment ids (issue 20; the last three) the same, in any order only. With
+    deterministic=True and ``gluon_det`` (RING_ATTENTION_GLUON_DETERMINISTIC=1; else deterministic plans the split
+    kernel) the same kernel with its DETERMINISTIC order: each reduction after the acquire of its turn, and the count of an earlier one released after ``cp.async.bulk.wait_group DQ_LAG`` (its completion).
     What it computes is checked on a GPU (tests/gpu_checks.py, sections ``gluon-bwd`` and ``bwd``)."""
     got = _compiled_for_sm90(GLUON_BWD_COMPILE, tmp_path)
     for name, c in got.items():
