@@ -8,7 +8,10 @@ of rank ``rank - d``) and each local query block of 64 rows,
   (it reaches this rank, and its partial goes back): no pair is skipped;
 * ``sent`` only where some query of this rank sees a row of the block by position (nothing sent or waited for in
   vain by position);
-* a step marked unmasked holds only allowed pairs (its P is used without the mask).
+* a step marked unmasked holds only allowed pairs (its P is used without the mask);
+* the owner of each block waits for a peer's partial exactly where that peer's task sends one
+  (ring_core.kernel_bwd._partial_sent, the tl kernel's test, against the peer's ``sent``): no wait in vain, no
+  partial unread.
 The ranges the kernels read are built here as ring_core.protocol.publish_id_ranges writes them (a chunk's lo counts
 padding as -1; the halves' ranges count ids >= 0). What the Gluon kernel then computes with them is checked on a
 GPU (tests/gpu_checks.py, section gluon-bwd-masks).
@@ -31,6 +34,7 @@ PROBE = textwrap.dedent("""
     import triton
     import triton.language as tl
     from ring_core import layout as L, masks, protocol, testing
+    from ring_core.kernel_bwd import _partial_sent
 
     KV, QR, CR, BIG = 128, 64, 128, 2147483647
 
@@ -48,7 +52,7 @@ PROBE = textwrap.dedent("""
         sent, i_lo, n_m, i_full, i_fend, kv_t = protocol.bwd_task_steps(
             n0, d, src, rank, b, B, S, rng, rng_b, n_chunks, W, 128, 64, 128, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT,
             WIN_RIGHT, SEGMENTED)
-        base = out + (b * W * n_kvb + t) * (4 + S // 64)
+        base = out + (b * W * n_kvb + t) * (4 + S // 64 + W)
         tl.store(base, sent)
         tl.store(base + 1, i_lo)
         tl.store(base + 2, n_m)
@@ -58,6 +62,14 @@ PROBE = textwrap.dedent("""
             if SEGMENTED:
                 u = u & protocol.chunk_one_id(rng_b, m0 // 128, m0 >= 0, kv_t)
             tl.store(base + 4 + i, u.to(tl.int32))
+        if d == 0:  # the owner's side: whether it waits for peer r's partial of this block
+            my_lo, my_hi = protocol.published_range(rng, rank, b, B, n_chunks, n0 // 128)
+            for r in tl.static_range(W):
+                if r != rank:
+                    w = _partial_sent(n0, n0 + 128, protocol.positions(n0, rank, S, W, ZIGZAG), rank, r, rng, b, B,
+                                      n_chunks, my_lo, my_hi, S, W, ZIGZAG, CAUSAL, WINDOW, WIN_LEFT, WIN_RIGHT,
+                                      SEGMENTED)
+                    tl.store(base + 4 + S // 64 + r, w.to(tl.int32))
 
 
     def words(local_ids, S, zigzag):
@@ -93,11 +105,13 @@ PROBE = textwrap.dedent("""
         n_kvb = S // KV
         bad = []
         checked = 0
+        per_rank = []
         for rank in range(W):
-            res = torch.full((B * W * n_kvb * (4 + S // QR),), -7, dtype=torch.int32)
+            res = torch.full((B * W * n_kvb * (4 + S // QR + W),), -7, dtype=torch.int32)
             probe[(W * n_kvb, B)](rng, res, B, S, S // CR, rank, W, causal, lay == "zigzag", win != masks.NO_WINDOW,
                                   win[0], win[1], seg)
-            res = res.numpy().reshape(B, W * n_kvb, 4 + S // QR)
+            res = res.numpy().reshape(B, W * n_kvb, 4 + S // QR + W)
+            per_rank.append(res)
             for b in range(B):
                 for t in range(W * n_kvb):
                     d, n0 = t // n_kvb, (t % n_kvb) * KV
@@ -110,7 +124,7 @@ PROBE = textwrap.dedent("""
                         q_ids, k_ids = local[rank][b], local[src][b, n0:n0 + KV]
                         ok = ok & (q_ids[:, None] == k_ids[None, :]) & (q_ids[:, None] >= 0)
                     sent, i_lo, n_m = res[b, t, :3]
-                    unmasked = res[b, t, 4:]
+                    unmasked = res[b, t, 4:4 + S // QR]
                     rows = np.nonzero(ok.any(axis=1))[0]
                     where = f"W{W} {lay} causal={causal} window={window} seg={seg} rank {rank} b {b} d {d} n0 {n0}"
                     checked += 1
@@ -127,6 +141,18 @@ PROBE = textwrap.dedent("""
                     for i in range(i_lo, i_lo + n_m):
                         if unmasked[i] and not ok[i * QR:(i + 1) * QR].all():
                             bad.append(f"{where}: query block {i} unmasked but holds masked pairs")
+        for owner in range(W):  # the owner waits for a peer's partial exactly where the peer sends it
+            for b in range(B):
+                for blk in range(n_kvb):
+                    for r in range(W):
+                        if r != owner:
+                            waits = per_rank[owner][b, blk, 4 + S // QR + r]
+                            sends = per_rank[r][b, ((r - owner) % W) * n_kvb + blk, 0]
+                            checked += 1
+                            if bool(waits) != bool(sends):
+                                bad.append(f"W{W} {lay} causal={causal} window={window} seg={seg}: rank {owner} "
+                                           f"block {blk} b {b}: waits for rank {r}'s partial {bool(waits)}, sent "
+                                           f"{bool(sends)}")
         out.append(dict(checked=checked, bad=bad[:8]))
     print(json.dumps(out))
 """)
