@@ -114,11 +114,13 @@ GLUON_MASK_CASES = [(1, 512, 8, 2, 128, "bfloat16", True, "zigzag", None, "padde
 # (B, S, H, HKV, D, dtype, causal, layout, scale, lse-grad)
 GLUON_BWD_CASES = [c[:8] + (c[8] if len(c) > 8 else None, i == 0) for i, c in enumerate(GLUON_CASES) if c[4] == 128]
 # The gluon-bwd-masks section: the masked backwards the Gluon backward takes (deterministic=False only:
-# plans.gluon_bwd_applies), the head_dim-128 masked cases of the forward's and two more at D128 (a one-sided window,
-# short packed documents without padding), each with the lse gradient (the padding rows' dlse selected away).
+# plans.gluon_bwd_applies), the head_dim-128 masked cases of the forward's and three more at D128 (a one-sided window,
+# short packed documents without padding, batch 2 with both masks), each with the lse gradient (the padding rows'
+# dlse selected away).
 GLUON_BWD_MASK_CASES = [c for c in GLUON_MASK_CASES if c[4] == 128] + [
     (1, 768, 4, 4, 128, "float16", True, "contiguous", (300, -1), None),
-    (1, 256, 4, 1, 128, "bfloat16", False, "contiguous", None, "packed")]
+    (1, 256, 4, 1, 128, "bfloat16", False, "contiguous", None, "packed"),
+    (2, 512, 8, 2, 128, "bfloat16", True, "zigzag", (350, -1), "padded")]  # batch 2 (added after session 14's runs)
 GRADS_CASE = (1, 128, 4, 2, 32, "float32", True, "zigzag")
 BWD_BIG = (2, 4096, 32, 8, 128, "bfloat16", True, "zigzag")  # the bwd section's grid larger than the GPU holds
 
