@@ -9,6 +9,11 @@ autograd and the launcher add (zeros for dlse, casts). benchmarks/gluon_bwd.py's
 dQ's conversion done by torch) runs beside them for the A/B. bf16, B=1, H=32, D=128.
 
     python -m jax_ring.launch --nproc-per-node 1 -m benchmarks.bwd_kernels --csv OUT.csv
+
+With ``--doc-lens none,16384-16384,512-8192`` (issue 20) it times instead the causal ``deterministic=False`` backward
+with segment ids: "none" is the dense call, "N-N" documents of N tokens (one per 16k shard: the dense work through
+the masked path), "LO-HI" lengths drawn as benchmarks/attention.py's packed rows (``harness.packed_documents``);
+each row also gives the pairs' TFLOP/s (the mask's allowed pairs, x 2.5 for the backward's five matmuls).
 """
 import argparse
 import functools
@@ -16,15 +21,29 @@ import functools
 from ring_core import control, plans
 
 
-def launch_records(seqs=(16384,), heads: int = 32, tag: str = "") -> list:
+def launch_records(seqs=(16384,), heads: int = 32, tag: str = "", doc_lens=None) -> list:
     """The compile-log records of the fused launches ``main`` makes at world size 1 on an H200 (tests/gpu_variants.py:
     the cache filled ahead): each forward, each backward (the Gluon kernel both ways, the tl split); then the
-    probe's."""
+    probe's. With ``doc_lens`` (``--doc-lens``'s list): the causal forward and ``deterministic=False`` backward,
+    with segment ids where an entry is not "none"."""
     from benchmarks import gluon_bwd
     from ring_core import validate
 
     lay = control.HeapLayout.for_workspace(8 << 30)
     recs = []
+    if doc_lens:
+        for S in seqs:
+            for seg in sorted({lens != "none" for lens in doc_lens}):
+                shape = (1, S, heads, 128)
+                spec = validate.check_attention_args(shape, shape, shape, "bfloat16", "bfloat16", "bfloat16",
+                                                     is_causal=True, scale=None, layout="contiguous",
+                                                     backend="fused", backends=("fused",),
+                                                     segment_ids_shape=(1, S) if seg else None,
+                                                     segment_ids_dtype="int32" if seg else None)
+                recs += [p.compile_record(tag=tag) for p in (
+                    plans.plan(spec, 1, lay, capability=(9, 0)),
+                    plans.plan_bwd(spec, 1, lay, capability=(9, 0), deterministic=False))]
+        return recs
     for S in seqs:
         for causal in (False, True):
             spec = validate.check_attention_args((1, S, heads, 128), (1, S, heads, 128), (1, S, heads, 128),
@@ -68,6 +87,7 @@ def main():
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--csv", default=None)
+    ap.add_argument("--doc-lens", default=None, help="comma list of none | N-N | LO-HI: the masked rows (issue 20)")
     ap.add_argument("--plot", nargs=2, metavar=("CSV", "PNG"), help="only plot a run's CSV (no GPU)")
     a = ap.parse_args()
     if a.plot:
@@ -75,7 +95,6 @@ def main():
         return 0
 
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     import torch_bridge
     from benchmarks import gluon_bwd, harness
@@ -83,6 +102,12 @@ def main():
     torch_bridge.initialize()
     dev = torch.device("cuda", torch.cuda.current_device())
     rows = []
+    if a.doc_lens:
+        for S in (int(s) for s in a.seq.split(",")):
+            rows += _masked_rows(S, a.heads, a.doc_lens.split(","), a.iters)
+        if a.csv:
+            harness.write_rows(a.csv, rows)
+        return 0
     for S in (int(s) for s in a.seq.split(",")):
         for causal in (False, True):
             g = torch.Generator(device=dev).manual_seed(S)
@@ -100,29 +125,70 @@ def main():
             runs.append((f"probe {gluon_bwd.CONFIG}", lambda o=o, lse=lse: gluon_bwd.backward(q, k, v, o, lse, do,
                                                                                             causal)))
             for name, fn in runs:
-                for _ in range(2):
-                    fn()
-                torch.cuda.synchronize()
-                ms = harness.cuda_stream_ms(torch, fn, a.iters)
-                with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                    for _ in range(a.iters):
-                        fn()
-                    torch.cuda.synchronize()
-                kernels = {}
-                for e in prof.key_averages():
-                    if e.device_type.name == "CUDA" and e.count:
-                        kernels[e.key] = (e.count, getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0)))
-                total = sum(t for _, t in kernels.values()) / a.iters / 1000
-                for kname, (count, t) in sorted(kernels.items(), key=lambda kv: -kv[1][1]):
-                    row = dict(S=S, causal=int(causal), run=name, ms_stream=round(ms, 3),
-                               tflops_stream=round(flops / ms / 1e9, 1), kernels_ms=round(total, 3),
-                               kernel=kname[:60], calls_per_iter=count / a.iters,
-                               kernel_ms=round(t / a.iters / 1000, 3))
-                    print(row, flush=True)
-                    rows.append(row)
+                rows += _profiled(fn, a.iters, flops, dict(S=S, causal=int(causal), run=name))
     if a.csv:
         harness.write_rows(a.csv, rows)
     return 0
+
+
+def _profiled(fn, iters: int, flops: float, key: dict) -> list:
+    """``fn`` (a backward) timed back to back, then profiled: a row per CUDA kernel it launches, with its own ms."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks import harness
+
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    ms = harness.cuda_stream_ms(torch, fn, iters)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    kernels = {}
+    for e in prof.key_averages():
+        if e.device_type.name == "CUDA" and e.count:
+            kernels[e.key] = (e.count, getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0)))
+    total = sum(t for _, t in kernels.values()) / iters / 1000
+    rows = []
+    for kname, (count, t) in sorted(kernels.items(), key=lambda kv: -kv[1][1]):
+        row = dict(key, ms_stream=round(ms, 3), tflops_stream=round(flops / ms / 1e9, 1),
+                   kernels_ms=round(total, 3), kernel=kname[:60], calls_per_iter=count / iters,
+                   kernel_ms=round(t / iters / 1000, 3))
+        print(row, flush=True)
+        rows.append(row)
+    return rows
+
+
+def _masked_rows(S: int, heads: int, doc_lens: list, iters: int) -> list:
+    """The causal ``deterministic=False`` backward (the Gluon kernel at head_dim 128), dense and with each
+    ``--doc-lens`` entry's segment ids; FLOPs count the mask's allowed pairs (``harness.pairs_per_gpu``)."""
+    import numpy as np
+    import torch
+
+    import torch_bridge
+    from benchmarks import harness
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    g = torch.Generator(device=dev).manual_seed(S)
+    q, k, v, do = (torch.randn(1, S, heads, 128, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(4))
+    rows = []
+    for lens in doc_lens:
+        seg, case = None, harness.Case(batch=1, heads=heads, kv_heads=heads, head_dim=128, seq_local=S, causal=True,
+                                       dtype="bfloat16")
+        if lens != "none":
+            lo, hi = (int(t) for t in lens.split("-"))
+            case = harness.Case(batch=1, heads=heads, kv_heads=heads, head_dim=128, seq_local=S, causal=True,
+                                dtype="bfloat16", mask="packed", doc_lens=(lo, hi))
+            seg = torch.as_tensor(np.asarray(harness.segment_ids(case, 1)), device=dev, dtype=torch.int32)
+        flops = 2.5 * 4 * heads * 128 * (harness.pairs_per_gpu(case, 1) if seg is not None else S * (S + 1) / 2)
+        ts = [x.detach().requires_grad_() for x in (q, k, v)]
+        out = torch_bridge.ring_attention(*ts, is_causal=True, backend="fused", layout="contiguous",
+                                          segment_ids=seg, deterministic=False)
+        fn = functools.partial(torch.autograd.grad, out, ts, do, retain_graph=True)
+        rows += _profiled(fn, iters, flops, dict(S=S, causal=1, run=f"deterministic=False doc_lens={lens}"))
+    return rows
 
 
 if __name__ == "__main__":

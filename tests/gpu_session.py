@@ -85,6 +85,8 @@ Stages (``NAME[:SECONDS]``; the default time limit is in brackets):
   probe-bwd-kernels benchmarks/bwd_kernels.py: the backward alone at W=1, each CUDA kernel's own time (Gluon,
                tl split, the probe) [150]
   probe-bwd-kernels-seq the same at 4k, 8k and 16k (a fixed cost per task against a cost per step) [240]
+  probe-bwd-masks   the causal backward's kernels with segment ids (issue 20): dense, one 16k document
+               through the masked path, packed documents of 512-8192 tokens                 [120]
   probe-gluon-peer-store benchmarks/gluon_peer_store.py: TMA stores into the next rank's heap, each tile
                released by a flag, read there by TMA after the acquire (--nproc >= 2)       [90]
   probe-launch-gap benchmarks/launch_gap.py: one call timed per call, back to back, host-only and
@@ -255,6 +257,9 @@ STAGES = {
     # separate a fixed cost per task from the cost per step (NOTES, session 9: the causal backward's gap).
     "probe-bwd-kernels-seq": (240, [LAUNCH1 + ["-m", "benchmarks.bwd_kernels", "--seq", "4096,8192,16384", "--csv",
                                                "{out}/bwd_kernels_seq.csv"]]),
+    # The causal backward's kernels with segment ids (issue 20): dense, one 16k document, packed 512-8192.
+    "probe-bwd-masks": (120, [LAUNCH1 + ["-m", "benchmarks.bwd_kernels", "--doc-lens", "none,16384-16384,512-8192",
+                                         "--csv", "{out}/bwd_kernels_masks.csv"]]),
     "probe-launch-gap": (120, [LAUNCH1 + ["-m", "benchmarks.launch_gap", "--profile", "--csv", "{out}/launch_gap.csv"]]),
     "bench-w1": (300, [LAUNCH1 + ["-m", "benchmarks.attention", "--methods",
                                   "torch_fused,torch_cudnn_1gpu,jax_fused,jax_fused_deferred,jax_cudnn_1gpu,"

@@ -183,7 +183,8 @@ def command_records(cmd, nproc: int, tag: str) -> list:
         from benchmarks import bwd_kernels
 
         seqs = [int(x) for x in _option(cmd, "--seq", "16384").split(",")]
-        return distinct(bwd_kernels.launch_records(seqs, tag=tag))
+        doc_lens = _option(cmd, "--doc-lens")
+        return distinct(bwd_kernels.launch_records(seqs, tag=tag, doc_lens=doc_lens and doc_lens.split(",")))
     if "benchmarks.gluon_bwd" in cmd:
         from benchmarks import gluon_bwd
 
