@@ -18,9 +18,9 @@ in rank order (dK and dV stay deterministic), the end of the call. What differs 
 
 Tasks, in ticket order (a task waits only for tasks with earlier tickets, on this rank or, for K/V and partials,
 on the peers exactly as in the tl kernel: ring_core.protocol's no-deadlock argument holds as it is):
-1. **delta tasks** (b, h, 128 query rows): delta = rowsum(dO * O) - dlse into the ``delta`` scratch, and the rows
-   of the float32 dQ accumulator (the same scratch, after delta) zeroed; each counts itself in CTL_BWD_DELTA
-   (release, after a CTA barrier).
+1. **delta tasks** (b, h, ROW_TASK query rows: 512): delta = rowsum(dO * O) - dlse into the ``delta`` scratch, and
+   the rows of the float32 dQ accumulator (the same scratch, after delta) zeroed; each counts itself in
+   CTL_BWD_DELTA (release, after a CTA barrier).
 2. **dK/dV tasks** (partial: peer distance d = 1..W-1, b, kv head, 128 K/V rows of rank ``rank - d``; final: the
    local K/V), after CTL_BWD_DELTA reached the delta tasks' count (acquire, then a generic-to-async proxy fence:
    the accumulator's zeros were written by ordinary stores, the adds are TMA's). ``gl.warp_specialize``:
@@ -63,7 +63,7 @@ on the peers exactly as in the tl kernel: ring_core.protocol's no-deadlock argum
      query sees (causal) is neither computed nor sent, and its owner does not wait for it (``_partial_sent``).
    * A final task's consumers wait (bounded) for every peer's partial of their block, add the partials and their own
      in rank order, and write dK (scaled) and dV; NaN if anything failed.
-3. **dQ tasks** (b, h, 128 query rows), after every dK/dV task's consumers counted (CTL_BWD_DELTA reached the delta
+3. **dQ tasks** (b, h, ROW_TASK query rows), after every dK/dV task's consumers counted (CTL_BWD_DELTA reached the delta
    tasks plus twice the dK/dV tasks): dQ = sm_scale * accumulator, in the input dtype; NaN rows if the call check
    failed or any wait of this rank gave up (the error record: a superset of the tl kernel's per-task NaN rows).
 Every program ends with ``end_call`` (the last resets CTL_BWD_TICKET and CTL_BWD_DELTA).
@@ -94,9 +94,10 @@ ROW_TASK = plans.GLUON_BWD_ROW_TASK  # query rows of a delta or dQ task
 STAGES = 2  # Q/dO slots (benchmarks/gluon_bwd.py: 3 slots were no faster, and leave no room for dQ's buffers)
 LOAD_WARPS, LOAD_REGS, CONSUMER_WARPS, CONSUMER_REGS = 1, 24, 4, 240
 SUB_ROWS = 32  # rows per pass of a delta or dQ task's 4 warps (32 values per thread per tensor)
+ROW_GROUP = 128  # a delta or dQ task's rows in groups of 128 (S % 128 == 0: gluon_bwd_applies), 4 passes each
 _KV_ROWS, _Q_ROWS, _HALF, _ROW_TASK = (gl.constexpr(KV_ROWS), gl.constexpr(Q_ROWS), gl.constexpr(KV_ROWS // 2),
                                        gl.constexpr(ROW_TASK))
-_STAGES, _SUB_ROWS = gl.constexpr(STAGES), gl.constexpr(SUB_ROWS)
+_STAGES, _SUB_ROWS, _ROW_GROUP = gl.constexpr(STAGES), gl.constexpr(SUB_ROWS), gl.constexpr(ROW_GROUP)
 _LOAD_WARPS, _LOAD_REGS = gl.constexpr(LOAD_WARPS), gl.constexpr(LOAD_REGS)
 _CONSUMER_WARPS, _CONSUMER_REGS = gl.constexpr(CONSUMER_WARPS), gl.constexpr(CONSUMER_REGS)
 _LOG2E = gl.constexpr(1.4426950408889634)
@@ -577,7 +578,7 @@ def ring_attn_bwd_gluon(
         drain_pushes(ctl, n_units * call_ok, k_ptr, v_ptr, seg_ptr, recv, seg_recv, flags, heap_bases, rank, epoch,
                      B, S, n_chunks, W, HKV, D, D, CHUNK_ROWS, PUSH_ROWS, PUSH_VEC, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT,
                      WIN_RIGHT, SEGMENTED, rng, SEGMENTED)
-    n_rows = S // _ROW_TASK
+    n_rows = gl.cdiv(S, _ROW_TASK)
     n_dq = B * H * n_rows  # delta tasks, and as many dQ tasks at the end
     n_part = (W - 1) * B * HKV * n_kvb
     n_kv = n_part + B * HKV * n_kvb  # dK/dV tasks: partial, then final
@@ -601,20 +602,22 @@ def ring_attn_bwd_gluon(
         bh = tid // n_rows
         b = bh // H
         h = bh % H
-        for sub in gl.static_range(_ROW_TASK // _SUB_ROWS):
-            off, row_off = _row_tile(b, h, (tid % n_rows) * _ROW_TASK + sub * _SUB_ROWS, S, H, D)
-            o = gl.load(o_ptr + off).to(gl.float32)
-            do = gl.load(do_ptr + off).to(gl.float32)
-            dst = delta_ptr + row_off
-            rowsum = gl.sum(do * o, axis=1)
-            dl = gl.load(dlse_ptr + row_off)
-            if SEGMENTED:  # a padding row's lse is the constant -inf: its dlse selected away (as the tl kernel)
-                dl = gl.where(gl.load(lse_ptr + row_off) == float("-inf"), 0.0, dl)
-            gl.store(dst, rowsum - dl)
-            gl.store(dq_acc + off, gl.zeros_like(o))
-        if DETERMINISTIC:
-            words = gl.arange(0, 4, layout=gl.BlockedLayout([1], [32], [4], [0]))  # 2 query blocks x 2 halves
-            gl.store(turns + (bh * n_rows + tid % n_rows) * 4 + words, words * 0)
+        r_first = (tid % n_rows) * _ROW_TASK
+        for r0 in range(r_first, gl.minimum(r_first + _ROW_TASK, S), _ROW_GROUP):  # (S % 128 == 0)
+            for sub in gl.static_range(_ROW_GROUP // _SUB_ROWS):
+                off, row_off = _row_tile(b, h, r0 + sub * _SUB_ROWS, S, H, D)
+                o = gl.load(o_ptr + off).to(gl.float32)
+                do = gl.load(do_ptr + off).to(gl.float32)
+                dst = delta_ptr + row_off
+                rowsum = gl.sum(do * o, axis=1)
+                dl = gl.load(dlse_ptr + row_off)
+                if SEGMENTED:  # a padding row's lse is the constant -inf: its dlse selected away (as the tl kernel)
+                    dl = gl.where(gl.load(lse_ptr + row_off) == float("-inf"), 0.0, dl)
+                gl.store(dst, rowsum - dl)
+                gl.store(dq_acc + off, gl.zeros_like(o))
+            if DETERMINISTIC:
+                words = gl.arange(0, 4, layout=gl.BlockedLayout([1], [32], [4], [0]))  # 2 query blocks x 2 halves
+                gl.store(turns + (bh * (S // _ROW_GROUP) + r0 // _ROW_GROUP) * 4 + words, words * 0)
         cta_barrier()  # every thread's stores before the count (cumulativity through bar.sync), then publish
         gl.atomic_add(ctl + CTL_BWD_DELTA, 1, sem="release", scope="gpu")
     elif tid < n_dq + n_kv:
@@ -711,10 +714,12 @@ def ring_attn_bwd_gluon(
         cta_barrier()  # every thread's loads below after the acquire above
         err = gl.atomic_add(ctl + CTL_ERROR, 0, sem="acquire", scope="gpu")
         valid = (call_ok != 0) & (err == 0)
-        for sub in gl.static_range(_ROW_TASK // _SUB_ROWS):
-            off, row_off = _row_tile(b, h, (t % n_rows) * _ROW_TASK + sub * _SUB_ROWS, S, H, D)
-            dq = gl.where(valid, gl.load(dq_acc + off) * sm_scale, float("nan"))
-            gl.store(dq_ptr + off, dq.to(dtype))
+        r_first = (t % n_rows) * _ROW_TASK
+        for r0 in range(r_first, gl.minimum(r_first + _ROW_TASK, S), _ROW_GROUP):
+            for sub in gl.static_range(_ROW_GROUP // _SUB_ROWS):
+                off, row_off = _row_tile(b, h, r0 + sub * _SUB_ROWS, S, H, D)
+                dq = gl.where(valid, gl.load(dq_acc + off) * sm_scale, float("nan"))
+                gl.store(dq_ptr + off, dq.to(dtype))
 
     free_bwd_slots(kv_bar, part_bar, q_ready, q_empty, ds_bar)
     # ---- the protocol's end: end barrier, status, counters (the last program of this rank) -----------------
