@@ -60,7 +60,7 @@ on the peers exactly as in the tl kernel: ring_core.protocol's no-deadlock argum
    * A partial task's consumers store their rows of dK/dV (float32, unscaled) into the owner's partial slot
      (``iris.store``) and, once both have (an mbarrier), the first publishes the slot's flag (release, system
      scope), after marking the owner failed if any wait of this rank gave up (as the tl kernel). A block no local
-     query sees (causal) is neither computed nor sent, and its owner does not wait for it (``_partial_sent``).
+     query sees (causal) is neither computed nor sent, and its owner does not wait for it (``block_reaches``).
    * A final task's consumers wait (bounded) for every peer's partial of their block, add the partials and their own
      in rank order, and write dK (scaled) and dV; NaN if anything failed.
 3. **dQ tasks** (b, h, ROW_TASK query rows), after every dK/dV task's consumers counted (CTL_BWD_DELTA reached the delta
@@ -82,11 +82,10 @@ import iris
 from ring_core import control, plans
 from ring_core.gluon_kernel import (_WORD_LAYOUT_1, _WORD_LAYOUT_4, _acquire_chunk, cta_barrier, release, tma_add,
                                     tma_load)
-from ring_core.kernel_bwd import _partial_sent
-from ring_core.protocol import (CTL_BWD_DELTA, CTL_BWD_TICKET, CTL_ERROR, bwd_step_unmasked, bwd_task_steps,
-                                chunk_one_id, drain_pushes, end_call, last_pos, pairs_allowed, poll_ge, positions,
-                                published_range, ranges_of, ranks_rng, receive_slots, record_error, record_peer_error,
-                                ring_context, start_call, visible_rows)
+from ring_core.protocol import (CTL_BWD_DELTA, CTL_BWD_TICKET, CTL_ERROR, block_reaches, bwd_step_unmasked,
+                                bwd_task_steps, chunk_one_id, drain_pushes, end_call, last_pos, pairs_allowed, poll_ge,
+                                positions, published_range, ranges_of, ranks_rng, receive_slots, record_error,
+                                record_peer_error, ring_context, start_call, visible_rows)
 
 KV_ROWS = plans.GLUON_BWD_KV_ROWS  # K/V rows per dK/dV task (two consumers of half each)
 Q_ROWS = plans.GLUON_BWD_Q_ROWS  # query rows per step of the dK/dV loop
@@ -504,8 +503,8 @@ def _consumer(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_
             my_lo, my_hi = published_range(rng, rank, b, B, n_chunks, n0 // CHUNK_ROWS)
         for r in gl.static_range(W):
             if r != rank:
-                if _partial_sent(n0, n0 + _KV_ROWS, k_pos_min, rank, r, rng, b, B, n_chunks, my_lo, my_hi, S, W,
-                                 ZIGZAG, CAUSAL, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED):
+                if block_reaches(n0, n0 + _KV_ROWS, k_pos_min, rank, r, rng, b, B, n_chunks, my_lo, my_hi, True, S,
+                                 W, ZIGZAG, CAUSAL, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED):
                     rslot = (r - rank + W) % W - 1
                     if poll_ge(flags + n_units + (rslot * B * HKV + bh) * n_kvb + n_blk, epoch, ctl, timeout_ns,
                                False) == 0:
@@ -523,8 +522,8 @@ def _consumer(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_
                     else:
                         total += dv
                 else:
-                    if _partial_sent(n0, n0 + _KV_ROWS, k_pos_min, rank, r, rng, b, B, n_chunks, my_lo, my_hi, S, W,
-                                     ZIGZAG, CAUSAL, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED):
+                    if block_reaches(n0, n0 + _KV_ROWS, k_pos_min, rank, r, rng, b, B, n_chunks, my_lo, my_hi, True, S,
+                                     W, ZIGZAG, CAUSAL, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED):
                         rslot = (r - rank + W) % W - 1
                         src_off = ((rslot * 2 * B + which * B + b).to(gl.int64) * HKV + hkv) * S * D
                         total += gl.load(part + src_off + part_rows)

@@ -85,34 +85,17 @@ import iris
 
 from ring_core import control
 from ring_core.protocol import (CTL_BWD_DELTA, CTL_BWD_TICKET, CTL_ERROR, ERR_KV_TIMEOUT, ERR_PEER_FAILED,
-                                block_rows, chunk_needed, claim_push, drain_pushes, end_call, in_rows, last_pos,
-                                meets_halves, pairs_allowed, poll_ge, positions, published_range, ranges_of, ranks_rng,
-                                record_error, record_peer_error, receive_slots, ring_context, row_blocks, rows_seen,
-                                rows_within, seg_blocks, start_call, step_blocks, tile_id_parts, tile_ids,
-                                visible_rows, wait_chunks, wait_rows)
+                                block_reaches, block_rows, chunk_needed, claim_push, drain_pushes, end_call, in_rows,
+                                last_pos, pairs_allowed, poll_ge, positions, published_range, ranges_of, ranks_rng,
+                                record_error, record_peer_error, receive_slots, ring_context, row_blocks, rows_within,
+                                seg_blocks, start_call, step_blocks, tile_id_parts, tile_ids, visible_rows, wait_chunks,
+                                wait_rows)
 from ring_core.tiles import dot, load_kv, query_tile
 
 KIND_BWD = tl.constexpr(control.KIND_BWD)
 ERR_PARTIAL_TIMEOUT = tl.constexpr(control.ERR_PARTIAL_TIMEOUT)
 ERR_LOCAL_TIMEOUT = tl.constexpr(control.ERR_LOCAL_TIMEOUT)
 _LOG2E = tl.constexpr(1.4426950408889634)
-
-
-@triton.jit
-def _partial_sent(n0, n1, k_pos_min, rank, r, rng, b, B, n_chunks, my_lo, my_hi, S, W: tl.constexpr,
-                  ZIGZAG: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, WIN_LEFT: tl.constexpr,
-                  WIN_RIGHT: tl.constexpr, SEGMENTED: tl.constexpr):
-    """Whether rank ``r`` sends this rank a partial dK/dV of its K/V block of rows [n0, n1) (first position
-    ``k_pos_min``; with segment ids, its chunk's id range [my_lo, my_hi]): the test r's partial task makes, from
-    the owner's side (some query of r sees the block by position, and the chunk's ids meet a half of r's)."""
-    sent = True
-    if WINDOW:
-        sent = rows_seen(n0, n1, rank, r, S, W, ZIGZAG, CAUSAL, WIN_LEFT, WIN_RIGHT)
-    elif CAUSAL:
-        sent = k_pos_min <= last_pos(r, S, W, ZIGZAG)
-    if SEGMENTED:
-        sent = tl.where(meets_halves(rng, r, b, B, n_chunks, my_lo, my_hi), sent, False)
-    return sent
 
 
 @triton.jit
@@ -422,42 +405,40 @@ def ring_attn_bwd_kernel(
                 # Rows of this block some local query sees by position (others may not have been sent: not read).
                 sl1, sh1, sl2, sh2, _, _ = rows_within(0, S, rank, src, S, W, ZIGZAG, CAUSAL, WIN_LEFT, WIN_RIGHT,
                                                        True)
-                block_needed = rows_seen(n0, n1, src, rank, S, W, ZIGZAG, CAUSAL, WIN_LEFT, WIN_RIGHT)
                 row_ok = n_valid & in_rows(rows_n, sl1, sh1, sl2, sh2)
             elif CAUSAL:
-                block_needed = k_pos_min <= my_last
                 row_ok = n_valid & (k_pos <= my_last)
             else:
-                block_needed = True
                 row_ok = n_valid
         elif CAUSAL:
             # Local query blocks [i_lo, n_mk) see some key of this block; from i_full on, all of them.
             k_pos_max = positions(tl.minimum(n0 + KV_BLOCK_N, S) - 1, src, S, W, ZIGZAG)
             i_lo = visible_rows(k_pos_min - 1, rank, S, W, ZIGZAG) // KV_BLOCK_M
             i_full = tl.maximum(tl.cdiv(visible_rows(k_pos_max - 1, rank, S, W, ZIGZAG), KV_BLOCK_M), i_lo)
-            block_needed = k_pos_min <= my_last
             row_ok = n_valid & (k_pos <= my_last)  # rows no local query sees: maybe never sent, not read
         else:
             i_lo = n0 * 0
             i_full = n0 * 0
-            block_needed = True
             row_ok = n_valid
         bkv = b.to(tl.int64) * S * HKV * D + hkv * D
         seg_own = seg_ptr + b.to(tl.int64) * S  # this rank's ids of batch b (SEGMENTED only)
         my_lo = n0 * 0  # a final task's chunk's id range (SEGMENTED only; set below)
         my_hi = my_lo
+        c_lo = my_lo  # a partial task's (SEGMENTED only)
+        c_hi = my_lo
         if SEGMENTED:
-            came = d == 0
             if d > 0:
                 # A partial task: the K/V chunk holding this block came (and its partial goes back) only if its
                 # ids meet a half of this rank's shard: the range its owner published against this rank's halves
                 # as this rank publishes them (protocol.push_unit made the same test).
                 c_lo, c_hi = published_range(rng, src, b, B, n_chunks, n0 // CHUNK_ROWS)
-                came = meets_halves(rng, rank, b, B, n_chunks, c_lo, c_hi)
             else:
-                # A final task: its chunk's range as published, for the same test from this side (_partial_sent).
+                # A final task: its chunk's range as published, for the same test from this side.
                 my_lo, my_hi = published_range(rng, rank, b, B, n_chunks, n0 // CHUNK_ROWS)
-            block_needed = tl.where(came, block_needed, False)
+        # Whether the block is here at all (and, for a partial task, its partial goes back): protocol.block_reaches,
+        # the test its pusher made and its owner makes of this rank.
+        block_needed = block_reaches(n0, n1, k_pos_min, src, rank, rng, b, B, n_chunks, c_lo, c_hi, d > 0, S, W,
+                                     ZIGZAG, CAUSAL, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)
         if d > 0:
             slot = d - 1
             k_base = recv + ((slot * 2 * B + b).to(tl.int64) * HKV + hkv) * S * D
@@ -560,7 +541,7 @@ def ring_attn_bwd_kernel(
             # sends one exactly when some query of it sees the block (the test its partial task makes).
             for r in tl.static_range(W):
                 if r != rank:
-                    if _partial_sent(n0, n1, k_pos_min, rank, r, rng, b, B, n_chunks, my_lo, my_hi, S, W, ZIGZAG,
+                    if block_reaches(n0, n1, k_pos_min, rank, r, rng, b, B, n_chunks, my_lo, my_hi, True, S, W, ZIGZAG,
                                      CAUSAL, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED):
                         rslot = (r - rank + W) % W - 1
                         flag = flags + n_units + (rslot * B * HKV + bh) * n_kvb + n_blk
@@ -583,7 +564,7 @@ def ring_attn_bwd_kernel(
                     if r == rank:
                         total += local
                     else:
-                        if _partial_sent(n0, n1, k_pos_min, rank, r, rng, b, B, n_chunks, my_lo, my_hi, S, W,
+                        if block_reaches(n0, n1, k_pos_min, rank, r, rng, b, B, n_chunks, my_lo, my_hi, True, S, W,
                                          ZIGZAG, CAUSAL, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED):
                             rslot = (r - rank + W) % W - 1
                             src_off = ((rslot * 2 * B + which * B + b).to(tl.int64) * HKV + hkv) * S * D

@@ -920,11 +920,11 @@ def bwd_task_steps(n0, d, src, rank, b, B, S, rng, rng_b, n_chunks, W: tl.conste
     block) and steps over the local queries in blocks of Q_ROWS (the Gluon backward, ring_core.gluon_bwd): a dK/dV
     task's steps for K/V block [n0, n0 + KV_ROWS) of rank ``src`` (peer distance ``d``; ``rng_b``: this rank's
     published ranges of batch b, ``ranges_of``): (sent, i_lo, n_m, i_full, i_fend, kv_t).
-    ``sent``: the block reaches this rank at all, the tl kernel's test (ring_core.kernel_bwd): some local query sees
-    a row of it by position (``rows_seen``: the test its pusher made, chunks being blocks) and, with segment ids,
-    its chunk's published id range meets a half of this rank's (the pusher's test again; the final task's own block
-    always). A partial task sends its partial exactly then, the owner waits for it exactly then
-    (kernel_bwd._partial_sent), whatever the steps below.
+    ``sent``: the block reaches this rank at all (``block_reaches``, the tl kernel's test too): some local query sees
+    a row of it by position (the test its pusher made, chunks being blocks) and, with segment ids, its chunk's
+    published id range meets a half of this rank's (the pusher's test again; the final task's own block always). A
+    partial task sends its partial exactly then, the owner waits for it exactly then (``block_reaches`` from its
+    side), whatever the steps below.
     The steps: query blocks [i_lo, i_lo + n_m) (0 unless sent) hold every local query the mask's positions let meet
     the block (``rows_within``, ``row_blocks``), narrowed with segment ids to the run of those whose chunk's
     published range meets the block's (``met_blocks``: ranges, not ids, so nothing waits here); in the run, blocks
@@ -936,18 +936,15 @@ def bwd_task_steps(n0, d, src, rank, b, B, S, rng, rng_b, n_chunks, W: tl.conste
     ql1, qh1, ql2, qh2, qf_lo, qf_hi = rows_within(n0, n0 + KV_ROWS, src, rank, S, W, ZIGZAG, CAUSAL, WIN_LEFT,
                                                    WIN_RIGHT, False)
     i_lo, i_full, i_fend, i_hi = row_blocks(ql1, qh1, ql2, qh2, qf_lo, qf_hi, Q_ROWS)
-    if WINDOW:
-        sent = rows_seen(n0, n0 + KV_ROWS, src, rank, S, W, ZIGZAG, CAUSAL, WIN_LEFT, WIN_RIGHT)
-    elif CAUSAL:
-        sent = positions(n0, src, S, W, ZIGZAG) <= last_pos(rank, S, W, ZIGZAG)
-    else:
-        sent = n0 >= 0
     kv_t = n0 * 0 - 2
+    c_lo = kv_t  # (read with segment ids only)
+    c_hi = kv_t
     if SEGMENTED:
         c_lo, c_hi = published_range(rng, src, b, B, n_chunks, n0 // CHUNK_ROWS)
-        if d > 0:
-            sent = sent & meets_halves(rng, rank, b, B, n_chunks, c_lo, c_hi)
         kv_t = tl.where((c_lo == c_hi) & (c_lo >= 0), c_lo, -2)
+    sent = block_reaches(n0, n0 + KV_ROWS, positions(n0, src, S, W, ZIGZAG), src, rank, rng, b, B, n_chunks, c_lo,
+                         c_hi, d > 0, S, W, ZIGZAG, CAUSAL, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)
+    if SEGMENTED:
         # The block's non-padding ids lie in [max(c_lo, 0), c_hi] (its lo counts padding as -1; a padding key is
         # attended by nobody): all padding, an empty range, no step.
         i_lo, i_hi, _ = met_blocks(i_lo, i_hi, ql1, qh1, ql2, qh2, rng_b, tl.maximum(c_lo, 0), c_hi, n0 * 0 + BIG_ID,
@@ -1146,6 +1143,28 @@ def meets_halves(rng, dst, b, B, n_chunks, lo, hi):
     h0_lo, h0_hi = published_range(rng, dst, b, B, n_chunks, n_chunks)
     h1_lo, h1_hi = published_range(rng, dst, b, B, n_chunks, n_chunks + 1)
     return ranges_meet(lo, hi, h0_lo, h0_hi, h1_lo, h1_hi)
+
+
+@triton.jit
+def block_reaches(n0, n1, k_pos_min, src, dst, rng, b, B, n_chunks, lo, hi, ids, S, W: tl.constexpr,
+                  ZIGZAG: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, WIN_LEFT: tl.constexpr,
+                  WIN_RIGHT: tl.constexpr, SEGMENTED: tl.constexpr):
+    """A backward's one test of whether K/V block [n0, n1) of rank ``src`` (first position ``k_pos_min``) reaches
+    rank ``dst``: some query of ``dst`` sees a row of it by position (``rows_seen``; causal: its first key at or
+    before ``dst``'s last query) and, with segment ids where ``ids`` is true (a peer's block; a rank's own block is
+    always at hand), its chunk's published range [lo, hi] meets a half of ``dst``'s (``meets_halves``). A partial
+    task asks it of its block (is the block there, does its partial go back: ring_core.kernel_bwd, ``bwd_task_steps``)
+    and the block's owner of each peer (does it wait for that peer's partial), from the same published words, so the
+    two sides agree."""
+    reach = n0 >= 0
+    if WINDOW:
+        reach = rows_seen(n0, n1, src, dst, S, W, ZIGZAG, CAUSAL, WIN_LEFT, WIN_RIGHT)
+    elif CAUSAL:
+        reach = k_pos_min <= last_pos(dst, S, W, ZIGZAG)
+    if SEGMENTED:
+        if ids:
+            reach = reach & meets_halves(rng, dst, b, B, n_chunks, lo, hi)
+    return reach
 
 
 @triton.jit

@@ -10,8 +10,8 @@ of rank ``rank - d``) and each local query block of 64 rows,
   vain by position);
 * a step marked unmasked holds only allowed pairs (its P is used without the mask);
 * the owner of each block waits for a peer's partial exactly where that peer's task sends one
-  (ring_core.kernel_bwd._partial_sent, the tl kernel's test, against the peer's ``sent``): no wait in vain, no
-  partial unread.
+  (ring_core.protocol.block_reaches asked from the owner's side, as both backwards' final tasks ask it, against the
+  peer's ``sent``): no wait in vain, no partial unread.
 The ranges the kernels read are built here as ring_core.protocol.publish_id_ranges writes them (a chunk's lo counts
 padding as -1; the halves' ranges count ids >= 0). What the Gluon kernel then computes with them is checked on a
 GPU (tests/gpu_checks.py, section gluon-bwd-masks).
@@ -34,7 +34,6 @@ PROBE = textwrap.dedent("""
     import triton
     import triton.language as tl
     from ring_core import layout as L, masks, protocol, testing
-    from ring_core.kernel_bwd import _partial_sent
 
     KV, QR, CR, BIG = 128, 64, 128, 2147483647
 
@@ -66,9 +65,9 @@ PROBE = textwrap.dedent("""
             my_lo, my_hi = protocol.published_range(rng, rank, b, B, n_chunks, n0 // 128)
             for r in tl.static_range(W):
                 if r != rank:
-                    w = _partial_sent(n0, n0 + 128, protocol.positions(n0, rank, S, W, ZIGZAG), rank, r, rng, b, B,
-                                      n_chunks, my_lo, my_hi, S, W, ZIGZAG, CAUSAL, WINDOW, WIN_LEFT, WIN_RIGHT,
-                                      SEGMENTED)
+                    w = protocol.block_reaches(n0, n0 + 128, protocol.positions(n0, rank, S, W, ZIGZAG), rank, r,
+                                               rng, b, B, n_chunks, my_lo, my_hi, True, S, W, ZIGZAG, CAUSAL, WINDOW,
+                                               WIN_LEFT, WIN_RIGHT, SEGMENTED)
                     tl.store(base + 4 + S // 64 + r, w.to(tl.int32))
 
 
