@@ -1156,7 +1156,7 @@ def block_reaches(n0, n1, k_pos_min, src, dst, rng, b, B, n_chunks, lo, hi, ids,
     task asks it of its block (is the block there, does its partial go back: ring_core.kernel_bwd, ``bwd_task_steps``)
     and the block's owner of each peer (does it wait for that peer's partial), from the same published words, so the
     two sides agree."""
-    reach = n0 >= 0
+    reach = n0 * 0 == 0  # (true, and folded as such: no window, not causal)
     if WINDOW:
         reach = rows_seen(n0, n1, src, dst, S, W, ZIGZAG, CAUSAL, WIN_LEFT, WIN_RIGHT)
     elif CAUSAL:
