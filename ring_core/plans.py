@@ -163,7 +163,7 @@ def gluon_applies(spec: AttentionSpec, world_size: int, capability) -> bool:
 
 
 # ring_core.gluon_bwd's tiles: K/V rows per dK/dV task, query rows per step, and query rows per delta or dQ task
-# (512: a program per 128 rows paid its start and end, which is most of such a task, 8,192 times at 16k, H=32).
+# (512, was 128: 6,144 fewer programs at 16k, H=32; measured 0-2 % faster, benchmarks/NOTES.md, session 15).
 GLUON_BWD_KV_ROWS, GLUON_BWD_Q_ROWS, GLUON_BWD_ROW_TASK = 128, 64, 512
 GLUON_BWD_HEAD_DIMS = (128,)
 
