@@ -13,7 +13,9 @@ dQ's conversion done by torch) runs beside them for the A/B. bf16, B=1, H=32, D=
 With ``--doc-lens none,16384-16384,512-8192`` (issue 20) it times instead the causal ``deterministic=False`` backward
 with segment ids: "none" is the dense call, "N-N" documents of N tokens (one per 16k shard: the dense work through
 the masked path), "LO-HI" lengths drawn as benchmarks/attention.py's packed rows (``harness.packed_documents``);
-each row also gives the pairs' TFLOP/s (the mask's allowed pairs, x 2.5 for the backward's five matmuls).
+each row also gives the pairs' TFLOP/s (the mask's allowed pairs, x 2.5 for the backward's five matmuls) and the
+call's dK/dV tasks and their steps (``task_steps``), so that runs over several document lengths (stage
+``probe-bwd-doclens``) fit a kernel time per task and per step.
 """
 import argparse
 import functools
@@ -187,8 +189,37 @@ def _masked_rows(S: int, heads: int, doc_lens: list, iters: int) -> list:
         out = torch_bridge.ring_attention(*ts, is_causal=True, backend="fused", layout="contiguous",
                                           segment_ids=seg, deterministic=False)
         fn = functools.partial(torch.autograd.grad, out, ts, do, retain_graph=True)
-        rows += _profiled(fn, iters, flops, dict(S=S, causal=1, run=f"deterministic=False doc_lens={lens}"))
+        ids = None if seg is None else np.asarray(harness.segment_ids(case, 1))[0]
+        key = dict(S=S, causal=1, run=f"deterministic=False doc_lens={lens}", tasks=heads * (S // 128),
+                   steps=heads * task_steps(ids, S))
+        rows += _profiled(fn, iters, flops, key)
     return rows
+
+
+def task_steps(ids, S: int, kv_rows: int = 128, q_rows: int = 64, chunk_rows: int = 128) -> int:
+    """The steps (query blocks of ``q_rows``) of a head's dK/dV tasks in the Gluon backward at world size 1, causal,
+    summed over its K/V blocks of ``kv_rows``: the query blocks from the block's diagonal on (positions), narrowed
+    with segment ids ``ids`` (numpy [S], None: none) to those whose chunk's id range meets the K/V block's
+    (``protocol.bwd_task_steps`` with the ranges ``protocol.publish_id_ranges`` writes; no padding here). With the
+    kernel times of several document lengths it separates what a task costs from what a step costs."""
+    import numpy as np
+
+    n_q = S // q_rows
+    total = 0
+    if ids is not None:
+        lo = ids.reshape(-1, chunk_rows).min(axis=1)
+        hi = ids.reshape(-1, chunk_rows).max(axis=1)
+    for n in range(S // kv_rows):
+        first = n * kv_rows // q_rows  # the first query block holding a query at or after the block's first key
+        blocks = np.arange(first, n_q)
+        if ids is not None:
+            k_lo, k_hi = ids[n * kv_rows:(n + 1) * kv_rows].min(), ids[n * kv_rows:(n + 1) * kv_rows].max()
+            c = blocks * q_rows // chunk_rows
+            met = (lo[c] <= k_hi) & (hi[c] >= k_lo)
+            blocks = blocks[met]
+            blocks = np.arange(blocks.min(), blocks.max() + 1) if blocks.size else blocks  # a run (met_blocks)
+        total += int(blocks.size)
+    return total
 
 
 if __name__ == "__main__":

@@ -87,6 +87,8 @@ Stages (``NAME[:SECONDS]``; the default time limit is in brackets):
   probe-bwd-kernels-seq the same at 4k, 8k and 16k (a fixed cost per task against a cost per step) [240]
   probe-bwd-masks   the causal backward's kernels with segment ids (issue 20): dense, one 16k document
                through the masked path, packed documents of 512-8192 tokens                 [120]
+  probe-bwd-doclens the same with documents of 16k, 8k, 4k, 2k and 1k tokens each, with each call's dK/dV
+               tasks and steps (a cost per task against a cost per step)                    [150]
   probe-gluon-peer-store benchmarks/gluon_peer_store.py: TMA stores into the next rank's heap, each tile
                released by a flag, read there by TMA after the acquire (--nproc >= 2)       [90]
   probe-launch-gap benchmarks/launch_gap.py: one call timed per call, back to back, host-only and
@@ -260,6 +262,11 @@ STAGES = {
     # The causal backward's kernels with segment ids (issue 20): dense, one 16k document, packed 512-8192.
     "probe-bwd-masks": (120, [LAUNCH1 + ["-m", "benchmarks.bwd_kernels", "--doc-lens", "none,16384-16384,512-8192",
                                          "--csv", "{out}/bwd_kernels_masks.csv"]]),
+    # The same over documents of one length each (16k down to 1k) and the packed rows: each row's kernel time with its
+    # dK/dV tasks and steps (bwd_kernels.task_steps), to fit a cost per task and per step.
+    "probe-bwd-doclens": (150, [LAUNCH1 + ["-m", "benchmarks.bwd_kernels", "--doc-lens",
+                                           "none,16384-16384,8192-8192,4096-4096,2048-2048,1024-1024,512-8192",
+                                           "--csv", "{out}/bwd_kernels_doclens.csv"]]),
     "probe-launch-gap": (120, [LAUNCH1 + ["-m", "benchmarks.launch_gap", "--profile", "--csv", "{out}/launch_gap.csv"]]),
     "bench-w1": (300, [LAUNCH1 + ["-m", "benchmarks.attention", "--methods",
                                   "torch_fused,torch_cudnn_1gpu,jax_fused,jax_fused_deferred,jax_cudnn_1gpu,"
