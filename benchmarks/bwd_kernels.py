@@ -177,21 +177,21 @@ def _masked_rows(S: int, heads: int, doc_lens: list, iters: int) -> list:
     q, k, v, do = (torch.randn(1, S, heads, 128, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(4))
     rows = []
     for lens in doc_lens:
-        seg, case = None, harness.Case(batch=1, heads=heads, kv_heads=heads, head_dim=128, seq_local=S, causal=True,
-                                       dtype="bfloat16")
+        seg, ids, case = None, None, harness.Case(batch=1, heads=heads, kv_heads=heads, head_dim=128, seq_local=S,
+                                                  causal=True, dtype="bfloat16")
         if lens != "none":
             lo, hi = (int(t) for t in lens.split("-"))
             case = harness.Case(batch=1, heads=heads, kv_heads=heads, head_dim=128, seq_local=S, causal=True,
                                 dtype="bfloat16", mask="packed", doc_lens=(lo, hi))
-            seg = torch.as_tensor(np.asarray(harness.segment_ids(case, 1)), device=dev, dtype=torch.int32)
+            ids = np.asarray(harness.segment_ids(case, 1))
+            seg = torch.as_tensor(ids, device=dev, dtype=torch.int32)
         flops = 2.5 * 4 * heads * 128 * (harness.pairs_per_gpu(case, 1) if seg is not None else S * (S + 1) / 2)
         ts = [x.detach().requires_grad_() for x in (q, k, v)]
         out = torch_bridge.ring_attention(*ts, is_causal=True, backend="fused", layout="contiguous",
                                           segment_ids=seg, deterministic=False)
         fn = functools.partial(torch.autograd.grad, out, ts, do, retain_graph=True)
-        ids = None if seg is None else np.asarray(harness.segment_ids(case, 1))[0]
         key = dict(S=S, causal=1, run=f"deterministic=False doc_lens={lens}", tasks=heads * (S // 128),
-                   steps=heads * task_steps(ids, S))
+                   steps=heads * task_steps(None if ids is None else ids[0], S))
         rows += _profiled(fn, iters, flops, key)
     return rows
 
