@@ -15,7 +15,9 @@ with segment ids: "none" is the dense call, "N-N" documents of N tokens (one per
 the masked path), "LO-HI" lengths drawn as benchmarks/attention.py's packed rows (``harness.packed_documents``);
 each row also gives the pairs' TFLOP/s (the mask's allowed pairs, x 2.5 for the backward's five matmuls) and the
 call's dK/dV tasks and their steps (``task_steps``), so that runs over several document lengths (stage
-``probe-bwd-doclens``) fit a kernel time per task and per step.
+``probe-bwd-doclens``) fit a kernel time per task and per step:
+
+    python -m benchmarks.bwd_kernels --fit RUN.csv [RUN2.csv ...]
 """
 import argparse
 import functools
@@ -83,6 +85,42 @@ def plot(csv_path: str, png: str) -> None:
                  title="Backward kernels at world size 1, one H200 (bf16, H=32, D=128)")
 
 
+def fit(csv_paths: list, heads: int = 32, sms: int = 132) -> tuple:
+    """The fused backward kernel's time per dK/dV task and SM against its steps per task, over ``--doc-lens`` rows
+    (a row without the tasks and steps columns gets them from its doc_lens: ``task_steps``), with the least-squares
+    line through them: (us per task, us per step), printed with each row. Rows of one run share the same tasks (one
+    per K/V block and head), so what the line's intercept holds is what a task pays however few steps it has."""
+    import csv
+
+    import numpy as np
+
+    from benchmarks import harness
+
+    xs, ys = [], []
+    for path in csv_paths:
+        with open(path) as f:
+            for r in csv.DictReader(f):
+                if not r["kernel"].startswith("ring_attn_bwd_gluon") or "doc_lens=" not in r["run"]:
+                    continue
+                S, lens = int(r["S"]), r["run"].split("doc_lens=")[1]
+                tasks, steps = r.get("tasks"), r.get("steps")
+                if not tasks:
+                    ids = None
+                    if lens != "none":
+                        lo, hi = (int(t) for t in lens.split("-"))
+                        case = harness.Case(batch=1, heads=heads, kv_heads=heads, head_dim=128, seq_local=S,
+                                            causal=True, dtype="bfloat16", mask="packed", doc_lens=(lo, hi))
+                        ids = np.asarray(harness.segment_ids(case, 1))[0]
+                    tasks, steps = heads * (S // 128), heads * task_steps(ids, S)
+                tasks, steps = int(tasks), int(steps)
+                xs.append(steps / tasks)
+                ys.append(float(r["kernel_ms"]) * 1000 * sms / tasks)
+                print(f"{path}: doc_lens {lens}: {xs[-1]:.1f} steps a task, {ys[-1]:.1f} us a task and SM")
+    slope, intercept = np.polyfit(xs, ys, 1)
+    print(f"fit over {len(xs)} rows: {intercept:.1f} us a task + {slope:.2f} us a step")
+    return intercept, slope
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--seq", default="16384")
@@ -91,9 +129,14 @@ def main():
     ap.add_argument("--csv", default=None)
     ap.add_argument("--doc-lens", default=None, help="comma list of none | N-N | LO-HI: the masked rows (issue 20)")
     ap.add_argument("--plot", nargs=2, metavar=("CSV", "PNG"), help="only plot a run's CSV (no GPU)")
+    ap.add_argument("--fit", nargs="+", metavar="CSV", help="only fit a --doc-lens run's CSVs (no GPU): ``fit``")
+    ap.add_argument("--sms", type=int, default=132, help="--fit: the GPU's SMs (H200: 132)")
     a = ap.parse_args()
     if a.plot:
         plot(*a.plot)
+        return 0
+    if a.fit:
+        fit(a.fit, a.heads, a.sms)
         return 0
 
     import torch
