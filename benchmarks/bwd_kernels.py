@@ -105,12 +105,8 @@ def fit(csv_paths: list, heads: int = 32, sms: int = 132) -> tuple:
                 S, lens = int(r["S"]), r["run"].split("doc_lens=")[1]
                 tasks, steps = r.get("tasks"), r.get("steps")
                 if not tasks:
-                    ids = None
-                    if lens != "none":
-                        lo, hi = (int(t) for t in lens.split("-"))
-                        case = harness.Case(batch=1, heads=heads, kv_heads=heads, head_dim=128, seq_local=S,
-                                            causal=True, dtype="bfloat16", mask="packed", doc_lens=(lo, hi))
-                        ids = np.asarray(harness.segment_ids(case, 1))[0]
+                    case = _case(S, heads, lens)
+                    ids = None if lens == "none" else np.asarray(harness.segment_ids(case, 1))[0]
                     tasks, steps = heads * (S // 128), heads * task_steps(ids, S)
                 tasks, steps = int(tasks), int(steps)
                 xs.append(steps / tasks)
@@ -220,12 +216,8 @@ def _masked_rows(S: int, heads: int, doc_lens: list, iters: int) -> list:
     q, k, v, do = (torch.randn(1, S, heads, 128, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(4))
     rows = []
     for lens in doc_lens:
-        seg, ids, case = None, None, harness.Case(batch=1, heads=heads, kv_heads=heads, head_dim=128, seq_local=S,
-                                                  causal=True, dtype="bfloat16")
+        seg, ids, case = None, None, _case(S, heads, lens)
         if lens != "none":
-            lo, hi = (int(t) for t in lens.split("-"))
-            case = harness.Case(batch=1, heads=heads, kv_heads=heads, head_dim=128, seq_local=S, causal=True,
-                                dtype="bfloat16", mask="packed", doc_lens=(lo, hi))
             ids = np.asarray(harness.segment_ids(case, 1))
             seg = torch.as_tensor(ids, device=dev, dtype=torch.int32)
         flops = 2.5 * 4 * heads * 128 * (harness.pairs_per_gpu(case, 1) if seg is not None else S * (S + 1) / 2)
@@ -237,6 +229,16 @@ def _masked_rows(S: int, heads: int, doc_lens: list, iters: int) -> list:
                    steps=heads * task_steps(None if ids is None else ids[0], S))
         rows += _profiled(fn, iters, flops, key)
     return rows
+
+
+def _case(S: int, heads: int, lens: str):
+    """The benchmark case of a ``--doc-lens`` entry: causal bf16 D128, dense ("none") or packed documents of
+    "LO-HI" tokens (``harness.packed_documents``)."""
+    from benchmarks import harness
+
+    kw = {} if lens == "none" else dict(mask="packed", doc_lens=tuple(int(t) for t in lens.split("-")))
+    return harness.Case(batch=1, heads=heads, kv_heads=heads, head_dim=128, seq_local=S, causal=True,
+                        dtype="bfloat16", **kw)
 
 
 def task_steps(ids, S: int, kv_rows: int = 128, q_rows: int = 64, chunk_rows: int = 128) -> int:
