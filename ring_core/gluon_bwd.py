@@ -39,9 +39,9 @@ on the peers exactly as in the tl kernel: ring_core.protocol's no-deadlock argum
      (the tl kernel's ``rows_within``), narrowed with segment ids to the run whose chunks' published id ranges meet the
      block's (ranges, not ids: nothing waits for them; a block of such a run holding no pair is computed with every
      pair masked, its rows being local). Whether the block comes at all, and so whether its partial goes back and its
-     owner waits for that, is the tl kernel's test on every side (``rows_seen``, the causal frontier,
-     ``meets_halves``). The load warp writes each step's word beside its lse (no mask needed, or the query block's
-     first position minus the K/V block's) and, with ids, the query block's ids; a masked step applies
+     owner waits for that, is the one test both backwards make on every side (``protocol.block_reaches``:
+     positions, then published id ranges). The load warp writes each step's word beside its lse (no mask needed, or
+     the query block's first position minus the K/V block's) and, with ids, the query block's ids; a masked step applies
      ``protocol.pairs_allowed`` to P^T (the K/V half's ids read once, after its barrier: they came with the chunk,
      before its flag). Blocks read were sent whole (chunks are blocks), so dP is finite and a masked pair's dS is 0.
    * DETERMINISTIC: the adds to each query block's dQ rows (per head and half of D) come in ticket order. A counter
@@ -63,8 +63,8 @@ on the peers exactly as in the tl kernel: ring_core.protocol's no-deadlock argum
      query sees (causal) is neither computed nor sent, and its owner does not wait for it (``block_reaches``).
    * A final task's consumers wait (bounded) for every peer's partial of their block, add the partials and their own
      in rank order, and write dK (scaled) and dV; NaN if anything failed.
-3. **dQ tasks** (b, h, ROW_TASK query rows), after every dK/dV task's consumers counted (CTL_BWD_DELTA reached the delta
-   tasks plus twice the dK/dV tasks): dQ = sm_scale * accumulator, in the input dtype; NaN rows if the call check
+3. **dQ tasks** (b, h, ROW_TASK query rows), after every dK/dV task's consumers counted (CTL_BWD_DELTA reached the
+   delta tasks plus twice the dK/dV tasks): dQ = sm_scale * accumulator, in the input dtype; NaN rows if the call check
    failed or any wait of this rank gave up (the error record: a superset of the tl kernel's per-task NaN rows).
 Every program ends with ``end_call`` (the last resets CTL_BWD_TICKET and CTL_BWD_DELTA).
 
