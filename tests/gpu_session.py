@@ -232,6 +232,14 @@ STAGES = {
     # one per 16k shard (the segment-id path at dense work) down to 1024 tokens (many short rows per tile).
     "bench-doclens": (150, [LAUNCH1 + BENCH + ["--mask", "packed", "--pass", "fwd", "--doc-lens", f"{n}-{n}",
                                                "--csv", "{out}/masks_doclens.csv"] for n in (16384, 4096, 1024)]),
+    # What a tile costs however few blocks it has, without masks: one problem's work (B * S^2 at 16k, B=1) cut into
+    # 1, 4, 16 and 64 sequences (B=1 S=16k ... B=64 S=2k), so the tiles (B * S / 128 per head) grow 4x a row while
+    # the blocks stay; ours and cuDNN's forward and forward+backward, causal and not, back to back. The slope of time
+    # against tiles is the per-tile cost (issue 18's causal rows, issue 20's packed rows; benchmarks/NOTES.md).
+    "probe-tiles": (240, [LAUNCH1 + ["-m", "benchmarks.attention", "--methods", "torch_fused,torch_cudnn_1gpu",
+                                     "--seq", s, "--batch", str(b), "--pass", "fwd,fwd+bwd", "--warmup", "2",
+                                     "--iters", "5", "--timing", "stream", "--csv", "{out}/tiles.csv"]
+                          for b, s in ((1, "16k"), (4, "8k"), (16, "4k"), (64, "2k"))]),
     # bench-w1 timed back to back (--timing stream): the host's dispatch overlapped, as do_bench and training see it.
     "bench-w1-stream": (300, [LAUNCH1 + ["-m", "benchmarks.attention", "--methods",
                                          "torch_fused,torch_cudnn_1gpu,jax_fused,jax_fused_deferred,jax_cudnn_1gpu",
