@@ -84,9 +84,12 @@ CASES = {  # name: (dtype, head_dim, kv_heads, causal, layout[, window, segmente
     # The backward: K/V, partial dK/dV and delta are all acquired before the loops that read them; its dQ
     # loops (per ring step, unmasked and masked) and dK/dV loops over query blocks must all be pipelined.
     "bwd fp32 d64 mqa": ("float32", 64, 1, False, "contiguous"),
-    "bwd bf16 d128 causal zigzag": ("bfloat16", 128, 4, True, "zigzag"),
     "bwd fp16 d80 gqa causal": ("float16", 80, 2, True, "contiguous"),
-    # JAX's deferred error mode (STICKY_ERRORS): the end-of-call path that keeps a failure on the heap.
+    # bf16 d128 causal zigzag, compiled once, with JAX's deferred error mode (STICKY_ERRORS): the end-of-call
+    # path that keeps a failure on the heap. STICKY_ERRORS only adds a branch to that path (protocol.finish_call,
+    # after every loop), so this one compile checks this variant's K/V loops for the plain (torch) variant too;
+    # the plain end-of-call path is compiled in every other "bwd" case (CI-time cut: a separate plain compile of
+    # this variant checked the same loops again).
     "bwd bf16 d128 causal zigzag sticky": ("bfloat16", 128, 4, True, "zigzag"),
     # Issue 20: a causal sliding window, segment ids (packed sequences), and both, forward and backward.
     "bf16 d128 causal window": ("bfloat16", 128, 4, True, "contiguous", (300, -1), False),
