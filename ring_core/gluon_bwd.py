@@ -54,9 +54,9 @@ on the peers exactly as in the tl kernel: ring_core.protocol's no-deadlock argum
      the turns seldom make anyone wait (causal: the lightest tasks first, a few % of tail against the heaviest
      first); a task trails the one before it by about DQ_LAG steps, once. Waits only for earlier tickets of this
      rank: the no-deadlock argument holds; the order is fixed, so the float sums are the same in every run.
-   * After the loop each consumer waits for its reductions to complete, fences the async proxy against the generic
-     one, and counts itself in CTL_BWD_DELTA again (release): the dQ adds of a task are in memory once both of its
-     consumers have counted.
+   * After its last task each consumer waits for its reductions to complete, fences the async proxy against the
+     generic one, and counts its tasks in CTL_BWD_DELTA (release): the dQ adds of the program's tasks are in memory
+     once both of its consumers have counted.
    * A partial task's consumers store their rows of dK/dV (float32, unscaled) into the owner's partial slot
      (``iris.store``) and, once both have (an mbarrier), the first publishes the slot's flag (release, system
      scope), after marking the owner failed if any wait of this rank gave up (as the tl kernel). A block no local
@@ -67,6 +67,19 @@ on the peers exactly as in the tl kernel: ring_core.protocol's no-deadlock argum
    delta tasks plus twice the dK/dV tasks): dQ = sm_scale * accumulator, in the input dtype; NaN rows if the call check
    failed or any wait of this rank gave up (the error record: a superset of the tl kernel's per-task NaN rows).
 Every program ends with ``end_call`` (the last resets CTL_BWD_TICKET and CTL_BWD_DELTA).
+
+**Persistent**, as the forward (session 16: a task cost 24-28 us however few its steps, against cuDNN's 12-16,
+benchmarks/NOTES.md): a program per SM (``plans.plan_bwd``'s grid), each taking tickets until none is left. Its 4
+warps run delta tasks while their tickets are delta tickets; at the first dK/dV ticket the partitions start, and the
+load warp takes the later tickets itself (the next one once a task's loads are issued), passing each task to the
+consumers in words of shared memory (``_task_words``) that ``kv_bar``'s arrival publishes with the task's K and V.
+It loads a task's K and V as soon as both consumers are done with the last task's (``kv_empty``), so a consumer's
+end of a task (its partial sent, or the final dK/dV written) runs under the next task's first loads; the slots', dS
+buffers' and barriers' rounds go on from task to task. The first ticket past the dK/dV tasks ends the partitions,
+and the program runs the dQ tasks from it on. The no-deadlock argument is unchanged: a program takes a ticket only
+while it runs, and a task waits only for tasks of earlier tickets, each held by a running program that finishes it
+without waiting for a later one (the ticket a load warp holds ahead is run after its current task, which does not
+wait for it); ranks sharing a GPU under MPS run fewer programs at once than the grid, which the tickets do not mind.
 
 The ``delta`` output of the launch is the float32 scratch [B*H*S] (delta) followed by [B, S, H, D] (the dQ
 accumulator): ``plans.LaunchPlan.out_shapes``; both launchers allocate what it says.
@@ -80,8 +93,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 import iris
 
 from ring_core import control, plans
-from ring_core.gluon_kernel import (_WORD_LAYOUT_1, _WORD_LAYOUT_4, _acquire_chunk, cta_barrier, release, tma_add,
-                                    tma_load)
+from ring_core.gluon_kernel import (_WORD_LAYOUT_1, _WORD_LAYOUT_4, _acquire_chunk, _tile_word, cta_barrier, release,
+                                    release_bar, tma_add, tma_load)
 from ring_core.protocol import (CTL_BWD_DELTA, CTL_BWD_TICKET, CTL_ERROR, block_reaches, bwd_step_unmasked,
                                 bwd_task_steps, chunk_one_id, drain_pushes, end_call, last_pos, pairs_allowed, poll_ge,
                                 positions, published_range, ranges_of, ranks_rng, receive_slots, record_error,
@@ -240,10 +253,14 @@ def _producer(q_desc, do_desc, k_desc, v_desc, r_desc, q_smem, do_smem, kv_smem,
               q_ready, q_empty, lse_ptr, delta_ptr, b, hkv, n0, d, src, S, B, n_m, i_lo, flags, n_chunks, epoch, ctl,
               timeout_ns, W: gl.constexpr, H: gl.constexpr, G: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr,
               CHUNK_ROWS: gl.constexpr, ids_smem=None, meta_smem=None, seg_b=None, i_full=0, i_fend=0, kv_t=0,
-              rng_b=None, rank=0, k_pos_n0=0, ZIGZAG: gl.constexpr = False, SEGMENTED: gl.constexpr = False):
-    """The load warp of a dK/dV task (module docstring); nothing at all if the task has no step (n_m == 0). With a
-    window or segment ids (``meta_smem`` given) also each step's word and ids (``load_steps``)."""
-    if n_m > 0:
+              rng_b=None, rank=0, k_pos_n0=0, ZIGZAG: gl.constexpr = False, SEGMENTED: gl.constexpr = False, g0=0):
+    """The load warp's part of one dK/dV task (module docstring), the program's tasks before it having had ``g0``
+    steps: K and V of the block on ``kv_bar`` (a task without steps, n_m == 0, loads nothing: its phase of the barrier
+    passes with the arrival alone), then its steps. With a window or segment ids (``meta_smem`` given) also each
+    step's word and ids (``load_steps``)."""
+    if n_m == 0:
+        mbarrier.arrive(kv_bar, count=1)
+    else:
         mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
         peer = d > 0
         if W == 1:
@@ -260,19 +277,20 @@ def _producer(q_desc, do_desc, k_desc, v_desc, r_desc, q_smem, do_smem, kv_smem,
     if meta_smem is not None:
         load_steps(q_desc, do_desc, q_smem, do_smem, lse_smem, dl_smem, q_ready, q_empty, lse_ptr, delta_ptr, b, hkv,
                    S, n_m, i_lo, H, G, D, ids_smem, meta_smem, seg_b, i_full, i_fend, kv_t, rng_b, rank, k_pos_n0,
-                   CHUNK_ROWS, W, ZIGZAG, SEGMENTED)
+                   CHUNK_ROWS, W, ZIGZAG, SEGMENTED, g0)
     else:
         load_steps(q_desc, do_desc, q_smem, do_smem, lse_smem, dl_smem, q_ready, q_empty, lse_ptr, delta_ptr, b, hkv,
-                   S, n_m, i_lo, H, G, D)
+                   S, n_m, i_lo, H, G, D, g0=g0)
 
 
 @gluon.jit
 def load_steps(q_desc, do_desc, q_smem, do_smem, lse_smem, dl_smem, q_ready, q_empty, lse_ptr, delta_ptr, b, hkv, S,
                n_m, i_lo, H: gl.constexpr, G: gl.constexpr, D: gl.constexpr, ids_smem=None, meta_smem=None, seg_b=None,
                i_full=0, i_fend=0, kv_t=0, rng_b=None, rank=0, k_pos_n0=0, CHUNK_ROWS: gl.constexpr = 0,
-               W: gl.constexpr = 1, ZIGZAG: gl.constexpr = False, SEGMENTED: gl.constexpr = False):
+               W: gl.constexpr = 1, ZIGZAG: gl.constexpr = False, SEGMENTED: gl.constexpr = False, g0=0):
     """The load warp's steps (``dkdv_steps``' inputs): Q and dO of every step through TMA, with its lse (log2 units)
-    and delta, into slot i % STAGES once the consumers freed it. Also benchmarks/gluon_bwd.py's.
+    and delta, into slot (g0 + i) % STAGES once the consumers freed it (``g0``: the program's steps of its tasks
+    before this one: the slots' rounds go on from task to task). Also benchmarks/gluon_bwd.py's.
     With a window or segment ids (``meta_smem`` given), also the step's word in ``meta_smem``: UNMASKED where every
     query of the block sees every key of the task's by position (blocks [i_full, i_fend)) and, with segment ids, the
     query block's chunk and the K/V block both carry one id alone (their published ranges [kv_t, kv_t]: ``kv_t`` -2
@@ -283,8 +301,8 @@ def load_steps(q_desc, do_desc, q_smem, do_smem, lse_smem, dl_smem, q_ready, q_e
     rows = gl.arange(0, _Q_ROWS, layout=gl.BlockedLayout([_Q_ROWS // 32], [32], [1], [0]))
     for i in range(G * n_m):
         h, m0 = _work(i, n_m, i_lo, hkv, G)
-        s = i % _STAGES
-        mbarrier.wait(q_empty.index(s), ((i // _STAGES) & 1) ^ 1)
+        s = (g0 + i) % _STAGES
+        mbarrier.wait(q_empty.index(s), (((g0 + i) // _STAGES) & 1) ^ 1)
         # The step's lse and delta beside its Q and dO: read by the consumers where they need them, not held in
         # their registers across the MMAs. Stored before the arrival below (release), which the consumers' wait
         # acquires.
@@ -309,7 +327,7 @@ def dkdv_steps(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv
                HALF_INDEX: gl.constexpr, W: gl.constexpr, H: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr,
                CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr, DETERMINISTIC: gl.constexpr, ids_smem=None,
                meta_smem=None, seg_k=None, WINDOW: gl.constexpr = False, WIN_LEFT: gl.constexpr = -1,
-               WIN_RIGHT: gl.constexpr = -1, SEGMENTED: gl.constexpr = False):
+               WIN_RIGHT: gl.constexpr = -1, SEGMENTED: gl.constexpr = False, g0=0, kv_phase=0):
     """A consumer's steps on K/V rows [n0 + 64 * HALF_INDEX, + 64) of rank ``src`` (module docstring): (dK, dV) of
     those rows, float32, unscaled; dQ's reductions issued (the caller waits for them). With DETERMINISTIC, each
     reduction waits for its turn at its rows (``turns``: one counter per query block, head and half of D, counting
@@ -320,7 +338,9 @@ def dkdv_steps(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv
     rule of every kernel (protocol.pairs_allowed) on P^T, on positions relative to the block's first query and the
     half's first key (each contiguous: ``plans.gluon_applies``) and on the ids (the query block's from ``ids_smem``,
     the half's keys' from ``seg_k``, read once K/V landed: they came with the chunk, before its flag). A masked
-    pair's P is 0, so its dS is 0 too (dP^T's rows are finite: the blocks read were sent whole)."""
+    pair's P is 0, so its dS is 0 too (dP^T's rows are finite: the blocks read were sent whole).
+    ``g0``: the program's steps of its tasks before this one (the slots' and dS buffers' rounds go on from task to
+    task); ``kv_phase``: the phase of ``kv_bar`` that brings this task's K and V."""
     MASKS: gl.constexpr = meta_smem is not None
     gl.static_assert(not (MASKS and DETERMINISTIC), "masks run the Gluon backward in any order only")
     G: gl.constexpr = H // HKV
@@ -342,13 +362,14 @@ def dkdv_steps(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv
     k_rows = gl.arange(0, _HALF, layout=gl.SliceLayout(1, s_layout))  # (masks only: the causal path makes its own)
     k_ids = gl.full([_HALF], -1, gl.int32, gl.SliceLayout(1, s_layout))  # (read with segment ids only)
     if n_m > 0:
-        mbarrier.wait(kv_bar, 0)
+        mbarrier.wait(kv_bar, kv_phase)
         if SEGMENTED:
             k_ids = gl.load(seg_k + n0 + HALF_INDEX * _HALF + k_rows)
     for i in range(G * n_m):
         h, m0 = _work(i, n_m, i_lo, hkv, G)
-        s = i % _STAGES
-        mbarrier.wait(q_ready.index(s), (i // _STAGES) & 1)
+        gi = g0 + i  # the program's step
+        s = gi % _STAGES
+        mbarrier.wait(q_ready.index(s), (gi // _STAGES) & 1)
         q_s = q_smem.index(s)
         do_s = do_smem.index(s)
         # K and V viewed again at each step through an index the compilers cannot fold (0): their wgmma descriptors
@@ -383,15 +404,15 @@ def dkdv_steps(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv
         dv = warpgroup_mma(gl.convert_layout(pT.to(dtype), p_layout), do_s, dv, is_async=True)
         dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT, ))  # dV may still run
         dsT = pT * (dpT - dl_smem.index(s).load(gl.SliceLayout(0, s_layout))[None, :])
-        ds_buf = ds_smem.index(i % 2)
+        ds_buf = ds_smem.index(gi % 2)
         ds_half = ds_buf.slice(HALF_INDEX * _HALF, _HALF)
         ds_half.store(dsT.to(dtype))
         fence_async_shared()  # this thread's stores before the async proxy (wgmma) reads them
         cta_barrier()  # every thread of this warpgroup stored and fenced before the arrival
-        mbarrier.arrive(ds_bar.index(i % 2), count=1)
+        mbarrier.arrive(ds_bar.index(gi % 2), count=1)
         dk = warpgroup_mma(ds_half, q_s, dk, is_async=True)
         # Both halves of dS stored: dQ's columns of this consumer over all 128 K/V rows.
-        mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)
+        mbarrier.wait(ds_bar.index(gi % 2), (gi // 2) & 1)
         dq = warpgroup_mma(ds_buf.permute((1, 0)), k_cols, zero_q, use_acc=False, is_async=True)
         if DETERMINISTIC:
             # This step's turn at its rows, read while the MMAs run: by the time the add is issued it has
@@ -429,40 +450,41 @@ def dkdv_steps(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv
 
 
 @gluon.jit
-def _consumer(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_bar, q_ready, q_empty, ds_bar,
-              part_bar, dq_desc, dk_ptr, dv_ptr, ctx_ptr, part_off, b, hkv, n0, d, rank, S, B, n_m, i_lo, timeout_ns,
-              sm_scale, turns, ctl, HALF_INDEX: gl.constexpr, W: gl.constexpr, H: gl.constexpr, HKV: gl.constexpr,
-              D: gl.constexpr, CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr, CHUNK_ROWS: gl.constexpr,
-              DETERMINISTIC: gl.constexpr, sent=None, ids_smem=None, meta_smem=None, seg_k=None,
-              WINDOW: gl.constexpr = False, WIN_LEFT: gl.constexpr = -1, WIN_RIGHT: gl.constexpr = -1,
-              SEGMENTED: gl.constexpr = False):
-    """One consumer of a dK/dV task (module docstring): its steps, then its rows' partial sent or final dK/dV
-    written. ``n_m`` is 0 for a task with nothing to compute (its block unseen, or the call check failed). With a
+def _consumer_task(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_bar, kv_empty, q_ready, q_empty,
+                   ds_bar, part_bar, dq_desc, dk_ptr, dv_ptr, ctx_ptr, part_off, b, hkv, n0, d, rank, S, B, n_m, i_lo,
+                   timeout_ns, sm_scale, turns, ctl, g0, kv_phase, part_phase, HALF_INDEX: gl.constexpr,
+                   W: gl.constexpr, H: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
+                   ZIGZAG: gl.constexpr, CHUNK_ROWS: gl.constexpr, DETERMINISTIC: gl.constexpr, sent, ids_smem=None,
+                   meta_smem=None, seg_k=None, WINDOW: gl.constexpr = False, WIN_LEFT: gl.constexpr = -1,
+                   WIN_RIGHT: gl.constexpr = -1, SEGMENTED: gl.constexpr = False):
+    """One consumer's part of a dK/dV task (module docstring): its steps (``g0``: the program's steps before this
+    task; ``kv_phase``: ``kv_bar``'s phase for its K and V), K and V freed for the next task's (``kv_empty``), then its
+    rows' partial sent (``part_phase``: ``part_bar``'s phase, the program's partials so far) or final dK/dV written,
+    while the next task's K and V load. ``n_m`` is 0 for a task with nothing to compute (its block unseen, or the
+    call check failed). With a
     window or segment ids (``sent`` given, ``protocol.bwd_task_steps``): ``sent`` is nonzero for a partial task that
     sends its partial, even where no query block meets the block's ids (the owner's test); without, a partial task
     sends exactly when it has steps.
     What only the end needs (the ring's words, the partial slots) is read again there from ``ctx_ptr``, not held
-    across the loop: registers are what the loop is short of."""
+    across the loop: registers are what the loop is short of. The task's dQ adds are left running: the consumer
+    waits for them and counts its tasks once, after its last (``_consumer``)."""
     dtype: gl.constexpr = q_smem.dtype
     MASKS: gl.constexpr = WINDOW or SEGMENTED
-    if sent is None:
-        sent = n_m
     if MASKS:
         dk, dv = dkdv_steps(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_bar, q_ready,
                             q_empty, ds_bar, dq_desc, b, hkv, n0, d, (rank - d + W) % W, rank, S, n_m, i_lo, sm_scale,
                             turns, ctl, timeout_ns, HALF_INDEX, W, H, HKV, D, CAUSAL, ZIGZAG, DETERMINISTIC, ids_smem,
-                            meta_smem, seg_k, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)
+                            meta_smem, seg_k, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED, g0, kv_phase)
     else:
         dk, dv = dkdv_steps(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_bar, q_ready,
                             q_empty, ds_bar, dq_desc, b, hkv, n0, d, (rank - d + W) % W, rank, S, n_m, i_lo, sm_scale,
-                            turns, ctl, timeout_ns, HALF_INDEX, W, H, HKV, D, CAUSAL, ZIGZAG, DETERMINISTIC)
+                            turns, ctl, timeout_ns, HALF_INDEX, W, H, HKV, D, CAUSAL, ZIGZAG, DETERMINISTIC, g0=g0,
+                            kv_phase=kv_phase)
+    release_bar(kv_empty)  # every MMA of this consumer's that read K or V has completed (dkdv_steps' last wait)
     kv_layout: gl.constexpr = dk.type.layout
     n_first = n0 + HALF_INDEX * _HALF
     heap_bases, rank, ctl, flags, recv_addr, epoch = ring_context(ctx_ptr, W)  # (the epoch changes only at the end
     # of the call, after this program's)
-    _reductions_done()
-    cta_barrier()
-    gl.atomic_add(ctl + CTL_BWD_DELTA, 1, sem="release", scope="gpu")  # this consumer's dQ adds are in memory
 
     src = (rank - d + W) % W
     part = (recv_addr + (rank * 0 + part_off).to(gl.uint64)).to(gl.pointer_type(gl.float32), bitcast=True)
@@ -484,7 +506,7 @@ def _consumer(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_
             cta_barrier()
             mbarrier.arrive(part_bar, count=1)
             if HALF_INDEX == 0:
-                mbarrier.wait(part_bar, 0)
+                mbarrier.wait(part_bar, part_phase)
                 if err != 0:
                     # Published anyway (the owner must not wait out its timeout), but marked untrustworthy.
                     record_peer_error(ctl, heap_bases, rank, src, ERR_PEER_FAILED, d)
@@ -532,6 +554,191 @@ def _consumer(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_
                 gl.store(dk_ptr + out_off, (total * sm_scale).to(dtype))
             else:
                 gl.store(dv_ptr + out_off, total.to(dtype))
+
+
+@gluon.jit
+def _delta_task(tid, n_rows, o_ptr, do_ptr, lse_ptr, dlse_ptr, delta_ptr, dq_acc, turns, ctl, S, H: gl.constexpr,
+                D: gl.constexpr, SEGMENTED: gl.constexpr, DETERMINISTIC: gl.constexpr):
+    """Delta task ``tid`` (module docstring), by the program's 4 warps: delta = rowsum(dO * O) - dlse of its rows and
+    their rows of the dQ accumulator zeroed (with DETERMINISTIC, their turn counters too), then counted in
+    CTL_BWD_DELTA (release)."""
+    bh = tid // n_rows
+    b = bh // H
+    h = bh % H
+    r_first = (tid % n_rows) * _ROW_TASK
+    for r0 in range(r_first, gl.minimum(r_first + _ROW_TASK, S), _ROW_GROUP):  # (S % 128 == 0)
+        for sub in gl.static_range(_ROW_GROUP // _SUB_ROWS):
+            off, row_off = _row_tile(b, h, r0 + sub * _SUB_ROWS, S, H, D)
+            o = gl.load(o_ptr + off).to(gl.float32)
+            do = gl.load(do_ptr + off).to(gl.float32)
+            dst = delta_ptr + row_off
+            rowsum = gl.sum(do * o, axis=1)
+            dl = gl.load(dlse_ptr + row_off)
+            if SEGMENTED:  # a padding row's lse is the constant -inf: its dlse selected away (as the tl kernel)
+                dl = gl.where(gl.load(lse_ptr + row_off) == float("-inf"), 0.0, dl)
+            gl.store(dst, rowsum - dl)
+            gl.store(dq_acc + off, gl.zeros_like(o))
+        if DETERMINISTIC:
+            words = gl.arange(0, 4, layout=gl.BlockedLayout([1], [32], [4], [0]))  # 2 query blocks x 2 halves
+            gl.store(turns + (bh * (S // _ROW_GROUP) + r0 // _ROW_GROUP) * 4 + words, words * 0)
+    cta_barrier()  # every thread's stores before the count (cumulativity through bar.sync), then publish
+    gl.atomic_add(ctl + CTL_BWD_DELTA, 1, sem="release", scope="gpu")
+
+
+@gluon.jit
+def _dq_task(t, n_rows, n_counts, call_ok, dq_ptr, dq_acc, sm_scale, rank, ctl, timeout_ns, S, H: gl.constexpr,
+             D: gl.constexpr):
+    """dQ task ``t`` (module docstring), by the program's 4 warps, once every delta and dK/dV task counted
+    (CTL_BWD_DELTA reached ``n_counts``): dQ = sm_scale * accumulator in the input dtype, NaN rows after a failure."""
+    bh = t // n_rows
+    b = bh // H
+    h = bh % H
+    ok = poll_ge(ctl + CTL_BWD_DELTA, n_counts, ctl, timeout_ns, False)
+    if ok == 0:
+        record_error(ctl, ERR_LOCAL_TIMEOUT, rank, 0, t % n_rows)
+    cta_barrier()  # every thread's loads below after the acquire above
+    err = gl.atomic_add(ctl + CTL_ERROR, 0, sem="acquire", scope="gpu")
+    valid = (call_ok != 0) & (err == 0)
+    r_first = (t % n_rows) * _ROW_TASK
+    for r0 in range(r_first, gl.minimum(r_first + _ROW_TASK, S), _ROW_GROUP):
+        for sub in gl.static_range(_ROW_GROUP // _SUB_ROWS):
+            off, row_off = _row_tile(b, h, r0 + sub * _SUB_ROWS, S, H, D)
+            dq = gl.where(valid, gl.load(dq_acc + off) * sm_scale, float("nan"))
+            gl.store(dq_ptr + off, dq.to(dq_ptr.dtype.element_ty))
+
+
+@gluon.jit
+def _kv_task(t, n_part, B, S, W: gl.constexpr, HKV: gl.constexpr, DETERMINISTIC: gl.constexpr):
+    """dK/dV task ``t`` (its ticket less the delta tasks'): (b, kv head, first K/V row n0, peer distance d of the
+    K/V's owner, 0: local). Partial tasks first (d = 1..W-1), then the final ones. One (batch, kv head) after
+    another, as their Q, dO and dQ rows then stay in L2 while its tasks run (call C: interleaving the heads' tasks
+    made the deterministic kernel 1.9x slower). Within one: the heaviest block first (causal); with DETERMINISTIC the
+    last block first, the order in which the tasks, each going up from its first visible query block, reach a query
+    block, so that dQ's adds, which follow the tickets (``_dq_turn``), seldom wait (causal: the lightest first)."""
+    n_kvb = S // _KV_ROWS
+    per_d = B * HKV * n_kvb
+    is_final = t >= n_part
+    d = gl.where(is_final, 0, t // per_d + 1)
+    rem = gl.where(is_final, t - n_part, t % per_d)
+    n_blk = rem % n_kvb
+    if DETERMINISTIC:
+        n_blk = n_kvb - 1 - n_blk
+    return rem // n_kvb // HKV, rem // n_kvb % HKV, n_blk * _KV_ROWS, d
+
+
+@gluon.jit
+def _task_words(task_smem, t, n_m, i_lo, sent):
+    """The load warp: the task it loads (ticket ``t``; -1 or any ticket past the dK/dV tasks: no more), its steps
+    (``n_m`` query blocks from ``i_lo``) and whether its partial goes back (``sent``), for the consumers; published
+    by ``kv_bar``'s arrival after it (``_producer``), read once it passed (``_tile_word``)."""
+    task_smem.index(0).store(gl.full([1], t, gl.int32, _WORD_LAYOUT_1))
+    task_smem.index(1).store(gl.full([1], n_m, gl.int32, _WORD_LAYOUT_1))
+    task_smem.index(2).store(gl.full([1], i_lo, gl.int32, _WORD_LAYOUT_1))
+    task_smem.index(3).store(gl.full([1], sent, gl.int32, _WORD_LAYOUT_1))
+
+
+@gluon.jit
+def _producer_tasks(tid, n_dq, n_kv, n_part, call_ok, task_smem, kv_empty, q_desc, do_desc, k_desc, v_desc, r_desc,
+                    q_smem, do_smem, kv_smem, lse_smem, dl_smem, kv_bar, q_ready, q_empty, lse_ptr, delta_ptr, seg_ptr,
+                    rng, ids_smem, meta_smem, rank, B, S, flags, n_chunks, epoch, ctl, timeout_ns, W: gl.constexpr,
+                    H: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr,
+                    CHUNK_ROWS: gl.constexpr, DETERMINISTIC: gl.constexpr, WINDOW: gl.constexpr,
+                    WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr, SEGMENTED: gl.constexpr):
+    """The load warp of the program's dK/dV tasks: from ticket ``tid`` on, each task's words (``_task_words``), K and
+    V and steps (``_producer``) once the consumers are done with the last task's K and V (``kv_empty``: their
+    epilogue then runs under these loads), the next ticket taken once a task's loads are issued, until one past the
+    dK/dV tasks, which goes to the consumers (and after the region to the program) as the task word that ends them.
+    The steps of a task: its query blocks that some key of its block can reach (a suffix, positions growing with the
+    row); with a window or segment ids ``protocol.bwd_task_steps`` (positions, then the chunks' published id ranges),
+    which also says whether a partial goes back; none after a failed call check."""
+    G: gl.constexpr = H // HKV
+    MASKS: gl.constexpr = WINDOW or SEGMENTED
+    k = tid * 0  # the program's dK/dV tasks so far (kv_bar's phases)
+    g = k  # their steps (the slots' rounds)
+    while tid < n_dq + n_kv:
+        b, hkv, n0, d = _kv_task(tid - n_dq, n_part, B, S, W, HKV, DETERMINISTIC)
+        src = (rank - d + W) % W
+        mbarrier.wait(kv_empty, (k & 1) ^ 1)  # (a fresh barrier passes phase 1: the first task waits for nothing)
+        if MASKS:
+            seg_b = seg_ptr + b.to(gl.int64) * S  # this rank's ids of batch b (segment ids only)
+            rng_b = ranges_of(rng, rank, b, B, n_chunks)  # and the ranges it published for them
+            sent, i_lo, n_m, i_full, i_fend, kv_t = bwd_task_steps(n0, d, src, rank, b, B, S, rng, rng_b, n_chunks, W,
+                                                                  _KV_ROWS, _Q_ROWS, CHUNK_ROWS, CAUSAL, ZIGZAG, WINDOW,
+                                                                  WIN_LEFT, WIN_RIGHT, SEGMENTED)
+            n_m = n_m * call_ok  # nothing computed, waited for or sent after a mismatch
+            _task_words(task_smem, tid, n_m, i_lo, sent * call_ok)
+            _producer(q_desc, do_desc, k_desc, v_desc, r_desc, q_smem, do_smem, kv_smem, lse_smem, dl_smem, kv_bar,
+                      q_ready, q_empty, lse_ptr, delta_ptr, b, hkv, n0, d, src, S, B, n_m, i_lo, flags, n_chunks,
+                      epoch, ctl, timeout_ns, W, H, G, HKV, D, CHUNK_ROWS, ids_smem, meta_smem, seg_b, i_full, i_fend,
+                      kv_t, rng_b, rank, positions(n0, src, S, W, ZIGZAG), ZIGZAG, SEGMENTED, g)
+        else:
+            i_lo = n0 * 0
+            n_m = S // _Q_ROWS
+            if CAUSAL:
+                k_pos_min = positions(n0, src, S, W, ZIGZAG)
+                i_lo = visible_rows(k_pos_min - 1, rank, S, W, ZIGZAG) // _Q_ROWS
+                n_m = gl.where(k_pos_min <= last_pos(rank, S, W, ZIGZAG), n_m - i_lo, 0)
+            n_m = n_m * call_ok
+            _task_words(task_smem, tid, n_m, i_lo, n_m)  # without masks a partial goes back when it has steps
+            _producer(q_desc, do_desc, k_desc, v_desc, r_desc, q_smem, do_smem, kv_smem, lse_smem, dl_smem, kv_bar,
+                      q_ready, q_empty, lse_ptr, delta_ptr, b, hkv, n0, d, src, S, B, n_m, i_lo, flags, n_chunks,
+                      epoch, ctl, timeout_ns, W, H, G, HKV, D, CHUNK_ROWS, g0=g)
+        g += G * n_m
+        k += 1
+        tid = gl.atomic_add(ctl + CTL_BWD_TICKET, 1, sem="relaxed", scope="gpu")
+    mbarrier.wait(kv_empty, (k & 1) ^ 1)
+    _task_words(task_smem, tid, 0, 0, 0)
+    mbarrier.arrive(kv_bar, count=1)
+
+
+@gluon.jit
+def _consumer(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_bar, kv_empty, q_ready, q_empty,
+              ds_bar, part_bar, task_smem, dq_desc, dk_ptr, dv_ptr, ctx_ptr, part_off, seg_ptr, seg_recv, rank, S, B,
+              n_dq, n_kv, n_part, timeout_ns, sm_scale, turns, ctl, ids_smem, meta_smem, HALF_INDEX: gl.constexpr,
+              W: gl.constexpr, H: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
+              ZIGZAG: gl.constexpr, CHUNK_ROWS: gl.constexpr, DETERMINISTIC: gl.constexpr, WINDOW: gl.constexpr,
+              WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr, SEGMENTED: gl.constexpr):
+    """One consumer warpgroup of the program's dK/dV tasks, in the load warp's order (``_task_words``, published by
+    ``kv_bar``): each task's steps and end (``_consumer_task``), until the word past the dK/dV tasks; then its dQ
+    adds waited for (complete, not only read) and its tasks counted in CTL_BWD_DELTA at once (release), which the
+    dQ tasks wait for. The slots' and dS buffers' rounds go on from task to task (``g``), and so do ``kv_bar``'s
+    phases (``k``) and ``part_bar``'s (``parts``: the partials this program sent)."""
+    G: gl.constexpr = H // HKV
+    MASKS: gl.constexpr = WINDOW or SEGMENTED
+    k = rank * 0
+    g = k
+    parts = k
+    mbarrier.wait(kv_bar, 0)
+    t = _tile_word(task_smem, 0)
+    while t < n_dq + n_kv:
+        n_m = _tile_word(task_smem, 1)
+        i_lo = _tile_word(task_smem, 2)
+        sent = _tile_word(task_smem, 3)
+        b, hkv, n0, d = _kv_task(t - n_dq, n_part, B, S, W, HKV, DETERMINISTIC)
+        if MASKS:
+            seg_k = seg_ptr + b.to(gl.int64) * S  # the block's keys' ids (segment ids only; a peer's came with its
+            if SEGMENTED:  # chunk, before the flag)
+                if d > 0:
+                    seg_k = seg_recv + (((d - 1) * B + b) * HKV + hkv).to(gl.int64) * S
+            _consumer_task(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_bar, kv_empty, q_ready,
+                           q_empty, ds_bar, part_bar, dq_desc, dk_ptr, dv_ptr, ctx_ptr, part_off, b, hkv, n0, d, rank,
+                           S, B, n_m, i_lo, timeout_ns, sm_scale, turns, ctl, g, k & 1, parts & 1, HALF_INDEX, W, H,
+                           HKV, D, CAUSAL, ZIGZAG, CHUNK_ROWS, DETERMINISTIC, sent, ids_smem, meta_smem, seg_k, WINDOW,
+                           WIN_LEFT, WIN_RIGHT, SEGMENTED)
+        else:
+            _consumer_task(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_bar, kv_empty, q_ready,
+                           q_empty, ds_bar, part_bar, dq_desc, dk_ptr, dv_ptr, ctx_ptr, part_off, b, hkv, n0, d, rank,
+                           S, B, n_m, i_lo, timeout_ns, sm_scale, turns, ctl, g, k & 1, parts & 1, HALF_INDEX, W, H,
+                           HKV, D, CAUSAL, ZIGZAG, CHUNK_ROWS, DETERMINISTIC, sent)
+        if W > 1:
+            parts += ((d > 0) & (sent > 0)).to(gl.int32)
+        g += G * n_m
+        k += 1
+        mbarrier.wait(kv_bar, k & 1)
+        t = _tile_word(task_smem, 0)
+    _reductions_done()
+    cta_barrier()
+    gl.atomic_add(ctl + CTL_BWD_DELTA, k, sem="release", scope="gpu")  # this consumer's dQ adds are in memory
 
 
 @gluon.jit(do_not_specialize=["timeout_ns", "part_off"])
@@ -591,75 +798,26 @@ def ring_attn_bwd_gluon(
     acc_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
     (q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_bar, part_bar, q_ready, q_empty,
      ds_bar) = bwd_slots(dtype, D, layout, acc_layout)
+    row_words: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+    # The load warp's words of the task it loads (``_task_words``), published by ``kv_bar``; ``kv_empty``: both
+    # consumers are done with the task's K and V and its words.
+    task_smem = gl.allocate_shared_memory(gl.int32, [4, 1], row_words)
+    kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_empty, count=2)
+    fence_async_shared()
     if MASKS:  # each slot's word (masked or not) and, with segment ids, its query rows' ids (``load_steps``)
-        row_words: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
         meta_smem = gl.allocate_shared_memory(gl.int32, [_STAGES, 1], row_words)
         ids_smem = gl.allocate_shared_memory(gl.int32, [_STAGES, _Q_ROWS], row_words)
 
-    if tid < n_dq:
-        # ================================ delta task ============================================
-        bh = tid // n_rows
-        b = bh // H
-        h = bh % H
-        r_first = (tid % n_rows) * _ROW_TASK
-        for r0 in range(r_first, gl.minimum(r_first + _ROW_TASK, S), _ROW_GROUP):  # (S % 128 == 0)
-            for sub in gl.static_range(_ROW_GROUP // _SUB_ROWS):
-                off, row_off = _row_tile(b, h, r0 + sub * _SUB_ROWS, S, H, D)
-                o = gl.load(o_ptr + off).to(gl.float32)
-                do = gl.load(do_ptr + off).to(gl.float32)
-                dst = delta_ptr + row_off
-                rowsum = gl.sum(do * o, axis=1)
-                dl = gl.load(dlse_ptr + row_off)
-                if SEGMENTED:  # a padding row's lse is the constant -inf: its dlse selected away (as the tl kernel)
-                    dl = gl.where(gl.load(lse_ptr + row_off) == float("-inf"), 0.0, dl)
-                gl.store(dst, rowsum - dl)
-                gl.store(dq_acc + off, gl.zeros_like(o))
-            if DETERMINISTIC:
-                words = gl.arange(0, 4, layout=gl.BlockedLayout([1], [32], [4], [0]))  # 2 query blocks x 2 halves
-                gl.store(turns + (bh * (S // _ROW_GROUP) + r0 // _ROW_GROUP) * 4 + words, words * 0)
-        cta_barrier()  # every thread's stores before the count (cumulativity through bar.sync), then publish
-        gl.atomic_add(ctl + CTL_BWD_DELTA, 1, sem="release", scope="gpu")
-    elif tid < n_dq + n_kv:
-        # ============================ partial and final dK/dV tasks ==================================
-        t = tid - n_dq
-        per_d = B * HKV * n_kvb
-        is_final = t >= n_part
-        d = gl.where(is_final, 0, t // per_d + 1)  # peer distance of the K/V's owner; 0: local K/V
-        rem = gl.where(is_final, t - n_part, t % per_d)
-        # One (batch, kv head) after another, as their Q, dO and dQ rows then stay in L2 while its tasks run (call
-        # C: interleaving the heads' tasks made the deterministic kernel 1.9x slower). Within one: the heaviest
-        # block first (causal); with DETERMINISTIC the last block first, the order in which the tasks, each going
-        # up from its first visible query block, reach a query block, so that dQ's adds, which follow the
-        # tickets (``_dq_turn``), seldom wait (causal: the lightest tasks first).
-        n_blk = rem % n_kvb
-        if DETERMINISTIC:
-            n_blk = n_kvb - 1 - n_blk
-        n0 = n_blk * _KV_ROWS
-        b = rem // n_kvb // HKV
-        hkv = rem // n_kvb % HKV
-        src = (rank - d + W) % W
+    # ---- the program's tasks, ticket after ticket (ring_core.protocol: a task waits only for earlier tickets) ----
+    while tid < n_dq:
+        _delta_task(tid, n_rows, o_ptr, do_ptr, lse_ptr, dlse_ptr, delta_ptr, dq_acc, turns, ctl, S, H, D, SEGMENTED,
+                    DETERMINISTIC)
+        tid = gl.atomic_add(ctl + CTL_BWD_TICKET, 1, sem="relaxed", scope="gpu")
+    if tid < n_dq + n_kv:
         if poll_ge(ctl + CTL_BWD_DELTA, n_dq, ctl, timeout_ns, False) == 0:
-            record_error(ctl, ERR_LOCAL_TIMEOUT, rank, d, n0 // _KV_ROWS)
-        _proxy_fence()  # the accumulator's zeros (ordinary stores) before this task's TMA reductions into it
-        # The local query blocks that see some key of the block: a suffix (positions grow with the row).
-        i_lo = n0 * 0
-        n_m = S // _Q_ROWS
-        if MASKS:
-            seg_b = seg_ptr + b.to(gl.int64) * S  # this rank's ids of batch b (segment ids only)
-            rng_b = ranges_of(rng, rank, b, B, n_chunks)  # and the ranges it published for them
-            seg_k = seg_b  # the block's keys' ids (segment ids only; a peer's came with its chunk, before the flag)
-            if SEGMENTED:
-                if d > 0:
-                    seg_k = seg_recv + (((d - 1) * B + b) * HKV + hkv).to(gl.int64) * S
-            sent, i_lo, n_m, i_full, i_fend, kv_t = bwd_task_steps(n0, d, src, rank, b, B, S, rng, rng_b, n_chunks, W,
-                                                                  _KV_ROWS, _Q_ROWS, CHUNK_ROWS, CAUSAL, ZIGZAG, WINDOW,
-                                                                  WIN_LEFT, WIN_RIGHT, SEGMENTED)
-            sent = sent * call_ok
-        elif CAUSAL:
-            k_pos_min = positions(n0, src, S, W, ZIGZAG)
-            i_lo = visible_rows(k_pos_min - 1, rank, S, W, ZIGZAG) // _Q_ROWS
-            n_m = gl.where(k_pos_min <= last_pos(rank, S, W, ZIGZAG), n_m - i_lo, 0)
-        n_m = n_m * call_ok  # nothing computed, waited for or sent after a mismatch
+            record_error(ctl, ERR_LOCAL_TIMEOUT, rank, 0, 0)
+        _proxy_fence()  # the accumulator's zeros (ordinary stores) before the TMA reductions into it
         q_desc = tma.make_tensor_descriptor(q_ptr, [B * S, H * D], [H * D, 1], [_Q_ROWS, D], layout)
         do_desc = tma.make_tensor_descriptor(do_ptr, [B * S, H * D], [H * D, 1], [_Q_ROWS, D], layout)
         k_desc = tma.make_tensor_descriptor(k_ptr, [B * S, HKV * D], [HKV * D, 1], [_KV_ROWS, D], layout)
@@ -669,57 +827,32 @@ def ring_attn_bwd_gluon(
             r_desc = tma.make_tensor_descriptor(recv, [(W - 1) * 2 * B * HKV * S, D], [D, 1], [_KV_ROWS, D], layout)
         else:
             r_desc = k_desc  # never read: no partial task
-        if MASKS:
-            gl.warp_specialize([
-                (_consumer, (q_smem, do_smem, kv_smem, ds_smem, dq_smem.index(0), lse_smem, dl_smem, kv_bar, q_ready,
-                             q_empty, ds_bar, part_bar, dq_desc, dk_ptr, dv_ptr, ctx_ptr, part_off, b, hkv, n0, d,
-                             rank, S, B, n_m, i_lo, timeout_ns, sm_scale, turns, ctl, 0, W, H, HKV, D, CAUSAL, ZIGZAG,
-                             CHUNK_ROWS, DETERMINISTIC, sent, ids_smem, meta_smem, seg_k, WINDOW, WIN_LEFT, WIN_RIGHT,
-                             SEGMENTED)),
-                (_producer, (q_desc, do_desc, k_desc, v_desc, r_desc, q_smem, do_smem, kv_smem, lse_smem, dl_smem,
-                             kv_bar, q_ready, q_empty, lse_ptr, delta_ptr, b, hkv, n0, d, src, S, B, n_m, i_lo, flags,
-                             n_chunks, epoch, ctl, timeout_ns, W, H, G, HKV, D, CHUNK_ROWS, ids_smem, meta_smem, seg_b,
-                             i_full, i_fend, kv_t, rng_b, rank, positions(n0, src, S, W, ZIGZAG), ZIGZAG,
-                             SEGMENTED)),
-                (_consumer, (q_smem, do_smem, kv_smem, ds_smem, dq_smem.index(1), lse_smem, dl_smem, kv_bar, q_ready,
-                             q_empty, ds_bar, part_bar, dq_desc, dk_ptr, dv_ptr, ctx_ptr, part_off, b, hkv, n0, d,
-                             rank, S, B, n_m, i_lo, timeout_ns, sm_scale, turns, ctl, 1, W, H, HKV, D, CAUSAL, ZIGZAG,
-                             CHUNK_ROWS, DETERMINISTIC, sent, ids_smem, meta_smem, seg_k, WINDOW, WIN_LEFT, WIN_RIGHT,
-                             SEGMENTED)),
-            ], [_LOAD_WARPS, _CONSUMER_WARPS], [_LOAD_REGS, _CONSUMER_REGS])
-        else:
-            gl.warp_specialize([
-                (_consumer, (q_smem, do_smem, kv_smem, ds_smem, dq_smem.index(0), lse_smem, dl_smem, kv_bar, q_ready,
-                             q_empty, ds_bar, part_bar, dq_desc, dk_ptr, dv_ptr, ctx_ptr, part_off, b, hkv, n0, d,
-                             rank, S, B, n_m, i_lo, timeout_ns, sm_scale, turns, ctl, 0, W, H, HKV, D, CAUSAL, ZIGZAG,
-                             CHUNK_ROWS, DETERMINISTIC)),
-                (_producer, (q_desc, do_desc, k_desc, v_desc, r_desc, q_smem, do_smem, kv_smem, lse_smem, dl_smem,
-                             kv_bar, q_ready, q_empty, lse_ptr, delta_ptr, b, hkv, n0, d, src, S, B, n_m, i_lo, flags,
-                             n_chunks, epoch, ctl, timeout_ns, W, H, G, HKV, D, CHUNK_ROWS)),
-                (_consumer, (q_smem, do_smem, kv_smem, ds_smem, dq_smem.index(1), lse_smem, dl_smem, kv_bar, q_ready,
-                             q_empty, ds_bar, part_bar, dq_desc, dk_ptr, dv_ptr, ctx_ptr, part_off, b, hkv, n0, d,
-                             rank, S, B, n_m, i_lo, timeout_ns, sm_scale, turns, ctl, 1, W, H, HKV, D, CAUSAL, ZIGZAG,
-                             CHUNK_ROWS, DETERMINISTIC)),
-            ], [_LOAD_WARPS, _CONSUMER_WARPS], [_LOAD_REGS, _CONSUMER_REGS])
-    else:
-        # ================================ dQ task ===============================================
-        t = tid - n_dq - n_kv
-        bh = t // n_rows
-        b = bh // H
-        h = bh % H
-        ok = poll_ge(ctl + CTL_BWD_DELTA, n_dq + 2 * n_kv, ctl, timeout_ns, False)
-        if ok == 0:
-            record_error(ctl, ERR_LOCAL_TIMEOUT, rank, 0, t % n_rows)
-        cta_barrier()  # every thread's loads below after the acquire above
-        err = gl.atomic_add(ctl + CTL_ERROR, 0, sem="acquire", scope="gpu")
-        valid = (call_ok != 0) & (err == 0)
-        r_first = (t % n_rows) * _ROW_TASK
-        for r0 in range(r_first, gl.minimum(r_first + _ROW_TASK, S), _ROW_GROUP):
-            for sub in gl.static_range(_ROW_GROUP // _SUB_ROWS):
-                off, row_off = _row_tile(b, h, r0 + sub * _SUB_ROWS, S, H, D)
-                dq = gl.where(valid, gl.load(dq_acc + off) * sm_scale, float("nan"))
-                gl.store(dq_ptr + off, dq.to(dtype))
-
+        if not MASKS:  # (never read)
+            meta_smem = task_smem
+            ids_smem = task_smem
+        gl.warp_specialize([
+            (_consumer, (q_smem, do_smem, kv_smem, ds_smem, dq_smem.index(0), lse_smem, dl_smem, kv_bar, kv_empty,
+                         q_ready, q_empty, ds_bar, part_bar, task_smem, dq_desc, dk_ptr, dv_ptr, ctx_ptr, part_off,
+                         seg_ptr, seg_recv, rank, S, B, n_dq, n_kv, n_part, timeout_ns, sm_scale, turns, ctl, ids_smem,
+                         meta_smem, 0, W, H, HKV, D, CAUSAL, ZIGZAG, CHUNK_ROWS, DETERMINISTIC, WINDOW, WIN_LEFT,
+                         WIN_RIGHT, SEGMENTED)),
+            (_producer_tasks, (tid, n_dq, n_kv, n_part, call_ok, task_smem, kv_empty, q_desc, do_desc, k_desc, v_desc,
+                               r_desc, q_smem, do_smem, kv_smem, lse_smem, dl_smem, kv_bar, q_ready, q_empty, lse_ptr,
+                               delta_ptr, seg_ptr, rng, ids_smem, meta_smem, rank, B, S, flags, n_chunks, epoch, ctl,
+                               timeout_ns, W, H, HKV, D, CAUSAL, ZIGZAG, CHUNK_ROWS, DETERMINISTIC, WINDOW, WIN_LEFT,
+                               WIN_RIGHT, SEGMENTED)),
+            (_consumer, (q_smem, do_smem, kv_smem, ds_smem, dq_smem.index(1), lse_smem, dl_smem, kv_bar, kv_empty,
+                         q_ready, q_empty, ds_bar, part_bar, task_smem, dq_desc, dk_ptr, dv_ptr, ctx_ptr, part_off,
+                         seg_ptr, seg_recv, rank, S, B, n_dq, n_kv, n_part, timeout_ns, sm_scale, turns, ctl, ids_smem,
+                         meta_smem, 1, W, H, HKV, D, CAUSAL, ZIGZAG, CHUNK_ROWS, DETERMINISTIC, WINDOW, WIN_LEFT,
+                         WIN_RIGHT, SEGMENTED)),
+        ], [_LOAD_WARPS, _CONSUMER_WARPS], [_LOAD_REGS, _CONSUMER_REGS])
+        tid = _tile_word(task_smem, 0)  # the ticket the load warp took after its last dK/dV task
+    while tid < n_dq + n_kv + n_dq:
+        _dq_task(tid - n_dq - n_kv, n_rows, n_dq + 2 * n_kv, call_ok, dq_ptr, dq_acc, sm_scale, rank, ctl, timeout_ns,
+                 S, H, D)
+        tid = gl.atomic_add(ctl + CTL_BWD_TICKET, 1, sem="relaxed", scope="gpu")
     free_bwd_slots(kv_bar, part_bar, q_ready, q_empty, ds_bar)
+    mbarrier.invalidate(kv_empty)
     # ---- the protocol's end: end barrier, status, counters (the last program of this rank) -----------------
     end_call(ctl, status_ptr, heap_bases, rank, epoch, timeout_ns, W, False, STICKY_ERRORS, True)

@@ -272,7 +272,8 @@ class HeapRings:
     def plan_bwd(self, spec, ring_size: int, **kw) -> plans.LaunchPlan:
         """The backward kernel's launch (ring_core.plans.plan_bwd: the frontends pass their call's
         ``deterministic``, which picks the kernel); raises HeapTooSmallError."""
-        return plans.plan_bwd(spec, ring_size, self.layout, capability=plans.gluon_capability(self.device), **kw)
+        return plans.plan_bwd(spec, ring_size, self.layout, capability=plans.gluon_capability(self.device),
+                              sms=plans.device_sms(self.device), **kw)
 
     def ring_flags(self, frontend: str, members, n: int) -> tuple:
         """(epoch, first ``n`` flag words) of the slot of the ring ``members`` (global ranks in ring order) of

@@ -530,19 +530,21 @@ def plan(spec: AttentionSpec, world_size: int, heap: HeapLayout, *, interpret: b
 
 def plan_bwd(spec: AttentionSpec, world_size: int, heap: HeapLayout, *, interpret: bool = False,
              config: BwdKernelConfig | None = None, deterministic: bool = False,
-             capability: tuple | None = None, gluon_det: bool | None = None) -> LaunchPlan:
+             capability: tuple | None = None, gluon_det: bool | None = None, sms: int | None = None) -> LaunchPlan:
     """The backward's launch; raises HeapTooSmallError (before anything runs) when the heap is short of
     receive space or flags. Cached, as ``plan``. ``deterministic``: the caller needs bit-identical gradients
     (``BwdKernelConfig.get_default``; the default, False, is the frontends' default); ``capability``: the GPU's,
     where the Gluon backward may run (``gluon_bwd_applies``); ``gluon_det``: ``get_default``'s (None: whether
-    RING_ATTENTION_GLUON_DETERMINISTIC is "1", read here at each plan)."""
+    RING_ATTENTION_GLUON_DETERMINISTIC is "1", read here at each plan); ``sms``: the GPU's streaming multiprocessors
+    (``device_sms``), the Gluon backward's programs, each taking tasks by ticket until none is left (None: a program
+    per task, which the kernel runs the same way)."""
     if gluon_det is None:
         gluon_det = os.environ.get(GLUON_DET_ENV, "0") == "1"
-    return _plan_bwd(spec, world_size, heap, interpret, config, deterministic, capability, gluon_det)
+    return _plan_bwd(spec, world_size, heap, interpret, config, deterministic, capability, gluon_det, sms)
 
 
 @functools.lru_cache(maxsize=512)
-def _plan_bwd(spec, world_size, heap, interpret, config, deterministic, capability, gluon_det) -> LaunchPlan:
+def _plan_bwd(spec, world_size, heap, interpret, config, deterministic, capability, gluon_det, sms) -> LaunchPlan:
     check_fused(spec, "a reference backend")
     cfg = config or BwdKernelConfig.get_default(spec, world_size, interpret=interpret, deterministic=deterministic,
                                                 capability=capability, gluon_det=gluon_det)
@@ -560,7 +562,9 @@ def _plan_bwd(spec, world_size, heap, interpret, config, deterministic, capabili
     n_dq = spec.batch * spec.num_heads * math.ceil(S / cfg.dq_block_m)
     n_part = (W - 1) * spec.batch * spec.num_kv_heads * n_kv_blocks
     n_final = spec.batch * spec.num_kv_heads * n_kv_blocks
-    # The Gluon kernel ends with as many dQ tasks as it starts with delta tasks (ring_core.gluon_bwd).
-    grid = (n_dq + n_part + n_final + (n_dq if cfg.gluon else 0),)
+    # The Gluon kernel ends with as many dQ tasks as it starts with delta tasks, and is persistent: a program per SM
+    # (ring_core.gluon_bwd).
+    tasks = n_dq + n_part + n_final + (n_dq if cfg.gluon else 0)
+    grid = (min(tasks, sms) if cfg.gluon and sms else tasks,)
     return LaunchPlan(control.KIND_BWD, spec, W, cfg, chunk_blocks, cfg.kv_block_n, grid, need, flags, interpret,
                       part_off, n_dq, n_part, n_final)

@@ -153,6 +153,10 @@ def test_the_gluon_kernel_takes_the_forwards_it_applies_to(kw, capability, gluon
     assert fast.kernel().__name__ == ("ring_attn_bwd_gluon" if fast.config.gluon else "ring_attn_bwd_kernel")
     if fast.config.gluon:  # its tasks: delta, partial and final dK/dV, dQ; its scratch: delta, then dQ's sums
         assert fast.grid == (2 * fast.n_dq_tasks + fast.n_partial_tasks + fast.n_final_tasks,)
+        # Persistent as the forward: a program per SM where there are more tasks (each takes tickets until none is
+        # left); without the SM count, a program per task
+        assert plans.plan_bwd(spec, 2, lay, capability=capability, sms=132).grid == (min(fast.grid[0], 132),)
+        assert plans.plan_bwd(spec, 2, lay, capability=capability, sms=3).grid == (3,)
         # (then its counters of dQ's adds: 2 per head and 64 query rows)
         assert fast.out_shapes[3] == ((1 * 8 * spec.seq_local * (1 + spec.head_dim) + 8 * spec.seq_local // 32,),
                                       "float32")
@@ -160,6 +164,8 @@ def test_the_gluon_kernel_takes_the_forwards_it_applies_to(kw, capability, gluon
     for p in (plans.plan_bwd(spec, 2, lay, capability=capability, deterministic=True),
               plans.plan_bwd(spec, 2, lay, capability=capability, interpret=True)):
         assert p.kernel().__name__ == "ring_attn_bwd_kernel" and p.config.deterministic
+    split = plans.plan_bwd(spec, 2, lay, capability=capability, deterministic=True)  # the tl kernels: a program per
+    assert plans.plan_bwd(spec, 2, lay, capability=capability, deterministic=True, sms=3).grid == split.grid  # task
     det = plans.plan_bwd(spec, 2, lay, capability=capability, deterministic=True, gluon_det=True)
     with control.environ(**{plans.GLUON_DET_ENV: "1"}):  # what gluon_det=None reads
         assert plans.plan_bwd(spec, 2, lay, capability=capability, deterministic=True) == det
