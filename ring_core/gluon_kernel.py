@@ -106,11 +106,6 @@ LOAD_WARPS, LOAD_REGS, CONSUMER_REGS = 1, 24, 232
 _CONSUMER_WARPS = gl.constexpr(CONSUMER_WARPS)
 _LOAD_WARPS = gl.constexpr(LOAD_WARPS)
 _LOAD_REGS, _CONSUMER_REGS = gl.constexpr(LOAD_REGS), gl.constexpr(CONSUMER_REGS)
-# With a window or segment ids the load warp plans each tile's runs of blocks (``make_plan``), which spilled at 24
-# registers (Triton 3.6: 260 / 332 bytes of spill stores / loads at W=1 with segment ids); at 56 the W=1 variants spill
-# 76 / 112 bytes (segment ids) and none (window), and the consumers' loops none (``gluon_fwd_spills.py --masks``).
-LOAD_REGS_MASKED = 56
-_LOAD_REGS_MASKED = gl.constexpr(LOAD_REGS_MASKED)
 CTL_FWD_TILE = gl.constexpr(control.CTL_FWD_TILE)
 CTL_FWD_DONE = gl.constexpr(control.CTL_FWD_DONE)
 _UNMASKED = gl.constexpr(1 << 30)  # the mask number of a block every query of the tile sees whole
@@ -929,7 +924,7 @@ def ring_attn_fwd_gluon(
         (_consumer_tiles, (q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, pp, meta, tword, out_ptr,
                            lse_ptr, qk_scale, ctl, call_ok, rank, B, S, seg_ptr, seg_recv, 1, H, W, HKV, D, CAUSAL,
                            ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
-    ], [_LOAD_WARPS, _CONSUMER_WARPS], [_LOAD_REGS_MASKED if MASKS else _LOAD_REGS, _CONSUMER_REGS])
+    ], [_LOAD_WARPS, _CONSUMER_WARPS], [_LOAD_REGS, _CONSUMER_REGS])
     free_q_halves(q_ready, q_empty)
     free_slots_kv(kv_ready, kv_empty, RINGS * STAGES)
     free_turns(pp)
