@@ -300,7 +300,10 @@ def test_causal_sliding_window_backward_exchanges_with_one_neighbour():
     """The backward of the same window (5 tokens, shards of 32): rank r receives from rank r-1 only the chunk of
     rows 16..31 (the K/V its dQ and partial tasks read), and sends rank r-1 only the partial dK/dV of that
     block (the only block of rank r-1's K/V its queries see); the owner waits for exactly those."""
-    W, S, left = 4, 32, 5
+    # W=3 (was 4), for time: the expected flags below are written for any W; rank 2 still has a peer two steps
+    # back (rank 0) that it must neither receive from nor send partials to, and S=32 keeps two chunks per shard
+    # of which the window (5) reaches only the last.
+    W, S, left = 3, 32, 5
     ref, xs = testing.sharded_inputs(9, W, 1, S, 2, 1, 16, "float32", with_dout=True)
     call = simulate._prepare_grad(*xs, W, is_causal=True, scale=None, layout="contiguous", timeout_s=30.0,
                                   window_size=(left, -1))
@@ -324,7 +327,9 @@ def test_window_never_reads_rows_outside_it():
     queries only). Rank 1's second tile skips rows 0..10 of its own shard inside a block it reads; ranks 2 and
     3 never touch rank 0's K/V (not sent to them: nothing to read); the dK/dV tasks of keys >= 48 never take
     the query rows < 48, whose lse and delta are NaN."""
-    W, S, left = 4, 32, 5
+    # W=3 (was 4), for time: the same poisoned rows and checked queries (>= 48: rank 1's second tile and all of
+    # rank 2); rank 2 is still two ranks after rank 0 and never touches its K/V (as ranks 2 and 3 did with W=4).
+    W, S, left = 3, 32, 5
 
     def poison(k, v):
         k[:, :43] = np.nan
@@ -454,17 +459,20 @@ def _expected_chunks(ids_local, W, S, B, *, is_causal, layout):
     return exp
 
 
-@pytest.mark.parametrize("kind, is_causal, layout, W", [
-    ("packed", True, "zigzag", 3),
-    ("padded", False, "contiguous", 3),
-    ("packed", False, "zigzag", 4),
-    ("scattered", True, "contiguous", 2),
+@pytest.mark.parametrize("kind, is_causal, layout, W, B", [
+    ("packed", True, "zigzag", 3, 2),
+    ("padded", False, "contiguous", 3, 2),
+    # batch 1 (was 2), for time: W=4 keeps peers at distances 1-3 (chunks that straddle a zigzag half reach
+    # far peers: 7 of the 10 flags set are at distance >= 2), and the per-batch flags and id ranges stay
+    # checked with batch 2 by the other cases (same rule, same code).
+    ("packed", False, "zigzag", 4, 1),
+    ("scattered", True, "contiguous", 2, 2),
 ])
-def test_segment_ids_decide_which_chunks_travel(kind, is_causal, layout, W):
+def test_segment_ids_decide_which_chunks_travel(kind, is_causal, layout, W, B):
     """A K/V chunk reaches a peer iff positions allow it and its ids meet the peer's (the ranges each rank
     publishes with the call check): the flags a call leaves are exactly those, and the results stay right.
     Packed documents of at most 8 tokens in shards of 48: most chunks stay home."""
-    S, B = 48, 2
+    S = 48
     ids = (testing.random_segment_ids(50 + W, B, S * W, max_len=8, padding=kind == "padded")
            if kind != "scattered" else _segments(kind, 50, B, S * W))
     job, call, res, ref = _run_job(W, S, is_causal=is_causal, layout=layout, ids=ids, B=B, seed=W)
@@ -480,15 +488,17 @@ def test_segment_ids_decide_which_chunks_travel(kind, is_causal, layout, W):
         assert 0 < exp.sum() < exp.size // 2  # documents crossing shard ends travel; most chunks do not
 
 
-@pytest.mark.parametrize("kind, is_causal, layout, W", [
-    ("packed", True, "zigzag", 3),
-    ("scattered", False, "contiguous", 2),
+@pytest.mark.parametrize("kind, is_causal, layout, W, S", [
+    ("packed", True, "zigzag", 3, 48),
+    # seq_local 32 (was 48), for time: scattered ids (-1..2 anywhere) make every chunk's range meet every peer's,
+    # so all chunks and partials travel at any length; 32 rows still give two chunks / K/V blocks per shard.
+    ("scattered", False, "contiguous", 2, 32),
 ])
-def test_segment_ids_decide_which_chunks_and_partials_travel_backward(kind, is_causal, layout, W):
+def test_segment_ids_decide_which_chunks_and_partials_travel_backward(kind, is_causal, layout, W, S):
     """The backward by the same rule: a K/V chunk reaches a peer iff the forward's rule says so, and the peer's
     partial dK/dV of that block comes back iff the chunk went (blocks are chunks here); the owner waits for
     exactly those. Gradients against float64."""
-    S, B = 48, 2
+    B = 2
     ids = (testing.random_segment_ids(70 + W, B, S * W, max_len=8, padding=False) if kind == "packed"
            else _segments(kind, 70, B, S * W))
     ref, xs = testing.sharded_inputs(80 + W, W, B, S, 2, 1, 16, "float32", with_dout=True)
@@ -512,20 +522,23 @@ def test_segment_ids_decide_which_chunks_and_partials_travel_backward(kind, is_c
         assert 0 < exp.sum() < exp.size // 2
 
 
-@pytest.mark.parametrize("is_causal, layout, window, steps", [
-    (True, "contiguous", (5, -1), lambda r, W: [0] if r == 0 else [0, 1]),  # one neighbour's last chunk
-    (True, "contiguous", None, lambda r, W: list(range(r + 1))),  # causal: only the ranks before
-    (True, "zigzag", None, lambda r, W: list(range(W))),  # zigzag: every rank sees some of every peer
+# W=3 (was 4) in the first three, for time: their steps are written for any W, and with 3 ranks a step is still
+# skipped (rank 2 skips step 2 under the window; ranks 0 and 1 skip steps under causal masking) or, in the zigzag,
+# none is. The zigzag window keeps W=4: only there does a middle rank skip a step (step 2 of ranks 1 and 2).
+@pytest.mark.parametrize("is_causal, layout, window, steps, W", [
+    (True, "contiguous", (5, -1), lambda r, W: [0] if r == 0 else [0, 1], 3),  # one neighbour's last chunk
+    (True, "contiguous", None, lambda r, W: list(range(r + 1)), 3),  # causal: only the ranks before
+    (True, "zigzag", None, lambda r, W: list(range(W)), 3),  # zigzag: every rank sees some of every peer
     # zigzag: rank r holds chunks r and 2W-1-r, whose neighbours are held by ranks r-1 and r+1 (step 1 and W-1)
-    (False, "zigzag", (3, 3), lambda r, W: [0] + [1] * (r > 0) + [W - 1] * (r < W - 1)),
+    (False, "zigzag", (3, 3), lambda r, W: [0] + [1] * (r > 0) + [W - 1] * (r < W - 1), 4),
 ])
-def test_ring_steps_run_read_from_the_flags(is_causal, layout, window, steps):
+def test_ring_steps_run_read_from_the_flags(is_causal, layout, window, steps, W):
     """``LaunchPlan.chunks_received`` / ``ring_steps_run`` (what the benchmark reports as the ring steps the
     kernel ran) decode the flags a call leaves, read through ``HeapRings.ring_flags``: forward and backward,
     they name exactly the steps that mask positions reach (steps skipped receive nothing at all)."""
     from ring_core import heap as heap_mod
 
-    W, S = 4, 32
+    S = 32
     job, call, res, ref = _run_job(W, S, is_causal=is_causal, layout=layout, window=window)
     members = tuple(range(W))
     views = [heap_mod.HeapRings(r, [[h.data_ptr() for h in job.heaps]] * W, job.layout, job.heaps[r])
