@@ -764,7 +764,6 @@ def ring_attn_bwd_gluon(
     gl.static_assert(D == 128, "the dQ split takes half of D per consumer: one 128-byte swizzle atom")
     MASKS: gl.constexpr = WINDOW or SEGMENTED
     gl.static_assert(not (MASKS and DETERMINISTIC), "with a window or segment ids: the tl kernel (gluon_bwd_applies)")
-    G: gl.constexpr = H // HKV
     CHUNK_ROWS: gl.constexpr = CHUNK_BLOCKS * _KV_ROWS
     dtype: gl.constexpr = q_ptr.dtype.element_ty
 
