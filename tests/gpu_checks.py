@@ -141,6 +141,10 @@ def main():
                          "(default: all)")
     ap.add_argument("--mask-cases", default=None,
                     help="masks section: comma-separated indices of its cases to run (default: all)")
+    ap.add_argument("--gluon-bwd-cases", default=None,
+                    help="gluon-bwd and gluon-bwd-masks sections: comma-separated runs to make, each 'bINDEX' (a "
+                         "gluon-bwd case, both orders), 'bINDEX:det' / 'bINDEX:any' (one order) or 'mINDEX' (a "
+                         "gluon-bwd-masks case); default: every run of the sections asked for")
     ap.add_argument("--heap-gib", type=float, default=8.0)
     a = ap.parse_args()
     sections = set(a.sections.split(","))
@@ -486,21 +490,33 @@ def main():
         summary["gluon_s"] = round(time.time() - t0, 1)
 
     # ---- the Gluon Hopper backward (deterministic=False) against float64 ----------------------------
+    runs = None if a.gluon_bwd_cases is None else {r.strip() for r in a.gluon_bwd_cases.split(",") if r.strip()}
+
+    def chosen_run(case, order=None):
+        """Whether --gluon-bwd-cases asks for this run (a case, in ``order`` where it has two)."""
+        return runs is None or case in runs or (order is not None and f"{case}:{order}" in runs)
+
     if "gluon-bwd" in sections:
-        t0 = time.time()
-        for c in GLUON_BWD_CASES:  # each in both orders of dQ's adds (the deterministic one asked for: plans)
+        t0, made = time.time(), 0
+        for ci, c in enumerate(GLUON_BWD_CASES):  # each in both orders of dQ's adds (the deterministic one: plans)
             for det in (False, True):
+                if not chosen_run(f"b{ci}", "det" if det else "any"):
+                    continue
+                made += 1
                 with control.environ(**{plans.GLUON_DET_ENV: "1" if det else "0"}):
                     keep_going(lambda: bwd_case(*c[:8], scale=c[8], use_lse=c[9], deterministic=det, gluon=True),
                                c + (det,))
-        summary["gluon_bwd_cases"] = 2 * len(GLUON_BWD_CASES)
+        summary["gluon_bwd_cases"] = made
         summary["gluon_bwd_s"] = round(time.time() - t0, 1)
     if "gluon-bwd-masks" in sections:  # (issue 20) any order only: masks run the tl kernel with deterministic=True
-        t0 = time.time()
+        t0, made = time.time(), 0
         for i, c in enumerate(GLUON_BWD_MASK_CASES):
+            if not chosen_run(f"m{i}"):
+                continue
+            made += 1
             keep_going(lambda: bwd_case(*c[:8], use_lse=True, segs=segment_ids(c[9], 500 + i, c[0], c[1] * W),
                                         window=c[8], deterministic=False, gluon=True), c)
-        summary["gluon_bwd_mask_cases"] = len(GLUON_BWD_MASK_CASES)
+        summary["gluon_bwd_mask_cases"] = made
         summary["gluon_bwd_masks_s"] = round(time.time() - t0, 1)
 
     # ---- two fused calls of different shapes in one jitted program -------------------------------

@@ -38,6 +38,8 @@ Stages (``NAME[:SECONDS]``; the default time limit is in brackets):
   checks-all   tests/gpu_checks.py, every section                                  [540]
   checks-fwdbwd tests/gpu_checks.py --sections cases,gluon,bwd                     [420]
   checks-gluon tests/gpu_checks.py --sections gluon: the Gluon Hopper forward against float64 and the tl kernel [240]
+  bench-w1-gdet  bench-w1's deterministic forward+backward on the Gluon order (RING_ATTENTION_GLUON_DETERMINISTIC=1),
+               torch, beside cuDNN                                                             [120]
   bench-w1-tl  bench-w1's forward with RING_ATTENTION_GLUON=0 (the tl kernel), beside cuDNN: the Gluon A/B [150]
   bench-w1-shapes  bench-w1's forward at issue 18's other shapes, world size 1, torch_fused beside cuDNN: head_dim
                64 and 256 (32 kv heads), then GQA 32/8 at head_dim 128; bf16 16k/32k, causal and not      [150]
@@ -51,6 +53,8 @@ Stages (``NAME[:SECONDS]``; the default time limit is in brackets):
                against float64 [240]
   checks-gluon-bwd-masks tests/gpu_checks.py --sections gluon-bwd-masks: the Gluon backward with windows and
                segment ids (deterministic=False) against float64 [240]
+  checks-gluon-bwd-rest  the runs of those two sections session 16 did not reach: gluon-bwd case 3 deterministic,
+               gluon-bwd-masks case 5 (batch 2, both masks)                                   [200]
   checks-masks tests/gpu_checks.py --sections masks: segment ids and windows, forward and
                backward (6 cases; compiles dominate)                                [540]
   faults       tests/gpu_faults.py (timeout, concurrent, mismatch, bad_inputs, security) [240]
@@ -180,6 +184,11 @@ STAGES = {
     "checks-gluon-bwd": (240, [LAUNCH + ["tests/gpu_checks.py", "--sections", "gluon-bwd", "--out", "{out}"]]),
     "checks-gluon-bwd-masks": (240, [LAUNCH + ["tests/gpu_checks.py", "--sections", "gluon-bwd-masks", "--out",
                                                "{out}"]]),
+    # The runs of the two sections above that the persistent Gluon backward's checks of session 16 had not reached
+    # (their stages ran out of time): gluon-bwd case 3 (non-causal zigzag) in the deterministic order, and the
+    # batch-2 masked case (windows and padded segment ids together).
+    "checks-gluon-bwd-rest": (200, [LAUNCH + ["tests/gpu_checks.py", "--sections", "gluon-bwd,gluon-bwd-masks",
+                                              "--gluon-bwd-cases", "b3:det,m5", "--out", "{out}"]]),
     "checks-quick": (300, [LAUNCH + ["tests/gpu_checks.py", "--sections", "cases,gluon,jit,grads,launch", "--out", "{out}"]]),
     "checks-grads": (240, [LAUNCH + ["tests/gpu_checks.py", "--sections", "grads,launch", "--out", "{out}"]]),
     "checks-big": (180, [LAUNCH + ["tests/gpu_checks.py", "--sections", "big", "--out", "{out}"]]),
@@ -281,6 +290,11 @@ STAGES = {
                                   "torch_fused_det,jax_fused_det",
                                   "--seq", "16k,32k", "--pass", "fwd,fwd+bwd", "--warmup", "2", "--iters", "5",
                                   "--csv", "{out}/attention_w1.csv"]]),
+    # bench-w1's deterministic forward+backward on the Gluon kernel's ticket order (RING_ATTENTION_GLUON_DETERMINISTIC=1;
+    # the default deterministic backward is the tl split), beside cuDNN: issue 19's deterministic A/B.
+    "bench-w1-gdet": (120, [["env", "RING_ATTENTION_GLUON_DETERMINISTIC=1"] + LAUNCH1 + [
+        "-m", "benchmarks.attention", "--methods", "torch_fused_det,torch_cudnn_1gpu", "--seq", "16k,32k", "--pass",
+        "fwd+bwd", "--warmup", "2", "--iters", "5", "--csv", "{out}/attention_w1_gdet.csv"]]),
     # bench-w1's forward with the tl kernel (RING_ATTENTION_GLUON=0), beside cuDNN in the same run: the A/B of the
     # Gluon Hopper forward (issue 18).
     "bench-w1-tl": (150, [["env", "RING_ATTENTION_GLUON=0"] + LAUNCH1 + [
