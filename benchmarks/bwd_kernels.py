@@ -2,8 +2,8 @@
 
 benchmarks/attention.py times forward+backward through autograd; this times the backward alone, through
 ``torch.autograd.grad`` on a saved forward (the way a training step runs it), with ``deterministic=False`` (the
-Gluon Hopper backward, ring_core.gluon_bwd), ``True`` (the tl split, ring_core.kernel_bwd) and ``True`` with
-RING_ATTENTION_GLUON_DETERMINISTIC=1 (the Gluon kernel's own deterministic order), and
+Gluon Hopper backward, ring_core.gluon_bwd), ``True`` (the same kernel in its own deterministic order, by its dQ
+writer) and ``True`` with RING_ATTENTION_GLUON_DETERMINISTIC=0 (the tl split, ring_core.kernel_bwd), and
 reads every CUDA kernel's own duration from torch.profiler (CUPTI): the fused kernel's, and the small ones
 autograd and the launcher add (zeros for dlse, casts). benchmarks/gluon_bwd.py's probe (the same loop with delta and
 dQ's conversion done by torch) runs beside them for the A/B. bf16, B=1, H=32, D=128.
@@ -55,16 +55,16 @@ def launch_records(seqs=(16384,), heads: int = 32, tag: str = "", doc_lens=None)
                                                  layout="contiguous", backend="fused", backends=("fused",))
             ps = [plans.plan(spec, 1, lay, capability=(9, 0))] + [
                 plans.plan_bwd(spec, 1, lay, capability=(9, 0), deterministic=d, gluon_det=g)
-                for d, g in ((False, False), (True, False), (True, True))]
+                for d, g in ((False, True), (True, True), (True, False))]
             recs += [p.compile_record(tag=tag) for p in ps]
     return recs + [dict(r, tag=tag) for r in gluon_bwd.launch_records(seqs)]
 
 
-def _gluon_det(fn):
-    """``fn`` run with RING_ATTENTION_GLUON_DETERMINISTIC=1 (read at each plan): a deterministic backward it launches
-    is the Gluon kernel's own order."""
+def _split(fn):
+    """``fn`` run with RING_ATTENTION_GLUON_DETERMINISTIC=0 (read at each plan): a deterministic backward it launches
+    is the tl split."""
     def run():
-        with control.environ(**{plans.GLUON_DET_ENV: "1"}):
+        with control.environ(**{plans.GLUON_DET_ENV: "0"}):
             return fn()
     return run
 
@@ -156,12 +156,11 @@ def main():
                            for _ in range(4))
             flops = 2.5 * 4 * a.heads * S * S * 128 * (0.5 if causal else 1.0)
             runs = []
-            for det, gluon_det in ((False, False), (True, False), (True, True)):
+            for det, split in ((False, False), (True, False), (True, True)):
                 ts = [x.detach().requires_grad_() for x in (q, k, v)]
                 out = torch_bridge.ring_attention(*ts, is_causal=causal, backend="fused", deterministic=det)
                 fn = functools.partial(torch.autograd.grad, out, ts, do, retain_graph=True)
-                runs.append((f"fused deterministic={det}" + (" gluon" if gluon_det else ""),
-                             _gluon_det(fn) if gluon_det else fn))
+                runs.append((f"fused deterministic={det}" + (" split" if split else ""), _split(fn) if split else fn))
             o, lse = gluon_bwd._forward(q, k, v, causal)
             runs.append((f"probe {gluon_bwd.CONFIG}", lambda o=o, lse=lse: gluon_bwd.backward(q, k, v, o, lse, do,
                                                                                             causal)))

@@ -75,8 +75,8 @@ def _probe_consumer(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_sme
     """One consumer: the product's steps (ring_core.gluon_bwd.dkdv_steps, at world size 1), then its rows of dK
     (scaled) and dV."""
     dk, dv = dkdv_steps(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_bar, q_ready,
-                        q_empty, ds_bar, dq_desc, b, hkv, n0, 0, 0, 0, S, n_m, m_start, sm_scale, dk_ptr, dk_ptr, 0,
-                        HALF_INDEX, 1, H, HKV, D, CAUSAL, False, False)  # (no ring; dQ's adds in no fixed order)
+                        q_empty, ds_bar, dq_desc, b, hkv, n0, 0, 0, S, n_m, m_start, sm_scale, HALF_INDEX, 1, H,
+                        HKV, D, CAUSAL, False, False)  # (no ring; dQ's adds in no fixed order)
     tma.store_wait(pendings=0)  # the last reduction has read the buffer before the kernel's shared memory goes
     kv_layout: gl.constexpr = dk.type.layout
     rows = (b * S + n0 + HALF_INDEX * _BLOCK_N // 2 + gl.arange(0, _BLOCK_N // 2, layout=gl.SliceLayout(1, kv_layout)))

@@ -6,9 +6,9 @@ block pair where five would do, with dQ summed in a fixed order (deterministic).
 many programs; on the math warps (float atomics) that lost (benchmarks/NOTES.md, v1e), and FlashAttention-3 takes
 the adds off them with TMA bulk reductions, which only Gluon reaches (benchmarks/gluon_bwd.py measured the loop at
 0.85-0.89x cuDNN at world size 1). With DETERMINISTIC=False (the frontends' default) the adds come in any order;
-with True each waits for its turn (below), so dQ is bit-identical from run to run, but slower so far than the tl
-kernel, which the plans give ``deterministic=True`` unless RING_ATTENTION_GLUON_DETERMINISTIC=1. The tl kernel also
-serves the interpreter, other GPUs, fp32, head_dim other than 128, and windows and segment ids with
+with True each waits for its turn (below, a writer warp's), so dQ is bit-identical from run to run (the plans give
+it ``deterministic=True``; RING_ATTENTION_GLUON_DETERMINISTIC=0 gives the tl split instead, for A/B runs). The tl
+kernel also serves the interpreter, other GPUs, fp32, head_dim other than 128, and windows and segment ids with
 ``deterministic=True`` (``plans.gluon_bwd_applies``).
 
 The protocol is ring_core.kernel_bwd's, through ring_core.protocol's own helpers (they compile under Gluon:
@@ -46,17 +46,23 @@ on the peers exactly as in the tl kernel: ring_core.protocol's no-deadlock argum
      before its flag). Blocks read were sent whole (chunks are blocks), so dP is finite and a masked pair's dS is 0.
    * DETERMINISTIC: the adds to each query block's dQ rows (per head and half of D) come in ticket order. A counter
      per such rows (int32, after the accumulator; zeroed by the delta tasks) counts the adds made; an add waits
-     (bounded; read while the step's MMAs run) until it equals the task's turn (``_dq_turn``: the adds of earlier
-     tickets to those rows, counted from positions), a proxy fence, then the add; the count after it is released
-     DQ_LAG steps later, once ``cp.async.bulk.wait_group DQ_LAG`` says the add completed (not waiting each step
-     for the add just issued). Within each (batch, kv head) the dK/dV tickets then go from the last K/V block to
-     the first: the order in which the tasks, each going up from its first visible query block, reach a block, so
-     the turns seldom make anyone wait (causal: the lightest tasks first, a few % of tail against the heaviest
-     first); a task trails the one before it by about DQ_LAG steps, once. Waits only for earlier tickets of this
-     rank: the no-deadlock argument holds; the order is fixed, so the float sums are the same in every run.
+     (bounded) until it equals the task's turn (``_dq_turn``: the adds of earlier tickets to those rows, counted
+     from positions), a proxy fence, then the add; the count after it is released once
+     ``cp.async.bulk.wait_group`` says the add completed, a step later (not waiting for the add just issued).
+     Those waits, fences and releases are a fifth partition's, the **dQ writer** (one warp, in the load warp's
+     warpgroup; FlashAttention-3's way): the consumers store each step's dQ half into one of their two buffers
+     (each freed by the writer once its add completed) and hand it over through an mbarrier, so their steps carry
+     no global access (session 17: on the consumers they cost the kernel 1.5x, benchmarks/NOTES.md). The writer
+     follows the load warp's tasks as the consumers do (``kv_empty`` waits for it too, once it read a task's words).
+     Within each (batch, kv head) the dK/dV tickets go from the last K/V block to the first: the order in which
+     the tasks, each going up from its first visible query block, reach a block, so the turns seldom make anyone
+     wait (causal: the lightest tasks first, a few % of tail against the heaviest first); a task trails the one
+     before it by a step or two, once. Waits only for earlier tickets of this rank: the no-deadlock argument holds
+     (the writer waits for the consumers' steps and for earlier tickets' adds; the consumers for buffers the writer
+     frees after adds it has issued); the order is fixed, so the float sums are the same in every run.
    * After its last task each consumer waits for its reductions to complete, fences the async proxy against the
      generic one, and counts its tasks in CTL_BWD_DELTA (release): the dQ adds of the program's tasks are in memory
-     once both of its consumers have counted.
+     once both of its consumers have counted (with DETERMINISTIC the writer does this, for both).
    * A partial task's consumers store their rows of dK/dV (float32, unscaled) into the owner's partial slot
      (``iris.store``) and, once both have (an mbarrier), the first publishes the slot's flag (release, system
      scope), after marking the owner failed if any wait of this rank gave up (as the tl kernel). A block no local
@@ -135,17 +141,17 @@ def _reductions_done():
 
 
 UNMASKED = gl.constexpr(-2147483648)  # a masked backward step's word (``load_steps``) when it needs no mask
-DQ_LAG = 2  # deterministic: a step's dQ add is counted this many steps later (``dkdv_steps``)
-_DQ_LAG = gl.constexpr(DQ_LAG)
-_WAIT_LAG = gl.constexpr(f"cp.async.bulk.wait_group {DQ_LAG};\n fence.proxy.async.global;\n mov.b32 $0, 0;")
+WRITER_WARPS, WRITER_REGS = 1, LOAD_REGS  # DETERMINISTIC's dQ writer (``_dq_writer``), in the load warp's warpgroup
+_WRITER_WARPS, _WRITER_REGS = gl.constexpr(WRITER_WARPS), gl.constexpr(WRITER_REGS)
 
 
 @gluon.jit
-def _reductions_done_but_lag():
-    """As ``_reductions_done``, for every TMA bulk reduction of this thread but the newest DQ_LAG: the dQ add of
-    DQ_LAG steps ago, published that late so that waiting for its completion seldom holds the consumer. Each step
-    of lag is a step more a successor trails (once per task, benchmarks/NOTES.md, session 10)."""
-    gl.inline_asm_elementwise(_WAIT_LAG, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+def _previous_step_done():
+    """As ``_reductions_done``, for every TMA bulk reduction of this thread but the newest two: the dQ writer's adds
+    of the step before the one it just issued (two a step, one per consumer), counted then, a step late, so that
+    the writer seldom waits for the completion of an add it has just issued."""
+    gl.inline_asm_elementwise("cp.async.bulk.wait_group 2;\n fence.proxy.async.global;\n mov.b32 $0, 0;", "=r", [],
+                              dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -199,9 +205,11 @@ def _row_tile(b, h, r0, S, H: gl.constexpr, D: gl.constexpr):
 
 
 @gluon.jit
-def bwd_slots(dtype: gl.constexpr, D: gl.constexpr, layout: gl.constexpr, acc_layout: gl.constexpr):
+def bwd_slots(dtype: gl.constexpr, D: gl.constexpr, layout: gl.constexpr, acc_layout: gl.constexpr,
+              DQ_BUFS: gl.constexpr = 2):
     """A dK/dV task's shared memory and mbarriers, initialised: STAGES slots of Q, dO (64 rows), lse and delta;
-    K and V (128 rows); two buffers of dS^T (128 x 64); each consumer's dQ buffer (64 x D/2, float32); ``kv_bar``
+    K and V (128 rows); two buffers of dS^T (128 x 64); each consumer's dQ buffer (64 x D/2, float32; ``DQ_BUFS``
+    4 with DETERMINISTIC: two each, consumer c's 2c and 2c + 1, as the dQ writer adds a step behind); ``kv_bar``
     (K and V landed), ``part_bar`` (both consumers stored their partial), ``q_ready`` / ``q_empty`` per slot,
     ``ds_bar`` per dS buffer (both halves stored). Also benchmarks/gluon_bwd.py's."""
     row_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
@@ -209,7 +217,7 @@ def bwd_slots(dtype: gl.constexpr, D: gl.constexpr, layout: gl.constexpr, acc_la
     do_smem = gl.allocate_shared_memory(dtype, [_STAGES, _Q_ROWS, D], layout)
     kv_smem = gl.allocate_shared_memory(dtype, [2, _KV_ROWS, D], layout)  # K, then V (``dkdv_steps``: why one)
     ds_smem = gl.allocate_shared_memory(dtype, [2, _KV_ROWS, _Q_ROWS], layout)
-    dq_smem = gl.allocate_shared_memory(gl.float32, [2, _Q_ROWS, D // 2], acc_layout)  # one per consumer
+    dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUFS, _Q_ROWS, D // 2], acc_layout)
     lse_smem = gl.allocate_shared_memory(gl.float32, [_STAGES, _Q_ROWS], row_layout)
     dl_smem = gl.allocate_shared_memory(gl.float32, [_STAGES, _Q_ROWS], row_layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -323,17 +331,16 @@ def load_steps(q_desc, do_desc, q_smem, do_smem, lse_smem, dl_smem, q_ready, q_e
 
 @gluon.jit
 def dkdv_steps(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_bar, q_ready, q_empty, ds_bar,
-               dq_desc, b, hkv, n0, d, src, rank, S, n_m, i_lo, sm_scale, turns, ctl, timeout_ns,
-               HALF_INDEX: gl.constexpr, W: gl.constexpr, H: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr,
-               CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr, DETERMINISTIC: gl.constexpr, ids_smem=None,
-               meta_smem=None, seg_k=None, WINDOW: gl.constexpr = False, WIN_LEFT: gl.constexpr = -1,
-               WIN_RIGHT: gl.constexpr = -1, SEGMENTED: gl.constexpr = False, g0=0, kv_phase=0):
+               dq_desc, b, hkv, n0, src, rank, S, n_m, i_lo, sm_scale, HALF_INDEX: gl.constexpr, W: gl.constexpr,
+               H: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr,
+               DETERMINISTIC: gl.constexpr, ids_smem=None, meta_smem=None, seg_k=None, WINDOW: gl.constexpr = False,
+               WIN_LEFT: gl.constexpr = -1, WIN_RIGHT: gl.constexpr = -1, SEGMENTED: gl.constexpr = False, g0=0,
+               kv_phase=0, dq_full=None, dq_empty=None):
     """A consumer's steps on K/V rows [n0 + 64 * HALF_INDEX, + 64) of rank ``src`` (module docstring): (dK, dV) of
-    those rows, float32, unscaled; dQ's reductions issued (the caller waits for them). With DETERMINISTIC, each
-    reduction waits for its turn at its rows (``turns``: one counter per query block, head and half of D, counting
-    the adds made; ``_dq_turn``), and the count after it is published DQ_LAG steps later, once it has completed;
-    ``d`` (the K/V's peer distance), ``ctl`` and ``timeout_ns`` serve that wait only. Also
-    benchmarks/gluon_bwd.py's.
+    those rows, float32, unscaled; dQ's reductions issued (the caller waits for them). With DETERMINISTIC the
+    consumer adds nothing itself: each step's dQ half goes into buffer 2 HALF_INDEX + (g0 + i) % 2 of ``dq_smem``
+    (all four consumers' buffers, this consumer's two), once the dQ writer freed it (``dq_empty``), and ``dq_full`` hands it to the writer (``_dq_writer``), which
+    adds it in its turn. Also benchmarks/gluon_bwd.py's.
     With a window or segment ids (``meta_smem`` given): a step whose word (``load_steps``) says so gets the one mask
     rule of every kernel (protocol.pairs_allowed) on P^T, on positions relative to the block's first query and the
     half's first key (each contiguous: ``plans.gluon_applies``) and on the ids (the query block's from ``ids_smem``,
@@ -414,45 +421,30 @@ def dkdv_steps(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv
         # Both halves of dS stored: dQ's columns of this consumer over all 128 K/V rows.
         mbarrier.wait(ds_bar.index(gi % 2), (gi // 2) & 1)
         dq = warpgroup_mma(ds_buf.permute((1, 0)), k_cols, zero_q, use_acc=False, is_async=True)
-        if DETERMINISTIC:
-            # This step's turn at its rows, read while the MMAs run: by the time the add is issued it has
-            # usually come (the order follows the tickets, in which the tasks start).
-            turn_ptr = _turn_ptr(turns, i, n_m, i_lo, b, hkv, S, H, G, HALF_INDEX)
-            turn = _dq_turn(m0, n0 // _KV_ROWS, d, rank, S, W, CAUSAL, ZIGZAG)
-            made = gl.atomic_add(turn_ptr, 0, sem="acquire", scope="gpu")
         dq, dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dk, dv))
         release(q_empty, s)
-        tma.store_wait(pendings=0)  # the previous step's reduction has read the buffer
-        cta_barrier()
-        dq_smem.store(dq)
-        fence_async_shared()
-        cta_barrier()
         if DETERMINISTIC:
-            if made < turn:
-                if poll_ge(turn_ptr, turn, ctl, timeout_ns, False) == 0:
-                    record_error(ctl, ERR_LOCAL_TIMEOUT, rank, d, m0 // _Q_ROWS)
-            _proxy_fence()  # the earlier adds, acquired above, before this one (the async proxy's)
-        tma_add(dq_desc, [b * S + m0, h * D + HALF_INDEX * DQ_COLS], dq_smem)
-        if DETERMINISTIC:
-            if i >= _DQ_LAG:
-                _reductions_done_but_lag()  # the add of DQ_LAG steps ago is in memory: count it
-                cta_barrier()
-                gl.atomic_add(_turn_ptr(turns, i - _DQ_LAG, n_m, i_lo, b, hkv, S, H, G, HALF_INDEX), 1,
-                              sem="release", scope="gpu")
-    if DETERMINISTIC:
-        if G * n_m > 0:
-            _reductions_done()
+            # Into a buffer the writer is done with (it adds a step behind), then to the writer: no global access,
+            # fence or wait for a turn on the math warps.
+            mbarrier.wait(dq_empty.index(gi % 2), ((gi // 2) & 1) ^ 1)  # (fresh: phase 1 passes)
+            dq_smem.index(2 * HALF_INDEX + gi % 2).store(dq)
+            fence_async_shared()  # this thread's stores before the async proxy (the writer's TMA) reads them
             cta_barrier()
-            for j in range(gl.maximum(G * n_m - _DQ_LAG, 0), G * n_m):  # the last adds, not counted yet
-                gl.atomic_add(_turn_ptr(turns, j, n_m, i_lo, b, hkv, S, H, G, HALF_INDEX), 1, sem="release",
-                              scope="gpu")
+            mbarrier.arrive(dq_full.index(gi % 2), count=1)
+        else:
+            tma.store_wait(pendings=0)  # the previous step's reduction has read the buffer
+            cta_barrier()
+            dq_smem.store(dq)
+            fence_async_shared()
+            cta_barrier()
+            tma_add(dq_desc, [b * S + m0, h * D + HALF_INDEX * DQ_COLS], dq_smem)
     return dk, dv
 
 
 @gluon.jit
 def _consumer_task(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_bar, kv_empty, q_ready, q_empty,
                    ds_bar, part_bar, dq_desc, dk_ptr, dv_ptr, ctx_ptr, part_off, b, hkv, n0, d, rank, S, B, n_m, i_lo,
-                   timeout_ns, sm_scale, turns, ctl, g0, kv_phase, part_phase, HALF_INDEX: gl.constexpr,
+                   timeout_ns, sm_scale, dq_full, dq_empty, ctl, g0, kv_phase, part_phase, HALF_INDEX: gl.constexpr,
                    W: gl.constexpr, H: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
                    ZIGZAG: gl.constexpr, CHUNK_ROWS: gl.constexpr, DETERMINISTIC: gl.constexpr, sent, ids_smem=None,
                    meta_smem=None, seg_k=None, WINDOW: gl.constexpr = False, WIN_LEFT: gl.constexpr = -1,
@@ -467,19 +459,20 @@ def _consumer_task(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem
     sends exactly when it has steps.
     What only the end needs (the ring's words, the partial slots) is read again there from ``ctx_ptr``, not held
     across the loop: registers are what the loop is short of. The task's dQ adds are left running: the consumer
-    waits for them and counts its tasks once, after its last (``_consumer``)."""
+    waits for them and counts its tasks once, after its last (``_consumer``); with DETERMINISTIC the dQ writer adds
+    (``dq_full`` / ``dq_empty``: this consumer's two dQ buffers)."""
     dtype: gl.constexpr = q_smem.dtype
     MASKS: gl.constexpr = WINDOW or SEGMENTED
     if MASKS:
         dk, dv = dkdv_steps(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_bar, q_ready,
-                            q_empty, ds_bar, dq_desc, b, hkv, n0, d, (rank - d + W) % W, rank, S, n_m, i_lo, sm_scale,
-                            turns, ctl, timeout_ns, HALF_INDEX, W, H, HKV, D, CAUSAL, ZIGZAG, DETERMINISTIC, ids_smem,
-                            meta_smem, seg_k, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED, g0, kv_phase)
+                            q_empty, ds_bar, dq_desc, b, hkv, n0, (rank - d + W) % W, rank, S, n_m, i_lo, sm_scale,
+                            HALF_INDEX, W, H, HKV, D, CAUSAL, ZIGZAG, DETERMINISTIC, ids_smem, meta_smem, seg_k,
+                            WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED, g0, kv_phase)
     else:
         dk, dv = dkdv_steps(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_bar, q_ready,
-                            q_empty, ds_bar, dq_desc, b, hkv, n0, d, (rank - d + W) % W, rank, S, n_m, i_lo, sm_scale,
-                            turns, ctl, timeout_ns, HALF_INDEX, W, H, HKV, D, CAUSAL, ZIGZAG, DETERMINISTIC, g0=g0,
-                            kv_phase=kv_phase)
+                            q_empty, ds_bar, dq_desc, b, hkv, n0, (rank - d + W) % W, rank, S, n_m, i_lo, sm_scale,
+                            HALF_INDEX, W, H, HKV, D, CAUSAL, ZIGZAG, DETERMINISTIC, g0=g0, kv_phase=kv_phase,
+                            dq_full=dq_full, dq_empty=dq_empty)
     release_bar(kv_empty)  # every MMA of this consumer's that read K or V has completed (dkdv_steps' last wait)
     kv_layout: gl.constexpr = dk.type.layout
     n_first = n0 + HALF_INDEX * _HALF
@@ -694,14 +687,16 @@ def _producer_tasks(tid, n_dq, n_kv, n_part, call_ok, task_smem, kv_empty, q_des
 @gluon.jit
 def _consumer(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_bar, kv_empty, q_ready, q_empty,
               ds_bar, part_bar, task_smem, dq_desc, dk_ptr, dv_ptr, ctx_ptr, part_off, seg_ptr, seg_recv, rank, S, B,
-              n_dq, n_kv, n_part, timeout_ns, sm_scale, turns, ctl, ids_smem, meta_smem, HALF_INDEX: gl.constexpr,
+              n_dq, n_kv, n_part, timeout_ns, sm_scale, dq_full, dq_empty, ctl, ids_smem, meta_smem,
+              HALF_INDEX: gl.constexpr,
               W: gl.constexpr, H: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
               ZIGZAG: gl.constexpr, CHUNK_ROWS: gl.constexpr, DETERMINISTIC: gl.constexpr, WINDOW: gl.constexpr,
               WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr, SEGMENTED: gl.constexpr):
     """One consumer warpgroup of the program's dK/dV tasks, in the load warp's order (``_task_words``, published by
     ``kv_bar``): each task's steps and end (``_consumer_task``), until the word past the dK/dV tasks; then its dQ
     adds waited for (complete, not only read) and its tasks counted in CTL_BWD_DELTA at once (release), which the
-    dQ tasks wait for. The slots' and dS buffers' rounds go on from task to task (``g``), and so do ``kv_bar``'s
+    dQ tasks wait for (with DETERMINISTIC the dQ writer does both: ``_dq_writer``). The slots' and dS buffers'
+    rounds go on from task to task (``g``), and so do ``kv_bar``'s
     phases (``k``) and ``part_bar``'s (``parts``: the partials this program sent)."""
     G: gl.constexpr = H // HKV
     MASKS: gl.constexpr = WINDOW or SEGMENTED
@@ -722,23 +717,88 @@ def _consumer(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_
                     seg_k = seg_recv + (((d - 1) * B + b) * HKV + hkv).to(gl.int64) * S
             _consumer_task(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_bar, kv_empty, q_ready,
                            q_empty, ds_bar, part_bar, dq_desc, dk_ptr, dv_ptr, ctx_ptr, part_off, b, hkv, n0, d, rank,
-                           S, B, n_m, i_lo, timeout_ns, sm_scale, turns, ctl, g, k & 1, parts & 1, HALF_INDEX, W, H,
-                           HKV, D, CAUSAL, ZIGZAG, CHUNK_ROWS, DETERMINISTIC, sent, ids_smem, meta_smem, seg_k, WINDOW,
+                           S, B, n_m, i_lo, timeout_ns, sm_scale, dq_full, dq_empty, ctl, g, k & 1, parts & 1,
+                           HALF_INDEX, W, H, HKV, D, CAUSAL, ZIGZAG, CHUNK_ROWS, DETERMINISTIC, sent, ids_smem,
+                           meta_smem, seg_k, WINDOW,
                            WIN_LEFT, WIN_RIGHT, SEGMENTED)
         else:
             _consumer_task(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_bar, kv_empty, q_ready,
                            q_empty, ds_bar, part_bar, dq_desc, dk_ptr, dv_ptr, ctx_ptr, part_off, b, hkv, n0, d, rank,
-                           S, B, n_m, i_lo, timeout_ns, sm_scale, turns, ctl, g, k & 1, parts & 1, HALF_INDEX, W, H,
-                           HKV, D, CAUSAL, ZIGZAG, CHUNK_ROWS, DETERMINISTIC, sent)
+                           S, B, n_m, i_lo, timeout_ns, sm_scale, dq_full, dq_empty, ctl, g, k & 1, parts & 1,
+                           HALF_INDEX, W, H, HKV, D, CAUSAL, ZIGZAG, CHUNK_ROWS, DETERMINISTIC, sent)
         if W > 1:
             parts += ((d > 0) & (sent > 0)).to(gl.int32)
         g += G * n_m
         k += 1
         mbarrier.wait(kv_bar, k & 1)
         t = _tile_word(task_smem, 0)
-    _reductions_done()
+    if not DETERMINISTIC:  # (else the dQ writer's adds, which it counts)
+        _reductions_done()
+        cta_barrier()
+        gl.atomic_add(ctl + CTL_BWD_DELTA, k, sem="release", scope="gpu")  # this consumer's dQ adds are in memory
+
+
+@gluon.jit
+def _step_added(turns, i, gi, n_m, i_lo, b, hkv, S, dq_empty0, dq_empty1, H: gl.constexpr, G: gl.constexpr):
+    """The dQ writer, once task step i's adds (the program's step gi) completed: their counts released (the turns
+    of later tickets' adds to those rows) and both consumers' buffers of the step freed."""
+    cta_barrier()  # (the thread that waited for the adds before the one that counts them)
+    for c in gl.static_range(2):
+        gl.atomic_add(_turn_ptr(turns, i, n_m, i_lo, b, hkv, S, H, G, c), 1, sem="release", scope="gpu")
+    mbarrier.arrive(dq_empty0.index(gi % 2), count=1)
+    mbarrier.arrive(dq_empty1.index(gi % 2), count=1)
+
+
+@gluon.jit
+def _dq_writer(task_smem, kv_bar, kv_empty, dq_smem, dq_full0, dq_empty0, dq_full1, dq_empty1, dq_desc, turns, ctl,
+               rank, S, B, n_dq, n_kv, n_part, timeout_ns, W: gl.constexpr, H: gl.constexpr, HKV: gl.constexpr,
+               D: gl.constexpr, CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr):
+    """DETERMINISTIC's dQ writer (one warp): the program's dK/dV tasks in the load warp's order, as the consumers
+    (``_task_words``, published by ``kv_bar``; ``kv_empty`` once it read them), and of each step the two consumers'
+    dQ halves (buffers ``dq_smem`` 2c + step % 2, handed over by ``dq_full`` c) added to the accumulator in their
+    turn: the counter of the rows reached the turn (``_dq_turn``; bounded wait, acquire), a proxy fence, the TMA
+    reduction. After a step's adds, the step before's are complete (``_previous_step_done``): their counts released
+    and their buffers freed (``dq_empty`` c); a task's last step's after the task. Then the program's dQ adds are in
+    memory and the writer counts its tasks, for both consumers, in CTL_BWD_DELTA (release)."""
+    G: gl.constexpr = H // HKV
+    DQ_COLS: gl.constexpr = D // 2
+    k = rank * 0  # tasks (kv_bar's phases)
+    g = k  # their steps (the buffers' rounds)
+    mbarrier.wait(kv_bar, 0)
+    t = gl.max(task_smem.index(0).load(_WORD_LAYOUT_1), axis=0)
+    while t < n_dq + n_kv:
+        n_m = gl.max(task_smem.index(1).load(_WORD_LAYOUT_1), axis=0)
+        i_lo = gl.max(task_smem.index(2).load(_WORD_LAYOUT_1), axis=0)
+        release_bar(kv_empty)  # its words read: the load warp may write the next task's
+        b, hkv, n0, d = _kv_task(t - n_dq, n_part, B, S, W, HKV, True)
+        n_steps = G * n_m
+        for i in range(n_steps):
+            gi = g + i
+            h, m0 = _work(i, n_m, i_lo, hkv, G)
+            turn = _dq_turn(m0, n0 // _KV_ROWS, d, rank, S, W, CAUSAL, ZIGZAG)
+            for c in gl.static_range(2):
+                turn_ptr = _turn_ptr(turns, i, n_m, i_lo, b, hkv, S, H, G, c)
+                if gl.atomic_add(turn_ptr, 0, sem="acquire", scope="gpu") < turn:  # (usually come: no poll)
+                    if poll_ge(turn_ptr, turn, ctl, timeout_ns, False) == 0:
+                        record_error(ctl, ERR_LOCAL_TIMEOUT, rank, d, m0 // _Q_ROWS)
+                _proxy_fence()  # the earlier adds, acquired above, before this one (the async proxy's)
+                if c == 0:
+                    mbarrier.wait(dq_full0.index(gi % 2), (gi // 2) & 1)
+                else:
+                    mbarrier.wait(dq_full1.index(gi % 2), (gi // 2) & 1)
+                tma_add(dq_desc, [b * S + m0, h * D + c * DQ_COLS], dq_smem.index(2 * c + gi % 2))
+            if i > 0:
+                _previous_step_done()
+                _step_added(turns, i - 1, gi - 1, n_m, i_lo, b, hkv, S, dq_empty0, dq_empty1, H, G)
+        if n_steps > 0:
+            _reductions_done()
+            _step_added(turns, n_steps - 1, g + n_steps - 1, n_m, i_lo, b, hkv, S, dq_empty0, dq_empty1, H, G)
+        g += n_steps
+        k += 1
+        mbarrier.wait(kv_bar, k & 1)
+        t = gl.max(task_smem.index(0).load(_WORD_LAYOUT_1), axis=0)
     cta_barrier()
-    gl.atomic_add(ctl + CTL_BWD_DELTA, k, sem="release", scope="gpu")  # this consumer's dQ adds are in memory
+    gl.atomic_add(ctl + CTL_BWD_DELTA, 2 * k, sem="release", scope="gpu")  # the program's dQ adds are in memory
 
 
 @gluon.jit(do_not_specialize=["timeout_ns", "part_off"])
@@ -796,13 +856,24 @@ def ring_attn_bwd_gluon(
     layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     acc_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
     (q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_bar, part_bar, q_ready, q_empty,
-     ds_bar) = bwd_slots(dtype, D, layout, acc_layout)
+     ds_bar) = bwd_slots(dtype, D, layout, acc_layout, 4 if DETERMINISTIC else 2)
     row_words: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
     # The load warp's words of the task it loads (``_task_words``), published by ``kv_bar``; ``kv_empty``: both
-    # consumers are done with the task's K and V and its words.
+    # consumers are done with the task's K and V and its words (and with DETERMINISTIC the dQ writer with its words).
     task_smem = gl.allocate_shared_memory(gl.int32, [4, 1], row_words)
     kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_empty, count=2)
+    mbarrier.init(kv_empty, count=3 if DETERMINISTIC else 2)
+    if DETERMINISTIC:  # each consumer's two dQ buffers: full (the consumer stored a step's dQ half), empty (the
+        # writer's add of it completed)
+        dq_full0 = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        dq_empty0 = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        dq_full1 = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        dq_empty1 = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(dq_full0.index(i), count=1)
+            mbarrier.init(dq_empty0.index(i), count=1)
+            mbarrier.init(dq_full1.index(i), count=1)
+            mbarrier.init(dq_empty1.index(i), count=1)
     fence_async_shared()
     if MASKS:  # each slot's word (masked or not) and, with segment ids, its query rows' ids (``load_steps``)
         meta_smem = gl.allocate_shared_memory(gl.int32, [_STAGES, 1], row_words)
@@ -829,23 +900,54 @@ def ring_attn_bwd_gluon(
         if not MASKS:  # (never read)
             meta_smem = task_smem
             ids_smem = task_smem
-        gl.warp_specialize([
-            (_consumer, (q_smem, do_smem, kv_smem, ds_smem, dq_smem.index(0), lse_smem, dl_smem, kv_bar, kv_empty,
-                         q_ready, q_empty, ds_bar, part_bar, task_smem, dq_desc, dk_ptr, dv_ptr, ctx_ptr, part_off,
-                         seg_ptr, seg_recv, rank, S, B, n_dq, n_kv, n_part, timeout_ns, sm_scale, turns, ctl, ids_smem,
-                         meta_smem, 0, W, H, HKV, D, CAUSAL, ZIGZAG, CHUNK_ROWS, DETERMINISTIC, WINDOW, WIN_LEFT,
-                         WIN_RIGHT, SEGMENTED)),
-            (_producer_tasks, (tid, n_dq, n_kv, n_part, call_ok, task_smem, kv_empty, q_desc, do_desc, k_desc, v_desc,
-                               r_desc, q_smem, do_smem, kv_smem, lse_smem, dl_smem, kv_bar, q_ready, q_empty, lse_ptr,
-                               delta_ptr, seg_ptr, rng, ids_smem, meta_smem, rank, B, S, flags, n_chunks, epoch, ctl,
-                               timeout_ns, W, H, HKV, D, CAUSAL, ZIGZAG, CHUNK_ROWS, DETERMINISTIC, WINDOW, WIN_LEFT,
-                               WIN_RIGHT, SEGMENTED)),
-            (_consumer, (q_smem, do_smem, kv_smem, ds_smem, dq_smem.index(1), lse_smem, dl_smem, kv_bar, kv_empty,
-                         q_ready, q_empty, ds_bar, part_bar, task_smem, dq_desc, dk_ptr, dv_ptr, ctx_ptr, part_off,
-                         seg_ptr, seg_recv, rank, S, B, n_dq, n_kv, n_part, timeout_ns, sm_scale, turns, ctl, ids_smem,
-                         meta_smem, 1, W, H, HKV, D, CAUSAL, ZIGZAG, CHUNK_ROWS, DETERMINISTIC, WINDOW, WIN_LEFT,
-                         WIN_RIGHT, SEGMENTED)),
-        ], [_LOAD_WARPS, _CONSUMER_WARPS], [_LOAD_REGS, _CONSUMER_REGS])
+        if not DETERMINISTIC:  # (never read)
+            dq_full0 = kv_empty
+            dq_empty0 = kv_empty
+            dq_full1 = kv_empty
+            dq_empty1 = kv_empty
+        if DETERMINISTIC:
+            gl.warp_specialize([
+                (_consumer, (q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_bar,
+                             kv_empty, q_ready, q_empty, ds_bar, part_bar, task_smem, dq_desc, dk_ptr, dv_ptr, ctx_ptr,
+                             part_off, seg_ptr, seg_recv, rank, S, B, n_dq, n_kv, n_part, timeout_ns, sm_scale,
+                             dq_full0, dq_empty0, ctl, ids_smem, meta_smem, 0, W, H, HKV, D, CAUSAL, ZIGZAG,
+                             CHUNK_ROWS, DETERMINISTIC, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
+                (_producer_tasks, (tid, n_dq, n_kv, n_part, call_ok, task_smem, kv_empty, q_desc, do_desc, k_desc,
+                                  v_desc, r_desc, q_smem, do_smem, kv_smem, lse_smem, dl_smem, kv_bar, q_ready,
+                                  q_empty, lse_ptr, delta_ptr, seg_ptr, rng, ids_smem, meta_smem, rank, B, S, flags,
+                                  n_chunks, epoch, ctl, timeout_ns, W, H, HKV, D, CAUSAL, ZIGZAG, CHUNK_ROWS,
+                                  DETERMINISTIC, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
+                (_dq_writer, (task_smem, kv_bar, kv_empty, dq_smem, dq_full0, dq_empty0, dq_full1, dq_empty1, dq_desc,
+                              turns, ctl, rank, S, B, n_dq, n_kv, n_part, timeout_ns, W, H, HKV, D, CAUSAL, ZIGZAG)),
+                (_consumer, (q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_bar,
+                             kv_empty, q_ready, q_empty, ds_bar, part_bar, task_smem, dq_desc, dk_ptr, dv_ptr, ctx_ptr,
+                             part_off, seg_ptr, seg_recv, rank, S, B, n_dq, n_kv, n_part, timeout_ns, sm_scale,
+                             dq_full1, dq_empty1, ctl, ids_smem, meta_smem, 1, W, H, HKV, D, CAUSAL, ZIGZAG,
+                             CHUNK_ROWS, DETERMINISTIC, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
+            ], [_LOAD_WARPS, _WRITER_WARPS, _CONSUMER_WARPS], [_LOAD_REGS, _WRITER_REGS, _CONSUMER_REGS])
+            for i in gl.static_range(2):
+                mbarrier.invalidate(dq_full0.index(i))
+                mbarrier.invalidate(dq_empty0.index(i))
+                mbarrier.invalidate(dq_full1.index(i))
+                mbarrier.invalidate(dq_empty1.index(i))
+        else:
+            gl.warp_specialize([
+                (_consumer, (q_smem, do_smem, kv_smem, ds_smem, dq_smem.index(0), lse_smem, dl_smem, kv_bar,
+                             kv_empty, q_ready, q_empty, ds_bar, part_bar, task_smem, dq_desc, dk_ptr, dv_ptr, ctx_ptr,
+                             part_off, seg_ptr, seg_recv, rank, S, B, n_dq, n_kv, n_part, timeout_ns, sm_scale,
+                             dq_full0, dq_empty0, ctl, ids_smem, meta_smem, 0, W, H, HKV, D, CAUSAL, ZIGZAG,
+                             CHUNK_ROWS, DETERMINISTIC, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
+                (_producer_tasks, (tid, n_dq, n_kv, n_part, call_ok, task_smem, kv_empty, q_desc, do_desc, k_desc,
+                                  v_desc, r_desc, q_smem, do_smem, kv_smem, lse_smem, dl_smem, kv_bar, q_ready,
+                                  q_empty, lse_ptr, delta_ptr, seg_ptr, rng, ids_smem, meta_smem, rank, B, S, flags,
+                                  n_chunks, epoch, ctl, timeout_ns, W, H, HKV, D, CAUSAL, ZIGZAG, CHUNK_ROWS,
+                                  DETERMINISTIC, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
+                (_consumer, (q_smem, do_smem, kv_smem, ds_smem, dq_smem.index(1), lse_smem, dl_smem, kv_bar,
+                             kv_empty, q_ready, q_empty, ds_bar, part_bar, task_smem, dq_desc, dk_ptr, dv_ptr, ctx_ptr,
+                             part_off, seg_ptr, seg_recv, rank, S, B, n_dq, n_kv, n_part, timeout_ns, sm_scale,
+                             dq_full1, dq_empty1, ctl, ids_smem, meta_smem, 1, W, H, HKV, D, CAUSAL, ZIGZAG,
+                             CHUNK_ROWS, DETERMINISTIC, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
+            ], [_LOAD_WARPS, _CONSUMER_WARPS], [_LOAD_REGS, _CONSUMER_REGS])
         tid = _tile_word(task_smem, 0)  # the ticket the load warp took after its last dK/dV task
     while tid < n_dq + n_kv + n_dq:
         _dq_task(tid - n_dq - n_kv, n_rows, n_dq + 2 * n_kv, call_ok, dq_ptr, dq_acc, sm_scale, rank, ctl, timeout_ns,

@@ -112,7 +112,7 @@ for _entry in filter(None, os.environ.get(GLUON_TILES_ENV, "").split(";")):
     GLUON_TILES[int(_nums[0])] = tuple(int(x) for x in _nums[1:])
 GLUON_HEAD_DIMS = tuple(GLUON_TILES)
 GLUON_ENV = "RING_ATTENTION_GLUON"  # "0": the tl kernel on every GPU (read at each plan)
-GLUON_DET_ENV = "RING_ATTENTION_GLUON_DETERMINISTIC"  # "1": deterministic backwards on the Gluon kernel (each plan)
+GLUON_DET_ENV = "RING_ATTENTION_GLUON_DETERMINISTIC"  # "0": deterministic backwards on the tl split (each plan)
 _CAPABILITY = {}  # torch device -> (major, minor)
 
 
@@ -211,15 +211,16 @@ class BwdKernelConfig:
     @staticmethod
     def get_default(spec: AttentionSpec, world_size: int, *, interpret: bool = False,
                     deterministic: bool = False, capability: tuple | None = None,
-                    gluon_det: bool = False) -> "BwdKernelConfig":
+                    gluon_det: bool = True) -> "BwdKernelConfig":
         """The tiles for ``spec``. ``deterministic``: the caller needs bit-identical gradients from run to run
         (the frontends' ``deterministic``, or the framework's switch for deterministic algorithms). Without it, the
         Gluon Hopper kernel takes the call where it applies on a GPU of compute ``capability``
         (``gluon_bwd_applies``; ring_core.gluon_bwd: dQ added up by TMA reductions in no fixed order), with its fixed
         tiles (128 K/V rows per dK/dV task, 64 query rows per step, 128 rows per delta or dQ task, one K/V block per
-        flag). With it, the split kernel: the Gluon kernel's own deterministic order (DETERMINISTIC) is slower than
-        the split so far (benchmarks/NOTES.md, session 10) and runs only with ``gluon_det``
-        (RING_ATTENTION_GLUON_DETERMINISTIC=1, read by ``plan_bwd``: A/B runs and its checks)."""
+        flag). With it, the same kernel in its own deterministic order (DETERMINISTIC: dQ's adds in ticket order, by
+        a writer warp; 0.81-0.93x cuDNN forward+backward against the split's 0.80, benchmarks/NOTES.md, session 17)
+        where it applies without masks, else the split kernel; ``gluon_det`` False (RING_ATTENTION_GLUON_DETERMINISTIC
+        =0, read by ``plan_bwd``) gives the split for A/B runs."""
         if (not interpret and (gluon_det or not deterministic)
                 and gluon_bwd_applies(spec, world_size, capability, deterministic)):
             return BwdKernelConfig(dq_block_m=GLUON_BWD_ROW_TASK, dq_block_n=GLUON_BWD_Q_ROWS,
@@ -534,12 +535,12 @@ def plan_bwd(spec: AttentionSpec, world_size: int, heap: HeapLayout, *, interpre
     """The backward's launch; raises HeapTooSmallError (before anything runs) when the heap is short of
     receive space or flags. Cached, as ``plan``. ``deterministic``: the caller needs bit-identical gradients
     (``BwdKernelConfig.get_default``; the default, False, is the frontends' default); ``capability``: the GPU's,
-    where the Gluon backward may run (``gluon_bwd_applies``); ``gluon_det``: ``get_default``'s (None: whether
-    RING_ATTENTION_GLUON_DETERMINISTIC is "1", read here at each plan); ``sms``: the GPU's streaming multiprocessors
+    where the Gluon backward may run (``gluon_bwd_applies``); ``gluon_det``: ``get_default``'s (None: unless
+    RING_ATTENTION_GLUON_DETERMINISTIC is "0", read here at each plan); ``sms``: the GPU's streaming multiprocessors
     (``device_sms``), the Gluon backward's programs, each taking tasks by ticket until none is left (None: a program
     per task, which the kernel runs the same way)."""
     if gluon_det is None:
-        gluon_det = os.environ.get(GLUON_DET_ENV, "0") == "1"
+        gluon_det = os.environ.get(GLUON_DET_ENV, "1") != "0"
     return _plan_bwd(spec, world_size, heap, interpret, config, deterministic, capability, gluon_det, sms)
 
 

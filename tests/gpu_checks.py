@@ -28,9 +28,9 @@ Checks (every rank asserts; rank 0 writes a JSON summary under --out):
      on another GPU the section says so and fails) through both frontends against float64, JAX and torch
      bit-identical, and the tl kernel on the same inputs (RING_ATTENTION_GLUON=0) against float64 beside it.
   9. gluon-bwd: the Gluon Hopper backward (ring_core.gluon_bwd) on the gluon section's head_dim-128 cases,
-     through both frontends against float64: with deterministic=False (dQ's adds in any order) and True with
-     RING_ATTENTION_GLUON_DETERMINISTIC=1 (in the tickets' order: JAX and torch bit-identical, each bit-identical
-     from run to run; without the variable deterministic=True runs the tl kernel, the bwd section's).
+     through both frontends against float64: with deterministic=False (dQ's adds in any order) and True (in the
+     tickets' order, by the dQ writer: JAX and torch bit-identical, each bit-identical from run to run; with
+     RING_ATTENTION_GLUON_DETERMINISTIC=0 deterministic=True runs the tl kernel, the bwd section's).
  10. gluon-bwd-masks (issue 20): the Gluon backward with windows and segment ids (deterministic=False only; True
      runs the tl kernel, the masks section's): padding, windows one- and two-sided, long and short documents,
      zigzag and contiguous, GQA, with the lse gradient; gradients against float64, padding rows' exactly 0.

@@ -38,8 +38,8 @@ Stages (``NAME[:SECONDS]``; the default time limit is in brackets):
   checks-all   tests/gpu_checks.py, every section                                  [540]
   checks-fwdbwd tests/gpu_checks.py --sections cases,gluon,bwd                     [420]
   checks-gluon tests/gpu_checks.py --sections gluon: the Gluon Hopper forward against float64 and the tl kernel [240]
-  bench-w1-gdet  bench-w1's deterministic forward+backward on the Gluon order (RING_ATTENTION_GLUON_DETERMINISTIC=1),
-               torch, beside cuDNN                                                             [120]
+  bench-w1-split  bench-w1's deterministic forward+backward on the tl split (RING_ATTENTION_GLUON_DETERMINISTIC=0;
+               the default is the Gluon kernel's order since session 17), torch, beside cuDNN    [120]
   bench-w1-tl  bench-w1's forward with RING_ATTENTION_GLUON=0 (the tl kernel), beside cuDNN: the Gluon A/B [150]
   bench-w1-shapes  bench-w1's forward at issue 18's other shapes, world size 1, torch_fused beside cuDNN: head_dim
                64 and 256 (32 kv heads), then GQA 32/8 at head_dim 128; bf16 16k/32k, causal and not      [150]
@@ -290,11 +290,12 @@ STAGES = {
                                   "torch_fused_det,jax_fused_det",
                                   "--seq", "16k,32k", "--pass", "fwd,fwd+bwd", "--warmup", "2", "--iters", "5",
                                   "--csv", "{out}/attention_w1.csv"]]),
-    # bench-w1's deterministic forward+backward on the Gluon kernel's ticket order (RING_ATTENTION_GLUON_DETERMINISTIC=1;
-    # the default deterministic backward is the tl split), beside cuDNN: issue 19's deterministic A/B.
-    "bench-w1-gdet": (120, [["env", "RING_ATTENTION_GLUON_DETERMINISTIC=1"] + LAUNCH1 + [
+    # bench-w1's deterministic forward+backward on the tl split (RING_ATTENTION_GLUON_DETERMINISTIC=0; the default
+    # deterministic backward is the Gluon kernel's order since session 17; sessions 17's calls V and W ran this stage
+    # as bench-w1-gdet, with =1, when the split was the default), beside cuDNN: issue 19's deterministic A/B.
+    "bench-w1-split": (120, [["env", "RING_ATTENTION_GLUON_DETERMINISTIC=0"] + LAUNCH1 + [
         "-m", "benchmarks.attention", "--methods", "torch_fused_det,torch_cudnn_1gpu", "--seq", "16k,32k", "--pass",
-        "fwd+bwd", "--warmup", "2", "--iters", "5", "--csv", "{out}/attention_w1_gdet.csv"]]),
+        "fwd+bwd", "--warmup", "2", "--iters", "5", "--csv", "{out}/attention_w1_split.csv"]]),
     # bench-w1's forward with the tl kernel (RING_ATTENTION_GLUON=0), beside cuDNN in the same run: the A/B of the
     # Gluon Hopper forward (issue 18).
     "bench-w1-tl": (150, [["env", "RING_ATTENTION_GLUON=0"] + LAUNCH1 + [

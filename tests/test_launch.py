@@ -122,9 +122,10 @@ def _spec(S=1024, D=128, dtype="bfloat16", layout="contiguous", window=None, seg
 def test_the_gluon_kernel_takes_the_forwards_it_applies_to(kw, capability, gluon):
     """ring_core.plans picks the Gluon Hopper kernel exactly where it applies (plans.gluon_applies) and the tl
     kernel everywhere else; the backward with deterministic=False (the default) likewise where head_dim is also 128
-    (plans.gluon_bwd_applies; windows and segment ids included), the tl one with deterministic=True unless
-    RING_ATTENTION_GLUON_DETERMINISTIC=1 and there is neither a window nor segment ids (then the Gluon kernel with its
-    DETERMINISTIC constexpr, the same grid and scratch); the interpreter always runs the tl kernels."""
+    (plans.gluon_bwd_applies; windows and segment ids included); with deterministic=True the Gluon kernel with its
+    DETERMINISTIC constexpr (the same grid and scratch) where there is neither a window nor segment ids, else the tl
+    one, which RING_ATTENTION_GLUON_DETERMINISTIC=0 gives every deterministic backward; the interpreter always runs
+    the tl kernels."""
     lay = control.HeapLayout.for_workspace(1 << 30)
     spec = _spec(**kw)
     p = plans.plan(spec, 2, lay, capability=capability)
@@ -161,14 +162,15 @@ def test_the_gluon_kernel_takes_the_forwards_it_applies_to(kw, capability, gluon
         assert fast.out_shapes[3] == ((1 * 8 * spec.seq_local * (1 + spec.head_dim) + 8 * spec.seq_local // 32,),
                                       "float32")
         assert not fast.constexprs()["DETERMINISTIC"]
-    for p in (plans.plan_bwd(spec, 2, lay, capability=capability, deterministic=True),
-              plans.plan_bwd(spec, 2, lay, capability=capability, interpret=True)):
+    split = plans.plan_bwd(spec, 2, lay, capability=capability, deterministic=True, gluon_det=False)
+    for p in (split, plans.plan_bwd(spec, 2, lay, capability=capability, interpret=True)):
         assert p.kernel().__name__ == "ring_attn_bwd_kernel" and p.config.deterministic
-    split = plans.plan_bwd(spec, 2, lay, capability=capability, deterministic=True)  # the tl kernels: a program per
-    assert plans.plan_bwd(spec, 2, lay, capability=capability, deterministic=True, sms=3).grid == split.grid  # task
-    det = plans.plan_bwd(spec, 2, lay, capability=capability, deterministic=True, gluon_det=True)
-    with control.environ(**{plans.GLUON_DET_ENV: "1"}):  # what gluon_det=None reads
-        assert plans.plan_bwd(spec, 2, lay, capability=capability, deterministic=True) == det
+    with control.environ(**{plans.GLUON_DET_ENV: "0"}):  # what gluon_det=None reads
+        assert plans.plan_bwd(spec, 2, lay, capability=capability, deterministic=True) == split
+    assert plans.plan_bwd(spec, 2, lay, capability=capability, deterministic=True, gluon_det=False,
+                          sms=3).grid == split.grid  # the tl kernels: a program per task
+    det = plans.plan_bwd(spec, 2, lay, capability=capability, deterministic=True)  # (gluon_det by default)
+    assert det == plans.plan_bwd(spec, 2, lay, capability=capability, deterministic=True, gluon_det=True)
     assert det.config.gluon is (fast.config.gluon and not masked) and det.config.deterministic
     if det.config.gluon:
         assert det.constexprs()["DETERMINISTIC"] and (det.kernel(), det.grid, det.out_shapes) == (
