@@ -651,9 +651,7 @@ def _producer_tasks(tid, n_dq, n_kv, n_part, call_ok, task_smem, kv_empty, q_des
     while tid < n_dq + n_kv:
         b, hkv, n0, d = _kv_task(tid - n_dq, n_part, B, S, W, HKV, DETERMINISTIC)
         src = (rank - d + W) % W
-        # The task's steps are worked out while the consumers still run the last task; its words and K and V wait
-        # until they are done with the last task's (``kv_empty``; a fresh barrier passes phase 1: the first task
-        # waits for nothing).
+        mbarrier.wait(kv_empty, (k & 1) ^ 1)  # (a fresh barrier passes phase 1: the first task waits for nothing)
         if MASKS:
             seg_b = seg_ptr + b.to(gl.int64) * S  # this rank's ids of batch b (segment ids only)
             rng_b = ranges_of(rng, rank, b, B, n_chunks)  # and the ranges it published for them
@@ -661,7 +659,6 @@ def _producer_tasks(tid, n_dq, n_kv, n_part, call_ok, task_smem, kv_empty, q_des
                                                                   _KV_ROWS, _Q_ROWS, CHUNK_ROWS, CAUSAL, ZIGZAG, WINDOW,
                                                                   WIN_LEFT, WIN_RIGHT, SEGMENTED)
             n_m = n_m * call_ok  # nothing computed, waited for or sent after a mismatch
-            mbarrier.wait(kv_empty, (k & 1) ^ 1)
             _task_words(task_smem, tid, n_m, i_lo, sent * call_ok)
             _producer(q_desc, do_desc, k_desc, v_desc, r_desc, q_smem, do_smem, kv_smem, lse_smem, dl_smem, kv_bar,
                       q_ready, q_empty, lse_ptr, delta_ptr, b, hkv, n0, d, src, S, B, n_m, i_lo, flags, n_chunks,
@@ -675,7 +672,6 @@ def _producer_tasks(tid, n_dq, n_kv, n_part, call_ok, task_smem, kv_empty, q_des
                 i_lo = visible_rows(k_pos_min - 1, rank, S, W, ZIGZAG) // _Q_ROWS
                 n_m = gl.where(k_pos_min <= last_pos(rank, S, W, ZIGZAG), n_m - i_lo, 0)
             n_m = n_m * call_ok
-            mbarrier.wait(kv_empty, (k & 1) ^ 1)
             _task_words(task_smem, tid, n_m, i_lo, n_m)  # without masks a partial goes back when it has steps
             _producer(q_desc, do_desc, k_desc, v_desc, r_desc, q_smem, do_smem, kv_smem, lse_smem, dl_smem, kv_bar,
                       q_ready, q_empty, lse_ptr, delta_ptr, b, hkv, n0, d, src, S, B, n_m, i_lo, flags, n_chunks,
