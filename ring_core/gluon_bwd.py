@@ -905,6 +905,9 @@ def ring_attn_bwd_gluon(
             dq_empty0 = kv_empty
             dq_full1 = kv_empty
             dq_empty1 = kv_empty
+        # The partitions as a literal list (a partition function cannot be held in a variable of the kernel, so the
+        # two lists share their entries as text): DETERMINISTIC adds the dQ writer and gives each consumer all four
+        # dQ buffers (its two: ``dkdv_steps``); in any order each consumer gets its one.
         if DETERMINISTIC:
             gl.warp_specialize([
                 (_consumer, (q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_bar,
