@@ -339,8 +339,8 @@ def dkdv_steps(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv
     """A consumer's steps on K/V rows [n0 + 64 * HALF_INDEX, + 64) of rank ``src`` (module docstring): (dK, dV) of
     those rows, float32, unscaled; dQ's reductions issued (the caller waits for them). With DETERMINISTIC the
     consumer adds nothing itself: each step's dQ half goes into buffer 2 HALF_INDEX + (g0 + i) % 2 of ``dq_smem``
-    (all four consumers' buffers, this consumer's two), once the dQ writer freed it (``dq_empty``), and ``dq_full`` hands it to the writer (``_dq_writer``), which
-    adds it in its turn. Also benchmarks/gluon_bwd.py's.
+    (both consumers' four; this one's two) once the dQ writer freed it (``dq_empty``), and ``dq_full`` hands it to
+    the writer (``_dq_writer``), which adds it in its turn. Also benchmarks/gluon_bwd.py's.
     With a window or segment ids (``meta_smem`` given): a step whose word (``load_steps``) says so gets the one mask
     rule of every kernel (protocol.pairs_allowed) on P^T, on positions relative to the block's first query and the
     half's first key (each contiguous: ``plans.gluon_applies``) and on the ids (the query block's from ``ids_smem``,
