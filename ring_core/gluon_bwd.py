@@ -765,10 +765,10 @@ def _dq_writer(task_smem, kv_bar, kv_empty, dq_smem, dq_full0, dq_empty0, dq_ful
     k = rank * 0  # tasks (kv_bar's phases)
     g = k  # their steps (the buffers' rounds)
     mbarrier.wait(kv_bar, 0)
-    t = gl.max(task_smem.index(0).load(_WORD_LAYOUT_1), axis=0)
+    t = _tile_word(task_smem, 0, _WRITER_WARPS)
     while t < n_dq + n_kv:
-        n_m = gl.max(task_smem.index(1).load(_WORD_LAYOUT_1), axis=0)
-        i_lo = gl.max(task_smem.index(2).load(_WORD_LAYOUT_1), axis=0)
+        n_m = _tile_word(task_smem, 1, _WRITER_WARPS)
+        i_lo = _tile_word(task_smem, 2, _WRITER_WARPS)
         release_bar(kv_empty)  # its words read: the load warp may write the next task's
         b, hkv, n0, d = _kv_task(t - n_dq, n_part, B, S, W, HKV, True)
         n_steps = G * n_m
@@ -796,7 +796,7 @@ def _dq_writer(task_smem, kv_bar, kv_empty, dq_smem, dq_full0, dq_empty0, dq_ful
         g += n_steps
         k += 1
         mbarrier.wait(kv_bar, k & 1)
-        t = gl.max(task_smem.index(0).load(_WORD_LAYOUT_1), axis=0)
+        t = _tile_word(task_smem, 0, _WRITER_WARPS)
     cta_barrier()
     gl.atomic_add(ctl + CTL_BWD_DELTA, 2 * k, sem="release", scope="gpu")  # the program's dQ adds are in memory
 

@@ -245,9 +245,10 @@ def _no_more_tiles(q_ready, q_empty, tword, i):
 
 
 @gluon.jit
-def _tile_word(tword, k):
-    """Word ``k`` of ``tword`` (``_load_q``), in a consumer (after the half's barrier)."""
-    return gl.max(tword.index(k).load(_WORD_LAYOUT_4), axis=0)
+def _tile_word(tword, k, WARPS: gl.constexpr = 4):
+    """Word ``k`` of ``tword`` (``_load_q``), in a partition of ``WARPS`` warps after the barrier that published it:
+    a consumer's warpgroup (``_WORD_LAYOUT_4``), or the backward's one-warp dQ writer (``_WORD_LAYOUT_1``)."""
+    return gl.max(tword.index(k).load(gl.BlockedLayout([1], [32], [WARPS], [0])), axis=0)
 
 
 @gluon.jit
