@@ -97,6 +97,8 @@ Stages (``NAME[:SECONDS]``; the default time limit is in brackets):
                released by a flag, read there by TMA after the acquire (--nproc >= 2)       [90]
   probe-launch-gap benchmarks/launch_gap.py: one call timed per call, back to back, host-only and
                kernel-only (torch.profiler), dense and packed, world size 1                 [120]
+  probe-host-path benchmarks/host_path.py: a torch fused call's host time piece by piece (and cuDNN's), per call
+               and back to back with the compiled kernel's launcher against the JIT's, D128 and D64   [120]
   bench-doclens  the packed forward at W=1 with documents of 16384, 4096 and 1024 tokens    [150]
   checks-masks-tail  tests/gpu_checks.py masks cases 3, 4, 5 (fp32 last)                  [420]
   bench-w1     benchmarks/attention.py at world size 1 (one rank whatever --nproc: run it with --nproc 1, so
@@ -285,6 +287,9 @@ STAGES = {
                                            "none,16384-16384,8192-8192,4096-4096,2048-2048,1024-1024,512-8192",
                                            "--csv", "{out}/bwd_kernels_doclens.csv"]]),
     "probe-launch-gap": (120, [LAUNCH1 + ["-m", "benchmarks.launch_gap", "--profile", "--csv", "{out}/launch_gap.csv"]]),
+    # Where a torch fused call's host time goes, piece by piece, beside cuDNN's; and the call per call and back to
+    # back with the compiled kernel's own launcher against every launch through Triton's JIT (issue 18's per-call rows).
+    "probe-host-path": (120, [LAUNCH1 + ["-m", "benchmarks.host_path", "--csv", "{out}/host_path.csv"]]),
     "bench-w1": (300, [LAUNCH1 + ["-m", "benchmarks.attention", "--methods",
                                   "torch_fused,torch_cudnn_1gpu,jax_fused,jax_fused_deferred,jax_cudnn_1gpu,"
                                   "torch_fused_det,jax_fused_det",

@@ -218,3 +218,98 @@ def test_gluon_tiles_override_is_read_at_import_and_a_bad_entry_says_the_form():
     env["RING_ATTENTION_GLUON_TILES"] = "64=128,128"
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert r.returncode != 0 and "each entry is head_dim=query rows,K/V rows,slots,rings" in r.stderr
+
+
+DIRECT_LAUNCH = textwrap.dedent("""
+    import json
+    import torch
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+    from ring_core import control, plans, validate
+    from torch_bridge import fused
+
+    class NoGpu:  # what the JIT asks of a driver
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+        def get_current_device(self):
+            return 0
+        def get_current_stream(self, device=None):
+            return 7
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+    driver.set_active(NoGpu())
+    log = []
+
+    class Compiled:  # a compiled kernel as the JIT returns it; its launcher records what it is given
+        packed_metadata, function = ("meta",), "fn"
+        def launch_metadata(self, grid, stream, *args):
+            return None
+        def run(self, gx, gy, gz, stream, function, meta, launch_metadata, enter, exit_, *args):
+            log[-1]["launcher"] = [gx, gy, gz, stream, function, list(meta),
+                                   [a.data_ptr() if hasattr(a, "data_ptr") else a for a in args],
+                                   [type(a).__name__ for a in args], enter is None, exit_ is None]
+    def compile_(self, key, signature, device, constexprs, options, attrs, warmup):
+        log[-1]["jit"] = True
+        return Compiled()
+    JITFunction._do_compile = compile_  # the JIT's compile, never cached: each JIT launch shows
+    lay = control.HeapLayout.for_workspace(1 << 30)
+    B, S, H, HKV, D, W, dt = 1, 1024, 8, 2, 128, 2, torch.bfloat16
+    spec = validate.check_attention_args(
+        (B, S, H, D), (B, S, HKV, D), (B, S, HKV, D), "bfloat16", "bfloat16", "bfloat16", is_causal=True,
+        scale=None, layout="contiguous", backend="fused", backends=("fused",), window_size=None,
+        segment_ids_shape=None, segment_ids_dtype=None)
+    q, kv = torch.zeros(B, S, H, D, dtype=dt), torch.zeros(B, S, HKV, D, dtype=dt)
+    ids, ctx = torch.zeros(1, dtype=torch.int32), torch.zeros((W + 4) * 2, dtype=torch.int32)
+    rows, status = torch.zeros(B, H, S), torch.zeros(control.STATUS_WORDS, dtype=torch.int32)
+    out = []
+    for p in [plans.plan(spec, W, lay), plans.plan_bwd(spec, W, lay), plans.plan(spec, W, lay, capability=(9, 0)),
+              plans.plan_bwd(spec, W, lay, capability=(9, 0))]:
+        if p.kind == control.KIND_FWD:  # torch_bridge.fused's argument lists
+            args = [q, kv, kv, ids, ctx, *p.scalars(2.5), q.clone(), rows, status]
+        else:
+            args = [q, kv, kv, q, q, rows, rows, ids, ctx, *p.scalars(2.5), q.clone(), kv.clone(), kv.clone(), rows,
+                    status]
+        unaligned = torch.zeros(q.numel() + 1, dtype=dt)[1:].view(q.shape)
+        for a in (args, args, [unaligned] + args[1:], args):
+            log.append({})
+            fused._launch(p, *a)
+        hook = lambda metadata: None  # a profiler's launch hook (proton's kind)
+        knobs.runtime.launch_enter_hook.add(hook)
+        log.append({})
+        fused._launch(p, *args)
+        knobs.runtime.launch_enter_hook.remove(hook)
+        out.append([p.config.gluon, log[-5:]])
+        del log[:]
+    print(json.dumps(out))
+""")
+
+
+def test_torch_launches_reuse_the_compiled_kernel_with_the_jits_arguments():
+    """torch_bridge.fused._launch: a plan's first launch goes through Triton's JIT; the next ones call the compiled
+    kernel's launcher directly, with exactly the argument list (every parameter, constexprs included), grid and
+    stream the JIT gave it (the tensors' pointers as integers); a launch with a pointer not 16-byte aligned
+    (another specialisation) goes through the JIT again, and the aligned launch after it still reuses the kernel;
+    with a launch hook set (a profiler) the direct launch passes what the JIT does. For the tl and the Gluon
+    kernels, forward and backward (a stand-in driver and compile: no GPU)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", DIRECT_LAUNCH], capture_output=True, text=True, env=env, cwd=ROOT,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    import json
+
+    runs = json.loads(r.stdout.strip().splitlines()[-1])
+    assert [g for g, _ in runs] == [False, False, True, True]
+    for _, (first, second, unaligned, after, hooked) in runs:
+        assert first.get("jit") and not second.get("jit") and unaligned.get("jit") and not after.get("jit")
+        assert not hooked.get("jit")
+        assert second["launcher"][:7] == first["launcher"][:7] == after["launcher"][:7] == hooked["launcher"][:7]
+        assert unaligned["launcher"][6][0] % 16 != 0
+        assert first["launcher"][3] == 7  # the driver's current stream
+        # The JIT passes tensors and its hooks; the direct launch the tensors' pointers as integers (no lookup in the
+        # launcher) and no hooks while none is set, and tensors and hooks as the JIT once a launch hook is set.
+        assert "Tensor" in first["launcher"][7] and not any(first["launcher"][8:])
+        assert "Tensor" not in second["launcher"][7] and all(second["launcher"][8:])
+        assert hooked["launcher"][7] == first["launcher"][7] and not any(hooked["launcher"][8:])

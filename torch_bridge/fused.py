@@ -87,6 +87,78 @@ def _outputs(p, device):
     return outs
 
 
+_COMPILED = {}  # plan -> (the compiled kernel of its last JIT launch, the device then current, _template, tensor args)
+
+
+def _launch(p, *args):
+    """Launch plan ``p``'s kernel over ``p.grid`` on the current stream with its runtime arguments ``args`` (inputs,
+    ids, context, scalars, outputs: ``p.arg_types()``'s order; every tensor on the current device).
+
+    A plan's first launch goes through Triton's JIT (compile or cache, specialisation, binding), which returns the
+    compiled kernel; later launches call that kernel's own launcher, as the JIT's last step does, and skip the rest:
+    per call the JIT binds and specialises every argument (the plan's constexprs included) and hashes its key, about
+    80 us of host time that a call timed on its own waits out before its kernel starts (benchmarks/host_path.py,
+    call AA). The binary is the one the JIT would pick: what the JIT specialises on is fixed by the plan (dtypes,
+    the integer scalars batch and seq_local; timeout_ns and part_off are not specialised) but for the pointers'
+    16-byte alignment, so a launch with a pointer not so aligned (a view into a buffer) goes through the JIT, and
+    only launches with every pointer aligned reuse the kernel. The pointers go to the launcher as integers, which it
+    takes as they are (a tensor costs it a ``data_ptr()`` call and a ``cuPointerGetAttribute`` each; the frontend
+    has put every tensor on the heap's device), and no launch metadata nor hooks unless a launch hook is set (a
+    profiler, e.g. proton: it gets them as from the JIT, tensors included).
+    Under the interpreter the JIT returns no compiled kernel, and every launch goes through it."""
+    from triton import knobs
+    from triton.runtime import driver
+
+    hit = _COMPILED.get(p)
+    if hit is not None:
+        ck, device, template, pointers = hit
+        ptrs = [args[i].data_ptr() for i in pointers]
+        if all(x % 16 == 0 for x in ptrs) and driver.active.get_current_device() == device:
+            enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+            hooked = _hooked(enter) or _hooked(leave)
+            vals = list(args)
+            if not hooked:
+                for i, x in zip(pointers, ptrs):
+                    vals[i] = x
+            full = [vals[i] if i >= 0 else c for i, c in template]
+            stream = driver.active.get_current_stream(device)
+            grid = (*p.grid, 1, 1)
+            if hooked:
+                ck.run(grid[0], grid[1], grid[2], stream, ck.function, ck.packed_metadata,
+                       ck.launch_metadata(p.grid, stream, *full), enter, leave, *full)
+            else:
+                ck.run(grid[0], grid[1], grid[2], stream, ck.function, ck.packed_metadata, None, None, None, *full)
+            return
+    constexprs = p.constexprs()
+    ck = p.kernel()[p.grid](*args, num_warps=p.config.num_warps, num_stages=p.config.num_stages, **constexprs)
+    pointers = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    if hasattr(ck, "packed_metadata") and all(args[i].data_ptr() % 16 == 0 for i in pointers):
+        # a compiled kernel (None under the interpreter), for aligned pointers
+        _COMPILED[p] = (ck, driver.active.get_current_device(), _template(p.kernel(), constexprs, len(args)),
+                        pointers)
+
+
+def _hooked(hook) -> bool:
+    """Whether Triton's launch hook ``hook`` (knobs.runtime's) would call anything: None, or a HookChain with no
+    hook in it (Triton 3.6's default), calls nothing."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def _template(kernel, constexprs: dict, n_args: int) -> list:
+    """The JIT's argument list for ``kernel`` (every parameter in order, constexprs included, as Triton's launcher
+    takes them) as (index into the runtime arguments, or -1 and the constexpr's value)."""
+    out, i = [], 0
+    for prm in kernel.params:
+        if prm.is_constexpr:
+            out.append((-1, constexprs[prm.name]))
+        else:
+            out.append((i, None))
+            i += 1
+    if i != n_args:
+        raise RuntimeError(f"{kernel.__name__} takes {i} runtime arguments, the launch gave {n_args}")
+    return out
+
+
 def forward(q, k, v, spec, group=None, timeout_s: float | None = None, config=None, segment_ids=None):
     """Launch the fused kernel on this rank's shards; returns (out, lse). Inputs already validated.
     ``config`` (a ring_core.plans.KernelConfig) overrides the tuned defaults: for tuning only.
@@ -97,8 +169,7 @@ def forward(q, k, v, spec, group=None, timeout_s: float | None = None, config=No
     q, k, v = (x.contiguous() for x in (q, k, v))
     out, lse, status = _outputs(p, q.device)
     _with_scratch(p)
-    p.kernel()[p.grid](q, k, v, seg, ctx, *p.scalars(timeout_s), out, lse, status, num_warps=p.config.num_warps,
-                       num_stages=p.config.num_stages, **p.constexprs())
+    _launch(p, q, k, v, seg, ctx, *p.scalars(timeout_s), out, lse, status)
     lifecycle.track(status, ring, timeout_s)
     return out, lse
 
@@ -128,7 +199,6 @@ def backward(q, k, v, out, lse, dout, spec, group=None, timeout_s: float | None 
     dlse = torch.zeros_like(lse) if dlse is None else dlse.to(torch.float32).contiguous()
     dq, dk, dv, delta, status = _outputs(p, q.device)  # delta: scratch, rowsum(dO * O) (and the Gluon dQ sums)
     _with_scratch(p)
-    p.kernel()[p.grid](q, k, v, out, dout, lse, dlse, seg, ctx, *p.scalars(timeout_s), dq, dk, dv, delta, status,
-                       num_warps=p.config.num_warps, num_stages=p.config.num_stages, **p.constexprs())
+    _launch(p, q, k, v, out, dout, lse, dlse, seg, ctx, *p.scalars(timeout_s), dq, dk, dv, delta, status)
     lifecycle.track(status, ring, timeout_s)
     return dq, dk, dv
