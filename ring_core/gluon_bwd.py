@@ -101,10 +101,11 @@ import iris
 from ring_core import control, plans
 from ring_core.gluon_kernel import (_WORD_LAYOUT_1, _WORD_LAYOUT_4, _acquire_chunk, _tile_word, cta_barrier, release,
                                     release_bar, tma_add, tma_load)
-from ring_core.protocol import (CTL_BWD_DELTA, CTL_BWD_TICKET, CTL_ERROR, block_reaches, bwd_step_unmasked,
-                                bwd_task_steps, chunk_one_id, drain_pushes, end_call, last_pos, pairs_allowed, poll_ge,
-                                positions, published_range, ranges_of, ranks_rng, receive_slots, record_error,
-                                record_peer_error, ring_context, start_call, visible_rows)
+from ring_core.protocol import (CTL_BWD_DELTA, CTL_BWD_TICKET, CTL_ERROR, KEY_PAD, QUERY_PAD, block_reaches,
+                                bwd_step_unmasked, bwd_task_steps, chunk_one_id, drain_pushes, end_call, last_pos,
+                                pairs_allowed, poll_ge, positions, published_range, ranges_of, ranks_rng,
+                                receive_slots, record_error, record_peer_error, ring_context, segment_keys, start_call,
+                                visible_rows)
 
 KV_ROWS = plans.GLUON_BWD_KV_ROWS  # K/V rows per dK/dV task (two consumers of half each)
 Q_ROWS = plans.GLUON_BWD_Q_ROWS  # query rows per step of the dK/dV loop
@@ -320,7 +321,7 @@ def load_steps(q_desc, do_desc, q_smem, do_smem, lse_smem, dl_smem, q_ready, q_e
         if meta_smem is not None:
             unmasked = bwd_step_unmasked(m0, i_full, i_fend, _Q_ROWS)
             if SEGMENTED:
-                ids_smem.index(s).store(gl.load(seg_b + m0 + rows))
+                ids_smem.index(s).store(segment_keys(gl.load(seg_b + m0 + rows), QUERY_PAD))
                 unmasked = unmasked & chunk_one_id(rng_b, m0 // CHUNK_ROWS, m0 >= 0, kv_t)
             word = gl.where(unmasked, UNMASKED, positions(m0, rank, S, W, ZIGZAG) - k_pos_n0)
             meta_smem.index(s).store(gl.full([1], word, gl.int32, _WORD_LAYOUT_1))
@@ -371,7 +372,7 @@ def dkdv_steps(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv
     if n_m > 0:
         mbarrier.wait(kv_bar, kv_phase)
         if SEGMENTED:
-            k_ids = gl.load(seg_k + n0 + HALF_INDEX * _HALF + k_rows)
+            k_ids = segment_keys(gl.load(seg_k + n0 + HALF_INDEX * _HALF + k_rows), KEY_PAD)
     for i in range(G * n_m):
         h, m0 = _work(i, n_m, i_lo, hkv, G)
         gi = g0 + i  # the program's step
@@ -399,7 +400,7 @@ def dkdv_steps(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv
                 if SEGMENTED:
                     q_ids = ids_smem.index(s).load(gl.SliceLayout(0, s_layout))
                 ok = pairs_allowed(cols[None, :] >= 0, cols[None, :] + shift, k_rows[:, None], q_ids[None, :],
-                                   k_ids[:, None], CAUSAL, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)
+                                   k_ids[:, None], CAUSAL, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED, KEYED=True)
                 pT = gl.where(ok, pT, 0.0)
         elif CAUSAL:
             shift = positions(m0, rank, S, W, ZIGZAG) - k_pos0  # query minus key position at (row 0, column 0)

@@ -75,10 +75,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from ring_core import control, plans
 from ring_core.lanes import iota
-from ring_core.protocol import (BIG_ID, CTL_ERROR, ERR_KV_TIMEOUT, block_met, block_range, chunk_ranges,
-                                drain_pushes, end_call, ids_summary, met_blocks, pairs_allowed, poll_ge, positions,
-                                ranges_of, ranks_rng, receive_slots, record_error, ring_context, start_call,
-                                step_blocks)
+from ring_core.protocol import (BIG_ID, CTL_ERROR, ERR_KV_TIMEOUT, KEY_PAD, QUERY_PAD, block_met, block_range,
+                                chunk_ranges, drain_pushes, end_call, ids_summary, met_blocks, pairs_allowed, poll_ge,
+                                positions, ranges_of, ranks_rng, receive_slots, record_error, ring_context,
+                                segment_keys, start_call, step_blocks)
 from ring_core.tiles import query_tile
 
 # Gluon's TMA copies were renamed after Triton 3.6 (async_copy_global_to_shared -> async_load, ...); the GPU
@@ -600,7 +600,7 @@ def _block_ids(w, seg_local, seg_recv_b, B, S, HKV: gl.constexpr, BLOCK_N: gl.co
             base = seg_local
         else:
             base = seg_recv_b + (t - 1).to(gl.int64) * B * HKV * S
-        ids = gl.load(base + jb * BLOCK_N + gl.arange(0, BLOCK_N, layout=layout))
+        ids = segment_keys(gl.load(base + jb * BLOCK_N + gl.arange(0, BLOCK_N, layout=layout)), KEY_PAD)
     return ids
 
 
@@ -620,7 +620,7 @@ def _softmax_masked(qk, m_i, l_i, w, q_ids, k_ids, row0, q_pos_min, rank, S, qk_
         q_rel = row0 + d + gl.arange(0, qk.shape[0], layout=gl.SliceLayout(1, s_layout))
         cols = gl.arange(0, qk.shape[1], layout=gl.SliceLayout(0, s_layout))
         ok = pairs_allowed(cols[None, :] >= 0, q_rel[:, None], cols[None, :], q_ids[:, None], k_ids[None, :], CAUSAL,
-                           WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)
+                           WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED, KEYED=True)
         qk = gl.where(ok, qk, float("-inf"))
     return _softmax_block(qk, m_i, l_i, _UNMASKED, row0, qk_scale, True)
 
@@ -780,7 +780,8 @@ def _blocks(q_half, k_smem, v_smem, kv_ready, kv_empty, pp, meta, n_blocks, qk_s
         row_ids: gl.constexpr = gl.SliceLayout(1, s_layout)
         q_ids = gl.full([HALF], -1, gl.int32, row_ids)
         if SEGMENTED:
-            q_ids = gl.load(seg_q + HALF_INDEX * HALF + gl.arange(0, HALF, layout=row_ids))  # seg_q: the tile's ids
+            q_ids = segment_keys(gl.load(seg_q + HALF_INDEX * HALF + gl.arange(0, HALF, layout=row_ids)),
+                                 QUERY_PAD)  # seg_q: the tile's ids
         mbarrier.wait(kv_ready.index(s0), (j0 // STAGES) & 1)
         w = gl.max(meta.index(s0).load(_WORD_LAYOUT_4), axis=0)
     else:

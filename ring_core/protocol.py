@@ -752,11 +752,14 @@ def chunk_needed(c, src, dst, S, CHUNK_ROWS, W: tl.constexpr, ZIGZAG: tl.constex
 
 @triton.jit
 def pairs_allowed(valid, q_pos, k_pos, q_seg, k_seg, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-                  WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SEGMENTED: tl.constexpr):
+                  WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SEGMENTED: tl.constexpr, KEYED: tl.constexpr = False):
     """``valid`` and ring_core.masks.allowed, in the kernels: query positions ``q_pos`` and ids ``q_seg`` against
     key positions ``k_pos`` and ids ``k_seg``, already broadcast against each other ([M, 1] x [1, N] or the
     transpose). An argument a setting does not use is never read (the positions without CAUSAL and WINDOW, the
-    ids without SEGMENTED). A padding key (id < 0) is attended by nobody, a padding query attends nothing."""
+    ids without SEGMENTED). A padding key (id < 0) is attended by nobody, a padding query attends nothing.
+    KEYED: the ids come as ``segment_keys`` made them (each side's padding one negative number of its own), and the
+    segment test is their equality alone: one compare a pair instead of two, where the masked steps of the Gluon
+    kernels spend their time on the mask (benchmarks/NOTES.md, session 18)."""
     if CAUSAL:
         valid = valid & (k_pos <= q_pos)
     if WINDOW:
@@ -765,8 +768,24 @@ def pairs_allowed(valid, q_pos, k_pos, q_seg, k_seg, CAUSAL: tl.constexpr, WINDO
         if WIN_RIGHT >= 0:
             valid = valid & (k_pos <= q_pos + WIN_RIGHT)
     if SEGMENTED:
-        valid = valid & (q_seg == k_seg) & (k_seg >= 0)
+        if KEYED:
+            valid = valid & (q_seg == k_seg)
+        else:
+            valid = valid & (q_seg == k_seg) & (k_seg >= 0)
     return valid
+
+
+QUERY_PAD = tl.constexpr(-2)  # a padding query's key (segment_keys)
+KEY_PAD = tl.constexpr(-3)  # a padding key's: no query's
+
+
+@triton.jit
+def segment_keys(ids, PAD: tl.constexpr):
+    """Segment ids as ``pairs_allowed(..., KEYED=True)`` takes them: every padding id (< 0) replaced by ``PAD``,
+    ``QUERY_PAD`` for queries' ids and ``KEY_PAD`` for keys', so that a query's key equals a key's exactly where the
+    ids are equal and the key's is not padding (the rule's two compares), and a padding query meets no key. Made once
+    per row or column (a vector), not per pair."""
+    return tl.where(ids >= 0, ids, PAD)
 
 
 @triton.jit

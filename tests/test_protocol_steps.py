@@ -182,5 +182,63 @@ def test_masked_backward_steps_cover_every_allowed_pair_and_unmask_only_whole_bl
         assert g["checked"] > 0 and not g["bad"], (case, g)
 
 
+
+KEYED = textwrap.dedent("""
+    import json
+    import numpy as np
+    import torch
+    import triton
+    import triton.language as tl
+    from ring_core import masks, protocol
+
+
+    @triton.jit
+    def rule(qp, kp, qs, ks, out, N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+             WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, KEYED: tl.constexpr):
+        i = tl.arange(0, N)
+        q_pos, k_pos, q_seg, k_seg = tl.load(qp + i), tl.load(kp + i), tl.load(qs + i), tl.load(ks + i)
+        if KEYED:  # as the Gluon kernels key them: once per row and per column
+            q_seg = protocol.segment_keys(q_seg, protocol.QUERY_PAD)
+            k_seg = protocol.segment_keys(k_seg, protocol.KEY_PAD)
+        ok = protocol.pairs_allowed(k_pos[None, :] >= 0, q_pos[:, None], k_pos[None, :], q_seg[:, None],
+                                    k_seg[None, :], CAUSAL, WINDOW, WIN_LEFT, WIN_RIGHT, True, KEYED)
+        tl.store(out + i[:, None] * N + i[None, :], ok.to(tl.int32))
+
+
+    rng = np.random.default_rng(7)
+    N, bad, checked = 32, [], 0
+    for trial in range(12):
+        q_pos = rng.permutation(64)[:N].astype(np.int32)
+        k_pos = rng.permutation(64)[:N].astype(np.int32)
+        # ids with padding (several negative values), ids equal to the padding keys' numbers, large ids
+        pool = np.array([-1, -2, -3, -7, 0, 1, 2, 3, 2147483647], np.int32)
+        q_seg, k_seg = rng.choice(pool, N).astype(np.int32), rng.choice(pool, N).astype(np.int32)
+        causal = bool(trial % 2)
+        window = [(-1, -1), (5, 3), (0, -1)][trial % 3]
+        want = masks.allowed(q_pos, k_pos, is_causal=causal, window=window, q_segment_ids=q_seg[None],
+                             k_segment_ids=k_seg[None])[0, 0, 0]
+        for keyed in (False, True):
+            out = torch.zeros((N, N), dtype=torch.int32)
+            rule[(1,)](*(torch.from_numpy(x) for x in (q_pos, k_pos, q_seg, k_seg)), out, N, causal,
+                       window != (-1, -1), window[0], window[1], keyed)
+            checked += 1
+            if not np.array_equal(out.numpy().astype(bool), want):
+                bad.append([trial, keyed])
+    print(json.dumps({"checked": checked, "bad": bad}))
+""")
+
+
+def test_keyed_segment_ids_give_the_same_rule():
+    """protocol.pairs_allowed on ids keyed by protocol.segment_keys (KEYED=True, as the Gluon kernels' masked steps
+    use it: one compare a pair) allows exactly the pairs of ring_core.masks.allowed, as the unkeyed rule does:
+    padding of several negative values on both sides, ids equal to the keys' padding numbers, causal and windows,
+    in the interpreter."""
+    env = {k: v for k, v in os.environ.items()}
+    env.update(TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", KEYED], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got == {"checked": 24, "bad": []}, got
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
