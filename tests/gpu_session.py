@@ -99,6 +99,7 @@ Stages (``NAME[:SECONDS]``; the default time limit is in brackets):
                kernel-only (torch.profiler), dense and packed, world size 1                 [120]
   probe-host-path benchmarks/host_path.py: a torch fused call's host time piece by piece (and cuDNN's), per call
                and back to back with the compiled kernel's launcher against the JIT's, D128 and D64   [120]
+  bench-doclens-stream  the same back to back, documents of 16384 down to 512 tokens, and dense    [150]
   bench-doclens  the packed forward at W=1 with documents of 16384, 4096 and 1024 tokens    [150]
   checks-masks-tail  tests/gpu_checks.py masks cases 3, 4, 5 (fp32 last)                  [420]
   bench-w1     benchmarks/attention.py at world size 1 (one rank whatever --nproc: run it with --nproc 1, so
@@ -243,6 +244,14 @@ STAGES = {
     # one per 16k shard (the segment-id path at dense work) down to 1024 tokens (many short rows per tile).
     "bench-doclens": (150, [LAUNCH1 + BENCH + ["--mask", "packed", "--pass", "fwd", "--doc-lens", f"{n}-{n}",
                                                "--csv", "{out}/masks_doclens.csv"] for n in (16384, 4096, 1024)]),
+    # The same back to back (the host's time hidden), from one document of 16384 tokens down to 512-token documents,
+    # beside the dense causal forward: every row has the same 4096 tiles and the same plan scans (by position), the
+    # blocks shrink with the documents, so the intercept of time against blocks is what a segmented tile costs
+    # however few blocks it has (issue 20's packed forward; benchmarks/NOTES.md, session 18).
+    "bench-doclens-stream": (150, [LAUNCH1 + BENCH + ["--mask", "none,packed" if n == 16384 else "packed", "--pass",
+                                                      "fwd", "--doc-lens", f"{n}-{n}", "--timing", "stream",
+                                                      "--csv", "{out}/masks_doclens_stream.csv"]
+                                   for n in (16384, 8192, 4096, 2048, 1024, 512)]),
     # What a tile costs however few blocks it has, without masks: one problem's work (B * S^2 at 16k, B=1) cut into
     # 1, 4, 16 and 64 sequences (B=1 S=16k ... B=64 S=2k), so the tiles (B * S / 128 per head) grow 4x a row while
     # the blocks stay; ours and cuDNN's forward and forward+backward, causal and not, back to back. The slope of time
