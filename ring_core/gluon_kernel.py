@@ -56,13 +56,21 @@ Windows and segment ids (constexprs WINDOW, SEGMENTED; issue 20): the blocks com
 (``protocol.step_blocks``: positions, windows included) narrowed by the id ranges every rank publishes per chunk
 with the call check (chunks of one block with segment ids: ``plans.KernelConfig``), which say whether a block can
 hold a pair the tile attends and whether it needs masks (``protocol.block_met``; unmasked: every query sees every
-key by position and the tile's rows and the block's all carry one id). The load partition plans each ring step's run
-of blocks per tile (``make_plan``), counts them for the consumers (in a word per half, published with Q), then
-(``_tile_loads_masked``) walks the runs, skips a block no query of the tile attends (not sent, not waited for, not
-loaded: only blocks sent whole are read, as TMA reads whole blocks) and passes each block's word (ring step, block,
-masked) to the consumers through a word per slot; the consumers apply the one mask rule (``protocol.pairs_allowed``)
-to masked blocks, with the block's ids read while S = Q K^T runs. A tile of padding rows has no block (out 0, lse
--inf). Without them the kernel is the one above.
+key by position and the tile's rows and the block's all carry one id). A fourth partition, the **planner** (one
+warp, ``_planner``), takes the tiles from the counter in the load partition's stead and works out each tile's plan
+ahead of it (``_tile_plan``: the tile's ids, each ring step's run of blocks, ``make_plan``, and their count) into
+one of two slots of shared-memory words, each published by a barrier and given back by the load partition once that
+tile's loads are issued (a plan at each tile's start had cost the load warp about 6 us of an SM a tile, longer than
+the consumers' lead of three slots: benchmarks/NOTES.md, session 18). The load partition (``_producer_planned``)
+counts the blocks for the consumers (in a word per half, published with Q), then (``_tile_loads_masked``) walks the
+runs, skips a block no query of the tile attends (not sent, not waited for, not loaded: only blocks sent whole are
+read, as TMA reads whole blocks) and passes each block's word (ring step, block, masked) to the consumers through a
+word per slot; the consumers apply the one mask rule (``protocol.pairs_allowed``, on ids keyed once per row and
+column) to masked blocks, with the block's ids read while S = Q K^T runs. The planner waits only for its two slots,
+which the load partition frees without waiting for anything of the planner's but the words themselves, so the
+partitions' waits stay acyclic and the no-deadlock argument above is unchanged (the planner reads only the ids and
+the published ranges, which the call check acquired before the partitions start). A tile of padding rows has no
+block (out 0, lse -inf). Without them the kernel is the one above (three partitions, the same binary as before).
 """
 
 import os
@@ -257,12 +265,12 @@ def _producer(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_ready, q
               W: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, CHUNK_BLOCKS: gl.constexpr, CAUSAL: gl.constexpr,
               ZIGZAG: gl.constexpr, WINDOW: gl.constexpr, WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr,
               SEGMENTED: gl.constexpr):
-    """The load partition: the program's tiles one after another, each one's Q and blocks (``_tile_loads`` /
-    ``_tile_loads_masked``; the slots' rounds go on from tile to tile), then tile -1 to the consumers. Every tile
-    is taken from the call's tile counter (CTL_FWD_TILE; the next one fetched while the tile before is loaded), so
-    the tiles start in ring_core.tiles.query_tile's order, as a program per tile would: the programs running at once
-    share K/V in L2, the heaviest tiles go first, and where fewer programs are resident than launched (ranks sharing
-    a GPU under MPS) none of them keeps a tile of its own for when it starts."""
+    """The load partition without masks (with them: ``_producer_planned``): the program's tiles one after another,
+    each one's Q and blocks (``_tile_loads``; the slots' rounds go on from tile to tile), then tile -1 to the
+    consumers. Every tile is taken from the call's tile counter (CTL_FWD_TILE; the next one fetched while the tile
+    before is loaded), so the tiles start in ring_core.tiles.query_tile's order, as a program per tile would: the
+    programs running at once share K/V in L2, the heaviest tiles go first, and where fewer programs are resident than
+    launched (ranks sharing a GPU under MPS) none of them keeps a tile of its own for when it starts."""
     BLOCK_M: gl.constexpr = 2 * q_smem.shape[1]
     n_tiles = B * H * (S // BLOCK_M)
     tile = gl.atomic_add(ctl + CTL_FWD_TILE, 1, sem="relaxed", scope="gpu")
@@ -274,15 +282,10 @@ def _producer(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_ready, q
         q0 = m_blk * BLOCK_M
         q_pos_min = positions(q0, rank, S, W, ZIGZAG)
         q_pos_max = positions(q0 + BLOCK_M - 1, rank, S, W, ZIGZAG)
-        if WINDOW or SEGMENTED:
-            j = _tile_loads_masked(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready,
-                                   kv_empty, meta, tword, tile, b, h, hkv, q0, q_pos_min, q_pos_max, i, j, rank, B, S,
-                                   seg_ptr, flags, n_chunks, epoch, ctl, timeout_ns, rng, W, HKV, D, CHUNK_BLOCKS,
-                                   CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)
-        else:
-            j = _tile_loads(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready,
-                            kv_empty, tword, tile, b, h, hkv, q0, q_pos_min, q_pos_max, i, j, rank, B, S, flags,
-                            n_chunks, epoch, ctl, timeout_ns, W, HKV, D, CHUNK_BLOCKS, CAUSAL, ZIGZAG)
+        gl.static_assert(not (WINDOW or SEGMENTED), "with masks the load partition is _producer_planned")
+        j = _tile_loads(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready,
+                        kv_empty, tword, tile, b, h, hkv, q0, q_pos_min, q_pos_max, i, j, rank, B, S, flags,
+                        n_chunks, epoch, ctl, timeout_ns, W, HKV, D, CHUNK_BLOCKS, CAUSAL, ZIGZAG)
         i += 1
         tile = nxt
     _no_more_tiles(q_ready, q_empty, tword, i)
@@ -322,22 +325,16 @@ def _tile_loads(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_ready,
 
 
 @gluon.jit
-def _tile_loads_masked(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
-                       meta, tword, tile, b, h, hkv, q0, q_pos_min, q_pos_max, i, j, rank, B, S, seg_ptr, flags,
-                       n_chunks, epoch, ctl, timeout_ns, rng, W: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr,
-                       CHUNK_BLOCKS: gl.constexpr, CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr, WINDOW: gl.constexpr,
-                       WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr, SEGMENTED: gl.constexpr):
-    """``_tile_loads`` with a window or segment ids: the tile's plan first (``make_plan``: each ring step's run
-    [first, end) and the count of blocks loaded, which goes to the consumers with Q), then the blocks the plan
-    holds, each tested again (``block_met``: a block no query of the tile may attend is neither waited for nor
-    loaded; its chunk may not have been sent), and for each block loaded its word in ``meta`` (``block_word``)
-    before the slot's barrier: which step and block, and whether it needs masks (not when every query of the tile
-    sees every key by position and, with segment ids, the tile's rows and the block's all carry one id: the chunk's
-    published range is [t, t], padding counted). A tile with no block (padding rows) gets Q alone."""
-    BLOCK_M: gl.constexpr = 2 * q_smem.shape[1]
-    STAGES: gl.constexpr = k_smem.shape[0]
-    BLOCK_N: gl.constexpr = k_smem.shape[1]
-    CHUNK_ROWS: gl.constexpr = CHUNK_BLOCKS * BLOCK_N
+def _tile_plan(tile, rank, B, S, seg_ptr, n_chunks, rng, H: gl.constexpr, W: gl.constexpr, HKV: gl.constexpr,
+               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CHUNK_ROWS: gl.constexpr, CAUSAL: gl.constexpr,
+               ZIGZAG: gl.constexpr, WINDOW: gl.constexpr, WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr,
+               SEGMENTED: gl.constexpr):
+    """With a window or segment ids, a tile's plan (the planner partition, ``_planner``): its ids' summary (s_hi, t_id
+    and the two parts [a_lo, a_hi], [b_lo, b_hi]) and ``make_plan``'s runs and count of blocks loaded."""
+    b, h, hkv, m_blk = query_tile(tile, H // HKV, S // BLOCK_M, HKV, CAUSAL)
+    q0 = m_blk * BLOCK_M
+    q_pos_min = positions(q0, rank, S, W, ZIGZAG)
+    q_pos_max = positions(q0 + BLOCK_M - 1, rank, S, W, ZIGZAG)
     s_hi = q0 * 0
     t_id = s_hi
     a_lo, a_hi, b_lo, b_hi = s_hi, s_hi, s_hi, s_hi
@@ -352,13 +349,139 @@ def _tile_loads_masked(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q
                 a_lo, a_hi, b_lo, b_hi = b_lo, b_hi, a_lo, a_hi
     plan, n_blocks = make_plan(q0, q_pos_min, q_pos_max, s_hi, rank, S, rng, b, B, n_chunks, a_lo, a_hi, b_lo, b_hi, W,
                                BLOCK_M, BLOCK_N, CHUNK_ROWS, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)
+    return s_hi, t_id, a_lo, a_hi, b_lo, b_hi, plan, n_blocks
+
+
+# The planner's words of a tile (``_planner`` -> ``_producer_planned``), in one of two slots of PLAN_WORDS(W) words:
+# the tile (-1: no more), its block count, s_hi, t_id, a_lo, a_hi, b_lo, b_hi, then each ring step's [first, end).
+_P_TILE, _P_N, _P_SHI, _P_TID = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2), gl.constexpr(3)
+_P_ALO, _P_AHI, _P_BLO, _P_BHI = gl.constexpr(4), gl.constexpr(5), gl.constexpr(6), gl.constexpr(7)
+_P_RUNS = gl.constexpr(8)
+
+
+@triton.constexpr_function
+def plan_words(W):
+    return 8 + 2 * W  # _P_RUNS + 2 W
+
+
+@gluon.jit
+def _put(words, k, value):
+    """Word ``k`` of ``words`` = ``value``, from a one-warp partition (the planner)."""
+    words.index(k).store(gl.full([1], value, gl.int32, _WORD_LAYOUT_1))
+
+
+@gluon.jit
+def _planner(pwords, p_full, p_empty, rank, B, S, seg_ptr, n_chunks, ctl, rng, H: gl.constexpr, W: gl.constexpr,
+             HKV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CHUNK_ROWS: gl.constexpr,
+             CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr, WINDOW: gl.constexpr, WIN_LEFT: gl.constexpr,
+             WIN_RIGHT: gl.constexpr, SEGMENTED: gl.constexpr):
+    """With a window or segment ids, the planner partition (one warp): the program's tiles from the call's tile
+    counter, as ``_producer`` takes them without masks, each one's plan (``_tile_plan``: global loads of the tile's
+    ids and of the chunks' published ranges, a scan of the blocks by position) worked out ahead of the load warp into
+    one of two slots of words (``pwords``, PLAN_WORDS(W) each), each slot published by its ``p_full`` barrier and
+    given back by the load warp's ``p_empty`` once that tile's loads are issued; then tile -1. The load warp's own
+    path is then each block's test and loads only: a plan at each tile's start took it several microseconds (about
+    6 us of an SM a tile, ``bench-doclens-stream``, benchmarks/NOTES.md session 18), longer than the consumers'
+    lead of three slots. It waits only for its slots (freed by the load warp, which waits for nothing of it but
+    these words), so the partitions' waits stay acyclic."""
+    PW: gl.constexpr = plan_words(W)
+    n_tiles = B * H * (S // BLOCK_M)
+    tile = gl.atomic_add(ctl + CTL_FWD_TILE, 1, sem="relaxed", scope="gpu")
+    k = tile * 0
+    while tile < n_tiles:
+        nxt = gl.atomic_add(ctl + CTL_FWD_TILE, 1, sem="relaxed", scope="gpu")
+        s_hi, t_id, a_lo, a_hi, b_lo, b_hi, plan, n_blocks = _tile_plan(
+            tile, rank, B, S, seg_ptr, n_chunks, rng, H, W, HKV, BLOCK_M, BLOCK_N, CHUNK_ROWS, CAUSAL, ZIGZAG, WINDOW,
+            WIN_LEFT, WIN_RIGHT, SEGMENTED)
+        slot = k % 2
+        mbarrier.wait(p_empty.index(slot), ((k // 2) & 1) ^ 1)  # a fresh barrier passes round 0
+        base = slot * PW
+        _put(pwords, base + _P_TILE, tile)
+        _put(pwords, base + _P_N, n_blocks)
+        _put(pwords, base + _P_SHI, s_hi)
+        _put(pwords, base + _P_TID, t_id)
+        _put(pwords, base + _P_ALO, a_lo)
+        _put(pwords, base + _P_AHI, a_hi)
+        _put(pwords, base + _P_BLO, b_lo)
+        _put(pwords, base + _P_BHI, b_hi)
+        for step in gl.static_range(W):
+            first, end = plan_at(plan, step)
+            _put(pwords, base + _P_RUNS + 2 * step, first)
+            _put(pwords, base + _P_RUNS + 2 * step + 1, end)
+        mbarrier.arrive(p_full.index(slot), count=1)
+        k += 1
+        tile = nxt
+    slot = k % 2
+    mbarrier.wait(p_empty.index(slot), ((k // 2) & 1) ^ 1)
+    _put(pwords, slot * PW + _P_TILE, -1)
+    mbarrier.arrive(p_full.index(slot), count=1)
+
+
+@gluon.jit
+def _producer_planned(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
+                      meta, tword, pwords, p_full, p_empty, rank, B, S, flags, n_chunks, epoch, ctl, timeout_ns, rng,
+                      H: gl.constexpr, W: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr,
+                      CHUNK_BLOCKS: gl.constexpr, CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr, WINDOW: gl.constexpr,
+                      WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr, SEGMENTED: gl.constexpr):
+    """``_producer`` with a window or segment ids: the tiles and their plans as the planner partition publishes them
+    (``_planner``; tile -1: no more), each one's Q and blocks (``_tile_loads_masked``), its slot of words given back
+    once they are issued; then tile -1 to the consumers."""
+    BLOCK_M: gl.constexpr = 2 * q_smem.shape[1]
+    PW: gl.constexpr = plan_words(W)
+    k = rank * 0
+    j = k
+    mbarrier.wait(p_full.index(0), 0)
+    tile = _tile_word(pwords, _P_TILE, 1)
+    while tile >= 0:
+        slot = k % 2
+        b, h, hkv, m_blk = query_tile(tile, H // HKV, S // BLOCK_M, HKV, CAUSAL)
+        q0 = m_blk * BLOCK_M
+        q_pos_min = positions(q0, rank, S, W, ZIGZAG)
+        q_pos_max = positions(q0 + BLOCK_M - 1, rank, S, W, ZIGZAG)
+        j = _tile_loads_masked(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready,
+                               kv_empty, meta, tword, pwords, slot * PW, tile, b, h, hkv, q0, q_pos_min, q_pos_max, k,
+                               j, rank, B, S, flags, n_chunks, epoch, ctl, timeout_ns, rng, W, HKV, D, CHUNK_BLOCKS,
+                               CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)
+        release_bar(p_empty.index(slot))  # every word of the slot read
+        k += 1
+        mbarrier.wait(p_full.index(k % 2), (k // 2) & 1)
+        tile = _tile_word(pwords, (k % 2) * PW + _P_TILE, 1)
+    _no_more_tiles(q_ready, q_empty, tword, k)
+
+
+@gluon.jit
+def _tile_loads_masked(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
+                       meta, tword, pwords, pbase, tile, b, h, hkv, q0, q_pos_min, q_pos_max, i, j, rank, B, S, flags,
+                       n_chunks, epoch, ctl, timeout_ns, rng, W: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr,
+                       CHUNK_BLOCKS: gl.constexpr, CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr, WINDOW: gl.constexpr,
+                       WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr, SEGMENTED: gl.constexpr):
+    """``_tile_loads`` with a window or segment ids: the tile's plan as the planner worked it out (its words from
+    ``pbase`` in ``pwords``: ``_tile_plan``, each ring step's run [first, end) and the count of blocks loaded, which
+    goes to the consumers with Q), then the blocks the plan holds, each tested again (``block_met``: a block no query
+    of the tile may attend is neither waited for nor loaded; its chunk may not have been sent), and for each block
+    loaded its word in ``meta`` (``block_word``) before the slot's barrier: which step and block, and whether it
+    needs masks (not when every query of the tile sees every key by position and, with segment ids, the tile's rows
+    and the block's all carry one id: the chunk's published range is [t, t], padding counted). A tile with no block
+    (padding rows) gets Q alone."""
+    BLOCK_M: gl.constexpr = 2 * q_smem.shape[1]
+    STAGES: gl.constexpr = k_smem.shape[0]
+    BLOCK_N: gl.constexpr = k_smem.shape[1]
+    CHUNK_ROWS: gl.constexpr = CHUNK_BLOCKS * BLOCK_N
+    n_blocks = _tile_word(pwords, pbase + _P_N, 1)
+    s_hi = _tile_word(pwords, pbase + _P_SHI, 1)
+    t_id = _tile_word(pwords, pbase + _P_TID, 1)
+    a_lo = _tile_word(pwords, pbase + _P_ALO, 1)
+    a_hi = _tile_word(pwords, pbase + _P_AHI, 1)
+    b_lo = _tile_word(pwords, pbase + _P_BLO, 1)
+    b_hi = _tile_word(pwords, pbase + _P_BHI, 1)
     j_first = j
     for step in gl.static_range(W):
         src = (rank - step + W) % W
         _, nf_lo, nf_hi, _, lo1, hi1, lo2, hi2, _ = step_blocks(q0, q0 + BLOCK_M, q_pos_min, q_pos_max, s_hi, rank,
                                                                 src, S, W, BLOCK_N, ZIGZAG, CAUSAL, WINDOW,
                                                                 WIN_LEFT, WIN_RIGHT, SEGMENTED)
-        first, end = plan_at(plan, step)
+        first = _tile_word(pwords, pbase + _P_RUNS + 2 * step, 1)
+        end = _tile_word(pwords, pbase + _P_RUNS + 2 * step + 1, 1)
         rng_src = ranges_of(rng, src, b, B, n_chunks)
         flag0 = flags + (((step - 1) * B + b) * HKV + hkv) * n_chunks
         k_row = (((step - 1) * 2 * B + b) * HKV + hkv) * S  # step >= 1: as _tile_loads
@@ -414,7 +537,7 @@ def make_plan(q0, q_pos_min, q_pos_max, s_hi, rank, S, rng, b, B, n_chunks, a_lo
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CHUNK_ROWS: gl.constexpr, CAUSAL: gl.constexpr,
               ZIGZAG: gl.constexpr, WINDOW: gl.constexpr, WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr,
               SEGMENTED: gl.constexpr):
-    """With a window or segment ids, in the load partition before a tile's first wait: per ring step the run of
+    """With a window or segment ids, in the planner partition (``_tile_plan``), a tile ahead: per ring step the run of
     blocks [first, end) holding every block the tile loads (``protocol.met_blocks``, 32 blocks at a time, a lane
     each: by position, ``step_blocks``, and by the chunks' published id ranges, which the call check acquired), as
     a vector (``plan_at`` reads it), and the number of blocks loaded, which the consumers' loop needs: (plan,
@@ -911,22 +1034,49 @@ def ring_attn_fwd_gluon(
     tword = gl.allocate_shared_memory(gl.int32, [4, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     if MASKS:
         meta = gl.allocate_shared_memory(gl.int32, [pow2(STAGES), 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        # The planner's two slots of a tile's plan (``_planner``), each with a barrier either way.
+        pwords = gl.allocate_shared_memory(gl.int32, [pow2(2 * plan_words(W)), 1],
+                                           gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        p_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        p_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for slot in gl.static_range(2):
+            mbarrier.init(p_full.index(slot), count=1)
+            mbarrier.init(p_empty.index(slot), count=1)
     else:
         meta = q_ready  # never read
 
     # ---- the program's tiles, from the call's tile counter (ring_core.tiles.query_tile's order) -------------
     qk_scale = sm_scale * 1.4426950408889634
-    gl.warp_specialize([
-        (_consumer_tiles, (q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, pp, meta, tword, out_ptr,
-                           lse_ptr, qk_scale, ctl, call_ok, rank, B, S, seg_ptr, seg_recv, 0, H, W, HKV, D, CAUSAL,
-                           ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
-        (_producer, (q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, meta,
-                     tword, rank, B, S, seg_ptr, flags, n_chunks, epoch, ctl, timeout_ns, rng, H, W, HKV, D,
-                     CHUNK_BLOCKS, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
-        (_consumer_tiles, (q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, pp, meta, tword, out_ptr,
-                           lse_ptr, qk_scale, ctl, call_ok, rank, B, S, seg_ptr, seg_recv, 1, H, W, HKV, D, CAUSAL,
-                           ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
-    ], [_LOAD_WARPS, _CONSUMER_WARPS], [_LOAD_REGS, _CONSUMER_REGS])
+    if MASKS:  # (Gluon takes a literal list of partitions: the one with the planner repeats the others)
+        gl.warp_specialize([
+            (_consumer_tiles, (q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, pp, meta, tword, out_ptr,
+                               lse_ptr, qk_scale, ctl, call_ok, rank, B, S, seg_ptr, seg_recv, 0, H, W, HKV, D,
+                               CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
+            (_producer_planned, (q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready,
+                                 kv_empty, meta, tword, pwords, p_full, p_empty, rank, B, S, flags, n_chunks, epoch,
+                                 ctl, timeout_ns, rng, H, W, HKV, D, CHUNK_BLOCKS, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT,
+                                 WIN_RIGHT, SEGMENTED)),
+            (_consumer_tiles, (q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, pp, meta, tword, out_ptr,
+                               lse_ptr, qk_scale, ctl, call_ok, rank, B, S, seg_ptr, seg_recv, 1, H, W, HKV, D,
+                               CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
+            (_planner, (pwords, p_full, p_empty, rank, B, S, seg_ptr, n_chunks, ctl, rng, H, W, HKV, BLOCK_M,
+                        BLOCK_N, CHUNK_ROWS, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
+        ], [_LOAD_WARPS, _CONSUMER_WARPS, _LOAD_WARPS], [_LOAD_REGS, _CONSUMER_REGS, _LOAD_REGS])
+        for slot in gl.static_range(2):
+            mbarrier.invalidate(p_full.index(slot))
+            mbarrier.invalidate(p_empty.index(slot))
+    else:
+        gl.warp_specialize([
+            (_consumer_tiles, (q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, pp, meta, tword, out_ptr,
+                               lse_ptr, qk_scale, ctl, call_ok, rank, B, S, seg_ptr, seg_recv, 0, H, W, HKV, D,
+                               CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
+            (_producer, (q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
+                         meta, tword, rank, B, S, seg_ptr, flags, n_chunks, epoch, ctl, timeout_ns, rng, H, W, HKV, D,
+                         CHUNK_BLOCKS, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
+            (_consumer_tiles, (q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, pp, meta, tword, out_ptr,
+                               lse_ptr, qk_scale, ctl, call_ok, rank, B, S, seg_ptr, seg_recv, 1, H, W, HKV, D,
+                               CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
+        ], [_LOAD_WARPS, _CONSUMER_WARPS], [_LOAD_REGS, _CONSUMER_REGS])
     free_q_halves(q_ready, q_empty)
     free_slots_kv(kv_ready, kv_empty, RINGS * STAGES)
     free_turns(pp)

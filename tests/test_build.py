@@ -442,7 +442,9 @@ GLUON_KERNEL_COMPILE = PLAN_SM90 + textwrap.dedent("""
             wgmma=ptx.count("wgmma.mma_async"), tma=len(at(r"cp\\.async\\.bulk\\.tensor")), fences=len(fence),
             acquires=len(acq), fence_after_acquire=bool(acq and fence and fence[0] > acq[0]),
             tma_after_fence=bool(fence and tma and tma[-1] > fence[0]),
-            releases=len(at(r"sys\\.release")), global_timer=ptx.count("%globaltimer"))
+            releases=len(at(r"sys\\.release")), global_timer=ptx.count("%globaltimer"),
+            partitions=len(re.findall(r"partition\\d+\\(", ttgir)),
+            masks=bool(p.constexprs()["WINDOW"] or p.constexprs()["SEGMENTED"]))  # (a window that hides nothing: none)
     print(json.dumps(out))
 """)
 
@@ -460,19 +462,25 @@ def test_gluon_product_kernel_compiles_warp_specialised_with_the_protocol(tmp_pa
     (a ready and an empty barrier per slot of each; D64/D128: one pair per slot of both), beside a pair for each half
     of Q's buffer (persistent: a ready and an empty barrier per consumer's half). With a window or
     segment ids (issue 20; the last three) the same, with a few words more of shared memory (the tiles' block
-    counts and the slots' block words)."""
+    counts, the slots' block words and the planner's two slots of a tile's plan) and one partition more, the planner,
+    with a ready and an empty barrier for each of its slots."""
     got = _compiled_for_sm90(GLUON_KERNEL_COMPILE, tmp_path)
+    plain = {c["partitions"] for c in got.values() if not c["masks"]}
+    assert len(plain) == 1 and {c["partitions"] for c in got.values() if c["masks"]} == {plain.pop() + 1}, got
+    assert sum(c["masks"] for c in got.values()) == 2, got
     for name, c in got.items():
         assert c["gluon"] and c["name"] == "ring_attn_fwd_gluon", (name, c)
         assert c["ws"] and c["load_partition"] and c["warps"] > 8 and c["scratch"] > 0, (name, c)
         assert c["shared"] <= 227 * 1024 and c["wgmma"] > 0 and c["tma"] > 0, (name, c)
         D = int(name.split("-D")[1].split("-")[0])
+        planner = 4 if c["masks"] else 0  # masks: the planner's slots' barriers
         if D == 256:
             assert c["tiles"] == [128, 64, 2] and c["mma_n"] == [64, 256], (name, c)
-            assert 192 * 1024 <= c["shared"] < 193 * 1024 + 512 and c["barriers"] == 4 + 2 * 2 * 2, (name, c)
+            assert 192 * 1024 <= c["shared"] < 193 * 1024 + 512, (name, c)
+            assert c["barriers"] == 4 + 2 * 2 * 2 + planner, (name, c)
         else:
             assert c["tiles"] == [128, 128, 3] and c["mma_n"] == sorted({128, D}), (name, c)
-            assert c["barriers"] == 4 + 2 * 3, (name, c)
+            assert c["barriers"] == 4 + 2 * 3 + planner, (name, c)
         if "-W1-" in name:
             assert c["acquires"] == 0 and c["fences"] == 0, (name, c)
         else:
@@ -528,7 +536,8 @@ GLUON_BWD_COMPILE = PLAN_SM90 + textwrap.dedent("""
                 acquires=len(acq), tma_after_fence=bool(fence and tma and tma[-1] > fence[0] > acq[0]) if acq else None,
                 turn_before_reduce=bool(turn and reduce and turn[0] < reduce[0]), wait_one=len(one),
                 release_after_wait_one=bool(one and rel and rel[-1] > one[0]),
-                partitions=len(re.findall(r"partition\\d+\\(", ttgir)))
+                partitions=len(re.findall(r"partition\\d+\\(", ttgir)),
+            masks=bool(p.constexprs()["WINDOW"] or p.constexprs()["SEGMENTED"]))  # (a window that hides nothing: none)
     print(json.dumps(out))
 """)
 
