@@ -122,3 +122,45 @@ def check_pair(name: str, a, b, ref64, lowp, dtype: str, kind: str = "out") -> f
 def case_label(W, B, S, H, HKV, D, dtype, causal, layout) -> str:
     """The common part of a simulator test case's pytest id (world size, shapes, dtype, masking, layout)."""
     return f"w{W}-b{B}-s{S}-h{H}kv{HKV}-d{D}-{dtype}-{'causal' if causal else 'full'}-{layout}"
+
+
+def no_gpu_driver(stream: int = 0):
+    """A stand-in for Triton's active driver (``triton.runtime.driver.set_active``) on a machine without a GPU: what
+    Triton's JIT asks of a driver before it compiles or launches (an sm_90 target, device 0, ``stream``), for the CPU
+    tests that drive the JIT with a stand-in compile (tests/test_build.py, tests/test_launch.py)."""
+    import torch
+    from triton.backends.compiler import GPUTarget
+
+    class NoGpu:
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return stream
+
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+
+    return NoGpu()
+
+
+def run_compiled(script: str, cache=None):
+    """The JSON that the Python ``script`` prints last, run in a process of its own from the repository's root with
+    Triton compiling, not interpreting (TRITON_INTERPRET unset; ``cache``: its own TRITON_CACHE_DIR), for the CPU
+    tests that compile for a GPU target or drive Triton's JIT with stand-ins (``no_gpu_driver``)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=os.pathsep.join([root, env.get("PYTHONPATH", "")]))
+    if cache is not None:
+        env.update(TRITON_CACHE_DIR=str(cache))
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=root, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])

@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ring_core import testing
+
 ROOT = Path(__file__).resolve().parent.parent
 
 COMPILE = textwrap.dedent("""
@@ -290,11 +292,7 @@ def test_compiles_are_logged_and_warm_compiles_them_again(tmp_path):
 def _compiled_for_sm90(script: str, cache) -> dict:
     """The JSON that ``script`` prints last, run in a process of its own (compiled, not interpreted; its own
     Triton cache ``cache``)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]), TRITON_CACHE_DIR=str(cache))
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return testing.run_compiled(script, cache)
 
 
 GLUON_COMPILE = textwrap.dedent("""
@@ -755,22 +753,12 @@ def test_warm_without_torch_compiles_the_same_kernels():
 JIT_AND_BUILD_KEYS = textwrap.dedent("""
     import json
     import torch
-    from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton.runtime import driver
     from triton.runtime.jit import JITFunction
-    from ring_core import build, control, plans, validate
+    from ring_core import build, control, plans, testing, validate
 
-    class NoGpu:  # what the JIT asks of a driver before it compiles
-        def get_current_target(self):
-            return GPUTarget("cuda", 90, 32)
-        def get_current_device(self):
-            return 0
-        def get_current_stream(self, device=None):
-            return 0
-        def get_active_torch_device(self):
-            return torch.device("cpu")
-    driver.set_active(NoGpu())
+    driver.set_active(testing.no_gpu_driver())  # what the JIT asks of a driver before it compiles
     seen = {}
     def capture(self, key, signature, device, constexprs, options, attrs, warmup):  # instead of compiling
         seen["hash"] = self.ASTSource(self, signature, constexprs, attrs).hash()
@@ -831,10 +819,5 @@ def test_torch_jit_and_the_jax_launch_compile_one_cache_entry():
     and backward's plans (ring_core.gluon_kernel, ring_core.gluon_bwd), and the Gluon probe's launch (TMA
     descriptors) against its record
     (benchmarks/gluon_fwd.launch_records)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-c", JIT_AND_BUILD_KEYS], capture_output=True, text=True, env=env, cwd=ROOT,
-                       timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    pairs = json.loads(r.stdout.strip().splitlines()[-1])
+    pairs = testing.run_compiled(JIT_AND_BUILD_KEYS)
     assert len(pairs) == 9 and all(jit == ours for jit, ours in pairs), pairs

@@ -224,22 +224,12 @@ DIRECT_LAUNCH = textwrap.dedent("""
     import json
     import torch
     from triton import knobs
-    from triton.backends.compiler import GPUTarget
     from triton.runtime import driver
     from triton.runtime.jit import JITFunction
-    from ring_core import control, plans, validate
+    from ring_core import control, plans, testing, validate
     from torch_bridge import fused
 
-    class NoGpu:  # what the JIT asks of a driver
-        def get_current_target(self):
-            return GPUTarget("cuda", 90, 32)
-        def get_current_device(self):
-            return 0
-        def get_current_stream(self, device=None):
-            return 7
-        def get_active_torch_device(self):
-            return torch.device("cpu")
-    driver.set_active(NoGpu())
+    driver.set_active(testing.no_gpu_driver(stream=7))  # what the JIT asks of a driver
     log = []
 
     class Compiled:  # a compiled kernel as the JIT returns it; its launcher records what it is given
@@ -293,14 +283,9 @@ def test_torch_launches_reuse_the_compiled_kernel_with_the_jits_arguments():
     (another specialisation) goes through the JIT again, and the aligned launch after it still reuses the kernel;
     with a launch hook set (a profiler) the direct launch passes what the JIT does. For the tl and the Gluon
     kernels, forward and backward (a stand-in driver and compile: no GPU)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-c", DIRECT_LAUNCH], capture_output=True, text=True, env=env, cwd=ROOT,
-                       timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    import json
+    from ring_core import testing
 
-    runs = json.loads(r.stdout.strip().splitlines()[-1])
+    runs = testing.run_compiled(DIRECT_LAUNCH)
     assert [g for g, _ in runs] == [False, False, True, True]
     for _, (first, second, unaligned, after, hooked) in runs:
         assert first.get("jit") and not second.get("jit") and unaligned.get("jit") and not after.get("jit")
