@@ -60,8 +60,8 @@ key by position and the tile's rows and the block's all carry one id). A fourth 
 warp, ``_planner``), takes the tiles from the counter in the load partition's stead and works out each tile's plan
 ahead of it (``_tile_plan``: the tile's ids, each ring step's run of blocks, ``make_plan``, and their count) into
 one of two slots of shared-memory words, each published by a barrier and given back by the load partition once that
-tile's loads are issued (a plan at each tile's start had cost the load warp about 6 us of an SM a tile, longer than
-the consumers' lead of three slots: benchmarks/NOTES.md, session 18). The load partition (``_producer_planned``)
+tile's loads are issued (a segmented tile cost about 6 us of an SM more than a dense one, the plan at its start on
+the load warp about 1.3 us of that: benchmarks/NOTES.md, session 18). The load partition (``_producer_planned``)
 counts the blocks for the consumers (in a word per half, published with Q), then (``_tile_loads_masked``) walks the
 runs, skips a block no query of the tile attends (not sent, not waited for, not loaded: only blocks sent whole are
 read, as TMA reads whole blocks) and passes each block's word (ring step, block, masked) to the consumers through a
@@ -352,7 +352,7 @@ def _tile_plan(tile, rank, B, S, seg_ptr, n_chunks, rng, H: gl.constexpr, W: gl.
     return s_hi, t_id, a_lo, a_hi, b_lo, b_hi, plan, n_blocks
 
 
-# The planner's words of a tile (``_planner`` -> ``_producer_planned``), in one of two slots of PLAN_WORDS(W) words:
+# The planner's words of a tile (``_planner`` -> ``_producer_planned``), in one of two slots of plan_words(W) words:
 # the tile (-1: no more), its block count, s_hi, t_id, a_lo, a_hi, b_lo, b_hi, then each ring step's [first, end).
 _P_TILE, _P_N, _P_SHI, _P_TID = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2), gl.constexpr(3)
 _P_ALO, _P_AHI, _P_BLO, _P_BHI = gl.constexpr(4), gl.constexpr(5), gl.constexpr(6), gl.constexpr(7)
@@ -378,12 +378,11 @@ def _planner(pwords, p_full, p_empty, rank, B, S, seg_ptr, n_chunks, ctl, rng, H
     """With a window or segment ids, the planner partition (one warp): the program's tiles from the call's tile
     counter, as ``_producer`` takes them without masks, each one's plan (``_tile_plan``: global loads of the tile's
     ids and of the chunks' published ranges, a scan of the blocks by position) worked out ahead of the load warp into
-    one of two slots of words (``pwords``, PLAN_WORDS(W) each), each slot published by its ``p_full`` barrier and
+    one of two slots of words (``pwords``, plan_words(W) each), each slot published by its ``p_full`` barrier and
     given back by the load warp's ``p_empty`` once that tile's loads are issued; then tile -1. The load warp's own
-    path is then each block's test and loads only: a plan at each tile's start took it several microseconds (about
-    6 us of an SM a tile, ``bench-doclens-stream``, benchmarks/NOTES.md session 18), longer than the consumers'
-    lead of three slots. It waits only for its slots (freed by the load warp, which waits for nothing of it but
-    these words), so the partitions' waits stay acyclic."""
+    path is then each block's test and loads only (the plan on it had cost about 1.3 us of an SM a tile:
+    ``bench-doclens-stream``, benchmarks/NOTES.md session 18). It waits only for its slots (freed by the load warp,
+    which waits for nothing of it but these words), so the partitions' waits stay acyclic."""
     PW: gl.constexpr = plan_words(W)
     n_tiles = B * H * (S // BLOCK_M)
     tile = gl.atomic_add(ctl + CTL_FWD_TILE, 1, sem="relaxed", scope="gpu")
