@@ -96,9 +96,9 @@ def _launch(p, *args):
 
     A plan's first launch goes through Triton's JIT (compile or cache, specialisation, binding), which returns the
     compiled kernel; later launches call that kernel's own launcher, as the JIT's last step does, and skip the rest:
-    per call the JIT binds and specialises every argument (the plan's constexprs included) and hashes its key, about
-    80 us of host time that a call timed on its own waits out before its kernel starts (benchmarks/host_path.py,
-    call AA). The binary is the one the JIT would pick: what the JIT specialises on is fixed by the plan (dtypes,
+    per call the JIT binds and specialises every argument (the plan's constexprs included) and hashes its key, 35-85
+    us of host time that a call timed on its own waits out before its kernel starts (benchmarks/host_path.py, calls
+    AA and AB). The binary is the one the JIT would pick: what the JIT specialises on is fixed by the plan (dtypes,
     the integer scalars batch and seq_local; timeout_ns and part_off are not specialised) but for the pointers'
     16-byte alignment, so a launch with a pointer not so aligned (a view into a buffer) goes through the JIT, and
     only launches with every pointer aligned reuse the kernel. The pointers go to the launcher as integers, which it
