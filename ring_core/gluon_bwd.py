@@ -99,7 +99,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 import iris
 
 from ring_core import control, plans
-from ring_core.gluon_kernel import (_WORD_LAYOUT_1, _WORD_LAYOUT_4, _acquire_chunk, _tile_word, cta_barrier, release,
+from ring_core.gluon_kernel import (_WORD_LAYOUT_4, _acquire_chunk, _put, _tile_word, cta_barrier, release,
                                     release_bar, tma_add, tma_load)
 from ring_core.protocol import (CTL_BWD_DELTA, CTL_BWD_TICKET, CTL_ERROR, KEY_PAD, QUERY_PAD, block_reaches,
                                 bwd_step_unmasked, bwd_task_steps, chunk_one_id, drain_pushes, end_call, last_pos,
@@ -324,7 +324,7 @@ def load_steps(q_desc, do_desc, q_smem, do_smem, lse_smem, dl_smem, q_ready, q_e
                 ids_smem.index(s).store(segment_keys(gl.load(seg_b + m0 + rows), QUERY_PAD))
                 unmasked = unmasked & chunk_one_id(rng_b, m0 // CHUNK_ROWS, m0 >= 0, kv_t)
             word = gl.where(unmasked, UNMASKED, positions(m0, rank, S, W, ZIGZAG) - k_pos_n0)
-            meta_smem.index(s).store(gl.full([1], word, gl.int32, _WORD_LAYOUT_1))
+            _put(meta_smem, s, word)
         mbarrier.expect(q_ready.index(s), 2 * q_desc.block_type.nbytes)
         tma_load(q_desc, [b * S + m0, h * D], q_ready.index(s), q_smem.index(s))
         tma_load(do_desc, [b * S + m0, h * D], q_ready.index(s), do_smem.index(s))
@@ -625,10 +625,10 @@ def _task_words(task_smem, t, n_m, i_lo, sent):
     """The load warp: the task it loads (ticket ``t``; -1 or any ticket past the dK/dV tasks: no more), its steps
     (``n_m`` query blocks from ``i_lo``) and whether its partial goes back (``sent``), for the consumers; published
     by ``kv_bar``'s arrival after it (``_producer``), read once it passed (``_tile_word``)."""
-    task_smem.index(0).store(gl.full([1], t, gl.int32, _WORD_LAYOUT_1))
-    task_smem.index(1).store(gl.full([1], n_m, gl.int32, _WORD_LAYOUT_1))
-    task_smem.index(2).store(gl.full([1], i_lo, gl.int32, _WORD_LAYOUT_1))
-    task_smem.index(3).store(gl.full([1], sent, gl.int32, _WORD_LAYOUT_1))
+    _put(task_smem, 0, t)
+    _put(task_smem, 1, n_m)
+    _put(task_smem, 2, i_lo)
+    _put(task_smem, 3, sent)
 
 
 @gluon.jit

@@ -236,8 +236,8 @@ def _load_q(q_desc, q_smem, q_ready, q_empty, tword, row, col, i, tile, n_blocks
     HALF: gl.constexpr = q_smem.shape[1]
     for half in gl.static_range(2):
         mbarrier.wait(q_empty.index(half), (i & 1) ^ 1)
-        tword.index(2 * half).store(gl.full([1], tile, gl.int32, _WORD_LAYOUT_1))
-        tword.index(2 * half + 1).store(gl.full([1], n_blocks, gl.int32, _WORD_LAYOUT_1))
+        _put(tword, 2 * half, tile)
+        _put(tword, 2 * half + 1, n_blocks)
         mbarrier.expect(q_ready.index(half), q_desc.block_type.nbytes)
         tma_load(q_desc, [row + half * HALF, col], q_ready.index(half), q_smem.index(half))
 
@@ -248,8 +248,15 @@ def _no_more_tiles(q_ready, q_empty, tword, i):
     (published by the half's barrier, with no bytes to wait for)."""
     for half in gl.static_range(2):
         mbarrier.wait(q_empty.index(half), (i & 1) ^ 1)
-        tword.index(2 * half).store(gl.full([1], -1, gl.int32, _WORD_LAYOUT_1))
+        _put(tword, 2 * half, -1)
         mbarrier.arrive(q_ready.index(half), count=1)
+
+
+@gluon.jit
+def _put(words, k, value):
+    """Word ``k`` of ``words`` (a [n, 1] int32 buffer) = ``value``, from a one-warp partition (the load warp, the
+    planner): what ``_tile_word`` reads once the barrier after it has passed."""
+    words.index(k).store(gl.full([1], value, gl.int32, _WORD_LAYOUT_1))
 
 
 @gluon.jit
@@ -362,12 +369,6 @@ _P_RUNS = gl.constexpr(8)
 @triton.constexpr_function
 def plan_words(W):
     return 8 + 2 * W  # _P_RUNS + 2 W
-
-
-@gluon.jit
-def _put(words, k, value):
-    """Word ``k`` of ``words`` = ``value``, from a one-warp partition (the planner)."""
-    words.index(k).store(gl.full([1], value, gl.int32, _WORD_LAYOUT_1))
 
 
 @gluon.jit
@@ -502,6 +503,8 @@ def _tile_loads_masked(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q
                         c_done = c
                 s = j % STAGES
                 mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
+                # (not _put: through it the compilers order this store's address arithmetic otherwise, and the
+                # PTX is no longer the binary call AH checked)
                 meta.index(s).store(gl.full([1], block_word(step, jb, unmasked), gl.int32, _WORD_LAYOUT_1))
                 _load_block(k_desc, v_desc, r_desc, k_smem, v_smem, kv_ready, kv_empty, s, j // STAGES, step, b, hkv,
                             jb, k_row, B, S, HKV, D)
