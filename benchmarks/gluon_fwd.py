@@ -224,12 +224,12 @@ def gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, lse_ptr, ctl_ptr, S, H, HKV, 
         # Without masks the consumer reads neither its block words (q_bar stands in) nor ids (ctl_ptr stands in).
         gl.warp_specialize([
             (consumer, (q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, pp, q_bar, n_blocks, qk_scale, lse_row,
-                        ctl_ptr, 1, S * 0, 1, S, q0, q0 + BLOCK_M - 1, ctl_ptr, ctl_ptr, ctl_ptr,
+                        ctl_ptr, 1, S * 0, 1, S, q0, q0 + BLOCK_M - 1, ctl_ptr, ctl_ptr,
                         0, 1, 1, D, CAUSAL, False, False, -1, -1, False)),  # world size 1: rank 0, contiguous
             (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, row_q,
                                row_kv, col_q, col_kv, n_blocks, BLOCK_N, STAGES)),
             (consumer, (q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, pp, q_bar, n_blocks, qk_scale, lse_row,
-                        ctl_ptr, 1, S * 0, 1, S, q0, q0 + BLOCK_M - 1, ctl_ptr, ctl_ptr, ctl_ptr,
+                        ctl_ptr, 1, S * 0, 1, S, q0, q0 + BLOCK_M - 1, ctl_ptr, ctl_ptr,
                         1, 1, 1, D, CAUSAL, False, False, -1, -1, False)),
         ], [_LOAD_WARPS, NUM_WARPS], [_LOAD_REGS, _SPLIT_REGS])
         _tma_store(o_desc, [row_q, col_q], q_smem)  # both halves written (the partitions joined)

@@ -119,14 +119,14 @@ def gluon_ring_fwd(q_desc, k_desc, v_desc, r_desc, o_desc, lse_ptr, flags_ptr, e
     pp = turns()
     gl.warp_specialize([
         (consumer, (q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, pp, q_bar, n_blocks, qk_scale, lse_row, err_ptr,
-                    1, rank, 1, S, q_pos, q_pos + BLOCK_M - 1, err_ptr, err_ptr, err_ptr,
+                    1, rank, 1, S, q_pos, q_pos + BLOCK_M - 1, err_ptr, err_ptr,
                     0, W, 1, D, CAUSAL, False, False, -1, -1, False)),
         (_load_ring_partition, (q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty,
                                 b * S + q0, b * S, h * D, hkv * D, n_local, n_peer, n_blocks, n_step, r_row,
                                 2 * B * HKV * S, B * HKV * S, flag0, B * HKV * n_chunks, epoch, max_polls,
                                 err_ptr + CTL_ERROR, BLOCK_N, STAGES, CHUNK_BLOCKS)),
         (consumer, (q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, pp, q_bar, n_blocks, qk_scale, lse_row, err_ptr,
-                    1, rank, 1, S, q_pos, q_pos + BLOCK_M - 1, err_ptr, err_ptr, err_ptr,
+                    1, rank, 1, S, q_pos, q_pos + BLOCK_M - 1, err_ptr, err_ptr,
                     1, W, 1, D, CAUSAL, False, False, -1, -1, False)),
     ], [_LOAD_WARPS, NUM_WARPS], [_LOAD_REGS, _SPLIT_REGS])
     _tma_store(o_desc, [b * S + q0, h * D], q_smem)  # both halves written (the partitions joined)

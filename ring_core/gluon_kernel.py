@@ -66,7 +66,10 @@ counts the blocks for the consumers (in a word per half, published with Q), then
 runs, skips a block no query of the tile attends (not sent, not waited for, not loaded: only blocks sent whole are
 read, as TMA reads whole blocks) and passes each block's word (ring step, block, masked) to the consumers through a
 word per slot; the consumers apply the one mask rule (``protocol.pairs_allowed``, on ids keyed once per row and
-column) to masked blocks, with the block's ids read while S = Q K^T runs. The planner waits only for its two slots,
+column) to masked blocks. The ids come through shared memory, as the backward's do: the load partition writes a
+masked block's keyed ids beside its slot and the tile's with its Q, and the consumers read them while S = Q K^T runs
+(loaded from global memory in the consumers' loop they came in waves, each waiting out the load's latency); the
+ids of a block of a later ring step are read after its chunk's acquire. The planner waits only for its two slots,
 which the load partition frees without waiting for anything of the planner's but the words themselves, so the
 partitions' waits stay acyclic and the no-deadlock argument above is unchanged (the planner reads only the ids and
 the published ranges, which the call check acquired before the partitions start). A tile of padding rows has no
@@ -229,15 +232,23 @@ def free_q_halves(q_ready, q_empty):
 
 
 @gluon.jit
-def _load_q(q_desc, q_smem, q_ready, q_empty, tword, row, col, i, tile, n_blocks):
+def _load_q(q_desc, q_smem, q_ready, q_empty, tword, row, col, i, tile, n_blocks, qids=None, seg_q=None):
     """The load partition: the program's ``i``-th tile's Q (tile ``tile``, rows from ``row``), each half once its
     consumer is done with the last tile's (its last S done), after the tile and its block count (masks only) in the
-    half's words ``tword``, which the half's barrier publishes (the consumers' loop needs both)."""
+    half's words ``tword``, which the half's barrier publishes (the consumers' loop needs both). With segment ids
+    (``seg_q``: the tile's, else None) the half's rows' ids too, keyed (``segment_keys``), into ``qids`` (a row a
+    half), loaded before the waits (the consumers read their half's once, at the tile's start)."""
     HALF: gl.constexpr = q_smem.shape[1]
+    if seg_q is not None:
+        ids_layout: gl.constexpr = gl.BlockedLayout([HALF // 32], [32], [1], [0])
+        ids0 = segment_keys(gl.load(seg_q + gl.arange(0, HALF, layout=ids_layout)), QUERY_PAD)
+        ids1 = segment_keys(gl.load(seg_q + HALF + gl.arange(0, HALF, layout=ids_layout)), QUERY_PAD)
     for half in gl.static_range(2):
         mbarrier.wait(q_empty.index(half), (i & 1) ^ 1)
         _put(tword, 2 * half, tile)
         _put(tword, 2 * half + 1, n_blocks)
+        if seg_q is not None:
+            qids.index(half).store(ids0 if half == 0 else ids1)
         mbarrier.expect(q_ready.index(half), q_desc.block_type.nbytes)
         tma_load(q_desc, [row + half * HALF, col], q_ready.index(half), q_smem.index(half))
 
@@ -419,13 +430,14 @@ def _planner(pwords, p_full, p_empty, rank, B, S, seg_ptr, n_chunks, ctl, rng, H
 
 @gluon.jit
 def _producer_planned(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
-                      meta, tword, pwords, p_full, p_empty, rank, B, S, flags, n_chunks, epoch, ctl, timeout_ns, rng,
-                      H: gl.constexpr, W: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr,
+                      meta, tword, pwords, p_full, p_empty, qids, kids, rank, B, S, seg_ptr, seg_recv, flags, n_chunks,
+                      epoch, ctl, timeout_ns, rng, H: gl.constexpr, W: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr,
                       CHUNK_BLOCKS: gl.constexpr, CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr, WINDOW: gl.constexpr,
                       WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr, SEGMENTED: gl.constexpr):
     """``_producer`` with a window or segment ids: the tiles and their plans as the planner partition publishes them
-    (``_planner``; tile -1: no more), each one's Q and blocks (``_tile_loads_masked``), its slot of words given back
-    once they are issued; then tile -1 to the consumers."""
+    (``_planner``; tile -1: no more), each one's Q and blocks (``_tile_loads_masked``; with segment ids the tile's and
+    the masked blocks' ids into ``qids`` / ``kids``), its slot of words given back once they are issued; then tile -1
+    to the consumers."""
     BLOCK_M: gl.constexpr = 2 * q_smem.shape[1]
     PW: gl.constexpr = plan_words(W)
     k = rank * 0
@@ -439,9 +451,9 @@ def _producer_planned(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_
         q_pos_min = positions(q0, rank, S, W, ZIGZAG)
         q_pos_max = positions(q0 + BLOCK_M - 1, rank, S, W, ZIGZAG)
         j = _tile_loads_masked(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready,
-                               kv_empty, meta, tword, pwords, slot * PW, tile, b, h, hkv, q0, q_pos_min, q_pos_max, k,
-                               j, rank, B, S, flags, n_chunks, epoch, ctl, timeout_ns, rng, W, HKV, D, CHUNK_BLOCKS,
-                               CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)
+                               kv_empty, meta, tword, pwords, slot * PW, qids, kids, tile, b, h, hkv, q0, q_pos_min,
+                               q_pos_max, k, j, rank, B, S, seg_ptr, seg_recv, flags, n_chunks, epoch, ctl, timeout_ns,
+                               rng, W, HKV, D, CHUNK_BLOCKS, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)
         release_bar(p_empty.index(slot))  # every word of the slot read
         k += 1
         mbarrier.wait(p_full.index(k % 2), (k // 2) & 1)
@@ -451,18 +463,22 @@ def _producer_planned(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_
 
 @gluon.jit
 def _tile_loads_masked(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
-                       meta, tword, pwords, pbase, tile, b, h, hkv, q0, q_pos_min, q_pos_max, i, j, rank, B, S, flags,
-                       n_chunks, epoch, ctl, timeout_ns, rng, W: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr,
-                       CHUNK_BLOCKS: gl.constexpr, CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr, WINDOW: gl.constexpr,
-                       WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr, SEGMENTED: gl.constexpr):
+                       meta, tword, pwords, pbase, qids, kids, tile, b, h, hkv, q0, q_pos_min, q_pos_max, i, j, rank, B,
+                       S, seg_ptr, seg_recv, flags, n_chunks, epoch, ctl, timeout_ns, rng, W: gl.constexpr,
+                       HKV: gl.constexpr, D: gl.constexpr, CHUNK_BLOCKS: gl.constexpr, CAUSAL: gl.constexpr,
+                       ZIGZAG: gl.constexpr, WINDOW: gl.constexpr, WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr,
+                       SEGMENTED: gl.constexpr):
     """``_tile_loads`` with a window or segment ids: the tile's plan as the planner worked it out (its words from
     ``pbase`` in ``pwords``: ``_tile_plan``, each ring step's run [first, end) and the count of blocks loaded, which
     goes to the consumers with Q), then the blocks the plan holds, each tested again (``block_met``: a block no query
     of the tile may attend is neither waited for nor loaded; its chunk may not have been sent), and for each block
     loaded its word in ``meta`` (``block_word``) before the slot's barrier: which step and block, and whether it
     needs masks (not when every query of the tile sees every key by position and, with segment ids, the tile's rows
-    and the block's all carry one id: the chunk's published range is [t, t], padding counted). A tile with no block
-    (padding rows) gets Q alone."""
+    and the block's all carry one id: the chunk's published range is [t, t], padding counted). With segment ids, the
+    tile's ids go with its Q (``_load_q``) and a masked block's ids, keyed (``segment_keys``), into the slot's row of
+    ``kids`` before the slot's barrier: the consumers read them from shared memory (global loads in their loop came
+    in waves, each waiting out the load's latency: benchmarks/NOTES.md, session 19). A tile with no block (padding
+    rows) gets Q alone."""
     BLOCK_M: gl.constexpr = 2 * q_smem.shape[1]
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
@@ -485,6 +501,10 @@ def _tile_loads_masked(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q
         rng_src = ranges_of(rng, src, b, B, n_chunks)
         flag0 = flags + (((step - 1) * B + b) * HKV + hkv) * n_chunks
         k_row = (((step - 1) * 2 * B + b) * HKV + hkv) * S  # step >= 1: as _tile_loads
+        if step == 0:  # the blocks' ids: this rank's (batch b's), or those that came with the chunk (_block_ids)
+            seg_k = seg_ptr + b.to(gl.int64) * S
+        else:
+            seg_k = seg_recv + ((((step - 1) * B + b) * HKV + hkv).to(gl.int64) * S)
         c_done = first * 0 - 1
         for jb in range(first, end):
             c_lo, c_hi = jb, jb  # (unused without ids)
@@ -502,18 +522,38 @@ def _tile_loads_masked(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q
                         _acquire_chunk(flag0 + c, epoch, ctl, timeout_ns, src, step, c)
                         c_done = c
                 s = j % STAGES
+                if SEGMENTED:  # (loaded before the slot's wait, after the chunk's acquire)
+                    ids_layout: gl.constexpr = gl.BlockedLayout([BLOCK_N // 32], [32], [1], [0])
+                    ids = gl.full([BLOCK_N], -1, gl.int32, ids_layout)
+                    if not unmasked:
+                        ids = gl.load(seg_k + jb * BLOCK_N + gl.arange(0, BLOCK_N, layout=ids_layout))
                 mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
+                if SEGMENTED:
+                    if not unmasked:
+                        kids.index(s).store(segment_keys(ids, KEY_PAD))
                 # (not _put: through it the compilers order this store's address arithmetic otherwise, and the
                 # PTX is no longer the binary call AH checked)
                 meta.index(s).store(gl.full([1], block_word(step, jb, unmasked), gl.int32, _WORD_LAYOUT_1))
                 _load_block(k_desc, v_desc, r_desc, k_smem, v_smem, kv_ready, kv_empty, s, j // STAGES, step, b, hkv,
                             jb, k_row, B, S, HKV, D)
                 if j == j_first:
-                    _load_q(q_desc, q_smem, q_ready, q_empty, tword, b * S + q0, h * D, i, tile, n_blocks)
+                    _tile_q(q_desc, q_smem, q_ready, q_empty, tword, qids, seg_ptr, b, h, q0, S, D, i, tile, n_blocks,
+                            SEGMENTED)
                 j += 1
     if j == j_first:  # no block: out 0, lse -inf
-        _load_q(q_desc, q_smem, q_ready, q_empty, tword, b * S + q0, h * D, i, tile, n_blocks)
+        _tile_q(q_desc, q_smem, q_ready, q_empty, tword, qids, seg_ptr, b, h, q0, S, D, i, tile, n_blocks, SEGMENTED)
     return j
+
+
+@gluon.jit
+def _tile_q(q_desc, q_smem, q_ready, q_empty, tword, qids, seg_ptr, b, h, q0, S, D: gl.constexpr, i, tile, n_blocks,
+            SEGMENTED: gl.constexpr):
+    """``_load_q`` of a tile at (b, h, q0) in the masked load partition, with the tile's ids where SEGMENTED."""
+    if SEGMENTED:
+        _load_q(q_desc, q_smem, q_ready, q_empty, tword, b * S + q0, h * D, i, tile, n_blocks, qids,
+                seg_ptr + b.to(gl.int64) * S + q0)
+    else:
+        _load_q(q_desc, q_smem, q_ready, q_empty, tword, b * S + q0, h * D, i, tile, n_blocks)
 
 
 # A block's word (``_tile_loads_masked`` -> the consumers, through the slot's ``meta``): ring step, block, and bit 0 set
@@ -712,20 +752,14 @@ def _pass_turn(pp, HALF_INDEX: gl.constexpr):
 
 
 @gluon.jit
-def _block_ids(w, seg_local, seg_recv_b, B, S, HKV: gl.constexpr, BLOCK_N: gl.constexpr, layout: gl.constexpr):
-    """The segment ids of the block of word ``w`` (``block_word``) where it needs masks (else -1, unread):
-    step 0's from this rank's ids (``seg_local``: batch b's), step t's from receive slot t - 1's (``seg_recv_b``: slot
-    0's of (b, kv head); they came with the chunk, before its flag, which the load partition acquired before the
-    slot's barrier, whose wait orders these loads after it)."""
+def _block_ids(w, kids, s, BLOCK_N: gl.constexpr, layout: gl.constexpr, SEGMENTED: gl.constexpr):
+    """With segment ids, the keyed ids (``segment_keys``) of the block of word ``w`` (``block_word``) in slot ``s``
+    where it needs masks (else -1, unread): the slot's row of ``kids``, which the load partition wrote before the
+    slot's barrier (``_tile_loads_masked``), read before the slot is freed."""
     ids = gl.full([BLOCK_N], -1, gl.int32, layout)
-    if (w & 1) != 0:
-        t = w >> 24
-        jb = (w >> 1) & 0x7FFFFF
-        if t == 0:
-            base = seg_local
-        else:
-            base = seg_recv_b + (t - 1).to(gl.int64) * B * HKV * S
-        ids = segment_keys(gl.load(base + jb * BLOCK_N + gl.arange(0, BLOCK_N, layout=layout)), KEY_PAD)
+    if SEGMENTED:
+        if (w & 1) != 0:
+            ids = kids.index(s).load(layout)
     return ids
 
 
@@ -752,7 +786,7 @@ def _softmax_masked(qk, m_i, l_i, w, q_ids, k_ids, row0, q_pos_min, rank, S, qk_
 
 @gluon.jit
 def _consumer(q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, pp, meta, n_blocks, qk_scale, lse_row, ctl, call_ok,
-              rank, B, S, q_pos_min, q_pos_max, seg_q, seg_local, seg_recv_b, HALF_INDEX: gl.constexpr, W: gl.constexpr,
+              rank, B, S, q_pos_min, q_pos_max, qids, kids, HALF_INDEX: gl.constexpr, W: gl.constexpr,
               HKV: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr, WINDOW: gl.constexpr,
               WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr, SEGMENTED: gl.constexpr):
     """One consumer partition of a program of one tile (the Gluon probes: benchmarks/gluon_fwd.py, gluon_ring.py) on
@@ -764,7 +798,7 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, pp, meta, n_blo
     q_half = q_smem.slice(HALF_INDEX * HALF, HALF)
     acc, m_i, l_i = _rows_init(HALF, D, k_smem.shape[1])
     acc, m_i, l_i, err = _blocks(q_half, k_smem, v_smem, kv_ready, kv_empty, pp, meta, n_blocks, qk_scale, rank, B,
-                                 S, q_pos_min, q_pos_max, seg_q, seg_local, seg_recv_b, acc, m_i, l_i, ctl, HALF_INDEX,
+                                 S, q_pos_min, q_pos_max, qids, kids, acc, m_i, l_i, ctl, HALF_INDEX,
                                  W, HKV, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED, q_bar, 0, 0, 0)
     out, lse = _rows_out(acc, m_i, l_i, err, call_ok)
     q_half.store(out.to(q_half.dtype))  # every MMA reading Q has completed
@@ -774,7 +808,7 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, pp, meta, n_blo
 
 @gluon.jit
 def _consumer_tiles(q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, pp, meta, tword, out_ptr, lse_ptr,
-                    qk_scale, ctl, call_ok, rank, B, S, seg_ptr, seg_recv, HALF_INDEX: gl.constexpr, H: gl.constexpr,
+                    qk_scale, ctl, call_ok, rank, B, S, qids, kids, HALF_INDEX: gl.constexpr, H: gl.constexpr,
                     W: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr,
                     WINDOW: gl.constexpr, WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr, SEGMENTED: gl.constexpr):
     """One consumer partition of the persistent kernel, on its half of each of the program's tiles (64 query rows,
@@ -801,14 +835,13 @@ def _consumer_tiles(q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty
         q0 = m_blk * BLOCK_M
         q_pos_min = positions(q0, rank, S, W, ZIGZAG)
         q_pos_max = positions(q0 + BLOCK_M - 1, rank, S, W, ZIGZAG)
-        seg_local = seg_ptr + b.to(gl.int64) * S  # batch b's ids (SEGMENTED)
         acc, m_i, l_i = _rows_init(HALF, D, BLOCK_N)
         if MASKS:
             n_blocks = _tile_word(tword, 2 * HALF_INDEX + 1)
             if n_blocks > 0:
                 acc, m_i, l_i, err = _blocks(q_half, k_smem, v_smem, kv_ready, kv_empty, pp, meta, n_blocks, qk_scale,
-                                             rank, B, S, q_pos_min, q_pos_max, seg_local + q0, seg_local,
-                                             seg_recv + (b * HKV + hkv).to(gl.int64) * S, acc, m_i, l_i, ctl,
+                                             rank, B, S, q_pos_min, q_pos_max, qids, kids, acc,
+                                             m_i, l_i, ctl,
                                              HALF_INDEX, W, HKV, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT,
                                              SEGMENTED, None, 0, j0, g0, q_empty.index(HALF_INDEX))
                 g0 += n_blocks + 1
@@ -821,9 +854,9 @@ def _consumer_tiles(q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty
                 _, n_hi, _ = block_range(q_pos_min, q_pos_max, (rank - step + W) % W, S, W, BLOCK_N, CAUSAL, ZIGZAG)
                 n_blocks += n_hi
             acc, m_i, l_i, err = _blocks(q_half, k_smem, v_smem, kv_ready, kv_empty, pp, meta, n_blocks, qk_scale,
-                                         rank, B, S, q_pos_min, q_pos_max, seg_local, seg_local, seg_local, acc, m_i,
-                                         l_i, ctl, HALF_INDEX, W, HKV, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT,
-                                         SEGMENTED, None, 0, j0, g0, q_empty.index(HALF_INDEX))
+                                         rank, B, S, q_pos_min, q_pos_max, qids, kids, acc, m_i, l_i, ctl, HALF_INDEX,
+                                         W, HKV, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED, None, 0, j0,
+                                         g0, q_empty.index(HALF_INDEX))
             g0 += n_blocks + 1
         # The tile's place again from its index (b, h and q0 above would do as well: no fewer spills either way,
         # but other PTX; this one is the binary the GPU checked, session 13's call H).
@@ -872,7 +905,7 @@ def _rows_out(acc, m_i, l_i, err, call_ok):
 
 @gluon.jit
 def _blocks(q_half, k_smem, v_smem, kv_ready, kv_empty, pp, meta, n_blocks, qk_scale, rank, B, S, q_pos_min,
-            q_pos_max, seg_q, seg_local, seg_recv_b, acc, m_i, l_i, ctl, HALF_INDEX: gl.constexpr, W: gl.constexpr,
+            q_pos_max, qids, kids, acc, m_i, l_i, ctl, HALF_INDEX: gl.constexpr, W: gl.constexpr,
             HKV: gl.constexpr, CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr, WINDOW: gl.constexpr,
             WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr, SEGMENTED: gl.constexpr, q_bar, q_phase, j0, g0,
             q_free=None):
@@ -905,8 +938,7 @@ def _blocks(q_half, k_smem, v_smem, kv_ready, kv_empty, pp, meta, n_blocks, qk_s
         row_ids: gl.constexpr = gl.SliceLayout(1, s_layout)
         q_ids = gl.full([HALF], -1, gl.int32, row_ids)
         if SEGMENTED:
-            q_ids = segment_keys(gl.load(seg_q + HALF_INDEX * HALF + gl.arange(0, HALF, layout=row_ids)),
-                                 QUERY_PAD)  # seg_q: the tile's ids
+            q_ids = qids.index(HALF_INDEX).load(row_ids)  # the half's rows' keyed ids, with Q (_load_q)
         mbarrier.wait(kv_ready.index(s0), (j0 // STAGES) & 1)
         w = gl.max(meta.index(s0).load(_WORD_LAYOUT_4), axis=0)
     else:
@@ -920,7 +952,7 @@ def _blocks(q_half, k_smem, v_smem, kv_ready, kv_empty, pp, meta, n_blocks, qk_s
     qk = warpgroup_mma(q_half, k_smem.index(s0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     _pass_turn(pp, HALF_INDEX)
     if MASKS:  # (read while S runs)
-        k_ids = _block_ids(w, seg_local, seg_recv_b, B, S, HKV, BLOCK_N, gl.SliceLayout(0, s_layout))
+        k_ids = _block_ids(w, kids, s0, BLOCK_N, gl.SliceLayout(0, s_layout), SEGMENTED)
     qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
     if RINGS > 1:
         release(kv_empty, s0)  # K_0
@@ -946,7 +978,7 @@ def _blocks(q_half, k_smem, v_smem, kv_ready, kv_empty, pp, meta, n_blocks, qk_s
         acc = warpgroup_mma(p_op, v_smem.index(sp), acc, is_async=True)
         _pass_turn(pp, HALF_INDEX)
         if MASKS:
-            k_ids = _block_ids(w, seg_local, seg_recv_b, B, S, HKV, BLOCK_N, gl.SliceLayout(0, s_layout))
+            k_ids = _block_ids(w, kids, s, BLOCK_N, gl.SliceLayout(0, s_layout), SEGMENTED)
         qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk, ))  # S done; P V may still run
         if RINGS > 1:
             release(kv_empty, s)  # K_j
@@ -1046,20 +1078,26 @@ def ring_attn_fwd_gluon(
             mbarrier.init(p_empty.index(slot), count=1)
     else:
         meta = q_ready  # never read
+    if SEGMENTED:  # the keyed ids of each half's rows (with Q) and of each slot's block where masked
+        ids_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])  # (a row's: .index)
+        qids = gl.allocate_shared_memory(gl.int32, [2, HALF], ids_layout)
+        kids = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N], ids_layout)
+    else:
+        qids, kids = q_ready, q_ready  # never read
 
     # ---- the program's tiles, from the call's tile counter (ring_core.tiles.query_tile's order) -------------
     qk_scale = sm_scale * 1.4426950408889634
     if MASKS:  # (Gluon takes a literal list of partitions: the one with the planner repeats the others)
         gl.warp_specialize([
             (_consumer_tiles, (q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, pp, meta, tword, out_ptr,
-                               lse_ptr, qk_scale, ctl, call_ok, rank, B, S, seg_ptr, seg_recv, 0, H, W, HKV, D,
+                               lse_ptr, qk_scale, ctl, call_ok, rank, B, S, qids, kids, 0, H, W, HKV, D,
                                CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
             (_producer_planned, (q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready,
-                                 kv_empty, meta, tword, pwords, p_full, p_empty, rank, B, S, flags, n_chunks, epoch,
-                                 ctl, timeout_ns, rng, H, W, HKV, D, CHUNK_BLOCKS, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT,
-                                 WIN_RIGHT, SEGMENTED)),
+                                 kv_empty, meta, tword, pwords, p_full, p_empty, qids, kids, rank, B, S, seg_ptr,
+                                 seg_recv, flags, n_chunks, epoch, ctl, timeout_ns, rng, H, W, HKV, D, CHUNK_BLOCKS,
+                                 CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
             (_consumer_tiles, (q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, pp, meta, tword, out_ptr,
-                               lse_ptr, qk_scale, ctl, call_ok, rank, B, S, seg_ptr, seg_recv, 1, H, W, HKV, D,
+                               lse_ptr, qk_scale, ctl, call_ok, rank, B, S, qids, kids, 1, H, W, HKV, D,
                                CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
             (_planner, (pwords, p_full, p_empty, rank, B, S, seg_ptr, n_chunks, ctl, rng, H, W, HKV, BLOCK_M,
                         BLOCK_N, CHUNK_ROWS, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
@@ -1070,13 +1108,13 @@ def ring_attn_fwd_gluon(
     else:
         gl.warp_specialize([
             (_consumer_tiles, (q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, pp, meta, tword, out_ptr,
-                               lse_ptr, qk_scale, ctl, call_ok, rank, B, S, seg_ptr, seg_recv, 0, H, W, HKV, D,
+                               lse_ptr, qk_scale, ctl, call_ok, rank, B, S, qids, kids, 0, H, W, HKV, D,
                                CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
             (_producer, (q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
                          meta, tword, rank, B, S, seg_ptr, flags, n_chunks, epoch, ctl, timeout_ns, rng, H, W, HKV, D,
                          CHUNK_BLOCKS, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
             (_consumer_tiles, (q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, pp, meta, tword, out_ptr,
-                               lse_ptr, qk_scale, ctl, call_ok, rank, B, S, seg_ptr, seg_recv, 1, H, W, HKV, D,
+                               lse_ptr, qk_scale, ctl, call_ok, rank, B, S, qids, kids, 1, H, W, HKV, D,
                                CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
         ], [_LOAD_WARPS, _CONSUMER_WARPS], [_LOAD_REGS, _CONSUMER_REGS])
     free_q_halves(q_ready, q_empty)

@@ -442,7 +442,8 @@ GLUON_KERNEL_COMPILE = PLAN_SM90 + textwrap.dedent("""
             tma_after_fence=bool(fence and tma and tma[-1] > fence[0]),
             releases=len(at(r"sys\\.release")), global_timer=ptx.count("%globaltimer"),
             partitions=len(re.findall(r"partition\\d+\\(", ttgir)),
-            masks=bool(p.constexprs()["WINDOW"] or p.constexprs()["SEGMENTED"]))  # (a window that hides nothing: none)
+            masks=bool(p.constexprs()["WINDOW"] or p.constexprs()["SEGMENTED"]),  # (a window that hides nothing: none)
+            segmented=bool(p.constexprs()["SEGMENTED"]))
     print(json.dumps(out))
 """)
 
@@ -460,8 +461,9 @@ def test_gluon_product_kernel_compiles_warp_specialised_with_the_protocol(tmp_pa
     (a ready and an empty barrier per slot of each; D64/D128: one pair per slot of both), beside a pair for each half
     of Q's buffer (persistent: a ready and an empty barrier per consumer's half). With a window or
     segment ids (issue 20; the last three) the same, with a few words more of shared memory (the tiles' block
-    counts, the slots' block words and the planner's two slots of a tile's plan) and one partition more, the planner,
-    with a ready and an empty barrier for each of its slots."""
+    counts, the slots' block words and the planner's two slots of a tile's plan; with segment ids the tile's rows'
+    ids and each slot's block's) and one partition more, the planner, with a ready and an empty barrier for each of
+    its slots."""
     got = _compiled_for_sm90(GLUON_KERNEL_COMPILE, tmp_path)
     plain = {c["partitions"] for c in got.values() if not c["masks"]}
     assert len(plain) == 1 and {c["partitions"] for c in got.values() if c["masks"]} == {plain.pop() + 1}, got
@@ -474,7 +476,8 @@ def test_gluon_product_kernel_compiles_warp_specialised_with_the_protocol(tmp_pa
         planner = 4 if c["masks"] else 0  # masks: the planner's slots' barriers
         if D == 256:
             assert c["tiles"] == [128, 64, 2] and c["mma_n"] == [64, 256], (name, c)
-            assert 192 * 1024 <= c["shared"] < 193 * 1024 + 512, (name, c)
+            ids = (128 + 2 * 64) * 4 if c["segmented"] else 0  # the tile's rows' ids and the slots' blocks'
+            assert 192 * 1024 <= c["shared"] < 193 * 1024 + 512 + ids, (name, c)
             assert c["barriers"] == 4 + 2 * 2 * 2 + planner, (name, c)
         else:
             assert c["tiles"] == [128, 128, 3] and c["mma_n"] == sorted({128, D}), (name, c)
@@ -535,7 +538,8 @@ GLUON_BWD_COMPILE = PLAN_SM90 + textwrap.dedent("""
                 turn_before_reduce=bool(turn and reduce and turn[0] < reduce[0]), wait_one=len(one),
                 release_after_wait_one=bool(one and rel and rel[-1] > one[0]),
                 partitions=len(re.findall(r"partition\\d+\\(", ttgir)),
-            masks=bool(p.constexprs()["WINDOW"] or p.constexprs()["SEGMENTED"]))  # (a window that hides nothing: none)
+            masks=bool(p.constexprs()["WINDOW"] or p.constexprs()["SEGMENTED"]),  # (a window that hides nothing: none)
+            segmented=bool(p.constexprs()["SEGMENTED"]))
     print(json.dumps(out))
 """)
 
