@@ -194,6 +194,53 @@ def check_attention_args(q_shape, k_shape, v_shape, q_dtype, k_dtype, v_dtype, *
     return AttentionSpec(b, s, h, hkv, d, names[0], scale, is_causal, layout, window, segmented)
 
 
+def check_attention_args_remembered(q_shape, k_shape, v_shape, q_dtype, k_dtype, v_dtype, *, is_causal, scale,
+                                    layout, backend, backends, return_lse=False, window_size=None,
+                                    segment_ids_shape=None, segment_ids_dtype=None) -> AttentionSpec:
+    """``check_attention_args`` for a frontend that checks a call at every call (torch, eager), where these checks
+    were a fifth of a call's host time before the launch (benchmarks/NOTES.md, session 19): arguments seen before
+    give the spec they gave (``_SPECS``). Only arguments of exact plain types are remembered, so that a value a
+    check rejects by its type (``is_causal=1``, a numpy scalar, a traced value) is never taken for an equal one that
+    passed. Not under a tracer that guards on what it reads (torch.compile: a global dict would recompile)."""
+    key = _spec_key(q_shape, k_shape, v_shape, q_dtype, k_dtype, v_dtype, is_causal, scale, layout, backend,
+                    backends, return_lse, window_size, segment_ids_shape, segment_ids_dtype)
+    try:
+        spec = _SPECS.get(key) if key is not None else None
+    except TypeError:  # an unhashable shape or dtype (a list): the long way
+        spec = key = None
+    if spec is None:
+        spec = check_attention_args(q_shape, k_shape, v_shape, q_dtype, k_dtype, v_dtype, is_causal=is_causal,
+                                    scale=scale, layout=layout, backend=backend, backends=backends,
+                                    return_lse=return_lse, window_size=window_size,
+                                    segment_ids_shape=segment_ids_shape, segment_ids_dtype=segment_ids_dtype)
+        if key is not None:
+            if len(_SPECS) >= 1024:  # a long-running process with ever new shapes: start over
+                _SPECS.clear()
+            _SPECS[key] = spec
+    return spec
+
+
+_SPECS = {}  # _spec_key(...) -> the AttentionSpec that check_attention_args gave
+
+
+def _spec_key(q_shape, k_shape, v_shape, q_dtype, k_dtype, v_dtype, is_causal, scale, layout, backend, backends,
+              return_lse, window_size, segment_ids_shape, segment_ids_dtype):
+    """``check_attention_args``' arguments as a key of ``_SPECS``, or None where one whose check depends on its
+    type (the flags, the scale, the window, the strings) is not of an exact plain type: checked the long way. The
+    shapes and dtypes are checked by value alone (``int(n)``, ``dtype_name``)."""
+    if not (type(is_causal) is bool and type(return_lse) is bool and type(scale) in _SCALE_TYPES
+            and type(layout) is str and type(backend) is str and type(backends) is tuple):
+        return None
+    if window_size is not None and not (type(window_size) is tuple and len(window_size) == 2
+                                        and type(window_size[0]) is int and type(window_size[1]) is int):
+        return None
+    return (q_shape, k_shape, v_shape, q_dtype, k_dtype, v_dtype, is_causal, type(scale), scale, layout, backend,
+            backends, return_lse, window_size, segment_ids_shape, segment_ids_dtype)
+
+
+_SCALE_TYPES = (type(None), float, int)
+
+
 FUSED_DTYPES = ("float16", "bfloat16", "float32")
 
 

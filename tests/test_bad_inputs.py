@@ -375,3 +375,28 @@ def test_nan_and_inf_propagate(cpu_mesh, torch_group, frontend, where, value, is
     _check_poisoned(name, where, value, is_causal, out, lse, *clean)
     testing.check_attention(f"{name}: the next call", np.asarray(clean[0], np.float64),
                             np.asarray(clean[1], np.float64), *clean_inputs, "float32", is_causal=is_causal)
+
+
+def test_argument_checks_remember_only_what_passed_with_exact_types():
+    """ring_core.validate.check_attention_args_remembered (a torch eager call checks at every call) remembers the
+    specs of arguments that passed: a value its checks reject by type still raises after an equal one of the right type passed
+    (``1 == True``, ``True == 1``), and a value of another accepted type (a numpy bool, a list) is checked the long
+    way to the same spec."""
+    from ring_core import validate
+
+    def check(**kw):
+        args = dict(is_causal=True, scale=0.5, layout="contiguous", backend="torch", backends=("torch",),
+                    window_size=(8, 0))
+        args.update(kw)
+        return validate.check_attention_args_remembered((1, 16, 4, 8), (1, 16, 2, 8), (1, 16, 2, 8), "float32",
+                                                        "float32", "float32", **args)
+
+    spec = check()
+    assert check() is spec  # remembered
+    for bad in (dict(is_causal=1), dict(scale=True), dict(window_size=(True, 0)), dict(return_lse=0)):
+        with pytest.raises(TypeError):
+            check(**bad)
+    assert check(is_causal=np.bool_(True)) == spec and check(window_size=[8, 0]) == spec
+    assert check(scale=np.float64(0.5)) == spec and check(window_size=(np.int64(8), 0)) == spec
+    with pytest.raises(ValueError, match="scale must be finite"):
+        check(scale=float("nan"))

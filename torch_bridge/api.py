@@ -16,8 +16,9 @@ from torch import nn
 
 from ring_core import plans
 from ring_core.layout import inverse_permutation, layout_permutation
-from ring_core.validate import (AttentionSpec, check_attention_args, check_deterministic, check_layout,
-                                check_layout_call, check_timeout, check_window, dtype_name)
+from ring_core.validate import (AttentionSpec, check_attention_args, check_attention_args_remembered,
+                                check_deterministic, check_layout, check_layout_call, check_timeout, check_window,
+                                dtype_name)
 from torch_bridge import fused, lifecycle
 from torch_bridge.groups import group_from_name, group_to_name
 from torch_bridge.reference import ring_attention_torch
@@ -205,6 +206,8 @@ def _ring_attention_fused(q, k, v, segment_ids=None, *, spec: AttentionSpec, gro
     forward runs, as in eager). Eager calls take the same launches through ``_EagerFused``."""
     check_backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if _eager(q, k, v, segment_ids):
+        if not check_backward:  # no gradient to come: the launch alone (autograd's Function costs host time)
+            return _fwd_impl(q, k, v, segment_ids, spec, group, timeout_s, deterministic, False)
         return _EagerFused.apply(q, k, v, segment_ids, spec, group, timeout_s, deterministic, check_backward)
     return _fwd_op(q, k, v, segment_ids, spec.scale, spec.is_causal, spec.layout, list(spec.window),
                    group_to_name(group), timeout_s, deterministic, check_backward)
@@ -279,11 +282,12 @@ def ring_attention(q, k, v, *, group=None, is_causal=False, scale=None, layout="
             raise TypeError(f"segment_ids must be a torch.Tensor, got {type(segment_ids).__name__}")
         if segment_ids.device != q.device:
             raise ValueError(f"segment_ids must be on q's device ({q.device}), got {segment_ids.device}")
-    spec = check_attention_args(q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, is_causal=is_causal,
-                                scale=scale, layout=layout, backend=backend, backends=BACKENDS,
-                                return_lse=return_lse, window_size=window_size,
-                                segment_ids_shape=None if segment_ids is None else segment_ids.shape,
-                                segment_ids_dtype=None if segment_ids is None else segment_ids.dtype)
+    # (eager calls: the specs of arguments seen before; torch.compile guards on what it reads, and traces once)
+    check = check_attention_args if torch.compiler.is_compiling() else check_attention_args_remembered
+    spec = check(q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, is_causal=is_causal, scale=scale,
+                 layout=layout, backend=backend, backends=BACKENDS, return_lse=return_lse, window_size=window_size,
+                 segment_ids_shape=None if segment_ids is None else segment_ids.shape,
+                 segment_ids_dtype=None if segment_ids is None else segment_ids.dtype)
     timeout_s = check_timeout(timeout_s)
     deterministic = check_deterministic(deterministic, torch.are_deterministic_algorithms_enabled())
     rank, world, peers = _group_info(group)

@@ -82,9 +82,32 @@ def _with_scratch(p):
 def _outputs(p, device):
     """The launch's outputs (ring_core.plans.LaunchPlan.out_shapes); the status last, zeroed: the kernel's
     last program writes it (ring_core.control.check_status)."""
-    outs = [torch.empty(shape, dtype=getattr(torch, dt), device=device) for shape, dt in p.out_shapes]
-    outs[-1].zero_()
-    return outs
+    *shapes, (status_shape, status_dt) = p.out_shapes
+    outs = [torch.empty(shape, dtype=getattr(torch, dt), device=device) for shape, dt in shapes]
+    return [*outs, _zeroed_status(status_shape, status_dt, device)]
+
+
+_STATUS_ROWS = 256  # statuses zeroed at once
+
+
+def _zeroed_status(shape, dt: str, device):
+    """A zeroed status tensor for one launch: a row of a block of ``_STATUS_ROWS`` zeroed by one fill, each row
+    16-byte aligned (an unaligned pointer is another specialisation of the kernel) and handed out once (the block
+    lives as long as a row of it does). A fill launched per call cost host time before the kernel's launch."""
+    (n,) = shape
+    key = (device, n, dt)
+    block = _STATUSES.get(key)
+    if block is None or block[1] == _STATUS_ROWS:
+        dtype = getattr(torch, dt)
+        per_16 = 16 // torch.empty((), dtype=dtype).element_size()
+        width = -(-n // per_16) * per_16  # rows of a multiple of 16 bytes
+        block = _STATUSES[key] = [torch.zeros((_STATUS_ROWS, width), dtype=dtype, device=device), 0]
+    row = block[0][block[1], :n]
+    block[1] += 1
+    return row
+
+
+_STATUSES = {}  # (device, words, dtype) -> [the block, its next row]
 
 
 _COMPILED = {}  # plan -> (the compiled kernel of its last JIT launch, the device then current, _template, tensor args)
