@@ -298,3 +298,27 @@ def test_torch_launches_reuse_the_compiled_kernel_with_the_jits_arguments():
         assert "Tensor" in first["launcher"][7] and not any(first["launcher"][8:])
         assert "Tensor" not in second["launcher"][7] and all(second["launcher"][8:])
         assert hooked["launcher"][7] == first["launcher"][7] and not any(hooked["launcher"][8:])
+
+
+def test_torch_statuses_come_zeroed_aligned_and_one_per_launch():
+    """torch_bridge.fused hands each launch a zeroed status (a kernel that never completes leaves it so:
+    ``control.check_status`` says so) from blocks zeroed at once: every row 16-byte aligned (an unaligned pointer
+    is another specialisation of the kernel), none handed out twice, and a new block once one is used up; a
+    status written by a launch does not show in the next one's."""
+    import torch
+
+    from torch_bridge import fused
+
+    fused._STATUSES.clear()
+    n = control.STATUS_WORDS
+    seen, live = set(), []  # (live: a freed block's memory may come back)
+    for i in range(2 * fused._STATUS_ROWS + 3):
+        st = fused._zeroed_status((n,), "int32", torch.device("cpu"))
+        assert st.shape == (n,) and st.dtype == torch.int32 and st.is_contiguous(), i
+        assert st.data_ptr() % 16 == 0 and st.data_ptr() not in seen, i
+        assert not st.any(), i
+        seen.add(st.data_ptr())
+        live.append(st)
+        st.fill_(7)  # what a launch writes
+    with pytest.raises(RuntimeError, match="did not complete"):
+        control.check_status(fused._zeroed_status((n,), "int32", torch.device("cpu")).numpy(), 0)

@@ -64,8 +64,18 @@ _NO_IDS = {}  # device -> the one-element dummy of _segment_ids
 
 
 def _scratch(size: int, alignment: int, stream):
-    """Global scratch for a launch that needs it (the Gluon kernel's TMA descriptors, made on the device)."""
-    return torch.empty(size, dtype=torch.int8, device="cuda")
+    """Global scratch for a launch that needs it (the Gluon kernels' TMA descriptors, made on the device): one buffer
+    per device and stream, kept (Triton asks at every launch; an allocation cost host time before the launch). The
+    launches on a stream run one after another, so the next launch's descriptors never overwrite a running one's."""
+    device = torch.cuda.current_device()
+    key = (device, stream)
+    buf = _SCRATCH.get(key)
+    if buf is None or buf.numel() < size:
+        buf = _SCRATCH[key] = torch.empty(max(size, 1), dtype=torch.int8, device=torch.device("cuda", device))
+    return buf
+
+
+_SCRATCH = {}  # (device, stream) -> its scratch buffer
 
 
 def _with_scratch(p):
@@ -96,18 +106,17 @@ def _zeroed_status(shape, dt: str, device):
     lives as long as a row of it does). A fill launched per call cost host time before the kernel's launch."""
     (n,) = shape
     key = (device, n, dt)
-    block = _STATUSES.get(key)
-    if block is None or block[1] == _STATUS_ROWS:
+    rows = _STATUSES.get(key)
+    if not rows:
         dtype = getattr(torch, dt)
         per_16 = 16 // torch.empty((), dtype=dtype).element_size()
         width = -(-n // per_16) * per_16  # rows of a multiple of 16 bytes
-        block = _STATUSES[key] = [torch.zeros((_STATUS_ROWS, width), dtype=dtype, device=device), 0]
-    row = block[0][block[1], :n]
-    block[1] += 1
-    return row
+        block = torch.zeros((_STATUS_ROWS, width), dtype=dtype, device=device)
+        rows = _STATUSES[key] = list(block[:, :n].unbind(0))[::-1]  # (views made at once: popped one a call)
+    return rows.pop()
 
 
-_STATUSES = {}  # (device, words, dtype) -> [the block, its next row]
+_STATUSES = {}  # (device, words, dtype) -> the rows of its block not yet handed out
 
 
 _COMPILED = {}  # plan -> (the compiled kernel of its last JIT launch, the device then current, _template, tensor args)
