@@ -509,9 +509,6 @@ def _tile_loads_masked(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q
         for jb in range(first, end):
             c_lo, c_hi = jb, jb  # (unused without ids)
             if SEGMENTED:
-                ids_layout: gl.constexpr = gl.BlockedLayout([BLOCK_N // 32], [32], [1], [0])
-                if step == 0:  # this rank's ids, readable whatever the range says: loaded beside it, one latency
-                    ids = gl.load(seg_k + jb * BLOCK_N + gl.arange(0, BLOCK_N, layout=ids_layout))
                 c_lo, c_hi = chunk_ranges(rng_src, (jb * BLOCK_N) // CHUNK_ROWS, jb >= 0)
             if block_met(jb, lo1, hi1, lo2, hi2, c_lo, c_hi, a_lo, a_hi, b_lo, b_hi, BLOCK_N, SEGMENTED):
                 # Unmasked where every query sees every key by position and, with ids, the block's rows all carry
@@ -525,11 +522,11 @@ def _tile_loads_masked(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q
                         _acquire_chunk(flag0 + c, epoch, ctl, timeout_ns, src, step, c)
                         c_done = c
                 s = j % STAGES
-                if SEGMENTED:
-                    if step > 0:  # those that came with the chunk: after its acquire, before the slot's wait
-                        ids = gl.full([BLOCK_N], -1, gl.int32, ids_layout)
-                        if not unmasked:
-                            ids = gl.load(seg_k + jb * BLOCK_N + gl.arange(0, BLOCK_N, layout=ids_layout))
+                if SEGMENTED:  # (loaded before the slot's wait, after the chunk's acquire)
+                    ids_layout: gl.constexpr = gl.BlockedLayout([BLOCK_N // 32], [32], [1], [0])
+                    ids = gl.full([BLOCK_N], -1, gl.int32, ids_layout)
+                    if not unmasked:
+                        ids = gl.load(seg_k + jb * BLOCK_N + gl.arange(0, BLOCK_N, layout=ids_layout))
                 mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
                 if SEGMENTED:
                     if not unmasked:
