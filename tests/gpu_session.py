@@ -102,6 +102,9 @@ Stages (``NAME[:SECONDS]``; the default time limit is in brackets):
   probe-jax-call  benchmarks/jax_call_cost.py: a JAX fused forward's per-call time beside torch's on one clock, each
                framework's floor (a one-element jitted op / op and sync), the JAX program's HLO by kind   [120]
   bench-doclens-stream  the same back to back, documents of 16384 down to 512 tokens, and dense    [150]
+  probe-mask-cost  the masked forward's cost over dense with the same blocks, back to back, twice: dense, a window
+               that hides almost nothing (16000, 0: the masked path without ids) and one 16384-token document
+               (the masked path with ids)                                                    [120]
   bench-doclens  the packed forward at W=1 with documents of 16384, 4096 and 1024 tokens    [150]
   checks-masks-tail  tests/gpu_checks.py masks cases 3, 4, 5 (fp32 last)                  [420]
   bench-w1     benchmarks/attention.py at world size 1 (one rank whatever --nproc: run it with --nproc 1, so
@@ -254,6 +257,11 @@ STAGES = {
                                                       "fwd", "--doc-lens", f"{n}-{n}", "--timing", "stream",
                                                       "--csv", "{out}/masks_doclens_stream.csv"]
                                    for n in (16384, 8192, 4096, 2048, 1024, 512)]),
+    # The masked path's own cost (issue 20): the same blocks as dense, through the masked path without ids (a window
+    # that hides almost nothing) and with them (one document), twice to show the spread (benchmarks/NOTES.md, s. 19).
+    "probe-mask-cost": (120, [LAUNCH1 + BENCH + ["--mask", "none,window,packed", "--window", "16000,0", "--doc-lens",
+                                                 "16384-16384", "--pass", "fwd", "--timing", "stream", "--iters", "10",
+                                                 "--csv", "{out}/mask_cost.csv"]] * 2),
     # What a tile costs however few blocks it has, without masks: one problem's work (B * S^2 at 16k, B=1) cut into
     # 1, 4, 16 and 64 sequences (B=1 S=16k ... B=64 S=2k), so the tiles (B * S / 128 per head) grow 4x a row while
     # the blocks stay; ours and cuDNN's forward and forward+backward, causal and not, back to back. The slope of time
