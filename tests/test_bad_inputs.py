@@ -379,9 +379,9 @@ def test_nan_and_inf_propagate(cpu_mesh, torch_group, frontend, where, value, is
 
 def test_argument_checks_remember_only_what_passed_with_exact_types():
     """ring_core.validate.check_attention_args_remembered (a torch eager call checks at every call) remembers the
-    specs of arguments that passed: a value its checks reject by type still raises after an equal one of the right type passed
-    (``1 == True``, ``True == 1``), and a value of another accepted type (a numpy bool, a list) is checked the long
-    way to the same spec."""
+    specs of arguments that passed: a value its checks reject by type still raises after an equal one of the right
+    type passed (``1 == True``, ``True == 1``), and a value of another accepted type (a numpy bool, a list) is checked
+    the long way to the same spec."""
     from ring_core import validate
 
     def check(**kw):
