@@ -173,7 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--timing", default="call", choices=TIMINGS,
                     help="call: each call between its own CUDA events, the ranks meeting before it (default); "
                          "stream: the ranks meet once, then the calls run back to back and the mean counts "
-                         "(the host's work overlaps the GPU's, as in do_bench or a training step)")
+                         "(the host's work overlaps the GPU's, as in do_bench or a training step); ready: as call, "
+                         "each call until its results are ready on the host, torch's as JAX's always are")
     ap.add_argument("--iters", type=int, default=None, help=f"timed calls (default {d['iters']})")
     ap.add_argument("--input-sets", type=int, default=None,
                     help=f"random input sets rotated over the calls (default {d['input_sets']})")

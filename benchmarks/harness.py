@@ -22,6 +22,10 @@ quantiles. With ``--timing stream`` (the CSV's ``timing`` column; default ``call
 once, then the ``--iters`` calls run back to back between two events: the mean per call, as
 triton.testing.do_bench and a training step see it, where the host's work for a call overlaps the GPU's for
 the one before (per-call events on an idle stream count that host work too). JAX calls still block each.
+With ``--timing ready`` each call is timed as with ``call`` but its second event is recorded once the call's
+results are ready on the host (torch: after ``torch.cuda.synchronize()``), as a JAX call's always is: torch and
+JAX then count the same things, the host's work before the launch, the kernels, and the wait for them
+(benchmarks/NOTES.md, session 19: with ``call`` a JAX call counts its wait's wake-up, a torch call does not).
 TFLOP/s per GPU = ``4*B*H*S_local*S_global*D`` per rank (half when causal) / median time;
 in fwd+bwd the FLOPs are 3.5 times that (the flash-attention convention: backward = 2.5 forwards).
 
@@ -157,7 +161,8 @@ GRADS = ("dq", "dk", "dv")
 # Columns added since the first CSVs, with the value a row written without them means.
 LEGACY_DEFAULTS = {"pass": "fwd", "ranks_per_gpu": "1", "mask": "none", "pairs_per_gpu": "", "ring_steps": "",
                    "ring_steps_needed": "", "vs_dense": "", "ms_vs_world1": "", "timing": "call"}
-TIMINGS = ("call", "stream")  # --timing: each call between its own events, or the calls back to back
+# --timing: each call between its own events, the calls back to back, or each call until its results are ready
+TIMINGS = ("call", "stream", "ready")
 SHARED_NOTE = "RANKS SHARE GPUS: protocol overhead, not multi-GPU speed"
 
 VERSION_COLUMNS = ("gpu", "python", "torch", "torch_cuda", "torch_cudnn", "triton", "jax", "jaxlib",
@@ -561,10 +566,11 @@ class Env:
                 return e if self.world == 1 else f"rank {r}: {e}"
         return None
 
-    def timed(self, fn):
-        """(milliseconds, result) of one call: CUDA events around it on the torch stream, or a host clock."""
+    def timed(self, fn, ready: bool = False):
+        """(milliseconds, result) of one call: CUDA events around it on the torch stream (``ready``: the second
+        once the device is idle), or a host clock."""
         if self.cuda:
-            return cuda_timed(self.torch, fn)
+            return cuda_timed(self.torch, fn, ready)
         t0 = time.perf_counter()
         out = fn()
         return (time.perf_counter() - t0) * 1e3, out
@@ -602,12 +608,15 @@ def cuda_stream_ms(torch, fn, iters: int) -> float:
     return e0.elapsed_time(e1) / iters
 
 
-def cuda_timed(torch, fn):
-    """(milliseconds, result) of ``fn()`` between two CUDA events recorded on the current torch stream."""
+def cuda_timed(torch, fn, ready: bool = False):
+    """(milliseconds, result) of ``fn()`` between two CUDA events recorded on the current torch stream; ``ready``:
+    the second recorded after ``torch.cuda.synchronize()``, once everything the call launched is done."""
     e0 = torch.cuda.Event(enable_timing=True)
     e1 = torch.cuda.Event(enable_timing=True)
     e0.record()
     out = fn()
+    if ready:
+        torch.cuda.synchronize()
     e1.record()
     e1.synchronize()
     return e0.elapsed_time(e1), out
@@ -851,11 +860,12 @@ def _attempt(env, args, case, name, build, data, anchor, **kw) -> Result:
                     times.append(ms / args.iters)
                 except Exception as e:  # noqa: BLE001
                     err, status = _fmt_exc(e), 1
+        ready = getattr(args, "timing", "call") == "ready"
         for it in range(0 if stream else args.iters):
             if env.flag_max(status):  # all ranks meet before every timed call, and stop together
                 break
             try:
-                ms, out = env.timed(lambda: prep.run(it))
+                ms, out = env.timed(lambda: prep.run(it), ready)
                 del out
                 times.append(ms)
             except Exception as e:  # noqa: BLE001

@@ -82,6 +82,8 @@ Stages (``NAME[:SECONDS]``; the default time limit is in brackets):
                MPS SM share of a shared session is dropped for it, so it gets the whole GPU)  [540]
   bench-masks-w1-stream  bench-masks-w1 with --timing stream (the calls back to back)       [300]
   bench-w1-stream  bench-w1 with --timing stream (the calls back to back)                [300]
+  bench-w1-ready  bench-w1's forward with --timing ready (each call until its results are ready on the host: torch
+               and JAX timed alike)                                                           [300]
   probe-gluon-fwd  benchmarks/gluon_fwd.py: a Gluon warp-specialised forward (single GPU), checked, then
                timed against cuDNN, bf16 D128 16k/32k                                      [240]
   probe-gluon-ring benchmarks/gluon_ring.py: that loop over a ring's steps, the chunk waits in the load
@@ -271,6 +273,10 @@ STAGES = {
                                      "--iters", "5", "--timing", "stream", "--csv", "{out}/tiles.csv"]
                           for b, s in ((1, "16k"), (4, "8k"), (16, "4k"), (64, "2k"))]),
     # bench-w1 timed back to back (--timing stream): the host's dispatch overlapped, as do_bench and training see it.
+    "bench-w1-ready": (300, [LAUNCH1 + ["-m", "benchmarks.attention", "--methods",
+                                        "torch_fused,torch_cudnn_1gpu,jax_fused,jax_fused_deferred,jax_cudnn_1gpu",
+                                        "--seq", "16k,32k", "--pass", "fwd", "--warmup", "2", "--iters", "10",
+                                        "--timing", "ready", "--csv", "{out}/attention_w1_ready.csv"]]),
     "bench-w1-stream": (300, [LAUNCH1 + ["-m", "benchmarks.attention", "--methods",
                                          "torch_fused,torch_cudnn_1gpu,jax_fused,jax_fused_deferred,jax_cudnn_1gpu",
                                          "--seq", "16k,32k", "--pass", "fwd,fwd+bwd", "--warmup", "2", "--iters", "5",

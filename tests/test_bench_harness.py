@@ -695,3 +695,32 @@ def test_ab_runs_and_status_cost_plots_draw_from_committed_csvs(tmp_path):
         png = tmp_path / (name + ".png")
         status_cost.plot(os.path.join(results, name), str(png))
         assert png.stat().st_size > 10_000
+
+
+def test_ready_timing_records_the_second_event_once_the_device_is_idle():
+    """--timing ready (harness.cuda_timed): the call, then torch.cuda.synchronize(), then the second event, so a torch
+    call counts the wait for its kernels as a JAX call (block_until_ready) does; --timing call records the second
+    event right after the call returns."""
+    order = []
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            self.name = f"e{sum(1 for x in order if x.startswith('new'))}"
+            order.append("new")
+
+        def record(self):
+            order.append(f"record {self.name}")
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return 1.5
+
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(Event=Event, synchronize=lambda: order.append("sync")))
+    for ready, want in ((True, ["record e0", "call", "sync", "record e1"]),
+                        (False, ["record e0", "call", "record e1"])):
+        order.clear()
+        ms, out = harness.cuda_timed(fake, lambda: order.append("call") or 7, ready)
+        assert (ms, out) == (1.5, 7) and [x for x in order if x != "new"] == want, (ready, order)
+    assert "ready" in harness.TIMINGS
