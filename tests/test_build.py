@@ -537,9 +537,7 @@ GLUON_BWD_COMPILE = PLAN_SM90 + textwrap.dedent("""
                 acquires=len(acq), tma_after_fence=bool(fence and tma and tma[-1] > fence[0] > acq[0]) if acq else None,
                 turn_before_reduce=bool(turn and reduce and turn[0] < reduce[0]), wait_one=len(one),
                 release_after_wait_one=bool(one and rel and rel[-1] > one[0]),
-                partitions=len(re.findall(r"partition\\d+\\(", ttgir)),
-            masks=bool(p.constexprs()["WINDOW"] or p.constexprs()["SEGMENTED"]),  # (a window that hides nothing: none)
-            segmented=bool(p.constexprs()["SEGMENTED"]))
+                partitions=len(re.findall(r"partition\\d+\\(", ttgir)))
     print(json.dumps(out))
 """)
 
