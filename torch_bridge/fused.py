@@ -109,7 +109,7 @@ def _zeroed_status(shape, dt: str, device):
     rows = _STATUSES.get(key)
     if not rows:
         dtype = getattr(torch, dt)
-        per_16 = 16 // torch.empty((), dtype=dtype).element_size()
+        per_16 = 16 // dtype.itemsize
         width = -(-n // per_16) * per_16  # rows of a multiple of 16 bytes
         block = torch.zeros((_STATUS_ROWS, width), dtype=dtype, device=device)
         rows = _STATUSES[key] = list(block[:, :n].unbind(0))[::-1]  # (views made at once: popped one a call)
