@@ -130,6 +130,23 @@ _PINGPONG = gl.constexpr(os.environ.get(PINGPONG_ENV, "0") == "1")
 # RING_ATTENTION_GLUON_FOLD_SCALE=0 gives the multiply first.
 FOLD_SCALE_ENV = "RING_ATTENTION_GLUON_FOLD_SCALE"
 _FOLD_SCALE = gl.constexpr(os.environ.get(FOLD_SCALE_ENV, "1") == "1")
+# A diagnostic timeline of the persistent forward (world size 1 only; benchmarks/timeline.py reads it): with
+# RING_ATTENTION_GLUON_TIMELINE=1 at import, each partition writes %clock64 stamps at its events of each tile into
+# int64 words [program][tile][event] (TIMELINE_TILES tiles a program, the last one's words shared by any after it)
+# at the start of the receive region, which no ring step uses at world size 1. Off (the default), no code: the
+# binaries are those without it (a constexpr global: part of the kernel's cache key).
+TIMELINE_ENV = "RING_ATTENTION_GLUON_TIMELINE"
+_TIMELINE = gl.constexpr(os.environ.get(TIMELINE_ENV, "0") == "1")
+TIMELINE_TILES, TIMELINE_EVENTS = 64, 16
+_TL_TILES, _TL_EVENTS = gl.constexpr(TIMELINE_TILES), gl.constexpr(TIMELINE_EVENTS)
+# Events (a tile's words; consumer c's three at 3 c + 0, 1, 2): its Q landed and its tile known, its blocks done (the
+# last P V waited for), its rows stored; the load warp's tile known, its loads issued; the planner's start of the
+# tile's plan, the plan published; the tile's index and (consumer 0) its block count as values; the program's start
+# and end (tile 0's words).
+TIMELINE_EVENT = dict(q=0, done=1, stored=2, load_tile=6, load_issued=7, plan_start=8, plan_published=9, tile=10,
+                      blocks=11, program_start=12, program_end=13)
+TL_Q, TL_DONE, TL_STORED, TL_LOAD_TILE, TL_LOAD_ISSUED, TL_PLAN_START, TL_PLAN_PUBLISHED, TL_TILE, TL_BLOCKS, \
+    TL_PROGRAM_START, TL_PROGRAM_END = (gl.constexpr(v) for v in TIMELINE_EVENT.values())
 
 
 # ring_core.plans.GLUON_TILES as a constexpr global: read by name in ``kv_slots`` / ``kv_rings``, its value is part
@@ -278,8 +295,19 @@ def _tile_word(tword, k, WARPS: gl.constexpr = 4):
 
 
 @gluon.jit
+def _stamp(tln, i, e: gl.constexpr, value=None):
+    """The timeline (``_TIMELINE``): the program's ``i``-th tile's word ``e``, the SM's clock (or ``value``)."""
+    if _TIMELINE:
+        if value is None:
+            value = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False,
+                                              pack=1)
+        gl.store(tln + (gl.program_id(0) * _TL_TILES + gl.minimum(i, _TL_TILES - 1)) * _TL_EVENTS + e,
+                 value.to(gl.int64))
+
+
+@gluon.jit
 def _producer(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, meta,
-              tword, rank, B, S, seg_ptr, flags, n_chunks, epoch, ctl, timeout_ns, rng, H: gl.constexpr,
+              tword, rank, B, S, seg_ptr, flags, n_chunks, epoch, ctl, tln, timeout_ns, rng, H: gl.constexpr,
               W: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, CHUNK_BLOCKS: gl.constexpr, CAUSAL: gl.constexpr,
               ZIGZAG: gl.constexpr, WINDOW: gl.constexpr, WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr,
               SEGMENTED: gl.constexpr):
@@ -301,9 +329,12 @@ def _producer(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_ready, q
         q_pos_min = positions(q0, rank, S, W, ZIGZAG)
         q_pos_max = positions(q0 + BLOCK_M - 1, rank, S, W, ZIGZAG)
         gl.static_assert(not (WINDOW or SEGMENTED), "with masks the load partition is _producer_planned")
+        _stamp(tln, i, TL_LOAD_TILE)
+        _stamp(tln, i, TL_TILE, tile)
         j = _tile_loads(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready,
                         kv_empty, tword, tile, b, h, hkv, q0, q_pos_min, q_pos_max, i, j, rank, B, S, flags,
                         n_chunks, epoch, ctl, timeout_ns, W, HKV, D, CHUNK_BLOCKS, CAUSAL, ZIGZAG)
+        _stamp(tln, i, TL_LOAD_ISSUED)
         i += 1
         tile = nxt
     _no_more_tiles(q_ready, q_empty, tword, i)
@@ -383,8 +414,8 @@ def plan_words(W):
 
 
 @gluon.jit
-def _planner(pwords, p_full, p_empty, rank, B, S, seg_ptr, n_chunks, ctl, rng, H: gl.constexpr, W: gl.constexpr,
-             HKV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CHUNK_ROWS: gl.constexpr,
+def _planner(pwords, p_full, p_empty, rank, B, S, seg_ptr, n_chunks, ctl, tln, rng, H: gl.constexpr,
+             W: gl.constexpr, HKV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CHUNK_ROWS: gl.constexpr,
              CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr, WINDOW: gl.constexpr, WIN_LEFT: gl.constexpr,
              WIN_RIGHT: gl.constexpr, SEGMENTED: gl.constexpr):
     """With a window or segment ids, the planner partition (one warp): the program's tiles from the call's tile
@@ -401,6 +432,7 @@ def _planner(pwords, p_full, p_empty, rank, B, S, seg_ptr, n_chunks, ctl, rng, H
     k = tile * 0
     while tile < n_tiles:
         nxt = gl.atomic_add(ctl + CTL_FWD_TILE, 1, sem="relaxed", scope="gpu")
+        _stamp(tln, k, TL_PLAN_START)
         s_hi, t_id, a_lo, a_hi, b_lo, b_hi, plan, n_blocks = _tile_plan(
             tile, rank, B, S, seg_ptr, n_chunks, rng, H, W, HKV, BLOCK_M, BLOCK_N, CHUNK_ROWS, CAUSAL, ZIGZAG, WINDOW,
             WIN_LEFT, WIN_RIGHT, SEGMENTED)
@@ -420,6 +452,7 @@ def _planner(pwords, p_full, p_empty, rank, B, S, seg_ptr, n_chunks, ctl, rng, H
             _put(pwords, base + _P_RUNS + 2 * step, first)
             _put(pwords, base + _P_RUNS + 2 * step + 1, end)
         mbarrier.arrive(p_full.index(slot), count=1)
+        _stamp(tln, k, TL_PLAN_PUBLISHED)
         k += 1
         tile = nxt
     slot = k % 2
@@ -431,7 +464,8 @@ def _planner(pwords, p_full, p_empty, rank, B, S, seg_ptr, n_chunks, ctl, rng, H
 @gluon.jit
 def _producer_planned(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
                       meta, tword, pwords, p_full, p_empty, qids, kids, rank, B, S, seg_ptr, seg_recv, flags, n_chunks,
-                      epoch, ctl, timeout_ns, rng, H: gl.constexpr, W: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr,
+                      epoch, ctl, tln, timeout_ns, rng, H: gl.constexpr, W: gl.constexpr, HKV: gl.constexpr,
+                      D: gl.constexpr,
                       CHUNK_BLOCKS: gl.constexpr, CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr, WINDOW: gl.constexpr,
                       WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr, SEGMENTED: gl.constexpr):
     """``_producer`` with a window or segment ids: the tiles and their plans as the planner partition publishes them
@@ -450,11 +484,14 @@ def _producer_planned(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_
         q0 = m_blk * BLOCK_M
         q_pos_min = positions(q0, rank, S, W, ZIGZAG)
         q_pos_max = positions(q0 + BLOCK_M - 1, rank, S, W, ZIGZAG)
+        _stamp(tln, k, TL_LOAD_TILE)
+        _stamp(tln, k, TL_TILE, tile)
         j = _tile_loads_masked(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready,
                                kv_empty, meta, tword, pwords, slot * PW, qids, kids, tile, b, h, hkv, q0, q_pos_min,
                                q_pos_max, k, j, rank, B, S, seg_ptr, seg_recv, flags, n_chunks, epoch, ctl, timeout_ns,
                                rng, W, HKV, D, CHUNK_BLOCKS, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)
         release_bar(p_empty.index(slot))  # every word of the slot read
+        _stamp(tln, k, TL_LOAD_ISSUED)
         k += 1
         mbarrier.wait(p_full.index(k % 2), (k // 2) & 1)
         tile = _tile_word(pwords, (k % 2) * PW + _P_TILE, 1)
@@ -808,7 +845,8 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, pp, meta, n_blo
 
 @gluon.jit
 def _consumer_tiles(q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, pp, meta, tword, out_ptr, lse_ptr,
-                    qk_scale, ctl, call_ok, rank, B, S, qids, kids, HALF_INDEX: gl.constexpr, H: gl.constexpr,
+                    qk_scale, ctl, tln, call_ok, rank, B, S, qids, kids, HALF_INDEX: gl.constexpr,
+                    H: gl.constexpr,
                     W: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr,
                     WINDOW: gl.constexpr, WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr, SEGMENTED: gl.constexpr):
     """One consumer partition of the persistent kernel, on its half of each of the program's tiles (64 query rows,
@@ -831,6 +869,7 @@ def _consumer_tiles(q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty
     mbarrier.wait(q_ready.index(HALF_INDEX), 0)
     tile = _tile_word(tword, 2 * HALF_INDEX)
     while tile >= 0:
+        _stamp(tln, i, 3 * HALF_INDEX + TL_Q)
         b, h, hkv, m_blk = query_tile(tile, H // HKV, S // BLOCK_M, HKV, CAUSAL)
         q0 = m_blk * BLOCK_M
         q_pos_min = positions(q0, rank, S, W, ZIGZAG)
@@ -858,6 +897,9 @@ def _consumer_tiles(q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty
                                          W, HKV, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED, None, 0, j0,
                                          g0, q_empty.index(HALF_INDEX))
             g0 += n_blocks + 1
+        _stamp(tln, i, 3 * HALF_INDEX + TL_DONE)
+        if HALF_INDEX == 0:
+            _stamp(tln, i, TL_BLOCKS, n_blocks)
         # The tile's place again from its index (b, h and q0 above would do as well: no fewer spills either way,
         # but other PTX; this one is the binary the GPU checked, session 13's call H).
         b, h, _, m_blk = query_tile(tile, H // HKV, S // BLOCK_M, HKV, CAUSAL)
@@ -869,6 +911,7 @@ def _consumer_tiles(q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty
                  out.to(out_ptr.dtype.element_ty))
         gl.store(lse_ptr + ((b * H + h).to(gl.int64) * S + m_blk * BLOCK_M + HALF_INDEX * HALF) +
                  gl.arange(0, HALF, layout=lse.type.layout), lse)
+        _stamp(tln, i, 3 * HALF_INDEX + TL_STORED)
         j0 += n_blocks
         i += 1
         mbarrier.wait(q_ready.index(HALF_INDEX), i & 1)
@@ -1039,6 +1082,12 @@ def ring_attn_fwd_gluon(
     # ---- the protocol's start: this rank's ring, the call check, every push unit left --------------------
     heap_bases, rank, ctl, flags, recv_addr, epoch = ring_context(ctx_ptr, W)
     recv, seg_recv = receive_slots(recv_addr, seg_ptr, rank, B, S, q_ptr, W, HKV, D, SEGMENTED)
+    if _TIMELINE:  # (the receive region, unused at world size 1)
+        gl.static_assert(W == 1, "the timeline (RING_ATTENTION_GLUON_TIMELINE) is for world size 1")
+        tln = recv_addr.to(gl.pointer_type(gl.int64), bitcast=True)
+        _stamp(tln, 0, TL_PROGRAM_START)
+    else:
+        tln = ctl  # never written
     n_chunks = gl.cdiv(S, CHUNK_ROWS)
     rng = ranks_rng(flags, B, HKV, n_chunks, 0, W)
     call_ok = start_call(ctl, heap_bases, rank, epoch, timeout_ns, seg_ptr, rng, B, S, sm_scale, n_chunks,
@@ -1090,16 +1139,16 @@ def ring_attn_fwd_gluon(
     if MASKS:  # (Gluon takes a literal list of partitions: the one with the planner repeats the others)
         gl.warp_specialize([
             (_consumer_tiles, (q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, pp, meta, tword, out_ptr,
-                               lse_ptr, qk_scale, ctl, call_ok, rank, B, S, qids, kids, 0, H, W, HKV, D,
+                               lse_ptr, qk_scale, ctl, tln, call_ok, rank, B, S, qids, kids, 0, H, W, HKV, D,
                                CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
             (_producer_planned, (q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready,
                                  kv_empty, meta, tword, pwords, p_full, p_empty, qids, kids, rank, B, S, seg_ptr,
-                                 seg_recv, flags, n_chunks, epoch, ctl, timeout_ns, rng, H, W, HKV, D, CHUNK_BLOCKS,
+                                 seg_recv, flags, n_chunks, epoch, ctl, tln, timeout_ns, rng, H, W, HKV, D, CHUNK_BLOCKS,
                                  CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
             (_consumer_tiles, (q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, pp, meta, tword, out_ptr,
-                               lse_ptr, qk_scale, ctl, call_ok, rank, B, S, qids, kids, 1, H, W, HKV, D,
+                               lse_ptr, qk_scale, ctl, tln, call_ok, rank, B, S, qids, kids, 1, H, W, HKV, D,
                                CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
-            (_planner, (pwords, p_full, p_empty, rank, B, S, seg_ptr, n_chunks, ctl, rng, H, W, HKV, BLOCK_M,
+            (_planner, (pwords, p_full, p_empty, rank, B, S, seg_ptr, n_chunks, ctl, tln, rng, H, W, HKV, BLOCK_M,
                         BLOCK_N, CHUNK_ROWS, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
         ], [_LOAD_WARPS, _CONSUMER_WARPS, _LOAD_WARPS], [_LOAD_REGS, _CONSUMER_REGS, _LOAD_REGS])
         for slot in gl.static_range(2):
@@ -1108,18 +1157,19 @@ def ring_attn_fwd_gluon(
     else:
         gl.warp_specialize([
             (_consumer_tiles, (q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, pp, meta, tword, out_ptr,
-                               lse_ptr, qk_scale, ctl, call_ok, rank, B, S, qids, kids, 0, H, W, HKV, D,
+                               lse_ptr, qk_scale, ctl, tln, call_ok, rank, B, S, qids, kids, 0, H, W, HKV, D,
                                CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
             (_producer, (q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
-                         meta, tword, rank, B, S, seg_ptr, flags, n_chunks, epoch, ctl, timeout_ns, rng, H, W, HKV, D,
+                         meta, tword, rank, B, S, seg_ptr, flags, n_chunks, epoch, ctl, tln, timeout_ns, rng, H, W, HKV, D,
                          CHUNK_BLOCKS, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
             (_consumer_tiles, (q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, pp, meta, tword, out_ptr,
-                               lse_ptr, qk_scale, ctl, call_ok, rank, B, S, qids, kids, 1, H, W, HKV, D,
+                               lse_ptr, qk_scale, ctl, tln, call_ok, rank, B, S, qids, kids, 1, H, W, HKV, D,
                                CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
         ], [_LOAD_WARPS, _CONSUMER_WARPS], [_LOAD_REGS, _CONSUMER_REGS])
     free_q_halves(q_ready, q_empty)
     free_slots_kv(kv_ready, kv_empty, RINGS * STAGES)
     free_turns(pp)
+    _stamp(tln, 0, TL_PROGRAM_END)
     # The last program done with the tile counter resets it for the next call (which starts after this one ends).
     if gl.atomic_add(ctl + CTL_FWD_DONE, 1, sem="acq_rel", scope="gpu") == gl.num_programs(0) - 1:
         gl.atomic_xchg(ctl + CTL_FWD_TILE, 0, sem="relaxed", scope="gpu")

@@ -443,7 +443,7 @@ GLUON_KERNEL_COMPILE = PLAN_SM90 + textwrap.dedent("""
             releases=len(at(r"sys\\.release")), global_timer=ptx.count("%globaltimer"),
             partitions=len(re.findall(r"partition\\d+\\(", ttgir)),
             masks=bool(p.constexprs()["WINDOW"] or p.constexprs()["SEGMENTED"]),  # (a window that hides nothing: none)
-            segmented=bool(p.constexprs()["SEGMENTED"]))
+            segmented=bool(p.constexprs()["SEGMENTED"]), clock=ptx.count("%clock64"))
     print(json.dumps(out))
 """)
 
@@ -482,11 +482,48 @@ def test_gluon_product_kernel_compiles_warp_specialised_with_the_protocol(tmp_pa
         else:
             assert c["tiles"] == [128, 128, 3] and c["mma_n"] == sorted({128, D}), (name, c)
             assert c["barriers"] == 4 + 2 * 3 + planner, (name, c)
+        assert c["clock"] == 0, (name, c)  # the timeline (RING_ATTENTION_GLUON_TIMELINE) off: no stamp
         if "-W1-" in name:
             assert c["acquires"] == 0 and c["fences"] == 0, (name, c)
         else:
             assert c["acquires"] > 0 and c["fence_after_acquire"] and c["tma_after_fence"], (name, c)
             assert c["releases"] > 0 and c["global_timer"] > 0, (name, c)
+
+
+GLUON_TIMELINE_COMPILE = "import os\nos.environ['RING_ATTENTION_GLUON_TIMELINE'] = '1'  # read at import\n" + \
+    PLAN_SM90 + textwrap.dedent("""
+    lay = control.HeapLayout.for_workspace(1 << 30)
+    out = {}
+    for S, H, HKV, D, dt, W, seg in ((256, 4, 1, 128, "bfloat16", 1, False), (512, 4, 2, 64, "float16", 1, True),
+                                     (1024, 8, 2, 128, "bfloat16", 2, False)):
+        spec = validate.check_attention_args((1, S, H, D), (1, S, HKV, D), (1, S, HKV, D), dt, dt, dt, is_causal=True,
+                                             scale=None, layout="contiguous", backend="fused", backends=("fused",),
+                                             segment_ids_shape=(1, S) if seg else None,
+                                             segment_ids_dtype="int32" if seg else None)
+        p = plans.plan(spec, W, lay, capability=(9, 0))
+        try:
+            ck, ttgir, ptx, *_ = compiled(p)
+        except Exception as e:  # noqa: BLE001 - reported
+            out[f"W{W}-{seg}"] = dict(error=str(e)[-2000:])
+            continue
+        out[f"W{W}-{seg}"] = dict(ws="ttg.warp_specialize" in ttgir, clock=ptx.count("%clock64"),
+                                  partitions=len(re.findall(r"partition\\d+\\(", ttgir)), shared=ck.metadata.shared)
+    print(json.dumps(out))
+""")
+
+
+def test_gluon_forward_timeline_compiles_warp_specialised_at_world_size_1_only(tmp_path):
+    """The Gluon forward's diagnostic timeline (RING_ATTENTION_GLUON_TIMELINE=1 at import; benchmarks/timeline.py)
+    compiles for sm_90 with the same partitions, still warp-specialised, with a clock read at each of its stamps
+    (the consumers' three a tile each, the load warp's two, the planner's two, the program's start and end); at
+    world size 2 it refuses to compile (its words live in the receive region, which a ring uses). Off, no stamp
+    (``test_gluon_product_kernel_compiles_warp_specialised_with_the_protocol``)."""
+    got = _compiled_for_sm90(GLUON_TIMELINE_COMPILE, tmp_path)
+    dense, masked, ring = got["W1-False"], got["W1-True"], got["W2-False"]
+    assert dense["ws"] and masked["ws"], got
+    assert (dense["partitions"], masked["partitions"]) == (2, 3), got  # beside the default one (a consumer)
+    assert dense["clock"] >= 2 * 3 + 2 + 2 and masked["clock"] >= 2 * 3 + 2 + 2 + 2, got
+    assert "world size 1" in ring.get("error", ""), got
 
 
 GLUON_BWD_COMPILE = PLAN_SM90 + textwrap.dedent("""

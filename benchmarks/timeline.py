@@ -1,0 +1,202 @@
+"""Where a tile's time goes in the persistent Gluon forward, partition by partition (issue 20's packed forward: the
+masked path costs 3-5 % over dense with the dense kernel's blocks, benchmarks/NOTES.md session 19, call AP).
+
+The kernel is built with its timeline on (``RING_ATTENTION_GLUON_TIMELINE=1``, set here before ring_core is
+imported; ring_core.gluon_kernel): each partition writes the SM's ``%clock64`` at its events of each of its program's
+tiles (consumers: Q landed, blocks done, rows stored; the load warp: tile known, loads issued; the planner: plan
+started, published) into the receive region, which no ring step uses at world size 1. After one call per repeat, the
+words are read back and each case is summed up in SM cycles:
+
+* ``block_cycles`` / ``tile_cycles``: a least-squares fit of a consumer's time from Q landed to blocks done against
+  the tile's block count (slope: a block's cost in the loop; intercept: a tile's fixed cost inside ``_blocks``);
+* ``gap_cycles``: a consumer's median wait between its rows stored and its next tile's Q landed (the load warp or
+  the planner late), ``epilogue_cycles``: blocks done to rows stored;
+* ``idle_share``: the consumers' time outside ``_blocks`` (gaps, epilogues, before the first tile, after the last)
+  over the programs' spans;
+* ``plan_lead_cycles``: how long before the load warp took a tile its plan was published (masked cases; negative:
+  the load warp waited for the planner).
+
+The timeline's stores change the binary slightly (a few more bytes of spills outside the loops), so its cases are
+compared with each other; ``ms`` is each timed call with the timeline on. World size 1, bf16, B=1, H=32, D=128,
+seq_local 16k, causal (benchmarks/attention.py's W=1 layout), the cases of ``probe-mask-cost`` and the packed
+documents of issue 20's target:
+
+    python -m jax_ring.launch --nproc-per-node 1 -m benchmarks.timeline --out DIR     # GPU: DIR/timeline.{csv,npz}
+    python -m benchmarks.timeline --plot DIR/timeline.npz --png OUT.png                # CPU: the figure
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import sys
+
+import numpy as np
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+TIMELINE_ENV = "RING_ATTENTION_GLUON_TIMELINE"  # ring_core.gluon_kernel.TIMELINE_ENV (checked after the import)
+
+# name -> the harness Case's mask keywords
+CASES = {
+    "dense": dict(mask="none"),
+    "window(16000,0)": dict(mask="window", window=(16000, 0)),
+    "one document": dict(mask="packed", doc_lens=(16384, 16384)),
+    "packed(512-8192)": dict(mask="packed", doc_lens=(512, 8192)),
+}
+
+
+def summarize(words: np.ndarray, ev: dict) -> dict:
+    """One call's timeline words [programs, tiles, events] (-1 where never written) -> the module docstring's
+    figures (cycles), and the per-tile arrays for the figure."""
+    tiles = words[:, :, ev["tile"]]
+    n_per = (tiles >= 0).sum(axis=1)
+    if (n_per >= words.shape[1]).any():
+        raise RuntimeError(f"a program ran {n_per.max()} tiles, more than the timeline's {words.shape[1]}: raise "
+                           "ring_core.gluon_kernel.TIMELINE_TILES")
+    comp, blocks, gaps, epis = [], [], [], []
+    busy = 0
+    for p in range(words.shape[0]):
+        n = int(n_per[p])
+        if n == 0:
+            continue
+        w = words[p, :n]
+        for c in (0, 1):
+            q, done, stored = (w[:, 3 * c + ev[k]] for k in ("q", "done", "stored"))
+            comp.append(done - q)
+            blocks.append(w[:, ev["blocks"]])
+            gaps.append(q[1:] - stored[:-1])
+            epis.append(stored - done)
+            busy += int((done - q).sum())
+    comp, blocks = np.concatenate(comp), np.concatenate(blocks)
+    gaps, epis = np.concatenate(gaps), np.concatenate(epis)
+    start, end = words[:, 0, ev["program_start"]], words[:, 0, ev["program_end"]]
+    ran = n_per > 0
+    span = (end - start)[ran]
+    if np.unique(blocks).size > 1:
+        slope, intercept = np.polyfit(blocks.astype(np.float64), comp.astype(np.float64), 1)
+    else:  # one block count: no slope to fit
+        slope, intercept = float("nan"), float(comp.mean())
+    out = dict(programs=int(ran.sum()), tiles=int(n_per.sum()), blocks=int(blocks.sum() // 2),
+               span_cycles=float(np.median(span)), block_cycles=float(slope), tile_cycles=float(intercept),
+               gap_cycles=float(np.median(gaps)) if gaps.size else 0.0, gap_mean_cycles=float(gaps.mean()) if
+               gaps.size else 0.0, epilogue_cycles=float(np.median(epis)),
+               idle_share=float(1.0 - busy / (2.0 * span.sum())))
+    published = words[:, :, ev["plan_published"]]
+    if (published[ran, 0] > 0).any():
+        lead = []
+        for p in np.nonzero(ran)[0]:
+            n = int(n_per[p])
+            lead.append(words[p, :n, ev["load_tile"]] - published[p, :n])
+        out["plan_lead_cycles"] = float(np.median(np.concatenate(lead)))
+    arrays = dict(compute=comp, blocks=blocks, gaps=gaps)
+    return out, arrays
+
+
+def run(args) -> int:
+    os.environ[TIMELINE_ENV] = "1"
+    import torch
+
+    import torch_bridge
+    from benchmarks import harness
+    from ring_core import gluon_kernel as gk
+    from ring_core import heap as heap_mod
+
+    if gk.TIMELINE_ENV != TIMELINE_ENV or not gk._TIMELINE.value:
+        raise RuntimeError("ring_core.gluon_kernel was imported without its timeline")
+    torch_bridge.initialize()
+    if torch.distributed.get_world_size() != 1:
+        raise SystemExit("the timeline is for world size 1")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    h = heap_mod.get()
+    P = torch.cuda.get_device_properties(dev).multi_processor_count
+    n_words = P * gk.TIMELINE_TILES * gk.TIMELINE_EVENTS
+    off = h.layout.recv_off - h.base_off
+    region = h.workspace[off:off + 8 * n_words].view(torch.int64).view(P, gk.TIMELINE_TILES, gk.TIMELINE_EVENTS)
+    ev = dict(gk.TIMELINE_EVENT)
+    S, H, D = args.seq, 32, 128
+    rng = torch.Generator(device="cpu").manual_seed(0)
+    q, k, v = (torch.randn((1, S, H, D), generator=rng).to(dev, torch.bfloat16) for _ in range(3))
+    rows, raw = [], {}
+    for rep in range(args.repeats):
+        for name, kw in CASES.items():
+            case = harness.Case(1, H, H, D, S, True, "bfloat16", **kw)
+            ids = harness.segment_ids(case, 1)
+            seg = None if ids is None else torch.from_numpy(np.asarray(ids)).to(dev, torch.int32)
+
+            def call():
+                return torch_bridge.ring_attention(q, k, v, backend="fused", is_causal=True, layout=case.layout,
+                                                   window_size=case.window_size, segment_ids=seg)
+
+            for _ in range(2):  # compile, plan, warm
+                call()
+            torch.cuda.synchronize()
+            region.fill_(-1)
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            call()
+            e1.record()
+            torch.cuda.synchronize()
+            words = region.cpu().numpy()
+            figures, arrays = summarize(words, ev)
+            row = dict(case=name, repeat=rep, ms=e0.elapsed_time(e1), **figures)
+            row["mhz_est"] = row["span_cycles"] / (row["ms"] * 1e3)
+            rows.append(row)
+            for key, a in arrays.items():
+                raw[f"{name}|{rep}|{key}"] = a
+            print("  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+                  flush=True)
+    torch_bridge.check_errors()
+    os.makedirs(args.out, exist_ok=True)
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    with open(os.path.join(args.out, "timeline.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)
+    np.savez_compressed(os.path.join(args.out, "timeline.npz"), **raw)
+    return 0
+
+
+def plot(npz: str, png: str) -> int:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = np.load(npz)
+    names = sorted({k.split("|")[0] for k in data.files}, key=list(CASES).index)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
+    for name in names:
+        comp = data[f"{name}|0|compute"]
+        blocks = data[f"{name}|0|blocks"]
+        ax1.scatter(blocks, comp / 1e3, s=3, alpha=0.4, label=name)
+        gaps = data[f"{name}|0|gaps"]
+        ax2.hist(gaps / 1e3, bins=80, histtype="step", label=name, range=(0, np.quantile(gaps, 0.99) / 1e3))
+    ax1.set_xlabel("blocks in the tile")
+    ax1.set_ylabel("a consumer's Q landed -> blocks done (k cycles)")
+    ax2.set_xlabel("a consumer's rows stored -> next tile's Q landed (k cycles)")
+    ax2.set_ylabel("tiles")
+    for ax in (ax1, ax2):
+        ax.legend()
+    fig.suptitle("Gluon forward timeline, W=1, bf16 D128 H32 16k causal (first repeat)")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=".", help="directory for timeline.csv and timeline.npz (GPU run)")
+    ap.add_argument("--seq", type=int, default=16384)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--plot", metavar="NPZ", help="draw the figure of a run's timeline.npz (no GPU) ...")
+    ap.add_argument("--png", help="... into this file")
+    args = ap.parse_args(argv)
+    if args.plot:
+        return plot(args.plot, args.png or os.path.splitext(args.plot)[0] + ".png")
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
