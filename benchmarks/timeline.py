@@ -14,10 +14,15 @@ words are read back and each case is summed up in SM cycles:
 * ``idle_share``: the consumers' time outside ``_blocks`` (gaps, epilogues, before the first tile, after the last)
   over the programs' spans;
 * ``plan_lead_cycles``: how long before the load warp took a tile its plan was published (masked cases; negative:
-  the load warp waited for the planner).
+  the load warp waited for the planner);
+* consumer 0's epilogue split (medians): ``err_cycles`` blocks done -> the error record's atomic back,
+  ``rows_cycles`` -> its rows of O issued, ``lse_cycles`` -> its lse stored.
+
+Each case is run two ways (``timing``): ``stream``, calls back to back (the words of the last one), as
+``probe-mask-cost`` times them, and ``call``, one call after the GPU was idle, as the per-call benchmarks do.
 
 The timeline's stores change the binary slightly (a few more bytes of spills outside the loops), so its cases are
-compared with each other; ``ms`` is each timed call with the timeline on. World size 1, bf16, B=1, H=32, D=128,
+compared with each other; ``ms`` is a call's time with the timeline on. World size 1, bf16, B=1, H=32, D=128,
 seq_local 16k, causal (benchmarks/attention.py's W=1 layout), the cases of ``probe-mask-cost`` and the packed
 documents of issue 20's target:
 
@@ -90,6 +95,11 @@ def summarize(words: np.ndarray, ev: dict) -> dict:
             n = int(n_per[p])
             lead.append(words[p, :n, ev["load_tile"]] - published[p, :n])
         out["plan_lead_cycles"] = float(np.median(np.concatenate(lead)))
+    # consumer 0's epilogue, split: blocks done -> the error record back -> its rows of O issued -> its lse stored
+    w0 = [words[p, :int(n_per[p])] for p in np.nonzero(ran)[0]]
+    for key, a, b in (("err_cycles", "done", "err_back"), ("rows_cycles", "err_back", "out_issued"),
+                      ("lse_cycles", "out_issued", "stored")):
+        out[key] = float(np.median(np.concatenate([w[:, ev[b]] - w[:, ev[a]] for w in w0])))
     arrays = dict(compute=comp, blocks=blocks, gaps=gaps)
     return out, arrays
 
@@ -120,33 +130,35 @@ def run(args) -> int:
     q, k, v = (torch.randn((1, S, H, D), generator=rng).to(dev, torch.bfloat16) for _ in range(3))
     rows, raw = [], {}
     for rep in range(args.repeats):
-        for name, kw in CASES.items():
-            case = harness.Case(1, H, H, D, S, True, "bfloat16", **kw)
-            ids = harness.segment_ids(case, 1)
-            seg = None if ids is None else torch.from_numpy(np.asarray(ids)).to(dev, torch.int32)
+        for timing in ("stream", "call"):
+            for name, kw in CASES.items():
+                case = harness.Case(1, H, H, D, S, True, "bfloat16", **kw)
+                ids = harness.segment_ids(case, 1)
+                seg = None if ids is None else torch.from_numpy(np.asarray(ids)).to(dev, torch.int32)
 
-            def call():
-                return torch_bridge.ring_attention(q, k, v, backend="fused", is_causal=True, layout=case.layout,
-                                                   window_size=case.window_size, segment_ids=seg)
+                def call():
+                    return torch_bridge.ring_attention(q, k, v, backend="fused", is_causal=True, layout=case.layout,
+                                                       window_size=case.window_size, segment_ids=seg)
 
-            for _ in range(2):  # compile, plan, warm
-                call()
-            torch.cuda.synchronize()
-            region.fill_(-1)
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            call()
-            e1.record()
-            torch.cuda.synchronize()
-            words = region.cpu().numpy()
-            figures, arrays = summarize(words, ev)
-            row = dict(case=name, repeat=rep, ms=e0.elapsed_time(e1), **figures)
-            row["mhz_est"] = row["span_cycles"] / (row["ms"] * 1e3)
-            rows.append(row)
-            for key, a in arrays.items():
-                raw[f"{name}|{rep}|{key}"] = a
-            print("  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
-                  flush=True)
+                for _ in range(2):  # compile, plan, warm
+                    call()
+                torch.cuda.synchronize()
+                region.fill_(-1)
+                n = args.iters if timing == "stream" else 1
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                for _ in range(n):
+                    call()
+                e1.record()
+                torch.cuda.synchronize()
+                words = region.cpu().numpy()  # the last call's
+                figures, arrays = summarize(words, ev)
+                row = dict(case=name, timing=timing, repeat=rep, ms=e0.elapsed_time(e1) / n, **figures)
+                rows.append(row)
+                for key, a in arrays.items():
+                    raw[f"{name}|{timing}|{rep}|{key}"] = a
+                print("  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+                      flush=True)
     torch_bridge.check_errors()
     os.makedirs(args.out, exist_ok=True)
     keys = list(dict.fromkeys(k for r in rows for k in r))
@@ -168,10 +180,10 @@ def plot(npz: str, png: str) -> int:
     names = sorted({k.split("|")[0] for k in data.files}, key=list(CASES).index)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
     for name in names:
-        comp = data[f"{name}|0|compute"]
-        blocks = data[f"{name}|0|blocks"]
+        comp = data[f"{name}|stream|0|compute"]
+        blocks = data[f"{name}|stream|0|blocks"]
         ax1.scatter(blocks, comp / 1e3, s=3, alpha=0.4, label=name)
-        gaps = data[f"{name}|0|gaps"]
+        gaps = data[f"{name}|stream|0|gaps"]
         ax2.hist(gaps / 1e3, bins=80, histtype="step", label=name, range=(0, np.quantile(gaps, 0.99) / 1e3))
     ax1.set_xlabel("blocks in the tile")
     ax1.set_ylabel("a consumer's Q landed -> blocks done (k cycles)")
@@ -179,7 +191,7 @@ def plot(npz: str, png: str) -> int:
     ax2.set_ylabel("tiles")
     for ax in (ax1, ax2):
         ax.legend()
-    fig.suptitle("Gluon forward timeline, W=1, bf16 D128 H32 16k causal (first repeat)")
+    fig.suptitle("Gluon forward timeline, W=1, bf16 D128 H32 16k causal (calls back to back, first repeat)")
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     return 0
@@ -190,6 +202,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=".", help="directory for timeline.csv and timeline.npz (GPU run)")
     ap.add_argument("--seq", type=int, default=16384)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--iters", type=int, default=5, help="calls back to back in the stream timing")
     ap.add_argument("--plot", metavar="NPZ", help="draw the figure of a run's timeline.npz (no GPU) ...")
     ap.add_argument("--png", help="... into this file")
     args = ap.parse_args(argv)

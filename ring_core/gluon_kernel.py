@@ -142,11 +142,12 @@ _TL_TILES, _TL_EVENTS = gl.constexpr(TIMELINE_TILES), gl.constexpr(TIMELINE_EVEN
 # Events (a tile's words; consumer c's three at 3 c + 0, 1, 2): its Q landed and its tile known, its blocks done (the
 # last P V waited for), its rows stored; the load warp's tile known, its loads issued; the planner's start of the
 # tile's plan, the plan published; the tile's index and (consumer 0) its block count as values; the program's start
-# and end (tile 0's words).
+# and end (tile 0's words); consumer 0's epilogue split: the error record back (the clock read after it), its rows
+# of O issued.
 TIMELINE_EVENT = dict(q=0, done=1, stored=2, load_tile=6, load_issued=7, plan_start=8, plan_published=9, tile=10,
-                      blocks=11, program_start=12, program_end=13)
+                      blocks=11, program_start=12, program_end=13, err_back=14, out_issued=15)
 TL_Q, TL_DONE, TL_STORED, TL_LOAD_TILE, TL_LOAD_ISSUED, TL_PLAN_START, TL_PLAN_PUBLISHED, TL_TILE, TL_BLOCKS, \
-    TL_PROGRAM_START, TL_PROGRAM_END = (gl.constexpr(v) for v in TIMELINE_EVENT.values())
+    TL_PROGRAM_START, TL_PROGRAM_END, TL_ERR_BACK, TL_OUT_ISSUED = (gl.constexpr(v) for v in TIMELINE_EVENT.values())
 
 
 # ring_core.plans.GLUON_TILES as a constexpr global: read by name in ``kv_slots`` / ``kv_rings``, its value is part
@@ -295,12 +296,17 @@ def _tile_word(tword, k, WARPS: gl.constexpr = 4):
 
 
 @gluon.jit
-def _stamp(tln, i, e: gl.constexpr, value=None):
-    """The timeline (``_TIMELINE``): the program's ``i``-th tile's word ``e``, the SM's clock (or ``value``)."""
+def _stamp(tln, i, e: gl.constexpr, value=None, after=None):
+    """The timeline (``_TIMELINE``): the program's ``i``-th tile's word ``e``, the SM's clock (read once the int32
+    scalar ``after`` is there, if given), or ``value``."""
     if _TIMELINE:
         if value is None:
-            value = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False,
-                                              pack=1)
+            if after is None:
+                value = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64,
+                                                  is_pure=False, pack=1)
+            else:
+                value = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [after], dtype=gl.int64,
+                                                  is_pure=False, pack=1)
         gl.store(tln + (gl.program_id(0) * _TL_TILES + gl.minimum(i, _TL_TILES - 1)) * _TL_EVENTS + e,
                  value.to(gl.int64))
 
@@ -904,11 +910,15 @@ def _consumer_tiles(q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty
         # but other PTX; this one is the binary the GPU checked, session 13's call H).
         b, h, _, m_blk = query_tile(tile, H // HKV, S // BLOCK_M, HKV, CAUSAL)
         row0 = b * S + m_blk * BLOCK_M + HALF_INDEX * HALF  # the half's first row of [B * S] (O), its first lse
+        if HALF_INDEX == 0:
+            _stamp(tln, i, TL_ERR_BACK, after=err)
         out, lse = _rows_out(acc, m_i, l_i, err, call_ok)
         rows = gl.arange(0, HALF, layout=gl.SliceLayout(1, acc.type.layout))
         cols = gl.arange(0, D, layout=gl.SliceLayout(0, acc.type.layout))
         gl.store(out_ptr + (row0.to(gl.int64) * H + h) * D + (rows[:, None] * (H * D) + cols[None, :]),
                  out.to(out_ptr.dtype.element_ty))
+        if HALF_INDEX == 0:
+            _stamp(tln, i, TL_OUT_ISSUED)
         gl.store(lse_ptr + ((b * H + h).to(gl.int64) * S + m_blk * BLOCK_M + HALF_INDEX * HALF) +
                  gl.arange(0, HALF, layout=lse.type.layout), lse)
         _stamp(tln, i, 3 * HALF_INDEX + TL_STORED)

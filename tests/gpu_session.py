@@ -107,9 +107,11 @@ Stages (``NAME[:SECONDS]``; the default time limit is in brackets):
   probe-mask-cost  the masked forward's cost over dense with the same blocks, back to back, twice: dense, a window
                that hides almost nothing (16000, 0: the masked path without ids) and one 16384-token document
                (the masked path with ids)                                                    [120]
+  probe-mask-cost-call  the same, each call timed on its own (--timing call), twice                  [120]
   probe-timeline  benchmarks/timeline.py: the Gluon forward built with its timeline (RING_ATTENTION_GLUON_TIMELINE=1),
                each partition's clock at each tile's events, for dense, that window, one document and packed
-               documents (512-8192), twice: where a masked tile's time goes (W=1)              [240]
+               documents (512-8192), calls back to back and one at a time, twice: where a masked tile's
+               time goes (W=1)                                                                [240]
   bench-doclens  the packed forward at W=1 with documents of 16384, 4096 and 1024 tokens    [150]
   checks-masks-tail  tests/gpu_checks.py masks cases 3, 4, 5 (fp32 last)                  [420]
   bench-w1     benchmarks/attention.py at world size 1 (one rank whatever --nproc: run it with --nproc 1, so
@@ -267,6 +269,10 @@ STAGES = {
     "probe-mask-cost": (120, [LAUNCH1 + BENCH + ["--mask", "none,window,packed", "--window", "16000,0", "--doc-lens",
                                                  "16384-16384", "--pass", "fwd", "--timing", "stream", "--iters", "10",
                                                  "--csv", "{out}/mask_cost.csv"]] * 2),
+    # The same timed one call at a time (--timing call): the masked path's cost as the per-call benchmarks see it.
+    "probe-mask-cost-call": (120, [LAUNCH1 + BENCH + ["--mask", "none,window,packed", "--window", "16000,0",
+                                                      "--doc-lens", "16384-16384", "--pass", "fwd", "--timing", "call",
+                                                      "--iters", "10", "--csv", "{out}/mask_cost_call.csv"]] * 2),
     # Where the masked path's time goes, partition by partition: the kernel's timeline (benchmarks/timeline.py).
     "probe-timeline": (240, [LAUNCH1 + ["-m", "benchmarks.timeline", "--out", "{out}"]]),
     # What a tile costs however few blocks it has, without masks: one problem's work (B * S^2 at 16k, B=1) cut into

@@ -27,6 +27,8 @@ def _words(programs, plan_lead=None):
                 w[p, i, 3 * c + ev["q"]] = t
                 w[p, i, 3 * c + ev["done"]] = t + 1000 + 500 * n
                 w[p, i, 3 * c + ev["stored"]] = t + 1100 + 500 * n
+            w[p, i, ev["err_back"]] = t + 1030 + 500 * n  # consumer 0's epilogue: 30 + 60 + 10
+            w[p, i, ev["out_issued"]] = t + 1090 + 500 * n
             t += 1300 + 500 * n
         w[p, 0, ev["program_end"]] = t - 200 + 400
     return w
@@ -39,6 +41,7 @@ def test_summary_separates_a_blocks_cost_from_a_tiles_and_the_waits_between_tile
     assert figures["block_cycles"] == pytest.approx(500) and figures["tile_cycles"] == pytest.approx(1000)
     assert figures["gap_cycles"] == 200 and figures["epilogue_cycles"] == 100
     assert figures["plan_lead_cycles"] == 700
+    assert (figures["err_cycles"], figures["rows_cycles"], figures["lse_cycles"]) == (30, 60, 10)
     # the consumers' time outside their blocks over the programs' spans
     busy = sum(2 * (1000 + 500 * n) for blocks in progs for n in blocks)
     spans = sum(300 + sum(1300 + 500 * n for n in blocks) + 200 for blocks in progs)
