@@ -16,7 +16,12 @@ words are read back and each case is summed up in SM cycles:
 * ``plan_lead_cycles``: how long before the load warp took a tile its plan was published (masked cases; negative:
   the load warp waited for the planner);
 * consumer 0's epilogue split (medians): ``err_cycles`` blocks done -> the error record's atomic back,
-  ``rows_cycles`` -> its rows of O issued, ``lse_cycles`` -> its lse stored.
+  ``rows_cycles`` -> its rows of O issued, ``lse_cycles`` -> its lse stored;
+* on the global clock (``%globaltimer``, the same on every SM): ``kernel_us`` from the first program's entry to the
+  last one's exit, ``entry_spread_us`` between the first and the last entry, ``check_us`` a program's entry to its
+  call check done (median), ``partitions_us`` from there to its partitions joined, ``tail_us`` from the last join
+  to the last exit (the end barrier and status); ``clock_mhz`` the SMs' clock, a program's span in cycles over its
+  entry to its join in nanoseconds (median).
 
 Each case is run two ways (``timing``): ``stream``, calls back to back (the words of the last one), as
 ``probe-mask-cost`` times them, and ``call``, one call after the GPU was idle, as the per-call benchmarks do.
@@ -27,6 +32,7 @@ seq_local 16k, causal (benchmarks/attention.py's W=1 layout), the cases of ``pro
 documents of issue 20's target:
 
     python -m jax_ring.launch --nproc-per-node 1 -m benchmarks.timeline --out DIR     # GPU: DIR/timeline.{csv,npz}
+    python -m jax_ring.launch --nproc-per-node 1 -m benchmarks.timeline --out DIR --no-out    # (an experiment)
     python -m benchmarks.timeline --plot DIR/timeline.npz --png OUT.png                # CPU: the figure
 """
 from __future__ import annotations
@@ -100,12 +106,19 @@ def summarize(words: np.ndarray, ev: dict) -> dict:
     for key, a, b in (("err_cycles", "done", "err_back"), ("rows_cycles", "err_back", "out_issued"),
                       ("lse_cycles", "out_issued", "stored")):
         out[key] = float(np.median(np.concatenate([w[:, ev[b]] - w[:, ev[a]] for w in w0])))
+    # the kernel on the global clock (ns, comparable between SMs): the first entry to the last exit, the programs'
+    # entries' spread, the call check, the partitions' time, and after the last join
+    entry, checked, joined, leave = (words[ran, 0, ev[k]] for k in ("entry_ns", "checked_ns", "joined_ns", "exit_ns"))
+    out.update(kernel_us=float(leave.max() - entry.min()) / 1e3, entry_spread_us=float(entry.max() - entry.min()) / 1e3,
+               check_us=float(np.median(checked - entry)) / 1e3, partitions_us=float(np.median(joined - checked)) / 1e3,
+               tail_us=float(leave.max() - joined.max()) / 1e3,
+               clock_mhz=float(np.median(span / (joined - entry))) * 1e3)  # (span: start and end, beside them)
     arrays = dict(compute=comp, blocks=blocks, gaps=gaps)
     return out, arrays
 
 
 def run(args) -> int:
-    os.environ[TIMELINE_ENV] = "1"
+    os.environ[TIMELINE_ENV] = "2" if args.no_out else "1"
     import torch
 
     import torch_bridge
@@ -113,8 +126,8 @@ def run(args) -> int:
     from ring_core import gluon_kernel as gk
     from ring_core import heap as heap_mod
 
-    if gk.TIMELINE_ENV != TIMELINE_ENV or not gk._TIMELINE.value:
-        raise RuntimeError("ring_core.gluon_kernel was imported without its timeline")
+    if gk.TIMELINE_ENV != TIMELINE_ENV or not gk._TIMELINE.value or gk._TIMELINE_NO_OUT.value != args.no_out:
+        raise RuntimeError("ring_core.gluon_kernel was imported without the timeline asked for")
     torch_bridge.initialize()
     if torch.distributed.get_world_size() != 1:
         raise SystemExit("the timeline is for world size 1")
@@ -148,12 +161,14 @@ def run(args) -> int:
                 e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 e0.record()
                 for _ in range(n):
+                    region.fill_(-1)  # (on the stream: each call's words are its own)
                     call()
                 e1.record()
                 torch.cuda.synchronize()
                 words = region.cpu().numpy()  # the last call's
                 figures, arrays = summarize(words, ev)
-                row = dict(case=name, timing=timing, repeat=rep, ms=e0.elapsed_time(e1) / n, **figures)
+                row = dict(case=name, timing=timing, repeat=rep, ms=e0.elapsed_time(e1) / n,
+                           out="not stored" if args.no_out else "stored", **figures)
                 rows.append(row)
                 for key, a in arrays.items():
                     raw[f"{name}|{timing}|{rep}|{key}"] = a
@@ -162,11 +177,12 @@ def run(args) -> int:
     torch_bridge.check_errors()
     os.makedirs(args.out, exist_ok=True)
     keys = list(dict.fromkeys(k for r in rows for k in r))
-    with open(os.path.join(args.out, "timeline.csv"), "w", newline="") as f:
+    stem = os.path.join(args.out, "timeline_no_out" if args.no_out else "timeline")
+    with open(stem + ".csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys)
         w.writeheader()
         w.writerows(rows)
-    np.savez_compressed(os.path.join(args.out, "timeline.npz"), **raw)
+    np.savez_compressed(stem + ".npz", **raw)
     return 0
 
 
@@ -203,6 +219,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=16384)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--iters", type=int, default=5, help="calls back to back in the stream timing")
+    ap.add_argument("--no-out", action="store_true",
+                    help="an experiment: the kernel without its stores of O (RING_ATTENTION_GLUON_TIMELINE=2; its "
+                         "outputs are wrong), to weigh them; writes timeline_no_out.*")
     ap.add_argument("--plot", metavar="NPZ", help="draw the figure of a run's timeline.npz (no GPU) ...")
     ap.add_argument("--png", help="... into this file")
     args = ap.parse_args(argv)

@@ -136,18 +136,24 @@ _FOLD_SCALE = gl.constexpr(os.environ.get(FOLD_SCALE_ENV, "1") == "1")
 # at the start of the receive region, which no ring step uses at world size 1. Off (the default), no code: the
 # binaries are those without it (a constexpr global: part of the kernel's cache key).
 TIMELINE_ENV = "RING_ATTENTION_GLUON_TIMELINE"
-_TIMELINE = gl.constexpr(os.environ.get(TIMELINE_ENV, "0") == "1")
-TIMELINE_TILES, TIMELINE_EVENTS = 64, 16
+_TIMELINE = gl.constexpr(os.environ.get(TIMELINE_ENV, "0") in ("1", "2"))
+# "2": an experiment, not a kernel: the timeline with the consumers' stores of O predicated off at run time (their
+# instructions issue, no memory is written: wrong outputs), to weigh the stores' memory traffic.
+_TIMELINE_NO_OUT = gl.constexpr(os.environ.get(TIMELINE_ENV, "0") == "2")
+TIMELINE_TILES, TIMELINE_EVENTS = 64, 20
 _TL_TILES, _TL_EVENTS = gl.constexpr(TIMELINE_TILES), gl.constexpr(TIMELINE_EVENTS)
 # Events (a tile's words; consumer c's three at 3 c + 0, 1, 2): its Q landed and its tile known, its blocks done (the
 # last P V waited for), its rows stored; the load warp's tile known, its loads issued; the planner's start of the
 # tile's plan, the plan published; the tile's index and (consumer 0) its block count as values; the program's start
 # and end (tile 0's words); consumer 0's epilogue split: the error record back (the clock read after it), its rows
-# of O issued.
+# of O issued; and in %globaltimer nanoseconds, comparable between SMs (tile 0's words): the program's entry, its call
+# check done, its partitions joined, its exit.
 TIMELINE_EVENT = dict(q=0, done=1, stored=2, load_tile=6, load_issued=7, plan_start=8, plan_published=9, tile=10,
-                      blocks=11, program_start=12, program_end=13, err_back=14, out_issued=15)
+                      blocks=11, program_start=12, program_end=13, err_back=14, out_issued=15, entry_ns=16,
+                      checked_ns=17, joined_ns=18, exit_ns=19)
 TL_Q, TL_DONE, TL_STORED, TL_LOAD_TILE, TL_LOAD_ISSUED, TL_PLAN_START, TL_PLAN_PUBLISHED, TL_TILE, TL_BLOCKS, \
-    TL_PROGRAM_START, TL_PROGRAM_END, TL_ERR_BACK, TL_OUT_ISSUED = (gl.constexpr(v) for v in TIMELINE_EVENT.values())
+    TL_PROGRAM_START, TL_PROGRAM_END, TL_ERR_BACK, TL_OUT_ISSUED, TL_ENTRY_NS, TL_CHECKED_NS, TL_JOINED_NS, \
+    TL_EXIT_NS = (gl.constexpr(v) for v in TIMELINE_EVENT.values())
 
 
 # ring_core.plans.GLUON_TILES as a constexpr global: read by name in ``kv_slots`` / ``kv_rings``, its value is part
@@ -296,12 +302,14 @@ def _tile_word(tword, k, WARPS: gl.constexpr = 4):
 
 
 @gluon.jit
-def _stamp(tln, i, e: gl.constexpr, value=None, after=None):
+def _stamp(tln, i, e: gl.constexpr, value=None, after=None, NS: gl.constexpr = False):
     """The timeline (``_TIMELINE``): the program's ``i``-th tile's word ``e``, the SM's clock (read once the int32
-    scalar ``after`` is there, if given), or ``value``."""
+    scalar ``after`` is there, if given; ``NS``: %globaltimer), or ``value``."""
     if _TIMELINE:
         if value is None:
-            if after is None:
+            if NS:
+                value = _now_ns()
+            elif after is None:
                 value = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64,
                                                   is_pure=False, pack=1)
             else:
@@ -309,6 +317,16 @@ def _stamp(tln, i, e: gl.constexpr, value=None, after=None):
                                                   is_pure=False, pack=1)
         gl.store(tln + (gl.program_id(0) * _TL_TILES + gl.minimum(i, _TL_TILES - 1)) * _TL_EVENTS + e,
                  value.to(gl.int64))
+
+
+@gluon.jit
+def _now_ns():
+    """The timeline's %globaltimer (nanoseconds, the same clock on every SM), or 0 without the timeline."""
+    if _TIMELINE:
+        return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False,
+                                         pack=1)
+    else:
+        return 0
 
 
 @gluon.jit
@@ -915,8 +933,12 @@ def _consumer_tiles(q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty
         out, lse = _rows_out(acc, m_i, l_i, err, call_ok)
         rows = gl.arange(0, HALF, layout=gl.SliceLayout(1, acc.type.layout))
         cols = gl.arange(0, D, layout=gl.SliceLayout(0, acc.type.layout))
-        gl.store(out_ptr + (row0.to(gl.int64) * H + h) * D + (rows[:, None] * (H * D) + cols[None, :]),
-                 out.to(out_ptr.dtype.element_ty))
+        if _TIMELINE_NO_OUT:  # the same instructions, predicated off at run time (err >= 0): no memory traffic
+            gl.store(out_ptr + (row0.to(gl.int64) * H + h) * D + (rows[:, None] * (H * D) + cols[None, :]),
+                     out.to(out_ptr.dtype.element_ty), mask=(rows[:, None] * 0 + cols[None, :] * 0 + err) < -1)
+        else:
+            gl.store(out_ptr + (row0.to(gl.int64) * H + h) * D + (rows[:, None] * (H * D) + cols[None, :]),
+                     out.to(out_ptr.dtype.element_ty))
         if HALF_INDEX == 0:
             _stamp(tln, i, TL_OUT_ISSUED)
         gl.store(lse_ptr + ((b * H + h).to(gl.int64) * S + m_blk * BLOCK_M + HALF_INDEX * HALF) +
@@ -943,14 +965,15 @@ def _rows_init(HALF: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr):
 
 @gluon.jit
 def _rows_out(acc, m_i, l_i, err, call_ok):
-    """A consumer's rows of O (acc / l, in the accumulator's layout) and their lse (-inf where a row saw nothing), or
-    NaN rows if the call check failed or any wait of this rank gave up (``err``: the error record, read once every
-    wait of the tile had come, ``_blocks``)."""
+    """A consumer's rows of O (acc times a row's 1 / l, in the accumulator's layout) and their lse (-inf where a row
+    saw nothing), or NaN rows if the call check failed or any wait of this rank gave up (``err``: the error record,
+    read once every wait of the tile had come, ``_blocks``): the NaN is a row's factor, selected once a row, not once
+    an element."""
     o_layout: gl.constexpr = acc.type.layout
     valid = (call_ok != 0) & (err == 0)
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
     l_safe = gl.where(l_o == 0.0, 1.0, l_o)
-    out = gl.where(valid, acc / l_safe[:, None], float("nan"))
+    out = acc * gl.where(valid, 1.0 / l_safe, float("nan"))[:, None]
     m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
     lse = gl.where(valid, (m_o + gl.log2(l_safe)) * 0.6931471805599453, float("nan"))
     return out, lse
@@ -1090,11 +1113,13 @@ def ring_attn_fwd_gluon(
     dtype: gl.constexpr = q_ptr.dtype.element_ty
 
     # ---- the protocol's start: this rank's ring, the call check, every push unit left --------------------
+    t_entry = _now_ns()
     heap_bases, rank, ctl, flags, recv_addr, epoch = ring_context(ctx_ptr, W)
     recv, seg_recv = receive_slots(recv_addr, seg_ptr, rank, B, S, q_ptr, W, HKV, D, SEGMENTED)
     if _TIMELINE:  # (the receive region, unused at world size 1)
         gl.static_assert(W == 1, "the timeline (RING_ATTENTION_GLUON_TIMELINE) is for world size 1")
         tln = recv_addr.to(gl.pointer_type(gl.int64), bitcast=True)
+        _stamp(tln, 0, TL_ENTRY_NS, t_entry)
         _stamp(tln, 0, TL_PROGRAM_START)
     else:
         tln = ctl  # never written
@@ -1103,6 +1128,7 @@ def ring_attn_fwd_gluon(
     call_ok = start_call(ctl, heap_bases, rank, epoch, timeout_ns, seg_ptr, rng, B, S, sm_scale, n_chunks,
                          control.KIND_FWD, W, H, HKV, D, SIG_DTYPE, CAUSAL, ZIGZAG, CHUNK_ROWS, BLOCK_N, WIN_LEFT,
                          WIN_RIGHT, SEGMENTED, False)
+    _stamp(tln, 0, TL_CHECKED_NS, NS=True)
     if W > 1:
         # Before anything of this program waits (the partitions): ring_core.protocol's no-deadlock argument.
         drain_pushes(ctl, (W - 1) * B * HKV * n_chunks * call_ok, k_ptr, v_ptr, seg_ptr, recv, seg_recv, flags,
@@ -1180,6 +1206,7 @@ def ring_attn_fwd_gluon(
     free_slots_kv(kv_ready, kv_empty, RINGS * STAGES)
     free_turns(pp)
     _stamp(tln, 0, TL_PROGRAM_END)
+    _stamp(tln, 0, TL_JOINED_NS, NS=True)
     # The last program done with the tile counter resets it for the next call (which starts after this one ends).
     if gl.atomic_add(ctl + CTL_FWD_DONE, 1, sem="acq_rel", scope="gpu") == gl.num_programs(0) - 1:
         gl.atomic_xchg(ctl + CTL_FWD_TILE, 0, sem="relaxed", scope="gpu")
@@ -1187,3 +1214,4 @@ def ring_attn_fwd_gluon(
 
     # ---- the protocol's end: end barrier, status, counters (the last program of this rank) -----------------
     end_call(ctl, status_ptr, heap_bases, rank, epoch, timeout_ns, W, False, STICKY_ERRORS, False)
+    _stamp(tln, 0, TL_EXIT_NS, NS=True)

@@ -31,6 +31,8 @@ def _words(programs, plan_lead=None):
             w[p, i, ev["out_issued"]] = t + 1090 + 500 * n
             t += 1300 + 500 * n
         w[p, 0, ev["program_end"]] = t - 200 + 400
+        w[p, 0, ev["entry_ns"]], w[p, 0, ev["checked_ns"]] = 1000 * p, 1000 * p + 500  # ns: entries 1 us apart
+        w[p, 0, ev["joined_ns"]], w[p, 0, ev["exit_ns"]] = 1000 * p + 9000, 1000 * p + 9300
     return w
 
 
@@ -42,6 +44,10 @@ def test_summary_separates_a_blocks_cost_from_a_tiles_and_the_waits_between_tile
     assert figures["gap_cycles"] == 200 and figures["epilogue_cycles"] == 100
     assert figures["plan_lead_cycles"] == 700
     assert (figures["err_cycles"], figures["rows_cycles"], figures["lse_cycles"]) == (30, 60, 10)
+    assert (figures["kernel_us"], figures["entry_spread_us"], figures["check_us"], figures["partitions_us"],
+            figures["tail_us"]) == (10.3, 1.0, 0.5, 8.5, 0.3)
+    spans = [300 + sum(1300 + 500 * n for n in blocks) + 200 for blocks in progs]
+    assert figures["clock_mhz"] == pytest.approx(np.median([sp / 9000 for sp in spans]) * 1e3)
     # the consumers' time outside their blocks over the programs' spans
     busy = sum(2 * (1000 + 500 * n) for blocks in progs for n in blocks)
     spans = sum(300 + sum(1300 + 500 * n for n in blocks) + 200 for blocks in progs)
