@@ -32,7 +32,6 @@ seq_local 16k, causal (benchmarks/attention.py's W=1 layout), the cases of ``pro
 documents of issue 20's target:
 
     python -m jax_ring.launch --nproc-per-node 1 -m benchmarks.timeline --out DIR     # GPU: DIR/timeline.{csv,npz}
-    python -m jax_ring.launch --nproc-per-node 1 -m benchmarks.timeline --out DIR --no-out    # (an experiment)
     python -m benchmarks.timeline --plot DIR/timeline.npz --png OUT.png                # CPU: the figure
 """
 from __future__ import annotations
@@ -118,7 +117,7 @@ def summarize(words: np.ndarray, ev: dict) -> dict:
 
 
 def run(args) -> int:
-    os.environ[TIMELINE_ENV] = "2" if args.no_out else "1"
+    os.environ[TIMELINE_ENV] = "1"
     import torch
 
     import torch_bridge
@@ -126,8 +125,8 @@ def run(args) -> int:
     from ring_core import gluon_kernel as gk
     from ring_core import heap as heap_mod
 
-    if gk.TIMELINE_ENV != TIMELINE_ENV or not gk._TIMELINE.value or gk._TIMELINE_NO_OUT.value != args.no_out:
-        raise RuntimeError("ring_core.gluon_kernel was imported without the timeline asked for")
+    if gk.TIMELINE_ENV != TIMELINE_ENV or not gk._TIMELINE.value:
+        raise RuntimeError("ring_core.gluon_kernel was imported without its timeline")
     torch_bridge.initialize()
     if torch.distributed.get_world_size() != 1:
         raise SystemExit("the timeline is for world size 1")
@@ -167,17 +166,18 @@ def run(args) -> int:
                 torch.cuda.synchronize()
                 words = region.cpu().numpy()  # the last call's
                 figures, arrays = summarize(words, ev)
-                row = dict(case=name, timing=timing, repeat=rep, ms=e0.elapsed_time(e1) / n,
-                           out="not stored" if args.no_out else "stored", **figures)
+                row = dict(case=name, timing=timing, repeat=rep, ms=e0.elapsed_time(e1) / n, **figures)
                 rows.append(row)
                 for key, a in arrays.items():
                     raw[f"{name}|{timing}|{rep}|{key}"] = a
+                if rep == 0:  # the words themselves, for what the summary leaves out
+                    raw[f"{name}|{timing}|{rep}|words"] = words[:, :int((words[:, :, ev["tile"]] >= 0).sum(1).max())]
                 print("  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
                       flush=True)
     torch_bridge.check_errors()
     os.makedirs(args.out, exist_ok=True)
     keys = list(dict.fromkeys(k for r in rows for k in r))
-    stem = os.path.join(args.out, "timeline_no_out" if args.no_out else "timeline")
+    stem = os.path.join(args.out, "timeline")
     with open(stem + ".csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys)
         w.writeheader()
@@ -219,9 +219,6 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=16384)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--iters", type=int, default=5, help="calls back to back in the stream timing")
-    ap.add_argument("--no-out", action="store_true",
-                    help="an experiment: the kernel without its stores of O (RING_ATTENTION_GLUON_TIMELINE=2; its "
-                         "outputs are wrong), to weigh them; writes timeline_no_out.*")
     ap.add_argument("--plot", metavar="NPZ", help="draw the figure of a run's timeline.npz (no GPU) ...")
     ap.add_argument("--png", help="... into this file")
     args = ap.parse_args(argv)

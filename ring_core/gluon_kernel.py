@@ -136,10 +136,7 @@ _FOLD_SCALE = gl.constexpr(os.environ.get(FOLD_SCALE_ENV, "1") == "1")
 # at the start of the receive region, which no ring step uses at world size 1. Off (the default), no code: the
 # binaries are those without it (a constexpr global: part of the kernel's cache key).
 TIMELINE_ENV = "RING_ATTENTION_GLUON_TIMELINE"
-_TIMELINE = gl.constexpr(os.environ.get(TIMELINE_ENV, "0") in ("1", "2"))
-# "2": an experiment, not a kernel: the timeline with the consumers' stores of O predicated off at run time (their
-# instructions issue, no memory is written: wrong outputs), to weigh the stores' memory traffic.
-_TIMELINE_NO_OUT = gl.constexpr(os.environ.get(TIMELINE_ENV, "0") == "2")
+_TIMELINE = gl.constexpr(os.environ.get(TIMELINE_ENV, "0") == "1")
 TIMELINE_TILES, TIMELINE_EVENTS = 64, 20
 _TL_TILES, _TL_EVENTS = gl.constexpr(TIMELINE_TILES), gl.constexpr(TIMELINE_EVENTS)
 # Events (a tile's words; consumer c's three at 3 c + 0, 1, 2): its Q landed and its tile known, its blocks done (the
@@ -931,14 +928,7 @@ def _consumer_tiles(q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty
         if HALF_INDEX == 0:
             _stamp(tln, i, TL_ERR_BACK, after=err)
         out, lse = _rows_out(acc, m_i, l_i, err, call_ok)
-        rows = gl.arange(0, HALF, layout=gl.SliceLayout(1, acc.type.layout))
-        cols = gl.arange(0, D, layout=gl.SliceLayout(0, acc.type.layout))
-        if _TIMELINE_NO_OUT:  # the same instructions, predicated off at run time (err >= 0): no memory traffic
-            gl.store(out_ptr + (row0.to(gl.int64) * H + h) * D + (rows[:, None] * (H * D) + cols[None, :]),
-                     out.to(out_ptr.dtype.element_ty), mask=(rows[:, None] * 0 + cols[None, :] * 0 + err) < -1)
-        else:
-            gl.store(out_ptr + (row0.to(gl.int64) * H + h) * D + (rows[:, None] * (H * D) + cols[None, :]),
-                     out.to(out_ptr.dtype.element_ty))
+        _store_rows(out_ptr + (row0.to(gl.int64) * H + h) * D, out, H * D)
         if HALF_INDEX == 0:
             _stamp(tln, i, TL_OUT_ISSUED)
         gl.store(lse_ptr + ((b * H + h).to(gl.int64) * S + m_blk * BLOCK_M + HALF_INDEX * HALF) +
@@ -961,6 +951,80 @@ def _rows_init(HALF: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr):
     l_i = gl.zeros([HALF], gl.float32, gl.SliceLayout(1, s_layout))
     acc = gl.zeros([HALF, D], gl.float32, o_layout)
     return acc, m_i, l_i
+
+
+# A consumer's rows of O, 16 bytes a store (``_store_rows``): the accumulator's layout gives each thread 4 bytes of a row
+# in each group of 8 columns (a quad of threads holds the group: ``gl.to_linear_layout`` of the layout), so that a
+# plain store writes 4 bytes a thread and 8 rows of 16 bytes a warp instruction. Per 4 groups (32 columns), the 4
+# threads of a quad trade their pairs (a 4 x 4 transpose in two butterfly steps of shuffles, ``%laneid``'s two low
+# bits choosing what each thread sends and keeps), after which thread q of the quad holds group 4 k + q of its row,
+# 16 contiguous bytes, and stores them with one st.global.v4. One asm a 16 elements (4 groups, the thread's two rows:
+# 8 registers of two 16-bit elements), the pointers of elements 0 and 2 being those of its row's and its row + 8's
+# 16 bytes (``_dealt``). Outputs tied to the inputs (no moves); 16-bit elements only (the Gluon kernel's dtypes).
+_STORE_ROWS_ASM = gl.constexpr("""{
+.reg .pred %pa, %pb;
+.reg .b32 %q, %s, %r, %t<8>, %u<8>;
+mov.u32 %q, %laneid;
+and.b32 %s, %q, 1;
+setp.ne.u32 %pa, %s, 0;
+and.b32 %s, %q, 2;
+setp.ne.u32 %pb, %s, 0;
+selp.b32 %s, $8, $10, %pa;
+shfl.sync.bfly.b32 %r, %s, 1, 0x1f, 0xffffffff;
+selp.b32 %t0, %r, $8, %pa;
+selp.b32 %t1, $10, %r, %pa;
+selp.b32 %s, $12, $14, %pa;
+shfl.sync.bfly.b32 %r, %s, 1, 0x1f, 0xffffffff;
+selp.b32 %t2, %r, $12, %pa;
+selp.b32 %t3, $14, %r, %pa;
+selp.b32 %s, $9, $11, %pa;
+shfl.sync.bfly.b32 %r, %s, 1, 0x1f, 0xffffffff;
+selp.b32 %t4, %r, $9, %pa;
+selp.b32 %t5, $11, %r, %pa;
+selp.b32 %s, $13, $15, %pa;
+shfl.sync.bfly.b32 %r, %s, 1, 0x1f, 0xffffffff;
+selp.b32 %t6, %r, $13, %pa;
+selp.b32 %t7, $15, %r, %pa;
+selp.b32 %s, %t0, %t2, %pb;
+shfl.sync.bfly.b32 %r, %s, 2, 0x1f, 0xffffffff;
+selp.b32 %u0, %r, %t0, %pb;
+selp.b32 %u2, %t2, %r, %pb;
+selp.b32 %s, %t1, %t3, %pb;
+shfl.sync.bfly.b32 %r, %s, 2, 0x1f, 0xffffffff;
+selp.b32 %u1, %r, %t1, %pb;
+selp.b32 %u3, %t3, %r, %pb;
+selp.b32 %s, %t4, %t6, %pb;
+shfl.sync.bfly.b32 %r, %s, 2, 0x1f, 0xffffffff;
+selp.b32 %u4, %r, %t4, %pb;
+selp.b32 %u6, %t6, %r, %pb;
+selp.b32 %s, %t5, %t7, %pb;
+shfl.sync.bfly.b32 %r, %s, 2, 0x1f, 0xffffffff;
+selp.b32 %u5, %r, %t5, %pb;
+selp.b32 %u7, %t7, %r, %pb;
+st.global.v4.b32 [$16], {%u0, %u1, %u2, %u3};
+st.global.v4.b32 [$18], {%u4, %u5, %u6, %u7};
+}""")
+_STORE_ROWS_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 8 + [str(i) for i in range(8)] + ["l"] * 16))
+
+
+@gluon.jit
+def _dealt(cols):
+    """The column whose 16 bytes' first pair an element at column ``cols`` of the accumulator's layout stands for
+    after ``_store_rows``'s exchange: within each 32 columns, the group (bits 3-4) and the pair (bits 1-2) swap."""
+    return (cols // 32) * 32 + ((cols % 8) // 2) * 8 + ((cols // 8) % 4) * 2 + cols % 2
+
+
+@gluon.jit
+def _store_rows(row_ptr, out, stride):
+    """Store ``out`` ([rows, D] float32 in a consumer's accumulator layout, D a multiple of 32) as the pointer's element
+    type at ``row_ptr`` + row * ``stride`` + column, 16 bytes a store (``_STORE_ROWS_ASM``)."""
+    layout: gl.constexpr = out.type.layout
+    rows = gl.arange(0, out.shape[0], layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, out.shape[1], layout=gl.SliceLayout(0, layout))
+    ptrs = row_ptr + (rows[:, None] * stride + _dealt(cols)[None, :])
+    gl.inline_asm_elementwise(_STORE_ROWS_ASM, _STORE_ROWS_CONSTRAINTS,
+                              [out.to(row_ptr.dtype.element_ty), ptrs.to(gl.int64)],
+                              dtype=row_ptr.dtype.element_ty, is_pure=False, pack=16)
 
 
 @gluon.jit

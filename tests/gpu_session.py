@@ -111,7 +111,7 @@ Stages (``NAME[:SECONDS]``; the default time limit is in brackets):
   probe-timeline  benchmarks/timeline.py: the Gluon forward built with its timeline (RING_ATTENTION_GLUON_TIMELINE=1),
                each partition's clock at each tile's events, for dense, that window, one document and packed
                documents (512-8192), calls back to back and one at a time, twice: where a masked tile's
-               time goes (W=1); then again without the stores of O (--no-out, an experiment)  [240]
+               time goes (W=1)                                                                [240]
   bench-doclens  the packed forward at W=1 with documents of 16384, 4096 and 1024 tokens    [150]
   checks-masks-tail  tests/gpu_checks.py masks cases 3, 4, 5 (fp32 last)                  [420]
   bench-w1     benchmarks/attention.py at world size 1 (one rank whatever --nproc: run it with --nproc 1, so
@@ -274,8 +274,7 @@ STAGES = {
                                                       "--doc-lens", "16384-16384", "--pass", "fwd", "--timing", "call",
                                                       "--iters", "10", "--csv", "{out}/mask_cost_call.csv"]] * 2),
     # Where the masked path's time goes, partition by partition: the kernel's timeline (benchmarks/timeline.py).
-    "probe-timeline": (240, [LAUNCH1 + ["-m", "benchmarks.timeline", "--out", "{out}"],
-                             LAUNCH1 + ["-m", "benchmarks.timeline", "--out", "{out}", "--no-out"]]),
+    "probe-timeline": (240, [LAUNCH1 + ["-m", "benchmarks.timeline", "--out", "{out}"]]),
     # What a tile costs however few blocks it has, without masks: one problem's work (B * S^2 at 16k, B=1) cut into
     # 1, 4, 16 and 64 sequences (B=1 S=16k ... B=64 S=2k), so the tiles (B * S / 128 per head) grow 4x a row while
     # the blocks stay; ours and cuDNN's forward and forward+backward, causal and not, back to back. The slope of time
