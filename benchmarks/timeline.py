@@ -16,8 +16,7 @@ words are read back and each case is summed up in SM cycles:
 * ``plan_lead_cycles``: how long before the load warp took a tile its plan was published (masked cases; negative:
   the load warp waited for the planner);
 * consumer 0's epilogue split (medians): ``err_cycles`` blocks done -> the error record's atomic back,
-  ``rows_cycles`` -> its rows of O issued (and its lse, stored first since call AW), ``lse_cycles`` -> the tile's
-  last stamp (before call AW: its lse stored);
+  ``rows_cycles`` -> its rows of O issued, ``lse_cycles`` -> its lse stored;
 * on the global clock (``%globaltimer``, the same on every SM): ``kernel_us`` from the first program's entry to the
   last one's exit, ``entry_spread_us`` between the first and the last entry, ``check_us`` a program's entry to its
   call check done (median), ``partitions_us`` from there to its partitions joined, ``tail_us`` from the last join

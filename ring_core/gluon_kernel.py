@@ -19,8 +19,7 @@ start), and waits only for flags that pushes set.
 Persistent: a program per SM (``ring_core.plans.plan``'s grid), each taking tiles of (batch, head, BLOCK_M query
 rows) from the call's tile counter (CTL_FWD_TILE) in the tl kernel's order (ring_core.tiles.query_tile: the
 programs running at once share K/V in L2, the heaviest tiles go first; a static round-robin lost 8-15 % on causal
-rows, benchmarks/NOTES.md, session 13), its causal tail heaviest first across kv heads (ring_core.tiles.
-persistent_tile), so that what a program pays however few blocks its tile has (the call check,
+rows, benchmarks/NOTES.md, session 13), so that what a program pays however few blocks its tile has (the call check,
 the descriptors, the barriers, the end count: about 11 us, session 12) is paid once per SM, and a tile's first loads
 overlap the last tile's end. The no-deadlock argument is unchanged: every program pushes every unit left before
 anything of it waits, so the pushes never depend on how many programs are resident (ranks sharing a GPU under MPS
@@ -91,7 +90,7 @@ from ring_core.protocol import (BIG_ID, CTL_ERROR, ERR_KV_TIMEOUT, KEY_PAD, QUER
                                 chunk_ranges, drain_pushes, end_call, ids_summary, met_blocks, pairs_allowed, poll_ge,
                                 positions, ranges_of, ranks_rng, receive_slots, record_error, ring_context,
                                 segment_keys, start_call, step_blocks)
-from ring_core.tiles import persistent_tile
+from ring_core.tiles import query_tile
 
 # Gluon's TMA copies were renamed after Triton 3.6 (async_copy_global_to_shared -> async_load, ...); the GPU
 # machine runs 3.6, CI 3.9.
@@ -143,8 +142,8 @@ _TL_TILES, _TL_EVENTS = gl.constexpr(TIMELINE_TILES), gl.constexpr(TIMELINE_EVEN
 # Events (a tile's words; consumer c's three at 3 c + 0, 1, 2): its Q landed and its tile known, its blocks done (the
 # last P V waited for), its rows stored; the load warp's tile known, its loads issued; the planner's start of the
 # tile's plan, the plan published; the tile's index and (consumer 0) its block count as values; the program's start
-# and end (tile 0's words); consumer 0's epilogue split: the error record back (the clock read after it), its lse and
-# rows of O issued; and in %globaltimer nanoseconds, comparable between SMs (tile 0's words): the program's entry, its call
+# and end (tile 0's words); consumer 0's epilogue split: the error record back (the clock read after it), its rows
+# of O issued; and in %globaltimer nanoseconds, comparable between SMs (tile 0's words): the program's entry, its call
 # check done, its partitions joined, its exit.
 TIMELINE_EVENT = dict(q=0, done=1, stored=2, load_tile=6, load_issued=7, plan_start=8, plan_published=9, tile=10,
                       blocks=11, program_start=12, program_end=13, err_back=14, out_issued=15, entry_ns=16,
@@ -300,13 +299,6 @@ def _tile_word(tword, k, WARPS: gl.constexpr = 4):
 
 
 @gluon.jit
-def _tile_at(tile, B, S, H: gl.constexpr, HKV: gl.constexpr, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
-    """(batch, head, kv head, query block) of the call's ``tile``-th tile (the counter's order): for this grid's
-    programs, ring_core.tiles.persistent_tile."""
-    return persistent_tile(tile, H // HKV, S // BLOCK_M, HKV, B, gl.num_programs(0), CAUSAL)
-
-
-@gluon.jit
 def _stamp(tln, i, e: gl.constexpr, value=None, after=None, NS: gl.constexpr = False):
     """The timeline (``_TIMELINE``): the program's ``i``-th tile's word ``e``, the SM's clock (read once the int32
     scalar ``after`` is there, if given; ``NS``: %globaltimer), or ``value``."""
@@ -343,7 +335,7 @@ def _producer(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_ready, q
     """The load partition without masks (with them: ``_producer_planned``): the program's tiles one after another,
     each one's Q and blocks (``_tile_loads``; the slots' rounds go on from tile to tile), then tile -1 to the
     consumers. Every tile is taken from the call's tile counter (CTL_FWD_TILE; the next one fetched while the tile
-    before is loaded), so the tiles start in ring_core.tiles.persistent_tile's order (``_tile_at``): the
+    before is loaded), so the tiles start in ring_core.tiles.query_tile's order, as a program per tile would: the
     programs running at once share K/V in L2, the heaviest tiles go first, and where fewer programs are resident than
     launched (ranks sharing a GPU under MPS) none of them keeps a tile of its own for when it starts."""
     BLOCK_M: gl.constexpr = 2 * q_smem.shape[1]
@@ -353,7 +345,7 @@ def _producer(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_ready, q
     i = j
     while tile < n_tiles:
         nxt = gl.atomic_add(ctl + CTL_FWD_TILE, 1, sem="relaxed", scope="gpu")
-        b, h, hkv, m_blk = _tile_at(tile, B, S, H, HKV, BLOCK_M, CAUSAL)
+        b, h, hkv, m_blk = query_tile(tile, H // HKV, S // BLOCK_M, HKV, CAUSAL)
         q0 = m_blk * BLOCK_M
         q_pos_min = positions(q0, rank, S, W, ZIGZAG)
         q_pos_max = positions(q0 + BLOCK_M - 1, rank, S, W, ZIGZAG)
@@ -409,7 +401,7 @@ def _tile_plan(tile, rank, B, S, seg_ptr, n_chunks, rng, H: gl.constexpr, W: gl.
                SEGMENTED: gl.constexpr):
     """With a window or segment ids, a tile's plan (the planner partition, ``_planner``): its ids' summary (s_hi, t_id
     and the two parts [a_lo, a_hi], [b_lo, b_hi]) and ``make_plan``'s runs and count of blocks loaded."""
-    b, h, hkv, m_blk = _tile_at(tile, B, S, H, HKV, BLOCK_M, CAUSAL)
+    b, h, hkv, m_blk = query_tile(tile, H // HKV, S // BLOCK_M, HKV, CAUSAL)
     q0 = m_blk * BLOCK_M
     q_pos_min = positions(q0, rank, S, W, ZIGZAG)
     q_pos_max = positions(q0 + BLOCK_M - 1, rank, S, W, ZIGZAG)
@@ -451,22 +443,22 @@ def _planner(pwords, p_full, p_empty, rank, B, S, seg_ptr, n_chunks, ctl, tln, r
     counter, as ``_producer`` takes them without masks, each one's plan (``_tile_plan``: global loads of the tile's
     ids and of the chunks' published ranges, a scan of the blocks by position) worked out ahead of the load warp into
     one of two slots of words (``pwords``, plan_words(W) each), each slot published by its ``p_full`` barrier and
-    given back by the load warp's ``p_empty`` once that tile's loads are issued, a tile taken from the counter only
-    once its slot is free; then tile -1. The load warp's own
+    given back by the load warp's ``p_empty`` once that tile's loads are issued; then tile -1. The load warp's own
     path is then each block's test and loads only (the plan on it had cost about 1.3 us of an SM a tile:
     ``bench-doclens-stream``, benchmarks/NOTES.md session 18). It waits only for its slots (freed by the load warp,
     which waits for nothing of it but these words), so the partitions' waits stay acyclic."""
     PW: gl.constexpr = plan_words(W)
     n_tiles = B * H * (S // BLOCK_M)
-    k = rank * 0
-    mbarrier.wait(p_empty.index(0), 1)  # (a fresh barrier passes round 0)
     tile = gl.atomic_add(ctl + CTL_FWD_TILE, 1, sem="relaxed", scope="gpu")
+    k = tile * 0
     while tile < n_tiles:
+        nxt = gl.atomic_add(ctl + CTL_FWD_TILE, 1, sem="relaxed", scope="gpu")
         _stamp(tln, k, TL_PLAN_START)
         s_hi, t_id, a_lo, a_hi, b_lo, b_hi, plan, n_blocks = _tile_plan(
             tile, rank, B, S, seg_ptr, n_chunks, rng, H, W, HKV, BLOCK_M, BLOCK_N, CHUNK_ROWS, CAUSAL, ZIGZAG, WINDOW,
             WIN_LEFT, WIN_RIGHT, SEGMENTED)
         slot = k % 2
+        mbarrier.wait(p_empty.index(slot), ((k // 2) & 1) ^ 1)  # a fresh barrier passes round 0
         base = slot * PW
         _put(pwords, base + _P_TILE, tile)
         _put(pwords, base + _P_N, n_blocks)
@@ -483,11 +475,9 @@ def _planner(pwords, p_full, p_empty, rank, B, S, seg_ptr, n_chunks, ctl, tln, r
         mbarrier.arrive(p_full.index(slot), count=1)
         _stamp(tln, k, TL_PLAN_PUBLISHED)
         k += 1
-        # The next tile is taken once its slot is free, not before: a tile taken is one no other program can take,
-        # and at the call's end, tiles held ahead are what the programs finish unevenly by.
-        mbarrier.wait(p_empty.index(k % 2), ((k // 2) & 1) ^ 1)
-        tile = gl.atomic_add(ctl + CTL_FWD_TILE, 1, sem="relaxed", scope="gpu")
+        tile = nxt
     slot = k % 2
+    mbarrier.wait(p_empty.index(slot), ((k // 2) & 1) ^ 1)
     _put(pwords, slot * PW + _P_TILE, -1)
     mbarrier.arrive(p_full.index(slot), count=1)
 
@@ -511,7 +501,7 @@ def _producer_planned(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_
     tile = _tile_word(pwords, _P_TILE, 1)
     while tile >= 0:
         slot = k % 2
-        b, h, hkv, m_blk = _tile_at(tile, B, S, H, HKV, BLOCK_M, CAUSAL)
+        b, h, hkv, m_blk = query_tile(tile, H // HKV, S // BLOCK_M, HKV, CAUSAL)
         q0 = m_blk * BLOCK_M
         q_pos_min = positions(q0, rank, S, W, ZIGZAG)
         q_pos_max = positions(q0 + BLOCK_M - 1, rank, S, W, ZIGZAG)
@@ -901,7 +891,7 @@ def _consumer_tiles(q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty
     tile = _tile_word(tword, 2 * HALF_INDEX)
     while tile >= 0:
         _stamp(tln, i, 3 * HALF_INDEX + TL_Q)
-        b, h, hkv, m_blk = _tile_at(tile, B, S, H, HKV, BLOCK_M, CAUSAL)
+        b, h, hkv, m_blk = query_tile(tile, H // HKV, S // BLOCK_M, HKV, CAUSAL)
         q0 = m_blk * BLOCK_M
         q_pos_min = positions(q0, rank, S, W, ZIGZAG)
         q_pos_max = positions(q0 + BLOCK_M - 1, rank, S, W, ZIGZAG)
@@ -933,17 +923,16 @@ def _consumer_tiles(q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty
             _stamp(tln, i, TL_BLOCKS, n_blocks)
         # The tile's place again from its index (b, h and q0 above would do as well: no fewer spills either way,
         # but other PTX; this one is the binary the GPU checked, session 13's call H).
-        b, h, _, m_blk = _tile_at(tile, B, S, H, HKV, BLOCK_M, CAUSAL)
+        b, h, _, m_blk = query_tile(tile, H // HKV, S // BLOCK_M, HKV, CAUSAL)
         row0 = b * S + m_blk * BLOCK_M + HALF_INDEX * HALF  # the half's first row of [B * S] (O), its first lse
         if HALF_INDEX == 0:
             _stamp(tln, i, TL_ERR_BACK, after=err)
         out, lse = _rows_out(acc, m_i, l_i, err, call_ok)
-        # The lse first: its few stores do not wait behind the rows' in the memory pipe (timeline, calls AU / AV).
-        gl.store(lse_ptr + ((b * H + h).to(gl.int64) * S + m_blk * BLOCK_M + HALF_INDEX * HALF) +
-                 gl.arange(0, HALF, layout=lse.type.layout), lse)
         _store_rows(out_ptr + (row0.to(gl.int64) * H + h) * D, out, H * D)
         if HALF_INDEX == 0:
             _stamp(tln, i, TL_OUT_ISSUED)
+        gl.store(lse_ptr + ((b * H + h).to(gl.int64) * S + m_blk * BLOCK_M + HALF_INDEX * HALF) +
+                 gl.arange(0, HALF, layout=lse.type.layout), lse)
         _stamp(tln, i, 3 * HALF_INDEX + TL_STORED)
         j0 += n_blocks
         i += 1
@@ -1245,7 +1234,7 @@ def ring_attn_fwd_gluon(
     else:
         qids, kids = q_ready, q_ready  # never read
 
-    # ---- the program's tiles, from the call's tile counter (ring_core.tiles.persistent_tile's order) --------
+    # ---- the program's tiles, from the call's tile counter (ring_core.tiles.query_tile's order) -------------
     qk_scale = sm_scale * 1.4426950408889634
     if MASKS:  # (Gluon takes a literal list of partitions: the one with the planner repeats the others)
         gl.warp_specialize([

@@ -55,30 +55,3 @@ def query_tile(t, G, n_m, HKV, CAUSAL: tl.constexpr):
     t = t // n_m
     hkv = t % HKV
     return t // HKV, hkv * G + g, hkv, m_blk
-
-
-@triton.jit
-def persistent_tile(t, G, n_m, HKV, B, P, CAUSAL: tl.constexpr):
-    """``query_tile``'s order for ``P`` persistent programs that take tiles from a counter (the Gluon forward), with
-    a causal call's tail taken heaviest first across kv heads. In ``query_tile``'s order each (batch, kv head)
-    runs its query blocks heaviest first, so the call's last tiles are the last kv head's, heavy ones among them:
-    the program that takes its heaviest finishes a whole heavy tile after the others (benchmarks/timeline.py, call AV:
-    dense 16k causal programs ended over 240 us, their last tiles of 99-128 blocks). Here the last ``k`` (batch, kv
-    head) units, enough for two tiles a program (k G n_m >= 2 P), run as one: query blocks heaviest first, their
-    heads fastest, so the call ends on its lightest tiles; the units before keep ``query_tile``'s order (one kv
-    head's K/V shared in L2 by the programs side by side; the tail's k kv heads are about two programs' worth of
-    tiles, so their K/V stay near that size). Non-causal tiles cost alike: ``query_tile``'s order."""
-    b, h, hkv, m_blk = query_tile(t, G, n_m, HKV, CAUSAL)
-    if CAUSAL:
-        units = B * HKV
-        k = tl.minimum(units, (2 * P + G * n_m - 1) // (G * n_m))
-        first = (units - k) * G * n_m
-        t2 = tl.maximum(t - first, 0)
-        r = t2 % (k * G)
-        u = units - k + r // G
-        tail = t >= first
-        b = tl.where(tail, u // HKV, b)
-        hkv = tl.where(tail, u % HKV, hkv)
-        h = tl.where(tail, (u % HKV) * G + r % G, h)
-        m_blk = tl.where(tail, heavy_first(t2 // (k * G), n_m, CAUSAL), m_blk)
-    return b, h, hkv, m_blk
