@@ -961,49 +961,25 @@ def _rows_init(HALF: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr):
 # 16 contiguous bytes, and stores them with one st.global.v4. One asm a 16 elements (4 groups, the thread's two rows:
 # 8 registers of two 16-bit elements), the pointers of elements 0 and 2 being those of its row's and its row + 8's
 # 16 bytes (``_dealt``). Outputs tied to the inputs (no moves); 16-bit elements only (the Gluon kernel's dtypes).
-_STORE_ROWS_ASM = gl.constexpr("""{
-.reg .pred %pa, %pb;
-.reg .b32 %q, %s, %r, %t<8>, %u<8>;
-mov.u32 %q, %laneid;
-and.b32 %s, %q, 1;
-setp.ne.u32 %pa, %s, 0;
-and.b32 %s, %q, 2;
-setp.ne.u32 %pb, %s, 0;
-selp.b32 %s, $8, $10, %pa;
-shfl.sync.bfly.b32 %r, %s, 1, 0x1f, 0xffffffff;
-selp.b32 %t0, %r, $8, %pa;
-selp.b32 %t1, $10, %r, %pa;
-selp.b32 %s, $12, $14, %pa;
-shfl.sync.bfly.b32 %r, %s, 1, 0x1f, 0xffffffff;
-selp.b32 %t2, %r, $12, %pa;
-selp.b32 %t3, $14, %r, %pa;
-selp.b32 %s, $9, $11, %pa;
-shfl.sync.bfly.b32 %r, %s, 1, 0x1f, 0xffffffff;
-selp.b32 %t4, %r, $9, %pa;
-selp.b32 %t5, $11, %r, %pa;
-selp.b32 %s, $13, $15, %pa;
-shfl.sync.bfly.b32 %r, %s, 1, 0x1f, 0xffffffff;
-selp.b32 %t6, %r, $13, %pa;
-selp.b32 %t7, $15, %r, %pa;
-selp.b32 %s, %t0, %t2, %pb;
-shfl.sync.bfly.b32 %r, %s, 2, 0x1f, 0xffffffff;
-selp.b32 %u0, %r, %t0, %pb;
-selp.b32 %u2, %t2, %r, %pb;
-selp.b32 %s, %t1, %t3, %pb;
-shfl.sync.bfly.b32 %r, %s, 2, 0x1f, 0xffffffff;
-selp.b32 %u1, %r, %t1, %pb;
-selp.b32 %u3, %t3, %r, %pb;
-selp.b32 %s, %t4, %t6, %pb;
-shfl.sync.bfly.b32 %r, %s, 2, 0x1f, 0xffffffff;
-selp.b32 %u4, %r, %t4, %pb;
-selp.b32 %u6, %t6, %r, %pb;
-selp.b32 %s, %t5, %t7, %pb;
-shfl.sync.bfly.b32 %r, %s, 2, 0x1f, 0xffffffff;
-selp.b32 %u5, %r, %t5, %pb;
-selp.b32 %u7, %t7, %r, %pb;
-st.global.v4.b32 [$16], {%u0, %u1, %u2, %u3};
-st.global.v4.b32 [$18], {%u4, %u5, %u6, %u7};
-}""")
+def _butterfly(lo, hi, out_lo, out_hi, pred, dist):
+    """PTX of one pairwise exchange between lanes ``dist`` apart: a thread whose lane bit (``pred``) is set sends
+    ``lo`` and keeps ``hi``, the other sends ``hi`` and keeps ``lo``; what arrives takes the place of what was sent."""
+    return (f"selp.b32 %s, {lo}, {hi}, {pred};\n"
+            f"shfl.sync.bfly.b32 %r, %s, {dist}, 0x1f, 0xffffffff;\n"
+            f"selp.b32 {out_lo}, %r, {lo}, {pred};\n"
+            f"selp.b32 {out_hi}, {hi}, %r, {pred};\n")
+
+
+_STORE_ROWS_ASM = gl.constexpr(
+    "{\n.reg .pred %pa, %pb;\n.reg .b32 %q, %s, %r, %t<8>, %u<8>;\nmov.u32 %q, %laneid;\n"
+    "and.b32 %s, %q, 1;\nsetp.ne.u32 %pa, %s, 0;\nand.b32 %s, %q, 2;\nsetp.ne.u32 %pb, %s, 0;\n"
+    # step 1 (lanes 1 apart): the row's pairs $8 $10 $12 $14 -> %t0-3, the row + 8's $9 $11 $13 $15 -> %t4-7
+    + "".join(_butterfly(f"${8 + 4 * i + r}", f"${10 + 4 * i + r}", f"%t{4 * r + 2 * i}", f"%t{4 * r + 2 * i + 1}",
+                         "%pa", 1) for r in (0, 1) for i in (0, 1))
+    # step 2 (lanes 2 apart): pairs 0-2 and 1-3 of each row -> %u
+    + "".join(_butterfly(f"%t{4 * r + i}", f"%t{4 * r + i + 2}", f"%u{4 * r + i}", f"%u{4 * r + i + 2}", "%pb", 2)
+              for r in (0, 1) for i in (0, 1))
+    + "st.global.v4.b32 [$16], {%u0, %u1, %u2, %u3};\nst.global.v4.b32 [$18], {%u4, %u5, %u6, %u7};\n}")
 _STORE_ROWS_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 8 + [str(i) for i in range(8)] + ["l"] * 16))
 
 
