@@ -486,9 +486,8 @@ def _planner(pwords, p_full, p_empty, rank, B, S, seg_ptr, n_chunks, ctl, tln, r
 def _producer_planned(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
                       meta, tword, pwords, p_full, p_empty, qids, kids, rank, B, S, seg_ptr, seg_recv, flags, n_chunks,
                       epoch, ctl, tln, timeout_ns, rng, H: gl.constexpr, W: gl.constexpr, HKV: gl.constexpr,
-                      D: gl.constexpr,
-                      CHUNK_BLOCKS: gl.constexpr, CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr, WINDOW: gl.constexpr,
-                      WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr, SEGMENTED: gl.constexpr):
+                      D: gl.constexpr, CHUNK_BLOCKS: gl.constexpr, CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr,
+                      WINDOW: gl.constexpr, WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr, SEGMENTED: gl.constexpr):
     """``_producer`` with a window or segment ids: the tiles and their plans as the planner partition publishes them
     (``_planner``; tile -1: no more), each one's Q and blocks (``_tile_loads_masked``; with segment ids the tile's and
     the masked blocks' ids into ``qids`` / ``kids``), its slot of words given back once they are issued; then tile -1
@@ -867,9 +866,9 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, pp, meta, n_blo
 @gluon.jit
 def _consumer_tiles(q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, pp, meta, tword, out_ptr, lse_ptr,
                     qk_scale, ctl, tln, call_ok, rank, B, S, qids, kids, HALF_INDEX: gl.constexpr,
-                    H: gl.constexpr,
-                    W: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr,
-                    WINDOW: gl.constexpr, WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr, SEGMENTED: gl.constexpr):
+                    H: gl.constexpr, W: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
+                    ZIGZAG: gl.constexpr, WINDOW: gl.constexpr, WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr,
+                    SEGMENTED: gl.constexpr):
     """One consumer partition of the persistent kernel, on its half of each of the program's tiles (64 query rows,
     ``q_smem.index(HALF_INDEX)``), the tiles as the load partition takes them (each one's index in the half's word,
     published with its Q; -1: no more): the pipelined online softmax over the tile's blocks (``_blocks``; their
@@ -953,12 +952,12 @@ def _rows_init(HALF: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr):
     return acc, m_i, l_i
 
 
-# A consumer's rows of O, 16 bytes a store (``_store_rows``): the accumulator's layout gives each thread 4 bytes of a row
-# in each group of 8 columns (a quad of threads holds the group: ``gl.to_linear_layout`` of the layout), so that a
+# A consumer's rows of O, 16 bytes a store (``_store_rows``): the accumulator's layout gives each thread 4 bytes of a
+# row in each group of 8 columns (a quad of threads holds the group: ``gl.to_linear_layout`` of the layout), so that a
 # plain store writes 4 bytes a thread and 8 rows of 16 bytes a warp instruction. Per 4 groups (32 columns), the 4
 # threads of a quad trade their pairs (a 4 x 4 transpose in two butterfly steps of shuffles, ``%laneid``'s two low
 # bits choosing what each thread sends and keeps), after which thread q of the quad holds group 4 k + q of its row,
-# 16 contiguous bytes, and stores them with one st.global.v4. One asm a 16 elements (4 groups, the thread's two rows:
+# 16 contiguous bytes, and stores them with one st.global.v4. One asm per 16 elements (4 groups, the thread's two rows:
 # 8 registers of two 16-bit elements), the pointers of elements 0 and 2 being those of its row's and its row + 8's
 # 16 bytes (``_dealt``). Outputs tied to the inputs (no moves); 16-bit elements only (the Gluon kernel's dtypes).
 def _butterfly(lo, hi, out_lo, out_hi, pred, dist):
@@ -992,8 +991,11 @@ def _dealt(cols):
 
 @gluon.jit
 def _store_rows(row_ptr, out, stride):
-    """Store ``out`` ([rows, D] float32 in a consumer's accumulator layout, D a multiple of 32) as the pointer's element
-    type at ``row_ptr`` + row * ``stride`` + column, 16 bytes a store (``_STORE_ROWS_ASM``)."""
+    """Store ``out`` ([rows, D] float32 in a consumer's accumulator layout: version-3 NVMMA, the register order
+    ``_STORE_ROWS_ASM`` assumes; D a multiple of 32) as the pointer's 16-bit element type at ``row_ptr`` + row *
+    ``stride`` + column, 16 bytes a store."""
+    gl.static_assert(out.shape[1] % 32 == 0, "_store_rows: 4 groups of 8 columns an asm")
+    gl.static_assert(row_ptr.dtype.element_ty.primitive_bitwidth == 16, "_store_rows: 16-bit elements")
     layout: gl.constexpr = out.type.layout
     rows = gl.arange(0, out.shape[0], layout=gl.SliceLayout(1, layout))
     cols = gl.arange(0, out.shape[1], layout=gl.SliceLayout(0, layout))
@@ -1219,8 +1221,8 @@ def ring_attn_fwd_gluon(
                                CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
             (_producer_planned, (q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready,
                                  kv_empty, meta, tword, pwords, p_full, p_empty, qids, kids, rank, B, S, seg_ptr,
-                                 seg_recv, flags, n_chunks, epoch, ctl, tln, timeout_ns, rng, H, W, HKV, D, CHUNK_BLOCKS,
-                                 CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
+                                 seg_recv, flags, n_chunks, epoch, ctl, tln, timeout_ns, rng, H, W, HKV, D,
+                                 CHUNK_BLOCKS, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
             (_consumer_tiles, (q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, pp, meta, tword, out_ptr,
                                lse_ptr, qk_scale, ctl, tln, call_ok, rank, B, S, qids, kids, 1, H, W, HKV, D,
                                CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
@@ -1236,8 +1238,8 @@ def ring_attn_fwd_gluon(
                                lse_ptr, qk_scale, ctl, tln, call_ok, rank, B, S, qids, kids, 0, H, W, HKV, D,
                                CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
             (_producer, (q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
-                         meta, tword, rank, B, S, seg_ptr, flags, n_chunks, epoch, ctl, tln, timeout_ns, rng, H, W, HKV, D,
-                         CHUNK_BLOCKS, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
+                         meta, tword, rank, B, S, seg_ptr, flags, n_chunks, epoch, ctl, tln, timeout_ns, rng, H, W,
+                         HKV, D, CHUNK_BLOCKS, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
             (_consumer_tiles, (q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, pp, meta, tword, out_ptr,
                                lse_ptr, qk_scale, ctl, tln, call_ok, rank, B, S, qids, kids, 1, H, W, HKV, D,
                                CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
