@@ -3,9 +3,9 @@ masked path costs 3-5 % over dense with the dense kernel's blocks, benchmarks/NO
 
 The kernel is built with its timeline on (``RING_ATTENTION_GLUON_TIMELINE=1``, set here before ring_core is
 imported; ring_core.gluon_kernel): each partition writes the SM's ``%clock64`` at its events of each of its program's
-tiles (consumers: Q landed, blocks done, rows stored; the load warp: tile known, loads issued; the planner: plan
-started, published) into the receive region, which no ring step uses at world size 1. After one call per repeat, the
-words are read back and each case is summed up in SM cycles:
+tiles (consumers: Q landed, blocks done, rows stored, and consumer 0's error record back and rows issued; the load
+warp: tile known, loads issued; the planner: plan started, published) into the receive region, which no ring step
+uses at world size 1. After each timed run the words of its last call are read back and summed up in SM cycles:
 
 * ``block_cycles`` / ``tile_cycles``: a least-squares fit of a consumer's time from Q landed to blocks done against
   the tile's block count (slope: a block's cost in the loop; intercept: a tile's fixed cost inside ``_blocks``);
