@@ -12,7 +12,6 @@ At world size 1 on one GPU, bf16, B=1, H=32, D=128, causal, zigzag (benchmarks/a
 """
 import argparse
 import collections
-import csv
 import re
 import time
 
@@ -59,6 +58,7 @@ def main(argv=None):
 
     import jax_ring
     import torch_bridge
+    from benchmarks.harness import write_rows
 
     jax_ring.initialize()
     torch_bridge.initialize()
@@ -113,11 +113,7 @@ def main(argv=None):
     torch_bridge.check_errors()
     if a.csv:
         rows.append(dict(what="hlo", note=str(summary)))
-        keys = sorted({k for r in rows for k in r})
-        with open(a.csv, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=keys)
-            w.writeheader()
-            w.writerows(rows)
+        write_rows(a.csv, rows)
 
 
 if __name__ == "__main__":
