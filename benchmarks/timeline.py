@@ -65,13 +65,11 @@ def summarize(words: np.ndarray, ev: dict) -> dict:
     if (n_per >= words.shape[1]).any():
         raise RuntimeError(f"a program ran {n_per.max()} tiles, more than the timeline's {words.shape[1]}: raise "
                            "ring_core.gluon_kernel.TIMELINE_TILES")
+    ran = n_per > 0
+    per = [words[p, :n] for p, n in enumerate(n_per) if n]  # each program's tiles' words
     comp, blocks, gaps, epis = [], [], [], []
     busy = 0
-    for p in range(words.shape[0]):
-        n = int(n_per[p])
-        if n == 0:
-            continue
-        w = words[p, :n]
+    for w in per:
         for c in (0, 1):
             q, done, stored = (w[:, 3 * c + ev[k]] for k in ("q", "done", "stored"))
             comp.append(done - q)
@@ -82,7 +80,6 @@ def summarize(words: np.ndarray, ev: dict) -> dict:
     comp, blocks = np.concatenate(comp), np.concatenate(blocks)
     gaps, epis = np.concatenate(gaps), np.concatenate(epis)
     start, end = words[:, 0, ev["program_start"]], words[:, 0, ev["program_end"]]
-    ran = n_per > 0
     span = (end - start)[ran]
     if np.unique(blocks).size > 1:
         slope, intercept = np.polyfit(blocks.astype(np.float64), comp.astype(np.float64), 1)
@@ -90,21 +87,16 @@ def summarize(words: np.ndarray, ev: dict) -> dict:
         slope, intercept = float("nan"), float(comp.mean())
     out = dict(programs=int(ran.sum()), tiles=int(n_per.sum()), blocks=int(blocks.sum() // 2),
                span_cycles=float(np.median(span)), block_cycles=float(slope), tile_cycles=float(intercept),
-               gap_cycles=float(np.median(gaps)) if gaps.size else 0.0, gap_mean_cycles=float(gaps.mean()) if
-               gaps.size else 0.0, epilogue_cycles=float(np.median(epis)),
+               gap_cycles=float(np.median(gaps)) if gaps.size else 0.0,
+               gap_mean_cycles=float(gaps.mean()) if gaps.size else 0.0, epilogue_cycles=float(np.median(epis)),
                idle_share=float(1.0 - busy / (2.0 * span.sum())))
-    published = words[:, :, ev["plan_published"]]
-    if (published[ran, 0] > 0).any():
-        lead = []
-        for p in np.nonzero(ran)[0]:
-            n = int(n_per[p])
-            lead.append(words[p, :n, ev["load_tile"]] - published[p, :n])
+    if (words[ran, 0, ev["plan_published"]] > 0).any():
+        lead = [w[:, ev["load_tile"]] - w[:, ev["plan_published"]] for w in per]
         out["plan_lead_cycles"] = float(np.median(np.concatenate(lead)))
     # consumer 0's epilogue, split: blocks done -> the error record back -> its rows of O issued -> its lse stored
-    w0 = [words[p, :int(n_per[p])] for p in np.nonzero(ran)[0]]
     for key, a, b in (("err_cycles", "done", "err_back"), ("rows_cycles", "err_back", "out_issued"),
                       ("lse_cycles", "out_issued", "stored")):
-        out[key] = float(np.median(np.concatenate([w[:, ev[b]] - w[:, ev[a]] for w in w0])))
+        out[key] = float(np.median(np.concatenate([w[:, ev[b]] - w[:, ev[a]] for w in per])))
     # the kernel on the global clock (ns, comparable between SMs): the first entry to the last exit, the programs'
     # entries' spread, the call check, the partitions' time, and after the last join
     entry, checked, joined, leave = (words[ran, 0, ev[k]] for k in ("entry_ns", "checked_ns", "joined_ns", "exit_ns"))
