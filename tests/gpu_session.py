@@ -182,6 +182,12 @@ W1_SHAPES = ["-m", "benchmarks.attention", "--methods", "torch_fused,torch_cudnn
 STATUS_BENCH = ["-m", "benchmarks.attention", "--methods", "jax_fused,jax_fused_deferred,jax_fused_call,torch_fused",
                 "--seq", "4k", "--pass", "fwd,fwd+bwd", "--warmup", "5", "--iters", "30"]
 
+def _mask_cost(timing: str, csv: str) -> list:
+    """probe-mask-cost's commands (twice, to show the spread) with ``--timing`` ``timing``, into ``{out}/csv``."""
+    return [LAUNCH1 + BENCH + ["--mask", "none,window,packed", "--window", "16000,0", "--doc-lens", "16384-16384",
+                               "--pass", "fwd", "--timing", timing, "--iters", "10", "--csv", "{out}/" + csv]] * 2
+
+
 STAGES = {
     # First in a call after a kernel edit: the later stages' variants (as an earlier session recorded them, at
     # the same --nproc), compiled from the current source many at a time, instead of one after another as each
@@ -266,13 +272,9 @@ STAGES = {
                                    for n in (16384, 8192, 4096, 2048, 1024, 512)]),
     # The masked path's own cost (issue 20): the same blocks as dense, through the masked path without ids (a window
     # that hides almost nothing) and with them (one document), twice to show the spread (benchmarks/NOTES.md, s. 19).
-    "probe-mask-cost": (120, [LAUNCH1 + BENCH + ["--mask", "none,window,packed", "--window", "16000,0", "--doc-lens",
-                                                 "16384-16384", "--pass", "fwd", "--timing", "stream", "--iters", "10",
-                                                 "--csv", "{out}/mask_cost.csv"]] * 2),
+    "probe-mask-cost": (120, _mask_cost("stream", "mask_cost.csv")),
     # The same timed one call at a time (--timing call): the masked path's cost as the per-call benchmarks see it.
-    "probe-mask-cost-call": (120, [LAUNCH1 + BENCH + ["--mask", "none,window,packed", "--window", "16000,0",
-                                                      "--doc-lens", "16384-16384", "--pass", "fwd", "--timing", "call",
-                                                      "--iters", "10", "--csv", "{out}/mask_cost_call.csv"]] * 2),
+    "probe-mask-cost-call": (120, _mask_cost("call", "mask_cost_call.csv")),
     # Where the masked path's time goes, partition by partition: the kernel's timeline (benchmarks/timeline.py).
     "probe-timeline": (240, [LAUNCH1 + ["-m", "benchmarks.timeline", "--out", "{out}"]]),
     # What a tile costs however few blocks it has, without masks: one problem's work (B * S^2 at 16k, B=1) cut into
