@@ -1,6 +1,7 @@
 """ptxas's registers and spills in the Gluon forward (ring_core.gluon_kernel) as ring_core.plans launches it on an
 H200, compiled for sm_90 on the CPU, and where the spills sit: the local loads and stores (LDL/STL) inside each loop
-of the SASS that holds warpgroup MMAs (the consumers' steps); with the kernel's shared memory. bf16, B=1, H=32,
+of the SASS that holds warpgroup MMAs (the consumers' steps); with the kernel's shared memory, and its global stores
+by width and shuffles (the rows of O: ``_store_rows``). bf16, B=1, H=32,
 seq_local 16384, head_dim 64, 128 and 256: world size 1 non-causal and causal contiguous, world size 2 causal zigzag
 with GQA 32/8. Needs the GPU machine's Triton (3.6) for its numbers to be the ones that run there; nvdisasm comes
 with Triton. Run from a tree's root (any tree with ring_core.gluon_kernel, e.g. a git worktree of an older commit):
@@ -75,7 +76,9 @@ def main(argv=None) -> int:
         rings = tiles[3] if len(tiles) > 3 else 1  # K and V in rings of their own (2) or sharing slots (1)
         print(f"{name}: tiles {p.config.block_m}x{p.config.block_n} slots {p.config.num_stages} rings {rings}, shared "
               f"{ck.metadata.shared / 1024:.1f} KiB, setmaxnreg {regs}, ws {'ttg.warp_specialize' in ck.asm['ttgir']}; "
-              f"{report}; MMA loops (instructions, LDL/STL): {mma_loops(text)}", flush=True)
+              f"{report}; MMA loops (instructions, LDL/STL): {mma_loops(text)}; global stores (16 / 4 bytes a "
+              f"thread) {len(re.findall(r'STG[.]E[.]128', text))} / {len(re.findall(r'STG[.]E ', text))}, SHFL "
+              f"{len(re.findall(r'SHFL', text))}", flush=True)
     return 0
 
 
