@@ -6,9 +6,17 @@ the kernel, and the wait for it. Beside the fused forward, each framework's floo
 (JAX: dispatch of a compiled program and ``block_until_ready``), and torch's ``x + 1`` with a synchronize. And what
 the JAX program runs besides the kernel: its optimised HLO's instructions by kind, its custom calls by target.
 
-At world size 1 on one GPU, bf16, B=1, H=32, D=128, causal, zigzag (benchmarks/attention.py's W=1 cases):
+Issue 18's target is a ratio of two frameworks' times, and one GPU's clock drifts by 2-3 % over a benchmark's
+minutes (benchmarks/NOTES.md, sessions 19-20): timed one framework after the other, the ratio carries that drift.
+So the two fused calls are timed in pairs, torch and JAX alternately (each pair's order swapped from the last), and
+each case's ratio is torch's median over JAX's (``jax_vs_torch``, a speed ratio as the harness's ``vs_*`` columns)
+beside the median of the pairs' own ratios (``pair_median``).
 
-    python -m jax_ring.launch --nproc-per-node 1 -m benchmarks.jax_call_cost --csv OUT.csv [--hlo OUT.txt]
+At world size 1 on one GPU, bf16, B=1, H=32, D=128, causal (zigzag) and not (contiguous), as benchmarks/attention.py's
+W=1 cases:
+
+    python -m jax_ring.launch --nproc-per-node 1 -m benchmarks.jax_call_cost --seq 16384,32768 --causal both \
+        --csv OUT.csv [--hlo OUT.txt]
 """
 import argparse
 import collections
@@ -29,6 +37,16 @@ def _times(fn, ready, iters: int) -> np.ndarray:
     return np.asarray(out)
 
 
+def _paired(fa, fb, ready_a, ready_b, iters: int) -> tuple:
+    """Microseconds of ``iters`` calls each of ``fa`` and ``fb``, timed as ``_times`` does, in pairs whose order
+    alternates (a, b; b, a; ...), so that a drift of the GPU's clock falls on both alike."""
+    ta, tb = [], []
+    for i in range(iters):
+        for f, ready, out in ((fa, ready_a, ta), (fb, ready_b, tb))[:: 1 if i % 2 == 0 else -1]:
+            out.extend(_times(f, ready, 1))
+    return np.asarray(ta), np.asarray(tb)
+
+
 def hlo_summary(text: str) -> dict:
     """Instruction kinds of an optimised HLO module's entry computation (and nested ones), custom calls by
     target."""
@@ -43,10 +61,12 @@ def hlo_summary(text: str) -> dict:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--seq", type=int, default=16384)
+    ap.add_argument("--seq", default="16384", help="seq_local values, comma-separated")
+    ap.add_argument("--causal", default="yes", choices=("yes", "no", "both"),
+                    help="causal (zigzag layout), non-causal (contiguous) or both")
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--iters", type=int, default=40)
+    ap.add_argument("--iters", type=int, default=40, help="pairs a case (floors: calls a round)")
     ap.add_argument("--csv")
     ap.add_argument("--hlo", help="write the JAX forward's optimised HLO here")
     a = ap.parse_args(argv)
@@ -63,24 +83,10 @@ def main(argv=None):
     jax_ring.initialize()
     torch_bridge.initialize()
     mesh = Mesh(np.array(jax.devices()[:1]), ("sp",))
-    shape = (1, a.seq, a.heads, a.head_dim)
-    rng = np.random.default_rng(0)
-    host = [rng.standard_normal(shape).astype(np.float32) for _ in range(3)]
-    jq, jk, jv = (jnp.asarray(x, jnp.bfloat16) for x in host)
     dev = torch.device("cuda", torch.cuda.current_device())
-    tq, tk, tv = (torch.from_numpy(x).to(dev, torch.bfloat16) for x in host)
-
-    fwd = jax.jit(lambda q, k, v: jax_ring.ring_attention_sharded(q, k, v, mesh=mesh, axis_name="sp",
-                                                                  backend="fused", is_causal=True, layout="zigzag"))
     one = jax.jit(lambda x: x + 1)
     x1 = jnp.zeros((1,), jnp.float32)
     t1 = torch.zeros((1,), device=dev)
-    text = fwd.lower(jq, jk, jv).compile().as_text()
-    summary = hlo_summary(text)
-    print("JAX forward's optimised HLO:", summary, flush=True)
-    if a.hlo:
-        with open(a.hlo, "w") as f:
-            f.write(text)
 
     def jready(x=None):
         if x is not None:
@@ -89,26 +95,63 @@ def main(argv=None):
     def tready(x=None):
         torch.cuda.synchronize()
 
-    cases = {
-        "jax_floor": (lambda: one(x1), jready),
-        "torch_floor": (lambda: t1 + 1, tready),
-        "jax_fused": (lambda: fwd(jq, jk, jv), jready),
-        "torch_fused": (lambda: torch_bridge.ring_attention(tq, tk, tv, backend="fused", is_causal=True,
-                                                            layout="zigzag"), tready),
-    }
     rows = []
-    with torch.no_grad():
-        for name, (fn, ready) in cases.items():  # warm-up (compiles, plans)
-            for _ in range(3):
-                ready(fn())
-        for rnd in range(3):  # rounds, so that drift shows
-            for name, (fn, ready) in cases.items():
-                us = _times(fn, ready, a.iters)
-                rows.append(dict(round=rnd, what=name, seq_local=a.seq, median_us=float(np.median(us)),
-                                 min_us=float(us.min()), q20_us=float(np.quantile(us, 0.2)),
-                                 q80_us=float(np.quantile(us, 0.8)), iters=a.iters))
-                print(f"round {rnd} {name:12s} median {rows[-1]['median_us']:9.1f} us  min {rows[-1]['min_us']:9.1f}",
-                      flush=True)
+
+    def row(what, seq, causal, us, **extra):
+        rows.append(dict(what=what, seq_local=seq, causal=causal, median_us=float(np.median(us)), min_us=float(us.min()),
+                         q20_us=float(np.quantile(us, 0.2)), q80_us=float(np.quantile(us, 0.8)), iters=len(us),
+                         **extra))
+        print(f"{what:12s} seq {seq:6d} causal {causal!s:5s} median {rows[-1]['median_us']:9.1f} us  "
+              f"min {rows[-1]['min_us']:9.1f}", flush=True)
+
+    for _ in range(3):  # the floors: each framework's least call (warm-up first)
+        jready(one(x1))
+        tready(t1 + 1)
+    for rnd in range(3):
+        row("jax_floor", 0, "", _times(lambda: one(x1), jready, a.iters), round=rnd)
+        row("torch_floor", 0, "", _times(lambda: t1 + 1, tready, a.iters), round=rnd)
+
+    summary = None
+    rng = np.random.default_rng(0)
+    for seq in (int(x) for x in a.seq.split(",")):
+        shape = (1, seq, a.heads, a.head_dim)
+        host = [rng.standard_normal(shape).astype(np.float32) for _ in range(3)]
+        jq, jk, jv = (jnp.asarray(x, jnp.bfloat16) for x in host)
+        tq, tk, tv = (torch.from_numpy(x).to(dev, torch.bfloat16) for x in host)
+        del host
+        for causal in {"yes": (True,), "no": (False,), "both": (True, False)}[a.causal]:
+            layout = "zigzag" if causal else "contiguous"
+            fwd = jax.jit(lambda q, k, v, c=causal, lay=layout: jax_ring.ring_attention_sharded(
+                q, k, v, mesh=mesh, axis_name="sp", backend="fused", is_causal=c, layout=lay))
+            if summary is None:
+                text = fwd.lower(jq, jk, jv).compile().as_text()
+                summary = hlo_summary(text)
+                print("JAX forward's optimised HLO:", summary, flush=True)
+                if a.hlo:
+                    with open(a.hlo, "w") as f:
+                        f.write(text)
+
+            def jfn():
+                return fwd(jq, jk, jv)
+
+            def tfn(c=causal, lay=layout):
+                return torch_bridge.ring_attention(tq, tk, tv, backend="fused", is_causal=c, layout=lay)
+
+            with torch.no_grad():
+                for _ in range(3):  # warm-up (compiles, plans)
+                    jready(jfn())
+                    tready(tfn())
+                tj, tt = _paired(jfn, tfn, jready, tready, a.iters)
+            row("jax_fused", seq, causal, tj)
+            row("torch_fused", seq, causal, tt)
+            rows.append(dict(what="ratio", seq_local=seq, causal=causal, iters=a.iters,
+                             jax_vs_torch=float(np.median(tt) / np.median(tj)),
+                             pair_median=float(np.median(tt / tj))))
+            print(f"ratio        seq {seq:6d} causal {causal!s:5s} JAX {rows[-1]['jax_vs_torch']:.3f}x torch "
+                  f"(median of pairs {rows[-1]['pair_median']:.3f})", flush=True)
+            del fwd
+        del jq, jk, jv, tq, tk, tv
+        torch.cuda.empty_cache()
     jax_ring.check_errors()
     torch_bridge.check_errors()
     if a.csv:

@@ -101,8 +101,9 @@ Stages (``NAME[:SECONDS]``; the default time limit is in brackets):
                kernel-only (torch.profiler), dense and packed, world size 1                 [120]
   probe-host-path benchmarks/host_path.py: a torch fused call's host time piece by piece (and cuDNN's), per call
                and back to back with the compiled kernel's launcher against the JIT's, D128 and D64   [120]
-  probe-jax-call  benchmarks/jax_call_cost.py: a JAX fused forward's per-call time beside torch's on one clock, each
-               framework's floor (a one-element jitted op / op and sync), the JAX program's HLO by kind   [120]
+  probe-jax-call  benchmarks/jax_call_cost.py: a JAX fused forward's per-call time beside torch's on one clock, in
+               pairs of alternating order (16k and 32k, causal and not), each framework's floor (a one-element
+               jitted op / op and sync), the JAX program's HLO by kind                      [240]
   bench-doclens-stream  the same back to back, documents of 16384 down to 512 tokens, and dense    [150]
   probe-mask-cost  the masked forward's cost over dense with the same blocks, back to back, twice: dense, a window
                that hides almost nothing (16000, 0: the masked path without ids) and one 16384-token document
@@ -328,8 +329,8 @@ STAGES = {
     # Where a torch fused call's host time goes, piece by piece, beside cuDNN's; and the call per call and back to
     # back with the compiled kernel's own launcher against every launch through Triton's JIT (issue 18's per-call rows).
     "probe-host-path": (120, [LAUNCH1 + ["-m", "benchmarks.host_path", "--csv", "{out}/host_path.csv"]]),
-    "probe-jax-call": (120, [LAUNCH1 + ["-m", "benchmarks.jax_call_cost", "--csv", "{out}/jax_call_cost.csv", "--hlo",
-                                        "{out}/jax_call_cost_hlo.txt"]]),
+    "probe-jax-call": (240, [LAUNCH1 + ["-m", "benchmarks.jax_call_cost", "--seq", "16384,32768", "--causal", "both",
+                                        "--csv", "{out}/jax_call_cost.csv", "--hlo", "{out}/jax_call_cost_hlo.txt"]]),
     "bench-w1": (300, [LAUNCH1 + ["-m", "benchmarks.attention", "--methods",
                                   "torch_fused,torch_cudnn_1gpu,jax_fused,jax_fused_deferred,jax_cudnn_1gpu,"
                                   "torch_fused_det,jax_fused_det",

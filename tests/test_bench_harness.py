@@ -724,3 +724,17 @@ def test_ready_timing_records_the_second_event_once_the_device_is_idle():
         ms, out = harness.cuda_timed(fake, lambda: order.append("call") or 7, ready)
         assert (ms, out) == (1.5, 7) and [x for x in order if x != "new"] == want, (ready, order)
     assert "ready" in harness.TIMINGS
+
+
+def test_jax_call_cost_pairs_alternate_their_order():
+    """benchmarks/jax_call_cost.py times torch and JAX in pairs whose order swaps every pair, so that a drift of the
+    GPU's clock falls on both frameworks alike; each call after the last one's result is ready."""
+    from benchmarks import jax_call_cost
+
+    log = []
+    ta, tb = jax_call_cost._paired(lambda: log.append("a"), lambda: log.append("b"),
+                                   lambda x=None: log.append("ready a"), lambda x=None: log.append("ready b"), 4)
+    calls = [x for x in log if x in ("a", "b")]
+    assert calls == ["a", "b", "b", "a", "a", "b", "b", "a"]
+    assert len(ta) == len(tb) == 4 and (ta >= 0).all() and (tb >= 0).all()
+    assert log[:3] == ["ready a", "a", "ready a"]  # idle before the call, then until its result is ready
