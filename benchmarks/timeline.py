@@ -21,7 +21,8 @@ uses at world size 1. After each timed run the words of its last call are read b
   last one's exit, ``entry_spread_us`` between the first and the last entry, ``check_us`` a program's entry to its
   call check done (median), ``partitions_us`` from there to its partitions joined, ``tail_us`` from the last join
   to the last exit (the end barrier and status); ``clock_mhz`` the SMs' clock, a program's span in cycles over its
-  entry to its join in nanoseconds (median).
+  entry to its join in nanoseconds (median); ``join_spread_us`` from the first program's join to the last one's,
+  ``join_over_mean`` the last join over the mean one (from the first entry): 1 where every program ends together.
 
 Each case is run two ways (``timing``): ``stream``, calls back to back (the words of the last one), as
 ``probe-mask-cost`` times them, and ``call``, one call after the GPU was idle, as the per-call benchmarks do.
@@ -57,13 +58,16 @@ CASES = {
 }
 
 
-def summarize(words: np.ndarray, ev: dict) -> dict:
+def summarize(words: np.ndarray, ev: dict, capacity: int | None = None) -> dict:
     """One call's timeline words [programs, tiles, events] (-1 where never written) -> the module docstring's
-    figures (cycles), and the per-tile arrays for the figure."""
+    figures (cycles), and the per-tile arrays for the figure. ``capacity``: the tiles the kernel had room for
+    (default: the words' second axis; the saved words, cut to the tiles run, give ring_core.gluon_kernel's
+    TIMELINE_TILES here)."""
     tiles = words[:, :, ev["tile"]]
     n_per = (tiles >= 0).sum(axis=1)
-    if (n_per >= words.shape[1]).any():
-        raise RuntimeError(f"a program ran {n_per.max()} tiles, more than the timeline's {words.shape[1]}: raise "
+    cap = words.shape[1] if capacity is None else capacity
+    if (n_per >= cap).any():
+        raise RuntimeError(f"a program ran {n_per.max()} tiles, more than the timeline's {cap}: raise "
                            "ring_core.gluon_kernel.TIMELINE_TILES")
     ran = n_per > 0
     per = [words[p, :n] for p, n in enumerate(n_per) if n]  # each program's tiles' words
@@ -103,7 +107,10 @@ def summarize(words: np.ndarray, ev: dict) -> dict:
     out.update(kernel_us=float(leave.max() - entry.min()) / 1e3, entry_spread_us=float(entry.max() - entry.min()) / 1e3,
                check_us=float(np.median(checked - entry)) / 1e3, partitions_us=float(np.median(joined - checked)) / 1e3,
                tail_us=float(leave.max() - joined.max()) / 1e3,
-               clock_mhz=float(np.median(span / (joined - entry))) * 1e3)  # (span: start and end, beside them)
+               clock_mhz=float(np.median(span / (joined - entry))) * 1e3,  # (span: start and end, beside them)
+               # how unevenly the programs end (issue 20): their joins from the first entry, the last over the mean
+               join_spread_us=float(joined.max() - joined.min()) / 1e3,
+               join_over_mean=float((joined.max() - entry.min()) / (joined - entry.min()).mean()))
     arrays = dict(compute=comp, blocks=blocks, gaps=gaps)
     return out, arrays
 

@@ -46,6 +46,7 @@ def test_summary_separates_a_blocks_cost_from_a_tiles_and_the_waits_between_tile
     assert (figures["err_cycles"], figures["rows_cycles"], figures["lse_cycles"]) == (30, 60, 10)
     assert (figures["kernel_us"], figures["entry_spread_us"], figures["check_us"], figures["partitions_us"],
             figures["tail_us"]) == (10.3, 1.0, 0.5, 8.5, 0.3)
+    assert figures["join_spread_us"] == 1.0 and figures["join_over_mean"] == pytest.approx(10 / 9.5)  # 9, 10 us
     spans = [300 + sum(1300 + 500 * n for n in blocks) + 200 for blocks in progs]
     assert figures["clock_mhz"] == pytest.approx(np.median([sp / 9000 for sp in spans]) * 1e3)
     # the consumers' time outside their blocks over the programs' spans
