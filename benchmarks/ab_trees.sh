@@ -33,7 +33,7 @@ for t in "${tars[@]}"; do
 done
 run() {  # $1: label, $2: the folder to run in (its packages are the ones imported)
   # shellcheck disable=SC2086  # (the benchmark's arguments, split on purpose)
-  (cd "$2" && PYTHONPATH="$2" timeout 200 python -m jax_ring.launch --nproc-per-node 1 -m benchmarks.attention \
+  (cd "$2" && PYTHONPATH="$2${PYTHONPATH:+:$PYTHONPATH}" timeout 200 python -m jax_ring.launch --nproc-per-node 1 -m benchmarks.attention \
     $args --csv "$out/ab_trees_$1.csv" > "$out/ab_trees_$1.log" 2>&1) || echo "$1: exit $?"
   echo "== $1"; grep -E "^(==|  torch_(fused|cudnn))" "$out/ab_trees_$1.log" || true
 }
