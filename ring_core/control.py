@@ -41,12 +41,14 @@ CTL_ERROR = 3  # the error record, first error wins: code (3), then
 CTL_ERROR_PEER = 4  # peer rank (ring position)
 CTL_ERROR_STEP = 5  # ring step (or peer distance)
 CTL_ERROR_CHUNK = 6  # chunk or block
-CTL_SIG_CLAIM = 7  # programs that started this call; the first one publishes the call's signature
+CTL_SIG_CLAIM = 7  # programs that started this call; the first one publishes the call's signature (W = 1, with
+#                    segment ids: the steps of the id ranges taken, protocol.id_ranges_ready)
 CTL_BARRIER = 8  # 8 + p: epoch at which peer p passed its end barrier
 CTL_ERR_SIG = CTL_BARRIER + MAX_WORLD  # 72..103: on a mismatch, the peer's then this rank's signature
 # With segment ids: the epoch at which this rank's own id ranges lie in its own inbox of range words (written by
 # the program that claims the call's publishing; every program waits for it before it reads a range).
 CTL_RANGES = CTL_ERR_SIG + 2 * SIG_WORDS  # 104
+CTL_RANGES_DONE = CTL_RANGES + 1  # W = 1: steps of the id ranges written in this call (protocol.id_ranges_ready)
 CTL_SIG = 128  # 128 + p * SIG_WORDS: the signature peer p published for its current call (its inbox slot)
 CTL_WORDS = CTL_SIG + MAX_WORLD * SIG_WORDS
 CTL_BWD_TICKET = CTL_WORDS  # backward: task tickets handed out in this call (tasks are taken in ticket order)

@@ -103,13 +103,15 @@ its keys.
   published, against the peer's published halves). Ids then narrow the loops after the waits, as in the
   forward.
   A rank's own ranges lie in its own inbox too: the publishing program writes them there with the peers'
-  copies, then releases CTL_RANGES = epoch (alone, W = 1, the first program of the call does the same); every
-  program acquires it (``id_ranges_ready``) before it reads a range. So a pusher, a partial or final task
+  copies, then releases CTL_RANGES = epoch (alone, W = 1, the programs of the call share the chunks' ranges, 2048
+  ids a step taken from a counter, and the one that counts the last step done releases it); every program
+  acquires it (``id_ranges_ready``) before it reads a range. So a pusher, a partial or final task
   reads its own chunk's and halves' ranges (one word each) instead of recomputing them from the ids, and each
   range pass (``seg_blocks``) first narrows its blocks by the owner's chunk ranges (one vector of words), then
   reads the ids of that run only: a tile's cost no longer grows with seq_local where its documents are short.
   Those are the very words the peers read, so every test still agrees between the two sides. The publishing
-  program writes them before it waits for anything, so the other programs' wait for them ends (bounded).
+  program (W = 1: each program that took a step) writes them before it waits for anything, so the other programs'
+  wait for them ends (bounded).
 
 Why it cannot deadlock
 ----------------------
@@ -133,7 +135,8 @@ the id ranges, which every rank publishes unconditionally before its signature's
 like the signature) and every program reads only after acquiring that signature; the pusher's test (chunk meets
 a half of the receiver) contains the tile's (chunk meets the tile's part in a half, a sub-range of that half's),
 so again no waited unit goes unpushed. The ids themselves (rows' values) are read only after the wait that
-covers them and narrow only the loops after it.
+covers them and narrow only the loops after it. Alone (W = 1) a program waits for its rank's own ranges, whose
+steps are taken from a counter by running programs, each written before its taker waits for anything: as (a).
 (b) Every program finishes once its (a)-waits are met, so each rank's last program reaches the barrier.
 No cycle exists, and in the Triton interpreter (programs of a rank run one after another) the first
 program pushes everything before waiting, so one thread per rank completes too.
@@ -246,6 +249,7 @@ CTL_BARRIER = tl.constexpr(control.CTL_BARRIER)
 CTL_ERR_SIG = tl.constexpr(control.CTL_ERR_SIG)
 CTL_SIG = tl.constexpr(control.CTL_SIG)
 CTL_RANGES = tl.constexpr(control.CTL_RANGES)
+CTL_RANGES_DONE = tl.constexpr(control.CTL_RANGES_DONE)
 CTL_STICKY = tl.constexpr(control.CTL_STICKY)
 CTL_BWD_TICKET = tl.constexpr(control.CTL_BWD_TICKET)
 CTL_BWD_DELTA = tl.constexpr(control.CTL_BWD_DELTA)
@@ -524,6 +528,7 @@ def finish_call(ctl, status_ptr, heap_bases, rank, epoch, timeout_ns, W: tl.cons
     tl.atomic_xchg(ctl + CTL_ERROR_CHUNK, 0, sem="relaxed", scope="gpu")
     tl.atomic_xchg(ctl + CTL_CLAIM, 0, sem="relaxed", scope="gpu")
     tl.atomic_xchg(ctl + CTL_SIG_CLAIM, 0, sem="relaxed", scope="gpu")
+    tl.atomic_xchg(ctl + CTL_RANGES_DONE, 0, sem="relaxed", scope="gpu")
     tl.atomic_xchg(ctl + CTL_FINISH, 0, sem="relaxed", scope="gpu")
     tl.atomic_xchg(ctl + CTL_EPOCH, epoch, sem="release", scope="gpu")
 
@@ -1032,37 +1037,52 @@ def half_rows(h, S, ZIGZAG: tl.constexpr):
 
 
 @triton.jit
+def range_steps(n_chunks, CHUNK_ROWS: tl.constexpr):
+    """How many steps of ``write_chunk_ranges`` write one batch's chunk ranges: one per 2048 ids (a vector of
+    chunks), or one per chunk where a chunk has more rows."""
+    if CHUNK_ROWS <= 2048:
+        return (n_chunks + 2048 // CHUNK_ROWS - 1) // (2048 // CHUNK_ROWS)
+    else:
+        return n_chunks
+
+
+@triton.jit
+def write_chunk_ranges(seg_b, inbox, heap_bases, rank, S, n_chunks, step, W: tl.constexpr, CHUNK_ROWS: tl.constexpr):
+    """Step ``step`` (of ``range_steps``) of one batch's chunk ranges (ids at ``seg_b``): the chunks of its 2048 ids
+    (or its one chunk), written into ``inbox`` (this rank's, ``ranges_of``) on every rank of the ring."""
+    if CHUNK_ROWS <= 2048:
+        NC: tl.constexpr = 2048 // CHUNK_ROWS  # chunks per step
+        c_col, offs_r = iota2(NC, CHUNK_ROWS)  # [NC, 1], [1, CHUNK_ROWS]
+        c = step * NC + c_col
+        rows = c * CHUNK_ROWS + offs_r
+        ids = tl.load(seg_b + rows, mask=rows < S, other=-1)
+        lo = tl.min(tl.where(ids >= 0, ids, tl.where(rows < S, -1, BIG_ID)), axis=1)  # padding: -1
+        hi = tl.maximum(tl.max(ids, axis=1), -1)  # as id_range: >= -1, so every word is <= 0
+        for p in tl.static_range(W):  # (lo and hi apart: one layout under Gluon, the chunks')
+            iris.store(inbox + c * 2, -1 - lo[:, None], rank, p, heap_bases, mask=c < n_chunks)
+            iris.store(inbox + c * 2 + 1, -1 - hi[:, None], rank, p, heap_bases, mask=c < n_chunks)
+    else:
+        _, two = iota2(1, 2)  # [1, 2]: lo, hi
+        lo, hi = id_range(seg_b, step * CHUNK_ROWS, tl.minimum(S, step * CHUNK_ROWS + CHUNK_ROWS), 2048, True)
+        words = -1 - tl.where(two == 0, lo, hi)
+        for p in tl.static_range(W):
+            iris.store(inbox + step * 2 + two, words, rank, p, heap_bases)
+
+
+@triton.jit
 def publish_id_ranges(seg_ptr, rng, heap_bases, rank, B, S, n_chunks, W: tl.constexpr, CHUNK_ROWS: tl.constexpr,
                       ZIGZAG: tl.constexpr):
     """Write this rank's id ranges (per batch: each K/V chunk's, then each half's) into its inbox of the range
     words on every rank of the ring, its own too (its programs read them there: the range pass, pushes, the
-    backward's partial tests). Run by the program that publishes the call's signature, before the signature's
-    release (a peer that acquired the signature reads them after it) and before CTL_RANGES' release (this
-    rank's programs, ``id_ranges_ready``). The chunks' ranges 2048 ids at a time (a vector of chunks), so that
-    every other program, which waits for these, waits for a few vector steps, not one step per chunk."""
-    _, two = iota2(1, 2)  # [1, 2]: lo, hi
+    backward's partial tests). Run by the program that publishes the call's signature (W > 1), before the
+    signature's release (a peer that acquired the signature reads them after it) and before CTL_RANGES' release
+    (this rank's programs, ``id_ranges_ready``; alone, W = 1, the programs share the chunks' steps there)."""
     four = iota(4)
     for b in range(B):
         seg_b = seg_ptr + (rank * 0 + b).to(tl.int64) * S  # (b may be a Python int in the interpreter)
         inbox = ranges_of(rng, rank, b, B, n_chunks)
-        if CHUNK_ROWS <= 2048:
-            NC: tl.constexpr = 2048 // CHUNK_ROWS  # chunks per vector step
-            c_col, offs_r = iota2(NC, CHUNK_ROWS)  # [NC, 1], [1, CHUNK_ROWS]
-            for c0 in range(0, n_chunks, NC):
-                c = c0 + c_col
-                rows = c * CHUNK_ROWS + offs_r
-                ids = tl.load(seg_b + rows, mask=rows < S, other=-1)
-                lo = tl.min(tl.where(ids >= 0, ids, tl.where(rows < S, -1, BIG_ID)), axis=1)  # padding: -1
-                hi = tl.maximum(tl.max(ids, axis=1), -1)  # as id_range: >= -1, so every word is <= 0
-                for p in tl.static_range(W):  # (lo and hi apart: one layout under Gluon, the chunks')
-                    iris.store(inbox + c * 2, -1 - lo[:, None], rank, p, heap_bases, mask=c < n_chunks)
-                    iris.store(inbox + c * 2 + 1, -1 - hi[:, None], rank, p, heap_bases, mask=c < n_chunks)
-        else:
-            for c in range(n_chunks):
-                lo, hi = id_range(seg_b, c * CHUNK_ROWS, tl.minimum(S, c * CHUNK_ROWS + CHUNK_ROWS), 2048, True)
-                words = -1 - tl.where(two == 0, lo, hi)
-                for p in tl.static_range(W):
-                    iris.store(inbox + c * 2 + two, words, rank, p, heap_bases)
+        for step in range(range_steps(n_chunks, CHUNK_ROWS)):
+            write_chunk_ranges(seg_b, inbox, heap_bases, rank, S, n_chunks, step, W, CHUNK_ROWS)
         h0_lo, h0_hi, h1_lo, h1_hi = own_halves(seg_b, S, ZIGZAG)
         halves = tl.where(four == 0, h0_lo, tl.where(four == 1, h0_hi, tl.where(four == 2, h1_lo, h1_hi)))
         words = -1 - halves  # entries n_chunks and n_chunks + 1: [h0_lo, h0_hi, h1_lo, h1_hi]
@@ -1075,19 +1095,29 @@ def id_ranges_ready(ctl, seg_ptr, rng, heap_bases, rank, epoch, timeout_ns, B, S
                     CHUNK_ROWS: tl.constexpr, ZIGZAG: tl.constexpr, INTERPRET: tl.constexpr):
     """With segment ids, before a program reads a range (its own rank's too): wait (acquire, bounded) until this
     rank's own ranges lie in its own inbox, CTL_RANGES = epoch. With peers the program that publishes the call's
-    signature wrote them (``check_call``); alone (W = 1) the first program of the call writes them here. Either
-    way that program writes them before it waits for anything, so the wait ends. Returns 1, or 0 after recording
-    ERR_START_TIMEOUT (or at once if an error is already recorded). Alone, a program that finds them published
-    already (one acquire: epochs only grow, and CTL_RANGES = epoch is this call's) neither claims nor polls: most
-    programs of a call, each one round trip to L2 sooner."""
+    signature wrote them (``check_call``). Alone (W = 1) the programs of the call share the work: each takes steps
+    of ``write_chunk_ranges`` (B x ``range_steps`` of them: 2048 ids each) from a counter (CTL_SIG_CLAIM, which no call
+    check uses at W = 1) until none is left, counts each one done (CTL_RANGES_DONE, acq_rel), and whoever counts
+    the last releases CTL_RANGES = epoch; the halves' ranges are not written at W = 1, where nothing reads them
+    (they decide what reaches a peer: ``meets_halves``, always of another rank). Either way a program waits only
+    for steps that running programs took before they wait for anything, so the wait ends. Returns 1, or 0 after
+    recording ERR_START_TIMEOUT (or at once if an error is already recorded). A program that finds them published
+    already (one acquire: epochs only grow, and CTL_RANGES = epoch is this call's) neither takes nor polls."""
     ok = epoch * 0
     if W == 1:
         ok = (tl.atomic_add(ctl + CTL_RANGES, 0, sem="acquire", scope="gpu") >= epoch).to(tl.int32)
         if ok == 0:
-            if tl.atomic_add(ctl + CTL_SIG_CLAIM, 1, sem="relaxed", scope="gpu") == 0:
-                publish_id_ranges(seg_ptr, rng, heap_bases, rank, B, S, n_chunks, W, CHUNK_ROWS, ZIGZAG)
-                tl.debug_barrier()  # every thread's words before the epoch (cumulativity through bar.sync)
-                tl.atomic_xchg(ctl + CTL_RANGES, epoch, sem="release", scope="gpu")
+            per_b = range_steps(n_chunks, CHUNK_ROWS)
+            n_steps = B * per_b
+            t = tl.atomic_add(ctl + CTL_SIG_CLAIM, 1, sem="relaxed", scope="gpu")
+            while t < n_steps:
+                b = t // per_b
+                write_chunk_ranges(seg_ptr + b.to(tl.int64) * S, ranges_of(rng, rank, b, B, n_chunks), heap_bases,
+                                   rank, S, n_chunks, t - b * per_b, W, CHUNK_ROWS)
+                tl.debug_barrier()  # every thread's words before the count (cumulativity through bar.sync)
+                if tl.atomic_add(ctl + CTL_RANGES_DONE, 1, sem="acq_rel", scope="gpu") == n_steps - 1:
+                    tl.atomic_xchg(ctl + CTL_RANGES, epoch, sem="release", scope="gpu")  # every step's words seen
+                t = tl.atomic_add(ctl + CTL_SIG_CLAIM, 1, sem="relaxed", scope="gpu")
     if ok == 0:
         ok = poll_ge(ctl + CTL_RANGES, epoch, ctl, timeout_ns, INTERPRET)
         if ok == 0:
