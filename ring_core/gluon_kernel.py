@@ -443,22 +443,23 @@ def _planner(pwords, p_full, p_empty, rank, B, S, seg_ptr, n_chunks, ctl, tln, r
     counter, as ``_producer`` takes them without masks, each one's plan (``_tile_plan``: global loads of the tile's
     ids and of the chunks' published ranges, a scan of the blocks by position) worked out ahead of the load warp into
     one of two slots of words (``pwords``, plan_words(W) each), each slot published by its ``p_full`` barrier and
-    given back by the load warp's ``p_empty`` once that tile's loads are issued; then tile -1. The load warp's own
+    given back by the load warp's ``p_empty`` once that tile's loads are issued, a tile taken from the counter only
+    once its slot is free (taken earlier, the program would hold tiles that an idle program could run at the call's
+    end); then tile -1. The load warp's own
     path is then each block's test and loads only (the plan on it had cost about 1.3 us of an SM a tile:
     ``bench-doclens-stream``, benchmarks/NOTES.md session 18). It waits only for its slots (freed by the load warp,
     which waits for nothing of it but these words), so the partitions' waits stay acyclic."""
     PW: gl.constexpr = plan_words(W)
     n_tiles = B * H * (S // BLOCK_M)
+    k = rank * 0
+    mbarrier.wait(p_empty.index(0), 1)  # (a fresh barrier passes round 0)
     tile = gl.atomic_add(ctl + CTL_FWD_TILE, 1, sem="relaxed", scope="gpu")
-    k = tile * 0
     while tile < n_tiles:
-        nxt = gl.atomic_add(ctl + CTL_FWD_TILE, 1, sem="relaxed", scope="gpu")
         _stamp(tln, k, TL_PLAN_START)
         s_hi, t_id, a_lo, a_hi, b_lo, b_hi, plan, n_blocks = _tile_plan(
             tile, rank, B, S, seg_ptr, n_chunks, rng, H, W, HKV, BLOCK_M, BLOCK_N, CHUNK_ROWS, CAUSAL, ZIGZAG, WINDOW,
             WIN_LEFT, WIN_RIGHT, SEGMENTED)
         slot = k % 2
-        mbarrier.wait(p_empty.index(slot), ((k // 2) & 1) ^ 1)  # a fresh barrier passes round 0
         base = slot * PW
         _put(pwords, base + _P_TILE, tile)
         _put(pwords, base + _P_N, n_blocks)
@@ -475,9 +476,9 @@ def _planner(pwords, p_full, p_empty, rank, B, S, seg_ptr, n_chunks, ctl, tln, r
         mbarrier.arrive(p_full.index(slot), count=1)
         _stamp(tln, k, TL_PLAN_PUBLISHED)
         k += 1
-        tile = nxt
-    slot = k % 2
-    mbarrier.wait(p_empty.index(slot), ((k // 2) & 1) ^ 1)
+        mbarrier.wait(p_empty.index(k % 2), ((k // 2) & 1) ^ 1)  # a fresh barrier passes round 0
+        tile = gl.atomic_add(ctl + CTL_FWD_TILE, 1, sem="relaxed", scope="gpu")
+    slot = k % 2  # (its slot free: waited for above)
     _put(pwords, slot * PW + _P_TILE, -1)
     mbarrier.arrive(p_full.index(slot), count=1)
 
