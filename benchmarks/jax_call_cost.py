@@ -10,7 +10,9 @@ Issue 18's target is a ratio of two frameworks' times, and one GPU's clock drift
 minutes (benchmarks/NOTES.md, sessions 19-20): timed one framework after the other, the ratio carries that drift.
 So the two fused calls are timed in pairs, torch and JAX alternately (each pair's order swapped from the last), and
 each case's ratio is torch's median over JAX's (``jax_vs_torch``, a speed ratio as the harness's ``vs_*`` columns)
-beside the median of the pairs' own ratios (``pair_median``).
+beside the median of the pairs' own ratios (``pair_median``). Then the kernel's own device time under each framework
+(``kernel_ms``: torch.profiler's CUDA activity, which CUPTI records for every stream of the process, XLA's too), so
+that what differs is split into the kernel and each framework's dispatch and wait.
 
 At world size 1 on one GPU, bf16, B=1, H=32, D=128, causal (zigzag) and not (contiguous), as benchmarks/attention.py's
 W=1 cases:
@@ -79,6 +81,7 @@ def main(argv=None):
     import jax_ring
     import torch_bridge
     from benchmarks.harness import write_rows
+    from benchmarks.launch_gap import kernel_ms
 
     jax_ring.initialize()
     torch_bridge.initialize()
@@ -131,27 +134,30 @@ def main(argv=None):
                     with open(a.hlo, "w") as f:
                         f.write(text)
 
-            def jfn():
-                return fwd(jq, jk, jv)
+            def jfn(f=fwd, q=jq, k=jk, v=jv):
+                return f(q, k, v)
 
-            def tfn(c=causal, lay=layout):
-                return torch_bridge.ring_attention(tq, tk, tv, backend="fused", is_causal=c, layout=lay)
+            def tfn(c=causal, lay=layout, q=tq, k=tk, v=tv):
+                return torch_bridge.ring_attention(q, k, v, backend="fused", is_causal=c, layout=lay)
 
             with torch.no_grad():
                 for _ in range(3):  # warm-up (compiles, plans)
                     jready(jfn())
                     tready(tfn())
                 tj, tt = _paired(jfn, tfn, jready, tready, a.iters)
-            row("jax_fused", seq, causal, tj)
-            row("torch_fused", seq, causal, tt)
+                # the kernel's own time on the device under each framework (CUPTI sees every stream of the
+                # process, XLA's too): equal, the rest of the gap is each framework's dispatch and wait
+                kj = kernel_ms(torch, lambda: jready(jfn()), 10)
+                kt = kernel_ms(torch, lambda: tready(tfn()), 10)
+            row("jax_fused", seq, causal, tj, kernel_ms=kj)
+            row("torch_fused", seq, causal, tt, kernel_ms=kt)
             rows.append(dict(what="ratio", seq_local=seq, causal=causal, iters=a.iters,
                              jax_vs_torch=float(np.median(tt) / np.median(tj)),
-                             pair_median=float(np.median(tt / tj))))
+                             pair_median=float(np.median(tt / tj)),
+                             kernel_jax_vs_torch=float(kt / kj) if kj and kt else ""))
             print(f"ratio        seq {seq:6d} causal {causal!s:5s} JAX {rows[-1]['jax_vs_torch']:.3f}x torch "
-                  f"(median of pairs {rows[-1]['pair_median']:.3f})", flush=True)
-            del fwd
-        del jq, jk, jv, tq, tk, tv
-        torch.cuda.empty_cache()
+                  f"(median of pairs {rows[-1]['pair_median']:.3f}); the kernel alone {kj} ms under JAX, "
+                  f"{kt} ms under torch", flush=True)
     jax_ring.check_errors()
     torch_bridge.check_errors()
     if a.csv:
