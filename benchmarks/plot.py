@@ -206,18 +206,24 @@ def main(argv=None) -> int:
                                                          "one table per pass")
     ap.add_argument("--runs", action="store_true", help="A/B runs: one series per CSV (its name), bars of each fused "
                                                         "row's ratio to cuDNN in its own run, one group per case")
+    ap.add_argument("--ratio", default="vs_cudnn_1gpu", choices=("vs_cudnn_1gpu", "vs_dense"),
+                    help="--runs: the ratio column (vs_dense: a masked row against the dense one of its own run)")
     a = ap.parse_args(argv)
     if a.runs:
         out = a.out or os.path.splitext(a.csv[0])[0] + "_runs.png"
         bars = {}
         for path in a.csv:
             for r in compute_ratios(load_rows([path])):
-                if METHODS.get(r["method"]) and METHODS[r["method"]].kind == "fused" and _f(r.get("vs_cudnn_1gpu")):
-                    key = (r["method"], int(r["head_dim"]), r["kv_heads"], int(r["seq_local"]), r["causal"])
-                    bars.setdefault(os.path.splitext(os.path.basename(path))[0], {})[key] = _f(r["vs_cudnn_1gpu"])
+                if METHODS.get(r["method"]) and METHODS[r["method"]].kind == "fused" and _f(r.get(a.ratio)):
+                    key = (r["method"], int(r["head_dim"]), r["kv_heads"], int(r["seq_local"]), r["causal"],
+                           r.get("mask") or "none", r.get("pass") or "fwd")
+                    bars.setdefault(os.path.splitext(os.path.basename(path))[0], {})[key] = _f(r[a.ratio])
         causal = ("1", "True")
-        grouped_bars(bars, out, ylabel="ratio to cuDNN (same run)", title=a.title or "A/B runs", figsize=(16, 5),
-                     ylim=(0.7, 1.15), label=lambda k: f"D{k[1]} kv{k[2]}\n{k[3] // 1024}k{' c' * (k[4] in causal)}")
+        ylabel = {"vs_cudnn_1gpu": "ratio to cuDNN (same run)", "vs_dense": "ratio to dense (same run)"}[a.ratio]
+        grouped_bars(bars, out, ylabel=ylabel, title=a.title or "A/B runs", figsize=(16, 5),
+                     ylim=(0.7, 1.15) if a.ratio == "vs_cudnn_1gpu" else (0.6, 1.0),
+                     label=lambda k: f"D{k[1]} kv{k[2]}\n{k[3] // 1024}k{' c' * (k[4] in causal)}"
+                                     + (f"\n{k[5]} {k[6]}" if k[5] != "none" else ""))
         print(f"wrote {out}")
         return 0
     rows = load_rows(a.csv)
