@@ -46,7 +46,8 @@ CTL_SIG_CLAIM = 7  # programs that started this call; the first one publishes th
 CTL_BARRIER = 8  # 8 + p: epoch at which peer p passed its end barrier
 CTL_ERR_SIG = CTL_BARRIER + MAX_WORLD  # 72..103: on a mismatch, the peer's then this rank's signature
 # With segment ids: the epoch at which this rank's own id ranges lie in its own inbox of range words (written by
-# the program that claims the call's publishing; every program waits for it before it reads a range).
+# the program that claims the call's publishing, or alone, W = 1, by the programs that take their steps; every
+# program waits for it before it reads a range).
 CTL_RANGES = CTL_ERR_SIG + 2 * SIG_WORDS  # 104
 CTL_RANGES_DONE = CTL_RANGES + 1  # W = 1: steps of the id ranges written in this call (protocol.id_ranges_ready)
 CTL_SIG = 128  # 128 + p * SIG_WORDS: the signature peer p published for its current call (its inbox slot)
