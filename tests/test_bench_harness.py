@@ -691,6 +691,10 @@ def test_ab_runs_and_status_cost_plots_draw_from_committed_csvs(tmp_path):
     runs = [os.path.join(results, f"attention_w1_fwd_tiles-{r}_1xH200_2026-12-02J.csv") for r in ("base", "s4")]
     png = tmp_path / "runs.png"
     assert bplot.main(["--runs", *runs, "--out", str(png)]) == 0 and png.stat().st_size > 10_000
+    # session 21's A/B of issue 20's packed forward: the masked row against the dense one of its own run
+    runs = [os.path.join(results, f"ab_packed_{t}_W1_1xH200_2026-12-04AZ.csv") for t in ("current_1", "late_1")]
+    png = tmp_path / "runs_dense.png"
+    assert bplot.main(["--runs", "--ratio", "vs_dense", *runs, "--out", str(png)]) == 0 and png.stat().st_size > 10_000
     for name in ("status_cost_1xH200_2026-12-02N.csv", "status_cost_probe_1xH200_2026-12-02L.csv"):
         png = tmp_path / (name + ".png")
         status_cost.plot(os.path.join(results, name), str(png))
