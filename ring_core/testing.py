@@ -91,6 +91,27 @@ def random_segment_ids(seed, batch, seq, *, max_len=None, padding=True) -> np.nd
     return np.stack(rows).astype(np.int32)
 
 
+def id_range_words(local_ids, chunk_rows: int, zigzag: bool) -> np.ndarray:
+    """A rank's published id-range words [B][n_chunks + 2][lo, hi] for its local segment ids [B, S], as
+    ring_core.protocol.publish_id_ranges writes them: each chunk's [min, max] with padding counted as -1 in the min
+    and the max at least -1, then each half's of the shard over ids >= 0 ((BIG_ID, -1) where none; zigzag: its two
+    chunks, contiguous: the shard, then nothing), all stored as -1 - value."""
+    big = 2**31 - 1  # ring_core.protocol.BIG_ID
+    B, S = local_ids.shape
+    n_chunks = -(-S // chunk_rows)
+    w = np.zeros((B, n_chunks + 2, 2), np.int64)
+    halves = [(0, S // 2), (S // 2, S)] if zigzag else [(0, S), (S, S)]
+    for b in range(B):
+        for c in range(n_chunks):
+            ids = local_ids[b, c * chunk_rows:(c + 1) * chunk_rows]
+            w[b, c] = (np.where(ids >= 0, ids, -1).min(), max(ids.max(), -1))
+        for h, (r0, r1) in enumerate(halves):
+            ids = local_ids[b, r0:r1]
+            ids = ids[ids >= 0]
+            w[b, n_chunks + h] = (ids.min(), ids.max()) if ids.size else (big, -1)
+    return -1 - w
+
+
 def sharded_inputs(seed, world_size, batch, seq_local, heads, kv_heads, head_dim, dtype: str, *, with_dout=False):
     """``random_inputs`` over ``world_size * seq_local`` tokens: (the float64 arrays, the same values in
     ``dtype``)."""

@@ -12,8 +12,8 @@ of rank ``rank - d``) and each local query block of 64 rows,
 * the owner of each block waits for a peer's partial exactly where that peer's task sends one
   (ring_core.protocol.block_reaches asked from the owner's side, as both backwards' final tasks ask it, against the
   peer's ``sent``): no wait in vain, no partial unread.
-The ranges the kernels read are built here as ring_core.protocol.publish_id_ranges writes them (a chunk's lo counts
-padding as -1; the halves' ranges count ids >= 0). What the Gluon kernel then computes with them is checked on a
+The ranges the kernels read are built as ring_core.protocol.publish_id_ranges writes them
+(ring_core.testing.id_range_words: a chunk's lo counts padding as -1; the halves' ranges count ids >= 0). What the Gluon kernel then computes with them is checked on a
 GPU (tests/gpu_checks.py, section gluon-bwd-masks).
 """
 import json
@@ -35,7 +35,7 @@ PROBE = textwrap.dedent("""
     import triton.language as tl
     from ring_core import layout as L, masks, protocol, testing
 
-    KV, QR, CR, BIG = 128, 64, 128, 2147483647
+    KV, QR, CR = 128, 64, 128
 
 
     @triton.jit
@@ -71,21 +71,6 @@ PROBE = textwrap.dedent("""
                     tl.store(base + 4 + S // 64 + r, w.to(tl.int32))
 
 
-    def words(local_ids, S, zigzag):
-        # [B][n_chunks + 2][lo, hi], stored as -1 - value (protocol.publish_id_ranges)
-        B = local_ids.shape[0]
-        n_chunks = S // CR
-        w = np.zeros((B, n_chunks + 2, 2), np.int64)
-        for b in range(B):
-            for c in range(n_chunks):
-                ids = local_ids[b, c * CR:(c + 1) * CR]
-                w[b, c] = (np.where(ids >= 0, ids, -1).min(), max(ids.max(), -1))
-            halves = [(0, S // 2), (S // 2, S)] if zigzag else [(0, S), (S, S)]
-            for h, (r0, r1) in enumerate(halves):
-                ids = local_ids[b, r0:r1]
-                ids = ids[ids >= 0]
-                w[b, n_chunks + h] = (ids.min(), ids.max()) if ids.size else (BIG, -1)
-        return -1 - w
 
 
     out = []
@@ -99,7 +84,7 @@ PROBE = textwrap.dedent("""
             G[:, W * S // 3:W * S // 3 + 90] = -1
         pos = [L.global_positions(np, r, W, S, lay) for r in range(W)]
         local = [G[:, p] if seg else None for p in pos]
-        rng = torch.tensor(np.stack([words(x, S, lay == "zigzag") for x in local]) if seg
+        rng = torch.tensor(np.stack([testing.id_range_words(x, CR, lay == "zigzag") for x in local]) if seg
                            else np.zeros((W, B, S // CR + 2, 2)), dtype=torch.int32).reshape(-1)
         n_kvb = S // KV
         bad = []
