@@ -21,7 +21,10 @@ all-reduced with MAX (the slowest rank counts, call by call); the row reports th
 quantiles. With ``--timing stream`` (the CSV's ``timing`` column; default ``call``, the above) the ranks meet
 once, then the ``--iters`` calls run back to back between two events: the mean per call, as
 triton.testing.do_bench and a training step see it, where the host's work for a call overlaps the GPU's for
-the one before (per-call events on an idle stream count that host work too). JAX calls still block each.
+the one before (per-call events on an idle stream count that host work too). JAX calls are dispatched the
+same way, each without waiting for the one before (``Prepared.issue``: JAX's asynchronous dispatch, a JAX
+training step's pattern), and the timing waits for the last one's result (until 2026-12-04 each JAX call
+blocked in this timing too, so its rows counted JAX's dispatch and wake-up per call).
 With ``--timing ready`` each call is timed as with ``call`` but its second event is recorded once the call's
 results are ready on the host (torch: after ``torch.cuda.synchronize()``), as a JAX call's always is: torch and
 JAX then count the same things, the host's work before the launch, the kernels, and the wait for them
@@ -193,6 +196,7 @@ class Prepared:
     shape: str = ""
     finish: object = None  # called after the timed calls (surfaces errors reported asynchronously)
     ring_steps: object = None  # fused methods: () -> the ring steps this rank's kernel ran in the last call
+    issue: object = None  # issue(i): call i without waiting for its result (JAX), for ``--timing stream``; None: run
 
 
 # ------------------------------------------------------------------------------------------ cases, FLOPs
@@ -906,11 +910,12 @@ def _attempt(env, args, case, name, build, data, anchor, **kw) -> Result:
 
 def _run_all(prep, iters: int):
     """``iters`` calls back to back (input sets rotating); the last one's result (the others are dropped as
-    soon as the next call is issued)."""
-    out = None
-    for it in range(iters):
-        out = prep.run(it)
-    return out
+    soon as the next call is issued). All but the last through ``prep.issue`` where a method has one (JAX: no
+    wait for each result); the last through ``prep.run``, which waits for it as every timed call does."""
+    issue = prep.issue or prep.run
+    for it in range(iters - 1):
+        issue(it)
+    return prep.run(iters - 1)
 
 
 def run_method(env, args, case, name, build, data, anchor) -> Result:

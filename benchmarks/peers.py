@@ -292,7 +292,7 @@ def _jax_compiled(env, case, fn, args, convert, note, shape) -> Prepared:
     if case.mode != "fwd":
         note = f"{note}; backward by jax.vjp"
     return Prepared(lambda i: jax.block_until_ready(compiled(*args[i % n])), _comparable(case, convert), note,
-                    compile_s, shape)
+                    compile_s, shape, issue=lambda i: compiled(*args[i % n]))
 
 
 def _jax_ring(env, case, data, body, note) -> Prepared:

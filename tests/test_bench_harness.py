@@ -742,3 +742,27 @@ def test_jax_call_cost_pairs_alternate_their_order():
     assert calls == ["a", "b", "b", "a", "a", "b", "b", "a"]
     assert len(ta) == len(tb) == 4 and (ta >= 0).all() and (tb >= 0).all()
     assert log[:3] == ["ready a", "a", "ready a"]  # idle before the call, then until its result is ready
+
+
+def test_stream_timing_issues_jax_calls_without_waiting_and_waits_for_the_last():
+    """--timing stream (harness._run_all): calls 0..n-2 through ``Prepared.issue`` (JAX: dispatched, not blocked),
+    the last through ``run`` (blocked); a method without ``issue`` (torch) runs every call through ``run``. And the
+    JAX builder's ``issue`` does not block while its ``run`` does (block_until_ready on the compiled call)."""
+    calls = []
+    prep = harness.Prepared(run=lambda i: calls.append(("run", i)) or i, local_out=None,
+                            issue=lambda i: calls.append(("issue", i)))
+    assert harness._run_all(prep, 4) == 3
+    assert calls == [("issue", 0), ("issue", 1), ("issue", 2), ("run", 3)]
+    calls.clear()
+    torch_like = harness.Prepared(run=lambda i: calls.append(("run", i)) or i, local_out=None)
+    assert harness._run_all(torch_like, 3) == 2 and calls == [("run", 0), ("run", 1), ("run", 2)]
+
+    blocked = []
+    fake_jax = types.SimpleNamespace(jit=lambda fn: types.SimpleNamespace(
+        lower=lambda *a: types.SimpleNamespace(compile=lambda: lambda *a: ("out", a))),
+        block_until_ready=lambda x: blocked.append(x) or x)
+    env = types.SimpleNamespace(jax=fake_jax)
+    case = harness.Case(batch=1, heads=2, kv_heads=2, head_dim=8, seq_local=16, causal=False, dtype="float32")
+    p = peers._jax_compiled(env, case, None, [(1,), (2,)], None, "", "")
+    assert p.issue(1) == ("out", (2,)) and blocked == []
+    assert p.run(0) == ("out", (1,)) and blocked == [("out", (1,))]
