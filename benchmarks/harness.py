@@ -167,6 +167,7 @@ LEGACY_DEFAULTS = {"pass": "fwd", "ranks_per_gpu": "1", "mask": "none", "pairs_p
 # --timing: each call between its own events, the calls back to back, or each call until its results are ready
 TIMINGS = ("call", "stream", "ready")
 SHARED_NOTE = "RANKS SHARE GPUS: protocol overhead, not multi-GPU speed"
+SM_SHARE_NOTE = "each rank on {share} % of the GPU's SMs (MPS)"
 
 VERSION_COLUMNS = ("gpu", "python", "torch", "torch_cuda", "torch_cudnn", "triton", "jax", "jaxlib",
                    "jax_cuda_plugin", "jax_platform", "jax_cudnn")
@@ -938,6 +939,9 @@ def make_row(env, args, case, name, res: Result, meta: dict, anchor_name) -> dic
     info = METHODS[name]
     fl = flops_per_gpu(case, env.world)
     note = f"{SHARED_NOTE}; {res.note}" if env.ranks_per_gpu > 1 else res.note
+    share = os.environ.get(gpus.MPS_SHARE_ENV, "")
+    if share and share != "100":  # a rank held to part of the SMs (MPS): a world-1 row to compare shared ranks with
+        note = f"{note}; {SM_SHARE_NOTE.format(share=share)}".lstrip("; ")
     pairs = allowed_pairs(case, env.world).sum(axis=1)
     if case.mask != "none" and pairs.max() > 1.01 * pairs.mean():
         note = f"{note}; allowed pairs per rank max/mean {pairs.max() / pairs.mean():.2f}".lstrip("; ")

@@ -257,6 +257,15 @@ STAGES = {
                                             if x in ("5", "{out}/masks_packed.csv") else x for x in PACKED]
                                   + ["--pass", p, "--timing", "stream"] for p in ("fwd", "fwd+bwd")]),
     "bench-window": (300, [LAUNCH + WINDOW]),
+    # Issue 20's window target with the ranks sharing one GPU: first one rank alone held to one rank's share of the
+    # SMs (MPS, 100/nproc %), then the ranks; the same CSV, so the ring's rows get ms_vs_world1 against the lone
+    # rank on as many SMs (the same banded work per rank): the protocol's overhead, which the share cancels.
+    "bench-window-share": (300, [["env", f"{gpus.MPS_SHARE_ENV}={{share}}", sys.executable, "-m", "jax_ring.launch",
+                                  "--nproc-per-node", "1", "--mps", "on"]
+                                 + [x.replace("masks_window", "masks_window_share") for x in WINDOW]
+                                 + ["--timing", "stream"],
+                                 LAUNCH + [x.replace("masks_window", "masks_window_share") for x in WINDOW]
+                                 + ["--timing", "stream"]]),
     "bench-masks-w1": (540, [LAUNCH1 + PACKED + ["--pass", "fwd"], LAUNCH1 + PACKED + ["--pass", "fwd+bwd"],
                              LAUNCH1 + WINDOW]),
     # The same rows back to back (--timing stream: the host's work for a call hidden behind the GPU's for the one
@@ -407,7 +416,7 @@ def commands(name: str, limit: float, out: str, nproc: int = 2, later=()) -> lis
     it in this session (what the warm stage compiles for)."""
     values = dict(out=out, limit_minus=f"{max(limit - 10, 5):g}", soak_seconds=f"{max(limit - 50, 10):g}",
                   nproc=nproc, later=",".join(tag(n, nproc) for n in later), later_names=",".join(later),
-                  jobs=max(1, (os.cpu_count() or 2) - 2))
+                  jobs=max(1, (os.cpu_count() or 2) - 2), share=gpus.mps_share(nproc))
     return [[arg.format(**values) for arg in cmd] for cmd in STAGES[name][1]]
 
 

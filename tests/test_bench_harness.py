@@ -610,10 +610,12 @@ def test_cpu_smoke_with_masks_through_the_launcher(tmp_path):
     """The masked cases on CPU (2 gloo/XLA-CPU processes): the reference rings run packed documents and a causal
     window in both passes, checked against each other, with the effective FLOPs of the allowed pairs; methods
     without masks are skipped (no row); the fused kernel says why it cannot run here. Timed back to back
-    (``--timing stream``): one mean per row."""
+    (``--timing stream``): one mean per row (JAX's calls dispatched without waiting, the last one waited for).
+    With an MPS SM share in the environment (as bench-window-share's lone rank has), every row's note says so."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = tmp_path / "smoke_masks.csv"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p),
+               CUDA_MPS_ACTIVE_THREAD_PERCENTAGE="50")
     env.pop("XLA_FLAGS", None)
     cmd = [sys.executable, "-m", "jax_ring.launch", "--nproc-per-node", "2", "-m", "benchmarks.attention",
            "--cpu-smoke", "--mask", "packed,window", "--causal", "yes", "--seq", "64", "--kv-heads", "2",
@@ -627,6 +629,7 @@ def test_cpu_smoke_with_masks_through_the_launcher(tmp_path):
     masks = {"packed": "packed(8-40)", "window": "window(23,0)"}
     assert len(rows) == len(by) == 2 * 2 * 3 and not any(m == "torch_cp" for _, _, m in by)
     for (label, mode, method), r in by.items():
+        assert harness.SM_SHARE_NOTE.format(share=50) in r["note"], r["note"]
         mask = next(k for k, v in masks.items() if v == label)
         case = harness.Case(1, 4, 2, 32, 64, True, "bfloat16", mode, mask=mask,
                             **(dict(window=(23, 0)) if mask == "window" else dict(doc_lens=(8, 40))))
