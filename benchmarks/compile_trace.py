@@ -9,8 +9,10 @@ session 21): a trace of every ``triton.compile`` a process makes, and the cache 
   a miss with ``True`` means the entry was there and Triton would not take it, e.g. a group file naming
   files under another root) and the seconds it took.
 * ``python -m benchmarks.compile_trace --keys`` prints the cache key of every Triton function of ``ring_core``
-  and of iris's device functions, one per line, sorted: two processes' outputs (two machines', two runs')
-  diffed show which function's key moves.
+  and of iris's device functions, one per line, sorted, as ``ring_core.build.settle_cache_keys`` settles them:
+  two processes' outputs (two machines', two runs') diffed show which function's key moves. (What moved them
+  before the settling, session 22: Triton 3.6 hashed a caller without the globals of callees not yet hashed, so a
+  key depended on which kernel a process hashed first.)
 * ``python -m benchmarks.compile_trace --summarize FOLDER``: the traces' misses and hits per kernel, and the
   functions whose keys differ between two ``--keys`` outputs (``--diff A B``).
 """
@@ -24,7 +26,6 @@ import sys
 import time
 
 TRACE_ENV = "RING_ATTENTION_COMPILE_TRACE"
-KERNEL_MODULES = ("ring_core.kernel", "ring_core.kernel_bwd", "ring_core.gluon_kernel", "ring_core.gluon_bwd")
 
 
 def _cache_dir() -> str:
@@ -56,22 +57,16 @@ def install(folder: str) -> None:
     knobs.compilation.listener = listener
 
 
-def function_keys() -> dict:
+def function_keys(settle: bool = True) -> dict:
     """{module.name: cache key} of every Triton function in ring_core's kernel modules and the modules they
-    import Triton functions from (iris's included)."""
-    import importlib
-
+    import Triton functions from (iris's included), settled as every compile and launch of ours settles them
+    (``ring_core.build.settle_cache_keys``; ``settle=False``: as this process's order of asking gives them)."""
     from triton.runtime.jit import JITCallable
 
     from ring_core import build
 
-    for name in KERNEL_MODULES:
-        try:
-            importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name != "torch" or not build._iris_device_only():
-                raise
-            importlib.import_module(name)
+    if settle:
+        build.settle_cache_keys()
     keys = {}
     for mod_name, mod in sorted(sys.modules.items()):
         if not (mod_name.startswith("ring_core") or mod_name.startswith("iris")) or mod is None:

@@ -142,6 +142,55 @@ def signature(kernel, arg_types, constexprs: dict, divisible=(), capability: int
     return sig, attrs
 
 
+# The modules whose Triton functions settle_cache_keys settles (with everything they call).
+KERNEL_MODULES = ("ring_core.kernel", "ring_core.kernel_bwd", "ring_core.gluon_kernel", "ring_core.gluon_bwd")
+_settled = False
+
+
+def settle_cache_keys() -> None:
+    """Make every Triton function's cache key independent of the order in which a process first asks for keys.
+
+    Triton 3.6 (the GPU machine's) merges a called function's global constexprs into its caller's key *before* it
+    computes the callee's key (``DependenciesFinder._update_hash``; Triton 3.9 computes it first), so a function
+    whose callees had no key yet hashes without their globals: the same kernel got another cache key in a process
+    that had compiled another kernel first (``ring_attn_fwd_kernel`` then ``ring_attn_fwd_gluon``, or the reverse,
+    gave both kernels other keys), and the GPU compiled variants its carried cache held (benchmarks/NOTES.md,
+    sessions 21-22). Here every Triton function loaded (ring_core's kernels, what they call, iris's, Triton's own)
+    is hashed again until no key changes: each caller then holds all its callees' globals, one fixed point
+    whatever the order. Once per process, before the first compile or launch (``_compile``, torch_bridge's
+    first launch); about a second."""
+    global _settled
+    if _settled:
+        return
+    import importlib
+    import sys
+
+    from triton.runtime.jit import JITCallable
+
+    for name in KERNEL_MODULES:
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as e:  # a machine with Triton and no torch (warm): iris's device part only
+            if e.name != "torch" or not _iris_device_only():
+                raise
+            importlib.import_module(name)
+    fns = {id(v): v for mod in list(sys.modules.values()) if mod is not None
+           for v in list(getattr(mod, "__dict__", {}).values())
+           if isinstance(v, JITCallable) and "hash" in vars(v)}
+    fns = sorted(fns.values(), key=lambda f: (getattr(f, "__module__", ""), getattr(f, "__name__", "")))
+    keys = None
+    for _ in range(64):  # (as many passes as the deepest call chain, plus one)
+        for f in fns:
+            f.hash = None
+        new = [f.cache_key for f in fns]
+        if new == keys:
+            break
+        keys = new
+    else:
+        raise RuntimeError("settle_cache_keys: the Triton functions' cache keys did not settle")
+    _settled = True
+
+
 def _jit_function(kernel):
     """A JITFunction of ``kernel`` (the interpreter wraps it without one: rebuilt from the same decorator flags)."""
     from triton.runtime.jit import JITFunction
@@ -162,6 +211,7 @@ def _compile(kernel, specialized, constexprs: dict, num_warps: int, num_stages: 
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    settle_cache_keys()
     types, ones, divisible = specialized
     consts = dict(constexprs, **ones)
     sig, attrs = signature(kernel, types, consts, divisible, capability)

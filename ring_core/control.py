@@ -50,6 +50,7 @@ CTL_ERR_SIG = CTL_BARRIER + MAX_WORLD  # 72..103: on a mismatch, the peer's then
 # program waits for it before it reads a range).
 CTL_RANGES = CTL_ERR_SIG + 2 * SIG_WORDS  # 104
 CTL_RANGES_DONE = CTL_RANGES + 1  # W = 1: steps of the id ranges written in this call (protocol.id_ranges_ready)
+CTL_PUSHERS = CTL_RANGES + 2  # the Gluon forward: programs that arrived at its pushes (protocol.is_pusher)
 CTL_SIG = 128  # 128 + p * SIG_WORDS: the signature peer p published for its current call (its inbox slot)
 CTL_WORDS = CTL_SIG + MAX_WORLD * SIG_WORDS
 CTL_BWD_TICKET = CTL_WORDS  # backward: task tickets handed out in this call (tasks are taken in ticket order)

@@ -13,17 +13,21 @@ The protocol is not copied: every protocol step below is a call of ring_core.pro
 helpers, which compile under Gluon (their index vectors come from ring_core.lanes): the call check
 (``start_call``), the pushes (``drain_pushes``), the bounded waits (``poll_ge``, ``record_error``) and the end
 of the call (``end_call``: end barrier, status words, counters). The no-deadlock argument of ring_core.protocol
-holds as it is: a program drains the push counter before anything of it waits (here: before the partitions
-start), and waits only for flags that pushes set.
+holds as it is: the programs that push (``is_pusher``: the first quarter of the grid to arrive) drain the push
+counter before anything of them waits (here: before the partitions start), and every program waits only for
+flags that pushes set.
 
 Persistent: a program per SM (``ring_core.plans.plan``'s grid), each taking tiles of (batch, head, BLOCK_M query
 rows) from the call's tile counter (CTL_FWD_TILE) in the tl kernel's order (ring_core.tiles.query_tile: the
 programs running at once share K/V in L2, the heaviest tiles go first; a static round-robin lost 8-15 % on causal
 rows, benchmarks/NOTES.md, session 13), so that what a program pays however few blocks its tile has (the call check,
 the descriptors, the barriers, the end count: about 11 us, session 12) is paid once per SM, and a tile's first loads
-overlap the last tile's end. The no-deadlock argument is unchanged: every program pushes every unit left before
-anything of it waits, so the pushes never depend on how many programs are resident (ranks sharing a GPU under MPS
-run fewer at once than the grid holds); the last program done resets the counter for the next call. The
+overlap the last tile's end. The pushes never depend on how many programs are resident (ranks sharing a GPU under
+MPS run fewer at once than the grid holds): the pushers are the first programs to arrive, and each pushes every
+unit left before anything of it waits, while the other three quarters start on their tiles, whose ring step 0
+(local K/V) needs no push; the units go kv head by kv head, the order the tiles take (until 2026-12-04 every
+program pushed before its first tile, so no compute overlapped the pushes). The last program done resets the
+counters for the next call. The
 tiles depend on head_dim, set in one place (``ring_core.plans.GLUON_TILES``, passed as BLOCK_M / BLOCK_N, the slots
 read by ``kv_slots`` and ``kv_rings``): 128 query rows, K/V blocks of 128 rows in 3 slots at D64 / D128, of 64 rows
 in 2 slots at D256, there with K and V in rings of their own (shared memory: Q and the slots 224 KiB at D128, 192 KiB
@@ -87,9 +91,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from ring_core import control, plans
 from ring_core.lanes import iota
 from ring_core.protocol import (BIG_ID, CTL_ERROR, ERR_KV_TIMEOUT, KEY_PAD, QUERY_PAD, block_met, block_range,
-                                chunk_ranges, drain_pushes, end_call, ids_summary, met_blocks, pairs_allowed, poll_ge,
-                                positions, ranges_of, ranks_rng, receive_slots, record_error, ring_context,
-                                segment_keys, start_call, step_blocks)
+                                chunk_ranges, drain_pushes, end_call, ids_summary, is_pusher, met_blocks,
+                                pairs_allowed, poll_ge, positions, ranges_of, ranks_rng, receive_slots, record_error,
+                                ring_context, segment_keys, start_call, step_blocks)
 from ring_core.tiles import query_tile
 
 # Gluon's TMA copies were renamed after Triton 3.6 (async_copy_global_to_shared -> async_load, ...); the GPU
@@ -1173,10 +1177,12 @@ def ring_attn_fwd_gluon(
                          WIN_RIGHT, SEGMENTED, False)
     _stamp(tln, 0, TL_CHECKED_NS, NS=True)
     if W > 1:
-        # Before anything of this program waits (the partitions): ring_core.protocol's no-deadlock argument.
-        drain_pushes(ctl, (W - 1) * B * HKV * n_chunks * call_ok, k_ptr, v_ptr, seg_ptr, recv, seg_recv, flags,
-                     heap_bases, rank, epoch, B, S, n_chunks, W, HKV, D, D, CHUNK_ROWS, PUSH_ROWS, PUSH_VEC, CAUSAL,
-                     ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED, rng, SEGMENTED)
+        # The first quarter of the grid to arrive pushes every unit, each before anything of it waits (the
+        # partitions), while the others compute ring step 0 meanwhile: ring_core.protocol's no-deadlock argument.
+        if is_pusher(ctl, gl.num_programs(0)):
+            drain_pushes(ctl, (W - 1) * B * HKV * n_chunks * call_ok, k_ptr, v_ptr, seg_ptr, recv, seg_recv, flags,
+                         heap_bases, rank, epoch, B, S, n_chunks, W, HKV, D, D, CHUNK_ROWS, PUSH_ROWS, PUSH_VEC,
+                         CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED, rng, SEGMENTED)
 
     # ---- TMA descriptors and shared memory, once for the program's tiles -----------------------------------
     HALF: gl.constexpr = BLOCK_M // 2

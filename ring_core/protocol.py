@@ -123,6 +123,11 @@ every program drains the claim counter before its first wait, and before it ends
 (a tile of padding rows, or one whose window sees no peer, waits for nothing). So all units of rank s are
 pushed as soon
 as *any* program of the kernel on rank s runs; no wait depends on a particular program being resident.
+The persistent Gluon forward drains in its first programs only (``is_pusher``: the first quarter of its grid
+to *arrive*, counted on CTL_PUSHERS), so that its other programs compute ring step 0 meanwhile: a pusher is
+a running program by construction (it took its place by arriving), it drains the counter until no unit is
+left before it waits for anything, and the first program to arrive is always one; so again every unit is
+claimed and pushed by running programs that wait for nothing first, whichever programs are resident.
 Hence it holds for any grid size, however many CTAs the GPU holds at once, in whatever order the hardware
 dispatches them, and while other kernels occupy SMs (they delay but cannot block us unless they
 themselves wait for this kernel on another rank, which is a program-order bug the timeout reports).
@@ -245,6 +250,7 @@ CTL_ERROR_PEER = tl.constexpr(control.CTL_ERROR_PEER)
 CTL_ERROR_STEP = tl.constexpr(control.CTL_ERROR_STEP)
 CTL_ERROR_CHUNK = tl.constexpr(control.CTL_ERROR_CHUNK)
 CTL_SIG_CLAIM = tl.constexpr(control.CTL_SIG_CLAIM)
+CTL_PUSHERS = tl.constexpr(control.CTL_PUSHERS)
 CTL_BARRIER = tl.constexpr(control.CTL_BARRIER)
 CTL_ERR_SIG = tl.constexpr(control.CTL_ERR_SIG)
 CTL_SIG = tl.constexpr(control.CTL_SIG)
@@ -529,6 +535,7 @@ def finish_call(ctl, status_ptr, heap_bases, rank, epoch, timeout_ns, W: tl.cons
     tl.atomic_xchg(ctl + CTL_CLAIM, 0, sem="relaxed", scope="gpu")
     tl.atomic_xchg(ctl + CTL_SIG_CLAIM, 0, sem="relaxed", scope="gpu")
     tl.atomic_xchg(ctl + CTL_RANGES_DONE, 0, sem="relaxed", scope="gpu")
+    tl.atomic_xchg(ctl + CTL_PUSHERS, 0, sem="relaxed", scope="gpu")
     tl.atomic_xchg(ctl + CTL_FINISH, 0, sem="relaxed", scope="gpu")
     tl.atomic_xchg(ctl + CTL_EPOCH, epoch, sem="release", scope="gpu")
 
@@ -1301,6 +1308,14 @@ def claim_push(ctl, n_units, k_ptr, v_ptr, seg_ptr, recv, seg_recv, flags, heap_
         push_unit(u0, k_ptr, v_ptr, seg_ptr, recv, seg_recv, flags, heap_bases, rank, epoch, B, S, n_chunks,
                   W, HKV, D, BLOCK_D, CHUNK_ROWS, PUSH_ROWS, VEC, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT,
                   SEGMENTED, rng, ID_SKIP)
+
+
+@triton.jit
+def is_pusher(ctl, n_programs):
+    """Whether this program is one of the first quarter of the grid (at least one) to arrive here in this call:
+    those drain the pushes (``drain_pushes``) while the others start computing (the persistent Gluon forward;
+    see "Why it cannot deadlock"). Counted on CTL_PUSHERS, which ``finish_call`` resets."""
+    return tl.atomic_add(ctl + CTL_PUSHERS, 1, sem="relaxed", scope="gpu") < tl.maximum(n_programs // 4, 1)
 
 
 @triton.jit

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ring_core import build
 from ring_core import heap as _heap
 from ring_core import validate
 from torch_bridge import lifecycle
@@ -161,6 +162,10 @@ def _launch(p, *args):
             else:
                 ck.run(grid[0], grid[1], grid[2], stream, ck.function, ck.packed_metadata, None, None, None, *full)
             return
+    from triton.runtime.jit import JITCallable
+
+    if isinstance(p.kernel(), JITCallable):  # (not under the interpreter): keys as every process computes them
+        build.settle_cache_keys()
     constexprs = p.constexprs()
     ck = p.kernel()[p.grid](*args, num_warps=p.config.num_warps, num_stages=p.config.num_stages, **constexprs)
     pointers = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
