@@ -90,8 +90,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from ring_core import control, plans
 from ring_core.lanes import iota
-from ring_core.protocol import (BIG_ID, CTL_ERROR, ERR_KV_TIMEOUT, KEY_PAD, QUERY_PAD, block_met, block_range,
-                                chunk_ranges, drain_pushes, end_call, ids_summary, is_pusher, met_blocks,
+from ring_core.protocol import (BIG_ID, CTL_ERROR, CTL_PUSHERS, ERR_KV_TIMEOUT, KEY_PAD, QUERY_PAD, block_met,
+                                block_range, chunk_ranges, drain_pushes, end_call, ids_summary, is_pusher, met_blocks,
                                 pairs_allowed, poll_ge, positions, ranges_of, ranks_rng, receive_slots, record_error,
                                 ring_context, segment_keys, start_call, step_blocks)
 from ring_core.tiles import query_tile
@@ -1256,10 +1256,13 @@ def ring_attn_fwd_gluon(
     free_turns(pp)
     _stamp(tln, 0, TL_PROGRAM_END)
     _stamp(tln, 0, TL_JOINED_NS, NS=True)
-    # The last program done with the tile counter resets it for the next call (which starts after this one ends).
+    # The last program done with the tile counter resets it for the next call (which starts after this one ends),
+    # and the pushers' count (every program took its place at the start).
     if gl.atomic_add(ctl + CTL_FWD_DONE, 1, sem="acq_rel", scope="gpu") == gl.num_programs(0) - 1:
         gl.atomic_xchg(ctl + CTL_FWD_TILE, 0, sem="relaxed", scope="gpu")
         gl.atomic_xchg(ctl + CTL_FWD_DONE, 0, sem="relaxed", scope="gpu")
+        if W > 1:
+            gl.atomic_xchg(ctl + CTL_PUSHERS, 0, sem="relaxed", scope="gpu")
 
     # ---- the protocol's end: end barrier, status, counters (the last program of this rank) -----------------
     end_call(ctl, status_ptr, heap_bases, rank, epoch, timeout_ns, W, False, STICKY_ERRORS, False)

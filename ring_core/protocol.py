@@ -535,7 +535,6 @@ def finish_call(ctl, status_ptr, heap_bases, rank, epoch, timeout_ns, W: tl.cons
     tl.atomic_xchg(ctl + CTL_CLAIM, 0, sem="relaxed", scope="gpu")
     tl.atomic_xchg(ctl + CTL_SIG_CLAIM, 0, sem="relaxed", scope="gpu")
     tl.atomic_xchg(ctl + CTL_RANGES_DONE, 0, sem="relaxed", scope="gpu")
-    tl.atomic_xchg(ctl + CTL_PUSHERS, 0, sem="relaxed", scope="gpu")
     tl.atomic_xchg(ctl + CTL_FINISH, 0, sem="relaxed", scope="gpu")
     tl.atomic_xchg(ctl + CTL_EPOCH, epoch, sem="release", scope="gpu")
 
@@ -1314,7 +1313,7 @@ def claim_push(ctl, n_units, k_ptr, v_ptr, seg_ptr, recv, seg_recv, flags, heap_
 def is_pusher(ctl, n_programs):
     """Whether this program is one of the first quarter of the grid (at least one) to arrive here in this call:
     those drain the pushes (``drain_pushes``) while the others start computing (the persistent Gluon forward;
-    see "Why it cannot deadlock"). Counted on CTL_PUSHERS, which ``finish_call`` resets."""
+    see "Why it cannot deadlock"). Counted on CTL_PUSHERS, which that kernel's last program resets."""
     return tl.atomic_add(ctl + CTL_PUSHERS, 1, sem="relaxed", scope="gpu") < tl.maximum(n_programs // 4, 1)
 
 

@@ -36,7 +36,7 @@ print(*raw, *(kernels[c].cache_key for c in "kg"))
 def _keys(order):
     """The raw and settled keys of the tl and Gluon forwards, hashed first in ``order`` (k: tl, g: Gluon)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # (the JIT's functions, not the interpreter's)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # (JIT functions, not interpreted ones)
     env.update(PYTHONPATH=os.pathsep.join([root, env.get("PYTHONPATH", "")]))
     r = subprocess.run([sys.executable, "-c", SCRIPT, order], capture_output=True, text=True, timeout=600, cwd=root,
                        env=env)
