@@ -150,7 +150,9 @@ def command_records(cmd, nproc: int, tag: str) -> list:
     ranks: tests/gpu_checks.py with its ``--sections`` and ``--mask-cases``, tests/gpu_faults.py with its
     ``--sections``, tests/gpu_soak.py with its defaults, benchmarks/attention.py's fused methods (``bench_records``)
     and benchmarks/status_cost.py's (the same cases), benchmarks/gluon_fwd.py (issue 18's Gluon forward) and gluon_bwd.py (issue 19's backward) with their ``--seq``,
-    benchmarks/gluon_ring.py; none for other scripts (they compile at run time, as before)."""
+    benchmarks/gluon_ring.py; none for other scripts (they compile at run time, as before). A command that names its
+    own rank count (``--nproc-per-node``: LAUNCH1's one rank, bench-window-share's lone rank) is counted at that."""
+    nproc = int(_option(cmd, "--nproc-per-node", nproc))
     if "tests/gpu_checks.py" in cmd:
         sections = _option(cmd, "--sections", ",".join(CHECKS_SECTIONS)).split(",")
         masks = _option(cmd, "--mask-cases")

@@ -750,6 +750,9 @@ def test_gpu_variants_lists_the_runs_kernels():
     assert got == [(d, hkv, causal, 64 if d == 256 else 128, 2 if d == 256 else 3)
                    for d, hkv in ((64, 32), (128, 8), (256, 32)) for causal in (False, True)], got
     assert any(r["constexprs"]["D"] == 256 for r in gl_section if r["kernel"].endswith("fwd_gluon"))
+    # A command that names its own rank count counts at it: bench-window-share's lone rank, then the ranks.
+    share = gv.stage_records("bench-window-share", 2)
+    assert {r["constexprs"]["W"] for r in share} == {1, 2} and {r["tag"] for r in share} == {"bench-window-share@2"}
     soak = gv.stage_records("soak", 4)
     assert soak and sum(r["kernel"].endswith("bwd_kernel") for r in soak) == 1
     faults = gv.stage_records("faults", 3)  # the fault sections' right calls (forward only)
