@@ -164,7 +164,7 @@ def _launch(p, *args):
             return
     from triton.runtime.jit import JITCallable
 
-    if isinstance(p.kernel(), JITCallable):  # (not under the interpreter): keys as every process computes them
+    if isinstance(p.kernel(), JITCallable):  # (not under the interpreter): the keys every process computes alike
         build.settle_cache_keys()
     constexprs = p.constexprs()
     ck = p.kernel()[p.grid](*args, num_warps=p.config.num_warps, num_stages=p.config.num_stages, **constexprs)
