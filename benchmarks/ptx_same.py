@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 
+# (imports by itself, not with ring_core.build.import_kernel_module: the other tree's build may predate it)
 _DUMP = r"""
 import importlib, json, re, sys
 from ring_core import build

@@ -162,18 +162,12 @@ def settle_cache_keys() -> None:
     global _settled
     if _settled:
         return
-    import importlib
     import sys
 
     from triton.runtime.jit import JITCallable
 
     for name in KERNEL_MODULES:
-        try:
-            importlib.import_module(name)
-        except ModuleNotFoundError as e:  # a machine with Triton and no torch (warm): iris's device part only
-            if e.name != "torch" or not _iris_device_only():
-                raise
-            importlib.import_module(name)
+        import_kernel_module(name)
     fns = {id(v): v for mod in list(sys.modules.values()) if mod is not None
            for v in list(getattr(mod, "__dict__", {}).values())
            if isinstance(v, JITCallable) and "hash" in vars(v)}
@@ -274,23 +268,28 @@ def variant_key(rec) -> str:
 
 def _warm_one(rec: dict) -> tuple:
     """Compile one recorded variant (into Triton's cache): (seconds, cache key, error or "")."""
-    import importlib
-
     t0 = time.perf_counter()
     try:
         module, name = rec["kernel"].split(":")
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as e:
-            if e.name != "torch" or not _iris_device_only():
-                raise
-            mod = importlib.import_module(module)
-        kernel = getattr(mod, name)
+        kernel = getattr(import_kernel_module(module), name)
         ck = _compile(kernel, (rec["types"], {}, set(rec["divisible"])), rec["constexprs"], rec["num_warps"],
                       rec["num_stages"], rec["capability"])
         return time.perf_counter() - t0, ck.hash, ""
     except Exception as e:  # a variant the current source no longer takes, a module not importable here
         return time.perf_counter() - t0, "", f"{type(e).__name__}: {str(e)[:300]}"
+
+
+def import_kernel_module(name: str):
+    """Import the kernel module ``name``; on a machine with Triton and no torch (``warm``'s, ``ptx_same``'s), against
+    iris's device functions only (``_iris_device_only``)."""
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name != "torch" or not _iris_device_only():
+            raise
+        return importlib.import_module(name)
 
 
 def _iris_device_only() -> bool:
