@@ -86,6 +86,7 @@ ALIGN = 256
 MAX_FLAG_BYTES = 16 << 20
 HEAP_SLACK = 8 << 20  # heap bytes left to iris for its own small allocations (outside the workspace)
 POLL_N = 128  # chunk flags one vector poll covers (constexpr POLL_N)
+BIG_ID = 2147483647  # above every segment id: an empty id range's lo (protocol.BIG_ID, testing.id_range_words)
 
 # ---- waits and errors ---------------------------------------------------------------------------------------
 DEFAULT_TIMEOUT_S = 300.0

@@ -583,7 +583,7 @@ def block_range(q_pos_min, q_pos_max, src, S, W: tl.constexpr, BLOCK_N: tl.const
 
 
 # ---- masks beyond causal: windows by position, segment ids by value ---------------------------------------------
-BIG_ID = tl.constexpr(2147483647)
+BIG_ID = tl.constexpr(control.BIG_ID)
 
 
 @triton.jit

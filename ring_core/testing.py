@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ring_core import masks, reference, validate
+from ring_core import control, masks, reference, validate
 
 # dtype -> slack for out, for lse (always float32), for gradients.
 TOLERANCES = {
@@ -96,7 +96,6 @@ def id_range_words(local_ids, chunk_rows: int, zigzag: bool) -> np.ndarray:
     ring_core.protocol.publish_id_ranges writes them: each chunk's [min, max] with padding counted as -1 in the min
     and the max at least -1, then each half's of the shard over ids >= 0 ((BIG_ID, -1) where none; zigzag: its two
     chunks, contiguous: the shard, then nothing), all stored as -1 - value."""
-    big = 2**31 - 1  # ring_core.protocol.BIG_ID
     B, S = local_ids.shape
     n_chunks = -(-S // chunk_rows)
     w = np.zeros((B, n_chunks + 2, 2), np.int64)
@@ -108,7 +107,7 @@ def id_range_words(local_ids, chunk_rows: int, zigzag: bool) -> np.ndarray:
         for h, (r0, r1) in enumerate(halves):
             ids = local_ids[b, r0:r1]
             ids = ids[ids >= 0]
-            w[b, n_chunks + h] = (ids.min(), ids.max()) if ids.size else (big, -1)
+            w[b, n_chunks + h] = (ids.min(), ids.max()) if ids.size else (control.BIG_ID, -1)
     return -1 - w
 
 
