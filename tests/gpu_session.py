@@ -253,9 +253,8 @@ STAGES = {
     # bench-packed with the calls back to back (--timing stream, ten of them): as bench-masks-w1-stream times W=1.
     # With --timing call each call starts after the ranks meet on the host, so the ranks' launches are apart by
     # the host's skew, which the first rank's call check waits out: a fixed cost that weighs on the short packed call.
-    "bench-packed-stream": (300, [LAUNCH + [x.replace("masks_packed", "masks_packed_stream").replace("5", "10")
-                                            if x in ("5", "{out}/masks_packed.csv") else x for x in PACKED]
-                                  + ["--pass", p, "--timing", "stream"] for p in ("fwd", "fwd+bwd")]),
+    "bench-packed-stream": (300, [LAUNCH + [x.replace("masks_packed", "masks_packed_stream") for x in PACKED]
+                                  + ["--pass", p, "--timing", "stream", "--iters", "10"] for p in ("fwd", "fwd+bwd")]),
     "bench-window": (300, [LAUNCH + WINDOW]),
     # Issue 20's window target with the ranks sharing one GPU: first one rank alone held to one rank's share of the
     # SMs (MPS, 100/nproc %), then the ranks; the same CSV, so the ring's rows get ms_vs_world1 against the lone
