@@ -12,9 +12,10 @@ Methods (the same kernel; the error mode is read when a program is traced, so ea
 
 A round runs ``--calls`` calls of each method back to back (input sets rotating), then waits for the last
 (``block_until_ready``), a training loop's pattern: the host issues call i + 1 while the GPU runs call i.
-Per round and method: milliseconds per call (host clock). Printed and written (``--csv``): per method the median
-and 20/80 % quantiles over rounds, and of the per-round ratio to ``none``; ``--png``: those ratios (``--plot
-CSV PNG`` redraws it from a CSV).
+Per round and method: milliseconds per call (host clock), and the host's own: how long issuing the round's calls
+took, per call (``host_ms_*``; when it nears the GPU's time per call, the host is what the round waits for).
+Printed and written (``--csv``): per method the median and 20/80 % quantiles over rounds, and of the per-round
+ratio to ``none``; ``--png``: those ratios (``--plot CSV PNG`` redraws it from a CSV).
 
     python -m jax_ring.launch --nproc-per-node 1 -m benchmarks.status_cost --csv $OUT/status_cost.csv \\
         --png $OUT/status_cost.png
@@ -39,7 +40,10 @@ MODES = ("none", "deferred", "call")
 # calling a host handler between the kernel and the rest of the program). Measurement only: such a handler checks
 # nothing. "deferred-kernel" and "deferred-dma" are real checks, the slots filled by jax_ring.status's one-warp copy
 # kernel or by cuMemcpyDtoHAsync (RING_ATTENTION_STATUS_COPY), whichever "deferred" does not use.
-PROBES = ("deferred-nocopy", "deferred-noop", "deferred-kernel", "deferred-dma")
+# "deferred-timed" is "deferred" with its handler's host time taken (perf_counter around ``_execute``, whose total
+# per call is printed and written as ``handler_us``): what the handler's Python costs on this machine.
+PROBES = ("deferred-nocopy", "deferred-noop", "deferred-kernel", "deferred-dma", "deferred-timed")
+_handler_s = []  # "deferred-timed": seconds of each handler call
 
 
 def _probe(mode):
@@ -58,6 +62,17 @@ def _probe(mode):
         return mock.patch.object(status._slots["cuda"], "mode", mode.split("-")[1])  # made by the first runs
     if mode == "deferred-noop":
         return mock.patch.object(status, "_execute", lambda frame, platform: None)
+    if mode == "deferred-timed":
+        execute = status._execute
+
+        def timed(frame, platform):
+            t0 = time.perf_counter()
+            try:
+                return execute(frame, platform)
+            finally:
+                _handler_s.append(time.perf_counter() - t0)
+
+        return mock.patch.object(status, "_execute", timed)
     return contextlib.nullcontext()
 
 
@@ -158,18 +173,24 @@ def main(argv=None):
             fns = {m: build(m, mesh, pass_, causal, *sets[0], do) for m in MODES}
             modes = MODES + (PROBES if a.probe else ())
             times = {m: [] for m in modes}
+            host = {m: [] for m in modes}
+            handler_us = {m: [] for m in modes}
             for _ in range(a.rounds):
                 modes = list(modes)
                 order.shuffle(modes)
                 for m in modes:
                     out = None
                     fn = fns[m.split("-")[0]]
+                    n = len(_handler_s)
                     with _probe(m):
                         t0 = time.perf_counter()
                         for i in range(a.calls):
                             out = fn(*sets[i % a.sets])
+                        t1 = time.perf_counter()
                         jax.block_until_ready(out)
                         times[m].append((time.perf_counter() - t0) * 1e3 / a.calls)
+                        host[m].append((t1 - t0) * 1e3 / a.calls)
+                    handler_us[m].extend(x * 1e6 for x in _handler_s[n:])
             jax_ring.check_errors()
             case = f"{pass_} {'causal' if causal else 'full'}"
             for m in times:
@@ -179,10 +200,14 @@ def main(argv=None):
                                  mode=m, rounds=a.rounds, calls=a.calls, ms_median=np.median(ms),
                                  ms_q20=np.quantile(ms, 0.2), ms_q80=np.quantile(ms, 0.8),
                                  ratio_median=np.median(ratio), ratio_q20=np.quantile(ratio, 0.2),
-                                 ratio_q80=np.quantile(ratio, 0.8)))
+                                 ratio_q80=np.quantile(ratio, 0.8), host_ms_median=np.median(host[m]),
+                                 host_ms_q80=np.quantile(host[m], 0.8),
+                                 handler_us=np.median(handler_us[m]) if handler_us[m] else ""))
                 r = rows[-1]
                 print(f"{case:16s} {m:9s} {r['ms_median']:.4f} ms [{r['ms_q20']:.4f}, {r['ms_q80']:.4f}]  "
-                      f"x none {r['ratio_median']:.4f} [{r['ratio_q20']:.4f}, {r['ratio_q80']:.4f}]", flush=True)
+                      f"x none {r['ratio_median']:.4f} [{r['ratio_q20']:.4f}, {r['ratio_q80']:.4f}]  "
+                      f"host {r['host_ms_median']:.4f} ms [q80 {r['host_ms_q80']:.4f}]"
+                      + (f"  handler {r['handler_us']:.1f} us" if r["handler_us"] != "" else ""), flush=True)
     if a.csv:
         os.makedirs(os.path.dirname(os.path.abspath(a.csv)), exist_ok=True)
         with open(a.csv, "w", newline="") as f:

@@ -68,6 +68,7 @@ Stages (``NAME[:SECONDS]``; the default time limit is in brackets):
   status-cost  benchmarks/status_cost.py: the same cost in interleaved rounds, per-round ratios to no check,
                fwd and fwd+bwd, causal and not                                     [150]
   probe-status-cost  the same with --probe: where the default check's cost goes      [200]
+  probe-status-cost-fwd  --probe on the forwards only, 40 rounds: the rows that missed 2 % [200]
   bench-w1-fwd every forward target of issue 18 at world size 1 (D128, D64, D256, GQA 32/8), torch beside
                cuDNN, 10 timed calls: the A/B of a Gluon forward change              [200]
   bad_inputs   tests/gpu_faults.py --sections bad_inputs                           [150]
@@ -241,6 +242,10 @@ STAGES = {
     # The same with --probe: the default check with its handler's copy left out, and with the handler doing nothing.
     "probe-status-cost": (200, [LAUNCH1 + ["-m", "benchmarks.status_cost", "--probe", "--csv",
                                            "{out}/status_cost_probe.csv", "--png", "{out}/status_cost_probe.png"]]),
+    # The forwards only (the 4k causal forward, the shortest call, missed 2 % in session 22), with more rounds.
+    "probe-status-cost-fwd": (200, [LAUNCH1 + ["-m", "benchmarks.status_cost", "--probe", "--pass", "fwd", "--rounds",
+                                               "40", "--csv", "{out}/status_cost_probe_fwd.csv", "--png",
+                                               "{out}/status_cost_probe_fwd.png"]]),
     "bad_inputs": (150, [LAUNCH + ["tests/gpu_faults.py", "--sections", "bad_inputs", "--deadline", "{limit_minus}",
                                    "--out", "{out}"]]),
     "kill": (90, [LAUNCH + ["tests/gpu_faults.py", "--sections", "kill", "--deadline", "{limit_minus}",
