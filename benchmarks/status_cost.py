@@ -28,6 +28,7 @@ import contextlib
 import csv
 import os
 import random
+import threading
 import time
 from unittest import mock
 
@@ -41,9 +42,11 @@ MODES = ("none", "deferred", "call")
 # nothing. "deferred-kernel" and "deferred-dma" are real checks, the slots filled by jax_ring.status's one-warp copy
 # kernel or by cuMemcpyDtoHAsync (RING_ATTENTION_STATUS_COPY), whichever "deferred" does not use.
 # "deferred-timed" is "deferred" with its handler's host time taken (perf_counter around ``_execute``, whose total
-# per call is printed and written as ``handler_us``): what the handler's Python costs on this machine.
+# per call is printed and written as ``handler_us``): what the handler's Python costs on this machine; and the share
+# of its calls that ran on the main thread (``handler_on_main``; else on a thread of XLA's).
 PROBES = ("deferred-nocopy", "deferred-noop", "deferred-kernel", "deferred-dma", "deferred-timed")
 _handler_s = []  # "deferred-timed": seconds of each handler call
+_handler_main = []  # "deferred-timed": whether each ran on the main thread
 
 
 def _probe(mode):
@@ -71,6 +74,7 @@ def _probe(mode):
                 return execute(frame, platform)
             finally:
                 _handler_s.append(time.perf_counter() - t0)
+                _handler_main.append(threading.current_thread() is threading.main_thread())
 
         return mock.patch.object(status, "_execute", timed)
     return contextlib.nullcontext()
@@ -175,6 +179,7 @@ def main(argv=None):
             times = {m: [] for m in modes}
             host = {m: [] for m in modes}
             handler_us = {m: [] for m in modes}
+            on_main = {m: [] for m in modes}
             for _ in range(a.rounds):
                 modes = list(modes)
                 order.shuffle(modes)
@@ -191,6 +196,7 @@ def main(argv=None):
                         times[m].append((time.perf_counter() - t0) * 1e3 / a.calls)
                         host[m].append((t1 - t0) * 1e3 / a.calls)
                     handler_us[m].extend(x * 1e6 for x in _handler_s[n:])
+                    on_main[m].extend(_handler_main[n:])
             jax_ring.check_errors()
             case = f"{pass_} {'causal' if causal else 'full'}"
             for m in times:
@@ -202,12 +208,14 @@ def main(argv=None):
                                  ratio_median=np.median(ratio), ratio_q20=np.quantile(ratio, 0.2),
                                  ratio_q80=np.quantile(ratio, 0.8), host_ms_median=np.median(host[m]),
                                  host_ms_q80=np.quantile(host[m], 0.8),
-                                 handler_us=np.median(handler_us[m]) if handler_us[m] else ""))
+                                 handler_us=np.median(handler_us[m]) if handler_us[m] else "",
+                                 handler_on_main=np.mean(on_main[m]) if on_main[m] else ""))
                 r = rows[-1]
                 print(f"{case:16s} {m:9s} {r['ms_median']:.4f} ms [{r['ms_q20']:.4f}, {r['ms_q80']:.4f}]  "
                       f"x none {r['ratio_median']:.4f} [{r['ratio_q20']:.4f}, {r['ratio_q80']:.4f}]  "
                       f"host {r['host_ms_median']:.4f} ms [q80 {r['host_ms_q80']:.4f}]"
-                      + (f"  handler {r['handler_us']:.1f} us" if r["handler_us"] != "" else ""), flush=True)
+                      + (f"  handler {r['handler_us']:.1f} us, {r['handler_on_main']:.0%} on the main thread"
+                         if r["handler_us"] != "" else ""), flush=True)
     if a.csv:
         os.makedirs(os.path.dirname(os.path.abspath(a.csv)), exist_ok=True)
         with open(a.csv, "w", newline="") as f:

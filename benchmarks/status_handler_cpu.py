@@ -9,7 +9,6 @@ temporary folder): what the handler's ctypes work costs on top of the driver's o
 
     JAX_PLATFORMS=cpu python -m benchmarks.status_handler_cpu [--cuda-stub]     # prints one line per run
 """
-import ctypes
 import os
 import subprocess
 import sys
@@ -98,12 +97,11 @@ def cuda_stub(status, n: int = 20000) -> None:
         with open(src, "w") as f:
             f.write(_STUB)
         subprocess.run(["cc", "-shared", "-fPIC", "-O2", "-o", lib, src], check=True)
-        cdll = ctypes.CDLL
-        status.ctypes.CDLL = lambda name, *a, **k: cdll(lib if name == "libcuda.so.1" else name, *a, **k)
+        libcuda, status._LIBCUDA = status._LIBCUDA, lib
         try:
             slots = status._CudaSlots(status.SLOTS, 1)
         finally:
-            status.ctypes.CDLL = cdll
+            status._LIBCUDA = libcuda
         for mode in ("kernel", "dma"):
             slots.mode = mode
             for _ in range(3):

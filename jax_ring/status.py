@@ -31,6 +31,9 @@ graph is recorded). Like jax.debug.callback's handler, it takes the GIL, on whic
 CPU client runs it on threads of its own (jax 0.10), and there a main thread busy in Python meanwhile delays
 each call's handler (tests/gpu_status.py, on our CPU: 70 us a call without the check, 96 us with it, 231 us
 with it while the main thread spins in Python). Where a GPU client runs it is measured by tests/gpu_status.py.
+So the handler takes the GIL once and keeps it: it reads the frame by offsets, and the driver's and XLA's
+functions it calls per call keep the GIL (PyDLL, PYFUNCTYPE) instead of releasing it around each call, which
+let the dispatching thread in every time (benchmarks/NOTES.md, session 23).
 
 On the CPU platform the same handler runs with a memcpy for the copy (a slot lands at once): that is how the
 tests check the host side (the ring of slots, the message, raising at the next call) without a GPU.
@@ -132,8 +135,9 @@ _EXT_METADATA, _STAGE_EXECUTE, _ATTR_SCALAR, _S32, _S64, _ERR_INTERNAL = 1, 3, 3
 _ARG_BUFFER = 1  # XLA_FFI_ArgType_BUFFER
 _FFI_VERSION = (0, 3)  # the API these structs follow; XLA accepts handlers of 0.1 and newer (jaxlib 0.10, 0.11)
 _HANDLER = ctypes.CFUNCTYPE(c_void_p, c_void_p)  # the frame's address: a plain int, no ctypes object made per call
-_ERROR_CREATE = ctypes.CFUNCTYPE(c_void_p, POINTER(_ErrorArgs))
-_STREAM_GET = ctypes.CFUNCTYPE(c_void_p, c_void_p)
+# XLA's functions that the handler calls keep the GIL (PYFUNCTYPE; see _CudaSlots on why).
+_ERROR_CREATE = ctypes.PYFUNCTYPE(c_void_p, POINTER(_ErrorArgs))
+_STREAM_GET = ctypes.PYFUNCTYPE(c_void_p, c_void_p)
 
 # A call reads the frame by field offsets (these structs' own), one word at a time: ``c_*.from_address(a).value``
 # costs about 0.1 us, where building the structs' ctypes objects, decoding the attributes' names and making the
@@ -167,6 +171,9 @@ def _answer_metadata(frame: int) -> bool:
 
 
 # ---------------------------------------------------------------------------- the slots: pinned host + events
+_memmove = ctypes.PYFUNCTYPE(c_void_p, c_void_p, c_void_p, c_size_t)(ctypes.cast(ctypes.memmove, c_void_p).value)
+
+
 class _HostSlots:
     """The CPU platform's slots: ``copy`` is a memcpy, so a slot has landed as soon as it is written."""
 
@@ -175,7 +182,7 @@ class _HostSlots:
         self.address = [self.words.ctypes.data + i * _STATUS_BYTES for i in range(n)]
 
     def copy(self, slot: int, src: int, stream) -> None:
-        ctypes.memmove(self.address[slot], src, _STATUS_BYTES)
+        _memmove(self.address[slot], src, _STATUS_BYTES)
 
     def landed(self, slot: int) -> bool:
         return True
@@ -212,6 +219,7 @@ DONE:
   ret;
 }
 """
+_LIBCUDA = "libcuda.so.1"
 COPY_ENV = "RING_ATTENTION_STATUS_COPY"  # "kernel" (``_COPY_PTX``, the default) or "dma" (cuMemcpyDtoHAsync)
 
 
@@ -230,19 +238,26 @@ class _CudaSlots:
     address space (``mode`` "kernel", the default), or by cuMemcpyDtoHAsync (``mode`` "dma", COPY_ENV)."""
 
     def __init__(self, n: int, stream):
-        self.cu = cu = ctypes.CDLL("libcuda.so.1")
-        for name in ("cuCtxGetCurrent", "cuStreamGetCtx", "cuCtxSetCurrent", "cuCtxPushCurrent_v2",
-                     "cuCtxPopCurrent_v2", "cuMemHostAlloc", "cuEventCreate", "cuEventRecord", "cuEventQuery",
-                     "cuEventSynchronize", "cuMemcpyDtoHAsync_v2", "cuMemHostGetDevicePointer_v2",
-                     "cuModuleLoadData", "cuModuleGetFunction", "cuLaunchKernel"):
-            getattr(cu, name).restype = c_int
-        cu.cuStreamGetCtx.argtypes = (c_void_p, POINTER(c_void_p))
-        cu.cuMemcpyDtoHAsync_v2.argtypes = (c_void_p, ctypes.c_uint64, c_size_t, c_void_p)
-        cu.cuLaunchKernel.argtypes = (c_void_p, c_uint32, c_uint32, c_uint32, c_uint32, c_uint32, c_uint32, c_uint32,
-                                      c_void_p, POINTER(c_void_p), c_void_p)
-        cu.cuEventRecord.argtypes = (c_void_p, c_void_p)
-        cu.cuEventQuery.argtypes = (c_void_p,)
-        cu.cuEventSynchronize.argtypes = (c_void_p,)
+        # Two views of the driver: ``cu`` (CDLL) releases the GIL around each call, for what may block (waiting for
+        # a copy, setting up); ``fast`` (PyDLL) keeps it, for the calls each handler makes (the copy's launch, its
+        # event, a query). Where XLA runs the handler on a thread of its own, every release is a chance for the
+        # main thread, busy dispatching in Python, to take the GIL, and the handler then waits to get it back: this
+        # is what made a handler take ~50 us on the GPU machine (call BM) for ~5 us of its own Python.
+        self.cu = cu = ctypes.CDLL(_LIBCUDA)
+        self.fast = fast = ctypes.PyDLL(_LIBCUDA)
+        for lib in (cu, fast):
+            for name in ("cuCtxGetCurrent", "cuStreamGetCtx", "cuCtxSetCurrent", "cuCtxPushCurrent_v2",
+                         "cuCtxPopCurrent_v2", "cuMemHostAlloc", "cuEventCreate", "cuEventRecord", "cuEventQuery",
+                         "cuEventSynchronize", "cuMemcpyDtoHAsync_v2", "cuMemHostGetDevicePointer_v2",
+                         "cuModuleLoadData", "cuModuleGetFunction", "cuLaunchKernel"):
+                getattr(lib, name).restype = c_int
+            lib.cuStreamGetCtx.argtypes = (c_void_p, POINTER(c_void_p))
+            lib.cuMemcpyDtoHAsync_v2.argtypes = (c_void_p, ctypes.c_uint64, c_size_t, c_void_p)
+            lib.cuLaunchKernel.argtypes = (c_void_p, c_uint32, c_uint32, c_uint32, c_uint32, c_uint32, c_uint32,
+                                           c_uint32, c_void_p, POINTER(c_void_p), c_void_p)
+            lib.cuEventRecord.argtypes = (c_void_p, c_void_p)
+            lib.cuEventQuery.argtypes = (c_void_p,)
+            lib.cuEventSynchronize.argtypes = (c_void_p,)
         self.context, self._cur = c_void_p(), c_void_p()
         self._cur_ref = ctypes.byref(self._cur)
         self._ok(cu.cuStreamGetCtx(c_void_p(stream), ctypes.byref(self.context)), "cuStreamGetCtx")
@@ -281,23 +296,23 @@ class _CudaSlots:
     def _current(self) -> None:
         """Make the context of XLA's stream current on this thread (XLA's threads normally have it already; called
         under the module's lock, so one ``_cur`` serves every thread)."""
-        self.cu.cuCtxGetCurrent(self._cur_ref)
+        self.fast.cuCtxGetCurrent(self._cur_ref)
         if self._cur.value != self.context.value:
-            self._ok(self.cu.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
+            self._ok(self.fast.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
 
     def copy(self, slot: int, src: int, stream) -> None:
         self._current()
         if self.mode == "kernel":
             self._src[slot].value = src
-            rc = self.cu.cuLaunchKernel(self.kernel, 1, 1, 1, 64, 1, 1, 0, stream, self._params[slot], None)
+            rc = self.fast.cuLaunchKernel(self.kernel, 1, 1, 1, 64, 1, 1, 0, stream, self._params[slot], None)
             self._ok(rc, "cuLaunchKernel")
         else:
-            self._ok(self.cu.cuMemcpyDtoHAsync_v2(self.address[slot], src, _STATUS_BYTES, stream),
+            self._ok(self.fast.cuMemcpyDtoHAsync_v2(self.address[slot], src, _STATUS_BYTES, stream),
                      "cuMemcpyDtoHAsync")
-        self._ok(self.cu.cuEventRecord(self.events[slot], stream), "cuEventRecord")
+        self._ok(self.fast.cuEventRecord(self.events[slot], stream), "cuEventRecord")
 
     def landed(self, slot: int) -> bool:
-        rc = self.cu.cuEventQuery(self.events[slot])
+        rc = self.fast.cuEventQuery(self.events[slot])
         if rc == 600:  # CUDA_ERROR_NOT_READY
             return False
         self._ok(rc, "cuEventQuery")
