@@ -44,9 +44,25 @@ MODES = ("none", "deferred", "call")
 # "deferred-timed" is "deferred" with its handler's host time taken (perf_counter around ``_execute``, whose total
 # per call is printed and written as ``handler_us``): what the handler's Python costs on this machine; and the share
 # of its calls that ran on the main thread (``handler_on_main``; else on a thread of XLA's).
-PROBES = ("deferred-nocopy", "deferred-noop", "deferred-kernel", "deferred-dma", "deferred-timed")
+# "deferred-parts" times the handler's parts in place (its functions and the driver's calls, each wrapped), written
+# as ``parts``: microseconds a call of each.
+PROBES = ("deferred-nocopy", "deferred-noop", "deferred-kernel", "deferred-dma", "deferred-timed", "deferred-parts")
 _handler_s = []  # "deferred-timed": seconds of each handler call
 _handler_main = []  # "deferred-timed": whether each ran on the main thread
+_parts = {}  # "deferred-parts": part -> seconds, summed
+PARTS = ("_execute", "_status_pointer", "_attributes", "_stream", "_poll", "_current", "cuLaunchKernel",
+         "cuEventRecord", "cuEventQuery")
+
+
+def _timing(name, fn):
+    def timed(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            _parts[name] = _parts.get(name, 0.0) + time.perf_counter() - t0
+
+    return timed
 
 
 def _probe(mode):
@@ -77,6 +93,15 @@ def _probe(mode):
                 _handler_main.append(threading.current_thread() is threading.main_thread())
 
         return mock.patch.object(status, "_execute", timed)
+    if mode == "deferred-parts":
+        slots = status._slots["cuda"]
+        stack = contextlib.ExitStack()
+        for name in PARTS[:5]:
+            stack.enter_context(mock.patch.object(status, name, _timing(name, getattr(status, name))))
+        stack.enter_context(mock.patch.object(slots, "_current", _timing("_current", slots._current)))
+        for name in PARTS[6:]:
+            stack.enter_context(mock.patch.object(slots.fast, name, _timing(name, getattr(slots.fast, name))))
+        return stack
     return contextlib.nullcontext()
 
 
@@ -180,6 +205,7 @@ def main(argv=None):
             host = {m: [] for m in modes}
             handler_us = {m: [] for m in modes}
             on_main = {m: [] for m in modes}
+            _parts.clear()
             for _ in range(a.rounds):
                 modes = list(modes)
                 order.shuffle(modes)
@@ -209,13 +235,16 @@ def main(argv=None):
                                  ratio_q80=np.quantile(ratio, 0.8), host_ms_median=np.median(host[m]),
                                  host_ms_q80=np.quantile(host[m], 0.8),
                                  handler_us=np.median(handler_us[m]) if handler_us[m] else "",
-                                 handler_on_main=np.mean(on_main[m]) if on_main[m] else ""))
+                                 handler_on_main=np.mean(on_main[m]) if on_main[m] else "",
+                                 parts=";".join(f"{k}:{v * 1e6 / (a.rounds * a.calls):.1f}" for k, v in _parts.items())
+                                 if m == "deferred-parts" else ""))
                 r = rows[-1]
                 print(f"{case:16s} {m:9s} {r['ms_median']:.4f} ms [{r['ms_q20']:.4f}, {r['ms_q80']:.4f}]  "
                       f"x none {r['ratio_median']:.4f} [{r['ratio_q20']:.4f}, {r['ratio_q80']:.4f}]  "
                       f"host {r['host_ms_median']:.4f} ms [q80 {r['host_ms_q80']:.4f}]"
                       + (f"  handler {r['handler_us']:.1f} us, {r['handler_on_main']:.0%} on the main thread"
-                         if r["handler_us"] != "" else ""), flush=True)
+                         if r["handler_us"] != "" else "") + (f"  us a call: {r['parts']}" if r["parts"] else ""),
+                      flush=True)
     if a.csv:
         os.makedirs(os.path.dirname(os.path.abspath(a.csv)), exist_ok=True)
         with open(a.csv, "w", newline="") as f:
