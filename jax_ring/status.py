@@ -219,23 +219,41 @@ DONE:
   ret;
 }
 """
+# The same kernel for Hopper and later, launched as a programmatic dependent launch (PDL): it may be scheduled while
+# the fused kernel before it is still ending, and waits for that kernel's completion and memory (``griddepcontrol.
+# wait``) before it reads the status: the copy's launch overlaps the fused kernel's tail instead of following it.
+_COPY_PTX_PDL = (_COPY_PTX.replace(b".version 7.0", b".version 7.8").replace(b".target sm_70", b".target sm_90")
+                 .replace(b"  mov.u32 %r2, %tid.x;", b"  griddepcontrol.wait;\n  mov.u32 %r2, %tid.x;"))
 _LIBCUDA = "libcuda.so.1"
-COPY_ENV = "RING_ATTENTION_STATUS_COPY"  # "kernel" (``_COPY_PTX``, the default) or "dma" (cuMemcpyDtoHAsync)
+COPY_ENV = "RING_ATTENTION_STATUS_COPY"  # "kernel" (``_COPY_PTX``, the default), "pdl" or "dma" (cuMemcpyDtoHAsync)
 
 
 def copy_mode() -> str:
     """COPY_ENV, checked (read when the slots are made; jax_ring.fused also reads it when a call is traced, so that a
     wrong value raises there, before anything runs)."""
     mode = os.environ.get(COPY_ENV, "kernel")
-    if mode not in ("dma", "kernel"):
-        raise ValueError(f"{COPY_ENV} must be kernel (the default) or dma, got {mode!r}")
+    if mode not in ("dma", "kernel", "pdl"):
+        raise ValueError(f"{COPY_ENV} must be kernel (the default), pdl or dma, got {mode!r}")
     return mode
+
+
+class _LaunchAttribute(Structure):  # CUlaunchAttribute: an id, then a union of 64 bytes
+    _fields_ = [("id", c_uint32), ("pad", c_uint32), ("value", c_uint32 * 16)]
+
+
+class _LaunchConfig(Structure):  # CUlaunchConfig
+    _fields_ = [("grid", c_uint32 * 3), ("block", c_uint32 * 3), ("shared", c_uint32), ("stream", c_void_p),
+                ("attrs", POINTER(_LaunchAttribute)), ("num_attrs", c_uint32)]
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 
 
 class _CudaSlots:
     """Pinned host slots filled on XLA's stream, each followed by an event (CUDA driver API through ctypes: libcuda
     is there wherever a GPU is): by a one-warp kernel that stores the words into the slots mapped into the device's
-    address space (``mode`` "kernel", the default), or by cuMemcpyDtoHAsync (``mode`` "dma", COPY_ENV)."""
+    address space (``mode`` "kernel", the default; "pdl": the same launched as a programmatic dependent launch, on
+    Hopper and later, else "kernel"), or by cuMemcpyDtoHAsync (``mode`` "dma", COPY_ENV)."""
 
     def __init__(self, n: int, stream):
         # Two views of the driver: ``cu`` (CDLL) releases the GIL around each call, for what may block (waiting for
@@ -275,6 +293,9 @@ class _CudaSlots:
         self._ok(cu.cuModuleLoadData(ctypes.byref(module), ctypes.c_char_p(_COPY_PTX)), "cuModuleLoadData")
         self._ok(cu.cuModuleGetFunction(ctypes.byref(self.kernel), module, b"ring_status_copy"), "cuModuleGetFunction")
         self.mode = copy_mode()
+        self.pdl = self._pdl_launch(stream)
+        if self.mode == "pdl" and self.pdl is None:  # before Hopper, or a driver without cuLaunchKernelEx
+            self.mode = "kernel"
         self.events = []
         for _ in range(n):
             ev = c_void_p()
@@ -287,6 +308,19 @@ class _CudaSlots:
         self._n = c_uint32(control.STATUS_WORDS)
         self._params = [(c_void_p * 3)(ctypes.addressof(src), ctypes.addressof(dst), ctypes.addressof(self._n))
                         for src, dst in zip(self._src, self._dst)]
+
+    def _pdl_launch(self, stream):
+        """The PDL copy's kernel and launch configuration (the stream set per call), or None where it cannot run."""
+        fn = getattr(self.fast, "cuLaunchKernelEx", None)
+        module, kernel = c_void_p(), c_void_p()
+        if fn is None or self.cu.cuModuleLoadData(ctypes.byref(module), ctypes.c_char_p(_COPY_PTX_PDL)) != 0:
+            return None  # (the driver refuses sm_90 PTX on an older GPU)
+        self._ok(self.cu.cuModuleGetFunction(ctypes.byref(kernel), module, b"ring_status_copy"), "cuModuleGetFunction")
+        fn.restype, fn.argtypes = c_int, (c_void_p, c_void_p, POINTER(c_void_p), c_void_p)
+        attr = _LaunchAttribute(_PROGRAMMATIC_STREAM_SERIALIZATION)
+        attr.value[0] = 1
+        config = _LaunchConfig((1, 1, 1), (64, 1, 1), 0, None, ctypes.pointer(attr), 1)
+        return fn, kernel, config, ctypes.addressof(config), attr
 
     @staticmethod
     def _ok(rc: int, what: str) -> None:
@@ -306,6 +340,11 @@ class _CudaSlots:
             self._src[slot].value = src
             rc = self.fast.cuLaunchKernel(self.kernel, 1, 1, 1, 64, 1, 1, 0, stream, self._params[slot], None)
             self._ok(rc, "cuLaunchKernel")
+        elif self.mode == "pdl":
+            self._src[slot].value = src
+            fn, kernel, config, address, _ = self.pdl
+            config.stream = stream
+            self._ok(fn(address, kernel, self._params[slot], None), "cuLaunchKernelEx")
         else:
             self._ok(self.fast.cuMemcpyDtoHAsync_v2(self.address[slot], src, _STATUS_BYTES, stream),
                      "cuMemcpyDtoHAsync")

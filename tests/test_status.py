@@ -168,7 +168,7 @@ def test_a_wrong_status_copy_mode_raises_when_traced(monkeypatch):
     """RING_ATTENTION_STATUS_COPY (kernel, the default, or dma) is checked when a fused call is traced, with a clear
     error, not first in XLA's call of the handler."""
     monkeypatch.setenv(status.COPY_ENV, "sometimes")
-    with pytest.raises(ValueError, match="RING_ATTENTION_STATUS_COPY must be kernel .* or dma, got 'sometimes'"):
+    with pytest.raises(ValueError, match="RING_ATTENTION_STATUS_COPY must be kernel .*, pdl or dma, got 'sometimes'"):
         fused._check_of("deferred")
     monkeypatch.setenv(status.COPY_ENV, "dma")
     assert status.copy_mode() == "dma"
