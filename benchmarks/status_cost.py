@@ -39,9 +39,9 @@ MODES = ("none", "deferred", "call")
 # (the handler is Python, looked up at each call; the compiled program is the same): "deferred-nocopy" records the
 # event but copies nothing (the slot is marked right by hand), "deferred-noop" returns at once (what is left: XLA
 # calling a host handler between the kernel and the rest of the program). Measurement only: such a handler checks
-# nothing. "deferred-kernel" and "deferred-dma" are real checks, the slots filled by jax_ring.status's one-warp copy
-# kernel or by cuMemcpyDtoHAsync (RING_ATTENTION_STATUS_COPY), whichever "deferred" does not use; "deferred-pdl" the
-# copy kernel as a programmatic dependent launch (Hopper).
+# nothing. "deferred-kernel", "deferred-pdl" and "deferred-dma" are real checks, the slots filled by jax_ring.status's
+# one-warp copy kernel launched plainly or as a programmatic dependent launch (Hopper), or by cuMemcpyDtoHAsync
+# (RING_ATTENTION_STATUS_COPY; "deferred" is the default's). Each row's ``copy`` says which copy ran.
 # "deferred-timed" is "deferred" with its handler's host time taken (perf_counter around ``_execute``, whose total
 # per call is printed and written as ``handler_us``): what the handler's Python costs on this machine; and the share
 # of its calls that ran on the main thread (``handler_on_main``; else on a thread of XLA's).
@@ -190,6 +190,7 @@ def main(argv=None):
     from jax.sharding import Mesh
 
     import jax_ring
+    from jax_ring import status
 
     jax_ring.initialize()
     mesh = Mesh(np.array(jax.devices()[:1]), ("sp",))
@@ -207,6 +208,7 @@ def main(argv=None):
             host = {m: [] for m in modes}
             handler_us = {m: [] for m in modes}
             on_main = {m: [] for m in modes}
+            copy = {}
             _parts.clear()
             for _ in range(a.rounds):
                 modes = list(modes)
@@ -216,6 +218,7 @@ def main(argv=None):
                     fn = fns[m.split("-")[0]]
                     n = len(_handler_s)
                     with _probe(m):
+                        copy[m] = "" if m == "none" else getattr(status._slots.get("cuda"), "mode", "host")
                         t0 = time.perf_counter()
                         for i in range(a.calls):
                             out = fn(*sets[i % a.sets])
@@ -231,7 +234,7 @@ def main(argv=None):
                 ms = np.asarray(times[m])
                 ratio = ms / np.asarray(times["none"])
                 rows.append(dict(pass_=pass_, causal=int(causal), seq_local=a.seq, heads=a.heads, head_dim=a.head_dim,
-                                 mode=m, rounds=a.rounds, calls=a.calls, ms_median=np.median(ms),
+                                 mode=m, copy=copy.get(m, ""), rounds=a.rounds, calls=a.calls, ms_median=np.median(ms),
                                  ms_q20=np.quantile(ms, 0.2), ms_q80=np.quantile(ms, 0.8),
                                  ratio_median=np.median(ratio), ratio_q20=np.quantile(ratio, 0.2),
                                  ratio_q80=np.quantile(ratio, 0.8), host_ms_median=np.median(host[m]),
@@ -241,7 +244,8 @@ def main(argv=None):
                                  parts=";".join(f"{k}:{v * 1e6 / (a.rounds * a.calls):.1f}" for k, v in _parts.items())
                                  if m == "deferred-parts" else ""))
                 r = rows[-1]
-                print(f"{case:16s} {m:9s} {r['ms_median']:.4f} ms [{r['ms_q20']:.4f}, {r['ms_q80']:.4f}]  "
+                print(f"{case:16s} {m:9s} ({r['copy'] or '-'}) "
+                      f"{r['ms_median']:.4f} ms [{r['ms_q20']:.4f}, {r['ms_q80']:.4f}]  "
                       f"x none {r['ratio_median']:.4f} [{r['ratio_q20']:.4f}, {r['ratio_q80']:.4f}]  "
                       f"host {r['host_ms_median']:.4f} ms [q80 {r['host_ms_q80']:.4f}]"
                       + (f"  handler {r['handler_us']:.1f} us, {r['handler_on_main']:.0%} on the main thread"

@@ -9,15 +9,18 @@ through ctypes: no compiled extension), runs on the host when XLA *enqueues* it,
    the order they were issued); if one failed, it returns an XLA error carrying the failure's message, so the
    program making this later call fails: ``jax.errors.JaxRuntimeError`` (a RuntimeError; jit's C++ dispatch may
    raise it as ValueError) whose message reads ``RingAttentionTimeout: fused ring attention on rank ...``;
-2. it enqueues a copy of this call's status into the next free slot, and an event, on XLA's stream: by default a
-   one-warp kernel storing the words into the slots, pinned host memory mapped into the GPU's address space
-   (``RING_ATTENTION_STATUS_COPY=dma``: cuMemcpyDtoHAsync instead, which the next kernel waits for twice as long).
+2. it enqueues a copy of this call's status into the next free slot, and an event, on XLA's stream: a one-warp
+   kernel storing the words into the slots, pinned host memory mapped into the GPU's address space; on Hopper and
+   later launched as a programmatic dependent launch (PDL: scheduled as the fused kernel ends, it waits on the GPU
+   for that kernel's completion and memory), elsewhere as a plain launch after it
+   (``RING_ATTENTION_STATUS_COPY``: ``pdl``, the default, ``kernel``, or ``dma`` for cuMemcpyDtoHAsync).
 
 So a call's failure is raised by a later fused call on this process, or by ``jax_ring.check_errors()`` /
 ``shutdown()``, which wait for the copies and raise it as its own type (RingAttentionTimeout /
-RingAttentionMismatch). Per call: a few microseconds of host time and the tiny copy kernel on the stream, no sync
-(benchmarks/status_cost.py, one H200, seq_local 4k, calls back to back: -0.5 % to +1.3 % of a call against no
-check; with the DMA copy -0.1 % to +2.8 %; with a handler that copies nothing, within noise of no check).
+RingAttentionMismatch). Per call: the handler's host time (~45-50 us of Python on the GPU machine of session 23)
+and the tiny copy kernel on the stream, no sync. benchmarks/status_cost.py, one H200, seq_local 4k, calls back to
+back, the 0.29 ms causal forward: the PDL copy +0.2 % of a call against no check, the plain copy kernel +1.4 %,
+the DMA copy +3.5 %, a handler that copies nothing +0.2 % (benchmarks/NOTES.md, call BP).
 
 RING_ATTENTION_ERRORS=call sets the call's attribute ``now``: the handler then waits for the copy it enqueued (a
 host sync per call: the host waits for the GPU to finish the call) and fails this call's program with this call's
@@ -225,15 +228,15 @@ DONE:
 _COPY_PTX_PDL = (_COPY_PTX.replace(b".version 7.0", b".version 7.8").replace(b".target sm_70", b".target sm_90")
                  .replace(b"  mov.u32 %r2, %tid.x;", b"  griddepcontrol.wait;\n  mov.u32 %r2, %tid.x;"))
 _LIBCUDA = "libcuda.so.1"
-COPY_ENV = "RING_ATTENTION_STATUS_COPY"  # "kernel" (``_COPY_PTX``, the default), "pdl" or "dma" (cuMemcpyDtoHAsync)
+COPY_ENV = "RING_ATTENTION_STATUS_COPY"  # "pdl" (the default; "kernel" before Hopper), "kernel" or "dma"
 
 
 def copy_mode() -> str:
     """COPY_ENV, checked (read when the slots are made; jax_ring.fused also reads it when a call is traced, so that a
     wrong value raises there, before anything runs)."""
-    mode = os.environ.get(COPY_ENV, "kernel")
+    mode = os.environ.get(COPY_ENV, "pdl")
     if mode not in ("dma", "kernel", "pdl"):
-        raise ValueError(f"{COPY_ENV} must be kernel (the default), pdl or dma, got {mode!r}")
+        raise ValueError(f"{COPY_ENV} must be pdl (the default), kernel or dma, got {mode!r}")
     return mode
 
 
@@ -252,8 +255,8 @@ _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREA
 class _CudaSlots:
     """Pinned host slots filled on XLA's stream, each followed by an event (CUDA driver API through ctypes: libcuda
     is there wherever a GPU is): by a one-warp kernel that stores the words into the slots mapped into the device's
-    address space (``mode`` "kernel", the default; "pdl": the same launched as a programmatic dependent launch, on
-    Hopper and later, else "kernel"), or by cuMemcpyDtoHAsync (``mode`` "dma", COPY_ENV)."""
+    address space, launched as a programmatic dependent launch (``mode`` "pdl", the default; Hopper and later, else
+    "kernel") or plainly ("kernel"), or by cuMemcpyDtoHAsync ("dma"); COPY_ENV."""
 
     def __init__(self, n: int, stream):
         # Two views of the driver: ``cu`` (CDLL) releases the GIL around each call, for what may block (waiting for

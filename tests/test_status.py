@@ -165,15 +165,16 @@ def test_error_modes_from_the_environment(monkeypatch):
 
 
 def test_a_wrong_status_copy_mode_raises_when_traced(monkeypatch):
-    """RING_ATTENTION_STATUS_COPY (kernel, the default, or dma) is checked when a fused call is traced, with a clear
-    error, not first in XLA's call of the handler."""
+    """RING_ATTENTION_STATUS_COPY (pdl, the default, kernel or dma) is checked when a fused call is traced, with a
+    clear error, not first in XLA's call of the handler."""
     monkeypatch.setenv(status.COPY_ENV, "sometimes")
-    with pytest.raises(ValueError, match="RING_ATTENTION_STATUS_COPY must be kernel .*, pdl or dma, got 'sometimes'"):
+    with pytest.raises(ValueError, match="RING_ATTENTION_STATUS_COPY must be pdl .*, kernel or dma, got 'sometimes'"):
         fused._check_of("deferred")
-    monkeypatch.setenv(status.COPY_ENV, "dma")
-    assert status.copy_mode() == "dma"
+    for mode in ("dma", "kernel", "pdl"):
+        monkeypatch.setenv(status.COPY_ENV, mode)
+        assert status.copy_mode() == mode
     monkeypatch.delenv(status.COPY_ENV)
-    assert status.copy_mode() == "kernel"
+    assert status.copy_mode() == "pdl"
 
 
 def test_call_mode_reports_its_own_failure_and_keeps_an_earlier_one(ring):
