@@ -173,7 +173,9 @@ def main(argv=None) -> int:
                    gpu_bytes_growth=mem1 - mem0, rss_kib_growth=rss1 - rss0, configs=configs)
     merged = [None] * job.world
     job.dist.all_gather_object(merged, summary)
-    ok = all(m["wrong"] == 0 and m["gpu_bytes_growth"] <= (64 << 20) for m in merged)
+    # A soak that made no calls after its warm-up (its --max-seconds spent before it, e.g. by a slow start) proves
+    # nothing: it fails, saying so, instead of passing on the warm-up's calls alone.
+    ok = all(m["wrong"] == 0 and m["gpu_bytes_growth"] <= (64 << 20) and m["calls"] > 0 for m in merged)
     if job.rank == 0:
         for m in merged:
             print(f"gpu_soak rank {m['rank']}: {m['calls']} calls ({m['per_frontend']}), {m['wrong']} wrong, "
@@ -183,6 +185,8 @@ def main(argv=None) -> int:
             os.makedirs(a.out, exist_ok=True)
             with open(os.path.join(a.out, "gpu_soak.json"), "w") as f:
                 json.dump(dict(ok=ok, ranks=merged), f, indent=1)
+        if not all(m["calls"] for m in merged):
+            print("gpu_soak: no calls after the warm-up: --max-seconds ran out before the soak began", flush=True)
         print("gpu_soak: " + ("ALL CALLS RIGHT" if ok else "FAILED"), flush=True)
     job.tb.shutdown()
     return 0 if ok else 1
