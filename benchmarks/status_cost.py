@@ -138,6 +138,50 @@ def build(mode, mesh, pass_, causal, q, k, v, do):
     return fn
 
 
+# ``--frontend torch``: the same rounds through torch_bridge (its check: torch_bridge.lifecycle.track, a pinned copy
+# of the status by cuMemcpyAsync and an event per call). "none" leaves the tracking out (no copy, no event);
+# "deferred-nocopy" records the event only; "call" is RING_ATTENTION_ERRORS=call (a host sync per call).
+TORCH_MODES = ("none", "deferred", "call")
+TORCH_PROBES = ("deferred-nocopy",)
+
+
+def _torch_mode(mode):
+    """What ``mode`` changes in torch's tracking while a round runs (torch reads the error mode at each call)."""
+    from ring_core import control
+    from torch_bridge import lifecycle
+
+    if mode == "none":
+        return mock.patch.object(lifecycle, "track", lambda status, ring, timeout_s: None)
+    if mode == "deferred-nocopy":
+        import torch
+
+        def track(status, ring, timeout_s):
+            torch.cuda.Event().record()
+
+        return mock.patch.object(lifecycle, "track", track)
+    return control.environ(**{control.ERRORS_ENV: mode})
+
+
+def build_torch(pass_, causal, do):
+    """``pass_`` ("fwd" or "fwd+bwd") through torch_bridge's fused backend, as a function of (q, k, v)."""
+    import torch
+
+    import torch_bridge
+
+    def fn(q, k, v):
+        if pass_ == "fwd":
+            with torch.no_grad():
+                return torch_bridge.ring_attention(q, k, v, is_causal=causal, backend="fused",
+                                                   layout="zigzag" if causal else "contiguous")
+        q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+        out = torch_bridge.ring_attention(q, k, v, is_causal=causal, backend="fused",
+                                          layout="zigzag" if causal else "contiguous")
+        out.backward(do)
+        return q.grad
+
+    return fn
+
+
 def plot(csv_path: str, png: str) -> None:
     """Each case's ratio to the unchecked program (median over rounds, bars from the 20 % to the 80 % quantile)."""
     import matplotlib
@@ -160,8 +204,8 @@ def plot(csv_path: str, png: str) -> None:
     ax.axhline(1.0, color="k", lw=0.5)
     r0 = rows[0]
     ax.set_ylabel("ms per call / no check (per round)")
-    ax.set_title(f"JAX per-call error check, seq_local {r0['seq_local']}, bf16 H{r0['heads']} D{r0['head_dim']}, "
-                 f"world 1 ({r0['rounds']} rounds x {r0['calls']} calls)")
+    ax.set_title(f"{r0.get('frontend', 'jax')} per-call error check, seq_local {r0['seq_local']}, bf16 "
+                 f"H{r0['heads']} D{r0['head_dim']}, world 1 ({r0['rounds']} rounds x {r0['calls']} calls)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(png, dpi=110)
@@ -181,6 +225,7 @@ def main(argv=None):
     ap.add_argument("--png")
     ap.add_argument("--plot", nargs=2, metavar=("CSV", "PNG"), help="only plot an earlier run's CSV")
     ap.add_argument("--probe", action="store_true", help=f"also time {', '.join(PROBES)} (see PROBES)")
+    ap.add_argument("--frontend", choices=("jax", "torch"), default="jax")
     a = ap.parse_args(argv)
     if a.plot:
         return plot(*a.plot)
@@ -196,14 +241,33 @@ def main(argv=None):
     mesh = Mesh(np.array(jax.devices()[:1]), ("sp",))
     rng = np.random.default_rng(0)
     shape = (1, a.seq, a.heads, a.head_dim)
-    sets = [[jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for _ in range(3)] for _ in range(a.sets)]
-    do = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    torch_ = a.frontend == "torch"
+    if torch_:
+        import torch
+
+        dev = torch.device("cuda", torch.cuda.current_device())
+        sets = [[torch.as_tensor(rng.standard_normal(shape), dtype=torch.bfloat16, device=dev) for _ in range(3)]
+                for _ in range(a.sets)]
+        do = torch.as_tensor(rng.standard_normal(shape), dtype=torch.bfloat16, device=dev)
+        ready = lambda out: torch.cuda.synchronize()  # noqa: E731
+    else:
+        sets = [[jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for _ in range(3)] for _ in range(a.sets)]
+        do = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+        ready = jax.block_until_ready
     order = random.Random(0)
     rows = []
     for pass_ in a.passes.split(","):
         for causal in (c == "yes" for c in a.causal.split(",")):
-            fns = {m: build(m, mesh, pass_, causal, *sets[0], do) for m in MODES}
-            modes = MODES + (PROBES if a.probe else ())
+            if torch_:
+                fn1 = build_torch(pass_, causal, do)
+                fns = {m: fn1 for m in TORCH_MODES}
+                modes = TORCH_MODES + (TORCH_PROBES if a.probe else ())
+                for m in modes:
+                    with _torch_mode(m):
+                        ready(fn1(*sets[0]))
+            else:
+                fns = {m: build(m, mesh, pass_, causal, *sets[0], do) for m in MODES}
+                modes = MODES + (PROBES if a.probe else ())
             times = {m: [] for m in modes}
             host = {m: [] for m in modes}
             handler_us = {m: [] for m in modes}
@@ -217,23 +281,30 @@ def main(argv=None):
                     out = None
                     fn = fns[m.split("-")[0]]
                     n = len(_handler_s)
-                    with _probe(m):
-                        copy[m] = "" if m == "none" else getattr(status._slots.get("cuda"), "mode", "host")
+                    with _torch_mode(m) if torch_ else _probe(m):
+                        copy[m] = ("" if m == "none" else "torch pinned" if torch_
+                                   else getattr(status._slots.get("cuda"), "mode", "host"))
                         t0 = time.perf_counter()
                         for i in range(a.calls):
                             out = fn(*sets[i % a.sets])
                         t1 = time.perf_counter()
-                        jax.block_until_ready(out)
+                        ready(out)
                         times[m].append((time.perf_counter() - t0) * 1e3 / a.calls)
                         host[m].append((t1 - t0) * 1e3 / a.calls)
                     handler_us[m].extend(x * 1e6 for x in _handler_s[n:])
                     on_main[m].extend(_handler_main[n:])
-            jax_ring.check_errors()
+            if torch_:
+                import torch_bridge
+
+                torch_bridge.check_errors()
+            else:
+                jax_ring.check_errors()
             case = f"{pass_} {'causal' if causal else 'full'}"
             for m in times:
                 ms = np.asarray(times[m])
                 ratio = ms / np.asarray(times["none"])
-                rows.append(dict(pass_=pass_, causal=int(causal), seq_local=a.seq, heads=a.heads, head_dim=a.head_dim,
+                rows.append(dict(frontend=a.frontend, pass_=pass_, causal=int(causal), seq_local=a.seq,
+                                 heads=a.heads, head_dim=a.head_dim,
                                  mode=m, copy=copy.get(m, ""), rounds=a.rounds, calls=a.calls, ms_median=np.median(ms),
                                  ms_q20=np.quantile(ms, 0.2), ms_q80=np.quantile(ms, 0.8),
                                  ratio_median=np.median(ratio), ratio_q20=np.quantile(ratio, 0.2),
