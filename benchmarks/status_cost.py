@@ -138,9 +138,10 @@ def build(mode, mesh, pass_, causal, q, k, v, do):
     return fn
 
 
-# ``--frontend torch``: the same rounds through torch_bridge (its check: torch_bridge.lifecycle.track, a pinned copy
-# of the status by cuMemcpyAsync and an event per call). "none" leaves the tracking out (no copy, no event);
-# "deferred-nocopy" records the event only; "call" is RING_ATTENTION_ERRORS=call (a host sync per call).
+# ``--frontend torch``: the same rounds through torch_bridge (its check: torch_bridge.lifecycle.track, an event per
+# call; the kernel writes the status into pinned host memory itself. Before session 23 track also copied the status
+# into pinned memory by cuMemcpyAsync: call BT). "none" leaves the tracking out (no event); "deferred-nocopy" records
+# the event only (since the change, what "deferred" does); "call" is RING_ATTENTION_ERRORS=call (a host sync).
 TORCH_MODES = ("none", "deferred", "call")
 TORCH_PROBES = ("deferred-nocopy",)
 
@@ -282,7 +283,7 @@ def main(argv=None):
                     fn = fns[m.split("-")[0]]
                     n = len(_handler_s)
                     with _torch_mode(m) if torch_ else _probe(m):
-                        copy[m] = ("" if m == "none" else "torch pinned" if torch_
+                        copy[m] = ("" if m == "none" else "torch" if torch_
                                    else getattr(status._slots.get("cuda"), "mode", "host"))
                         t0 = time.perf_counter()
                         for i in range(a.calls):

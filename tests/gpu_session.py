@@ -69,7 +69,7 @@ Stages (``NAME[:SECONDS]``; the default time limit is in brackets):
                fwd and fwd+bwd, causal and not                                     [150]
   probe-status-cost  the same with --probe: where the default check's cost goes      [200]
   probe-status-cost-fwd  --probe on the forwards only, 40 rounds: the rows that missed 2 % [200]
-  probe-status-cost-torch  the same rounds through torch_bridge (its pinned copy per call) [150]
+  probe-status-cost-torch  the same rounds through torch_bridge (its check: an event per call)     [150]
   bench-w1-fwd every forward target of issue 18 at world size 1 (D128, D64, D256, GQA 32/8), torch beside
                cuDNN, 10 timed calls: the A/B of a Gluon forward change              [200]
   bad_inputs   tests/gpu_faults.py --sections bad_inputs                           [150]
@@ -247,7 +247,7 @@ STAGES = {
     "probe-status-cost-fwd": (200, [LAUNCH1 + ["-m", "benchmarks.status_cost", "--probe", "--pass", "fwd", "--rounds",
                                                "40", "--csv", "{out}/status_cost_probe_fwd.csv", "--png",
                                                "{out}/status_cost_probe_fwd.png"]]),
-    # torch's own per-call check (a cuMemcpyAsync of the status into pinned memory and an event) in the same rounds.
+    # torch's own per-call check (an event; the kernel writes the status into pinned host memory) in the same rounds.
     "probe-status-cost-torch": (150, [LAUNCH1 + ["-m", "benchmarks.status_cost", "--frontend", "torch", "--probe",
                                                  "--rounds", "30", "--csv", "{out}/status_cost_torch.csv", "--png",
                                                  "{out}/status_cost_torch.png"]]),

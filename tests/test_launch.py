@@ -322,3 +322,30 @@ def test_torch_statuses_come_zeroed_aligned_and_one_per_launch():
         st.fill_(7)  # what a launch writes
     with pytest.raises(RuntimeError, match="did not complete"):
         control.check_status(fused._zeroed_status((n,), "int32", torch.device("cpu")).numpy(), 0)
+
+
+def test_torch_statuses_of_cuda_launches_are_pinned_host_rows_and_track_takes_only_those(monkeypatch):
+    """For a CUDA launch the status block is pinned host memory (no device placement): the kernel stores the words
+    into it through unified addressing, and lifecycle.track records only an event, no copy. track refuses a status
+    that is not pinned host memory (a device status would be read before it is copied)."""
+    import torch
+
+    from torch_bridge import fused, lifecycle
+
+    made = []
+    real_zeros = torch.zeros
+
+    def zeros(*shape, **kw):
+        made.append(kw)
+        kw = {k: v for k, v in kw.items() if k != "pin_memory"}  # (no CUDA here to pin with)
+        return real_zeros(*shape, **kw)
+
+    monkeypatch.setattr(torch, "zeros", zeros)
+    monkeypatch.setattr(fused, "_STATUSES", {})
+    st = fused._zeroed_status((control.STATUS_WORDS,), "int32", torch.device("cuda", 0))
+    assert made == [dict(dtype=torch.int32, pin_memory=True)] and st.device.type == "cpu" and not st.any()
+    fused._zeroed_status((control.STATUS_WORDS,), "int32", torch.device("cpu"))
+    assert made[1] == dict(dtype=torch.int32, device=torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="status must be pinned host memory the kernel writes"):
+        lifecycle.track(torch.zeros(control.STATUS_WORDS, dtype=torch.int32), ((0,), 0, None), None)
+    assert lifecycle._pending == []

@@ -94,7 +94,7 @@ def _resolve_backend(backend: str, q, spec) -> str:
 # it only for the backward's heap check, and hands it to the bwd op, whose kernel it picks). The ids are an
 # input of the fwd op's autograd without a gradient (integers): the backward returns None for them, and the
 # bwd op gets them again from the saved tensors.
-# cudagraph_unsafe: every call does host work (the status copy and event of _track, the check of earlier
+# cudagraph_unsafe: every call does host work (the status event of lifecycle.track, the check of earlier
 # calls in _drain), which a CUDA graph replay would skip; inductor keeps such ops out of its CUDA graphs.
 _OP_TAGS = (torch.Tag.cudagraph_unsafe,)
 

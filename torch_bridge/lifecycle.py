@@ -2,9 +2,11 @@
 reset) and the failures of fused calls (check_errors). The twin of jax_ring.lifecycle.
 
 Errors found by the kernel (a bounded wait that expired, ranks that disagree) come back in a small status
-tensor per launch. Checking it at once would cost a host sync per call, so it is copied to pinned memory
-asynchronously and checked at the next fused call, at ``check_errors()`` (which waits), or at once with
-RING_ATTENTION_ERRORS=call (ring_core.control.errors_mode; torch's default is "deferred").
+tensor per launch, which the kernel writes straight into pinned host memory (torch_bridge.fused._zeroed_status).
+Checking it at once would cost a host sync per call, so an event is recorded after the launch and the status is
+read once the event has completed: at the next fused call, at ``check_errors()`` (which waits), or at once with
+RING_ATTENTION_ERRORS=call (ring_core.control.errors_mode; torch's default is "deferred"). JAX's status is an XLA
+buffer in device memory instead, which jax_ring.status copies into its pinned slots with a kernel per call.
 """
 
 from __future__ import annotations
@@ -14,8 +16,7 @@ import torch
 from ring_core import control
 from ring_core import heap as _heap
 
-_pending = []  # (event, pinned status, ring position, timeout_s, ring members)
-_free_pinned = []  # pinned status buffers to reuse: pinning one costs about as much as a whole small call
+_pending = []  # (event, status (pinned host memory the kernel writes), ring position, timeout_s, ring members)
 
 
 def initialize(heap_size: int | None = None, group=None):
@@ -53,9 +54,8 @@ def reset():
     step (waits for outstanding calls; their errors are dropped, they were raised or are being handled).
     Raises ``NotInitializedError`` (a RuntimeError) when there is no heap."""
     global _pending
-    for ev, st, *_ in _pending:
+    for ev, *_ in _pending:
         ev.synchronize()
-        _free_pinned.append(st)
     _pending = []
     _heap.get().reset()
 
@@ -80,8 +80,6 @@ def report(wait: bool):
             control.check_status(st.numpy(), rank, timeout_s, members=members)
         except RuntimeError as e:  # RingAttentionTimeout, or a call that never completed
             first_error = first_error or e
-        finally:
-            _free_pinned.append(st)
     _pending = keep
     if first_error is not None:
         raise first_error
@@ -93,14 +91,16 @@ def check_errors():
 
 
 def track(status, ring, timeout_s):
-    """Check ``status`` (the status words of a launch on ``ring``) at the next call or check_errors() (with
-    RING_ATTENTION_ERRORS=call: at once), without a host sync now."""
-    st = _free_pinned.pop() if _free_pinned else torch.empty(status.shape, dtype=status.dtype).pin_memory()
-    st.copy_(status, non_blocking=True)
+    """Check ``status`` (the status words of a launch on ``ring``, in pinned host memory that the kernel writes) at
+    the next call or check_errors() (with RING_ATTENTION_ERRORS=call: at once), without a host sync now: an event
+    after the launch says when the kernel has ended and its words are there."""
+    if status.device.type != "cpu" or not status.is_pinned():
+        raise RuntimeError("torch_bridge: a fused call's status must be pinned host memory the kernel writes "
+                           f"(torch_bridge.fused._zeroed_status), got a tensor on {status.device}")
     ev = torch.cuda.Event()
     ev.record()
     members, position, _ = ring
-    _pending.append((ev, st, position, timeout_s, members))
+    _pending.append((ev, status, position, timeout_s, members))
     if control.errors_mode("deferred") == "call":
         check_errors()
 
