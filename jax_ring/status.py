@@ -19,8 +19,9 @@ So a call's failure is raised by a later fused call on this process, or by ``jax
 ``shutdown()``, which wait for the copies and raise it as its own type (RingAttentionTimeout /
 RingAttentionMismatch). Per call: the handler's host time (~45-50 us of Python on the GPU machine of session 23)
 and the tiny copy kernel on the stream, no sync. benchmarks/status_cost.py, one H200, seq_local 4k, calls back to
-back, the 0.29 ms causal forward: the PDL copy +0.2 % of a call against no check, the plain copy kernel +1.4 %,
-the DMA copy +3.5 %, a handler that copies nothing +0.2 % (benchmarks/NOTES.md, call BP).
+back, the 0.28 ms causal forward against no check: the PDL copy +1.6-1.7 % (three runs; +0.2-1.6 % in the probe
+runs), the plain copy kernel +2.5-5.3 % (six runs), the DMA copy +2.5-3.9 %, a handler that copies nothing within
+0.5 % (benchmarks/NOTES.md, session 23).
 
 RING_ATTENTION_ERRORS=call sets the call's attribute ``now``: the handler then waits for the copy it enqueued (a
 host sync per call: the host waits for the GPU to finish the call) and fails this call's program with this call's
