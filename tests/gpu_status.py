@@ -1,5 +1,5 @@
 """jax_ring.status on one GPU, no ring and no heap (issue 18: JAX's default error mode): what the CPU tests cannot
-see, the CUDA side of the handler (XLA's stream, cuMemcpyDtoHAsync into pinned slots, events) and that it does not
+see, the CUDA side of the handler (XLA's stream, the copy into pinned slots, events) and that it does not
 sync. One process:
 
     python tests/gpu_status.py --out $OUT
