@@ -35,9 +35,11 @@ graph is recorded). Like jax.debug.callback's handler, it takes the GIL, on whic
 CPU client runs it on threads of its own (jax 0.10), and there a main thread busy in Python meanwhile delays
 each call's handler (tests/gpu_status.py, on our CPU: 70 us a call without the check, 96 us with it, 231 us
 with it while the main thread spins in Python). Where a GPU client runs it is measured by tests/gpu_status.py.
-So the handler takes the GIL once and keeps it: it reads the frame by offsets, and the driver's and XLA's
-functions it calls per call keep the GIL (PyDLL, PYFUNCTYPE) instead of releasing it around each call, which
-let the dispatching thread in every time (benchmarks/NOTES.md, session 23).
+So the handler takes the GIL once and keeps it: the driver's and XLA's functions it calls per call keep the GIL
+(PyDLL, PYFUNCTYPE) instead of releasing it around each call, where a busy main thread would take it each time.
+On the GPU machine of session 23 (jax 0.11) the handler ran on the dispatching thread itself, where that changes
+nothing measurable; it took ~45-50 us a call there, most of it Python, which runs several times slower on that
+machine than on our CPU (benchmarks/NOTES.md, session 23, call BO).
 
 On the CPU platform the same handler runs with a memcpy for the copy (a slot lands at once): that is how the
 tests check the host side (the ring of slots, the message, raising at the next call) without a GPU.
@@ -144,8 +146,8 @@ _ERROR_CREATE = ctypes.PYFUNCTYPE(c_void_p, POINTER(_ErrorArgs))
 _STREAM_GET = ctypes.PYFUNCTYPE(c_void_p, c_void_p)
 
 # A call reads the frame by field offsets (these structs' own), one word at a time: ``c_*.from_address(a).value``
-# costs about 0.1 us, where building the structs' ctypes objects, decoding the attributes' names and making the
-# copy's parameter arrays cost the 25-50 us a call that session 22 and call BL measured (benchmarks/NOTES.md).
+# costs about 0.1 us here, less than building the structs' ctypes objects; the attributes' names are decoded once
+# per compiled program. (On the GPU machine of session 23 this reading still took ~25 us a call: call BO.)
 _word, _int32 = ctypes.c_uint64.from_address, ctypes.c_int32.from_address
 _int64 = c_int64.from_address
 _F_EXT, _F_API, _F_CTX, _F_STAGE = (getattr(_CallFrame, n).offset for n in ("extension_start", "api", "ctx", "stage"))
@@ -261,10 +263,10 @@ class _CudaSlots:
 
     def __init__(self, n: int, stream):
         # Two views of the driver: ``cu`` (CDLL) releases the GIL around each call, for what may block (waiting for
-        # a copy, setting up); ``fast`` (PyDLL) keeps it, for the calls each handler makes (the copy's launch, its
-        # event, a query). Where XLA runs the handler on a thread of its own, every release is a chance for the
-        # main thread, busy dispatching in Python, to take the GIL, and the handler then waits to get it back: this
-        # is what made a handler take ~50 us on the GPU machine (call BM) for ~5 us of its own Python.
+        # a copy, setting up); ``fast`` (PyDLL) keeps it, for the quick calls each handler makes (the copy's launch,
+        # its event, a query). Where XLA runs the handler on a thread of its own (its CPU client does), every
+        # release is a chance for a main thread busy in Python to take the GIL, and the handler waits to get it
+        # back. (On the GPU machine of session 23 the handler ran on the dispatching thread: no change there.)
         self.cu = cu = ctypes.CDLL(_LIBCUDA)
         self.fast = fast = ctypes.PyDLL(_LIBCUDA)
         for lib in (cu, fast):
