@@ -138,39 +138,25 @@ class _StreamArgs(Structure):
 
 
 _EXT_METADATA, _STAGE_EXECUTE, _ATTR_SCALAR, _S32, _S64, _ERR_INTERNAL = 1, 3, 3, 4, 5, 13
-_ARG_BUFFER = 1  # XLA_FFI_ArgType_BUFFER
 _FFI_VERSION = (0, 3)  # the API these structs follow; XLA accepts handlers of 0.1 and newer (jaxlib 0.10, 0.11)
-_HANDLER = ctypes.CFUNCTYPE(c_void_p, c_void_p)  # the frame's address: a plain int, no ctypes object made per call
+_HANDLER = ctypes.CFUNCTYPE(c_void_p, POINTER(_CallFrame))
 # XLA's functions that the handler calls keep the GIL (PYFUNCTYPE; see _CudaSlots on why).
 _ERROR_CREATE = ctypes.PYFUNCTYPE(c_void_p, POINTER(_ErrorArgs))
-_STREAM_GET = ctypes.PYFUNCTYPE(c_void_p, c_void_p)
-
-# A call reads the frame by field offsets (these structs' own), one word at a time: ``c_*.from_address(a).value``
-# costs about 0.1 us here, less than building the structs' ctypes objects; the attributes' names are decoded once
-# per compiled program. (On the GPU machine of session 23 this reading still took ~25 us a call: call BO.)
-_word, _int32 = ctypes.c_uint64.from_address, ctypes.c_int32.from_address
-_int64 = c_int64.from_address
-_F_EXT, _F_API, _F_CTX, _F_STAGE = (getattr(_CallFrame, n).offset for n in ("extension_start", "api", "ctx", "stage"))
-_F_ARGS, _F_ATTRS = _CallFrame.args.offset, _CallFrame.attrs.offset
-_L_SIZE, _L_TYPES, _L_ITEMS = (getattr(_List, n).offset for n in ("size", "types", "items"))
-_A_SIZE, _A_TYPES, _A_NAMES, _A_ITEMS = (getattr(_Attrs, n).offset for n in ("size", "types", "names", "items"))
-_B_DTYPE, _B_DATA, _B_RANK, _B_DIMS = (getattr(_Buffer, n).offset for n in ("dtype", "data", "rank", "dims"))
-_API_ERROR_CREATE, _API_STREAM_GET = _Api.error_create.offset, _Api.stream_get.offset
-_SCALAR_VALUE = _Scalar.value.offset
+_STREAM_GET = ctypes.PYFUNCTYPE(c_void_p, POINTER(_StreamArgs))
 
 
-def _ffi_error(frame: int, message: str):
+def _ffi_error(frame, message: str):
     args = _ErrorArgs(ctypes.sizeof(_ErrorArgs), None, message.encode("utf-8", "replace"), _ERR_INTERNAL)
-    return _ERROR_CREATE(_word(_word(frame + _F_API).value + _API_ERROR_CREATE).value)(ctypes.byref(args))
+    return _ERROR_CREATE(frame.api.contents.error_create)(ctypes.byref(args))
 
 
-def _answer_metadata(frame: int) -> bool:
+def _answer_metadata(frame) -> bool:
     """XLA calls a handler once when it is registered, with a metadata extension, to learn its FFI version and
     traits (no traits: not command-buffer compatible). True if this was that call."""
-    ext = _word(frame + _F_EXT).value
-    if not ext or _Extension.from_address(ext).type != _EXT_METADATA:
+    ext = frame.extension_start
+    if not ext or ext.contents.type != _EXT_METADATA:
         return False
-    md = _MetadataExtension.from_address(ext).metadata.contents
+    md = ctypes.cast(ext, POINTER(_MetadataExtension)).contents.metadata.contents
     md.api_version.major, md.api_version.minor = _FFI_VERSION
     md.traits = 0
     return True
@@ -413,74 +399,52 @@ def _poll(wait: bool, at_most=None) -> None:
             _free[platform].append(slot)
 
 
-_ATTR_NAMES = ("now", "site")  # what the lowering sets
-_attr_order = {}  # the attributes' names as (address, length) pairs -> the index of each of _ATTR_NAMES
-
-
-def _attributes(frame: int) -> tuple:
-    """The call's attributes ``now`` and ``site`` (int64 scalars). Their names are read once per place XLA keeps
-    them (a compiled program's), then only their values."""
-    attrs = frame + _F_ATTRS
-    size = _int64(attrs + _A_SIZE).value
-    names = _word(attrs + _A_NAMES).value  # XLA_FFI_ByteSpan* [size]
-    if size == 2:  # what the lowering sets (written out: this runs at every call)
-        a, b = _word(names).value, _word(names + 8).value
-        spans = (_word(a).value, _word(a + 8).value, _word(b).value, _word(b + 8).value)
-    else:
-        spans = tuple(_word(_word(names + 8 * i).value + j).value for i in range(size) for j in (0, 8))
-    order = _attr_order.get(spans)
-    if order is None:
-        got = [ctypes.string_at(spans[2 * i], spans[2 * i + 1]).decode() for i in range(size)]
-        if sorted(got) != sorted(_ATTR_NAMES):
-            raise RuntimeError(f"{TARGET}: expected the attributes site and now, got {sorted(got)}")
-        order = _attr_order[spans] = tuple(got.index(name) for name in _ATTR_NAMES)
-    types, items = _word(attrs + _A_TYPES).value, _word(attrs + _A_ITEMS).value
-    values = []
-    for name, i in zip(_ATTR_NAMES, order):
-        scalar = _word(items + 8 * i).value
-        if _int32(types + 4 * i).value != _ATTR_SCALAR or _int32(scalar).value != _S64:
+def _attributes(frame) -> dict:
+    """The call's attributes by name (``site``, ``now``: int64 scalars)."""
+    attrs, got = frame.attrs, {}
+    for i in range(attrs.size):
+        name = _ByteSpan.from_address(ctypes.cast(attrs.names, POINTER(c_void_p))[i])
+        name = ctypes.string_at(name.ptr, name.len).decode()
+        scalar = _Scalar.from_address(attrs.items[i]) if attrs.types[i] == _ATTR_SCALAR else None
+        if scalar is None or scalar.dtype != _S64:
             raise RuntimeError(f"{TARGET}: the attribute {name!r} is not an int64 scalar")
-        values.append(_int64(_word(scalar + _SCALAR_VALUE).value).value)
-    return tuple(values)
+        got[name] = c_int64.from_address(scalar.value).value
+    if set(got) != {"site", "now"}:
+        raise RuntimeError(f"{TARGET}: expected the attributes site and now, got {sorted(got)}")
+    return got
 
 
-def _status_pointer(frame: int) -> int:
-    args = frame + _F_ARGS
-    if _int64(args + _L_SIZE).value != 1 or _int32(_word(args + _L_TYPES).value).value != _ARG_BUFFER:
-        raise RuntimeError(f"{TARGET}: expected one buffer operand, got {_int64(args + _L_SIZE).value}")
-    buf = _word(_word(args + _L_ITEMS).value).value
-    if (_int32(buf + _B_DTYPE).value != _S32 or _int64(buf + _B_RANK).value != 1
-            or _int64(_word(buf + _B_DIMS).value).value != control.STATUS_WORDS):
+def _status_pointer(frame) -> int:
+    if frame.args.size != 1 or frame.args.types[0] != 1:  # XLA_FFI_ArgType_BUFFER
+        raise RuntimeError(f"{TARGET}: expected one buffer operand, got {frame.args.size}")
+    buf = _Buffer.from_address(frame.args.items[0])
+    if buf.dtype != _S32 or buf.rank != 1 or buf.dims[0] != control.STATUS_WORDS:
         raise RuntimeError(f"{TARGET}: the status must be int32[{control.STATUS_WORDS}]")
-    return _word(buf + _B_DATA).value
+    return buf.data
 
 
 _stream_get = {}  # XLA_FFI_Stream_Get's address -> its ctypes function (made once: making one costs microseconds)
-_stream_args = threading.local()  # a thread's _StreamArgs, made once
 
 
-def _stream(frame: int):
-    args = getattr(_stream_args, "args", None)
-    if args is None:
-        args = _stream_args.args = _StreamArgs(ctypes.sizeof(_StreamArgs), None, None, None)
-        _stream_args.address = ctypes.addressof(args)
-    args.ctx = _word(frame + _F_CTX).value
-    address = _word(_word(frame + _F_API).value + _API_STREAM_GET).value
+def _stream(frame):
+    args = _StreamArgs(ctypes.sizeof(_StreamArgs), None, frame.ctx, None)
+    address = frame.api.contents.stream_get
     get = _stream_get.get(address) or _stream_get.setdefault(address, _STREAM_GET(address))
-    if get(_stream_args.address):
+    if get(ctypes.byref(args)):
         raise RuntimeError(f"{TARGET}: XLA gave no stream")
     return args.stream
 
 
-def _execute(frame: int, platform: str):
+def _execute(frame, platform: str):
     """One call: report a failure that earlier calls' statuses show, then start this call's copy (the copy is
     enqueued first, so this call's status is tracked even when this call fails). With the attribute ``now``
     (RING_ATTENTION_ERRORS=call) it first waits for this call's copy, so that this call reports its own failure,
     which is then not kept for check_errors() (as torch's call mode: the call raised it)."""
     global _issued, _first
-    if _int32(frame + _F_STAGE).value != _STAGE_EXECUTE:
+    if frame.stage != _STAGE_EXECUTE:
         return None
-    src, (now, site) = _status_pointer(frame), _attributes(frame)
+    src, attrs = _status_pointer(frame), _attributes(frame)
+    site = attrs["site"]
     stream = _stream(frame) if platform == "cuda" else None
     with _lock:
         _poll(wait=False)
@@ -493,7 +457,7 @@ def _execute(frame: int, platform: str):
         _slots[platform].copy(slot, src, stream)
         _issued += 1
         _pending.append((platform, slot, site, _issued))
-        if now:
+        if attrs["now"]:
             _poll(wait=True)  # every copy in flight, this call's last: a host sync
             mine = next((e for seq, e in _unreported if seq == _issued), None)
             if mine is not None:  # reported by this call: not kept (earlier calls' failures stay for their turn)
@@ -509,14 +473,15 @@ def _execute(frame: int, platform: str):
 
 
 def _handler(platform: str):
-    def handler(frame):
+    def handler(frame_p):
         try:
+            frame = frame_p.contents
             if _answer_metadata(frame):
                 return None
             return _execute(frame, platform)
         except BaseException as e:  # never let an exception into XLA's thread: ctypes would drop it
             try:
-                return _ffi_error(frame, f"{TARGET} handler failed: {type(e).__name__}: {e}")
+                return _ffi_error(frame_p.contents, f"{TARGET} handler failed: {type(e).__name__}: {e}")
             except BaseException:
                 return None
 

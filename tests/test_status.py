@@ -202,9 +202,9 @@ def test_call_mode_reports_its_own_failure_and_keeps_an_earlier_one(ring):
 
 
 def test_the_handler_reads_the_frame_it_is_given_and_refuses_other_attributes(ring):
-    """The handler reads XLA's call frame by field offsets, the attributes' names once per compiled program: a
-    program calling the target with other attributes, or with ``site`` not an int64, fails saying so; the right
-    program after them still runs, its site (the ring's members) and ``now`` read right."""
+    """The handler reads the attributes XLA gives it: a program calling the target with other attributes, or with
+    ``site`` not an int64, fails saying so; the right program after them still runs, its site (the ring's members)
+    and ``now`` read right."""
     mesh = Mesh(np.array(jax.devices("cpu")[:1]), ("sp",))
 
     def raw(**attrs):
@@ -220,7 +220,7 @@ def test_the_handler_reads_the_frame_it_is_given_and_refuses_other_attributes(ri
     with pytest.raises(Exception, match=r"the attribute 'site' is not an int64 scalar"):
         jax.block_until_ready(raw(site=np.int32(1), now=np.int64(0))(_words(), jnp.zeros(3)))
     f = _checked()
-    for epoch in (1, 2):  # the second call reads the names from the cache
+    for epoch in (1, 2):  # the same program twice
         jax.block_until_ready(f(_words(epoch=epoch), jnp.zeros(3)))
     with pytest.raises(Exception, match=r"RingAttentionTimeout: .*rank 4 \(call #3\)"):
         x = jax.block_until_ready(f(_words(control.ERR_KV_TIMEOUT, peer=1, step=1, epoch=3), jnp.zeros(3)))
