@@ -24,6 +24,7 @@ simulates and then wants the fused kernel on a GPU should simulate in a subproce
 from __future__ import annotations
 
 import dataclasses
+import functools
 import multiprocessing
 import os
 import threading
@@ -200,7 +201,10 @@ def _worker_main(conn, world_size, workspace_bytes):
         try:
             if job is None:
                 job = _local_job(world_size, workspace_bytes)
-            if msg[0] == "grad":
+            if msg[0] == "bwd":
+                _, spec, args, kw = msg
+                reply = ("ok", job.run_bwd(spec, *args, **kw))
+            elif msg[0] == "grad":
                 _, spec, qs, ks, vs, dos, dls, timeout_s, rings, segs = msg
                 reply = ("ok", job.run_grad(spec, qs, ks, vs, dos, timeout_s=timeout_s, dlse_shards=dls, rings=rings,
                                             seg_shards=segs))
@@ -249,6 +253,9 @@ class _SubprocessJob:
                  seg_shards=None):
         return self._request(("grad", spec, q_shards, k_shards, v_shards, dout_shards, dlse_shards, timeout_s,
                               rings, seg_shards), 2 * timeout_s)
+
+    def run_bwd(self, spec, *shards, timeout_s, **kw):
+        return self._request(("bwd", spec, shards, dict(kw, timeout_s=timeout_s)), timeout_s)
 
     def _request(self, msg, timeout_s):
         self._conn.send(msg)
@@ -370,7 +377,8 @@ def simulate_job(world_size: int, *, workspace_bytes: int | None = None) -> Simu
 
 
 def simulate_ring_attention(q, k, v, world_size, *, is_causal=False, scale=None, layout="contiguous",
-                            return_lse=False, timeout_s=60.0, data_parallel=1, segment_ids=None, window_size=None):
+                            return_lse=False, timeout_s=60.0, data_parallel=1, segment_ids=None, window_size=None,
+                            node_size=None):
     """Ring attention over ``world_size`` simulated ranks, computed by the real fused kernel on the CPU.
 
     Args:
@@ -390,6 +398,9 @@ def simulate_ring_attention(q, k, v, world_size, *, is_causal=False, scale=None,
         ``ring_core.masks.segment_ids_from_cu_seqlens`` makes them from flash-attn's ``cu_seqlens``.
       window_size: ``(left, right)``, flash-attn's sliding window in global token order (-1: unbounded side);
         None: no window. The rule is ``ring_core.masks.allowed``'s.
+      node_size: ranks per simulated node (a divisor of ``world_size``; None: one node). With several nodes the
+        two-level ring of ``ring_core.nodes`` runs: the fused kernels over each node's ranks (a heap per node), the
+        K/V between nodes as the frontends send them (not yet with ``segment_ids`` or ``window_size``).
 
     Returns:
       ``out`` (numpy, q's dtype, [batch, seq, num_heads, head_dim], natural order), or ``(out, lse)`` with
@@ -408,6 +419,11 @@ def simulate_ring_attention(q, k, v, world_size, *, is_causal=False, scale=None,
         >>> bool(np.allclose(out, ref_out, atol=1e-5) and np.allclose(lse, ref_lse, atol=1e-5))
         True
     """
+    if node_size is not None and _check_node_size(node_size, _check_world_size(world_size)) < world_size:
+        call = _prepare(q, k, v, world_size, is_causal=is_causal, scale=scale, layout=layout, return_lse=return_lse,
+                        timeout_s=timeout_s, data_parallel=data_parallel, segment_ids=segment_ids,
+                        window_size=window_size)
+        return _simulate_nodes(call, node_size, grad=False)
     ring = SimulatedRing(world_size, data_parallel=data_parallel)
     try:
         return ring(q, k, v, is_causal=is_causal, scale=scale, layout=layout, return_lse=return_lse,
@@ -417,7 +433,8 @@ def simulate_ring_attention(q, k, v, world_size, *, is_causal=False, scale=None,
 
 
 def simulate_ring_attention_grad(q, k, v, dout, world_size, *, is_causal=False, scale=None, layout="contiguous",
-                                 timeout_s=60.0, dlse=None, data_parallel=1, segment_ids=None, window_size=None):
+                                 timeout_s=60.0, dlse=None, data_parallel=1, segment_ids=None, window_size=None,
+                                 node_size=None):
     """Gradients of ring attention over ``world_size`` simulated ranks, computed by the real fused
     backward kernel (``ring_core.kernel_bwd``) on the CPU, after the real forward kernel.
 
@@ -425,8 +442,9 @@ def simulate_ring_attention_grad(q, k, v, dout, world_size, *, is_causal=False, 
       q, k, v: global arrays as in ``simulate_ring_attention`` (natural token order; float16, bfloat16 or
         float32).
       dout: the gradient of the output, q's shape and dtype.
-      world_size, is_causal, scale, layout, timeout_s, data_parallel, segment_ids, window_size: as in
-        ``simulate_ring_attention``.
+      world_size, is_causal, scale, layout, timeout_s, data_parallel, segment_ids, window_size, node_size: as in
+        ``simulate_ring_attention`` (with several nodes: the backward of the two-level ring, its dK/dV partials
+        travelling between nodes).
       dlse: optional gradient of the lse output ([batch, heads, seq], natural order); None: lse carries none.
         Ignored on padding rows (their lse is the constant -inf), even where it is not finite.
 
@@ -448,9 +466,205 @@ def simulate_ring_attention_grad(q, k, v, dout, world_size, *, is_causal=False, 
         >>> all(np.allclose(g, r, atol=1e-5) for g, r in zip(grads, ref))
         True
     """
+    if node_size is not None and _check_node_size(node_size, _check_world_size(world_size)) < world_size:
+        call = _prepare_grad(q, k, v, dout, world_size, is_causal=is_causal, scale=scale, layout=layout,
+                             timeout_s=timeout_s, dlse=dlse, data_parallel=data_parallel, segment_ids=segment_ids,
+                             window_size=window_size)
+        return _simulate_nodes(call, node_size, grad=True)
     ring = SimulatedRing(world_size, data_parallel=data_parallel)
     try:
         return ring.grad(q, k, v, dout, is_causal=is_causal, scale=scale, layout=layout, timeout_s=timeout_s,
                          dlse=dlse, segment_ids=segment_ids, window_size=window_size)
     finally:
         ring.close()
+
+
+# ------------------------------------------------------------------------------- several nodes
+# ``node_size=R`` in simulate_ring_attention(_grad): the two-level ring of ring_core.nodes over W / R simulated nodes.
+# Each simulated rank runs the product's driver (ring_core.nodes.forward / backward) on a thread of its own; a node's
+# one-node calls run the real fused kernels over the node's R ranks (one SimulatedJob per node: a heap per node, as
+# on GPUs, where iris maps memory only within a host), and the transfer between nodes is what the frontends post:
+# rank g sends to rank g + R and receives from rank g - R, each transfer matched by its order on both ranks.
+class _Inboxes:
+    """The transfers between nodes: ``send`` from a rank posts its arrays for the same rank of the next node and
+    returns the transfer's number; ``recv`` waits (bounded) for the previous node's transfer of that number."""
+
+    def __init__(self, world_size: int, node_size: int, timeout_s: float):
+        self.W, self.R, self.timeout_s = world_size, node_size, timeout_s
+        self.cv = threading.Condition()
+        self.boxes = [{} for _ in range(world_size)]  # receiver -> {number: arrays}
+        self.sent = [0] * world_size
+        self.failed = None
+
+    def send(self, rank: int, xs) -> int:
+        with self.cv:
+            n = self.sent[rank]
+            self.sent[rank] += 1
+            self.boxes[(rank + self.R) % self.W][n] = [np.array(x, copy=True) for x in xs]
+            self.cv.notify_all()
+            return n
+
+    def recv(self, rank: int, n: int):
+        with self.cv:
+            if not self.cv.wait_for(lambda: n in self.boxes[rank] or self.failed is not None, self.timeout_s):
+                raise control.RingAttentionTimeout(
+                    f"rank {rank} waited {self.timeout_s} s for transfer {n} from rank {(rank - self.R) % self.W} "
+                    "(the previous node)")
+            if self.failed is not None:
+                raise RuntimeError(f"simulated rank {self.failed} failed")
+            return self.boxes[rank].pop(n)
+
+    def fail(self, rank: int):
+        with self.cv:
+            self.failed = rank if self.failed is None else self.failed
+            self.cv.notify_all()
+
+
+class _NodeCalls:
+    """A node's one-node calls: the node's R ranks each hand in their arguments, the last to arrive runs the call
+    for all of them (``execute(kind, [per-rank arguments]) -> [per-rank results]``), each takes its own result."""
+
+    def __init__(self, node_size: int, execute, timeout_s: float, inboxes: _Inboxes):
+        self.R, self.execute, self.timeout_s, self.inboxes = node_size, execute, timeout_s, inboxes
+        self.cv = threading.Condition()
+        self.args = {}
+        self.done = {}  # call number -> results (or the exception)
+        self.number = 0
+
+    def call(self, local: int, kind: str, args):
+        with self.cv:
+            n = self.number
+            self.args[local] = args
+            if len(self.args) == self.R:
+                todo, self.args = [self.args[i] for i in range(self.R)], {}
+                try:
+                    self.done[n] = self.execute(kind, todo)
+                except BaseException as e:  # every rank of the node raises it
+                    self.done[n] = e
+                self.number += 1
+                self.cv.notify_all()
+            elif not self.cv.wait_for(lambda: n in self.done or self.inboxes.failed is not None, self.timeout_s):
+                raise control.RingAttentionTimeout(f"node rank {local} waited {self.timeout_s} s for its node's "
+                                                   "other ranks to make a call")
+            if n not in self.done:
+                raise RuntimeError(f"simulated rank {self.inboxes.failed} failed")
+            res = self.done[n]
+            if isinstance(res, BaseException):
+                raise res
+            return res[local]
+
+
+def _numpy_ops(rank: int, node_size: int, calls: _NodeCalls, inboxes: _Inboxes):
+    """ring_core.nodes.Ops for one simulated rank: numpy arrays, its node's calls, the inboxes."""
+    from ring_core import nodes
+
+    def f32(x):
+        return x if x.dtype == np.float64 else x.astype(np.float32)
+
+    local = rank % node_size
+    return nodes.Ops(
+        xp=np, permute=np.transpose, cat=np.concatenate, astype=lambda x, like: x.astype(like.dtype), f32=f32,
+        inner_fwd=lambda q, k, v, causal, layout: calls.call(local, "fwd", (q, k, v, causal, layout)),
+        inner_bwd=lambda *a: calls.call(local, "bwd", a),
+        send=lambda xs: inboxes.send(rank, xs), recv=lambda n: inboxes.recv(rank, n))
+
+
+def run_nodes(world_size: int, node_size: int, rank_fn, execute, timeout_s: float) -> list:
+    """Run ``rank_fn(rank, ops)`` on one thread per simulated rank of W / R nodes and return the per-rank results;
+    ``execute(node, kind, args)`` runs node ``node``'s one-node call ``kind`` ("fwd": (q, k, v, is_causal, layout);
+    "bwd": (q, k, v, out, lse, dout, dlse, is_causal, layout)) for its R ranks. A failing rank fails the job."""
+    W, R = world_size, node_size
+    inboxes = _Inboxes(W, R, timeout_s)
+    calls = [_NodeCalls(R, functools.partial(execute, n), timeout_s, inboxes) for n in range(W // R)]
+    results, errors = [None] * W, [None] * W
+
+    def one(rank):
+        try:
+            results[rank] = rank_fn(rank, _numpy_ops(rank, R, calls[rank // R], inboxes))
+        except BaseException as e:
+            errors[rank] = e
+            inboxes.fail(rank)
+
+    threads = [threading.Thread(target=one, args=(r,), daemon=True, name=f"node-rank-{r}") for r in range(W)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10 * timeout_s + 600)
+    if any(t.is_alive() for t in threads):
+        raise RuntimeError("simulated two-level ring did not finish: a bounded wait failed to bound")
+    first = [e for e in errors if e is not None and not str(e).startswith("simulated rank")]
+    if first or any(e is not None for e in errors):  # the cause, not a rank that stopped because of it
+        raise (first or [e for e in errors if e is not None])[0]
+    return results
+
+
+class _KernelNodes:
+    """``execute`` for ``run_nodes``: the real fused kernels, one SimulatedJob of R ranks per node (calls of all
+    nodes one at a time: the interpreter patches triton.language for a whole job)."""
+
+    def __init__(self, spec, num_nodes: int, node_size: int, timeout_s: float):
+        self.spec, self.R, self.timeout_s = spec, node_size, timeout_s
+        self.jobs = [SimulatedRing(node_size) for _ in range(num_nodes)]
+        self.lock = threading.Lock()
+
+    def __call__(self, node: int, kind: str, args):
+        q, k, v = args[0][:3]
+        causal, layout = args[0][-2:]
+        spec = dataclasses.replace(self.spec, seq_local=q.shape[1], num_heads=q.shape[2], num_kv_heads=k.shape[2],
+                                   is_causal=bool(causal), layout=layout)
+        col = lambda i: [np.ascontiguousarray(a[i]) for a in args]  # noqa: E731
+        members = list(range(node * self.R, (node + 1) * self.R))
+        with self.lock:
+            job = self.jobs[node]._get_job()
+            if kind == "fwd":
+                res = job.run(spec, col(0), col(1), col(2), timeout_s=self.timeout_s)
+            else:
+                res = job.run_bwd(spec, col(0), col(1), col(2), col(3), col(4), col(5), timeout_s=self.timeout_s,
+                                  dlse_shards=[np.asarray(a[6], np.float32) for a in args])
+        for pos, r in enumerate(res):
+            control.check_status(r[-1], pos, self.timeout_s, members=members)
+        return [r[:-1] for r in res]
+
+    def close(self):
+        for j in self.jobs:
+            j.close()
+
+
+def _check_node_size(node_size, world_size: int) -> int:
+    node_size = _check_world_size(node_size, "node_size")
+    if world_size % node_size:
+        raise ValueError(f"node_size ({node_size}) must divide world_size ({world_size}): every node holds "
+                         "node_size ranks")
+    return node_size
+
+
+def _simulate_nodes(call: _Call, node_size: int, *, grad: bool):
+    """The two-level ring over ``call``'s shards (natural-order result, as ``_finish`` / ``_finish_grad``)."""
+    from ring_core import nodes
+
+    spec, W, R = call.spec, call.world_size, node_size
+    if call.data_parallel != 1:
+        raise ValueError("node_size and data_parallel cannot be combined in one simulation")
+    nodes.check_supported(window=spec.window, segmented=spec.segmented, layout=spec.layout, seq_local=spec.seq_local)
+    kernels = _KernelNodes(spec, W // R, R, call.timeout_s)
+    kw = dict(num_nodes=W // R, is_causal=spec.is_causal, layout=spec.layout)
+
+    def rank_fn(rank, ops):
+        q, k, v = call.q_shards[rank], call.k_shards[rank], call.v_shards[rank]
+        out, lse = nodes.forward(ops, q, k, v, node=rank // R, **kw)
+        if not grad:
+            return out, lse
+        dlse = (np.zeros_like(lse) if call.dlse_shards is None else call.dlse_shards[rank])
+        dlse = np.where(np.isneginf(lse), 0.0, dlse).astype(np.float32)
+        return nodes.backward(ops, q, k, v, out, lse, call.dout_shards[rank], dlse, node=rank // R, **kw)
+
+    try:
+        results = run_nodes(W, R, rank_fn, kernels, call.timeout_s)
+    finally:
+        kernels.close()
+    if grad:
+        return tuple(call.gather([r[i] for r in results]) for i in range(3))
+    out = call.gather([r[0] for r in results])
+    if not call.return_lse:
+        return out
+    return out, call.gather([np.asarray(r[1], np.float32) for r in results], seq_axis=2)

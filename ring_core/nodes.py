@@ -1,0 +1,286 @@
+"""The two-level ring: the fused ring inside each node, an existing engine (NCCL, XLA) between nodes.
+
+A job of W = N x R ranks is N nodes of R ranks; global rank g is rank ``g % R`` of node ``g // R``
+(``ring_core.topology.Nodes``). iris maps peer memory only between the processes of one host, so the fused kernel
+rings over the R ranks of a node; between nodes, rank (n, r) passes the K/V shard it holds to rank (n + 1, r)
+(torch.distributed point-to-point, ``lax.ppermute``), so at node-step s it holds the shard of rank (n - s, r) and
+the node's R ranks together hold the K/V of node n - s. Each node-step is one call of the one-node fused kernel
+over the node's ring, and the partial results merge by log-sum-exp. The transfer of node-step s + 1 is posted
+before node-step s's call and waited for after it (two K/V shards in flight per rank, whatever N is).
+
+Why the one-node kernel needs nothing new. The layouts compose: the flat layout over W ranks is the node-level
+layout over N nodes (node n holds a contiguous block of R shards, or, zigzag, node-level chunks n and 2N-1-n)
+followed by the same layout over the node's R ranks (``test_nodes.py`` checks the identity for every W, R). So:
+
+* node-step 0 (the node's own K/V) is the call a one-node job makes over R ranks: positions inside the node keep
+  the global order, so causal masking is unchanged;
+* K/V of an earlier node (m < n), causal: contiguous, every query sees every key (a non-causal call); zigzag,
+  every query sees exactly the first halves of the node's K/V shards (node-level chunk m) and none of the second
+  halves (chunk 2N-1-m) (``K_EARLY``);
+* K/V of a later node (m > n), causal: contiguous, nothing (the step is skipped, the transfer still runs);
+  zigzag, the second half of every query shard (node-level chunk 2N-1-n) sees all of it, the first half nothing
+  (``Q_LATE``);
+* not causal: every step is a non-causal call.
+
+K_EARLY and Q_LATE are non-causal calls on half shards, which the kernel (one seq_local for Q and K/V) takes by
+moving the halves into the head axis: K_EARLY runs the two query halves as 2H heads against the first K/V halves
+(query head ``hkv * 2G + half * G + g`` reads kv head ``hkv``, as GQA's grouping wants); Q_LATE runs the second
+query half twice, as 2H heads, against the two K/V halves as 2 Hkv kv heads. Zigzag keeps every rank's work
+equal: S x RS/2 query-key pairs at every node-step but the first.
+
+The backward is the forward's schedule again: K/V travel the same way, and each node-step's one-node backward
+(from the final ``out`` and ``lse``, so its probabilities are the global softmax's) gives dQ and the partial
+dK/dV of the K/V held; the partials travel with the K/V, float32, one node-step behind them, and after the last
+step one more transfer brings each shard's dK/dV home.
+
+Not here yet: windows and segment ids (they need positions and ids of another node inside the kernel), which
+raise; the reference rings (``backend="xla"`` / ``"torch"``) take them across nodes.
+
+``forward`` and ``backward`` are written once for numpy, torch and jax.numpy arrays: the frontends pass an
+``Ops`` (array functions, the inner fused call, the transfer between nodes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DIAG = "diag"  # the node's own K/V: the one-node call, with the call's masks
+FULL = "full"  # every query sees every key: a non-causal call
+K_EARLY = "k_early"  # every query sees the first halves of the K/V shards
+Q_LATE = "q_late"  # the second halves of the query shards see all the K/V
+SKIP = "skip"  # nothing to compute (the transfer still runs)
+
+
+def step_kind(node: int, src: int, *, is_causal: bool, layout: str) -> str:
+    """What node ``node`` computes with the K/V of node ``src`` (see the module docstring).
+
+    >>> [step_kind(1, m, is_causal=True, layout="zigzag") for m in range(3)]
+    ['k_early', 'diag', 'q_late']
+    >>> [step_kind(1, m, is_causal=True, layout="contiguous") for m in range(3)]
+    ['full', 'diag', 'skip']
+    """
+    if src == node:
+        return DIAG
+    if not is_causal:
+        return FULL
+    if layout == "contiguous":
+        return FULL if src < node else SKIP
+    if layout == "zigzag":
+        return K_EARLY if src < node else Q_LATE
+    raise ValueError(f"unknown layout {layout!r}")
+
+
+def schedule(node: int, num_nodes: int, *, is_causal: bool, layout: str) -> list:
+    """[(node-step s, source node, kind)] for node ``node``: at step s it holds the K/V of node ``node - s``."""
+    return [(s, (node - s) % num_nodes, step_kind(node, (node - s) % num_nodes, is_causal=is_causal, layout=layout))
+            for s in range(num_nodes)]
+
+
+def check_supported(*, window, segmented: bool, layout: str, seq_local: int) -> None:
+    """Raise, saying what to do, for a two-level fused call this module cannot run."""
+    if tuple(window) != (-1, -1) or segmented:
+        what = "a sliding window" if tuple(window) != (-1, -1) else "segment ids"
+        raise NotImplementedError(
+            f"the fused backend across several nodes does not take {what} yet; use backend='torch' / 'xla' "
+            "(the reference ring takes every mask across nodes), or run within one node")
+    if layout == "zigzag" and seq_local % 2:
+        raise ValueError(f"zigzag needs an even seq_local, got {seq_local}")
+
+
+@dataclass(frozen=True)
+class Ops:
+    """What a frontend supplies. Arrays are [batch, seq, heads, head_dim] (lse [batch, heads, seq]).
+
+    ``xp``: the array namespace (numpy, torch, jax.numpy): ``exp``, ``logaddexp``, ``where``, ``isneginf``,
+    ``zeros_like``, ``full_like``; ``permute(x, axes)``, ``cat(xs, axis)``, ``astype(x, like)`` (x in like's dtype),
+    ``f32(x)`` (float32, float64 kept).
+    ``inner_fwd(q, k, v, is_causal, layout) -> (out, lse)``: the one-node call over this node's ring.
+    ``inner_bwd(q, k, v, out, lse, dout, dlse, is_causal, layout) -> (dq, dk, dv)``: its backward.
+    ``send(xs) -> handle``: post the transfer of the arrays ``xs`` to the same rank of the next node and the receipt
+    of the previous node's (same shapes and dtypes); ``recv(handle) -> list``: wait for what arrived.
+    """
+
+    xp: object
+    permute: object
+    cat: object
+    astype: object
+    f32: object
+    inner_fwd: object
+    inner_bwd: object
+    send: object
+    recv: object
+
+
+# ---------------------------------------------------------------- moving half shards into the head axis
+def halves_to_heads(ops: Ops, x, hkv: int):
+    """[b, s, hkv * g, d] -> [b, s / 2, hkv * 2g, d]: head ``hkv * 2g + half * g + j`` holds rows
+    ``half * s / 2 + i`` of head ``hkv * g + j`` (K_EARLY's queries, and out and dout alike)."""
+    b, s, h, d = x.shape
+    g = h // hkv
+    return ops.permute(x.reshape(b, 2, s // 2, hkv, g, d), (0, 2, 3, 1, 4, 5)).reshape(b, s // 2, 2 * h, d)
+
+
+def heads_to_halves(ops: Ops, x, hkv: int):
+    """The inverse of ``halves_to_heads``."""
+    b, s2, h2, d = x.shape
+    g = h2 // (2 * hkv)
+    return ops.permute(x.reshape(b, s2, hkv, 2, g, d), (0, 3, 1, 2, 4, 5)).reshape(b, 2 * s2, h2 // 2, d)
+
+
+def lse_halves_to_heads(ops: Ops, lse, hkv: int):
+    """lse [b, hkv * g, s] -> [b, hkv * 2g, s / 2], the head order of ``halves_to_heads``."""
+    b, h, s = lse.shape
+    g = h // hkv
+    return ops.permute(lse.reshape(b, hkv, g, 2, s // 2), (0, 1, 3, 2, 4)).reshape(b, 2 * h, s // 2)
+
+
+def lse_heads_to_halves(ops: Ops, lse, hkv: int):
+    b, h2, s2 = lse.shape
+    g = h2 // (2 * hkv)
+    return ops.permute(lse.reshape(b, hkv, 2, g, s2), (0, 1, 3, 2, 4)).reshape(b, h2 // 2, 2 * s2)
+
+
+def twice_as_heads(ops: Ops, x, hkv: int):
+    """[b, s, hkv * g, d] -> [b, s, hkv * 2g, d], head ``hkv * 2g + half * g + j`` = head ``hkv * g + j`` (Q_LATE's
+    queries: the same rows against both K/V halves)."""
+    b, s, h, d = x.shape
+    g = h // hkv
+    x = x.reshape(b, s, hkv, 1, g, d)
+    return ops.cat([x, x], 3).reshape(b, s, 2 * h, d)
+
+
+def lse_twice_as_heads(ops: Ops, lse, hkv: int):
+    b, h, s = lse.shape
+    g = h // hkv
+    lse = lse.reshape(b, hkv, 1, g, s)
+    return ops.cat([lse, lse], 2).reshape(b, 2 * h, s)
+
+
+def kv_halves_to_heads(ops: Ops, x):
+    """K/V [b, s, hkv, d] -> [b, s / 2, 2 hkv, d]: kv head ``hkv * 2 + half`` holds rows ``half * s / 2 + i``."""
+    b, s, hkv, d = x.shape
+    return ops.permute(x.reshape(b, 2, s // 2, hkv, d), (0, 2, 3, 1, 4)).reshape(b, s // 2, 2 * hkv, d)
+
+
+def kv_heads_to_halves(ops: Ops, x):
+    b, s2, hkv2, d = x.shape
+    return ops.permute(x.reshape(b, s2, hkv2 // 2, 2, d), (0, 3, 1, 2, 4)).reshape(b, 2 * s2, hkv2 // 2, d)
+
+
+# ------------------------------------------------------------------------------------- the merge
+def merge(ops: Ops, out_a, lse_a, out_b, lse_b):
+    """Two partial results over disjoint keys -> their union's (out float32, lse). A row with lse -inf on one side
+    takes the other's; on both, out 0 and lse -inf."""
+    xp = ops.xp
+    lse = xp.logaddexp(lse_a, lse_b)
+    safe = xp.where(xp.isneginf(lse), xp.zeros_like(lse), lse)
+    wa = ops.permute(xp.exp(lse_a - safe), (0, 2, 1))[..., None]
+    wb = ops.permute(xp.exp(lse_b - safe), (0, 2, 1))[..., None]
+    return out_a * wa + out_b * wb, lse
+
+
+def merge_heads(ops: Ops, out, lse, hkv: int):
+    """Q_LATE's [b, s, hkv * 2g, d] partials (each query row against each K/V half) -> [b, s, hkv * g, d], merged."""
+    b, s, h2, d = out.shape
+    g = h2 // (2 * hkv)
+    o = out.reshape(b, s, hkv, 2, g, d)
+    lo = lse.reshape(b, hkv, 2, g, s)
+    o0, o1 = (o[:, :, :, i].reshape(b, s, hkv * g, d) for i in range(2))
+    l0, l1 = (lo[:, :, i].reshape(b, hkv * g, s) for i in range(2))
+    return merge(ops, o0, l0, o1, l1)
+
+
+def _nothing(ops: Ops, out_like, lse_like):
+    """A partial result of rows that saw no key: out 0, lse -inf (shapes and dtypes of the arguments)."""
+    return ops.xp.zeros_like(out_like), ops.xp.full_like(lse_like, float("-inf"))
+
+
+# ------------------------------------------------------------------------------------- forward
+def step_forward(ops: Ops, kind: str, q, k, v, *, is_causal: bool, layout: str):
+    """One node-step's partial (out float32 [b, s, h, d], lse [b, h, s]) over every row of the shard."""
+    hkv = k.shape[2]
+    if kind == DIAG:
+        out, lse = ops.inner_fwd(q, k, v, is_causal, layout)
+        return ops.f32(out), lse
+    if kind == FULL:
+        out, lse = ops.inner_fwd(q, k, v, False, "contiguous")
+        return ops.f32(out), lse
+    s = q.shape[1]
+    if kind == K_EARLY:
+        out, lse = ops.inner_fwd(halves_to_heads(ops, q, hkv), k[:, :s // 2], v[:, :s // 2], False, "contiguous")
+        return heads_to_halves(ops, ops.f32(out), hkv), lse_heads_to_halves(ops, lse, hkv)
+    if kind == Q_LATE:
+        out, lse = ops.inner_fwd(twice_as_heads(ops, q[:, s // 2:], hkv), kv_halves_to_heads(ops, k),
+                                 kv_halves_to_heads(ops, v), False, "contiguous")
+        out, lse = merge_heads(ops, ops.f32(out), lse, hkv)
+        none_out, none_lse = _nothing(ops, out, lse)
+        return ops.cat([none_out, out], 1), ops.cat([none_lse, lse], 2)
+    raise ValueError(f"no forward for a {kind!r} step")
+
+
+def forward(ops: Ops, q, k, v, *, node: int, num_nodes: int, is_causal: bool, layout: str):
+    """(out in q's dtype, lse float32) of the two-level ring for this rank's shards (module docstring)."""
+    acc = None
+    for s, _, kind in schedule(node, num_nodes, is_causal=is_causal, layout=layout):
+        handle = ops.send([k, v]) if s < num_nodes - 1 else None  # the next step's K/V, while this one computes
+        if kind != SKIP:
+            part = step_forward(ops, kind, q, k, v, is_causal=is_causal, layout=layout)
+            acc = part if acc is None else merge(ops, *acc, *part)
+        if handle is not None:
+            k, v = ops.recv(handle)
+    out, lse = acc  # node-step 0 (DIAG) is never skipped
+    return ops.astype(out, q), lse
+
+
+# ------------------------------------------------------------------------------------- backward
+def step_backward(ops: Ops, kind: str, q, k, v, out, lse, dout, dlse, *, is_causal: bool, layout: str):
+    """One node-step's (dq, dk, dv), float32, full shard shapes, from the final ``out`` / ``lse`` and the
+    cotangents ``dout`` / ``dlse`` (so the step's probabilities are the global softmax's)."""
+    hkv = k.shape[2]
+    if kind in (DIAG, FULL):
+        causal, lay = (is_causal, layout) if kind == DIAG else (False, "contiguous")
+        return tuple(ops.f32(x) for x in ops.inner_bwd(q, k, v, out, lse, dout, dlse, causal, lay))
+    s = q.shape[1]
+    h = s // 2
+    if kind == K_EARLY:
+        dq, dk, dv = ops.inner_bwd(halves_to_heads(ops, q, hkv), k[:, :h], v[:, :h], halves_to_heads(ops, out, hkv),
+                                   lse_halves_to_heads(ops, lse, hkv), halves_to_heads(ops, dout, hkv),
+                                   lse_halves_to_heads(ops, dlse, hkv), False, "contiguous")
+        dk, dv = ops.f32(dk), ops.f32(dv)
+        zeros = ops.xp.zeros_like(dk)
+        return heads_to_halves(ops, ops.f32(dq), hkv), ops.cat([dk, zeros], 1), ops.cat([dv, ops.xp.zeros_like(dv)], 1)
+    if kind == Q_LATE:
+        dq, dk, dv = ops.inner_bwd(twice_as_heads(ops, q[:, h:], hkv), kv_halves_to_heads(ops, k),
+                                   kv_halves_to_heads(ops, v), twice_as_heads(ops, out[:, h:], hkv),
+                                   lse_twice_as_heads(ops, lse[:, :, h:], hkv), twice_as_heads(ops, dout[:, h:], hkv),
+                                   lse_twice_as_heads(ops, dlse[:, :, h:], hkv), False, "contiguous")
+        b, s2, h2, d = dq.shape
+        dq = ops.f32(dq).reshape(b, s2, hkv, 2, h2 // (2 * hkv), d)
+        dq = (dq[:, :, :, 0] + dq[:, :, :, 1]).reshape(b, s2, h2 // 2, d)
+        dq = ops.cat([ops.xp.zeros_like(dq), dq], 1)
+        return dq, kv_heads_to_halves(ops, ops.f32(dk)), kv_heads_to_halves(ops, ops.f32(dv))
+    raise ValueError(f"no backward for a {kind!r} step")
+
+
+def backward(ops: Ops, q, k, v, out, lse, dout, dlse, *, node: int, num_nodes: int, is_causal: bool, layout: str):
+    """(dq, dk, dv) in q's, k's and v's dtypes. ``dlse`` float32 like ``lse`` (zeros when lse carries no gradient)."""
+    dq = None
+    carry = None  # the transfer of the partial dK/dV of the K/V held, to the next node
+    k0, v0 = k, v
+    for s, _, kind in schedule(node, num_nodes, is_causal=is_causal, layout=layout):
+        handle = ops.send([k, v]) if s < num_nodes - 1 else None
+        part = None
+        if kind != SKIP:
+            part = step_backward(ops, kind, q, k, v, out, lse, dout, dlse, is_causal=is_causal, layout=layout)
+            dq = part[0] if dq is None else dq + part[0]
+        if carry is None:  # step 0: this rank's own K/V, no partials yet
+            dk_acc, dv_acc = ops.f32(ops.xp.zeros_like(k)), ops.f32(ops.xp.zeros_like(v))
+        else:
+            dk_acc, dv_acc = ops.recv(carry)
+        if part is not None:
+            dk_acc, dv_acc = dk_acc + part[1], dv_acc + part[2]
+        carry = ops.send([dk_acc, dv_acc])  # after the last step this brings every shard's dK/dV home
+        if handle is not None:
+            k, v = ops.recv(handle)
+    dk_own, dv_own = ops.recv(carry)
+    return ops.astype(dq, q), ops.astype(dk_own, k0), ops.astype(dv_own, v0)
