@@ -1,0 +1,228 @@
+"""The two-level ring (ring_core.nodes) on the CPU: the layout identity it rests on, its schedule, the head moves,
+and the whole ring over W = N x R simulated ranks with the real fused kernels in the Triton interpreter inside
+each node (simulate_ring_attention(_grad)(node_size=R)), against float64 with the one tolerance table."""
+
+import numpy as np
+import pytest
+
+from ring_core import nodes, reference, simulate, testing
+from ring_core.layout import global_positions, layout_permutation
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("N,R", [(1, 4), (2, 1), (2, 2), (3, 2), (2, 4), (4, 2), (8, 1)])
+def test_flat_layout_is_node_layout_then_local_layout(layout, N, R):
+    """Global positions of rank n*R + r in the flat layout over W = N*R ranks = node n's positions in the node-level
+    layout (N nodes of R*S tokens) at the local layout's positions of rank r over R ranks: the identity that lets
+    node-step 0 be the one-node call."""
+    S = 6
+    W = N * R
+    for g in range(W):
+        n, r = divmod(g, R)
+        node_pos = global_positions(np, n, N, R * S, layout)  # the node's R*S tokens, node-level layout
+        local = global_positions(np, r, R, S, layout)  # rank r's rows among the node's, local layout
+        np.testing.assert_array_equal(global_positions(np, g, W, S, layout), node_pos[local])
+
+
+@pytest.mark.parametrize("N", [2, 3, 5])
+def test_step_kinds_match_the_causal_mask(N):
+    """Each kind says exactly which (query, key) pairs of the two nodes causal masking allows."""
+    R, S = 2, 4
+    W = N * R
+    for layout in ("contiguous", "zigzag"):
+        for n in range(N):
+            for m in range(N):
+                kind = nodes.step_kind(n, m, is_causal=True, layout=layout)
+                qp = np.concatenate([global_positions(np, n * R + r, W, S, layout) for r in range(R)])
+                kp = [global_positions(np, m * R + r, W, S, layout) for r in range(R)]
+                seen = qp[:, None] >= np.concatenate(kp)[None, :]
+                if kind == nodes.SKIP:
+                    assert not seen.any()
+                elif kind == nodes.FULL:
+                    assert seen.all()
+                elif kind == nodes.K_EARLY:  # every query sees exactly the first halves of the K/V shards
+                    first = np.concatenate([np.arange(S) < S // 2 for _ in range(R)])
+                    assert (seen == first[None, :]).all()
+                elif kind == nodes.Q_LATE:  # the second halves of the query shards see everything
+                    late = np.concatenate([np.arange(S) >= S // 2 for _ in range(R)])
+                    assert (seen == late[:, None]).all()
+                else:
+                    assert kind == nodes.DIAG and n == m
+
+
+def _np_ops():
+    return nodes.Ops(xp=np, permute=np.transpose, cat=np.concatenate, astype=lambda x, like: x.astype(like.dtype),
+                     f32=lambda x: x, inner_fwd=None, inner_bwd=None, send=None, recv=None)
+
+
+def test_head_moves_are_inverse_and_keep_gqa_groups():
+    ops = _np_ops()
+    rng = np.random.default_rng(0)
+    b, s, hkv, g, d = 2, 6, 3, 2, 5
+    x = rng.standard_normal((b, s, hkv * g, d))
+    y = nodes.halves_to_heads(ops, x, hkv)
+    np.testing.assert_array_equal(nodes.heads_to_halves(ops, y, hkv), x)
+    for h2 in range(2 * hkv * g):  # head h2 of the moved array reads kv head h2 // (2g), as GQA's grouping does
+        kv, half, j = h2 // (2 * g), (h2 % (2 * g)) // g, h2 % g
+        np.testing.assert_array_equal(y[:, :, h2], x[:, half * s // 2:(half + 1) * s // 2, kv * g + j])
+    lse = rng.standard_normal((b, hkv * g, s))
+    np.testing.assert_array_equal(nodes.lse_heads_to_halves(ops, nodes.lse_halves_to_heads(ops, lse, hkv), hkv), lse)
+    kv = rng.standard_normal((b, s, hkv, d))
+    np.testing.assert_array_equal(nodes.kv_heads_to_halves(ops, nodes.kv_halves_to_heads(ops, kv)), kv)
+    t = nodes.twice_as_heads(ops, x, hkv)
+    for h2 in range(2 * hkv * g):
+        np.testing.assert_array_equal(t[:, :, h2], x[:, :, (h2 // (2 * g)) * g + h2 % g])
+
+
+def test_merge_of_nothing_is_nothing_and_of_parts_is_the_whole():
+    ops = _np_ops()
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((1, 4, 2, 8))
+    k, v = (rng.standard_normal((1, 8, 2, 8)) for _ in range(2))
+    o1, l1 = reference.attention(q, k[:, :3], v[:, :3])
+    o2, l2 = reference.attention(q, k[:, 3:], v[:, 3:])
+    out, lse = nodes.merge(ops, o1, l1, o2, l2)
+    ro, rl = reference.attention(q, k, v)
+    np.testing.assert_allclose(out, ro, atol=1e-12)
+    np.testing.assert_allclose(lse, rl, atol=1e-12)
+    none_o, none_l = np.zeros_like(o1), np.full_like(l1, -np.inf)
+    out, lse = nodes.merge(ops, none_o, none_l, none_o, none_l)
+    assert (out == 0).all() and np.isneginf(lse).all()
+
+
+def _bwd_given_out_lse(q, k, v, out, lse, dout, dlse, causal, scale):
+    """The fused backward's meaning in float64: the gradients of one call's keys and values (and its share of dQ)
+    from the *given* ``out`` and ``lse`` (the whole sequence's), with delta = rowsum(dout * out) - dlse."""
+    b, s, h, d = q.shape
+    hkv = k.shape[2]
+    g = h // hkv
+    scale = 1 / np.sqrt(d) if scale is None else scale
+    qg = q.reshape(b, s, hkv, g, d)
+    sc = np.einsum("bqkgd,bskd->bkgqs", qg, k) * scale
+    lse_g = lse.reshape(b, hkv, g, s)
+    p = np.exp(sc - lse_g[..., None])
+    if causal:
+        p = p * (np.arange(s)[:, None] >= np.arange(k.shape[1])[None, :])
+    do = dout.reshape(b, s, hkv, g, d)
+    delta = np.einsum("bqkgd,bqkgd->bkgq", do, out.reshape(b, s, hkv, g, d)) - dlse.reshape(b, hkv, g, s)
+    dp = np.einsum("bqkgd,bskd->bkgqs", do, v)
+    ds = p * (dp - delta[..., None])
+    dq = np.einsum("bkgqs,bskd->bqkgd", ds, k).reshape(b, s, h, d) * scale
+    dk = np.einsum("bkgqs,bqkgd->bskd", ds, qg) * scale
+    dv = np.einsum("bkgqs,bqkgd->bskd", p, do)
+    return dq, dk, dv
+
+
+def _reference_execute(spec_scale):
+    """run_nodes' ``execute`` with float64 dense attention over the node's R shards (the one-node call's meaning),
+    for quick checks of the driver at sizes the interpreter would take long over."""
+
+    def execute(node, kind, args):
+        R = len(args)
+        q, k, v = (np.concatenate([a[i] for a in args], axis=1) for i in range(3))
+        causal, layout = args[0][-2:]
+        S = args[0][0].shape[1]
+        perm = layout_permutation(R * S, R, layout)  # node-local natural order of the concatenated rows
+        inv = np.argsort(perm)
+        nat = lambda x, ax=1: np.take(x, inv, axis=ax)  # noqa: E731
+        lay = lambda x, ax=1: np.take(x, perm, axis=ax)  # noqa: E731
+        if kind == "fwd":
+            o, l = reference.attention(nat(q), nat(k), nat(v), is_causal=causal, scale=spec_scale)
+            o, l = lay(o), lay(l, 2)
+            return [(o[:, r * S:(r + 1) * S].astype(args[0][0].dtype), l[:, :, r * S:(r + 1) * S]) for r in range(R)]
+        out, dout = (np.concatenate([a[i] for a in args], axis=1) for i in (3, 5))
+        lse, dlse = (np.concatenate([a[i] for a in args], axis=2) for i in (4, 6))
+        g = _bwd_given_out_lse(nat(q), nat(k), nat(v), nat(out), nat(lse, 2), nat(dout), nat(dlse, 2), causal,
+                               spec_scale)
+        g = [lay(x) for x in g]
+        return [tuple(x[:, r * S:(r + 1) * S] for x in g) for r in range(R)]
+
+    return execute
+
+
+@pytest.mark.parametrize("layout,causal", [("zigzag", True), ("contiguous", True), ("zigzag", False)])
+@pytest.mark.parametrize("N,R", [(2, 2), (3, 2), (4, 1), (2, 3), (5, 1)])
+def test_driver_against_float64(layout, causal, N, R):
+    """The driver with a float64 dense one-node call: out, lse and the gradients (with an lse gradient) of the
+    whole sequence, at up to 5 nodes."""
+    W, S, H, HKV, D = N * R, 8, 4, 2, 8
+    rng = np.random.default_rng(N * 10 + R)
+    q, dout = (rng.standard_normal((2, W * S, H, D)) for _ in range(2))
+    k, v = (rng.standard_normal((2, W * S, HKV, D)) for _ in range(2))
+    dlse = rng.standard_normal((2, H, W * S))
+    perm = layout_permutation(W * S, W, layout)
+    shard = lambda x, ax=1: [np.take(np.take(x, perm, axis=ax), np.arange(r * S, (r + 1) * S), axis=ax)  # noqa: E731
+                             for r in range(W)]
+    qs, ks, vs, ds = shard(q), shard(k), shard(v), shard(dout)
+    ls = shard(dlse, 2)
+    kw = dict(num_nodes=N, is_causal=causal, layout=layout)
+
+    def rank_fn(rank, ops):
+        out, lse = nodes.forward(ops, qs[rank], ks[rank], vs[rank], node=rank // R, **kw)
+        return (out, lse, *nodes.backward(ops, qs[rank], ks[rank], vs[rank], out, lse, ds[rank], ls[rank],
+                                          node=rank // R, **kw))
+
+    res = simulate.run_nodes(W, R, rank_fn, _reference_execute(None), 60.0)
+    inv = np.argsort(perm)
+    gather = lambda i, ax=1: np.take(np.concatenate([r[i] for r in res], axis=ax), inv, axis=ax)  # noqa: E731
+    ro, rl = reference.attention(q, k, v, is_causal=causal)
+    np.testing.assert_allclose(gather(0), ro, atol=1e-10)
+    np.testing.assert_allclose(gather(1, 2), rl, atol=1e-10)
+    for i, r in zip((2, 3, 4), reference.attention_grad(q, k, v, dout, is_causal=causal, dlse=dlse)):
+        np.testing.assert_allclose(gather(i), r, atol=1e-9)
+
+
+# The real kernels in the interpreter inside each node. W = N x R up to 8, R in 1..4, both layouts, GQA, odd
+# shapes (head_dim 80, 3 heads, seq_local not a multiple of the block), every fused dtype.
+KERNEL_CASES = [
+    # W, R, B, S_local, H, HKV, D, dtype, causal, layout
+    (4, 2, 1, 16, 4, 2, 16, "float32", True, "zigzag"),
+    (4, 2, 2, 8, 2, 1, 16, "bfloat16", True, "contiguous"),
+    (6, 3, 1, 12, 3, 3, 80, "float16", True, "zigzag"),
+    (8, 4, 1, 8, 2, 2, 16, "float32", True, "zigzag"),
+    (8, 2, 1, 6, 4, 1, 8, "bfloat16", False, "contiguous"),
+    (3, 1, 1, 10, 2, 2, 16, "float32", True, "zigzag"),
+    (4, 4, 1, 8, 2, 2, 16, "float32", True, "zigzag"),  # one node: the one-node kernel alone
+]
+
+
+def _case_inputs(case, seed):
+    W, R, B, S, H, HKV, D, dtype, causal, layout = case
+    q, k, v, dout = testing.random_inputs(seed, B, W * S, H, HKV, D, dtype, with_dout=True)
+    cast = lambda x: x.astype(reference.np_dtype(dtype))  # noqa: E731
+    return [cast(x) for x in (q, k, v, dout)], (q, k, v, dout)
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: "W{}R{}_B{}S{}_H{}/{}_D{}_{}_{}_{}".format(*c))
+def test_kernels_in_nodes_against_float64(case):
+    W, R, B, S, H, HKV, D, dtype, causal, layout = case
+    (q, k, v, dout), exact = _case_inputs(case, seed=W * 100 + R)
+    out, lse = simulate.simulate_ring_attention(q, k, v, W, is_causal=causal, layout=layout, return_lse=True,
+                                                node_size=R)
+    testing.check_attention(f"nodes {case}", out, lse, *exact[:3], dtype, is_causal=causal)
+
+
+GRAD_CASES = [KERNEL_CASES[0], KERNEL_CASES[1], KERNEL_CASES[2], KERNEL_CASES[4], KERNEL_CASES[5]]
+
+
+@pytest.mark.parametrize("case", GRAD_CASES, ids=lambda c: "W{}R{}_B{}S{}_H{}/{}_D{}_{}_{}_{}".format(*c))
+def test_kernel_gradients_in_nodes_against_float64(case):
+    W, R, B, S, H, HKV, D, dtype, causal, layout = case
+    (q, k, v, dout), exact = _case_inputs(case, seed=W * 100 + R + 7)
+    rng = np.random.default_rng(3)
+    dlse = rng.standard_normal((B, H, W * S)).astype(np.float32)
+    grads = simulate.simulate_ring_attention_grad(q, k, v, dout, W, is_causal=causal, layout=layout, dlse=dlse,
+                                                  node_size=R)
+    testing.check_grads(f"nodes {case}", grads, *exact, dtype, is_causal=causal, dlse=dlse.astype(np.float64))
+
+
+def test_bad_node_sizes_and_masks_raise_before_running():
+    q = np.zeros((1, 16, 2, 8), np.float32)
+    with pytest.raises(ValueError, match="must divide world_size"):
+        simulate.simulate_ring_attention(q, q, q, 4, node_size=3)
+    with pytest.raises(ValueError, match="node_size must be in"):
+        simulate.simulate_ring_attention(q, q, q, 4, node_size=0)
+    with pytest.raises(NotImplementedError, match="sliding window"):
+        simulate.simulate_ring_attention(q, q, q, 4, node_size=2, window_size=(3, 0))
+    with pytest.raises(NotImplementedError, match="segment ids"):
+        simulate.simulate_ring_attention(q, q, q, 4, node_size=2, segment_ids=np.zeros((1, 16), np.int32))
