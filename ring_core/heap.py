@@ -231,10 +231,14 @@ class HeapRings:
     GPU heap; tests build one over CPU buffers (``workspace`` a torch uint8 tensor starting ``base_off``
     bytes from this process's heap base)."""
 
-    def __init__(self, rank: int, all_bases, layout: control.HeapLayout, workspace, base_off: int = 0):
+    def __init__(self, rank: int, all_bases, layout: control.HeapLayout, workspace, base_off: int = 0,
+                 node_size: int | None = None):
         self.rank = rank
         self.world_size = len(all_bases)
-        self.all_bases = [[int(b) for b in bases] for bases in all_bases]  # [process][rank]: base as mapped there
+        # The heaps a process maps are those of its node (ranks node*R .. node*R + R - 1; one node: every rank):
+        # [process][rank of its node]: that heap's base as mapped in the process.
+        self.node_size = node_size or len(all_bases)
+        self.all_bases = [[int(b) for b in bases] for bases in all_bases]
         self.layout = layout
         self.workspace = workspace
         self.base_off = base_off
@@ -248,8 +252,13 @@ class HeapRings:
         The same in every process (every process gathered every process's view), so a frontend can bake a
         table of rows into a program that must be the same on all processes (JAX multi-controller)."""
         members = [int(m) for m in members]
-        return control.make_ctx([self.all_bases[process][m] for m in members], members.index(process), self.layout,
-                               slot)
+        first = process // self.node_size * self.node_size  # the first rank of the process's node
+        if not all(first <= m < first + self.node_size for m in members):
+            raise ValueError(f"the ring {members} spans several nodes (of {self.node_size} ranks each): a fused ring "
+                             "runs within one node; across nodes the two-level ring runs (group=None / the whole "
+                             "sequence axis), or use the reference backend")
+        return control.make_ctx([self.all_bases[process][m - first] for m in members], members.index(process),
+                               self.layout, slot)
 
     def ctx(self, members, slot: int):
         """This process's context tensor (on its device) for the ring ``members`` on slot ``slot``; cached. As
@@ -305,8 +314,44 @@ class HeapRings:
         return status, self.rings.ring_at(slot, self.rank)
 
 
+@contextlib.contextmanager
+def scoped_to_node(group, node: int):
+    """While iris builds a heap inside this block, the torch.distributed calls it makes on the default group act on
+    ``group`` (the ranks of node ``node``) and its rendezvous keys get a prefix of the node's: iris builds its heap
+    over the default group only (tokenspeed-iris 0.0.0.post20261013: ``dist.get_rank()``, ``dist.barrier()``,
+    ``dist.all_gather(_object)`` and the default store), and it maps peer memory only between the processes of one
+    host, so a job of several nodes builds one heap per node. ``group`` None: nothing changes. Used inside
+    ``private_handle_passing``, whose lock keeps other threads' heaps from being built meanwhile."""
+    if group is None:
+        yield
+        return
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    names = ("get_rank", "get_world_size", "barrier", "all_gather", "all_gather_object", "get_backend")
+    saved = {n: getattr(dist, n) for n in names}
+    saved_store = c10d._get_default_store
+    store = dist.PrefixStore(f"ring-attention-node-{node}/", saved_store())
+
+    def scoped(f):
+        def call(*args, group=None, **kw):
+            return f(*args, group=scoped_group if group is None else group, **kw)
+        return call
+
+    scoped_group = group
+    for n in names:
+        setattr(dist, n, scoped(saved[n]))
+    c10d._get_default_store = lambda: store
+    try:
+        yield
+    finally:
+        for n in names:
+            setattr(dist, n, saved[n])
+        c10d._get_default_store = saved_store
+
+
 class SymmetricHeap(HeapRings):
-    def __init__(self, heap_size: int | None = None):
+    def __init__(self, heap_size: int | None = None, nodes=None, node_group=None):
         import torch
         import torch.distributed as dist
 
@@ -322,24 +367,27 @@ class SymmetricHeap(HeapRings):
         # On NVIDIA only the vmem_chunked allocator works (torch and vmem are HIP-only); chosen here so
         # users set no environment variable.
         allocator = "torch" if torch.version.hip else "vmem_chunked"
-        with private_handle_passing():  # see "handle passing (security)" above
+        # Several nodes (ring_core.topology.Nodes): iris over this node's ranks (``node_group``), a heap per node.
+        node = None if nodes is None or nodes.num_nodes == 1 else nodes.node_of(dist.get_rank())
+        with private_handle_passing(), scoped_to_node(node_group if node is not None else None, node):
             self.iris = iris.iris(heap_size, allocator_type=allocator)
         self.heap_size = heap_size
-        rank, world_size = self.iris.get_rank(), self.iris.get_num_ranks()
-        if world_size > control.MAX_WORLD:
-            raise ValueError(f"at most {control.MAX_WORLD} ranks are supported, got {world_size}")
+        local, node_size = self.iris.get_rank(), self.iris.get_num_ranks()
+        if node_size > control.MAX_WORLD:
+            raise ValueError(f"at most {control.MAX_WORLD} ranks are supported in one node, got {node_size}")
+        rank, world_size = dist.get_rank(), dist.get_world_size()
         ws = heap_size - control.HEAP_SLACK
         workspace = self.iris.zeros(ws, dtype=torch.uint8)
         # Heap bases as mapped in *this* process: a peer's heap sits at a different virtual address in
         # every process, so each process's view is gathered (ctx_row needs all of them).
         bases = [int(b) for b in self.iris.get_heap_bases().cpu().tolist()]
-        base_off = workspace.data_ptr() - bases[rank]
+        base_off = workspace.data_ptr() - bases[local]
         views = [None] * world_size
         dist.all_gather_object(views, (base_off, bases))
         if len({v[0] for v in views}) != 1:
             raise RuntimeError(f"symmetric heap workspace offsets differ across ranks: {[v[0] for v in views]}")
         super().__init__(rank, [v[1] for v in views], control.HeapLayout.for_workspace(ws, base_off), workspace,
-                         base_off)
+                         base_off, node_size=node_size)
         torch.cuda.synchronize()
         dist.barrier()
 
@@ -367,12 +415,13 @@ class SymmetricHeap(HeapRings):
             ctx.__del__()
 
 
-def initialize(heap_size: int | None = None) -> SymmetricHeap:
+def initialize(heap_size: int | None = None, nodes=None, node_group=None) -> SymmetricHeap:
     """Create this process's heap, or return the one that exists.
 
     A second call returns the existing heap unchanged; asking it for a different ``heap_size`` raises
     RuntimeError (call ``shutdown()`` first). After ``shutdown()`` it creates a new heap. Collective: every
-    rank of the job calls it (iris exchanges the heap handles)."""
+    rank of the job calls it (iris exchanges the heap handles). ``nodes`` (ring_core.topology.Nodes) of several
+    nodes: a heap per node, built over ``node_group`` (this rank's node's process group)."""
     global _heap
     with _lock:
         if _heap is not None:
@@ -381,7 +430,7 @@ def initialize(heap_size: int | None = None) -> SymmetricHeap:
                                    f"before initialize(heap_size={heap_size})")
             return _heap
         _register_atexit()
-        _heap = SymmetricHeap(heap_size)
+        _heap = SymmetricHeap(heap_size, nodes=nodes, node_group=node_group)
         return _heap
 
 

@@ -19,7 +19,7 @@ from ring_core.layout import inverse_permutation, layout_permutation
 from ring_core.validate import (AttentionSpec, check_attention_args, check_attention_args_remembered,
                                 check_deterministic, check_layout, check_layout_call, check_timeout, check_window,
                                 dtype_name)
-from torch_bridge import fused, lifecycle
+from torch_bridge import fused, lifecycle, nodes
 from torch_bridge.groups import group_from_name, group_to_name
 from torch_bridge.reference import ring_attention_torch
 
@@ -235,6 +235,11 @@ def ring_attention(q, k, v, *, group=None, is_causal=False, scale=None, layout="
     CUDA fp16/bf16/fp32 tensors once initialised, else torch).
     Without an initialised process group (or with a group of one) it runs locally with no communication.
 
+    Several nodes (``initialize()`` found them, or was given ``node_size``): with ``group=None`` the fused backend
+    runs the two-level ring (torch_bridge.nodes: the kernel within each node, K/V between nodes over
+    torch.distributed), same arguments and results; windows and segment ids there raise for now (use
+    ``backend="torch"``).
+
     ``timeout_s`` bounds every wait inside the fused kernel (default RING_ATTENTION_TIMEOUT_S, else 300 s);
     an expired wait raises ``ring_core.control.RingAttentionTimeout`` naming the missing rank and ring step,
     at the next call or ``check_errors()`` (at once with RING_ATTENTION_ERRORS=call). Ranks whose fused
@@ -294,6 +299,8 @@ def ring_attention(q, k, v, *, group=None, is_causal=False, scale=None, layout="
     backend = _resolve_backend(backend, q, spec)
     if backend == "torch":  # ignores deterministic: torch's own ops, as deterministic as torch makes them
         out, lse = ring_attention_torch(q, k, v, spec, rank, world, peers, group, segment_ids=segment_ids)
+    elif nodes.spans_nodes(group):  # several nodes: the fused kernel in each, K/V between them (torch_bridge.nodes)
+        out, lse = nodes.ring_attention(q, k, v, spec, timeout_s, deterministic)
     else:
         out, lse = _ring_attention_fused(q, k, v, segment_ids, spec=spec, group=group, timeout_s=timeout_s,
                                          deterministic=deterministic)

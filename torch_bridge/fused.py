@@ -218,6 +218,16 @@ def forward(q, k, v, spec, group=None, timeout_s: float | None = None, config=No
     return out, lse
 
 
+def check_fits(spec, group=None, *, backward: bool = False, deterministic: bool = False):
+    """Raise HeapTooSmallError now if a call with ``spec`` over ``group`` (and, ``backward``, its backward) would not
+    fit the heap."""
+    h = _heap.get()
+    n = len(ring_of(h, group)[0])
+    h.plan(spec, n)
+    if backward:
+        h.plan_bwd(spec, n, deterministic=deterministic)
+
+
 def check_backward_fits(spec, group=None, deterministic: bool = False):
     """Raise HeapTooSmallError now if the backward of a call with ``spec`` over ``group`` would not fit the heap
     (``deterministic``: the backward's, which picks its kernel)."""

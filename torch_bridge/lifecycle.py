@@ -11,31 +11,93 @@ buffer in device memory instead, which jax_ring.status copies into its pinned sl
 
 from __future__ import annotations
 
+import socket
+from dataclasses import dataclass
+
 import torch
 
 from ring_core import control
 from ring_core import heap as _heap
+from ring_core import topology
 
 _pending = []  # (event, status (pinned host memory the kernel writes), ring position, timeout_s, ring members)
 
 
-def initialize(heap_size: int | None = None, group=None):
+@dataclass(frozen=True)
+class NodeRings:
+    """This rank's place in a job of several nodes (the two-level ring, torch_bridge.nodes): its node's process
+    group (the fused kernel's ring; iris's heap is built over it) and the between-node ring of the ranks with its
+    local rank (``peers``), with this rank's neighbours there (global ranks)."""
+
+    nodes: topology.Nodes
+    node: int
+    local: int
+    node_group: object
+    peers: object
+    next_rank: int
+    prev_rank: int
+
+
+_node_rings = None  # NodeRings of the job, when initialize() found several nodes
+
+
+def node_rings():
+    """The job's NodeRings, or None (one node, or no initialize())."""
+    return _node_rings if _heap.is_initialized() else None
+
+
+def _join_nodes(nodes: topology.Nodes) -> NodeRings:
+    """Collective over the job: check the nodes against every rank's host, make every node's and every
+    between-node ring's process group (each rank takes part in creating all of them, as torch.distributed wants)."""
+    import torch.distributed as dist
+
+    hosts = [None] * nodes.world_size
+    dist.all_gather_object(hosts, socket.gethostname())
+    topology.check_hosts(hosts, nodes)
+    rank = dist.get_rank()
+    node_group, _ = dist.new_subgroups_by_enumeration([list(nodes.node_members(n)) for n in range(nodes.num_nodes)])
+    peers, _ = dist.new_subgroups_by_enumeration([list(nodes.peer_members(r)) for r in range(nodes.node_size)])
+    node, local = nodes.node_of(rank), nodes.local_of(rank)
+    return NodeRings(nodes, node, local, node_group, peers, nodes.rank_of((node + 1) % nodes.num_nodes, local),
+                     nodes.rank_of((node - 1) % nodes.num_nodes, local))
+
+
+def initialize(heap_size: int | None = None, group=None, node_size: int | None = None):
     """Create this process's iris symmetric heap and return it. Collective: every rank of the job calls it.
 
     Initialises torch.distributed from the launcher's environment (RANK, WORLD_SIZE, LOCAL_RANK,
     LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) if the program has not: NCCL where every rank has its own
     GPU, gloo where ranks share one (rank r uses GPU ``LOCAL_RANK % visible GPUs``, see ``ring_core.gpus``);
     a process group created here is destroyed at interpreter exit (never earlier), one the program
-    created is left alone. The heap spans every process of the job and serves rings over any process
-    groups (``ring_attention(..., group=...)``); ``group`` is accepted for compatibility and unused.
+    created is left alone. The heap serves rings over any process groups within a node
+    (``ring_attention(..., group=...)``); ``group`` is accepted for compatibility and unused.
+
+    Several nodes. ``node_size`` is the number of ranks per node (host); None finds it
+    (``ring_core.topology.resolve_nodes``: RING_ATTENTION_NODE_SIZE, else the launcher's LOCAL_WORLD_SIZE, else
+    SLURM's tasks per node, else one node). With several nodes each node builds its own heap (iris maps memory
+    only within a host) and ``ring_attention(group=None)`` runs the two-level ring (torch_bridge.nodes): the fused
+    kernel inside each node, K/V between nodes over torch.distributed. The ranks of a node must share a host
+    (checked here, with a clear error); several nodes may share one when ``node_size`` or RING_ATTENTION_NODE_SIZE
+    says so (to test the two-level ring on one machine).
 
     Calling it again returns the same heap (a different ``heap_size`` raises RuntimeError: ``shutdown()``
     first); after ``shutdown()`` it creates a new heap on the same process group. Until it has run,
     ``backend="fused"`` raises and ``backend="auto"`` uses the torch reference ring.
     """
+    global _node_rings
+    import torch.distributed as dist
+
     heap_size = _heap.check_heap_size(heap_size) if heap_size is not None else None
     _heap.init_torch_distributed_from_env()
-    return _heap.initialize(heap_size)
+    if _heap.is_initialized():
+        return _heap.initialize(heap_size)
+    nodes = topology.resolve_nodes(dist.get_world_size(), node_size)
+    if nodes.num_nodes == 1:
+        _node_rings = None
+        return _heap.initialize(heap_size)
+    if _node_rings is None or _node_rings.nodes != nodes:  # (process groups are made once per job)
+        _node_rings = _join_nodes(nodes)
+    return _heap.initialize(heap_size, nodes=nodes, node_group=_node_rings.node_group)
 
 
 def shutdown() -> bool:

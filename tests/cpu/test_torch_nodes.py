@@ -1,0 +1,146 @@
+"""torch_bridge's two-level ring (torch_bridge.nodes) in gloo processes on the CPU: each process is a node of one
+rank whose fused calls run the real kernels in the Triton interpreter on a CPU "heap", and the K/V and dK/dV
+partials travel between the processes over torch.distributed, as on GPUs. What this checks beyond
+test_nodes.py's simulator: the frontend's transfers (posted before each node-step's call, waited for after it),
+its process groups, its autograd (gradients from out and lse), bad input before anything runs, and a rank that
+never arrives becoming RingAttentionTimeout."""
+
+import numpy as np
+import pytest
+
+from ring_core import testing
+from ring_core.layout import layout_permutation
+from torch_bridge.procs import LocalGroup
+
+
+def _setup_rank(rank, world, node_size):
+    """This process as a node rank with the fused backend in the interpreter over a CPU buffer."""
+    import os
+
+    os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+
+    import torch_bridge.api
+    from ring_core import control, interpret, plans, topology
+    from ring_core import heap as heap_mod
+    from torch_bridge import lifecycle
+
+    interpret.ensure_interpreter()
+
+    class CpuHeap(heap_mod.HeapRings):
+        def __init__(self):
+            self.buf = torch.zeros(8 << 20, dtype=torch.uint8)
+            super().__init__(rank, [[self.buf.data_ptr()]] * world, control.HeapLayout.for_workspace(8 << 20),
+                             self.buf, node_size=1)
+
+        def plan(self, spec, ring_size, config=None):
+            return super().plan(spec, ring_size, config=config, interpret=True)
+
+        def plan_bwd(self, spec, ring_size, config=None, deterministic=False):
+            return super().plan_bwd(spec, ring_size, config=config, interpret=True, deterministic=deterministic)
+
+    heap_mod._heap = CpuHeap()
+    nodes = topology.resolve_nodes(world, node_size)
+    lifecycle._node_rings = lifecycle._join_nodes(nodes)
+    torch_bridge.api._on_gpu = lambda x: True  # CPU tensors take backend="fused" (the interpreter)
+
+    def check_now(status, ring, timeout_s):  # the kernel ran on the host: its status is there at once
+        members, position, _ = ring
+        control.check_status(status.numpy(), position, timeout_s, members=members)
+
+    lifecycle.track = check_now
+
+
+def _inputs(W, B, S, H, HKV, D, dtype, seed):
+    q, k, v, dout = testing.random_inputs(seed, B, W * S, H, HKV, D, dtype, with_dout=True)
+    dlse = np.random.default_rng(seed).standard_normal((B, H, W * S))
+    return q, k, v, dout, dlse
+
+
+def _two_level(rank, world, case, seed):
+    W, B, S, H, HKV, D, dtype, causal, layout = case
+    _setup_rank(rank, world, 1)
+    import torch
+
+    import torch_bridge
+
+    q, k, v, dout, dlse = _inputs(W, B, S, H, HKV, D, dtype, seed)
+    perm = layout_permutation(W * S, W, layout)
+    rows = perm[rank * S:(rank + 1) * S]
+    tdt = getattr(torch, dtype)
+    mine = lambda x, ax=1: torch.from_numpy(np.ascontiguousarray(np.take(x, rows, axis=ax)))  # noqa: E731
+    qt, kt, vt = (mine(x).to(tdt).requires_grad_() for x in (q, k, v))
+    out, lse = torch_bridge.ring_attention(qt, kt, vt, is_causal=causal, layout=layout, return_lse=True,
+                                           backend="fused", timeout_s=60)
+    torch.autograd.backward([out, lse], [mine(dout).to(tdt), mine(dlse, 2).float()])
+    f = lambda t: t.detach().float().numpy()  # noqa: E731
+    return f(out), f(lse), f(qt.grad), f(kt.grad), f(vt.grad)
+
+
+CASES = [  # W, B, S_local, H, HKV, D, dtype, causal, layout
+    (2, 1, 16, 4, 2, 16, "float32", True, "zigzag"),
+    (3, 2, 12, 3, 1, 80, "bfloat16", True, "zigzag"),
+    (3, 1, 8, 2, 2, 16, "float32", True, "contiguous"),
+    (2, 1, 10, 2, 1, 16, "float16", False, "contiguous"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "W{}_B{}S{}_H{}/{}_D{}_{}_{}_{}".format(*c))
+def test_two_level_ring_against_float64(case):
+    W, B, S, H, HKV, D, dtype, causal, layout = case
+    with LocalGroup(W, timeout=600) as group:
+        res = group.run(_two_level, case, 5)
+    q, k, v, dout, dlse = _inputs(W, B, S, H, HKV, D, dtype, 5)
+    inv = np.argsort(layout_permutation(W * S, W, layout))
+    gather = lambda i, ax=1: np.take(np.concatenate([r[i] for r in res], axis=ax), inv, axis=ax)  # noqa: E731
+    testing.check_attention(f"torch nodes {case}", gather(0), gather(1, 2), q, k, v, dtype, is_causal=causal)
+    testing.check_grads(f"torch nodes {case}", [gather(i) for i in (2, 3, 4)], q, k, v, dout, dtype,
+                        is_causal=causal, dlse=dlse)
+
+
+def _bad(rank, world):
+    _setup_rank(rank, world, 1)
+    import torch
+
+    import torch_bridge
+
+    out = []
+    q = torch.zeros(1, 8, 2, 16)
+    for kw in (dict(window_size=(4, 0)), dict(segment_ids=torch.zeros(1, 8, dtype=torch.int32))):
+        try:
+            torch_bridge.ring_attention(q, q, q, backend="fused", **kw)
+        except NotImplementedError as e:
+            out.append(str(e))
+    return out
+
+
+def test_masks_not_taken_across_nodes_raise_before_running():
+    with LocalGroup(2) as group:
+        res = group.run(_bad)
+    for msgs in res:
+        assert len(msgs) == 2 and "sliding window" in msgs[0] and "segment ids" in msgs[1]
+        assert all("backend='torch'" in m for m in msgs)
+
+
+def _late(rank, world):
+    _setup_rank(rank, world, 1)
+    import torch
+
+    import torch_bridge
+    from ring_core.control import RingAttentionTimeout
+
+    q = torch.zeros(1, 8, 2, 16)
+    if rank == 1:
+        return "absent"
+    try:
+        torch_bridge.ring_attention(q, q, q, backend="fused", timeout_s=3)
+    except RingAttentionTimeout as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_node_that_never_arrives_is_a_timeout_naming_it():
+    with LocalGroup(2, timeout=120) as group:
+        res = group.run(_late)
+    assert res[1] == "absent"
+    assert "rank 1" in res[0] and "did not complete within 3" in res[0], res[0]

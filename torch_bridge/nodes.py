@@ -1,0 +1,168 @@
+"""backend='fused' across several nodes for PyTorch: the two-level ring of ring_core.nodes, with this rank's node's
+fused calls (torch_bridge.fused over the node's process group) and the K/V between nodes over torch.distributed
+point-to-point (NCCL; gloo where ranks share a GPU, staged through host memory). The twin of jax_ring.nodes.
+
+``torch_bridge.initialize()`` finds the nodes (torch_bridge.lifecycle.NodeRings); ``ring_attention(group=None)``
+then comes here when the job has several. Each transfer posts its send to the same local rank of the next node and
+its receive from the previous node's together (``batch_isend_irecv``), before the node-step's fused call is
+launched, and is waited for after it: the transfer of node-step s + 1 runs while node-step s computes. NCCL runs it
+on its own stream; with gloo its threads move host copies while the GPU computes.
+
+Why it cannot deadlock (with ring_core.protocol's argument for each fused call): every rank runs the same schedule
+of transfers (one per node-step, and in the backward one more for the dK/dV partials, one node-step behind), each a
+matched send and receive between fixed neighbours, posted before anything waits; the ranks of a node make the same
+fused calls in the same order (a node-step's kind depends only on the two nodes). A node-step's fused call needs
+only the ranks of its node, which launch it once their own receive has arrived, and every receive was posted by
+the previous node before that node waited for anything. A wait is bounded: a transfer that does not arrive within
+``timeout_s`` raises RingAttentionTimeout naming the rank it waited for; the fused calls' waits are the kernel's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from ring_core import control, nodes
+from ring_core.validate import AttentionSpec
+from torch_bridge import fused, lifecycle
+
+
+def spans_nodes(group) -> bool:
+    """Whether a fused call over ``group`` is the two-level ring (the job has several nodes and ``group`` is the
+    whole job); a group of several nodes that is not the whole job raises."""
+    rings = lifecycle.node_rings()
+    if rings is None:
+        return False
+    if group is None or group is dist.group.WORLD:
+        return True
+    members = dist.get_process_group_ranks(group)
+    if len({rings.nodes.node_of(m) for m in members}) == 1:
+        return False  # a ring inside one node: the one-node kernel
+    if sorted(members) == list(range(rings.nodes.world_size)):
+        return True
+    raise NotImplementedError(
+        f"the fused backend runs a process group within one node, or the whole job across nodes; this group "
+        f"({members}) spans several nodes of {rings.nodes.node_size} ranks but not the whole job: pass group=None, "
+        "or use backend='torch'")
+
+
+class _Transfer:
+    """One posted exchange between nodes: what this rank sent (kept alive until received) and receives."""
+
+    def __init__(self, xs, rings: lifecycle.NodeRings, timeout_s: float):
+        self.rings, self.timeout_s = rings, timeout_s
+        self.device = xs[0].device
+        self.staged = xs[0].is_cuda and dist.get_backend(rings.peers) == "gloo"
+        # With gloo, a tensor that arrived here travels on from its host copy (no copy back from the GPU).
+        self.sends = [getattr(x, "_host_copy", None) if self.staged else None for x in xs]
+        self.sends = [s if s is not None else (x.detach().contiguous().cpu() if self.staged else x.detach().contiguous())
+                      for s, x in zip(self.sends, xs)]
+        self.outs = [torch.empty_like(s) for s in self.sends]
+        ops = []
+        for send, out in zip(self.sends, self.outs):  # matched in posting order on both ranks
+            ops += [dist.P2POp(dist.isend, send, rings.next_rank, rings.peers),
+                    dist.P2POp(dist.irecv, out, rings.prev_rank, rings.peers)]
+        self.works = dist.batch_isend_irecv(ops)
+
+    def wait(self):
+        try:
+            for w in self.works:
+                w.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
+        except RuntimeError as e:
+            raise control.RingAttentionTimeout(
+                f"rank {dist.get_rank()}: the transfer from rank {self.rings.prev_rank} (the previous node) did not "
+                f"complete within {self.timeout_s} s: {e}") from e
+        if not self.staged:
+            return self.outs
+        got = []
+        for out in self.outs:
+            x = out.to(self.device, non_blocking=False)
+            x._host_copy = out
+            got.append(x)
+        return got
+
+
+def _f32(x):
+    return x if x.dtype == torch.float64 else x.float()
+
+
+def _ops(spec: AttentionSpec, rings: lifecycle.NodeRings, timeout_s, deterministic: bool) -> nodes.Ops:
+    group = rings.node_group
+    wait_s = control.timeout_ns(timeout_s) / 1e9
+
+    def node_spec(q, k, causal, layout):
+        return dataclasses.replace(spec, seq_local=q.shape[1], num_heads=q.shape[2], num_kv_heads=k.shape[2],
+                                   is_causal=bool(causal), layout=layout)
+
+    def inner_fwd(q, k, v, causal, layout):
+        return fused.forward(q, k, v, node_spec(q, k, causal, layout), group, timeout_s)
+
+    def inner_bwd(q, k, v, out, lse, dout, dlse, causal, layout):
+        return fused.backward(q, k, v, out, lse, dout, node_spec(q, k, causal, layout), group, timeout_s, dlse=dlse,
+                              deterministic=deterministic)
+
+    return nodes.Ops(xp=torch, permute=lambda x, axes: x.permute(*axes), cat=lambda xs, axis: torch.cat(xs, axis),
+                     astype=lambda x, like: x.to(like.dtype), f32=_f32, inner_fwd=inner_fwd, inner_bwd=inner_bwd,
+                     send=lambda xs: _Transfer(xs, rings, wait_s), recv=lambda t: t.wait())
+
+
+def node_specs(spec: AttentionSpec) -> list:
+    """The one-node calls' specs a two-level call of ``spec`` may make, on any node (for the heap checks)."""
+    s, h, hkv = spec.seq_local, spec.num_heads, spec.num_kv_heads
+    out = [spec, dataclasses.replace(spec, is_causal=False, layout="contiguous")]
+    if spec.is_causal and spec.layout == "zigzag":
+        out += [dataclasses.replace(spec, seq_local=s // 2, num_heads=2 * h, num_kv_heads=hkv, is_causal=False,
+                                    layout="contiguous"),
+                dataclasses.replace(spec, seq_local=s // 2, num_heads=2 * h, num_kv_heads=2 * hkv, is_causal=False,
+                                    layout="contiguous")]
+    return out
+
+
+def check_fits(spec: AttentionSpec, backward: bool, deterministic: bool) -> None:
+    """Raise HeapTooSmallError (or the bad-input error) now, before anything runs, for a two-level call."""
+    rings = lifecycle.node_rings()
+    nodes.check_supported(window=spec.window, segmented=spec.segmented, layout=spec.layout, seq_local=spec.seq_local)
+    for sp in node_specs(spec):
+        fused.check_fits(sp, rings.node_group, backward=backward, deterministic=deterministic)
+
+
+class _TwoLevel(torch.autograd.Function):
+    """(out, lse) of the two-level ring; its backward is ring_core.nodes.backward (the partial dK/dV travel
+    between nodes, float32)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, spec, timeout_s, deterministic):
+        rings = lifecycle.node_rings()
+        kw = dict(node=rings.node, num_nodes=rings.nodes.num_nodes, is_causal=spec.is_causal, layout=spec.layout)
+        out, lse = nodes.forward(_ops(spec, rings, timeout_s, deterministic), q, k, v, **kw)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (spec, timeout_s, deterministic, kw)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        spec, timeout_s, deterministic, kw = ctx.args
+        rings = lifecycle.node_rings()
+        dlse = torch.zeros_like(lse) if dlse is None else dlse.float()
+        dout = torch.zeros_like(out) if dout is None else dout.to(q.dtype)
+        dq, dk, dv = nodes.backward(_ops(spec, rings, timeout_s, deterministic), q, k, v, out, lse, dout, dlse, **kw)
+        return dq, dk, dv, None, None, None
+
+
+def ring_attention(q, k, v, spec: AttentionSpec, timeout_s=None, deterministic: bool = False):
+    """(out, lse) of the two-level ring over the whole job for this rank's shards (validated ``spec``),
+    differentiable; raises before anything runs where the call cannot run (masks not taken yet, heap too small)."""
+    if torch.compiler.is_compiling():
+        raise NotImplementedError("torch.compile does not trace the fused backend across several nodes yet; "
+                                  "compile the model around the attention call, or use backend='torch'")
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    check_fits(spec, grad, deterministic)
+    if not grad:
+        rings = lifecycle.node_rings()
+        return nodes.forward(_ops(spec, rings, timeout_s, deterministic), q, k, v, node=rings.node,
+                             num_nodes=rings.nodes.num_nodes, is_causal=spec.is_causal, layout=spec.layout)
+    return _TwoLevel.apply(q, k, v, spec, timeout_s, deterministic)
