@@ -9,7 +9,7 @@ layout's order ("contiguous" or the causal-balanced "zigzag"). The twin of ``jax
 from ring_core.simulate import simulate_ring_attention, simulate_ring_attention_grad
 from torch_bridge.api import (BACKENDS, RingAttention, from_layout, ring_attention, segment_ids_from_cu_seqlens,
                               to_layout)
-from torch_bridge.lifecycle import check_errors, initialize, is_initialized, reset, shutdown
+from torch_bridge.lifecycle import check_errors, initialize, is_initialized, node_size, reset, shutdown
 
 __all__ = [
     "BACKENDS",
@@ -18,6 +18,7 @@ __all__ = [
     "from_layout",
     "initialize",
     "is_initialized",
+    "node_size",
     "reset",
     "ring_attention",
     "segment_ids_from_cu_seqlens",

@@ -41,6 +41,17 @@ class NodeRings:
 _node_rings = None  # NodeRings of the job, when initialize() found several nodes
 
 
+def node_size() -> int:
+    """Ranks per node of the job (the whole job when it is one node); needs ``initialize()``."""
+    import torch.distributed as dist
+
+    rings = node_rings()
+    if rings is not None:
+        return rings.nodes.node_size
+    _heap.get()  # NotInitializedError, saying what to do
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
 def node_rings():
     """The job's NodeRings, or None (one node, or no initialize())."""
     return _node_rings if _heap.is_initialized() else None

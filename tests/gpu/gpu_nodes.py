@@ -1,0 +1,185 @@
+"""The two-level ring on GPUs (torch_bridge), checked and timed: run under the launcher, e.g. 4 ranks on one GPU as
+2 "nodes" x 2 ranks (the fused kernel inside each node, a heap per node, K/V between nodes over gloo, since NCCL
+refuses ranks that share a GPU)::
+
+    RING_ATTENTION_NODE_SIZE=2 python -m jax_ring.launch --nproc-per-node 4 tests/gpu/gpu_nodes.py --out DIR
+
+and the same problem as one node of 4 ranks (the flat ring) for the timing's baseline::
+
+    RING_ATTENTION_NODE_SIZE=4 python -m jax_ring.launch --nproc-per-node 4 tests/gpu/gpu_nodes.py \\
+        --sections timing --out DIR
+
+Sections: ``checks`` (forward and gradients against float64 with the one tolerance table, on rank 0 over the
+gathered results; deterministic=True bitwise from run to run), ``timing`` (per-call ms of the forward and of
+forward+backward, the slowest rank, written to DIR/nodes_timing.csv), ``soak`` (many calls a rank, each
+compared bitwise with the first). Prints ALL PASSED when every check passed; exits 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import torch_bridge
+from ring_core import testing
+from ring_core.layout import layout_permutation
+
+CASES = [  # B, S_local, H, HKV, D, dtype, causal, layout
+    (1, 512, 8, 2, 128, "bfloat16", True, "zigzag"),  # the Gluon kernels (Hopper), GQA
+    (2, 256, 4, 4, 64, "float16", True, "contiguous"),
+    (1, 384, 4, 1, 128, "bfloat16", False, "zigzag"),
+]
+
+
+def _shard(x, rows, device, dtype, axis=1):
+    return torch.from_numpy(np.ascontiguousarray(np.take(x, rows, axis=axis))).to(device=device, dtype=dtype)
+
+
+def _gather(x):
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, x)
+    return parts
+
+
+def _call(case, rank, world, seed, deterministic=False):
+    B, S, H, HKV, D, dtype, causal, layout = case
+    q, k, v, dout = testing.random_inputs(seed, B, world * S, H, HKV, D, dtype, with_dout=True)
+    dlse = np.random.default_rng(seed).standard_normal((B, H, world * S))
+    rows = layout_permutation(world * S, world, layout)[rank * S:(rank + 1) * S]
+    dev, tdt = torch.device("cuda", torch.cuda.current_device()), getattr(torch, dtype)
+    qt, kt, vt = (_shard(x, rows, dev, tdt).requires_grad_() for x in (q, k, v))
+    out, lse = torch_bridge.ring_attention(qt, kt, vt, is_causal=causal, layout=layout, return_lse=True,
+                                           backend="fused", deterministic=deterministic)
+    torch.autograd.backward([out, lse], [_shard(dout, rows, dev, tdt), _shard(dlse, rows, dev, torch.float32, 2)])
+    torch_bridge.check_errors()
+    f = lambda t: t.detach().float().cpu().numpy()  # noqa: E731
+    return [f(out), f(lse), f(qt.grad), f(kt.grad), f(vt.grad)], (q, k, v, dout, dlse)
+
+
+def checks(rank, world, log):
+    ok = True
+    for i, case in enumerate(CASES):
+        B, S, H, HKV, D, dtype, causal, layout = case
+        name = "B{} S_local {} H{}/{} D{} {} {} {}".format(*case)
+        res, (q, k, v, dout, dlse) = _call(case, rank, world, seed=i)
+        again, _ = _call(case, rank, world, seed=i, deterministic=True)
+        again2, _ = _call(case, rank, world, seed=i, deterministic=True)
+        same = all(np.array_equal(a, b) for a, b in zip(again, again2))
+        parts = _gather(res)
+        sames = _gather(same)
+        if rank == 0:
+            inv = np.argsort(layout_permutation(world * S, world, layout))
+            g = lambda j, ax=1: np.take(np.concatenate([p[j] for p in parts], axis=ax), inv, axis=ax)  # noqa: E731
+            try:
+                err = testing.check_attention(name, g(0), g(1, 2), q, k, v, dtype, is_causal=causal)
+                gerr = testing.check_grads(name, [g(j) for j in (2, 3, 4)], q, k, v, dout, dtype, is_causal=causal,
+                                           dlse=dlse)
+                if not all(sames):
+                    raise AssertionError(f"{name}: deterministic=True gradients differ between two runs")
+                log(f"PASS {name}: out err {err:.3g}, grad err {gerr:.3g}, deterministic bitwise")
+            except AssertionError as e:
+                ok = False
+                log(f"FAIL {e}")
+    return ok
+
+
+def timing(rank, world, log, out_dir, iters=10, warmup=2):
+    B, S, H, HKV, D, dtype, causal, layout = 1, 4096, 32, 8, 128, "bfloat16", True, "zigzag"
+    dev, tdt = torch.device("cuda", torch.cuda.current_device()), getattr(torch, dtype)
+    g = torch.Generator(device=dev).manual_seed(rank)
+    q = torch.randn(B, S, H, D, device=dev, dtype=tdt, generator=g).requires_grad_()
+    k, v = (torch.randn(B, S, HKV, D, device=dev, dtype=tdt, generator=g).requires_grad_() for _ in range(2))
+    node_size = torch_bridge.node_size()
+    rows = []
+    for pass_ in ("fwd", "fwd+bwd"):
+        times = []
+        for i in range(warmup + iters):
+            torch.cuda.synchronize()
+            dist.barrier()
+            t0 = time.perf_counter()
+            out = torch_bridge.ring_attention(q, k, v, is_causal=causal, layout=layout, backend="fused")
+            if pass_ == "fwd+bwd":
+                out.backward(torch.ones_like(out))
+            torch.cuda.synchronize()
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+        torch_bridge.check_errors()
+        slowest = max(_gather(float(np.median(times))))
+        flops = 4 * B * H * D * (world * S) ** 2 / 2 / world * (1 if pass_ == "fwd" else 3.5)
+        rows.append(dict(world=world, node_size=node_size, nodes=world // node_size, seq_local=S, heads=H,
+                         kv_heads=HKV, head_dim=D, dtype=dtype, causal=causal, layout=layout, pass_=pass_,
+                         ms=round(slowest * 1e3, 3), tflops_per_rank=round(flops / slowest / 1e12, 1),
+                         gpu=torch.cuda.get_device_name(), ranks_per_gpu=world // max(1, torch.cuda.device_count())))
+        if rank == 0:
+            log("TIMING " + json.dumps(rows[-1]))
+    if rank == 0 and out_dir:
+        path = os.path.join(out_dir, "nodes_timing.csv")
+        new = not os.path.exists(path)
+        with open(path, "a", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            if new:
+                w.writeheader()
+            w.writerows(rows)
+    return True
+
+
+def soak(rank, world, log, calls):
+    case = (1, 256, 4, 2, 64, "bfloat16", True, "zigzag")
+    first, _ = _call(case, rank, world, seed=7, deterministic=True)
+    wrong = 0
+    t0 = time.perf_counter()
+    for i in range(calls):
+        res, _ = _call(case, rank, world, seed=7, deterministic=True)
+        wrong += not all(np.array_equal(a, b) for a, b in zip(first, res))
+    wrongs = _gather(wrong)
+    if rank == 0:
+        log(f"{'PASS' if not any(wrongs) else 'FAIL'} soak: {calls} forward+backward calls a rank, "
+            f"{sum(wrongs)} wrong, {time.perf_counter() - t0:.1f} s")
+    return not any(wrongs)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sections", default="checks,timing,soak")
+    ap.add_argument("--soak-calls", type=int, default=2000)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    torch_bridge.initialize()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    lines = []
+
+    def log(msg):
+        print(msg, flush=True)
+        lines.append(msg)
+
+    if rank == 0:
+        log(f"world {world}, node_size {torch_bridge.node_size()}, {torch.cuda.get_device_name()}")
+    ok = True
+    for section in args.sections.split(","):
+        if section == "checks":
+            ok &= checks(rank, world, log)
+        elif section == "timing":
+            ok &= timing(rank, world, log, args.out)
+        elif section == "soak":
+            ok &= soak(rank, world, log, args.soak_calls)
+        else:
+            raise SystemExit(f"unknown section {section!r}")
+    if rank == 0:
+        log("ALL PASSED" if ok else "FAILED")
+        if args.out:
+            with open(os.path.join(args.out, f"nodes_log_R{torch_bridge.node_size()}.txt"), "a") as f:
+                f.write("\n".join(lines) + "\n")
+    torch_bridge.shutdown()
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
