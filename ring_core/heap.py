@@ -36,6 +36,8 @@ import sys
 import tempfile
 import threading
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from ring_core import control, plans
@@ -415,14 +417,57 @@ class SymmetricHeap(HeapRings):
             ctx.__del__()
 
 
-def initialize(heap_size: int | None = None, nodes=None, node_group=None) -> SymmetricHeap:
+@dataclass(frozen=True)
+class NodeRings:
+    """This rank's place in a job of several nodes (the two-level ring): its node's process group (the fused
+    kernel's rings and the node's heap are over it) and the between-node ring of the ranks with its local rank
+    (``peers``), with this rank's neighbours there (global ranks). Both frontends take it from here."""
+
+    nodes: object  # ring_core.topology.Nodes
+    node: int
+    local: int
+    node_group: object
+    peers: object
+    next_rank: int
+    prev_rank: int
+
+
+_node_rings = None  # NodeRings of the job, while a heap of several nodes exists
+
+
+def node_rings():
+    """This rank's NodeRings while a heap of a job of several nodes exists, else None."""
+    return _node_rings if _heap is not None else None
+
+
+def join_nodes(nodes) -> NodeRings:
+    """Collective over the job: check ``nodes`` against every rank's host (ring_core.topology.check_hosts), make
+    every node's and every between-node ring's process group (every rank takes part in creating each of them, as
+    torch.distributed wants)."""
+    import torch.distributed as dist
+
+    from ring_core import topology
+
+    hosts = [None] * nodes.world_size
+    dist.all_gather_object(hosts, socket.gethostname())
+    topology.check_hosts(hosts, nodes)
+    rank = dist.get_rank()
+    node_group, _ = dist.new_subgroups_by_enumeration([list(nodes.node_members(n)) for n in range(nodes.num_nodes)])
+    peers, _ = dist.new_subgroups_by_enumeration([list(nodes.peer_members(r)) for r in range(nodes.node_size)])
+    node, local = nodes.node_of(rank), nodes.local_of(rank)
+    return NodeRings(nodes, node, local, node_group, peers, nodes.rank_of((node + 1) % nodes.num_nodes, local),
+                     nodes.rank_of((node - 1) % nodes.num_nodes, local))
+
+
+def initialize(heap_size: int | None = None, nodes=None) -> SymmetricHeap:
     """Create this process's heap, or return the one that exists.
 
     A second call returns the existing heap unchanged; asking it for a different ``heap_size`` raises
     RuntimeError (call ``shutdown()`` first). After ``shutdown()`` it creates a new heap. Collective: every
     rank of the job calls it (iris exchanges the heap handles). ``nodes`` (ring_core.topology.Nodes) of several
-    nodes: a heap per node, built over ``node_group`` (this rank's node's process group)."""
-    global _heap
+    nodes: the node rings are made (``join_nodes``, once per job) and each node builds its own heap over its node's
+    process group (``node_rings()``)."""
+    global _heap, _node_rings
     with _lock:
         if _heap is not None:
             if heap_size is not None and check_heap_size(heap_size) != _heap.heap_size:
@@ -430,7 +475,12 @@ def initialize(heap_size: int | None = None, nodes=None, node_group=None) -> Sym
                                    f"before initialize(heap_size={heap_size})")
             return _heap
         _register_atexit()
-        _heap = SymmetricHeap(heap_size, nodes=nodes, node_group=node_group)
+        if nodes is None or nodes.num_nodes == 1:
+            _node_rings = None
+        elif _node_rings is None or _node_rings.nodes != nodes:  # (process groups are made once per job)
+            _node_rings = join_nodes(nodes)
+        _heap = SymmetricHeap(heap_size, nodes=nodes, node_group=None if _node_rings is None else
+                              _node_rings.node_group)
         return _heap
 
 

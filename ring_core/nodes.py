@@ -98,6 +98,9 @@ class Ops:
     ``inner_bwd(q, k, v, out, lse, dout, dlse, is_causal, layout) -> (dq, dk, dv)``: its backward.
     ``send(xs) -> handle``: post the transfer of the arrays ``xs`` to the same rank of the next node and the receipt
     of the previous node's (same shapes and dtypes); ``recv(handle) -> list``: wait for what arrived.
+    ``switch``: None where the node index is a Python int (the step's kind is chosen in Python); else
+    ``switch(index, branches)`` (``lax.switch``) and the node index a traced value (JAX: one program for every
+    node, so a node-step that differs between nodes runs the branch of the node's kind).
     """
 
     xp: object
@@ -109,6 +112,7 @@ class Ops:
     inner_bwd: object
     send: object
     recv: object
+    switch: object = None
 
 
 # ---------------------------------------------------------------- moving half shards into the head axis
@@ -218,13 +222,31 @@ def step_forward(ops: Ops, kind: str, q, k, v, *, is_causal: bool, layout: str):
     raise ValueError(f"no forward for a {kind!r} step")
 
 
-def forward(ops: Ops, q, k, v, *, node: int, num_nodes: int, is_causal: bool, layout: str):
+def _per_kind(ops: Ops, node, s: int, num_nodes: int, is_causal: bool, layout: str, fn, nothing):
+    """``fn(kind)`` for this node's kind at node-step ``s``; ``nothing()`` where it skips (None: skip, concrete node
+    only). A traced node runs ``ops.switch`` over the kinds the nodes have at that step."""
+    kinds = [step_kind(n, (n - s) % num_nodes, is_causal=is_causal, layout=layout) for n in range(num_nodes)]
+    if ops.switch is None or len(set(kinds)) == 1:
+        kind = kinds[node] if ops.switch is None else kinds[0]
+        if kind == SKIP:
+            return None if nothing is None else nothing()
+        return fn(kind)
+    order = sorted(set(kinds), key=kinds.index)
+    index = ops.xp.asarray([order.index(kd) for kd in kinds])[node]
+    return ops.switch(index, [(lambda kd=kd: nothing() if kd == SKIP else fn(kd)) for kd in order])
+
+
+def forward(ops: Ops, q, k, v, *, node, num_nodes: int, is_causal: bool, layout: str):
     """(out in q's dtype, lse float32) of the two-level ring for this rank's shards (module docstring)."""
     acc = None
-    for s, _, kind in schedule(node, num_nodes, is_causal=is_causal, layout=layout):
+    b, sq, h, d = q.shape
+    for s in range(num_nodes):
         handle = ops.send([k, v]) if s < num_nodes - 1 else None  # the next step's K/V, while this one computes
-        if kind != SKIP:
-            part = step_forward(ops, kind, q, k, v, is_causal=is_causal, layout=layout)
+        nothing = None if ops.switch is None else (lambda: _nothing(ops, ops.f32(ops.xp.zeros_like(q)),
+                                                                    ops.xp.zeros((b, h, sq), ops.xp.float32)))
+        part = _per_kind(ops, node, s, num_nodes, is_causal, layout,
+                         lambda kind: step_forward(ops, kind, q, k, v, is_causal=is_causal, layout=layout), nothing)
+        if part is not None:
             acc = part if acc is None else merge(ops, *acc, *part)
         if handle is not None:
             k, v = ops.recv(handle)
@@ -262,16 +284,18 @@ def step_backward(ops: Ops, kind: str, q, k, v, out, lse, dout, dlse, *, is_caus
     raise ValueError(f"no backward for a {kind!r} step")
 
 
-def backward(ops: Ops, q, k, v, out, lse, dout, dlse, *, node: int, num_nodes: int, is_causal: bool, layout: str):
+def backward(ops: Ops, q, k, v, out, lse, dout, dlse, *, node, num_nodes: int, is_causal: bool, layout: str):
     """(dq, dk, dv) in q's, k's and v's dtypes. ``dlse`` float32 like ``lse`` (zeros when lse carries no gradient)."""
     dq = None
     carry = None  # the transfer of the partial dK/dV of the K/V held, to the next node
     k0, v0 = k, v
-    for s, _, kind in schedule(node, num_nodes, is_causal=is_causal, layout=layout):
+    for s in range(num_nodes):
         handle = ops.send([k, v]) if s < num_nodes - 1 else None
-        part = None
-        if kind != SKIP:
-            part = step_backward(ops, kind, q, k, v, out, lse, dout, dlse, is_causal=is_causal, layout=layout)
+        zeros = lambda: tuple(ops.f32(ops.xp.zeros_like(x)) for x in (q, k, v))  # noqa: E731
+        part = _per_kind(ops, node, s, num_nodes, is_causal, layout,
+                         lambda kind: step_backward(ops, kind, q, k, v, out, lse, dout, dlse, is_causal=is_causal,
+                                                    layout=layout), None if ops.switch is None else zeros)
+        if part is not None:
             dq = part[0] if dq is None else dq + part[0]
         if carry is None:  # step 0: this rank's own K/V, no partials yet
             dk_acc, dv_acc = ops.f32(ops.xp.zeros_like(k)), ops.f32(ops.xp.zeros_like(v))

@@ -11,9 +11,6 @@ buffer in device memory instead, which jax_ring.status copies into its pinned sl
 
 from __future__ import annotations
 
-import socket
-from dataclasses import dataclass
-
 import torch
 
 from ring_core import control
@@ -23,54 +20,14 @@ from ring_core import topology
 _pending = []  # (event, status (pinned host memory the kernel writes), ring position, timeout_s, ring members)
 
 
-@dataclass(frozen=True)
-class NodeRings:
-    """This rank's place in a job of several nodes (the two-level ring, torch_bridge.nodes): its node's process
-    group (the fused kernel's ring; iris's heap is built over it) and the between-node ring of the ranks with its
-    local rank (``peers``), with this rank's neighbours there (global ranks)."""
-
-    nodes: topology.Nodes
-    node: int
-    local: int
-    node_group: object
-    peers: object
-    next_rank: int
-    prev_rank: int
-
-
-_node_rings = None  # NodeRings of the job, when initialize() found several nodes
-
-
 def node_size() -> int:
     """Ranks per node of the job (the whole job when it is one node); needs ``initialize()``."""
-    import torch.distributed as dist
-
-    rings = node_rings()
-    if rings is not None:
-        return rings.nodes.node_size
-    _heap.get()  # NotInitializedError, saying what to do
-    return dist.get_world_size() if dist.is_initialized() else 1
+    return _heap.get().node_size
 
 
 def node_rings():
-    """The job's NodeRings, or None (one node, or no initialize())."""
-    return _node_rings if _heap.is_initialized() else None
-
-
-def _join_nodes(nodes: topology.Nodes) -> NodeRings:
-    """Collective over the job: check the nodes against every rank's host, make every node's and every
-    between-node ring's process group (each rank takes part in creating all of them, as torch.distributed wants)."""
-    import torch.distributed as dist
-
-    hosts = [None] * nodes.world_size
-    dist.all_gather_object(hosts, socket.gethostname())
-    topology.check_hosts(hosts, nodes)
-    rank = dist.get_rank()
-    node_group, _ = dist.new_subgroups_by_enumeration([list(nodes.node_members(n)) for n in range(nodes.num_nodes)])
-    peers, _ = dist.new_subgroups_by_enumeration([list(nodes.peer_members(r)) for r in range(nodes.node_size)])
-    node, local = nodes.node_of(rank), nodes.local_of(rank)
-    return NodeRings(nodes, node, local, node_group, peers, nodes.rank_of((node + 1) % nodes.num_nodes, local),
-                     nodes.rank_of((node - 1) % nodes.num_nodes, local))
+    """This rank's ring_core.heap.NodeRings when the job has several nodes, else None."""
+    return _heap.node_rings()
 
 
 def initialize(heap_size: int | None = None, group=None, node_size: int | None = None):
@@ -95,20 +52,11 @@ def initialize(heap_size: int | None = None, group=None, node_size: int | None =
     first); after ``shutdown()`` it creates a new heap on the same process group. Until it has run,
     ``backend="fused"`` raises and ``backend="auto"`` uses the torch reference ring.
     """
-    global _node_rings
     import torch.distributed as dist
 
     heap_size = _heap.check_heap_size(heap_size) if heap_size is not None else None
     _heap.init_torch_distributed_from_env()
-    if _heap.is_initialized():
-        return _heap.initialize(heap_size)
-    nodes = topology.resolve_nodes(dist.get_world_size(), node_size)
-    if nodes.num_nodes == 1:
-        _node_rings = None
-        return _heap.initialize(heap_size)
-    if _node_rings is None or _node_rings.nodes != nodes:  # (process groups are made once per job)
-        _node_rings = _join_nodes(nodes)
-    return _heap.initialize(heap_size, nodes=nodes, node_group=_node_rings.node_group)
+    return _heap.initialize(heap_size, nodes=topology.resolve_nodes(dist.get_world_size(), node_size))
 
 
 def shutdown() -> bool:

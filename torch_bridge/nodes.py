@@ -2,7 +2,7 @@
 fused calls (torch_bridge.fused over the node's process group) and the K/V between nodes over torch.distributed
 point-to-point (NCCL; gloo where ranks share a GPU, staged through host memory). The twin of jax_ring.nodes.
 
-``torch_bridge.initialize()`` finds the nodes (torch_bridge.lifecycle.NodeRings); ``ring_attention(group=None)``
+``torch_bridge.initialize()`` finds the nodes (ring_core.heap.NodeRings); ``ring_attention(group=None)``
 then comes here when the job has several. Each transfer posts its send to the same local rank of the next node and
 its receive from the previous node's together (``batch_isend_irecv``), before the node-step's fused call is
 launched, and is waited for after it: the transfer of node-step s + 1 runs while node-step s computes. NCCL runs it
@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from ring_core import control, nodes
 from ring_core.validate import AttentionSpec
+from ring_core import heap as _heap
 from torch_bridge import fused, lifecycle
 
 
@@ -52,7 +53,7 @@ def spans_nodes(group) -> bool:
 class _Transfer:
     """One posted exchange between nodes: what this rank sent (kept alive until received) and receives."""
 
-    def __init__(self, xs, rings: lifecycle.NodeRings, timeout_s: float):
+    def __init__(self, xs, rings: _heap.NodeRings, timeout_s: float):
         self.rings, self.timeout_s = rings, timeout_s
         self.device = xs[0].device
         self.staged = xs[0].is_cuda and dist.get_backend(rings.peers) == "gloo"
@@ -89,7 +90,7 @@ def _f32(x):
     return x if x.dtype == torch.float64 else x.float()
 
 
-def _ops(spec: AttentionSpec, rings: lifecycle.NodeRings, timeout_s, deterministic: bool) -> nodes.Ops:
+def _ops(spec: AttentionSpec, rings: _heap.NodeRings, timeout_s, deterministic: bool) -> nodes.Ops:
     group = rings.node_group
     wait_s = control.timeout_ns(timeout_s) / 1e9
 

@@ -41,7 +41,7 @@ def _setup_rank(rank, world, node_size):
 
     heap_mod._heap = CpuHeap()
     nodes = topology.resolve_nodes(world, node_size)
-    lifecycle._node_rings = lifecycle._join_nodes(nodes)
+    heap_mod._node_rings = heap_mod.join_nodes(nodes)
     torch_bridge.api._on_gpu = lambda x: True  # CPU tensors take backend="fused" (the interpreter)
 
     def check_now(status, ring, timeout_s):  # the kernel ran on the host: its status is there at once
