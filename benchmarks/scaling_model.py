@@ -135,8 +135,9 @@ def load_rates(rate_paths, ring_path) -> Rates:
     for p in PASSES:
         for c in (True, False):
             if (p, c) not in w1:
-                raise ValueError(f"no W=1 torch_fused bf16 H32 D128 {p} {'causal' if c else 'non-causal'} rows in "
-                                 f"{', '.join(rate_paths)}; pass --rates files from benchmarks/attention.py that hold them")
+                what = "causal" if c else "non-causal"
+                raise ValueError(f"no W=1 torch_fused bf16 H32 D128 {p} {what} rows in {', '.join(rate_paths)}; "
+                                 f"pass --rates files from benchmarks/attention.py that hold them")
             w1[(p, c)].sort()
     ring = {}
     for r in _read(ring_path):
@@ -271,7 +272,8 @@ def predict(c: Case, rates: Rates, links: Links) -> dict:
 def smallest_hiding_seq(c: Case, rates: Rates, links: Links, direction: str, step: int = 256,
                         limit: int = 1 << 20):
     """The smallest multiple of ``step`` tokens a rank from which on (up to ``limit``) every between-node transfer
-    of the ``direction`` ("fwd" or "bwd") pass hides behind its node-step's call: checked at three nodes, which hold both kinds of node-step
+    of the ``direction`` ("fwd" or "bwd") pass hides behind its node-step's call: checked at three nodes, which
+    hold both kinds of node-step
     (the diagonal one and the others); the condition is per step, the same for every N."""
     c3 = replace(c, gpus=3 * c.node_size)
     if not predict(replace(c3, seq_local=limit), rates, links)["hidden"][direction]:
@@ -384,9 +386,9 @@ def target_lines(rows, hiding, a) -> list:
                    f"{worst['kv_heads']}, S_local {_fmt_seq(worst['seq_local'])}; eff_vs_1gpu there "
                    f"{worst['eff_vs_1gpu']:.3f})")
     for hkv, h in hiding:
+        names = {"fwd": "forward", "bwd": "backward"}
         out.append(f"smallest S_local whose between-node transfers hide behind the node-step's call (Hkv {hkv}): "
-                   + ", ".join(f"{ {'fwd': 'forward', 'bwd': 'backward'}[d]} {h[d] if h[d] is not None else 'none up to 1M'}"
-                               for d in h)
+                   + ", ".join(f"{names[d]} {h[d] if h[d] is not None else 'none up to 1M'}" for d in h)
                    + " (forward+backward: the larger)")
     return out
 

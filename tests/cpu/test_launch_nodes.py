@@ -79,7 +79,7 @@ def _two_nodes(tmp_path, nproc, **env_extra):
                 p.kill()
     for rc, _, err in outs:
         assert rc == 0, err
-    return sorted((l.split()[1:] for _, out, _ in outs for l in out.splitlines() if l.startswith("ENV")),
+    return sorted((line.split()[1:] for _, out, _ in outs for line in out.splitlines() if line.startswith("ENV")),
                   key=lambda row: int(row[0]))
 
 
