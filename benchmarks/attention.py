@@ -16,8 +16,8 @@ methods that need a GPU then write their reason.
 from ``--doc-lens``) and ``window`` (a sliding window, ``--window LEFT,RIGHT``), beside ``none``; only the methods
 that take masks run them (the fused kernel, the reference rings), their TFLOP/s count only the pairs the mask
 allows, and ratio columns compare them with the unmasked rate of the same run (``vs_dense``) and with the time
-of a world-1 run of the same per-rank work (``ms_vs_world1``; the harness's docstring defines them). The issue's
-targets, each a minute or two on 1-2 H200 (benchmarks/results/README.md has the commands):
+of a world-1 run of the same per-rank work (``ms_vs_world1``; the harness's docstring defines them). The masked
+benchmarks, each a minute or two on 1-2 H200 (docs/performance.md has their figures):
 
     python -m jax_ring.launch --nproc-per-node 2 -m benchmarks.attention --mask none,packed --causal yes \
         --seq 16k --pass fwd --methods torch_fused --csv packed.csv           # then --pass fwd+bwd; then W=1

@@ -116,8 +116,8 @@ Stages (``NAME[:SECONDS]``; the default time limit is in brackets):
   bench-w1     benchmarks/attention.py at world size 1 (one rank whatever --nproc: run it with --nproc 1, so
                that no MPS share caps it): fused (also with deterministic=True) and cuDNN, torch and JAX, bf16
                D128 16k/32k, fwd and fwd+bwd                                          [300]
-  examples     the four examples on 2 GPUs (flax_train.py needs flax and optax there: carry .whl and
-               install them first, see the README)                                 [300]
+  examples     the four examples on 2 GPUs (flax_train.py needs flax and optax there: install them
+               first, see docs/operations.md)                                 [300]
   flax         examples/flax_train.py alone                                        [120]
   examples-torch  the two torch examples (gloo between the ranks: they run with ranks sharing a GPU, which the JAX
                examples' NCCL collectives cannot)                                  [240]
