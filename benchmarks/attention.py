@@ -1,4 +1,4 @@
-"""Ring-attention benchmark (issue 4): the fused kernel against its peers, in one run. The command line.
+"""Ring-attention benchmark: the fused kernel against its peers, in one run. The command line.
 
 One process per GPU, started by the launcher; the world size is the job's (torch.distributed):
 
@@ -12,12 +12,12 @@ efficiency of the fused kernel can be computed; it appends rows to the same CSV.
 the whole path on CPU (gloo, XLA CPU) at tiny sizes, both passes unless ``--pass`` says otherwise;
 methods that need a GPU then write their reason.
 
-``--mask`` adds masked cases (issue 20): ``packed`` (documents packed back to back, segment ids; lengths drawn
+``--mask`` adds masked cases: ``packed`` (documents packed back to back, segment ids; lengths drawn
 from ``--doc-lens``) and ``window`` (a sliding window, ``--window LEFT,RIGHT``), beside ``none``; only the methods
 that take masks run them (the fused kernel, the reference rings), their TFLOP/s count only the pairs the mask
 allows, and ratio columns compare them with the unmasked rate of the same run (``vs_dense``) and with the time
-of a world-1 run of the same per-rank work (``ms_vs_world1``; the harness's docstring defines them). The issue's
-targets, each a minute or two on 1-2 H200 (benchmarks/results/README.md has the commands):
+of a world-1 run of the same per-rank work (``ms_vs_world1``; the harness's docstring defines them). The masked
+benchmarks, each a minute or two on 1-2 H200 (docs/performance.md has their figures):
 
     python -m jax_ring.launch --nproc-per-node 2 -m benchmarks.attention --mask none,packed --causal yes \
         --seq 16k --pass fwd --methods torch_fused --csv packed.csv           # then --pass fwd+bwd; then W=1
@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = TARGET_DEFAULTS
     ap = argparse.ArgumentParser(
         prog="python -m jax_ring.launch --nproc-per-node N -m benchmarks.attention",
-        description="Time the fused ring attention against its peers (issue 4); one process per GPU.",
+        description="Time the fused ring attention against its peers; one process per GPU.",
         epilog="Axes given as comma lists run as a product. Defaults are the issue-4 target set.")
     ap.add_argument("--framework", default="both", choices=("jax", "torch", "both"),
                     help="which frontends' methods to run (default both)")

@@ -1,4 +1,4 @@
-"""Where a fused backward's time goes, at world size 1 (issue 19): the product's backward kernels, each alone.
+"""Where a fused backward's time goes, at world size 1: the product's backward kernels, each alone.
 
 benchmarks/attention.py times forward+backward through autograd; this times the backward alone, through
 ``torch.autograd.grad`` on a saved forward (the way a training step runs it), with ``deterministic=False`` (the
@@ -10,7 +10,7 @@ dQ's conversion done by torch) runs beside them for the A/B. bf16, B=1, H=32, D=
 
     python -m jax_ring.launch --nproc-per-node 1 -m benchmarks.bwd_kernels --csv OUT.csv
 
-With ``--doc-lens none,16384-16384,512-8192`` (issue 20) it times instead the causal ``deterministic=False`` backward
+With ``--doc-lens none,16384-16384,512-8192`` it times instead the causal ``deterministic=False`` backward
 with segment ids: "none" is the dense call, "N-N" documents of N tokens (one per 16k shard: the dense work through
 the masked path), "LO-HI" lengths drawn as benchmarks/attention.py's packed rows (``harness.packed_documents``);
 each row also gives the pairs' TFLOP/s (the mask's allowed pairs, x 2.5 for the backward's five matmuls) and the
@@ -123,7 +123,7 @@ def main():
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--csv", default=None)
-    ap.add_argument("--doc-lens", default=None, help="comma list of none | N-N | LO-HI: the masked rows (issue 20)")
+    ap.add_argument("--doc-lens", default=None, help="comma list of none | N-N | LO-HI: the masked rows")
     ap.add_argument("--plot", nargs=2, metavar=("CSV", "PNG"), help="only plot a run's CSV (no GPU)")
     ap.add_argument("--fit", nargs="+", metavar="CSV", help="only fit a --doc-lens run's CSVs (no GPU): ``fit``")
     ap.add_argument("--sms", type=int, default=132, help="--fit: the GPU's SMs (H200: 132)")

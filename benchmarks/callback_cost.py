@@ -1,19 +1,18 @@
-"""What a host callback after every call costs a JAX program on one GPU, and where it goes (issue 18: the JAX
-frontend's per-call error check, a ``jax.debug.callback`` on the kernel's status words, cost 14-18 % of the fused
-forward at 16k tokens against deferred errors, benchmarks/results/README.md, session 3; the target is 2 % at 4k).
+"""What a host callback after every call costs a JAX program on one GPU, and where it goes (the JAX
+frontend's per-call error check: a ``jax.debug.callback`` on the kernel's status words cost 14-18 % of the fused
+forward at 16k tokens against deferred errors, one H200, 2026-12-01; the budget is 2 % at 4k).
 
 No ring, no Triton: a jitted stand-in for the fused call (a chain of bf16 matmuls taking about ``--work-ms``)
 that also returns a status array of the fused kernel's size (``control.STATUS_WORDS`` int32), run
 
 * ``none``: as is (what ``RING_ATTENTION_ERRORS=deferred`` gives);
-* ``debug``: with ``jax.debug.callback(check, status, ctx)``, what ``jax_ring.fused`` did in "call" mode until
-  session 8;
+* ``debug``: with ``jax.debug.callback(check, status, ctx)``, an earlier "call" mode of ``jax_ring.fused``;
 * ``debug_status``: the same with the status only (is the second operand's copy the cost?);
 * ``debug_concat``: the status and the context in one operand (a device concatenation first), what
   ``jax_ring.fused`` does now;
 * ``io``: ``jax.experimental.io_callback(check, None, status, ordered=False)``;
 * ``io_ordered``: the same, ordered (a token threads the calls);
-* ``status``: ``jax_ring.status.check(status, None, ...)``, JAX's default error mode since issue 18's change: a
+* ``status``: ``jax_ring.status.check(status, None, ...)``, JAX's default error mode: a
   typed-FFI handler in ctypes that starts an asynchronous copy of the status to pinned memory and an event on
   XLA's stream, and checks earlier calls' copies that have landed (no sync, no JAX effect);
 
@@ -21,7 +20,7 @@ each timed three ways: ``sync`` (every call followed by ``block_until_ready``, a
 times calls), ``dispatch`` (host time until the call returns, the GPU still busy) and ``pipelined`` (``--depth``
 calls dispatched back to back, then one ``block_until_ready``: a training loop's pattern; per call).
 
-    source .gpu/prelude.sh; python -m benchmarks.callback_cost --out $OUT/callback_cost.csv
+    python -m benchmarks.callback_cost --out OUT_DIR/callback_cost.csv
 
 Predictions for ``status`` (written before any GPU run; on our CPU, jax 0.10.2, its handler takes 7-9 us of host
 time and a jitted call 15 us more in all): ``dispatch`` +0.01-0.03 ms over ``none`` (the handler runs when XLA
@@ -76,7 +75,7 @@ def _program(variant: str, n: int, reps: int):
             jax.debug.callback(check, status, ctx)
         elif variant == "debug_status":
             jax.debug.callback(check, status)
-        elif variant == "debug_concat":  # what jax_ring.fused does since session 8: one operand
+        elif variant == "debug_concat":  # one operand, as jax_ring.fused passes them
             jax.debug.callback(check, jnp.concatenate([status, ctx.astype(jnp.int32)]))
         elif variant in ("io", "io_ordered"):
             jax.experimental.io_callback(check, None, status, ordered=variant == "io_ordered")

@@ -1,5 +1,5 @@
-"""Why a GPU process compiles a variant that the carried Triton cache holds (the puzzle of calls BA-BC, NOTES
-session 21): a trace of every ``triton.compile`` a process makes, and the cache keys of the kernels' functions.
+"""Why a GPU process compiles a variant that the carried Triton cache holds (e.g. a cache key that moves between
+processes): a trace of every ``triton.compile`` a process makes, and the cache keys of the kernels' functions.
 
 * ``install(path)`` (what ``benchmarks/compile_trace_site/sitecustomize.py`` calls in every Python process when
   that folder leads ``PYTHONPATH`` and ``RING_ATTENTION_COMPILE_TRACE`` names a folder): Triton's compilation
@@ -11,7 +11,7 @@ session 21): a trace of every ``triton.compile`` a process makes, and the cache 
 * ``python -m benchmarks.compile_trace --keys`` prints the cache key of every Triton function of ``ring_core``
   and of iris's device functions, one per line, sorted, as ``ring_core.build.settle_cache_keys`` settles them:
   two processes' outputs (two machines', two runs') diffed show which function's key moves. (What moved them
-  before the settling, session 22: Triton 3.6 hashed a caller without the globals of callees not yet hashed, so a
+  before the settling, 2026-12-04: Triton 3.6 hashed a caller without the globals of callees not yet hashed, so a
   key depended on which kernel a process hashed first.)
 * ``python -m benchmarks.compile_trace --summarize FOLDER``: the traces' misses and hits per kernel, and the
   functions whose keys differ between two ``--keys`` outputs (``--diff A B``).

@@ -1,11 +1,11 @@
-"""A Gluon attention backward for Hopper (issue 19), single GPU, no ring yet: FlashAttention-3's structure.
+"""A Gluon attention backward for Hopper, single GPU, no ring: FlashAttention-3's structure.
 
 Why: the backward is about 80 % of a forward+backward call now that the forward runs at cuDNN speed
-(benchmarks/NOTES.md, session 8). The tl backward (ring_core/kernel_bwd.py) is FlashAttention-2's split: dK/dV
+(docs/performance.md). The tl backward (ring_core/kernel_bwd.py) is FlashAttention-2's split: dK/dV
 tasks (four matmuls per block pair) and dQ tasks (three, two of them recomputed), seven where five would do, and
-capped near 0.67x cuDNN by that count (NOTES v1d). The five-matmul version in plain Triton lost (NOTES v1e): its
-dQ float atomics sat on the math warps. This probe measures FlashAttention-3's answer in Gluon 3.6 before it
-moves into the ring protocol, as benchmarks/gluon_fwd.py did for the forward.
+capped near 0.67x cuDNN by that count. The five-matmul version in plain Triton lost: its
+dQ float atomics sat on the math warps. This probe measures FlashAttention-3's answer in Gluon 3.6 without the ring
+protocol, as benchmarks/gluon_fwd.py does for the forward.
 
 * One program per (batch, kv head, 128 rows of K/V): dK and dV of those rows over every query block of the kv
   group's heads (causal: from the diagonal on; the heaviest K/V blocks first).
@@ -14,7 +14,7 @@ moves into the ring protocol, as benchmarks/gluon_fwd.py did for the forward.
   What this probe leaves out is the ring's protocol and the kernel's own delta, zeroing and conversion tasks: delta
   = rowsum(dO * O) comes from torch here, and the float32 dQ accumulator is zeroed and converted by torch, all
   timed with the kernel. The A/B with the product (benchmarks/bwd_kernels.py) is what the protocol costs.
-* Its history (NOTES, session 9): the first version added dQ with float atomics from the consumers (0.68-0.73x
+* Measured on one H200 (2026-12-02): a version added dQ with float atomics from the consumers (0.68-0.73x
   cuDNN); without dQ the loop ran at 1.3x cuDNN's rate; dQ through shared memory and TMA reductions reached
   0.85-0.89x.
 
@@ -24,7 +24,7 @@ halves of 64 columns, one 128-byte swizzle atom), fp16/bf16.
 
 On the GPU machine (one process, the whole GPU):
 
-    python -m benchmarks.gluon_bwd --out $OUT/gluon_bwd.csv
+    python -m benchmarks.gluon_bwd --out OUT_DIR/gluon_bwd.csv
 
 checks dQ, dK, dV against float32 autograd (torch) and times the backward against cuDNN's (bf16, B=1, H=32,
 D=128, S 16k and 32k, causal and not). ``compile_for_sm90`` compiles it on a CPU machine.
@@ -46,8 +46,8 @@ from ring_core.gluon_kernel import tma_load as _tma_load
 
 BLOCK_N = plans.GLUON_BWD_KV_ROWS  # K/V rows per program (two consumers of half each)
 BLOCK_M = plans.GLUON_BWD_Q_ROWS  # query rows per step of the loop
-# The configurations measured and dropped (calls u and v: dQ by float atomics from the consumers, no dQ at all, 3
-# slots) are in benchmarks/results (gluon_bwd_1xH200_2026-12-02{u,v}.csv) and in git history; what is left is the
+# The configurations measured and dropped (dQ by float atomics from the consumers, no dQ at all, 3 slots) are in
+# git history; what is left is the
 # product's loop (ring_core.gluon_bwd: dQ by TMA reductions, 2 slots) without the protocol.
 CONFIG = "product-loop"
 # As the kernel reads them (a @gluon.jit function reads constexpr globals only).

@@ -7,10 +7,10 @@ a git worktree of an older commit):
 
     TRITON_CACHE_DIR=/tmp/tc PYTHONPATH=$PWD python benchmarks/gluon_bwd_spills.py [--probe] [--masks]
 
-``--masks``: the variants with segment ids or a window instead (issue 20; deterministic=False only): segment ids at
+``--masks``: the variants with segment ids or a window instead (deterministic=False only): segment ids at
 world size 1 and 2 (causal), a causal window of 4095 at world size 1.
 
-Session 9 used it to find the wgmma descriptors the consumers' loop reloaded every step (benchmarks/NOTES.md).
+It found the wgmma descriptors the consumers' loop once reloaded every step (docs/performance.md).
 """
 import inspect
 import os
@@ -62,7 +62,7 @@ def main() -> int:
     heap = control.HeapLayout.for_workspace(8 << 30)
     from ring_core import gluon_bwd
 
-    det_ok = "DETERMINISTIC" in inspect.getsource(gluon_bwd)  # the deterministic order (session 10 on)
+    det_ok = "DETERMINISTIC" in inspect.getsource(gluon_bwd)  # the deterministic order (trees from 2026-12-02 on)
     variants = [(W, causal, det, None, False) for W, causal, det in (
         (1, False, False), (1, True, False), (2, True, False), (1, False, True), (1, True, True), (2, True, True))]
     if "--masks" in sys.argv:
@@ -77,7 +77,7 @@ def main() -> int:
                                              segment_ids_shape=(1, 16384) if seg else None,
                                              segment_ids_dtype="int32" if seg else None)
         kw = {"deterministic": True, "gluon_det": True} if det else {}  # the Gluon kernel's own order
-        if "gluon_det" not in inspect.signature(plans.plan_bwd).parameters:  # (session 10's trees before ff5e45c)
+        if "gluon_det" not in inspect.signature(plans.plan_bwd).parameters:  # (trees before ff5e45c)
             kw.pop("gluon_det", None)
         p = plans.plan_bwd(spec, W, heap, capability=(9, 0), **kw)
         # Specialised on the scalars' values as the launches are (batch 1 folded in): LaunchPlan.compile_record.
@@ -92,7 +92,7 @@ def main() -> int:
     if "--probe" in sys.argv and "--masks" not in sys.argv:
         from benchmarks import gluon_bwd
 
-        # Trees of session 9 before the probe ran the product's loop had dQ modes: 1 (TMA reductions) is that loop.
+        # Older trees, before the probe ran the product's loop, had dQ modes: 1 (TMA reductions) is that loop.
         kw = {"dq_mode": 1} if "dq_mode" in inspect.signature(gluon_bwd.compile_for_sm90).parameters else {}
         for causal in (False, True):
             report, text = sass(gluon_bwd.compile_for_sm90(causal=causal, **kw).asm["ptx"])

@@ -1,9 +1,9 @@
-"""A first Gluon attention forward for Hopper (issue 18's explicit-partition path), single GPU, no ring yet.
+"""A first Gluon attention forward for Hopper (explicit partitions), single GPU, no ring.
 
 Why: Triton's automatic warp specialisation cannot take the fused kernel's protocol at world size > 1
-(benchmarks/NOTES.md, "Hopper warp specialisation ... blocked at world size > 1"), so issue 18 allows a Gluon
-fast path. This is its first piece, the attention loop alone, to learn what Gluon 3.6 reaches on an H200 before
-the ring protocol moves in: FlashAttention-3's shape, simplified.
+(docs/design.md, "Kernels"), hence the Gluon
+fast path. This is its attention loop alone, to learn what Gluon 3.6 reaches on an H200 without
+the ring protocol: FlashAttention-3's shape, simplified.
 
 * One program per (128 query rows, batch x head), in the tl kernel's order: a kv group's heads fastest, then
   the query tiles (one kv head's K/V shared in L2), causal each head's heaviest tiles first. A **load
@@ -26,10 +26,10 @@ Layout as the product's: q, k, v and out ``[B, S, H, D]`` (k, v with HKV heads: 
 seen by TMA as 2-D ``[B*S, heads*D]`` with ``[128, D]`` blocks at column ``head*D``. This first version asks
 ``S % 128 == 0`` (TMA would otherwise read the next batch's rows) and D in (64, 128); fp16/bf16.
 
-Run on one H200 (benchmarks/results/README.md, 2026-12-02); it compiles for sm_90 on a CPU machine too
+Run on one H200 (2026-12-02: 0.97-1.04x cuDNN at world size 1); it compiles for sm_90 on a CPU machine too
 (``compile_for_sm90``). On the GPU machine (one process, the whole GPU):
 
-    python -m benchmarks.gluon_fwd --out $OUT/gluon_fwd.csv
+    python -m benchmarks.gluon_fwd --out OUT_DIR/gluon_fwd.csv
 
 checks it against float32 attention (torch) and times it against torch SDPA's cuDNN backend (bf16, B=1, H=32,
 D=128, S 16k and 32k, causal and not), the calls back to back.
@@ -63,8 +63,8 @@ STAGES = 2
 # D128), each block's MMAs in turn, the baseline; and the split consumers ("x": two partitions of one warpgroup
 # each, on 64 query rows apiece, FlashAttention-3's overlap of S_j with P_{j-1} V, releasing the slots separately)
 # in 3 slots, which is the product's loop: its consumers are ring_core.gluon_kernel's own. The configurations
-# measured and dropped in session 7 (64-row blocks; the overlap in one partition of two warpgroups, 2 and 3 slots;
-# the split in 2 slots) are in benchmarks/results (gluon_fwd_1xH200_2026-12-02*.csv) and in git history.
+# measured and dropped (64-row blocks; the overlap in one partition of two warpgroups, 2 and 3 slots;
+# the split in 2 slots; one H200, 2026-12-02) are in git history.
 CONFIGS = ((BLOCK_N, STAGES, False, False), (BLOCK_N, 3, True, True))
 LOAD_WARPS, LOAD_REGS = 1, 24
 SPLIT_WARPS, SPLIT_REGS = 4, 232  # each split consumer: one warpgroup; registers of the worker one (setmaxnreg)
@@ -353,7 +353,7 @@ def _shape_label(shape) -> str:
 
 
 def plot(csv_path: str, png: str, extra=(), shape=_shape, label=_shape_label,
-         title="Gluon forward (issue 18) against cuDNN, one H200, calls back to back") -> None:
+         title="Gluon forward against cuDNN, one H200, calls back to back") -> None:
     """Bar chart of a run's timed rows (TFLOP/s per method and shape); ``extra``: more (label, S, causal, TFLOP/s)
     rows to show beside them (e.g. the fused tl kernel of the same day, same timing). ``shape``: a row's x
     position key (sorted), ``label``: its tick label."""

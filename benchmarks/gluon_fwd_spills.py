@@ -23,7 +23,7 @@ from ring_core import build, control, plans, validate
 
 
 def cases(dims, masks=False):
-    """(name, spec, world size) of every variant reported; ``masks``: those of issue 20's benchmarks instead (causal,
+    """(name, spec, world size) of every variant reported; ``masks``: those of the masked benchmarks instead (causal,
     segment ids at world size 1 and 2, a causal window of 4096 tokens at world size 1)."""
     rows = ((1, True, 32, None, True), (2, True, 8, None, True), (1, True, 32, (4095, 0), False)) if masks else \
         ((1, False, 32, None, False), (1, True, 32, None, False), (2, True, 8, None, False))
@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dims", default="64,128,256", help="head dims, comma-separated")
     ap.add_argument("--ptx", default=None, help="a directory for each variant's PTX without debug lines")
-    ap.add_argument("--masks", action="store_true", help="issue 20's variants (segment ids, a window) instead")
+    ap.add_argument("--masks", action="store_true", help="the masked variants (segment ids, a window) instead")
     args = ap.parse_args(argv)
     build._iris_device_only()
     heap = control.HeapLayout.for_workspace(8 << 30)

@@ -1,6 +1,6 @@
-"""Can a TMA store write a peer's heap, and a TMA load read what a peer's TMA store wrote? (issue 18's push design)
+"""Can a TMA store write a peer's heap, and a TMA load read what a peer's TMA store wrote? (the Gluon forward's push design)
 
-The Gluon forward's pushes (benchmarks/NOTES.md, session 7: "Design for the pushes in the Gluon kernel") would
+The Gluon forward's pushes (docs/design.md) would
 TMA-store each local K/V block from the shared-memory slot it was loaded into straight into the needing peer's
 receive slot, then release the chunk's flag there; the peer acquires the flag, fences the generic proxy against
 the async one and TMA-loads the chunk (as benchmarks/gluon_ring.py, whose host-written late data it read right).
@@ -19,7 +19,7 @@ acquires the flag (bounded spin), fences, TMA-loads the tile and writes it out w
 compares with what rank - 1 sent. Tiles land while the receiver already spins (both ranks' kernels run side
 by side: one GPU under MPS, or two GPUs).
 
-    python -m jax_ring.launch --nproc-per-node 2 -m benchmarks.gluon_peer_store --out $OUT/peer_store.json
+    python -m jax_ring.launch --nproc-per-node 2 -m benchmarks.gluon_peer_store --out OUT_DIR/peer_store.json
 
 (stage ``probe-gluon-peer-store``; any --nproc >= 2).
 """

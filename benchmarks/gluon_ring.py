@@ -1,7 +1,7 @@
-"""The Gluon forward over a ring's steps, the waits in the load partition (issue 18's next piece; no protocol yet).
+"""The Gluon forward over a ring's steps, the waits in the load partition (no protocol).
 
-benchmarks/gluon_fwd.py's split-consumer loop (``n128s3x``: 0.97-1.04x cuDNN at world size 1, benchmarks/NOTES.md,
-session 7) reads one K/V. The product's fused forward reads, at ring step t >= 1, the K/V that rank ``rank - t``
+benchmarks/gluon_fwd.py's split-consumer loop (``n128s3x``: 0.97-1.04x cuDNN at world size 1, one H200,
+2026-12-02) reads one K/V. The product's fused forward reads, at ring step t >= 1, the K/V that rank ``rank - t``
 pushed into this rank's receive slot t - 1 (``[W-1][K, V][B][HKV][S][D]`` on the heap, ring_core.plans), each chunk
 after its flag, which the pusher releases once the chunk's rows are stored. Here the **load partition** does that
 wait: before the TMA loads of a chunk's first block it spins, bounded, on the chunk's flag with acquire loads, then
@@ -19,9 +19,9 @@ What this probe answers, on one GPU (the flags and slots filled by the host, not
 * ``time``: TFLOP/s of the ring kernel at W = 1, 2, 4 with the flags set, against cuDNN on the same keys (non-causal)
   and the W = 1 kernel (causal): what the waits and the second descriptor cost inside the specialised loop.
 
-    python -m benchmarks.gluon_ring --out $OUT/gluon_ring.csv
+    python -m benchmarks.gluon_ring --out OUT_DIR/gluon_ring.csv
 
-Still missing for the product (benchmarks/NOTES.md): the pushes, the call check, the end barrier and status words,
+Left out here (the product, ring_core.gluon_kernel, has them): the pushes, the call check, the end barrier and status words,
 NaN rows after a failed wait, zigzag positions and the masked steps of other ranks, D64/D256.
 """
 from __future__ import annotations
@@ -41,7 +41,7 @@ from benchmarks.gluon_fwd import (_LOAD_REGS, _LOAD_WARPS, _SPLIT_REGS, BLOCK_M,
                                   descriptors, free_turns, turns)
 from ring_core import control
 
-STAGES = 3  # n128s3x: the split consumers need the third slot (NOTES, session 7)
+STAGES = 3  # n128s3x: the split consumers need the third slot
 CHUNK_BLOCKS = 4  # K/V blocks per flag (512 rows)
 CTL_ERROR = gl.constexpr(control.CTL_ERROR)  # the word of ``err`` a failed wait sets (the product's error record)
 
@@ -305,7 +305,7 @@ def plot(csv_path: str, png: str) -> None:
 
     gluon_fwd.plot(csv_path, png, shape=lambda r: (int(r["W"]), int(r["causal"])),
                    label=lambda s: f"W={s[0]} {'causal' if s[1] else 'full'}",
-                   title=f"Gluon ring-step forward (issue 18), seq_local {TIMED['S']}, flags ready, one H200")
+                   title=f"Gluon ring-step forward, seq_local {TIMED['S']}, flags ready, one H200")
 
 
 def main(argv=None) -> int:

@@ -1,4 +1,4 @@
-"""The machinery of the ring-attention benchmark (issue 4): cases and their FLOPs, the job's set-up (Env and
+"""The machinery of the ring-attention benchmark: cases and their FLOPs, the job's set-up (Env and
 its collectives), the inputs, timing, the check, the rows, the CSV log and its ratio columns.
 
 ``benchmarks.attention`` is the command line that drives it; ``benchmarks.peers`` implements every method it
@@ -28,7 +28,7 @@ blocked in this timing too, so its rows counted JAX's dispatch and wake-up per c
 With ``--timing ready`` each call is timed as with ``call`` but its second event is recorded once the call's
 results are ready on the host (torch: after ``torch.cuda.synchronize()``), as a JAX call's always is: torch and
 JAX then count the same things, the host's work before the launch, the kernels, and the wait for them
-(benchmarks/NOTES.md, session 19: with ``call`` a JAX call counts its wait's wake-up, a torch call does not).
+(with ``call`` a JAX call counts its wait's wake-up, a torch call does not).
 TFLOP/s per GPU = ``4*B*H*S_local*S_global*D`` per rank (half when causal) / median time;
 in fwd+bwd the FLOPs are 3.5 times that (the flash-attention convention: backward = 2.5 forwards).
 
@@ -50,7 +50,7 @@ are speed ratios of the fused rows, fused TFLOP/s over the other method's, same 
 world-1 row of the same method, global problem and pass found anywhere in the file. A CSV written before
 the ``pass`` column existed is read as fwd rows (and rewritten with the column).
 
-Masks (issue 20; ``--mask``, the CSV's ``mask`` column): ``packed``, documents packed back to back (segment
+Masks (``--mask``, the CSV's ``mask`` column): ``packed``, documents packed back to back (segment
 ids; their lengths drawn uniformly from ``--doc-lens`` with a fixed seed, DOC_SEED, the last one cut at the
 sequence's end), and ``window``, a sliding window (``--window LEFT,RIGHT``, flash-attn's window_size), beside
 ``none``. Only the methods that take masks run them (MethodInfo.masks: the fused kernel and the reference

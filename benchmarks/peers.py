@@ -1,4 +1,4 @@
-"""Every method the ring-attention benchmark times (issue 4): this project's fused kernel through both
+"""Every method the ring-attention benchmark times: this project's fused kernel through both
 frontends, the reference rings, and the peers and limits it is measured against. ``benchmarks.attention``
 runs them; ``benchmarks.harness`` times and checks them and writes their rows (its docstring defines the
 timing, the check and the columns).

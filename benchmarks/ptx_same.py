@@ -1,6 +1,6 @@
 """Whether two trees' kernels compile to the same code: each record of a compile log compiled (Triton, sm_90, no GPU)
 from this tree's ring_core and from another's, the PTX compared up to its DWARF debug section (which names the
-source files' folder) with the .loc/.file lines dropped. For a change meant to leave some binaries alone (session 22:
+source files' folder) with the .loc/.file lines dropped. For a change meant to leave some binaries alone (e.g.
 the Gluon forward's pushers at W > 1 must leave every W = 1 kernel as it was):
 
     git archive 9fa4b9d ring_core | tar x -C /tmp/oldtree

@@ -21,7 +21,7 @@ Assumptions (each a flag where it is a number):
    diagonal node-step; R*S/2 for the off-diagonal ones, which are non-causal calls on half shards with the heads
    doubled, ``ring_core.nodes.K_EARLY`` / ``Q_LATE``) times the ring factor (2). The Hkv=8 rows reuse the Hkv=32
    rates (the FLOPs depend on H, not Hkv; at W=1 the GQA 32/8 forward ran 0.97-1.07x MHA's rate at 16k and 32k,
-   ``attention_w1_fwd_1xH200_2026-12-04BE.csv``, so this errs low if anything).
+   ``attention_w1_fwd_1xH200_2026-12-04.csv``, so this errs low if anything).
 2. Ring factor: what the fused ring over R ranks keeps of the W=1 rate, from ``--ring`` (the same dense call at two
    ranks sharing one GPU, ``ranks_per_gpu`` 2: the GPU's rate is 2x a rank's) over the W=1 rate at that global
    length: 0.903 forward and 0.918 forward+backward in the default files. Measured at R=2 and S=16k causal only;
@@ -73,9 +73,9 @@ if __package__ in (None, ""):  # run as a script path: make `benchmarks` importa
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-DEFAULT_RATES = ("benchmarks/results/attention_w1_stream_1xH200_2026-12-04BF.csv",
-                 "benchmarks/results/tiles_W1_1xH200_2026-12-03T.csv")
-DEFAULT_RING = "benchmarks/results/masks_packed_stream_W2_1xH200_2026-12-04BF.csv"
+DEFAULT_RATES = ("benchmarks/results/attention_w1_stream_1xH200_2026-12-04.csv",
+                 "benchmarks/results/tiles_W1_1xH200_2026-12-03.csv")
+DEFAULT_RING = "benchmarks/results/masks_packed_stream_W2_1xH200_2026-12-04.csv"
 PASSES = ("fwd", "fwd+bwd")
 FWD_BWD_FLOPS = 3.5  # forward+backward FLOPs over the forward's (benchmarks/harness.py)
 

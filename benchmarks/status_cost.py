@@ -1,4 +1,4 @@
-"""What JAX's per-call error check costs the real fused call (issue 18's target: at most 2 % at seq_local 4k), timed
+"""What JAX's per-call error check costs the real fused call (the budget: at most 2 % at seq_local 4k), timed
 so that drift between methods cannot pass for a cost: rounds of interleaved runs, the methods in a new random
 order each round, and the ratio to the unchecked program taken within each round.
 
@@ -17,8 +17,8 @@ took, per call (``host_ms_*``; when it nears the GPU's time per call, the host i
 Printed and written (``--csv``): per method the median and 20/80 % quantiles over rounds, and of the per-round
 ratio to ``none``; ``--png``: those ratios (``--plot CSV PNG`` redraws it from a CSV).
 
-    python -m jax_ring.launch --nproc-per-node 1 -m benchmarks.status_cost --csv $OUT/status_cost.csv \\
-        --png $OUT/status_cost.png
+    python -m jax_ring.launch --nproc-per-node 1 -m benchmarks.status_cost --csv OUT_DIR/status_cost.csv \\
+        --png OUT_DIR/status_cost.png
 """
 
 from __future__ import annotations
@@ -139,8 +139,8 @@ def build(mode, mesh, pass_, causal, q, k, v, do):
 
 
 # ``--frontend torch``: the same rounds through torch_bridge (its check: torch_bridge.lifecycle.track, an event per
-# call; the kernel writes the status into pinned host memory itself. Before session 23 track also copied the status
-# into pinned memory by cuMemcpyAsync: call BT). "none" leaves the tracking out (no event); "deferred-nocopy" records
+# call; the kernel writes the status into pinned host memory itself. Until 2026-12-04 track also copied the status
+# into pinned memory by cuMemcpyAsync). "none" leaves the tracking out (no event); "deferred-nocopy" records
 # the event only (since the change, what "deferred" does); "call" is RING_ATTENTION_ERRORS=call (a host sync).
 TORCH_MODES = ("none", "deferred", "call")
 TORCH_PROBES = ("deferred-nocopy",)

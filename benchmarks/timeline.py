@@ -1,5 +1,5 @@
-"""Where a tile's time goes in the persistent Gluon forward, partition by partition (issue 20's packed forward: the
-masked path costs 3-5 % over dense with the dense kernel's blocks, benchmarks/NOTES.md session 19, call AP).
+"""Where a tile's time goes in the persistent Gluon forward, partition by partition (the packed forward: the
+masked path cost 3-5 % over dense with the dense kernel's blocks, one H200, 2026-12-03; docs/performance.md).
 
 The kernel is built with its timeline on (``RING_ATTENTION_GLUON_TIMELINE=1``, set here before ring_core is
 imported; ring_core.gluon_kernel): each partition writes the SM's ``%clock64`` at its events of each of its program's
@@ -30,7 +30,7 @@ Each case is run two ways (``timing``): ``stream``, calls back to back (the word
 The timeline's stores change the binary slightly (a few more bytes of spills outside the loops), so its cases are
 compared with each other; ``ms`` is a call's time with the timeline on. World size 1, bf16, B=1, H=32, D=128,
 seq_local 16k, causal (benchmarks/attention.py's W=1 layout), the cases of ``probe-mask-cost`` and the packed
-documents of issue 20's target:
+documents of the packed benchmark:
 
     python -m jax_ring.launch --nproc-per-node 1 -m benchmarks.timeline --out DIR     # GPU: DIR/timeline.{csv,npz}
     python -m benchmarks.timeline --plot DIR/timeline.npz --png OUT.png                # CPU: the figure
@@ -108,7 +108,7 @@ def summarize(words: np.ndarray, ev: dict, capacity: int | None = None) -> dict:
                check_us=float(np.median(checked - entry)) / 1e3, partitions_us=float(np.median(joined - checked)) / 1e3,
                tail_us=float(leave.max() - joined.max()) / 1e3,
                clock_mhz=float(np.median(span / (joined - entry))) * 1e3,  # (span: start and end, beside them)
-               # how unevenly the programs end (issue 20): their joins from the first entry, the last over the mean
+               # how unevenly the programs end: their joins from the first entry, the last over the mean
                join_spread_us=float(joined.max() - joined.min()) / 1e3,
                join_over_mean=float((joined.max() - entry.min()) / (joined - entry.min()).mean()))
     arrays = dict(compute=comp, blocks=blocks, gaps=gaps)

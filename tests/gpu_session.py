@@ -32,20 +32,20 @@ processes, with the current kernel source: after a kernel edit a call then spend
 not case after case (variants already in the cache take a second or two each).
 
 Stages (``NAME[:SECONDS]``; the default time limit is in brackets):
-  warm         ring_core.build --warm: the later stages' variants (recorded by earlier sessions, and worked
-               out by tests/gpu_variants.py), compiled in parallel                    [240]
+  warm         ring_core.build --warm: the later stages' variants (recorded in tests/gpu_compiles.jsonl, and
+               worked out by tests/gpu_variants.py), compiled in parallel            [240]
   checks       tests/gpu_checks.py, forward sections: cases, jit, grads, launch, big [540]
   checks-all   tests/gpu_checks.py, every section                                  [540]
   checks-fwdbwd tests/gpu_checks.py --sections cases,gluon,bwd                     [420]
   checks-gluon tests/gpu_checks.py --sections gluon: the Gluon Hopper forward against float64 and the tl kernel [240]
   bench-w1-split  bench-w1's deterministic forward+backward on the tl split (RING_ATTENTION_GLUON_DETERMINISTIC=0;
-               the default is the Gluon kernel's order since session 17), torch, beside cuDNN    [120]
+               the default is the Gluon kernel's deterministic order), torch, beside cuDNN    [120]
   bench-w1-tl  bench-w1's forward with RING_ATTENTION_GLUON=0 (the tl kernel), beside cuDNN: the Gluon A/B [150]
-  bench-w1-shapes  bench-w1's forward at issue 18's other shapes, world size 1, torch_fused beside cuDNN: head_dim
+  bench-w1-shapes  bench-w1's forward at the other shapes, world size 1, torch_fused beside cuDNN: head_dim
                64 and 256 (32 kv heads), then GQA 32/8 at head_dim 128; bf16 16k/32k, causal and not      [150]
   checks-quick tests/gpu_checks.py, forward sections cases, gluon, jit, grads, launch (no big grid) [300]
   checks-grads tests/gpu_checks.py, sections grads and launch (the end of checks-quick)  [240]
-  probe-callback  benchmarks/callback_cost.py: what a host callback per call costs a JAX program (issue 18's
+  probe-callback  benchmarks/callback_cost.py: what a host callback per call costs a JAX program (the
                per-call check), one process, no ring                                  [150]
   checks-big   tests/gpu_checks.py --sections big (a grid far larger than the GPU holds at once)  [180]
   checks-bwd   tests/gpu_checks.py --sections bwd                                  [300]
@@ -53,7 +53,7 @@ Stages (``NAME[:SECONDS]``; the default time limit is in brackets):
                against float64 [240]
   checks-gluon-bwd-masks tests/gpu_checks.py --sections gluon-bwd-masks: the Gluon backward with windows and
                segment ids (deterministic=False) against float64 [240]
-  checks-gluon-bwd-rest  the runs of those two sections session 16 did not reach: gluon-bwd case 3 deterministic,
+  checks-gluon-bwd-rest  the slowest runs of those two sections alone: gluon-bwd case 3 deterministic,
                gluon-bwd-masks case 5 (batch 2, both masks)                                   [200]
   checks-masks tests/gpu_checks.py --sections masks: segment ids and windows, forward and
                backward (6 cases; compiles dominate)                                [540]
@@ -70,13 +70,13 @@ Stages (``NAME[:SECONDS]``; the default time limit is in brackets):
   probe-status-cost  the same with --probe: where the default check's cost goes      [200]
   probe-status-cost-fwd  --probe on the forwards only, 40 rounds: the rows that missed 2 % [200]
   probe-status-cost-torch  the same rounds through torch_bridge (its check: an event per call)     [150]
-  bench-w1-fwd every forward target of issue 18 at world size 1 (D128, D64, D256, GQA 32/8), torch beside
+  bench-w1-fwd every forward shape at world size 1 (D128, D64, D256, GQA 32/8), torch beside
                cuDNN, 10 timed calls: the A/B of a Gluon forward change              [200]
   bad_inputs   tests/gpu_faults.py --sections bad_inputs                           [150]
   kill         tests/gpu_faults.py --sections kill (ends rank 1)                   [90]
   soak         tests/gpu_soak.py --calls 10000, stopped 50 s before its limit      [420]
   bench-fwdbwd benchmarks/attention.py --pass fwd,fwd+bwd --seq 4k,16k             [420]
-  bench-packed benchmarks/attention.py --mask none,packed: packed documents (issue 20) against the dense
+  bench-packed benchmarks/attention.py --mask none,packed: packed documents against the dense
                causal rate, seq_local 16k, torch_fused, fwd then fwd+bwd (--nproc ranks)  [420]
   bench-window benchmarks/attention.py --mask window --window 4095,0, causal contiguous, seq_local 16k,
                torch_fused, fwd and fwd+bwd (--nproc ranks)                          [300]
@@ -93,16 +93,12 @@ Stages (``NAME[:SECONDS]``; the default time limit is in brackets):
   probe-bwd-kernels benchmarks/bwd_kernels.py: the backward alone at W=1, each CUDA kernel's own time (Gluon,
                tl split, the probe) [150]
   probe-bwd-kernels-seq the same at 4k, 8k and 16k (a fixed cost per task against a cost per step) [240]
-  probe-bwd-masks   the causal backward's kernels with segment ids (issue 20): dense, one 16k document
+  probe-bwd-masks   the causal backward's kernels with segment ids: dense, one 16k document
                through the masked path, packed documents of 512-8192 tokens                 [120]
   probe-bwd-doclens the same with documents of 16k, 8k, 4k, 2k and 1k tokens each, with each call's dK/dV
                tasks and steps (a cost per task against a cost per step)                    [150]
   probe-gluon-peer-store benchmarks/gluon_peer_store.py: TMA stores into the next rank's heap, each tile
                released by a flag, read there by TMA after the acquire (--nproc >= 2)       [90]
-  probe-launch-gap benchmarks/launch_gap.py: one call timed per call, back to back, host-only and
-               kernel-only (torch.profiler), dense and packed, world size 1                 [120]
-  probe-host-path benchmarks/host_path.py: a torch fused call's host time piece by piece (and cuDNN's), per call
-               and back to back with the compiled kernel's launcher against the JIT's, D128 and D64   [120]
   probe-jax-call  benchmarks/jax_call_cost.py: a JAX fused forward's per-call time beside torch's on one clock, in
                pairs of alternating order (16k and 32k, causal and not), each framework's floor (a one-element
                jitted op / op and sync), the JAX program's HLO by kind                      [240]
@@ -119,9 +115,9 @@ Stages (``NAME[:SECONDS]``; the default time limit is in brackets):
   checks-masks-tail  tests/gpu_checks.py masks cases 3, 4, 5 (fp32 last)                  [420]
   bench-w1     benchmarks/attention.py at world size 1 (one rank whatever --nproc: run it with --nproc 1, so
                that no MPS share caps it): fused (also with deterministic=True) and cuDNN, torch and JAX, bf16
-               D128 16k/32k, fwd and fwd+bwd, the set-up of ../shared/gpu/README.md's world-size-1 table  [300]
-  examples     the four examples on 2 GPUs (flax_train.py needs flax and optax there: carry .whl and
-               install them first, see the README)                                 [300]
+               D128 16k/32k, fwd and fwd+bwd                                          [300]
+  examples     the four examples on 2 GPUs (flax_train.py needs flax and optax there: install them
+               first, see docs/operations.md)                                 [300]
   flax         examples/flax_train.py alone                                        [120]
   examples-torch  the two torch examples (gloo between the ranks: they run with ranks sharing a GPU, which the JAX
                examples' NCCL collectives cannot)                                  [240]
@@ -171,7 +167,7 @@ LAUNCH = [sys.executable, "-m", "jax_ring.launch", "--nproc-per-node", "{nproc}"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "{nproc}"]
 # One process on the whole GPU, also in a session whose ranks share it (no SM share for it).
 LAUNCH1 = ["env", "-u", gpus.MPS_SHARE_ENV, sys.executable, "-m", "jax_ring.launch", "--nproc-per-node", "1"]
-# The issue-20 targets (benchmarks/results/README.md): packed documents against the dense causal rate, and a
+# The masked benchmarks (benchmarks/results/README.md): packed documents against the dense causal rate, and a
 # 4096-token causal window on a contiguous layout; torch_fused only (jax_fused runs the same kernel and would
 # double the compiles).
 BENCH = ["-m", "benchmarks.attention", "--causal", "yes", "--seq", "16k", "--methods", "torch_fused",
@@ -192,7 +188,7 @@ def _mask_cost(timing: str, csv: str) -> list:
 
 
 STAGES = {
-    # First in a call after a kernel edit: the later stages' variants (as an earlier session recorded them, at
+    # First in a call after a kernel edit: the later stages' variants (as tests/gpu_compiles.jsonl records them, at
     # the same --nproc), compiled from the current source many at a time, instead of one after another as each
     # stage's cases reach them.
     "warm": (240, [[sys.executable, "tests/gpu_variants.py", "--nproc", "{nproc}", "--stages", "{later_names}",
@@ -200,16 +196,15 @@ STAGES = {
                    [sys.executable, "-m", "ring_core.build", "--warm", COMPILES, "{out}/" + VARIANTS, "--tags",
                     "{later}", "--jobs", "{jobs}"]]),
     "checks": (540, [LAUNCH + ["tests/gpu_checks.py", "--sections", "cases,gluon,jit,grads,launch,big", "--out", "{out}"]]),
-    # Every section (cases, jit, grads, launch, bwd, masks, soak of 1000 calls, big): issue 15's runs per world size.
+    # Every section (cases, jit, grads, launch, bwd, masks, soak of 1000 calls, big): the full run per world size.
     "checks-all": (540, [LAUNCH + ["tests/gpu_checks.py", "--out", "{out}"]]),
-    # The forward and backward sections at many ranks (issue 15 asks W=8 for these at least).
+    # The forward and backward sections at many ranks (W=8 included).
     "checks-fwdbwd": (420, [LAUNCH + ["tests/gpu_checks.py", "--sections", "cases,gluon,bwd", "--out", "{out}"]]),
     "checks-gluon": (240, [LAUNCH + ["tests/gpu_checks.py", "--sections", "gluon", "--out", "{out}"]]),
     "checks-gluon-bwd": (240, [LAUNCH + ["tests/gpu_checks.py", "--sections", "gluon-bwd", "--out", "{out}"]]),
     "checks-gluon-bwd-masks": (240, [LAUNCH + ["tests/gpu_checks.py", "--sections", "gluon-bwd-masks", "--out",
                                                "{out}"]]),
-    # The runs of the two sections above that the persistent Gluon backward's checks of session 16 had not reached
-    # (their stages ran out of time): gluon-bwd case 3 (non-causal zigzag) in the deterministic order, and the
+    # The slowest runs of the two sections above, alone: gluon-bwd case 3 (non-causal zigzag) in the deterministic order, and the
     # batch-2 masked case (windows and padded segment ids together).
     "checks-gluon-bwd-rest": (200, [LAUNCH + ["tests/gpu_checks.py", "--sections", "gluon-bwd,gluon-bwd-masks",
                                               "--gluon-bwd-cases", "b3:det,m5", "--out", "{out}"]]),
@@ -222,10 +217,10 @@ STAGES = {
     "checks-masks-tail": (420, [LAUNCH + ["tests/gpu_checks.py", "--sections", "masks", "--mask-cases", "3,4,5",
                                           "--out", "{out}"]]),
     "faults": (240, [LAUNCH + ["tests/gpu_faults.py", "--deadline", "{limit_minus}", "--out", "{out}"]]),
-    # Issue 18: jax_ring.status's CUDA side alone (one process, no ring, no Triton): registration, no sync, a failure
+    # jax_ring.status's CUDA side alone (one process, no ring, no Triton): registration, no sync, a failure
     # raised by the next call, the ring of slots, the cost per call (also with the main thread busy in Python).
     "probe-status": (120, [["env", "-u", gpus.MPS_SHARE_ENV, sys.executable, "tests/gpu_status.py", "--out", "{out}"]]),
-    # Issue 18: JAX's default error mode (jax_ring.status) against the GPU: a timeout and a mismatch raised by the
+    # JAX's default error mode (jax_ring.status) against the GPU: a timeout and a mismatch raised by the
     # next fused call and by check_errors(), the call mode beside it (the call's own), torch's as before.
     "status": (180, [LAUNCH + ["tests/gpu_faults.py", "--sections", "timeout,mismatch", "--deadline", "{limit_minus}",
                                "--out", "{out}"]]),
@@ -243,7 +238,7 @@ STAGES = {
     # The same with --probe: the default check with its handler's copy left out, and with the handler doing nothing.
     "probe-status-cost": (200, [LAUNCH1 + ["-m", "benchmarks.status_cost", "--probe", "--csv",
                                            "{out}/status_cost_probe.csv", "--png", "{out}/status_cost_probe.png"]]),
-    # The forwards only (the 4k causal forward, the shortest call, missed 2 % in session 22), with more rounds.
+    # The forwards only (the 4k causal forward, the shortest call, is the one nearest 2 %), with more rounds.
     "probe-status-cost-fwd": (200, [LAUNCH1 + ["-m", "benchmarks.status_cost", "--probe", "--pass", "fwd", "--rounds",
                                                "40", "--csv", "{out}/status_cost_probe_fwd.csv", "--png",
                                                "{out}/status_cost_probe_fwd.png"]]),
@@ -266,7 +261,7 @@ STAGES = {
     "bench-packed-stream": (300, [LAUNCH + [x.replace("masks_packed", "masks_packed_stream") for x in PACKED]
                                   + ["--pass", p, "--timing", "stream", "--iters", "10"] for p in ("fwd", "fwd+bwd")]),
     "bench-window": (300, [LAUNCH + WINDOW]),
-    # Issue 20's window target with the ranks sharing one GPU: first one rank alone held to one rank's share of the
+    # The window benchmark with the ranks sharing one GPU: first one rank alone held to one rank's share of the
     # SMs (MPS, 100/nproc %), then the ranks; the same CSV, so the ring's rows get ms_vs_world1 against the lone
     # rank on as many SMs (the same banded work per rank): the protocol's overhead, which the share cancels.
     "bench-window-share": (300, [["env", f"{gpus.MPS_SHARE_ENV}={{share}}", sys.executable, "-m", "jax_ring.launch",
@@ -283,20 +278,20 @@ STAGES = {
                                     + ["--pass", p, "--timing", "stream"] for p in ("fwd", "fwd+bwd")]
                               + [LAUNCH1 + [x.replace("masks_window", "masks_window_stream") for x in WINDOW]
                                  + ["--timing", "stream"]]),
-    # Where the packed forward's time goes (benchmarks/NOTES.md): world size 1, documents of one length each, from
+    # Where the packed forward's time goes (docs/performance.md): world size 1, documents of one length each, from
     # one per 16k shard (the segment-id path at dense work) down to 1024 tokens (many short rows per tile).
     "bench-doclens": (150, [LAUNCH1 + BENCH + ["--mask", "packed", "--pass", "fwd", "--doc-lens", f"{n}-{n}",
                                                "--csv", "{out}/masks_doclens.csv"] for n in (16384, 4096, 1024)]),
     # The same back to back (the host's time hidden), from one document of 16384 tokens down to 512-token documents,
     # beside the dense causal forward: every row has the same 4096 tiles and the same plan scans (by position), the
     # blocks shrink with the documents, so the intercept of time against blocks is what a segmented tile costs
-    # however few blocks it has (issue 20's packed forward; benchmarks/NOTES.md, session 18).
+    # however few blocks it has (the packed forward; docs/performance.md).
     "bench-doclens-stream": (150, [LAUNCH1 + BENCH + ["--mask", "none,packed" if n == 16384 else "packed", "--pass",
                                                       "fwd", "--doc-lens", f"{n}-{n}", "--timing", "stream",
                                                       "--csv", "{out}/masks_doclens_stream.csv"]
                                    for n in (16384, 8192, 4096, 2048, 1024, 512)]),
-    # The masked path's own cost (issue 20): the same blocks as dense, through the masked path without ids (a window
-    # that hides almost nothing) and with them (one document), twice to show the spread (benchmarks/NOTES.md, s. 19).
+    # The masked path's own cost: the same blocks as dense, through the masked path without ids (a window
+    # that hides almost nothing) and with them (one document), twice to show the spread.
     "probe-mask-cost": (120, _mask_cost("stream", "mask_cost.csv")),
     # The same timed one call at a time (--timing call): the masked path's cost as the per-call benchmarks see it.
     "probe-mask-cost-call": (120, _mask_cost("call", "mask_cost_call.csv")),
@@ -305,7 +300,7 @@ STAGES = {
     # What a tile costs however few blocks it has, without masks: one problem's work (B * S^2 at 16k, B=1) cut into
     # 1, 4, 16 and 64 sequences (B=1 S=16k ... B=64 S=2k), so the tiles (B * S / 128 per head) grow 4x a row while
     # the blocks stay; ours and cuDNN's forward and forward+backward, causal and not, back to back. The slope of time
-    # against tiles is the per-tile cost (issue 18's causal rows, issue 20's packed rows; benchmarks/NOTES.md).
+    # against tiles is the per-tile cost (the causal rows, the packed rows; docs/performance.md).
     "probe-tiles": (240, [LAUNCH1 + ["-m", "benchmarks.attention", "--methods", "torch_fused,torch_cudnn_1gpu",
                                      "--seq", s, "--batch", str(b), "--pass", "fwd,fwd+bwd", "--warmup", "2",
                                      "--iters", "5", "--timing", "stream", "--csv", "{out}/tiles.csv"]
@@ -319,29 +314,29 @@ STAGES = {
                                          "torch_fused,torch_cudnn_1gpu,jax_fused,jax_fused_deferred,jax_cudnn_1gpu",
                                          "--seq", "16k,32k", "--pass", "fwd,fwd+bwd", "--warmup", "2", "--iters", "5",
                                          "--timing", "stream", "--csv", "{out}/attention_w1_stream.csv"]]),
-    # Issue 18's Gluon path, first piece: benchmarks/gluon_fwd.py's single-GPU forward, checked against float32
+    # benchmarks/gluon_fwd.py's single-GPU Gluon forward (no ring), checked against float32
     # attention, then timed against cuDNN (one process, the whole GPU).
     "probe-gluon-fwd": (240, [["env", "-u", gpus.MPS_SHARE_ENV, sys.executable, "-m", "benchmarks.gluon_fwd",
                                "--out", "{out}/gluon_fwd.csv"]]),
-    # Issue 19's first piece: benchmarks/gluon_bwd.py's single-GPU backward (FlashAttention-3's structure), checked
+    # benchmarks/gluon_bwd.py's single-GPU Gluon backward (FlashAttention-3's structure), checked
     # against float32 autograd, then timed against cuDNN's backward (one process, the whole GPU).
     "probe-gluon-bwd": (240, [["env", "-u", gpus.MPS_SHARE_ENV, sys.executable, "-m", "benchmarks.gluon_bwd",
                                "--out", "{out}/gluon_bwd.csv"]]),
-    # Its next piece: benchmarks/gluon_ring.py, the same loop over a ring's steps with the chunk waits in the
+    # benchmarks/gluon_ring.py: the Gluon forward's loop over a ring's steps with the chunk waits in the
     # load partition (flags and slots filled by the host: late, ready, never), checked, then timed (one process).
     "probe-gluon-ring": (180, [["env", "-u", gpus.MPS_SHARE_ENV, sys.executable, "-m", "benchmarks.gluon_ring",
                                 "--out", "{out}/gluon_ring.csv"]]),
-    # The push design's open point: a TMA store into a peer's heap, released by a flag, read by the peer's TMA
+    # The push design: a TMA store into a peer's heap, released by a flag, read by the peer's TMA
     # load (benchmarks/gluon_peer_store.py; --nproc ranks, at least 2).
     "probe-gluon-peer-store": (90, [LAUNCH + ["-m", "benchmarks.gluon_peer_store", "--out", "{out}/peer_store.json"]]),
-    # Issue 19: the backward alone at W=1, each CUDA kernel's own time (torch.profiler): the Gluon backward, the tl
+    # The backward alone at W=1, each CUDA kernel's own time (torch.profiler): the Gluon backward, the tl
     # split and benchmarks/gluon_bwd.py's probe.
     "probe-bwd-kernels": (150, [LAUNCH1 + ["-m", "benchmarks.bwd_kernels", "--csv", "{out}/bwd_kernels.csv"]]),
     # The same at 4k, 8k and 16k: a task's steps grow with S and so does the number of tasks, so the kernel times
-    # separate a fixed cost per task from the cost per step (NOTES, session 9: the causal backward's gap).
+    # separate a fixed cost per task from the cost per step.
     "probe-bwd-kernels-seq": (240, [LAUNCH1 + ["-m", "benchmarks.bwd_kernels", "--seq", "4096,8192,16384", "--csv",
                                                "{out}/bwd_kernels_seq.csv"]]),
-    # The causal backward's kernels with segment ids (issue 20): dense, one 16k document, packed 512-8192.
+    # The causal backward's kernels with segment ids: dense, one 16k document, packed 512-8192.
     "probe-bwd-masks": (120, [LAUNCH1 + ["-m", "benchmarks.bwd_kernels", "--doc-lens", "none,16384-16384,512-8192",
                                          "--csv", "{out}/bwd_kernels_masks.csv"]]),
     # The same over documents of one length each (16k down to 1k) and the packed rows: each row's kernel time with its
@@ -349,10 +344,6 @@ STAGES = {
     "probe-bwd-doclens": (150, [LAUNCH1 + ["-m", "benchmarks.bwd_kernels", "--doc-lens",
                                            "none,16384-16384,8192-8192,4096-4096,2048-2048,1024-1024,512-8192",
                                            "--csv", "{out}/bwd_kernels_doclens.csv"]]),
-    "probe-launch-gap": (120, [LAUNCH1 + ["-m", "benchmarks.launch_gap", "--profile", "--csv", "{out}/launch_gap.csv"]]),
-    # Where a torch fused call's host time goes, piece by piece, beside cuDNN's; and the call per call and back to
-    # back with the compiled kernel's own launcher against every launch through Triton's JIT (issue 18's per-call rows).
-    "probe-host-path": (120, [LAUNCH1 + ["-m", "benchmarks.host_path", "--csv", "{out}/host_path.csv"]]),
     "probe-jax-call": (240, [LAUNCH1 + ["-m", "benchmarks.jax_call_cost", "--seq", "16384,32768", "--causal", "both",
                                         "--csv", "{out}/jax_call_cost.csv", "--hlo", "{out}/jax_call_cost_hlo.txt"]]),
     "bench-w1": (300, [LAUNCH1 + ["-m", "benchmarks.attention", "--methods",
@@ -361,21 +352,20 @@ STAGES = {
                                   "--seq", "16k,32k", "--pass", "fwd,fwd+bwd", "--warmup", "2", "--iters", "5",
                                   "--csv", "{out}/attention_w1.csv"]]),
     # bench-w1's deterministic forward+backward on the tl split (RING_ATTENTION_GLUON_DETERMINISTIC=0; the default
-    # deterministic backward is the Gluon kernel's order since session 17; sessions 17's calls V and W ran this stage
-    # as bench-w1-gdet, with =1, when the split was the default), beside cuDNN: issue 19's deterministic A/B.
+    # deterministic backward is the Gluon kernel's own order), beside cuDNN: the deterministic A/B.
     "bench-w1-split": (120, [["env", "RING_ATTENTION_GLUON_DETERMINISTIC=0"] + LAUNCH1 + [
         "-m", "benchmarks.attention", "--methods", "torch_fused_det,torch_cudnn_1gpu", "--seq", "16k,32k", "--pass",
         "fwd+bwd", "--warmup", "2", "--iters", "5", "--csv", "{out}/attention_w1_split.csv"]]),
     # bench-w1's forward with the tl kernel (RING_ATTENTION_GLUON=0), beside cuDNN in the same run: the A/B of the
-    # Gluon Hopper forward (issue 18).
+    # Gluon Hopper forward.
     "bench-w1-tl": (150, [["env", "RING_ATTENTION_GLUON=0"] + LAUNCH1 + [
         "-m", "benchmarks.attention", "--methods", "torch_fused,jax_fused_deferred,torch_cudnn_1gpu", "--seq",
         "16k,32k", "--pass", "fwd", "--warmup", "2", "--iters", "5", "--csv", "{out}/attention_w1_tl.csv"]]),
-    # Issue 18's targets beyond D128 (D64 and D256 at >= 0.9x cuDNN; GQA): the forward at world size 1 through torch
+    # The shapes beyond D128 (D64, D256, GQA): the forward at world size 1 through torch
     # (JAX runs the same binary), beside cuDNN in the same run; two processes, one CSV.
     "bench-w1-shapes": (150, [LAUNCH1 + W1_SHAPES + ["--head-dim", "64,256", "--kv-heads", "32"],
                               LAUNCH1 + W1_SHAPES + ["--head-dim", "128", "--kv-heads", "8"]]),
-    # Every forward target of issue 18 at world size 1 in one stage (D128, D64, D256, GQA 32/8; torch beside cuDNN;
+    # Every forward shape at world size 1 in one stage (D128, D64, D256, GQA 32/8; torch beside cuDNN;
     # 10 timed calls): the A/B of a Gluon forward change (e.g. RING_ATTENTION_GLUON_PINGPONG=1 in the environment).
     "bench-w1-fwd": (200, [LAUNCH1 + W1_SHAPES[:-4] + ["--iters", "10", "--csv", "{out}/attention_w1_fwd.csv",
                                                         "--head-dim", "128,64,256", "--kv-heads", "32"],
