@@ -20,7 +20,7 @@ from ring_core.layout import inverse_permutation, layout_permutation
 from ring_core.validate import (check_attention_args, check_deterministic, check_global_seq, check_layout,
                                 check_layout_call, check_timeout)
 
-from jax_ring import _platform, fused
+from jax_ring import _platform, fused, nodes
 from jax_ring.reference import ring_attention_xla
 
 JAX_BACKENDS = ("auto", "fused", "xla")
@@ -103,7 +103,14 @@ def _run(q, k, v, segment_ids, spec, *, axis_name, return_lse, backend, timeout_
     if backend == "xla":  # ignores deterministic: XLA's own ops, as deterministic as XLA_FLAGS make them
         return ring_attention_xla(q, k, v, axis_name=axis_name, spec=spec, return_lse=return_lse,
                                   segment_ids=segment_ids)
-    out, lse = _ring_attention_fused(q, k, v, segment_ids, spec, axis_name, world, timeout_s, deterministic)
+    if nodes.spans_nodes(world):  # several nodes: the kernel within each, K/V between them (jax_ring.nodes)
+        if _platform.under_vmap():
+            raise ValueError("jax_ring.ring_attention(backend='fused') does not run under jax.vmap: fold the mapped "
+                             "axis into the batch axis, or use backend='xla'")
+        _heap.on_release(_forget_compiled_programs)
+        out, lse = nodes.ring_attention(q, k, v, spec, axis_name, timeout_s, deterministic)
+    else:
+        out, lse = _ring_attention_fused(q, k, v, segment_ids, spec, axis_name, world, timeout_s, deterministic)
     return (out, lse) if return_lse else out
 
 

@@ -86,25 +86,29 @@ def _device_rank(device) -> int:
     return _process_ranks.get(device.process_index, device.process_index)
 
 
-def ring_table(h, mesh, axis_name) -> np.ndarray:
+def ring_table(h, mesh, axis_name, ring_size: int | None = None) -> np.ndarray:
     """[devices of ``mesh``, n] int32: row i is the context of the device ``mesh.devices.flat[i]`` for the
     ring along ``axis_name`` through it (``h.ctx_row``: heap bases as mapped in its process, its position in
     the ring, its ring's slot, then the ring's global ranks). Registers every ring of the axis (in the same
-    order in every process, so every process assigns the same slots)."""
+    order in every process, so every process assigns the same slots). ``ring_size`` shorter than the axis: the
+    rings are the axis's consecutive blocks of that many devices (the two-level ring's node rings,
+    jax_ring.nodes), each of which must lie within one node."""
     devices = np.asarray(mesh.devices)
     names = list(mesh.axis_names)
     ax = names.index(axis_name)
+    ring_size = ring_size or devices.shape[ax]
     ranks = np.vectorize(_device_rank, otypes=[np.int64])(devices)
     if len(set(ranks.flat)) != ranks.size:
         raise ValueError(f"the fused backend needs one device per process in the mesh ({dict(mesh.shape)}), "
                          "each process's own GPU (jax_ring.initialize gives each process one); use backend='xla'")
-    rings = np.moveaxis(ranks, ax, -1).reshape(-1, devices.shape[ax])
+    rings = np.moveaxis(ranks, ax, -1).reshape(-1, ring_size)
     for members in rings:
         h.rings.assign("jax", members)
     rows = []
     for pos in range(devices.size):
         coords = np.unravel_index(pos, devices.shape)
-        members = ranks[coords[:ax] + (slice(None),) + coords[ax + 1:]]
+        first = coords[ax] // ring_size * ring_size
+        members = ranks[coords[:ax] + (slice(first, first + ring_size),) + coords[ax + 1:]]
         slot = h.rings.get("jax", members)
         rows.append(np.concatenate([h.ctx_row(int(ranks[coords]), members, slot), members.astype(np.int64)]))
     return np.stack(rows).view(np.int32)
@@ -127,7 +131,7 @@ def local_ring(ctx, axis_name, ring_size: int):
     """(position in its ring, the ring's global ranks, the whole ring table) of this process's device, for a
     lowering inside shard_map (jax_ring.status names a failure's ranks with them)."""
     mesh = _lowering_mesh(ctx)
-    table = ring_table(_heap.get(), mesh, axis_name)
+    table = ring_table(_heap.get(), mesh, axis_name, ring_size)
     mine = [i for i, d in enumerate(np.asarray(mesh.devices).flat) if d.process_index == jax.process_index()]
     if len(mine) != 1:
         raise ValueError(f"the fused backend needs exactly one device of this process in the mesh, found {len(mine)}")
@@ -136,7 +140,7 @@ def local_ring(ctx, axis_name, ring_size: int):
 
 
 def _ring_ctx_lowering(ctx, pos, *, axis_name, ring_size):
-    table = ring_table(_heap.get(), _lowering_mesh(ctx), axis_name)
+    table = ring_table(_heap.get(), _lowering_mesh(ctx), axis_name, ring_size)
     row = lambda i: lax.dynamic_index_in_dim(jnp.asarray(table), i, axis=0, keepdims=False)  # noqa: E731
     return mlir.lower_fun(row, multiple_results=False)(ctx, pos)
 

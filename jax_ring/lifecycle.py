@@ -16,9 +16,10 @@ import os
 from jax_ring import status as _status
 from ring_core import control
 from ring_core import heap as _heap
+from ring_core import topology
 
 
-def initialize(heap_size: int | None = None):
+def initialize(heap_size: int | None = None, node_size: int | None = None):
     """Prepare this process for ``backend="fused"``; returns the heap. Collective: every rank calls it.
 
     In a job of one process per rank (``python -m jax_ring.launch --nproc-per-node N script.py`` or
@@ -27,6 +28,12 @@ def initialize(heap_size: int | None = None):
     share a GPU, see ``ring_core.gpus``), each only if not done yet, then creates the
     iris symmetric heap of ``heap_size`` bytes (default 4 GiB or RING_ATTENTION_HEAP_BYTES). Call it before
     JAX touches the GPU, so that XLA does not preallocate the memory the heap needs.
+
+    Several nodes: ``node_size`` ranks per node (host); None finds it (``ring_core.topology.resolve_nodes``:
+    RING_ATTENTION_NODE_SIZE, else the launcher's LOCAL_WORLD_SIZE, else SLURM's tasks per node, else one node).
+    With several nodes each node builds its own heap (iris maps memory only within a host), and a fused call over a
+    mesh axis longer than a node runs the two-level ring (jax_ring.nodes: the kernel within each node's devices of
+    the axis, K/V between nodes by ``lax.ppermute``). As torch_bridge.initialize.
 
     Calling it again returns the same heap (a different ``heap_size`` raises RuntimeError: ``shutdown()``
     first). After ``shutdown()`` it creates a new heap, reusing the process group and ``jax.distributed``
@@ -63,9 +70,14 @@ def initialize(heap_size: int | None = None):
         port = int(os.environ.get("JAX_COORDINATOR_PORT", int(os.environ.get("MASTER_PORT", 0)) + 1))
         jax.distributed.initialize(coordinator_address=f"{addr}:{port}", num_processes=world, process_id=rank,
                                    local_device_ids=[device])
-    h = _heap.initialize(heap_size)
+    h = _heap.initialize(heap_size, nodes=topology.resolve_nodes(world, node_size))
     _map_processes()
     return h
+
+
+def node_size() -> int:
+    """Ranks per node of the job (the whole job when it is one node); needs ``initialize()``."""
+    return _heap.get().node_size
 
 
 def _map_processes():

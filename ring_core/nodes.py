@@ -42,6 +42,7 @@ raise; the reference rings (``backend="xla"`` / ``"torch"``) take them across no
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 DIAG = "diag"  # the node's own K/V: the one-node call, with the call's masks
@@ -85,6 +86,18 @@ def check_supported(*, window, segmented: bool, layout: str, seq_local: int) -> 
             "(the reference ring takes every mask across nodes), or run within one node")
     if layout == "zigzag" and seq_local % 2:
         raise ValueError(f"zigzag needs an even seq_local, got {seq_local}")
+
+
+def node_specs(spec) -> list:
+    """The one-node calls' specs (ring_core.validate.AttentionSpec) a two-level call of ``spec`` may make on any
+    node: the frontends check each against the heap before anything runs."""
+    s, h, hkv = spec.seq_local, spec.num_heads, spec.num_kv_heads
+    out = [spec, dataclasses.replace(spec, is_causal=False, layout="contiguous")]
+    if spec.is_causal and spec.layout == "zigzag":
+        for kv in (hkv, 2 * hkv):  # K_EARLY, Q_LATE
+            out.append(dataclasses.replace(spec, seq_local=s // 2, num_heads=2 * h, num_kv_heads=kv, is_causal=False,
+                                           layout="contiguous"))
+    return out
 
 
 @dataclass(frozen=True)
@@ -239,11 +252,11 @@ def _per_kind(ops: Ops, node, s: int, num_nodes: int, is_causal: bool, layout: s
 def forward(ops: Ops, q, k, v, *, node, num_nodes: int, is_causal: bool, layout: str):
     """(out in q's dtype, lse float32) of the two-level ring for this rank's shards (module docstring)."""
     acc = None
-    b, sq, h, d = q.shape
     for s in range(num_nodes):
         handle = ops.send([k, v]) if s < num_nodes - 1 else None  # the next step's K/V, while this one computes
+        # (a skipped step's partial, for the switch: shaped and typed like the others, from q)
         nothing = None if ops.switch is None else (lambda: _nothing(ops, ops.f32(ops.xp.zeros_like(q)),
-                                                                    ops.xp.zeros((b, h, sq), ops.xp.float32)))
+                                                                    ops.f32(ops.permute(q[..., 0], (0, 2, 1)))))
         part = _per_kind(ops, node, s, num_nodes, is_causal, layout,
                          lambda kind: step_forward(ops, kind, q, k, v, is_causal=is_causal, layout=layout), nothing)
         if part is not None:

@@ -110,23 +110,11 @@ def _ops(spec: AttentionSpec, rings: _heap.NodeRings, timeout_s, deterministic: 
                      send=lambda xs: _Transfer(xs, rings, wait_s), recv=lambda t: t.wait())
 
 
-def node_specs(spec: AttentionSpec) -> list:
-    """The one-node calls' specs a two-level call of ``spec`` may make, on any node (for the heap checks)."""
-    s, h, hkv = spec.seq_local, spec.num_heads, spec.num_kv_heads
-    out = [spec, dataclasses.replace(spec, is_causal=False, layout="contiguous")]
-    if spec.is_causal and spec.layout == "zigzag":
-        out += [dataclasses.replace(spec, seq_local=s // 2, num_heads=2 * h, num_kv_heads=hkv, is_causal=False,
-                                    layout="contiguous"),
-                dataclasses.replace(spec, seq_local=s // 2, num_heads=2 * h, num_kv_heads=2 * hkv, is_causal=False,
-                                    layout="contiguous")]
-    return out
-
-
 def check_fits(spec: AttentionSpec, backward: bool, deterministic: bool) -> None:
     """Raise HeapTooSmallError (or the bad-input error) now, before anything runs, for a two-level call."""
     rings = lifecycle.node_rings()
     nodes.check_supported(window=spec.window, segmented=spec.segmented, layout=spec.layout, seq_local=spec.seq_local)
-    for sp in node_specs(spec):
+    for sp in nodes.node_specs(spec):
         fused.check_fits(sp, rings.node_group, backward=backward, deterministic=deterministic)
 
 
