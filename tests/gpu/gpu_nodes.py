@@ -105,7 +105,8 @@ def timing(rank, world, log, out_dir, iters=10, warmup=2):
             torch.cuda.synchronize()
             dist.barrier()
             t0 = time.perf_counter()
-            out = torch_bridge.ring_attention(q, k, v, is_causal=causal, layout=layout, backend="fused")
+            with torch.set_grad_enabled(pass_ == "fwd+bwd"):
+                out = torch_bridge.ring_attention(q, k, v, is_causal=causal, layout=layout, backend="fused")
             if pass_ == "fwd+bwd":
                 out.backward(torch.ones_like(out))
             torch.cuda.synchronize()
