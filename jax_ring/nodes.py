@@ -5,8 +5,8 @@ asynchronous collective beside the fused calls. The twin of torch_bridge.nodes.
 
 One program runs on every device, so the node index is a traced value (``axis_index // node_size``): a node-step
 whose kind differs between nodes (zigzag: the K/V of an earlier node or of a later one) runs ``lax.switch`` over
-the kinds (ring_core.nodes); the ranks of a node take the same branch. Why it cannot deadlock is torch_bridge.nodes'
-argument: every device runs the same sequence of permutes, and a node's fused calls need only its own devices.
+the kinds (ring_core.nodes); the ranks of a node take the same branch. Why it cannot deadlock: ring_core.nodes (every
+device runs the same sequence of permutes, and a node's fused calls need only its own devices).
 """
 
 from __future__ import annotations

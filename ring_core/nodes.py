@@ -33,6 +33,18 @@ The backward is the forward's schedule again: K/V travel the same way, and each 
 dK/dV of the K/V held; the partials travel with the K/V, float32, one node-step behind them, and after the last
 step one more transfer brings each shard's dK/dV home.
 
+Why it cannot deadlock (with ring_core.protocol's argument for each one-node call). Every rank runs the same
+schedule of transfers (one per node-step, and in the backward one more for the dK/dV partials, one node-step behind),
+each a matched send and receive between fixed neighbours, posted before anything waits; the ranks of a node make the
+same one-node calls in the same order (a node-step's kind depends only on the two nodes, ``step_kind``). A one-node
+call needs only the ranks of its node, which launch it once their own receive has arrived, and every receive was
+posted by the previous node before that node waited for anything; so by induction over node-steps every call is
+launched by all of its ranks and every transfer completes. A node that is late only delays its successors; one
+that dies leaves them waiting on a bounded wait: torch raises RingAttentionTimeout naming the rank it waited for
+(torch_bridge.nodes), the one-node calls' waits are the kernel's own, XLA bounds its collectives (jax_ring.nodes).
+On GPUs, the first call of a variant compiles on each rank before it launches: a rank that compiles while its node's
+peers wait is a late rank, bounded by the same timeouts (raise ``timeout_s`` for cold caches).
+
 Not here yet: windows and segment ids (they need positions and ids of another node inside the kernel), which
 raise; the reference rings (``backend="xla"`` / ``"torch"``) take them across nodes.
 

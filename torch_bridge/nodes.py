@@ -8,13 +8,7 @@ its receive from the previous node's together (``batch_isend_irecv``), before th
 launched, and is waited for after it: the transfer of node-step s + 1 runs while node-step s computes. NCCL runs it
 on its own stream; with gloo its threads move host copies while the GPU computes.
 
-Why it cannot deadlock (with ring_core.protocol's argument for each fused call): every rank runs the same schedule
-of transfers (one per node-step, and in the backward one more for the dK/dV partials, one node-step behind), each a
-matched send and receive between fixed neighbours, posted before anything waits; the ranks of a node make the same
-fused calls in the same order (a node-step's kind depends only on the two nodes). A node-step's fused call needs
-only the ranks of its node, which launch it once their own receive has arrived, and every receive was posted by
-the previous node before that node waited for anything. A wait is bounded: a transfer that does not arrive within
-``timeout_s`` raises RingAttentionTimeout naming the rank it waited for; the fused calls' waits are the kernel's.
+Why it cannot deadlock, and what a late or dead node does: ring_core.nodes.
 """
 
 from __future__ import annotations
