@@ -89,6 +89,11 @@ def schedule(node: int, num_nodes: int, *, is_causal: bool, layout: str) -> list
             for s in range(num_nodes)]
 
 
+def supports(spec) -> bool:
+    """Whether the two-level fused ring takes a call of ``spec`` (``backend="auto"`` takes the reference ring else)."""
+    return tuple(spec.window) == (-1, -1) and not spec.segmented
+
+
 def check_supported(*, window, segmented: bool, layout: str, seq_local: int) -> None:
     """Raise, saying what to do, for a two-level fused call this module cannot run."""
     if tuple(window) != (-1, -1) or segmented:

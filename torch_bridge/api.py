@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ring_core import nodes as core_nodes
 from ring_core import plans
 from ring_core.layout import inverse_permutation, layout_permutation
 from ring_core.validate import (AttentionSpec, check_attention_args, check_attention_args_remembered,
@@ -296,7 +297,9 @@ def ring_attention(q, k, v, *, group=None, is_causal=False, scale=None, layout="
     timeout_s = check_timeout(timeout_s)
     deterministic = check_deterministic(deterministic, torch.are_deterministic_algorithms_enabled())
     rank, world, peers = _group_info(group)
-    backend = _resolve_backend(backend, q, spec)
+    asked, backend = backend, _resolve_backend(backend, q, spec)
+    if backend == "fused" and asked == "auto" and not core_nodes.supports(spec) and nodes.spans_nodes(group):
+        backend = "torch"  # masks the two-level fused ring does not take yet: the reference ring takes them
     if backend == "torch":  # ignores deterministic: torch's own ops, as deterministic as torch makes them
         out, lse = ring_attention_torch(q, k, v, spec, rank, world, peers, group, segment_ids=segment_ids)
     elif nodes.spans_nodes(group):  # several nodes: the fused kernel in each, K/V between them (torch_bridge.nodes)

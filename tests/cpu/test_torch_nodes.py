@@ -111,15 +111,18 @@ def _bad(rank, world):
             torch_bridge.ring_attention(q, q, q, backend="fused", **kw)
         except NotImplementedError as e:
             out.append(str(e))
+        # backend="auto" takes the reference ring for them instead
+        out.append(tuple(torch_bridge.ring_attention(q, q, q, backend="auto", **kw).shape))
     return out
 
 
-def test_masks_not_taken_across_nodes_raise_before_running():
+def test_masks_not_taken_across_nodes_raise_before_running_or_take_the_reference_ring():
     with LocalGroup(2) as group:
         res = group.run(_bad)
     for msgs in res:
-        assert len(msgs) == 2 and "sliding window" in msgs[0] and "segment ids" in msgs[1]
-        assert all("backend='torch'" in m for m in msgs)
+        assert len(msgs) == 4 and "sliding window" in msgs[0] and "segment ids" in msgs[2]
+        assert all("backend='torch'" in m for m in msgs[::2])
+        assert msgs[1] == msgs[3] == (1, 8, 2, 16)
 
 
 def _late(rank, world):
