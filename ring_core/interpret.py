@@ -206,6 +206,18 @@ def _to_numpy(t, dtype: str) -> np.ndarray:
     return t.numpy()
 
 
+def run_on_threads(target, ranks, timeout_s: float, what: str) -> None:
+    """``target(r)`` for every rank r on a thread of its own, then wait for all of them. The waits inside are
+    bounded by ``timeout_s``; this host-side guard only catches bugs."""
+    threads = [threading.Thread(target=target, args=(r,), daemon=True, name=f"{what}-{r}") for r in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10 * timeout_s + 600)
+    if any(t.is_alive() for t in threads):
+        raise RuntimeError(f"simulated {what} did not finish: a bounded wait failed to bound")
+
+
 class SimulatedJob:
     """``world_size`` simulated ranks whose heaps persist across calls (so the epoch protocol that
     separates consecutive calls is exercised too).
@@ -339,15 +351,7 @@ class SimulatedJob:
         # Patch triton.language once for the whole job (see module docstring).
         scope = interp._patch_lang(kernel.fn)
         try:
-            threads = [threading.Thread(target=one_rank, args=(r,), daemon=True, name=f"ring-rank-{r}")
-                       for r in range(W) if r not in absent_ranks]
-            for t in threads:
-                t.start()
-            # The kernel's own waits are bounded by timeout_s; this host-side guard only catches bugs.
-            for t in threads:
-                t.join(timeout=10 * timeout_s + 600)
-            if any(t.is_alive() for t in threads):
-                raise RuntimeError("simulated ring attention did not finish: a bounded wait failed to bound")
+            run_on_threads(one_rank, [r for r in range(W) if r not in absent_ranks], timeout_s, "ring attention")
         finally:
             scope.restore()
         for r, e in enumerate(errors):

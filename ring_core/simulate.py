@@ -585,13 +585,9 @@ def run_nodes(world_size: int, node_size: int, rank_fn, execute, timeout_s: floa
             errors[rank] = e
             inboxes.fail(rank)
 
-    threads = [threading.Thread(target=one, args=(r,), daemon=True, name=f"node-rank-{r}") for r in range(W)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=10 * timeout_s + 600)
-    if any(t.is_alive() for t in threads):
-        raise RuntimeError("simulated two-level ring did not finish: a bounded wait failed to bound")
+    from ring_core.interpret import run_on_threads
+
+    run_on_threads(one, range(W), timeout_s, "two-level ring")
     first = [e for e in errors if e is not None and not str(e).startswith("simulated rank")]
     if first or any(e is not None for e in errors):  # the cause, not a rank that stopped because of it
         raise (first or [e for e in errors if e is not None])[0]
