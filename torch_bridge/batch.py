@@ -153,7 +153,7 @@ def gather(x, *, group=None, layout="zigzag", seq_axis: int = 1):
 def cross_entropy(logits, shift_labels, *, group=None, ignore_index: int = IGNORE_INDEX):
     """The mean next-token cross-entropy over every rank's tokens: on every rank, the loss that one device
     computes on the whole batch (transformers' causal-LM loss: mean over the targets that are not
-    ``ignore_index``, in float32). ``logits`` [batch, seq_local, vocab] and ``shift_labels`` [batch, seq_local]
+    ``ignore_index``, in float32, float64 for float64 logits). ``logits`` [batch, seq_local, vocab] and ``shift_labels`` [batch, seq_local]
     are this rank's (``shard_batch``'s ``shift_labels``). Its gradient covers this rank's tokens only (divided
     by the global count): summing the parameter gradients over the group (``reduce_gradients``) gives the
     one-device gradient. Runs on every rank of the group (an all_reduce of two numbers).
@@ -161,14 +161,15 @@ def cross_entropy(logits, shift_labels, *, group=None, ignore_index: int = IGNOR
     group = resolve_group(group)
     _, world = _rank_world(group)
     vocab = logits.shape[-1]
-    local_sum = F.cross_entropy(logits.float().reshape(-1, vocab), shift_labels.reshape(-1).long(),
+    logits = logits if logits.dtype == torch.float64 else logits.float()
+    local_sum = F.cross_entropy(logits.reshape(-1, vocab), shift_labels.reshape(-1).long(),
                                 ignore_index=ignore_index, reduction="sum")
     count = (shift_labels != ignore_index).sum().to(local_sum.dtype)
     stats = torch.stack([local_sum.detach(), count])
     if world > 1:
         dist.all_reduce(stats, group=group)
     total = stats[1].clamp_min(1)
-    return local_sum / total + (stats[0] - local_sum.detach()) / total
+    return stats[0] / total + (local_sum - local_sum.detach()) / total  # the same value, bit for bit, on every rank
 
 
 def reduce_gradients(parameters, *, group=None):
