@@ -48,6 +48,4 @@ def resolve_group(group):
             raise ValueError(f"{dim!r} is not a dimension of the DeviceMesh (dimensions {names}); "
                              "pass the name of the dimension that shards the sequence")
         return mesh.get_group(dim)
-    raise TypeError(
-        f"group must be a torch.distributed ProcessGroup, a one-dimensional DeviceMesh, (DeviceMesh, dimension name) "
-        f"or None, got {type(group).__name__}")
+    return group  # anything else as it is: torch.distributed's own checks name it (e.g. a non-member's group)
