@@ -108,6 +108,23 @@ def _raises_worker(rank, world):
     return msgs
 
 
+def _mesh_worker(rank, world, q, k, v):
+    """group= as a one-dimensional DeviceMesh (mesh["sp"]) and as (mesh, "sp"), for a function and the module."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "sp"))
+    ql, kl, vl = (_split(x, "zigzag", rank, world) for x in (q, k, v))
+    a = torch_bridge.zigzag_ring_flash_attn_func(ql, kl, vl, causal=True, group=mesh["sp"])
+    b = torch_bridge.RingAttention(group=(mesh, "sp"), is_causal=True, layout="zigzag")(ql, kl, vl)
+    errors = []
+    for bad in (mesh, (mesh, "tp")):
+        try:
+            torch_bridge.ring_attention(ql, kl, vl, group=bad)
+        except ValueError as e:
+            errors.append(str(e))
+    return a.numpy(), b.numpy(), errors
+
+
 # ------------------------------------------------------------------------------------------------- tests
 DENSE = [
     # fn, layout, world, (b, s_global, h, hkv, d), kwargs, packed
@@ -161,6 +178,17 @@ def test_varlen_matches_sdpa(torch_group, zigzag, causal):
         assert lse.shape == (5, take.size)  # flash-attn varlen: [heads, total]
         assert testing.max_abs_err(out, ref_out[0][take]) <= tol["out"]
         assert testing.max_abs_err(lse, ref_lse[0][:, take]) <= tol["lse"]
+
+
+def test_device_mesh_groups(torch_group):
+    q, k, v = _inputs(3, 1, 12, 4, 2, 16)
+    ref, _ = _sdpa(q, k, v, True)
+    results = torch_group(2).run(_mesh_worker, q, k, v)
+    for i in range(2):
+        out = torch_bridge.from_layout(torch.from_numpy(np.concatenate([r[i] for r in results], 1)), "zigzag", 2)
+        assert testing.max_abs_err(out, ref) <= testing.TOLERANCES["float64"]["out"]
+    errors = results[0][2]
+    assert "2 dimensions" in errors[0] and "'tp' is not a dimension" in errors[1]
 
 
 def test_unsupported_arguments_raise(torch_group):

@@ -39,6 +39,17 @@ def _mistral(dtype=torch.float64, window=5, seed=0):
     return MistralForCausalLM(cfg).to(dtype)
 
 
+def _qwen2(dtype=torch.float64, seed=0):
+    """Qwen2 with a sliding window on its second layer only (layer_types from max_window_layers)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=40, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=5, num_key_value_heads=1, use_sliding_window=True, sliding_window=5,
+                      max_window_layers=1, max_position_embeddings=256, use_cache=False)
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(cfg).to(dtype)
+
+
 def _packed_batch(seed, batch, seq, lens=None):
     """A packed batch as transformers' DataCollatorWithFlattening makes it: position_ids restart at each
     sequence, the first label of each sequence is -100."""
@@ -148,16 +159,17 @@ def test_llama_training_matches_one_device(torch_group, layout):
     assert losses[-1][1] < losses[0][1], "the loss did not decrease"
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_mistral_sliding_window_odd_heads(torch_group, world):
-    """Mistral's sliding window (5 tokens) with 5 query heads on 1 KV head, head_dim 8: logits over the ring
-    gathered back in natural order equal one device's sdpa logits."""
+@pytest.mark.parametrize("world, model_fn", [(2, _mistral), (3, _mistral), (2, _qwen2)],
+                         ids=["mistral-W2", "mistral-W3", "qwen2-W2"])
+def test_sliding_window_odd_heads(torch_group, world, model_fn):
+    """Sliding windows of 5 tokens (Mistral: every layer; Qwen2: its second layer) with 5 query heads on 1 KV
+    head: logits over the ring gathered back in natural order equal one device's sdpa logits."""
     seq = 2 * world * 5
     batch = {"input_ids": torch.randint(0, VOCAB, (2, seq), generator=torch.Generator().manual_seed(1))}
-    model = _mistral()
+    model = model_fn()
     model.set_attn_implementation("sdpa")
     want = model(**batch).logits.detach().numpy()
-    for got in torch_group(world).run(_logits_worker, _mistral, "zigzag", batch):
+    for got in torch_group(world).run(_logits_worker, model_fn, "zigzag", batch):
         np.testing.assert_allclose(got, want, rtol=0, atol=testing.TOLERANCES["float64"]["out"] * 100)
 
 
