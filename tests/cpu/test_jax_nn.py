@@ -223,3 +223,22 @@ def test_flax_nnx_multi_head_attention():
     got = jax.jit(lambda x: ring(x))(jax.device_put(x, NamedSharding(mesh, P(None, "sp"))))
     want = dense(x, mask=nnx.make_causal_mask(x[..., 0]))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=testing.TOLERANCES["float32"]["grad"])
+
+
+def test_explicit_axes_spec_gives_the_axis():
+    """A ("dp", "sp") mesh of Explicit axes: under jit the query's spec names the sequence axis (no axis_name)
+    and the batch axis keeps "dp", forward and gradient."""
+    from jax.sharding import AxisType
+
+    _mesh((2, 2), ("dp", "sp"))  # skips without 4 devices
+    mesh = jax.make_mesh((2, 2), ("dp", "sp"), axis_types=(AxisType.Explicit,) * 2, devices=jax.devices("cpu")[:4])
+    ref, (q, k, v) = _inputs(6, 2, 12, 4, 2, 16)
+    with jax.set_mesh(mesh):
+        args = [jax.device_put(x, NamedSharding(mesh, P("dp", "sp"))) for x in (q, k, v)]
+        out = jax.jit(lambda q, k, v: jax_ring.dot_product_attention(q, k, v, is_causal=True))(*args)
+        assert tuple(out.sharding.spec)[:2] == ("dp", "sp")
+        dq = jax.jit(jax.grad(lambda q, k, v: jax_ring.dot_product_attention(q, k, v, is_causal=True).sum()))(*args)
+    _check("explicit axes", out, jax.nn.dot_product_attention(q, k, v, is_causal=True), *ref, is_causal=True)
+    want = jax.grad(lambda q: jax.nn.dot_product_attention(q, k, v, is_causal=True).sum())(q)
+    g64 = reference.attention_grad(*ref, np.ones(q.shape), is_causal=True)[0]
+    testing.check("explicit axes dq", np.asarray(dq), g64, np.asarray(want), "float32", "grad")
