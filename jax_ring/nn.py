@@ -35,8 +35,11 @@ from jax_ring.api import ring_attention
 def _spec_of(x):
     """The NamedSharding that ``x`` is known to have here (concrete array, or traced on Explicit axes), else
     the abstract mesh it is traced on (spec unknown), else None."""
-    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
-        sh = getattr(x, "sharding", None)
+    try:  # a concrete array; a traced one has no .sharding (AttributeError)
+        sh = x.sharding
+    except AttributeError:
+        pass
+    else:
         return sh if isinstance(sh, NamedSharding) else None
     try:
         sh = jax.typeof(x).sharding
