@@ -24,6 +24,9 @@ from torch_bridge.api import from_layout, to_layout
 from torch_bridge.groups import resolve_group
 
 IGNORE_INDEX = -100  # transformers' and torch's cross-entropy default
+# flash-attn varlen arguments that DataCollatorWithFlattening(return_flash_attn_kwargs=True) adds: they describe
+# the whole sequence, and the segment ids from position_ids replace them
+_VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 
 
 def _rank_world(group):
@@ -80,7 +83,9 @@ def shard_batch(batch, *, group=None, layout="zigzag", ignore_index: int = IGNOR
     ``input_ids`` / ``inputs_embeds`` and ``position_ids`` (global positions, [batch, seq / W]), ``segment_ids``
     (None unless the batch packs sequences or pads), and ``shift_labels`` when ``labels`` was given (shifted on
     the whole sequence, then sharded: not to be shifted again). Other tensors whose second axis is ``seq`` are
-    sharded the same way; anything else is passed on. ``attention_mask`` is consumed (into ``segment_ids``).
+    sharded the same way; anything else is passed on. ``attention_mask`` is consumed (into ``segment_ids``), and so
+    are the flash-attn varlen keys of transformers' DataCollatorWithFlattening (``cu_seq_lens_q`` ...), which
+    describe the whole sequence (the ``position_ids`` they come with give the segments).
 
     With the model's attention from ``torch_bridge.hf.register`` (same group and layout)::
 
@@ -119,7 +124,7 @@ def shard_batch(batch, *, group=None, layout="zigzag", ignore_index: int = IGNOR
     segment_ids = segment_ids_from_batch(None if batch.get("position_ids") is None else position_ids, attention_mask)
     out = {}
     for key, value in batch.items():
-        if key in ("position_ids", "attention_mask", "labels"):
+        if key in ("position_ids", "attention_mask", "labels") or key in _VARLEN_KEYS:
             continue
         if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[:2] == (b, s):
             out[key] = _local(value, layout, rank, world)
@@ -153,10 +158,11 @@ def gather(x, *, group=None, layout="zigzag", seq_axis: int = 1):
 def cross_entropy(logits, shift_labels, *, group=None, ignore_index: int = IGNORE_INDEX):
     """The mean next-token cross-entropy over every rank's tokens: on every rank, the loss that one device
     computes on the whole batch (transformers' causal-LM loss: mean over the targets that are not
-    ``ignore_index``, in float32, float64 for float64 logits). ``logits`` [batch, seq_local, vocab] and ``shift_labels`` [batch, seq_local]
-    are this rank's (``shard_batch``'s ``shift_labels``). Its gradient covers this rank's tokens only (divided
-    by the global count): summing the parameter gradients over the group (``reduce_gradients``) gives the
-    one-device gradient. Runs on every rank of the group (an all_reduce of two numbers).
+    ``ignore_index``, in float32, float64 for float64 logits). ``logits`` [batch, seq_local, vocab] and
+    ``shift_labels`` [batch, seq_local] are this rank's (``shard_batch``'s ``shift_labels``). Its gradient
+    covers this rank's tokens only (divided by the global count): summing the parameter gradients over the
+    group (``reduce_gradients``) gives the one-device gradient. Runs on every rank of the group (an all_reduce
+    of two numbers).
     """
     group = resolve_group(group)
     _, world = _rank_world(group)

@@ -27,9 +27,10 @@ def group_from_name(name: str):
 def resolve_group(group):
     """What ``group=`` takes everywhere, as a ProcessGroup (or None: the default group).
 
-    A ProcessGroup or None as it is; a one-dimensional ``DeviceMesh`` (``init_device_mesh(..., mesh_dim_names=("sp",))``,
-    or ``mesh["sp"]`` of a larger one) as its group; ``(mesh, "sp")``, a mesh and the name (or index) of the
-    dimension that shards the sequence, as that dimension's group. Anything else is returned as it is.
+    A ProcessGroup or None as it is; a one-dimensional ``DeviceMesh``
+    (``init_device_mesh(..., mesh_dim_names=("sp",))``, or ``mesh["sp"]`` of a larger one) as its group;
+    ``(mesh, "sp")``, a mesh and the name (or index) of the dimension that shards the sequence, as that
+    dimension's group. Anything else is returned as it is.
     """
     if group is None or isinstance(group, dist.ProcessGroup):
         return group

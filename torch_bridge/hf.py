@@ -2,7 +2,7 @@
 
     import torch_bridge
     name = torch_bridge.hf.register(group=sp_group, layout="zigzag")
-    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=name)   # or model.set_attn_implementation(name)
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=name)  # or set_attn_implementation(name)
     local = torch_bridge.shard_batch(batch, group=sp_group, layout="zigzag")
     labels = local.pop("shift_labels")
     loss = torch_bridge.cross_entropy(model(**local).logits, labels, group=sp_group)

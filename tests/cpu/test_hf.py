@@ -244,6 +244,9 @@ def test_shard_batch_and_gather_one_process():
     assert local["segment_ids"].dtype == torch.int32
     assert torch.equal(torch_bridge.gather(local["input_ids"], layout="zigzag"), batch["input_ids"])
     assert torch_bridge.shard_batch({"input_ids": batch["input_ids"]})["segment_ids"] is None
+    flattened = dict(batch, cu_seq_lens_q=torch.tensor([0, 5, 12]), max_length_q=7)  # DataCollatorWithFlattening
+    local = torch_bridge.shard_batch(flattened)
+    assert "cu_seq_lens_q" not in local and "max_length_q" not in local
     with pytest.raises(ValueError, match="attention_mask must be 2-D"):
         torch_bridge.shard_batch({"input_ids": batch["input_ids"], "attention_mask": torch.ones(2, 1, 12, 12)})
     with pytest.raises(TypeError, match="mapping"):

@@ -6,7 +6,6 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -18,7 +17,7 @@ from test_fused_wiring import _check_now, cpu_heap  # noqa: E402,F401  (fixtures
 
 
 @pytest.fixture
-def fused_cpu(cpu_heap, monkeypatch):
+def fused_cpu(cpu_heap, monkeypatch):  # noqa: F811  (the imported fixture)
     """backend='fused' through the interpreter for CPU tensors."""
     monkeypatch.setattr(torch_bridge.lifecycle, "track", _check_now)
     monkeypatch.setattr(torch_bridge.api, "_on_gpu", lambda x: True)
