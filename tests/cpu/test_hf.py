@@ -251,3 +251,19 @@ def test_shard_batch_and_gather_one_process():
         torch_bridge.shard_batch({"input_ids": batch["input_ids"], "attention_mask": torch.ones(2, 1, 12, 12)})
     with pytest.raises(TypeError, match="mapping"):
         torch_bridge.shard_batch(batch["input_ids"])
+
+
+def test_from_pretrained_and_from_config(tmp_path):
+    """attn_implementation=name in from_config and from_pretrained (a local save: nothing is downloaded)."""
+    from transformers import AutoModelForCausalLM
+
+    name = torch_bridge.hf.register()
+    assert name == "ring_attention"
+    model = _llama()
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation=name, dtype=torch.float64)
+    built = AutoModelForCausalLM.from_config(model.config, attn_implementation=name).to(torch.float64)
+    assert loaded.config._attn_implementation == built.config._attn_implementation == name
+    ids = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(6))
+    model.set_attn_implementation("sdpa")
+    torch.testing.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits, rtol=0, atol=1e-10)
