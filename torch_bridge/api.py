@@ -21,7 +21,7 @@ from ring_core.validate import (AttentionSpec, check_attention_args, check_atten
                                 check_deterministic, check_layout, check_layout_call, check_timeout, check_window,
                                 dtype_name)
 from torch_bridge import fused, lifecycle, nodes
-from torch_bridge.groups import group_from_name, group_to_name
+from torch_bridge.groups import group_from_name, group_to_name, resolve_group
 from torch_bridge.reference import ring_attention_torch
 
 BACKENDS = ("auto", "fused", "torch")
@@ -283,6 +283,7 @@ def ring_attention(q, k, v, *, group=None, is_causal=False, scale=None, layout="
     (torch.Size([2, 8, 4, 64]), torch.Size([2, 4, 8]))
     """
     _check_tensors(q, k, v)
+    group = resolve_group(group)
     if segment_ids is not None:
         if not isinstance(segment_ids, torch.Tensor):
             raise TypeError(f"segment_ids must be a torch.Tensor, got {type(segment_ids).__name__}")

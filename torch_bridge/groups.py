@@ -22,3 +22,31 @@ def group_from_name(name: str):
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     return _resolve_process_group(name)
+
+
+def resolve_group(group):
+    """What ``group=`` takes everywhere, as a ProcessGroup (or None: the default group).
+
+    A ProcessGroup or None as it is; a one-dimensional ``DeviceMesh``
+    (``init_device_mesh(..., mesh_dim_names=("sp",))``, or ``mesh["sp"]`` of a larger one) as its group;
+    ``(mesh, "sp")``, a mesh and the name (or index) of the dimension that shards the sequence, as that
+    dimension's group. Anything else is returned as it is.
+    """
+    if group is None or isinstance(group, dist.ProcessGroup):
+        return group
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(
+                f"group is a DeviceMesh of {group.ndim} dimensions {group.mesh_dim_names}; pass the dimension that "
+                "shards the sequence: group=(mesh, 'sp') or group=mesh['sp']")
+        return group.get_group()
+    if isinstance(group, tuple) and len(group) == 2 and isinstance(group[0], DeviceMesh):
+        mesh, dim = group
+        names = mesh.mesh_dim_names or ()
+        if isinstance(dim, str) and dim not in names:
+            raise ValueError(f"{dim!r} is not a dimension of the DeviceMesh (dimensions {names}); "
+                             "pass the name of the dimension that shards the sequence")
+        return mesh.get_group(dim)
+    return group  # anything else as it is: torch.distributed's own checks name it (e.g. a non-member's group)
