@@ -83,12 +83,6 @@ def step_kind(node: int, src: int, *, is_causal: bool, layout: str) -> str:
     raise ValueError(f"unknown layout {layout!r}")
 
 
-def schedule(node: int, num_nodes: int, *, is_causal: bool, layout: str) -> list:
-    """[(node-step s, source node, kind)] for node ``node``: at step s it holds the K/V of node ``node - s``."""
-    return [(s, (node - s) % num_nodes, step_kind(node, (node - s) % num_nodes, is_causal=is_causal, layout=layout))
-            for s in range(num_nodes)]
-
-
 def supports(spec) -> bool:
     """Whether the two-level fused ring takes a call of ``spec`` (``backend="auto"`` takes the reference ring else)."""
     return tuple(spec.window) == (-1, -1) and not spec.segmented
