@@ -121,6 +121,26 @@ def timing(rank, world, log, out_dir, iters=10, warmup=2):
                          gpu=torch.cuda.get_device_name(), ranks_per_gpu=world // max(1, torch.cuda.device_count())))
         if rank == 0:
             log("TIMING " + json.dumps(rows[-1]))
+    torch_bridge.check_errors()
+    if node_size < world:  # the between-node transfer alone: one K/V shard to the next node and back in
+        from torch_bridge import nodes as tnodes
+
+        rings = torch_bridge.lifecycle.node_rings()
+        hop = []
+        for i in range(warmup + iters):
+            torch.cuda.synchronize()
+            dist.barrier()
+            t0 = time.perf_counter()
+            got = tnodes._Transfer([k.detach(), v.detach()], rings, 60.0).wait()
+            torch.cuda.synchronize()
+            if i >= warmup:
+                hop.append(time.perf_counter() - t0)
+        del got
+        slowest = max(_gather(float(np.median(hop))))
+        mb = 2 * k.numel() * k.element_size() / 1e6
+        if rank == 0:
+            log(f"HOP K/V shard ({mb:.1f} MB) to the next node over {dist.get_backend(rings.peers)}: "
+                f"{slowest * 1e3:.2f} ms ({mb / 1e3 / slowest:.2f} GB/s)")
     if rank == 0 and out_dir:
         path = os.path.join(out_dir, "nodes_timing.csv")
         new = not os.path.exists(path)
