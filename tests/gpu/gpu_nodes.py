@@ -64,9 +64,11 @@ def _call(case, rank, world, seed, deterministic=False):
     return [f(out), f(lse), f(qt.grad), f(kt.grad), f(vt.grad)], (q, k, v, dout, dlse)
 
 
-def checks(rank, world, log):
+def checks(rank, world, log, cases):
     ok = True
     for i, case in enumerate(CASES):
+        if i not in cases:
+            continue
         B, S, H, HKV, D, dtype, causal, layout = case
         name = "B{} S_local {} H{}/{} D{} {} {} {}".format(*case)
         res, (q, k, v, dout, dlse) = _call(case, rank, world, seed=i)
@@ -91,8 +93,8 @@ def checks(rank, world, log):
     return ok
 
 
-def timing(rank, world, log, out_dir, iters=10, warmup=2):
-    B, S, H, HKV, D, dtype, causal, layout = 1, 4096, 32, 8, 128, "bfloat16", True, "zigzag"
+def timing(rank, world, log, out_dir, seq_local=4096, iters=10, warmup=2):
+    B, S, H, HKV, D, dtype, causal, layout = 1, seq_local, 32, 8, 128, "bfloat16", True, "zigzag"
     dev, tdt = torch.device("cuda", torch.cuda.current_device()), getattr(torch, dtype)
     g = torch.Generator(device=dev).manual_seed(rank)
     q = torch.randn(B, S, H, D, device=dev, dtype=tdt, generator=g).requires_grad_()
@@ -171,6 +173,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sections", default="checks,timing,soak")
     ap.add_argument("--soak-calls", type=int, default=2000)
+    ap.add_argument("--cases", default=",".join(str(i) for i in range(len(CASES))), help="checks: which CASES")
+    ap.add_argument("--seq-local", type=int, default=4096, help="timing: tokens a rank")
+    ap.add_argument("--iters", type=int, default=10, help="timing: timed calls (after 2 warm-up calls)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch_bridge.initialize()
@@ -186,9 +191,9 @@ def main():
     ok = True
     for section in args.sections.split(","):
         if section == "checks":
-            ok &= checks(rank, world, log)
+            ok &= checks(rank, world, log, {int(c) for c in args.cases.split(",")})
         elif section == "timing":
-            ok &= timing(rank, world, log, args.out)
+            ok &= timing(rank, world, log, args.out, args.seq_local, args.iters)
         elif section == "soak":
             ok &= soak(rank, world, log, args.soak_calls)
         else:
