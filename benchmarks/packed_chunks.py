@@ -1,5 +1,5 @@
 """How many K/V chunks the fused forward sends with packed documents (issue 20), counted on the CPU by the kernels'
-rule (ring_core.protocol.push_unit): a chunk goes from rank s to rank r iff causal masking lets some query of r see
+rule (ring_core.protocol.steps.push_unit): a chunk goes from rank s to rank r iff causal masking lets some query of r see
 its first row and the [min, max] of its ids meets that of a half of r's shard (zigzag: the layout's two chunks).
 The benchmark's packed case (benchmarks.harness.packed_documents: 512-8192-token documents, bf16 D128 H32 is
 irrelevant here), seq_local 16k, causal zigzag, 128-row chunks (the forward's default for D128), per (batch, kv

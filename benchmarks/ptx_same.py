@@ -17,10 +17,10 @@ import subprocess
 import sys
 import tempfile
 
-# (imports by itself, not with ring_core.build.import_kernel_module: the other tree's build may predate it)
+# (imports by itself, not with ring_core.runtime.build.import_kernel_module: the other tree's build may predate it)
 _DUMP = r"""
 import importlib, json, re, sys
-from ring_core import build
+from ring_core.runtime import build
 try:
     import torch  # noqa: F401
 except ModuleNotFoundError:
@@ -56,7 +56,7 @@ def dump(tree: str, records: str, out: str) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.ptx_same", description=__doc__.split("\n")[0])
     ap.add_argument("--other", required=True, help="the other tree's folder (holding its ring_core)")
-    ap.add_argument("--records", required=True, help="compile-log records (JSON lines: ring_core.build's)")
+    ap.add_argument("--records", required=True, help="compile-log records (JSON lines: ring_core.runtime.build's)")
     a = ap.parse_args(argv)
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with tempfile.TemporaryDirectory() as tmp:

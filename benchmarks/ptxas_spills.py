@@ -14,13 +14,14 @@ from triton.compiler import ASTSource
 from triton.backends.nvidia.compiler import get_ptxas
 from ring_core import validate
 try:
-    from ring_core import control, plans
+    from ring_core.protocol import control
+    from ring_core import plans
     heap_layout, old_api = control.HeapLayout, False
 except ImportError:  # before ring_core.plans: ring_core.launch held the plans (b768330)
     from ring_core import launch as plans
     heap_layout, old_api = plans.HeapLayout, True
-from ring_core.kernel import ring_attn_fwd_kernel
-from ring_core.kernel_bwd import ring_attn_bwd_kernel
+from ring_core.kernels.tl_fwd import ring_attn_fwd_kernel
+from ring_core.kernels.tl_bwd import ring_attn_bwd_kernel
 seg = "seg_ptr" in ring_attn_fwd_kernel.arg_names
 spec = validate.check_attention_args((1, 16384, 32, 128), (1, 16384, 32, 128), (1, 16384, 32, 128), "bfloat16", "bfloat16", "bfloat16",
     is_causal=True, scale=None, layout="zigzag", backend="fused", backends=("fused",))

@@ -24,9 +24,9 @@ def main() -> int:
     from jax.sharding import Mesh, PartitionSpec as P
 
     from jax_ring import fused, status
-    from ring_core import control
+    from ring_core.protocol import control
 
-    # a ring as the lowering sees it, without a heap (as tests/test_status.py's fixture)
+    # a ring as the lowering sees it, without a heap (as tests/cpu/test_status.py's fixture)
     fused.local_ring = lambda ctx, axis_name, ring_size: (0, np.array((4, 6)), np.arange(8, dtype=np.int32))
     mesh = Mesh(np.array(jax.devices("cpu")[:1]), ("sp",))
 

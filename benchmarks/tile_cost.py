@@ -1,5 +1,5 @@
 """What a tile (forward) or a task (backward) costs however few blocks it has, from the ``probe-tiles`` stage's CSV
-(tests/gpu_session.py): one problem's work (B * S^2 of B=1, S=16k) run as B = 1, 4, 16, 64 sequences of S = 16k,
+(tools/gpu_session.py): one problem's work (B * S^2 of B=1, S=16k) run as B = 1, 4, 16, 64 sequences of S = 16k,
 8k, 4k, 2k, so the query tiles of 128 rows (B * H * S / 128) grow 4x a row while the pairs stay. For each method,
 pass and causal setting, the least-squares line of time against tiles per SM: its slope is the cost of a tile, its
 intercept the work's. Causal rows also gain a diagonal block's upper half per tile (B * n(n+1)/2 blocks

@@ -11,7 +11,7 @@ Importing this package never imports jax_triton (it refuses to import on CPU-onl
 from jax_ring.api import (from_layout, ring_attention, ring_attention_sharded, segment_ids_from_cu_seqlens,
                           to_layout)
 from jax_ring.lifecycle import check_errors, initialize, is_initialized, reset, shutdown
-from ring_core.simulate import simulate_ring_attention, simulate_ring_attention_grad
+from ring_core.sim.simulate import simulate_ring_attention, simulate_ring_attention_grad
 
 __all__ = [
     "check_errors",

@@ -1,7 +1,7 @@
 """The fused calls' status checked without stalling the stream: JAX's default error mode, "deferred" (the twin of
-torch_bridge.lifecycle's pinned copies; ring_core.control.errors_mode).
+torch_bridge.lifecycle's pinned copies; ring_core.protocol.control.errors_mode).
 
-Every fused launch writes its status words (ring_core.control.check_status) to a small device array. After the
+Every fused launch writes its status words (ring_core.protocol.control.check_status) to a small device array. After the
 launch, one more custom call, ``ring_attention_status`` (XLA's typed FFI, its handler written here in Python
 through ctypes: no compiled extension), runs on the host when XLA *enqueues* it, not when the GPU reaches it:
 
@@ -33,8 +33,8 @@ and orders it because it has the status as operand and ``has_side_effect``. It i
 command-buffer trait, so XLA never captures it into a CUDA graph (where a host handler would run only when the
 graph is recorded). Like jax.debug.callback's handler, it takes the GIL, on whichever thread XLA runs it: XLA's
 CPU client runs it on threads of its own (jax 0.10), and there a main thread busy in Python meanwhile delays
-each call's handler (tests/gpu_status.py, on our CPU: 70 us a call without the check, 96 us with it, 231 us
-with it while the main thread spins in Python). Where a GPU client runs it is measured by tests/gpu_status.py.
+each call's handler (tests/gpu/gpu_status.py, on our CPU: 70 us a call without the check, 96 us with it, 231 us
+with it while the main thread spins in Python). Where a GPU client runs it is measured by tests/gpu/gpu_status.py.
 So the handler takes the GIL once and keeps it: the driver's and XLA's functions it calls per call keep the GIL
 (PyDLL, PYFUNCTYPE) instead of releasing it around each call, where a busy main thread would take it each time.
 On the GPU machine of session 23 (jax 0.11) the handler ran on the dispatching thread itself, where that changes
@@ -60,7 +60,7 @@ import numpy as np
 import jax
 from jax.interpreters import mlir
 
-from ring_core import control
+from ring_core.protocol import control
 
 try:
     from jax.extend.core import Primitive
@@ -369,7 +369,7 @@ _first = None  # the first failure since the last take(): what check_errors() ra
 
 
 def _check(words, site: int) -> None:
-    """Raise the failure in one call's status words (ring_core.control.check_status), naming global ranks."""
+    """Raise the failure in one call's status words (ring_core.protocol.control.check_status), naming global ranks."""
     if words[0] == control.ERR_NONE and words[3] > 0:  # the common case, without building the message's parts
         return
     position, members, timeout_s = _sites.get(site, (0, None, None))
@@ -467,7 +467,7 @@ def _execute(frame, platform: str):
         if _unreported:
             e = _unreported.popleft()[1]
             name = type(e).__name__
-            where = "ring_core.control." if type(e).__module__ == control.__name__ else ""
+            where = "ring_core.protocol.control." if type(e).__module__ == control.__name__ else ""
             return _ffi_error(frame, f"{name}: {e} [{REPORTED}; jax_ring.check_errors() raises it as {where}{name}]")
     return None
 
@@ -523,7 +523,7 @@ def site_key(*parts) -> int:
 
 
 def register_site(key: int, position: int, members, timeout_s) -> None:
-    """What this process's failures at site ``key`` are named with (ring_core.control.check_status)."""
+    """What this process's failures at site ``key`` are named with (ring_core.protocol.control.check_status)."""
     _sites[key] = (int(position), tuple(int(m) for m in members) if members is not None else None, timeout_s)
 
 

@@ -6,7 +6,7 @@ layout's order ("contiguous" or the causal-balanced "zigzag"). The twin of ``jax
 ``torch_bridge.procs.LocalGroup`` starts local gloo workers for tests and CPU demos.
 """
 
-from ring_core.simulate import simulate_ring_attention, simulate_ring_attention_grad
+from ring_core.sim.simulate import simulate_ring_attention, simulate_ring_attention_grad
 from torch_bridge.api import (BACKENDS, RingAttention, from_layout, ring_attention, segment_ids_from_cu_seqlens,
                               to_layout)
 from torch_bridge.lifecycle import check_errors, initialize, is_initialized, reset, shutdown

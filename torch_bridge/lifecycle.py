@@ -5,7 +5,7 @@ Errors found by the kernel (a bounded wait that expired, ranks that disagree) co
 tensor per launch, which the kernel writes straight into pinned host memory (torch_bridge.fused._zeroed_status).
 Checking it at once would cost a host sync per call, so an event is recorded after the launch and the status is
 read once the event has completed: at the next fused call, at ``check_errors()`` (which waits), or at once with
-RING_ATTENTION_ERRORS=call (ring_core.control.errors_mode; torch's default is "deferred"). JAX's status is an XLA
+RING_ATTENTION_ERRORS=call (ring_core.protocol.control.errors_mode; torch's default is "deferred"). JAX's status is an XLA
 buffer in device memory instead, which jax_ring.status copies into its pinned slots with a kernel per call.
 """
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from ring_core import control
-from ring_core import heap as _heap
+from ring_core.protocol import control
+from ring_core.runtime import heap as _heap
 
 _pending = []  # (event, status (pinned host memory the kernel writes), ring position, timeout_s, ring members)
 
@@ -24,7 +24,7 @@ def initialize(heap_size: int | None = None, group=None):
 
     Initialises torch.distributed from the launcher's environment (RANK, WORLD_SIZE, LOCAL_RANK,
     LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) if the program has not: NCCL where every rank has its own
-    GPU, gloo where ranks share one (rank r uses GPU ``LOCAL_RANK % visible GPUs``, see ``ring_core.gpus``);
+    GPU, gloo where ranks share one (rank r uses GPU ``LOCAL_RANK % visible GPUs``, see ``ring_core.runtime.gpus``);
     a process group created here is destroyed at interpreter exit (never earlier), one the program
     created is left alone. The heap spans every process of the job and serves rings over any process
     groups (``ring_attention(..., group=...)``); ``group`` is accepted for compatibility and unused.
