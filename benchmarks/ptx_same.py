@@ -20,7 +20,13 @@ import tempfile
 # (imports by itself, not with ring_core.runtime.build.import_kernel_module: the other tree's build may predate it)
 _DUMP = r"""
 import importlib, json, re, sys
-from ring_core.runtime import build
+try:
+    from ring_core.runtime import build
+except ModuleNotFoundError:  # a tree from before ring_core's subpackages
+    from ring_core import build
+MOVED = {"ring_core.kernel": "ring_core.kernels.tl_fwd", "ring_core.kernel_bwd": "ring_core.kernels.tl_bwd",
+         "ring_core.gluon_kernel": "ring_core.kernels.gluon_fwd", "ring_core.gluon_bwd": "ring_core.kernels.gluon_bwd"}
+MOVED.update({v: k for k, v in MOVED.items()})
 try:
     import torch  # noqa: F401
 except ModuleNotFoundError:
@@ -29,7 +35,10 @@ out = {}
 for line in open(sys.argv[1]):
     r = json.loads(line)
     mod, name = r["kernel"].split(":")
-    k = getattr(importlib.import_module(mod), name)
+    try:
+        k = getattr(importlib.import_module(mod), name)
+    except ModuleNotFoundError:  # the records name the kernel by the other tree's module
+        k = getattr(importlib.import_module(MOVED[mod]), name)
     ck = build._compile(k, (r["types"], {}, set(r["divisible"])), r["constexprs"], r["num_warps"], r["num_stages"],
                         r["capability"])
     c = r["constexprs"]

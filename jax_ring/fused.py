@@ -70,7 +70,7 @@ def errors_mode() -> str:
     fused call on this process or by ``jax_ring.check_errors()``), and the kernel also keeps it on the heap;
     "call": jax_ring.status waits for the call's own status and fails the call's program with it (a host sync
     per call)."""
-    return control.errors_mode("deferred", legacy_env="RING_ATTENTION_JAX_ERRORS")
+    return control.errors_mode()
 
 
 # ---------------------------------------------------------------------------- the ring's context row
@@ -225,7 +225,6 @@ def _check_of(mode: str):
     handler's error fails the program's outputs, like any XLA error, and leaves no token behind."""
     if mode == "deferred" and _status.is_left_out():
         return None
-    _status.copy_mode()  # a wrong RING_ATTENTION_STATUS_COPY raises now, not in XLA's call of the handler
     err = _status.register(jax.default_backend())
     if err is not None:
         warnings.warn(f"jax_ring: RING_ATTENTION_ERRORS={mode} needs the status check's XLA handler, which could not "

@@ -12,8 +12,7 @@ through ctypes: no compiled extension), runs on the host when XLA *enqueues* it,
 2. it enqueues a copy of this call's status into the next free slot, and an event, on XLA's stream: a one-warp
    kernel storing the words into the slots, pinned host memory mapped into the GPU's address space; on Hopper and
    later launched as a programmatic dependent launch (PDL: scheduled as the fused kernel ends, it waits on the GPU
-   for that kernel's completion and memory), elsewhere as a plain launch after it
-   (``RING_ATTENTION_STATUS_COPY``: ``pdl``, the default, ``kernel``, or ``dma`` for cuMemcpyDtoHAsync).
+   for that kernel's completion and memory), elsewhere as a plain launch after it.
 
 So a call's failure is raised by a later fused call on this process, or by ``jax_ring.check_errors()`` /
 ``shutdown()``, which wait for the copies and raise it as its own type (RingAttentionTimeout /
@@ -184,8 +183,8 @@ class _HostSlots:
 
 
 # A kernel of one warp's worth of threads that copies ``n`` int32 words from device memory to pinned host memory
-# mapped into the device's address space (zero-copy): what ``_CudaSlots`` uses instead of cuMemcpyDtoHAsync unless
-# COPY_ENV says "dma" (the copy engine's small transfer held the next kernel about 10 us; this kernel about 4).
+# mapped into the device's address space (zero-copy): what ``_CudaSlots`` uses instead of cuMemcpyDtoHAsync (the
+# copy engine's small transfer held the next kernel about 10 us; this kernel about 4).
 # PTX for sm_70 and later, compiled by the driver when the slots are made.
 _COPY_PTX = b"""
 .version 7.0
@@ -217,16 +216,6 @@ DONE:
 _COPY_PTX_PDL = (_COPY_PTX.replace(b".version 7.0", b".version 7.8").replace(b".target sm_70", b".target sm_90")
                  .replace(b"  mov.u32 %r2, %tid.x;", b"  griddepcontrol.wait;\n  mov.u32 %r2, %tid.x;"))
 _LIBCUDA = "libcuda.so.1"
-COPY_ENV = "RING_ATTENTION_STATUS_COPY"  # "pdl" (the default; "kernel" before Hopper), "kernel" or "dma"
-
-
-def copy_mode() -> str:
-    """COPY_ENV, checked (read when the slots are made; jax_ring.fused also reads it when a call is traced, so that a
-    wrong value raises there, before anything runs)."""
-    mode = os.environ.get(COPY_ENV, "pdl")
-    if mode not in ("dma", "kernel", "pdl"):
-        raise ValueError(f"{COPY_ENV} must be pdl (the default), kernel or dma, got {mode!r}")
-    return mode
 
 
 class _LaunchAttribute(Structure):  # CUlaunchAttribute: an id, then a union of 64 bytes
@@ -244,8 +233,8 @@ _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREA
 class _CudaSlots:
     """Pinned host slots filled on XLA's stream, each followed by an event (CUDA driver API through ctypes: libcuda
     is there wherever a GPU is): by a one-warp kernel that stores the words into the slots mapped into the device's
-    address space, launched as a programmatic dependent launch (``mode`` "pdl", the default; Hopper and later, else
-    "kernel") or plainly ("kernel"), or by cuMemcpyDtoHAsync ("dma"); COPY_ENV."""
+    address space, launched as a programmatic dependent launch (``mode`` "pdl"; Hopper and later) or plainly
+    ("kernel": before Hopper, or a driver without cuLaunchKernelEx)."""
 
     def __init__(self, n: int, stream):
         # Two views of the driver: ``cu`` (CDLL) releases the GIL around each call, for what may block (waiting for
@@ -284,9 +273,9 @@ class _CudaSlots:
         module, self.kernel = c_void_p(), c_void_p()
         self._ok(cu.cuModuleLoadData(ctypes.byref(module), ctypes.c_char_p(_COPY_PTX)), "cuModuleLoadData")
         self._ok(cu.cuModuleGetFunction(ctypes.byref(self.kernel), module, b"ring_status_copy"), "cuModuleGetFunction")
-        self.mode = copy_mode()
+        self.mode = "pdl"
         self.pdl = self._pdl_launch(stream)
-        if self.mode == "pdl" and self.pdl is None:  # before Hopper, or a driver without cuLaunchKernelEx
+        if self.pdl is None:  # before Hopper, or a driver without cuLaunchKernelEx
             self.mode = "kernel"
         self.events = []
         for _ in range(n):
@@ -332,14 +321,11 @@ class _CudaSlots:
             self._src[slot].value = src
             rc = self.fast.cuLaunchKernel(self.kernel, 1, 1, 1, 64, 1, 1, 0, stream, self._params[slot], None)
             self._ok(rc, "cuLaunchKernel")
-        elif self.mode == "pdl":
+        else:
             self._src[slot].value = src
             fn, kernel, config, address, _ = self.pdl
             config.stream = stream
             self._ok(fn(address, kernel, self._params[slot], None), "cuLaunchKernelEx")
-        else:
-            self._ok(self.fast.cuMemcpyDtoHAsync_v2(self.address[slot], src, _STATUS_BYTES, stream),
-                     "cuMemcpyDtoHAsync")
         self._ok(self.fast.cuEventRecord(self.events[slot], stream), "cuEventRecord")
 
     def landed(self, slot: int) -> bool:

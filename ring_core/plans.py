@@ -27,14 +27,15 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass
 
 import numpy as np
 
-from ring_core.runtime import build
+from ring_core import masks, settings
+from ring_core.kernels.configs import (GLUON_BWD_HEAD_DIMS, GLUON_BWD_KV_ROWS, GLUON_BWD_Q_ROWS, GLUON_BWD_ROW_TASK,
+                                       GLUON_TILES)
 from ring_core.protocol import control
-from ring_core import masks
+from ring_core.runtime import build
 from ring_core.protocol.control import HeapLayout, HeapTooSmallError
 from ring_core.validate import FUSED_DTYPES, AttentionSpec, check_fused_dtype
 
@@ -90,38 +91,15 @@ class KernelConfig:
                             num_stages=1 if wide else 2)
 
 
-# The Gluon forward's tiles by head_dim, the one place they are set (ring_core.kernels.gluon_fwd reads them at compile
-# time, and its binaries' cache key holds them): (query rows per tile, two consumer warpgroups of half as many rows
-# each; K/V rows per block; K/V slots in shared memory; rings: 1 when a block's K and V share a slot and its
-# barriers, 2 when K and V have rings of their own, FlashAttention-3's separate K and V pipelines).
-# D64/D128: 3 shared slots of 128-row blocks (the split consumers need the third: benchmarks/NOTES.md, session 7;
-# D128 224 KiB of shared memory). D256: Q 64 KiB + 2 slots of 64-row K and V blocks, 64 KiB each = 192 KiB (a
-# third slot would make 256), in rings of their own: the pipelined consumers use block j's K beside block j-1's V,
-# so with 2 shared slots they hold both at once and block j+1's load waits for block j-1's P V; in rings of their
-# own each K is freed once S = Q K^T is done, each V after P V, and the loads run a block ahead, as with 3 shared
-# slots. The O accumulator: 64 x 256 float32 per warpgroup (128 registers a thread). FlashAttention-3 takes
-# hdim 256 in 128-row tiles and 80-row blocks in 2 stages.
-GLUON_TILES = {64: (128, 128, 3, 1), 128: (128, 128, 3, 1), 256: (128, 64, 2, 2)}
-# For tuning runs only: RING_ATTENTION_GLUON_TILES="64=128,128,4,1;256=..." replaces entries, read at import (the
-# Gluon kernel reads the table as a constexpr global: part of its cache key).
-GLUON_TILES_ENV = "RING_ATTENTION_GLUON_TILES"
-for _entry in filter(None, os.environ.get(GLUON_TILES_ENV, "").split(";")):
-    _d, _, _t = _entry.partition("=")
-    _nums = [x.strip() for x in (_d, *_t.split(","))]
-    if len(_nums) != 5 or not all(x.isdigit() for x in _nums):
-        raise ValueError(f'{GLUON_TILES_ENV}: each entry is head_dim=query rows,K/V rows,slots,rings (e.g. '
-                         f'"64=128,128,4,1"), got {_entry!r}')
-    GLUON_TILES[int(_nums[0])] = tuple(int(x) for x in _nums[1:])
-GLUON_HEAD_DIMS = tuple(GLUON_TILES)
-GLUON_ENV = "RING_ATTENTION_GLUON"  # "0": the tl kernel on every GPU (read at each plan)
-GLUON_DET_ENV = "RING_ATTENTION_GLUON_DETERMINISTIC"  # "0": deterministic backwards on the tl split (each plan)
+GLUON_ENV = settings.GLUON  # "0": the tl kernel on every GPU (read at each plan)
+GLUON_DET_ENV = settings.GLUON_DETERMINISTIC  # "0": deterministic backwards on the tl split (each plan)
 _CAPABILITY = {}  # torch device -> (major, minor)
 
 
 def gluon_capability(device):
     """The compute capability of torch ``device`` where the Gluon kernel may run on it (None: a CPU device, or
     RING_ATTENTION_GLUON=0)."""
-    if getattr(device, "type", None) != "cuda" or os.environ.get(GLUON_ENV, "1") == "0":
+    if getattr(device, "type", None) != "cuda" or not settings.gluon():
         return None
     if device not in _CAPABILITY:
         import torch
@@ -131,16 +109,14 @@ def gluon_capability(device):
 
 
 _SMS = {}  # torch device -> streaming multiprocessors
-PERSISTENT_ENV = "RING_ATTENTION_GLUON_PERSISTENT"  # "0": the Gluon forward with a program per tile (A/B runs)
 
 
 def device_sms(device) -> int | None:
-    """The streaming multiprocessors of torch ``device`` (None: not a CUDA device, or RING_ATTENTION_GLUON_PERSISTENT
-    is "0", read at each plan: a program per tile, for A/B runs): the persistent Gluon forward's programs
-    (``plan``). Ranks sharing a GPU under MPS see the whole GPU's count; each rank's programs then run in as many
+    """The streaming multiprocessors of torch ``device`` (None: not a CUDA device): the persistent Gluon kernels'
+    programs (``plan``). Ranks sharing a GPU under MPS see the whole GPU's count; each rank's programs then run in as many
     waves as its share of the SMs asks, the protocol being indifferent to how many are resident (a program pushes
     every unit left before it waits: ring_core.protocol.steps)."""
-    if getattr(device, "type", None) != "cuda" or os.environ.get(PERSISTENT_ENV, "1") == "0":
+    if getattr(device, "type", None) != "cuda":
         return None
     if device not in _SMS:
         import torch
@@ -164,10 +140,6 @@ def gluon_applies(spec: AttentionSpec, world_size: int, capability) -> bool:
     return spec.dtype in ("float16", "bfloat16") and spec.seq_local % rows == 0
 
 
-# ring_core.kernels.gluon_bwd's tiles: K/V rows per dK/dV task, query rows per step, and query rows per delta or dQ task
-# (512, was 128: 6,144 fewer programs at 16k, H=32; measured 0-2 % faster, benchmarks/NOTES.md, session 15).
-GLUON_BWD_KV_ROWS, GLUON_BWD_Q_ROWS, GLUON_BWD_ROW_TASK = 128, 64, 512
-GLUON_BWD_HEAD_DIMS = (128,)
 
 
 def gluon_bwd_applies(spec: AttentionSpec, world_size: int, capability, deterministic: bool = False) -> bool:
@@ -542,7 +514,7 @@ def plan_bwd(spec: AttentionSpec, world_size: int, heap: HeapLayout, *, interpre
     (``device_sms``), the Gluon backward's programs, each taking tasks by ticket until none is left (None: a program
     per task, which the kernel runs the same way)."""
     if gluon_det is None:
-        gluon_det = os.environ.get(GLUON_DET_ENV, "1") != "0"
+        gluon_det = settings.gluon_deterministic()
     return _plan_bwd(spec, world_size, heap, interpret, config, deterministic, capability, gluon_det, sms)
 
 

@@ -101,7 +101,7 @@ def track(status, ring, timeout_s):
     ev.record()
     members, position, _ = ring
     _pending.append((ev, status, position, timeout_s, members))
-    if control.errors_mode("deferred") == "call":
+    if control.errors_mode() == "call":
         check_errors()
 
 

@@ -98,19 +98,19 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 import iris
 
-from ring_core.protocol import control
-from ring_core import plans
+from ring_core.kernels import configs
 from ring_core.kernels.gluon_fwd import (_WORD_LAYOUT_4, _acquire_chunk, _put, _tile_word, cta_barrier, release,
                                     release_bar, tma_add, tma_load)
+from ring_core.protocol import control
 from ring_core.protocol.steps import (CTL_BWD_DELTA, CTL_BWD_TICKET, CTL_ERROR, KEY_PAD, QUERY_PAD, block_reaches,
                                 bwd_step_unmasked, bwd_task_steps, chunk_one_id, drain_pushes, end_call, last_pos,
                                 pairs_allowed, poll_ge, positions, published_range, ranges_of, ranks_rng,
                                 receive_slots, record_error, record_peer_error, ring_context, segment_keys, start_call,
                                 visible_rows)
 
-KV_ROWS = plans.GLUON_BWD_KV_ROWS  # K/V rows per dK/dV task (two consumers of half each)
-Q_ROWS = plans.GLUON_BWD_Q_ROWS  # query rows per step of the dK/dV loop
-ROW_TASK = plans.GLUON_BWD_ROW_TASK  # query rows of a delta or dQ task
+KV_ROWS = configs.GLUON_BWD_KV_ROWS  # K/V rows per dK/dV task (two consumers of half each)
+Q_ROWS = configs.GLUON_BWD_Q_ROWS  # query rows per step of the dK/dV loop
+ROW_TASK = configs.GLUON_BWD_ROW_TASK  # query rows of a delta or dQ task
 STAGES = 2  # Q/dO slots (benchmarks/gluon_bwd.py: 3 slots were no faster, and leave no room for dQ's buffers)
 LOAD_WARPS, LOAD_REGS, CONSUMER_WARPS, CONSUMER_REGS = 1, 24, 4, 240
 SUB_ROWS = 32  # rows per pass of a delta or dQ task's 4 warps (32 values per thread per tensor)

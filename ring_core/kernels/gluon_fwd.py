@@ -28,7 +28,7 @@ unit left before anything of it waits, while the other three quarters start on t
 (local K/V) needs no push; the units go kv head by kv head, the order the tiles take (until 2026-12-04 every
 program pushed before its first tile, so no compute overlapped the pushes). The last program done resets the
 counters for the next call. The
-tiles depend on head_dim, set in one place (``ring_core.plans.GLUON_TILES``, passed as BLOCK_M / BLOCK_N, the slots
+tiles depend on head_dim, set in one place (``ring_core.kernels.configs.GLUON_TILES``, passed as BLOCK_M / BLOCK_N, the slots
 read by ``kv_slots`` and ``kv_rings``): 128 query rows, K/V blocks of 128 rows in 3 slots at D64 / D128, of 64 rows
 in 2 slots at D256, there with K and V in rings of their own (shared memory: Q and the slots 224 KiB at D128, 192 KiB
 at D256).
@@ -80,16 +80,15 @@ the published ranges, which the call check acquired before the partitions start)
 block (out 0, lse -inf). Without them the kernel is the one above (three partitions, the same binary as before).
 """
 
-import os
-
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from ring_core import settings
+from ring_core.kernels import configs
 from ring_core.protocol import control
-from ring_core import plans
 from ring_core.protocol.lanes import iota
 from ring_core.protocol.steps import (BIG_ID, CTL_ERROR, CTL_PUSHERS, ERR_KV_TIMEOUT, KEY_PAD, QUERY_PAD, block_met,
                                 block_range, chunk_ranges, drain_pushes, end_call, ids_summary, is_pusher, met_blocks,
@@ -114,7 +113,7 @@ else:  # Triton 3.6 builds the op (ttng.async_tma_reduce) but its Gluon language
         _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
                                                   src.handle)
 
-# The tiles (query rows per tile, K/V rows per block, K/V slots) depend on head_dim: ring_core.plans.GLUON_TILES,
+# The tiles (query rows per tile, K/V rows per block, K/V slots) depend on head_dim: ring_core.kernels.configs.GLUON_TILES,
 # which the plans pass as BLOCK_M / BLOCK_N and the kernel reads for its slots (``kv_slots``).
 CONSUMER_WARPS = 4  # a consumer partition: one warpgroup on 64 rows; also the prologue's (num_warps)
 LOAD_WARPS, LOAD_REGS, CONSUMER_REGS = 1, 24, 232
@@ -128,20 +127,15 @@ _UNMASKED = gl.constexpr(1 << 30)  # the mask number of a block every query of t
 # FlashAttention-3's ping-pong: the two consumer warpgroups take turns issuing their MMAs (a pair of mbarriers passes
 # the turn), so that one's softmax runs while the other's MMAs hold the tensor cores. Read at import (a constexpr
 # global: part of the kernel's cache key); RING_ATTENTION_GLUON_PINGPONG=1 turns it on, for A/B runs.
-PINGPONG_ENV = "RING_ATTENTION_GLUON_PINGPONG"
-_PINGPONG = gl.constexpr(os.environ.get(PINGPONG_ENV, "0") == "1")
-# The softmax's scale folded into exp2's argument (one FFMA per score: the row max taken on the raw scores, then
-# scaled) instead of a multiply per score before the max and a subtraction after it. A/B switch for now:
-# RING_ATTENTION_GLUON_FOLD_SCALE=0 gives the multiply first.
-FOLD_SCALE_ENV = "RING_ATTENTION_GLUON_FOLD_SCALE"
-_FOLD_SCALE = gl.constexpr(os.environ.get(FOLD_SCALE_ENV, "1") == "1")
+PINGPONG_ENV = settings.GLUON_PINGPONG
+_PINGPONG = gl.constexpr(settings.gluon_pingpong())
 # A diagnostic timeline of the persistent forward (world size 1 only; benchmarks/timeline.py reads it): with
 # RING_ATTENTION_GLUON_TIMELINE=1 at import, each partition writes %clock64 stamps at its events of each tile into
 # int64 words [program][tile][event] (TIMELINE_TILES tiles a program, the last one's words shared by any after it)
 # at the start of the receive region, which no ring step uses at world size 1. Off (the default), no code: the
 # binaries are those without it (a constexpr global: part of the kernel's cache key).
-TIMELINE_ENV = "RING_ATTENTION_GLUON_TIMELINE"
-_TIMELINE = gl.constexpr(os.environ.get(TIMELINE_ENV, "0") == "1")
+TIMELINE_ENV = settings.GLUON_TIMELINE
+_TIMELINE = gl.constexpr(settings.gluon_timeline())
 TIMELINE_TILES, TIMELINE_EVENTS = 64, 20
 _TL_TILES, _TL_EVENTS = gl.constexpr(TIMELINE_TILES), gl.constexpr(TIMELINE_EVENTS)
 # Events (a tile's words; consumer c's three at 3 c + 0, 1, 2): its Q landed and its tile known, its blocks done (the
@@ -158,15 +152,15 @@ TL_Q, TL_DONE, TL_STORED, TL_LOAD_TILE, TL_LOAD_ISSUED, TL_PLAN_START, TL_PLAN_P
     TL_EXIT_NS = (gl.constexpr(v) for v in TIMELINE_EVENT.values())
 
 
-# ring_core.plans.GLUON_TILES as a constexpr global: read by name in ``kv_slots`` / ``kv_rings``, its value is part
+# ring_core.kernels.configs.GLUON_TILES as a constexpr global: read by name in ``kv_slots`` / ``kv_rings``, its value is part
 # of the kernel's cache key (Triton hashes the constexpr globals a jit function and its callees read), so a binary
 # compiled for other tiles is never taken from the cache.
-_TILES = gl.constexpr(plans.GLUON_TILES)
+_TILES = gl.constexpr(configs.GLUON_TILES)
 
 
 @triton.constexpr_function
 def kv_slots(head_dim, block_m, block_n):
-    """The K/V slots of the tiles at ``head_dim`` (ring_core.plans.GLUON_TILES), whose query and K/V block rows the
+    """The K/V slots of the tiles at ``head_dim`` (ring_core.kernels.configs.GLUON_TILES), whose query and K/V block rows the
     plans pass (``block_m``, ``block_n``: checked against the table here)."""
     tile_m, tile_n, slots, _ = _TILES.value[head_dim]
     assert (block_m, block_n) == (tile_m, tile_n), f"ring_core.plans: the Gluon tiles at head_dim {head_dim}"
@@ -176,7 +170,7 @@ def kv_slots(head_dim, block_m, block_n):
 @triton.constexpr_function
 def kv_rings(head_dim):
     """1: a K/V block's K and V share a slot and its barriers; 2: K and V have rings of their own (the slots'
-    barriers ``[RINGS * STAGES]``: V's from ``STAGES`` on), at ``head_dim`` (ring_core.plans.GLUON_TILES)."""
+    barriers ``[RINGS * STAGES]``: V's from ``STAGES`` on), at ``head_dim`` (ring_core.kernels.configs.GLUON_TILES)."""
     return _TILES.value[head_dim][3]
 
 
@@ -735,18 +729,14 @@ def _softmax_block(qk, m_i, l_i, d, row0, qk_scale, CAUSAL: gl.constexpr):
     the query dropped where the block's mask number ``d`` (``_next_block``; ``row0``: the consumer's first row in
     the tile) says some are; rows that see nothing yet keep m = -inf and are shifted by 0, so exp2 gives 0, not
     NaN. The masks' indices are made here, not kept across the loop: held in registers they made the consumers
-    spill."""
-    if not _FOLD_SCALE:
-        qk = qk * qk_scale  # log2 units
+    spill. The softmax's scale is folded into exp2's argument (``online_softmax``: one FFMA per score)."""
     if CAUSAL:
         if d != _UNMASKED:
             s_layout: gl.constexpr = qk.type.layout
             last = row0 + d + gl.arange(0, qk.shape[0], layout=gl.SliceLayout(1, s_layout))  # each row's last key
             cols = gl.arange(0, qk.shape[1], layout=gl.SliceLayout(0, s_layout))
             qk = gl.where(cols[None, :] <= last[:, None], qk, float("-inf"))
-    if _FOLD_SCALE:
-        return online_softmax(qk, m_i, l_i, CAUSAL, qk_scale)
-    return online_softmax(qk, m_i, l_i, CAUSAL)
+    return online_softmax(qk, m_i, l_i, CAUSAL, qk_scale)
 
 
 @gluon.jit
@@ -1153,7 +1143,7 @@ def ring_attn_fwd_gluon(
     SIG_DTYPE: gl.constexpr, STICKY_ERRORS: gl.constexpr,
     WINDOW: gl.constexpr, WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr, SEGMENTED: gl.constexpr,
 ):
-    STAGES: gl.constexpr = kv_slots(D, BLOCK_M, BLOCK_N)  # ring_core.plans.GLUON_TILES
+    STAGES: gl.constexpr = kv_slots(D, BLOCK_M, BLOCK_N)  # ring_core.kernels.configs.GLUON_TILES
     RINGS: gl.constexpr = kv_rings(D)
     gl.static_assert(BLOCK_D == D, "ring_core.plans: the Gluon config")
     MASKS: gl.constexpr = WINDOW or SEGMENTED

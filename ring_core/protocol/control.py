@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ring_core import masks
+from ring_core import masks, settings
 from ring_core.validate import AttentionSpec
 
 # ---- control words of a ring slot (int32 indices; the kernels use these names, ring_core.protocol.steps) ----------
@@ -89,10 +89,10 @@ POLL_N = 128  # chunk flags one vector poll covers (constexpr POLL_N)
 BIG_ID = 2147483647  # above every segment id: an empty id range's lo (protocol.BIG_ID, testing.id_range_words)
 
 # ---- waits and errors ---------------------------------------------------------------------------------------
-DEFAULT_TIMEOUT_S = 300.0
-TIMEOUT_ENV = "RING_ATTENTION_TIMEOUT_S"
-ERRORS_ENV = "RING_ATTENTION_ERRORS"
-ERROR_MODES = ("call", "deferred")
+DEFAULT_TIMEOUT_S = settings.DEFAULT_TIMEOUT_S
+TIMEOUT_ENV = settings.TIMEOUT_S
+ERRORS_ENV = settings.ERRORS
+ERROR_MODES = settings.ERROR_MODES
 
 
 class HeapTooSmallError(RuntimeError):
@@ -168,7 +168,7 @@ def make_ctx(heap_bases, rank: int, heap: HeapLayout, slot: int = 0) -> np.ndarr
 
 def timeout_ns(timeout_s: float | None = None) -> int:
     if timeout_s is None:
-        timeout_s = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
+        timeout_s = settings.timeout_s()
     if not (timeout_s > 0 and math.isfinite(timeout_s)):
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout_s}")
     return int(timeout_s * 1e9)
@@ -190,25 +190,15 @@ def environ(**values):
                 os.environ[k] = val
 
 
-def errors_mode(default: str = "deferred", legacy_env: str | None = None) -> str:
+def errors_mode() -> str:
     """How a fused call reports a failure (RING_ATTENTION_ERRORS; torch reads it at each call, JAX when it
     traces). "deferred", both frontends' default: no host sync per call; each call's status is copied to pinned
     host memory asynchronously and a failure is raised by a later fused call on that process (torch: the next
     fused call, before it launches; JAX: the next call that finds the copy landed, as the error of that
     program), by ``check_errors()`` (which waits for the copies) or at ``shutdown()``; what the failed call
     could not compute is NaN meanwhile. "call": the failed call raises itself (torch: it waits for the GPU
-    after every call; JAX: a host callback after every call, 0.2-1 ms each): for debugging.
-    ``legacy_env``: the frontend's older variable, read when RING_ATTENTION_ERRORS is unset (JAX:
-    RING_ATTENTION_JAX_ERRORS); RING_ATTENTION_SYNC_ERRORS=1 still means "call"."""
-    mode = os.environ.get(ERRORS_ENV)
-    if mode is None:
-        if os.environ.get("RING_ATTENTION_SYNC_ERRORS") == "1":
-            mode = "call"
-        else:
-            mode = os.environ.get(legacy_env, default) if legacy_env else default
-    if mode not in ERROR_MODES:
-        raise ValueError(f"{ERRORS_ENV} must be one of {ERROR_MODES}, got {mode!r}")
-    return mode
+    after every call; JAX: a host callback after every call, 0.2-1 ms each): for debugging."""
+    return settings.errors_mode()
 
 
 SIG_FIELDS = ("epoch", "kernel", "world", "batch", "seq_local", "heads", "kv_heads", "head_dim", "dtype", "flags",

@@ -37,8 +37,10 @@ import os
 import time
 from dataclasses import dataclass, field
 
-COMPILE_LOG_ENV = "RING_ATTENTION_COMPILE_LOG"  # append every compile made here to this file (JSON lines)
-COMPILE_TAG_ENV = "RING_ATTENTION_COMPILE_TAG"  # ... tagged with this (e.g. the GPU session's stage)
+from ring_core import settings
+
+COMPILE_LOG_ENV = settings.COMPILE_LOG  # append every compile made here to this file (JSON lines)
+COMPILE_TAG_ENV = settings.COMPILE_TAG  # ... tagged with this (e.g. the GPU session's stage)
 
 TRITON_TYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "int32": "i32", "int64": "i64",
                 "uint8": "u8", "int8": "i8", "uint32": "u32"}
@@ -220,11 +222,10 @@ def _compile(kernel, specialized, constexprs: dict, num_warps: int, num_stages: 
 def _record(kernel, types, consts: dict, divisible, num_warps: int, num_stages: int, capability: int) -> None:
     """One line of the compile log (``COMPILE_LOG_ENV``), if one is asked for: what ``warm`` needs to compile
     the same variant again. One write of one line in append mode: ranks may share the file."""
-    path = os.environ.get(COMPILE_LOG_ENV)
+    path, tag = settings.compile_log()
     if not path:
         return
-    rec = _as_record(kernel, types, consts, divisible, num_warps, num_stages, capability,
-                     os.environ.get(COMPILE_TAG_ENV, ""))
+    rec = _as_record(kernel, types, consts, divisible, num_warps, num_stages, capability, tag)
     with open(path, "a") as f:
         f.write(json.dumps(rec, sort_keys=True) + "\n")
 

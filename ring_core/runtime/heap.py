@@ -38,11 +38,11 @@ import threading
 
 import numpy as np
 
+from ring_core import plans, settings
 from ring_core.protocol import control
-from ring_core import plans
 
-DEFAULT_HEAP_BYTES = 4 << 30
-HEAP_ENV = "RING_ATTENTION_HEAP_BYTES"
+DEFAULT_HEAP_BYTES = settings.DEFAULT_HEAP_BYTES
+HEAP_ENV = settings.HEAP_BYTES
 
 _lock = threading.RLock()
 _heap = None
@@ -216,11 +216,7 @@ class RingSlots:
 def check_heap_size(heap_size):
     """None (then RING_ATTENTION_HEAP_BYTES or 4 GiB) or an int of at least twice iris's slack; returns it."""
     if heap_size is None:
-        raw = os.environ.get(HEAP_ENV)
-        try:
-            heap_size = DEFAULT_HEAP_BYTES if raw is None else int(raw)
-        except ValueError:
-            raise ValueError(f"{HEAP_ENV}={raw!r} is not a number of bytes") from None
+        heap_size = settings.heap_bytes()
     if isinstance(heap_size, bool) or not isinstance(heap_size, (int, np.integer)) or heap_size < 2 * control.HEAP_SLACK:
         raise ValueError(f"heap_size must be an int of at least {2 * control.HEAP_SLACK} bytes, got {heap_size!r}")
     return int(heap_size)

@@ -209,18 +209,6 @@ def test_the_gluon_kernel_can_be_turned_off(monkeypatch):
     assert plans.gluon_capability(torch.device("cuda", 0)) is None
 
 
-def test_gluon_tiles_override_is_read_at_import_and_a_bad_entry_says_the_form():
-    """RING_ATTENTION_GLUON_TILES (tuning runs only) replaces entries of plans.GLUON_TILES at import; a malformed
-    entry raises saying the form."""
-    code = "import ring_core.plans as p; print(p.GLUON_TILES[64], p.GLUON_TILES[128])"
-    env = dict(os.environ, RING_ATTENTION_GLUON_TILES="64=128,128,4,2")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.split("\n")[0] == "(128, 128, 4, 2) (128, 128, 3, 1)"
-    env["RING_ATTENTION_GLUON_TILES"] = "64=128,128"
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert r.returncode != 0 and "each entry is head_dim=query rows,K/V rows,slots,rings" in r.stderr
-
-
 DIRECT_LAUNCH = textwrap.dedent("""
     import json
     import torch

@@ -145,36 +145,16 @@ def test_the_site_key_is_the_same_for_the_same_program():
 
 
 def test_error_modes_from_the_environment(monkeypatch):
-    """Both frontends default to "deferred"; RING_ATTENTION_ERRORS decides for both; the older variables are read
-    where it is unset: RING_ATTENTION_JAX_ERRORS by JAX only, RING_ATTENTION_SYNC_ERRORS=1 ("call") by both."""
-    for name in (control.ERRORS_ENV, "RING_ATTENTION_JAX_ERRORS", "RING_ATTENTION_SYNC_ERRORS"):
-        monkeypatch.delenv(name, raising=False)
+    """Both frontends default to "deferred"; RING_ATTENTION_ERRORS decides for both, read at each trace / call; a
+    wrong value says the choices."""
+    monkeypatch.delenv(control.ERRORS_ENV, raising=False)
     jax_mode = fused.errors_mode
-    assert jax_mode() == control.errors_mode("deferred") == "deferred"
-    monkeypatch.setenv("RING_ATTENTION_JAX_ERRORS", "call")
-    assert jax_mode() == "call" and control.errors_mode("deferred") == "deferred"
-    monkeypatch.setenv(control.ERRORS_ENV, "deferred")
-    assert jax_mode() == "deferred"
-    monkeypatch.delenv(control.ERRORS_ENV)
-    monkeypatch.delenv("RING_ATTENTION_JAX_ERRORS")
-    monkeypatch.setenv("RING_ATTENTION_SYNC_ERRORS", "1")
-    assert jax_mode() == control.errors_mode("deferred") == "call"
+    assert jax_mode() == control.errors_mode() == "deferred"
+    monkeypatch.setenv(control.ERRORS_ENV, "call")
+    assert jax_mode() == control.errors_mode() == "call"
     monkeypatch.setenv(control.ERRORS_ENV, "sometimes")
     with pytest.raises(ValueError, match=r"RING_ATTENTION_ERRORS must be one of \('call', 'deferred'\)"):
         jax_mode()
-
-
-def test_a_wrong_status_copy_mode_raises_when_traced(monkeypatch):
-    """RING_ATTENTION_STATUS_COPY (pdl, the default, kernel or dma) is checked when a fused call is traced, with a
-    clear error, not first in XLA's call of the handler."""
-    monkeypatch.setenv(status.COPY_ENV, "sometimes")
-    with pytest.raises(ValueError, match="RING_ATTENTION_STATUS_COPY must be pdl .*, kernel or dma, got 'sometimes'"):
-        fused._check_of("deferred")
-    for mode in ("dma", "kernel", "pdl"):
-        monkeypatch.setenv(status.COPY_ENV, mode)
-        assert status.copy_mode() == mode
-    monkeypatch.delenv(status.COPY_ENV)
-    assert status.copy_mode() == "pdl"
 
 
 def test_call_mode_reports_its_own_failure_and_keeps_an_earlier_one(ring):
