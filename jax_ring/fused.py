@@ -136,6 +136,9 @@ def local_ring(ctx, axis_name, ring_size: int):
     return int(row[ring_size]), row[ring_size + 4:2 * ring_size + 4].copy(), table
 
 
+_status.ring_of = lambda ctx, axis_name, ring_size: local_ring(ctx, axis_name, ring_size)
+
+
 def _ring_ctx_lowering(ctx, pos, *, axis_name, ring_size):
     table = ring_table(_heap.get(), _lowering_mesh(ctx), axis_name)
     row = lambda i: lax.dynamic_index_in_dim(jnp.asarray(table), i, axis=0, keepdims=False)  # noqa: E731

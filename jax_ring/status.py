@@ -508,6 +508,11 @@ def site_key(*parts) -> int:
     return (crc << 31) ^ crc2
 
 
+# (position in its ring, the ring's global ranks, the ring table) of this process's device, from the lowering's
+# context: jax_ring.fused's ``local_ring``, which it sets here when imported (this module does not import it).
+ring_of = None
+
+
 def register_site(key: int, position: int, members, timeout_s) -> None:
     """What this process's failures at site ``key`` are named with (ring_core.protocol.control.check_status)."""
     _sites[key] = (int(position), tuple(int(m) for m in members) if members is not None else None, timeout_s)
@@ -521,9 +526,7 @@ def _lowering(ctx, status, *, axis_name, ring_size, timeout_s, now, platform):
     if axis_name is None:  # no ring to name ranks with (benchmarks/callback_cost.py)
         position, members, table = 0, None, None
     else:
-        from jax_ring import fused
-
-        position, members, table = fused.local_ring(ctx, axis_name, ring_size)
+        position, members, table = ring_of(ctx, axis_name, ring_size)
     key = site_key(axis_name, ring_size, timeout_s, table)
     register_site(key, position, members, timeout_s)
     err = register(platform)
