@@ -16,11 +16,11 @@ through ctypes: no compiled extension), runs on the host when XLA *enqueues* it,
 
 So a call's failure is raised by a later fused call on this process, or by ``jax_ring.check_errors()`` /
 ``shutdown()``, which wait for the copies and raise it as its own type (RingAttentionTimeout /
-RingAttentionMismatch). Per call: the handler's host time (~45-50 us of Python on the GPU machine of session 23)
+RingAttentionMismatch). Per call: the handler's host time (~45-50 us of Python on the GPU machine, an H200 with jax 0.11)
 and the tiny copy kernel on the stream, no sync. benchmarks/status_cost.py, one H200, seq_local 4k, calls back to
 back, the 0.28 ms causal forward against no check: the PDL copy +1.6-1.7 % (three runs; +0.2-1.6 % in the probe
 runs), the plain copy kernel +2.5-5.3 % (six runs), the DMA copy +2.5-3.9 %, a handler that copies nothing within
-0.5 % (benchmarks/NOTES.md, session 23).
+0.5 % (benchmarks/NOTES.md).
 
 RING_ATTENTION_ERRORS=call sets the call's attribute ``now``: the handler then waits for the copy it enqueued (a
 host sync per call: the host waits for the GPU to finish the call) and fails this call's program with this call's
@@ -36,9 +36,9 @@ each call's handler (tests/gpu/gpu_status.py, on our CPU: 70 us a call without t
 with it while the main thread spins in Python). Where a GPU client runs it is measured by tests/gpu/gpu_status.py.
 So the handler takes the GIL once and keeps it: the driver's and XLA's functions it calls per call keep the GIL
 (PyDLL, PYFUNCTYPE) instead of releasing it around each call, where a busy main thread would take it each time.
-On the GPU machine of session 23 (jax 0.11) the handler ran on the dispatching thread itself, where that changes
+On the GPU machine (an H200, jax 0.11) the handler ran on the dispatching thread itself, where that changes
 nothing measurable; it took ~45-50 us a call there, most of it Python, which runs several times slower on that
-machine than on our CPU (benchmarks/NOTES.md, session 23, call BO).
+machine than on our CPU (benchmarks/NOTES.md).
 
 On the CPU platform the same handler runs with a memcpy for the copy (a slot lands at once): that is how the
 tests check the host side (the ring of slots, the message, raising at the next call) without a GPU.
@@ -241,7 +241,7 @@ class _CudaSlots:
         # a copy, setting up); ``fast`` (PyDLL) keeps it, for the quick calls each handler makes (the copy's launch,
         # its event, a query). Where XLA runs the handler on a thread of its own (its CPU client does), every
         # release is a chance for a main thread busy in Python to take the GIL, and the handler waits to get it
-        # back. (On the GPU machine of session 23 the handler ran on the dispatching thread: no change there.)
+        # back. (On the GPU machine, jax 0.11, the handler ran on the dispatching thread: no change there.)
         self.cu = cu = ctypes.CDLL(_LIBCUDA)
         self.fast = fast = ctypes.PyDLL(_LIBCUDA)
         for lib in (cu, fast):

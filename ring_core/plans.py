@@ -192,7 +192,7 @@ class BwdKernelConfig:
         (``gluon_bwd_applies``; ring_core.kernels.gluon_bwd: dQ added up by TMA reductions in no fixed order), with its fixed
         tiles (128 K/V rows per dK/dV task, 64 query rows per step, 128 rows per delta or dQ task, one K/V block per
         flag). With it, the same kernel in its own deterministic order (DETERMINISTIC: dQ's adds in ticket order, by
-        a writer warp; 0.87-0.95x cuDNN forward+backward against the split's 0.80, benchmarks/NOTES.md, session 17)
+        a writer warp; 0.87-0.95x cuDNN forward+backward against the split's 0.80, benchmarks/NOTES.md)
         where it applies without masks, else the split kernel; ``gluon_det`` False (RING_ATTENTION_GLUON_DETERMINISTIC
         =0, read by ``plan_bwd``) gives the split for A/B runs."""
         if (not interpret and (gluon_det or not deterministic)

@@ -107,7 +107,7 @@ def _zeroed_status(shape, dt: str, device):
     long as a row of it does). For a CUDA launch the block is pinned host memory, which the GPU reaches through
     unified addressing: the kernel's last program stores the status words straight into it, so that checking a
     call costs no copy on the stream, only an event (lifecycle.track; a cuMemcpyAsync of the status per call cost
-    1.1-3.5 % of a 4k call, benchmarks/NOTES.md call BT). Rows are never reused: a row's block is freed only once
+    1.1-3.5 % of a 4k call, benchmarks/NOTES.md). Rows are never reused: a row's block is freed only once
     every row of it has been checked, after its kernel ended."""
     (n,) = shape
     key = (device, n, dt)

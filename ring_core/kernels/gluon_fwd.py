@@ -1,5 +1,5 @@
 """The fused ring-attention forward for Hopper, in Gluon: the same protocol as ring_core.kernels.tl_fwd, with
-FlashAttention-3's explicit partitions for the attention math (issue 18).
+FlashAttention-3's explicit partitions for the attention math.
 
 Why a second kernel source: Triton's automatic warp specialisation takes only one flat loop per program, with no
 ``while`` anywhere in the kernel (benchmarks/NOTES.md), which the ring protocol's waits and pushes cannot meet;
@@ -20,8 +20,8 @@ flags that pushes set.
 Persistent: a program per SM (``ring_core.plans.plan``'s grid), each taking tiles of (batch, head, BLOCK_M query
 rows) from the call's tile counter (CTL_FWD_TILE) in the tl kernel's order (ring_core.kernels.tiles.query_tile: the
 programs running at once share K/V in L2, the heaviest tiles go first; a static round-robin lost 8-15 % on causal
-rows, benchmarks/NOTES.md, session 13), so that what a program pays however few blocks its tile has (the call check,
-the descriptors, the barriers, the end count: about 11 us, session 12) is paid once per SM, and a tile's first loads
+rows, benchmarks/NOTES.md), so that what a program pays however few blocks its tile has (the call check,
+the descriptors, the barriers, the end count: about 11 us) is paid once per SM, and a tile's first loads
 overlap the last tile's end. The pushes never depend on how many programs are resident (ranks sharing a GPU under
 MPS run fewer at once than the grid holds): the pushers are the first programs to arrive, and each pushes every
 unit left before anything of it waits, while the other three quarters start on their tiles, whose ring step 0
@@ -56,7 +56,7 @@ at D256).
   NaN rows; the call's status raises either way).
 * Epilogue: ``end_call``.
 
-Windows and segment ids (constexprs WINDOW, SEGMENTED; issue 20): the blocks come from the tl kernel's rules
+Windows and segment ids (constexprs WINDOW, SEGMENTED): the blocks come from the tl kernel's rules
 (``protocol.step_blocks``: positions, windows included) narrowed by the id ranges every rank publishes per chunk
 with the call check (chunks of one block with segment ids: ``plans.KernelConfig``), which say whether a block can
 hold a pair the tile attends and whether it needs masks (``protocol.block_met``; unmasked: every query sees every
@@ -65,7 +65,7 @@ warp, ``_planner``), takes the tiles from the counter in the load partition's st
 ahead of it (``_tile_plan``: the tile's ids, each ring step's run of blocks, ``make_plan``, and their count) into
 one of two slots of shared-memory words, each published by a barrier and given back by the load partition once that
 tile's loads are issued (a segmented tile cost about 6 us of an SM more than a dense one, the plan at its start on
-the load warp about 1.3 us of that: benchmarks/NOTES.md, session 18). The load partition (``_producer_planned``)
+the load warp about 1.3 us of that: benchmarks/NOTES.md). The load partition (``_producer_planned``)
 counts the blocks for the consumers (in a word per half, published with Q), then (``_tile_loads_masked``) walks the
 runs, skips a block no query of the tile attends (not sent, not waited for, not loaded: only blocks sent whole are
 read, as TMA reads whole blocks) and passes each block's word (ring step, block, masked) to the consumers through a
@@ -446,7 +446,7 @@ def _planner(pwords, p_full, p_empty, rank, B, S, seg_ptr, n_chunks, ctl, tln, r
     once its slot is free (taken earlier, the program would hold tiles that an idle program could run at the call's
     end); then tile -1. The load warp's own
     path is then each block's test and loads only (the plan on it had cost about 1.3 us of an SM a tile:
-    ``bench-doclens-stream``, benchmarks/NOTES.md session 18). It waits only for its slots (freed by the load warp,
+    ``bench-doclens-stream``, benchmarks/NOTES.md). It waits only for its slots (freed by the load warp,
     which waits for nothing of it but these words), so the partitions' waits stay acyclic."""
     PW: gl.constexpr = plan_words(W)
     n_tiles = B * H * (S // BLOCK_M)
@@ -534,7 +534,7 @@ def _tile_loads_masked(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q
     and the block's all carry one id: the chunk's published range is [t, t], padding counted). With segment ids, the
     tile's ids go with its Q (``_load_q``) and a masked block's ids, keyed (``segment_keys``), into the slot's row of
     ``kids`` before the slot's barrier: the consumers read them from shared memory (global loads in their loop came
-    in waves, each waiting out the load's latency: benchmarks/NOTES.md, session 19). A tile with no block (padding
+    in waves, each waiting out the load's latency: benchmarks/NOTES.md). A tile with no block (padding
     rows) gets Q alone."""
     BLOCK_M: gl.constexpr = 2 * q_smem.shape[1]
     STAGES: gl.constexpr = k_smem.shape[0]
@@ -589,7 +589,7 @@ def _tile_loads_masked(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q
                     if not unmasked:
                         kids.index(s).store(segment_keys(ids, KEY_PAD))
                 # (not _put: through it the compilers order this store's address arithmetic otherwise, and the
-                # PTX is no longer the binary call AH checked)
+                # PTX is no longer the binary the GPU checks passed)
                 meta.index(s).store(gl.full([1], block_word(step, jb, unmasked), gl.int32, _WORD_LAYOUT_1))
                 _load_block(k_desc, v_desc, r_desc, k_smem, v_smem, kv_ready, kv_empty, s, j // STAGES, step, b, hkv,
                             jb, k_row, B, S, HKV, D)
@@ -917,7 +917,7 @@ def _consumer_tiles(q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty
         if HALF_INDEX == 0:
             _stamp(tln, i, TL_BLOCKS, n_blocks)
         # The tile's place again from its index (b, h and q0 above would do as well: no fewer spills either way,
-        # but other PTX; this one is the binary the GPU checked, session 13's call H).
+        # but other PTX; this one is the binary the GPU checks passed).
         b, h, _, m_blk = query_tile(tile, H // HKV, S // BLOCK_M, HKV, CAUSAL)
         row0 = b * S + m_blk * BLOCK_M + HALF_INDEX * HALF  # the half's first row of [B * S] (O), its first lse
         if HALF_INDEX == 0:

@@ -40,7 +40,7 @@ Protocol (per call; "epoch" = this rank's call counter + 1, equal on every rank 
   (release flag in the peer's barrier slot), waits for the same from every peer, copies the error record
   into ``status``, resets the claim/finish counters and stores ``epoch`` as the new call counter.
 
-Windows and segment ids (issue 20): what travels, what is skipped, what is still waited for
+Windows and segment ids: what travels, what is skipped, what is still waited for
 -----------------------------------------------------------------------------------------
 The rule is ring_core.masks.allowed's, in global positions. The window is a pair of constexprs (as
 ring_core.masks.kernel_window normalises it: a side that masks nothing is -1, the right side under causal
@@ -770,7 +770,7 @@ def pairs_allowed(valid, q_pos, k_pos, q_seg, k_seg, CAUSAL: tl.constexpr, WINDO
     ids without SEGMENTED). A padding key (id < 0) is attended by nobody, a padding query attends nothing.
     KEYED: the ids come as ``segment_keys`` made them (each side's padding one negative number of its own), and the
     segment test is their equality alone: one compare a pair instead of two (the Gluon kernels' masked steps: 15 %
-    fewer instructions in the backward's, no change in time measured; benchmarks/NOTES.md, session 18)."""
+    fewer instructions in the backward's, no change in time measured; benchmarks/NOTES.md)."""
     if CAUSAL:
         valid = valid & (k_pos <= q_pos)
     if WINDOW:

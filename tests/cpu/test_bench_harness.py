@@ -648,7 +648,7 @@ def test_cpu_smoke_with_masks_through_the_launcher(tmp_path):
 
 
 def test_callback_cost_probe_runs_on_cpu(tmp_path):
-    """benchmarks/callback_cost.py (issue 18's per-call check, for the GPU) runs every variant and writes its CSV."""
+    """benchmarks/callback_cost.py (the per-call check's cost, for the GPU) runs every variant and writes its CSV."""
     import csv
 
     from benchmarks import callback_cost
@@ -686,7 +686,7 @@ def test_cuda_stream_ms_times_the_calls_back_to_back():
 
 
 def test_ab_runs_and_status_cost_plots_draw_from_committed_csvs(tmp_path):
-    """The figures of session 11's A/B runs and of benchmarks/status_cost.py are drawn on the CPU from committed CSVs
+    """The figures of the tile A/B runs and of benchmarks/status_cost.py are drawn on the CPU from committed CSVs
     (the GPU run of status_cost's own plot once failed on a matplotlib keyword; these would have caught it)."""
     pytest.importorskip("matplotlib")
     from benchmarks import status_cost
@@ -695,7 +695,7 @@ def test_ab_runs_and_status_cost_plots_draw_from_committed_csvs(tmp_path):
     runs = [os.path.join(results, f"attention_w1_fwd_tiles-{r}_1xH200_2026-12-02J.csv") for r in ("base", "s4")]
     png = tmp_path / "runs.png"
     assert bplot.main(["--runs", *runs, "--out", str(png)]) == 0 and png.stat().st_size > 10_000
-    # session 21's A/B of issue 20's packed forward: the masked row against the dense one of its own run
+    # the A/B of the packed forward: the masked row against the dense one of its own run
     runs = [os.path.join(results, f"ab_packed_{t}_W1_1xH200_2026-12-04AZ.csv") for t in ("current_1", "late_1")]
     png = tmp_path / "runs_dense.png"
     assert bplot.main(["--runs", "--ratio", "vs_dense", *runs, "--out", str(png)]) == 0 and png.stat().st_size > 10_000

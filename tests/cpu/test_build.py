@@ -316,7 +316,7 @@ GLUON_COMPILE = textwrap.dedent("""
 
 
 def test_gluon_forward_compiles_warp_specialised_for_hopper(tmp_path):
-    """benchmarks/gluon_fwd.py (issue 18's Gluon path, single GPU for now) compiles for sm_90 on CPU under the
+    """benchmarks/gluon_fwd.py (the Gluon forward's loop, single GPU) compiles for sm_90 on CPU under the
     Triton at hand: an explicit load partition beside the consumers' warps (one partition of two warpgroups, or
     two of one: split), TMA copies and warpgroup MMAs, within Hopper's shared memory. What it computes is checked
     on a GPU (``python -m benchmarks.gluon_fwd``)."""
@@ -354,7 +354,7 @@ GLUON_RING_COMPILE = textwrap.dedent("""
 
 
 def test_gluon_ring_forward_compiles_with_its_waits_in_the_load_partition(tmp_path):
-    """benchmarks/gluon_ring.py (issue 18: the Gluon loop over a ring's steps): the chunk waits are acquire loads
+    """benchmarks/gluon_ring.py (the Gluon loop over a ring's steps): the chunk waits are acquire loads
     followed by the generic-to-async proxy fence that the TMA reads of the chunk need, inside a warp-specialised
     kernel; at world size 1 there is nothing to wait for and no acquire is left. What it computes, and whether a
     late flag is honoured, is checked on a GPU (``python -m benchmarks.gluon_ring``)."""
@@ -384,7 +384,7 @@ PEER_STORE_COMPILE = textwrap.dedent("""
 
 
 def test_gluon_peer_store_waits_for_the_bulk_writes_before_its_release(tmp_path):
-    """benchmarks/gluon_peer_store.py (issue 18's push design: TMA stores into a peer's heap, then a flag): the
+    """benchmarks/gluon_peer_store.py (a push design: TMA stores into a peer's heap, then a flag): the
     release comes after a wait for the bulk writes themselves (``cp.async.bulk.wait_group 0``, not Gluon's
     ``tma.store_wait``, whose ``.read`` form only waits for shared memory to be read), the generic-to-async proxy
     fence and a CTA barrier (the releasing thread may not be the one that issued the stores). Whether TMA takes a
@@ -426,7 +426,7 @@ GLUON_KERNEL_COMPILE = PLAN_SM90 + textwrap.dedent("""
             (1, 256, 4, 1, 128, "bfloat16", True, "contiguous", 1, None, False),
             (1, 512, 8, 2, 256, "bfloat16", True, "zigzag", 2, None, False),
             (2, 256, 4, 4, 256, "float16", False, "contiguous", 1, None, False),
-            (1, 512, 8, 2, 128, "bfloat16", True, "zigzag", 2, None, True),  # masks (issue 20)
+            (1, 512, 8, 2, 128, "bfloat16", True, "zigzag", 2, None, True),  # masks
             (1, 256, 4, 1, 64, "float16", True, "contiguous", 1, (300, -1), False),
             (2, 512, 4, 2, 256, "bfloat16", False, "zigzag", 3, (200, 90), True)):
         spec = validate.check_attention_args((B, S, H, D), (B, S, HKV, D), (B, S, HKV, D), dt, dt, dt,
@@ -453,7 +453,7 @@ GLUON_KERNEL_COMPILE = PLAN_SM90 + textwrap.dedent("""
 
 
 def test_gluon_product_kernel_compiles_warp_specialised_with_the_protocol(tmp_path):
-    """ring_core.kernels.gluon_fwd (issue 18's Hopper forward), as ring_core.plans launches it on an H200, compiles for
+    """ring_core.kernels.gluon_fwd (the Hopper forward), as ring_core.plans launches it on an H200, compiles for
     sm_90 under the Triton at hand: explicit partitions (the load warp beside two consumer warpgroups), TMA copies
     from descriptors made on the device (global scratch), warpgroup MMAs, within Hopper's shared memory; and the
     protocol compiled in from ring_core.protocol.steps's own helpers: with peers, bounded acquires of the chunks' flags
@@ -464,7 +464,7 @@ def test_gluon_product_kernel_compiles_warp_specialised_with_the_protocol(tmp_pa
     P V of 256 per warpgroup MMA, 192 KiB of shared memory (Q's 64 and the slots' 128), K and V in rings of their own
     (a ready and an empty barrier per slot of each; D64/D128: one pair per slot of both), beside a pair for each half
     of Q's buffer (persistent: a ready and an empty barrier per consumer's half). With a window or
-    segment ids (issue 20; the last three) the same, with a few words more of shared memory (the tiles' block
+    segment ids (the last three) the same, with a few words more of shared memory (the tiles' block
     counts, the slots' block words and the planner's two slots of a tile's plan; with segment ids the tile's rows'
     ids and each slot's block's) and one partition more, the planner, with a ready and an empty barrier for each of
     its slots."""
@@ -537,7 +537,7 @@ GLUON_BWD_COMPILE = PLAN_SM90 + textwrap.dedent("""
             (1, 1024, 8, 2, "bfloat16", True, "zigzag", 2, None, False),
             (2, 256, 4, 4, "float16", False, "contiguous", 3, None, False),
             (1, 256, 4, 1, "bfloat16", True, "contiguous", 1, None, False),
-            (1, 512, 8, 2, "bfloat16", True, "zigzag", 2, None, True),  # masks (issue 20): in any order only
+            (1, 512, 8, 2, "bfloat16", True, "zigzag", 2, None, True),  # masks: in any order only
             (1, 512, 4, 4, "float16", True, "contiguous", 1, (300, -1), False),
             (2, 512, 4, 2, "bfloat16", False, "zigzag", 3, (200, 90), True)):
         spec = validate.check_attention_args((B, S, H, 128), (B, S, HKV, 128), (B, S, HKV, 128), dt, dt, dt,
@@ -584,12 +584,12 @@ GLUON_BWD_COMPILE = PLAN_SM90 + textwrap.dedent("""
 
 
 def test_gluon_backward_compiles_warp_specialised_with_tma_reductions(tmp_path):
-    """ring_core.kernels.gluon_bwd (issue 19's Hopper backward, deterministic=False), as ring_core.plans launches it on an
+    """ring_core.kernels.gluon_bwd (the Hopper backward, deterministic=False), as ring_core.plans launches it on an
     H200, compiles for sm_90 under the Triton at hand: explicit partitions (a load warp beside the consumers),
     five warpgroup MMAs per step, dQ added by TMA bulk reductions whose completion (``cp.async.bulk.wait_group 0``,
     not only the shared-memory read) comes before the count that publishes them, within Hopper's shared memory;
     its grid the delta, dK/dV and dQ tasks; with peers, the chunk flags acquired before the proxy fence and the TMA
-    reads. With a window or segment ids (issue 20; the last three) the same, in any order only. With
+    reads. With a window or segment ids (the last three) the same, in any order only. With
     deterministic=True and ``gluon_det`` (RING_ATTENTION_GLUON_DETERMINISTIC=1; else deterministic plans the split
     kernel; compiled for the first case, W=2) the same kernel with its DETERMINISTIC order, in a dQ writer partition
     of its own: each reduction after the acquire of its turn, and the counts of a step's reductions released after
@@ -748,7 +748,7 @@ def test_gpu_variants_lists_the_runs_kernels():
     assert sum(r["constexprs"]["DETERMINISTIC"] for r in bench if r["kernel"].endswith("bwd_gluon")) == 2
     tl = [r["kernel"].split(":")[1] for r in gv.stage_records("bench-w1-tl", 1)]  # RING_ATTENTION_GLUON=0
     assert tl and set(tl) == {"ring_attn_fwd_kernel"}, tl
-    # Issue 18's other shapes (D64, D256, GQA 32/8), forward only through torch: the Gluon forward, in its tiles.
+    # The other forward shapes (D64, D256, GQA 32/8), forward only through torch: the Gluon forward, in its tiles.
     shapes = gv.stage_records("bench-w1-shapes", 1)
     assert {r["kernel"].split(":")[1] for r in shapes} == {"ring_attn_fwd_gluon"}, shapes
     got = sorted((r["constexprs"]["D"], r["constexprs"]["HKV"], r["constexprs"]["CAUSAL"], r["constexprs"]["BLOCK_N"],
@@ -764,7 +764,7 @@ def test_gpu_variants_lists_the_runs_kernels():
     faults = gv.stage_records("faults", 3)  # the fault sections' right calls (forward only)
     assert faults and all(r["kernel"].split(":")[1].startswith("ring_attn_fwd") and r["constexprs"]["W"] == 3
                           for r in faults)
-    gluon = gv.stage_records("probe-gluon-fwd", 1)  # issue 18's Gluon forward: its checks and timed shapes
+    gluon = gv.stage_records("probe-gluon-fwd", 1)  # the Gluon forward: its checks and timed shapes
     assert gluon and all(r["kernel"] == "benchmarks.gluon_fwd:gluon_attn_fwd" for r in gluon)
     assert {r["types"][0].split("[")[0] for r in gluon} == {"tensordesc<bf16", "tensordesc<fp16"}
     assert {r["tag"] for r in gluon} == {"probe-gluon-fwd@1"}

@@ -16,7 +16,7 @@ Properties:
   non wgmma instructions defining accumulator registers") means every k-step of every matmul in the kernel
   waits for the one before. The backward had it until 2026-11-30 (a dQ loop nest followed by another loop).
 
-The cases with a window or segment ids (issue 20) compile the masked variants (WINDOW, SEGMENTED): more K/V
+The cases with a window or segment ids compile the masked variants (WINDOW, SEGMENTED): more K/V
 loops (a masked one before the unmasked one), the segment ids' range pass and the ids pushed with the K/V; the
 same properties must hold. Run this file under both Triton versions the project meets: the GPU machine's 3.6
 (``/work/venv36/bin/python -m pytest tests/cpu/test_kernel_ir.py``) and CI's.
@@ -93,7 +93,7 @@ CASES = {  # name: (dtype, head_dim, kv_heads, causal, layout[, window, segmente
     # the plain end-of-call path is compiled in every other "bwd" case (CI-time cut: a separate plain compile of
     # this variant checked the same loops again).
     "bwd bf16 d128 causal zigzag sticky": ("bfloat16", 128, 4, True, "zigzag"),
-    # Issue 20: a causal sliding window, segment ids (packed sequences), and both, forward and backward.
+    # Masks: a causal sliding window, segment ids (packed sequences), and both, forward and backward.
     "bf16 d128 causal window": ("bfloat16", 128, 4, True, "contiguous", (300, -1), False),
     "fp16 d64 gqa segmented zigzag": ("float16", 64, 2, False, "zigzag", None, True),
     "bf16 d128 window segmented zigzag": ("bfloat16", 128, 4, False, "zigzag", (200, 40), True),

@@ -112,7 +112,7 @@ def _spec(S=1024, D=128, dtype="bfloat16", layout="contiguous", window=None, seg
     (dict(S=1000), (9, 0), False),
     (dict(D=80), (9, 0), False),
     (dict(dtype="float32"), (9, 0), False),
-    (dict(window=(100, 0)), (9, 0), True),  # masks (issue 20): the Gluon backward too, in any order only
+    (dict(window=(100, 0)), (9, 0), True),  # masks: the Gluon backward too, in any order only
     (dict(segmented=True), (9, 0), True),
     (dict(D=256, layout="zigzag", S=512, window=(300, -1), segmented=True), (9, 0), True),
     (dict(window=(100, 0), segmented=True, S=1000), (9, 0), False),

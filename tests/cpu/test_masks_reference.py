@@ -1,4 +1,4 @@
-"""Packed sequences (segment ids) and sliding windows (issue 20), on the reference layer.
+"""Packed sequences (segment ids) and sliding windows, on the reference layer.
 
 * the float64 numpy reference (ring_core.reference) against a brute-force loop over (query, key) pairs that
   spells the rule out on its own (forward) and against central differences of that loop (gradients);

@@ -1,6 +1,6 @@
 """Rings over part of the job (CPU): the heap slots rings get (ring_core.runtime.heap.RingSlots), the JAX frontend's
 table of context rows for a mesh axis (built when the program is lowered, one row per device), and the
-real kernels running several rings at once on one simulated job (issue 17)."""
+real kernels running several rings at once on one simulated job."""
 
 import os
 

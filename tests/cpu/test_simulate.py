@@ -66,7 +66,7 @@ CASES = [
     (4, 2, 3, 2, 1, 8, "float32", False, "contiguous", True, None),
     (4, 1, 12, 4, 4, 64, "bfloat16", True, "zigzag", True, None),
     (4, 1, 1, 1, 1, 8, "float16", False, "contiguous", False, None),
-    # 8 ranks (issue 7: the world size the withheld 8-GPU machines would run), both layouts.
+    # 8 ranks (the world size of an 8-GPU machine), both layouts.
     (8, 1, 4, 4, 2, 16, "float32", True, "zigzag", True, None),
     (8, 1, 3, 2, 1, 24, "bfloat16", False, "contiguous", False, None),
 ]

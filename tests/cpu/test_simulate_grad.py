@@ -51,7 +51,7 @@ CASES = [
     (3, 1, 4, 2, 2, 192, "float32", False, "zigzag", None),
     (4, 1, 19, 2, 1, 40, "bfloat16", True, "contiguous", None),
     (4, 1, 8, 4, 2, 16, "float32", True, "zigzag", 0.5),
-    # 8 ranks (issue 7). CI-time cut: 2 heads over 1 K/V head (was 4 over 2): the same GQA ratio at half the
+    # 8 ranks (an 8-GPU machine's world size). CI-time cut: 2 heads over 1 K/V head (was 4 over 2): the same GQA ratio at half the
     # programs; more heads per K/V head and batch 2 are covered by the cases above at W <= 4 (the heads' and
     # batches' indexing does not depend on W).
     (8, 1, 4, 2, 1, 16, "float32", True, "zigzag", None),

@@ -1,4 +1,4 @@
-"""CPU tests of the real fused kernels with packed sequences (segment ids) and sliding windows (issue 20), run by
+"""CPU tests of the real fused kernels with packed sequences (segment ids) and sliding windows, run by
 ring_core.sim.simulate in the Triton interpreter (one thread per rank).
 
 * forward and gradients against the float64 reference (ring_core.testing.check_attention / check_grads with

@@ -13,7 +13,7 @@ Checks (every rank asserts; rank 0 writes a JSON summary under --out):
      against float64 dense gradients (dtypes, odd head dims, GQA/MQA, causal both layouts, odd seq_local,
      seq_local 1), JAX and torch bit-identical, every frontend bit-identical from run to run; and a backward
      grid far larger than the GPU holds at once against a float32 dense reference computed on the GPU;
-  6. masks (issue 20): segment ids (packed documents, negative id = padding) and sliding windows
+  6. masks: segment ids (packed documents, negative id = padding) and sliding windows
      (``window_size=(left, right)``) through both frontends' fused kernels, forward and backward: out, lse,
      dq, dk, dv against the float64 reference with the same masks (packed documents crossing shard
      boundaries with padding rows, causal zigzag bf16 D128; packed non-causal contiguous fp16 GQA 8/2 with
@@ -31,7 +31,7 @@ Checks (every rank asserts; rank 0 writes a JSON summary under --out):
      through both frontends against float64: with deterministic=False (dQ's adds in any order) and True (in the
      tickets' order, by the dQ writer: JAX and torch bit-identical, each bit-identical from run to run; with
      RING_ATTENTION_GLUON_DETERMINISTIC=0 deterministic=True runs the tl kernel, the bwd section's).
- 10. gluon-bwd-masks (issue 20): the Gluon backward with windows and segment ids (deterministic=False only; True
+ 10. gluon-bwd-masks: the Gluon backward with windows and segment ids (deterministic=False only; True
      runs the tl kernel, the masks section's): padding, windows one- and two-sided, long and short documents,
      zigzag and contiguous, GQA, with the lse gradient; gradients against float64, padding rows' exactly 0.
 
@@ -99,7 +99,7 @@ GLUON_CASES = [(1, 1024, 8, 2, 128, "bfloat16", True, "zigzag"), (2, 512, 4, 4, 
                (1, 768, 8, 2, 256, "bfloat16", True, "zigzag"),
                # scale 0 (allowed): the kernels get 1e-30 (ring_core.protocol.control.kernel_scale; 0 gave NaN under masks)
                (1, 512, 6, 3, 64, "bfloat16", True, "zigzag", 0.0)]
-# ... and with masks (issue 20): packed documents with padding (a 160-token run, more than a tile, and the tail),
+# ... and with masks: packed documents with padding (a 160-token run, more than a tile, and the tail),
 # windows one- and two-sided, both together, GQA, D64 / D128 / D256, both layouts, a tile of one document
 # (documents longer than the tiles: blocks unmasked by their published ranges). (B, S, H, HKV, D, dtype, causal,
 # layout, window, segment ids)
@@ -120,7 +120,7 @@ GLUON_BWD_CASES = [c[:8] + (c[8] if len(c) > 8 else None, i == 0) for i, c in en
 GLUON_BWD_MASK_CASES = [c for c in GLUON_MASK_CASES if c[4] == 128] + [
     (1, 768, 4, 4, 128, "float16", True, "contiguous", (300, -1), None),
     (1, 256, 4, 1, 128, "bfloat16", False, "contiguous", None, "packed"),
-    (2, 512, 8, 2, 128, "bfloat16", True, "zigzag", (350, -1), "padded")]  # batch 2 (added after session 14's runs)
+    (2, 512, 8, 2, 128, "bfloat16", True, "zigzag", (350, -1), "padded")]  # batch 2
 GRADS_CASE = (1, 128, 4, 2, 32, "float32", True, "zigzag")
 BWD_BIG = (2, 4096, 32, 8, 128, "bfloat16", True, "zigzag")  # the bwd section's grid larger than the GPU holds
 
@@ -509,7 +509,7 @@ def main():
                                c + (det,))
         summary["gluon_bwd_cases"] = made
         summary["gluon_bwd_s"] = round(time.time() - t0, 1)
-    if "gluon-bwd-masks" in sections:  # (issue 20) any order only: masks run the tl kernel with deterministic=True
+    if "gluon-bwd-masks" in sections:  # any order only: masks run the tl kernel with deterministic=True
         t0, made = time.time(), 0
         for i, c in enumerate(GLUON_BWD_MASK_CASES):
             if not chosen_run(f"m{i}"):
@@ -642,7 +642,7 @@ def main():
         say(f"bwd big grid: B{B} S{S} H{H}/{HKV} D{D} bf16 causal zigzag, {big_s:.2f} s first call; " + ", ".join(msg))
         summary.update(bwd_cases=len(bwd_cases), bwd_s=round(time.time() - t0, 1), bwd_big_first_call_s=round(big_s, 2))
 
-    # ---- masks: segment ids and sliding windows (issue 20) through both frontends' fused kernels ---------
+    # ---- masks: segment ids and sliding windows through both frontends' fused kernels ---------
     if "masks" in sections:
         t0 = time.time()
 

@@ -1,4 +1,4 @@
-"""GPU fault checks (issue 6), one process per GPU. Run by tests/gpu/test_gpu.py (``pytest -m gpu``), or:
+"""GPU fault checks, one process per GPU. Run by tests/gpu/test_gpu.py (``pytest -m gpu``), or:
 
     python -m jax_ring.launch --nproc-per-node 2 tests/gpu/gpu_faults.py --out /tmp/gpu_faults
     python -m jax_ring.launch --nproc-per-node 2 tests/gpu/gpu_faults.py --sections kill --out /tmp/gpu_faults

@@ -1,4 +1,4 @@
-"""GPU soak (issue 6), one process per GPU: many consecutive fused calls with changing shapes, flags, layouts
+"""GPU soak, one process per GPU: many consecutive fused calls with changing shapes, flags, layouts
 and dtypes through both frontends, every result checked. Run by tests/gpu/test_gpu.py (``pytest -m gpu``), or:
 
     python -m jax_ring.launch --nproc-per-node 2 tests/gpu/gpu_soak.py --calls 10000 --out /tmp/soak

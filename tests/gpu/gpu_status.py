@@ -1,4 +1,4 @@
-"""jax_ring.status on one GPU, no ring and no heap (issue 18: JAX's default error mode): what the CPU tests cannot
+"""jax_ring.status on one GPU, no ring and no heap (JAX's default error mode): what the CPU tests cannot
 see, the CUDA side of the handler (XLA's stream, the copy into pinned slots, events) and that it does not
 sync. One process:
 

@@ -247,7 +247,7 @@ def test_session_stages_parse_and_fill_their_commands():
     assert all("{" not in arg for name in gs.STAGES for c in gs.commands(name, 100, "/o") for arg in c)
     (masks,) = gs.commands("checks-masks", 540, "/o")  # the masked kernels' checks alone
     assert masks[masks.index("tests/gpu/gpu_checks.py") + 1:] == ["--sections", "masks", "--out", "/o"]
-    packed = gs.commands("bench-packed", 420, "/o", nproc=2)  # issue 20's benchmarks: W ranks, then W=1
+    packed = gs.commands("bench-packed", 420, "/o", nproc=2)  # the packed benchmarks: W ranks, then W=1
     assert [c[c.index("--pass") + 1] for c in packed] == ["fwd", "fwd+bwd"]
     assert all(c[c.index("--nproc-per-node") + 1] == "2" and "/o/masks_packed.csv" in c for c in packed)
     w1 = gs.commands("bench-masks-w1", 540, "/o", nproc=4)
