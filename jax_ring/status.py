@@ -49,7 +49,6 @@ from __future__ import annotations
 import collections
 import ctypes
 import functools
-import os
 import threading
 import zlib
 from ctypes import POINTER, Structure, c_char_p, c_int, c_int64, c_size_t, c_uint32, c_void_p
