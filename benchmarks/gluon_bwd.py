@@ -41,8 +41,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from benchmarks.gluon_fwd import probe_args, timed_row, tma_desc
 from ring_core import plans
 from ring_core.kernels.gluon_bwd import (CONSUMER_REGS, CONSUMER_WARPS, LOAD_REGS, LOAD_WARPS, bwd_slots, dkdv_steps,
-                                 free_bwd_slots, load_steps)
-from ring_core.kernels.gluon_fwd import tma_load as _tma_load
+                                         free_bwd_slots, load_steps)
+from ring_core.kernels.gluon_parts import tma_load as _tma_load
 
 BLOCK_N = plans.GLUON_BWD_KV_ROWS  # K/V rows per program (two consumers of half each)
 BLOCK_M = plans.GLUON_BWD_Q_ROWS  # query rows per step of the loop

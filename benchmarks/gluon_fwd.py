@@ -50,9 +50,10 @@ from ring_core.protocol import control
 from ring_core.kernels.gluon_fwd import _consumer as consumer  # the product's split consumer partition
 from ring_core.kernels.gluon_fwd import free_slots as _free_slots
 from ring_core.kernels.gluon_fwd import free_turns, turns
-from ring_core.kernels.gluon_fwd import online_softmax, release as _release, slots
-from ring_core.kernels.gluon_fwd import tma_load as _tma_load
-from ring_core.kernels.gluon_fwd import tma_store as _tma_store
+from ring_core.kernels.gluon_fwd import online_softmax, slots
+from ring_core.kernels.gluon_parts import release as _release
+from ring_core.kernels.gluon_parts import tma_load as _tma_load
+from ring_core.kernels.gluon_parts import tma_store as _tma_store
 from ring_core.kernels.tiles import query_tile
 
 BLOCK_M = 128

@@ -33,9 +33,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
-from ring_core.kernels.gluon_fwd import cta_barrier as _cta_barrier
-from ring_core.kernels.gluon_fwd import tma_load as _tma_load
-from ring_core.kernels.gluon_fwd import tma_store as _tma_store
+from ring_core.kernels.gluon_parts import cta_barrier as _cta_barrier
+from ring_core.kernels.gluon_parts import tma_load as _tma_load
+from ring_core.kernels.gluon_parts import tma_store as _tma_store
 from benchmarks.gluon_ring import _acquire_flag
 
 ROWS, D = 128, 128

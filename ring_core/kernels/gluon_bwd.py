@@ -1,5 +1,5 @@
 """The fused ring-attention backward for Hopper, in Gluon: the protocol of ring_core.kernels.tl_bwd, with
-FlashAttention-3's backward for the math (issue 19).
+FlashAttention-3's backward for the math.
 
 Why a second backward source: the tl backward (ring_core.kernels.tl_bwd) is FlashAttention-2's split, seven matmuls per
 block pair where five would do, with dQ summed in a fixed order (deterministic). Five matmuls need dQ added up from
@@ -34,7 +34,7 @@ on the peers exactly as in the tl kernel: ring_core.protocol.steps's no-deadlock
      accumulator with one TMA bulk reduction (``tma_add``), issued and left running (the buffer is rewritten a step
      later, after the reduction has read it). Causal: a query block and a half-block of keys are each contiguous
      in position (S % 128, zigzag S % 256), so the mask is one number per pair of them.
-   * Windows and segment ids (WINDOW, SEGMENTED; issue 20; any order only): the task's steps are worked out before
+   * Windows and segment ids (WINDOW, SEGMENTED; any order only): the task's steps are worked out before
      the partitions start (``protocol.bwd_task_steps``): the query blocks the mask's positions let meet the K/V block
      (the tl kernel's ``rows_within``), narrowed with segment ids to the run whose chunks' published id ranges meet the
      block's (ranges, not ids: nothing waits for them; a block of such a run holding no pair is computed with every
@@ -52,7 +52,7 @@ on the peers exactly as in the tl kernel: ring_core.protocol.steps's no-deadlock
      Those waits, fences and releases are a fifth partition's, the **dQ writer** (one warp, in the load warp's
      warpgroup; FlashAttention-3's way): the consumers store each step's dQ half into one of their two buffers
      (each freed by the writer once its add completed) and hand it over through an mbarrier, so their steps carry
-     no global access (session 17: on the consumers they cost the kernel 1.5x, benchmarks/NOTES.md). The writer
+     no global access (on the consumers they cost the kernel 1.5x, benchmarks/NOTES.md). The writer
      follows the load warp's tasks as the consumers do (``kv_empty`` waits for it too, once it read a task's words).
      Within each (batch, kv head) the dK/dV tickets go from the last K/V block to the first: the order in which
      the tasks, each going up from its first visible query block, reach a block, so the turns seldom make anyone
@@ -74,7 +74,7 @@ on the peers exactly as in the tl kernel: ring_core.protocol.steps's no-deadlock
    failed or any wait of this rank gave up (the error record: a superset of the tl kernel's per-task NaN rows).
 Every program ends with ``end_call`` (the last resets CTL_BWD_TICKET and CTL_BWD_DELTA).
 
-**Persistent**, as the forward (session 16: a task cost 24-28 us however few its steps, against cuDNN's 12-16,
+**Persistent**, as the forward (a program per task cost 24-28 us however few its steps, against cuDNN's 12-16,
 benchmarks/NOTES.md): a program per SM (``plans.plan_bwd``'s grid), each taking tickets until none is left. Its 4
 warps run delta tasks while their tickets are delta tickets; at the first dK/dV ticket the partitions start, and the
 load warp takes the later tickets itself (the next one once a task's loads are issued), passing each task to the
@@ -99,14 +99,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 import iris
 
 from ring_core.kernels import configs
-from ring_core.kernels.gluon_fwd import (_WORD_LAYOUT_4, _acquire_chunk, _put, _tile_word, cta_barrier, release,
-                                    release_bar, tma_add, tma_load)
+from ring_core.kernels.gluon_parts import (_WORD_LAYOUT_4, _acquire_chunk, _put, _tile_word, cta_barrier, release,
+                                           release_bar, tma_add, tma_load)
 from ring_core.protocol import control
 from ring_core.protocol.steps import (CTL_BWD_DELTA, CTL_BWD_TICKET, CTL_ERROR, KEY_PAD, QUERY_PAD, block_reaches,
-                                bwd_step_unmasked, bwd_task_steps, chunk_one_id, drain_pushes, end_call, last_pos,
-                                pairs_allowed, poll_ge, positions, published_range, ranges_of, ranks_rng,
-                                receive_slots, record_error, record_peer_error, ring_context, segment_keys, start_call,
-                                visible_rows)
+                                      bwd_step_unmasked, bwd_task_steps, chunk_one_id, drain_pushes, end_call,
+                                      last_pos, pairs_allowed, poll_ge, positions, published_range, ranges_of,
+                                      ranks_rng, receive_slots, record_error, record_peer_error, ring_context,
+                                      segment_keys, start_call, visible_rows)
 
 KV_ROWS = configs.GLUON_BWD_KV_ROWS  # K/V rows per dK/dV task (two consumers of half each)
 Q_ROWS = configs.GLUON_BWD_Q_ROWS  # query rows per step of the dK/dV loop
@@ -606,7 +606,7 @@ def _dq_task(t, n_rows, n_counts, call_ok, dq_ptr, dq_acc, sm_scale, rank, ctl, 
 def _kv_task(t, n_part, B, S, W: gl.constexpr, HKV: gl.constexpr, DETERMINISTIC: gl.constexpr):
     """dK/dV task ``t`` (its ticket less the delta tasks'): (b, kv head, first K/V row n0, peer distance d of the
     K/V's owner, 0: local). Partial tasks first (d = 1..W-1), then the final ones. One (batch, kv head) after
-    another, as their Q, dO and dQ rows then stay in L2 while its tasks run (call C: interleaving the heads' tasks
+    another, as their Q, dO and dQ rows then stay in L2 while its tasks run (interleaving the heads' tasks
     made the deterministic kernel 1.9x slower). Within one: the heaviest block first (causal); with DETERMINISTIC the
     last block first, the order in which the tasks, each going up from its first visible query block, reach a query
     block, so that dQ's adds, which follow the tickets (``_dq_turn``), seldom wait (causal: the lightest first)."""
@@ -881,7 +881,8 @@ def ring_attn_bwd_gluon(
         meta_smem = gl.allocate_shared_memory(gl.int32, [_STAGES, 1], row_words)
         ids_smem = gl.allocate_shared_memory(gl.int32, [_STAGES, _Q_ROWS], row_words)
 
-    # ---- the program's tasks, ticket after ticket (ring_core.protocol.steps: a task waits only for earlier tickets) ----
+    # ---- the program's tasks, ticket after ticket (ring_core.protocol.steps: a task waits only for earlier tickets)
+    # ----
     while tid < n_dq:
         _delta_task(tid, n_rows, o_ptr, do_ptr, lse_ptr, dlse_ptr, delta_ptr, dq_acc, turns, ctl, S, H, D, SEGMENTED,
                     DETERMINISTIC)
@@ -907,52 +908,41 @@ def ring_attn_bwd_gluon(
             dq_empty0 = kv_empty
             dq_full1 = kv_empty
             dq_empty1 = kv_empty
-        # The partitions as a literal list (a partition function cannot be held in a variable of the kernel, so the
-        # two lists share their entries as text): DETERMINISTIC adds the dQ writer and gives each consumer all four
-        # dQ buffers (its two: ``dkdv_steps``); in any order each consumer gets its one.
+        # The partitions' arguments, written once: each consumer gets its own dQ buffers (with DETERMINISTIC all of
+        # ``dq_smem`` and its two barriers: ``dkdv_steps``; in any order its one buffer). DETERMINISTIC adds the dQ
+        # writer (a partition function cannot be held in a variable of the kernel: the two lists differ by it).
         if DETERMINISTIC:
-            gl.warp_specialize([
-                (_consumer, (q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_bar,
-                             kv_empty, q_ready, q_empty, ds_bar, part_bar, task_smem, dq_desc, dk_ptr, dv_ptr, ctx_ptr,
-                             part_off, seg_ptr, seg_recv, rank, S, B, n_dq, n_kv, n_part, timeout_ns, sm_scale,
-                             dq_full0, dq_empty0, ctl, ids_smem, meta_smem, 0, W, H, HKV, D, CAUSAL, ZIGZAG,
-                             CHUNK_ROWS, DETERMINISTIC, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
-                (_producer_tasks, (tid, n_dq, n_kv, n_part, call_ok, task_smem, kv_empty, q_desc, do_desc, k_desc,
-                                  v_desc, r_desc, q_smem, do_smem, kv_smem, lse_smem, dl_smem, kv_bar, q_ready,
-                                  q_empty, lse_ptr, delta_ptr, seg_ptr, rng, ids_smem, meta_smem, rank, B, S, flags,
-                                  n_chunks, epoch, ctl, timeout_ns, W, H, HKV, D, CAUSAL, ZIGZAG, CHUNK_ROWS,
-                                  DETERMINISTIC, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
-                (_dq_writer, (task_smem, kv_bar, kv_empty, dq_smem, dq_full0, dq_empty0, dq_full1, dq_empty1, dq_desc,
-                              turns, ctl, rank, S, B, n_dq, n_kv, n_part, timeout_ns, W, H, HKV, D, CAUSAL, ZIGZAG)),
-                (_consumer, (q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_bar,
-                             kv_empty, q_ready, q_empty, ds_bar, part_bar, task_smem, dq_desc, dk_ptr, dv_ptr, ctx_ptr,
-                             part_off, seg_ptr, seg_recv, rank, S, B, n_dq, n_kv, n_part, timeout_ns, sm_scale,
-                             dq_full1, dq_empty1, ctl, ids_smem, meta_smem, 1, W, H, HKV, D, CAUSAL, ZIGZAG,
-                             CHUNK_ROWS, DETERMINISTIC, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
-            ], [_LOAD_WARPS, _WRITER_WARPS, _CONSUMER_WARPS], [_LOAD_REGS, _WRITER_REGS, _CONSUMER_REGS])
+            dq0 = dq_smem
+            dq1 = dq_smem
+        else:
+            dq0 = dq_smem.index(0)
+            dq1 = dq_smem.index(1)
+        consumer0 = (q_smem, do_smem, kv_smem, ds_smem, dq0, lse_smem, dl_smem, kv_bar, kv_empty, q_ready, q_empty,
+                     ds_bar, part_bar, task_smem, dq_desc, dk_ptr, dv_ptr, ctx_ptr, part_off, seg_ptr, seg_recv, rank,
+                     S, B, n_dq, n_kv, n_part, timeout_ns, sm_scale, dq_full0, dq_empty0, ctl, ids_smem, meta_smem, 0,
+                     W, H, HKV, D, CAUSAL, ZIGZAG, CHUNK_ROWS, DETERMINISTIC, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)
+        consumer1 = (q_smem, do_smem, kv_smem, ds_smem, dq1, lse_smem, dl_smem, kv_bar, kv_empty, q_ready, q_empty,
+                     ds_bar, part_bar, task_smem, dq_desc, dk_ptr, dv_ptr, ctx_ptr, part_off, seg_ptr, seg_recv, rank,
+                     S, B, n_dq, n_kv, n_part, timeout_ns, sm_scale, dq_full1, dq_empty1, ctl, ids_smem, meta_smem, 1,
+                     W, H, HKV, D, CAUSAL, ZIGZAG, CHUNK_ROWS, DETERMINISTIC, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)
+        loader = (tid, n_dq, n_kv, n_part, call_ok, task_smem, kv_empty, q_desc, do_desc, k_desc, v_desc, r_desc,
+                  q_smem, do_smem, kv_smem, lse_smem, dl_smem, kv_bar, q_ready, q_empty, lse_ptr, delta_ptr, seg_ptr,
+                  rng, ids_smem, meta_smem, rank, B, S, flags, n_chunks, epoch, ctl, timeout_ns, W, H, HKV, D, CAUSAL,
+                  ZIGZAG, CHUNK_ROWS, DETERMINISTIC, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)
+        if DETERMINISTIC:
+            writer = (task_smem, kv_bar, kv_empty, dq_smem, dq_full0, dq_empty0, dq_full1, dq_empty1, dq_desc, turns, ctl,
+                  rank, S, B, n_dq, n_kv, n_part, timeout_ns, W, H, HKV, D, CAUSAL, ZIGZAG)
+            gl.warp_specialize([(_consumer, consumer0), (_producer_tasks, loader), (_dq_writer, writer),
+                                (_consumer, consumer1)], [_LOAD_WARPS, _WRITER_WARPS, _CONSUMER_WARPS],
+                               [_LOAD_REGS, _WRITER_REGS, _CONSUMER_REGS])
             for i in gl.static_range(2):
                 mbarrier.invalidate(dq_full0.index(i))
                 mbarrier.invalidate(dq_empty0.index(i))
                 mbarrier.invalidate(dq_full1.index(i))
                 mbarrier.invalidate(dq_empty1.index(i))
         else:
-            gl.warp_specialize([
-                (_consumer, (q_smem, do_smem, kv_smem, ds_smem, dq_smem.index(0), lse_smem, dl_smem, kv_bar,
-                             kv_empty, q_ready, q_empty, ds_bar, part_bar, task_smem, dq_desc, dk_ptr, dv_ptr, ctx_ptr,
-                             part_off, seg_ptr, seg_recv, rank, S, B, n_dq, n_kv, n_part, timeout_ns, sm_scale,
-                             dq_full0, dq_empty0, ctl, ids_smem, meta_smem, 0, W, H, HKV, D, CAUSAL, ZIGZAG,
-                             CHUNK_ROWS, DETERMINISTIC, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
-                (_producer_tasks, (tid, n_dq, n_kv, n_part, call_ok, task_smem, kv_empty, q_desc, do_desc, k_desc,
-                                  v_desc, r_desc, q_smem, do_smem, kv_smem, lse_smem, dl_smem, kv_bar, q_ready,
-                                  q_empty, lse_ptr, delta_ptr, seg_ptr, rng, ids_smem, meta_smem, rank, B, S, flags,
-                                  n_chunks, epoch, ctl, timeout_ns, W, H, HKV, D, CAUSAL, ZIGZAG, CHUNK_ROWS,
-                                  DETERMINISTIC, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
-                (_consumer, (q_smem, do_smem, kv_smem, ds_smem, dq_smem.index(1), lse_smem, dl_smem, kv_bar,
-                             kv_empty, q_ready, q_empty, ds_bar, part_bar, task_smem, dq_desc, dk_ptr, dv_ptr, ctx_ptr,
-                             part_off, seg_ptr, seg_recv, rank, S, B, n_dq, n_kv, n_part, timeout_ns, sm_scale,
-                             dq_full1, dq_empty1, ctl, ids_smem, meta_smem, 1, W, H, HKV, D, CAUSAL, ZIGZAG,
-                             CHUNK_ROWS, DETERMINISTIC, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
-            ], [_LOAD_WARPS, _CONSUMER_WARPS], [_LOAD_REGS, _CONSUMER_REGS])
+            gl.warp_specialize([(_consumer, consumer0), (_producer_tasks, loader), (_consumer, consumer1)],
+                               [_LOAD_WARPS, _CONSUMER_WARPS], [_LOAD_REGS, _CONSUMER_REGS])
         tid = _tile_word(task_smem, 0)  # the ticket the load warp took after its last dK/dV task
     while tid < n_dq + n_kv + n_dq:
         _dq_task(tid - n_dq - n_kv, n_rows, n_dq + 2 * n_kv, call_ok, dq_ptr, dq_acc, sm_scale, rank, ctl, timeout_ns,

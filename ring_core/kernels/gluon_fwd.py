@@ -28,7 +28,8 @@ unit left before anything of it waits, while the other three quarters start on t
 (local K/V) needs no push; the units go kv head by kv head, the order the tiles take (until 2026-12-04 every
 program pushed before its first tile, so no compute overlapped the pushes). The last program done resets the
 counters for the next call. The
-tiles depend on head_dim, set in one place (``ring_core.kernels.configs.GLUON_TILES``, passed as BLOCK_M / BLOCK_N, the slots
+tiles depend on head_dim, set in one place (``ring_core.kernels.configs.GLUON_TILES``, passed as BLOCK_M / BLOCK_N, the
+slots
 read by ``kv_slots`` and ``kv_rings``): 128 query rows, K/V blocks of 128 rows in 3 slots at D64 / D128, of 64 rows
 in 2 slots at D256, there with K and V in rings of their own (shared memory: Q and the slots 224 KiB at D128, 192 KiB
 at D256).
@@ -90,30 +91,17 @@ from ring_core import settings
 from ring_core.kernels import configs
 from ring_core.protocol import control
 from ring_core.protocol.lanes import iota
-from ring_core.protocol.steps import (BIG_ID, CTL_ERROR, CTL_PUSHERS, ERR_KV_TIMEOUT, KEY_PAD, QUERY_PAD, block_met,
-                                block_range, chunk_ranges, drain_pushes, end_call, ids_summary, is_pusher, met_blocks,
-                                pairs_allowed, poll_ge, positions, ranges_of, ranks_rng, receive_slots, record_error,
-                                ring_context, segment_keys, start_call, step_blocks)
+from ring_core.protocol.steps import (BIG_ID, CTL_ERROR, CTL_PUSHERS, KEY_PAD, QUERY_PAD, block_met, block_range,
+                                      chunk_ranges, drain_pushes, end_call, ids_summary, is_pusher, met_blocks,
+                                      pairs_allowed, positions, ranges_of, ranks_rng, receive_slots, ring_context,
+                                      segment_keys, start_call, step_blocks)
+from ring_core.kernels.gluon_parts import (_WORD_LAYOUT_1, _WORD_LAYOUT_4, _acquire_chunk, _put, _tile_word, release,
+                                           release_bar, tma_load)
 from ring_core.kernels.tiles import query_tile
 
-# Gluon's TMA copies were renamed after Triton 3.6 (async_copy_global_to_shared -> async_load, ...); the GPU
-# machine runs 3.6, CI 3.9.
-tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
-tma_store = tma.async_store if hasattr(tma, "async_store") else tma.async_copy_shared_to_global
-cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier  # (3.9 / 3.6)
-if hasattr(tma, "async_atomic_add"):
-    tma_add = tma.async_atomic_add  # a shared-memory tile added into global memory by a TMA bulk reduction
-else:  # Triton 3.6 builds the op (ttng.async_tma_reduce) but its Gluon language has no function for it yet
-    from triton._C.libtriton import ir as _ir
-    from triton.experimental.gluon.language._core import builtin as _builtin
 
-    @_builtin
-    def tma_add(tensor_desc, coord, src, _semantic=None):
-        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-        _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
-                                                  src.handle)
-
-# The tiles (query rows per tile, K/V rows per block, K/V slots) depend on head_dim: ring_core.kernels.configs.GLUON_TILES,
+# The tiles (query rows per tile, K/V rows per block, K/V slots) depend on head_dim:
+# ring_core.kernels.configs.GLUON_TILES,
 # which the plans pass as BLOCK_M / BLOCK_N and the kernel reads for its slots (``kv_slots``).
 CONSUMER_WARPS = 4  # a consumer partition: one warpgroup on 64 rows; also the prologue's (num_warps)
 LOAD_WARPS, LOAD_REGS, CONSUMER_REGS = 1, 24, 232
@@ -152,7 +140,8 @@ TL_Q, TL_DONE, TL_STORED, TL_LOAD_TILE, TL_LOAD_ISSUED, TL_PLAN_START, TL_PLAN_P
     TL_EXIT_NS = (gl.constexpr(v) for v in TIMELINE_EVENT.values())
 
 
-# ring_core.kernels.configs.GLUON_TILES as a constexpr global: read by name in ``kv_slots`` / ``kv_rings``, its value is part
+# ring_core.kernels.configs.GLUON_TILES as a constexpr global: read by name in ``kv_slots`` / ``kv_rings``, its value
+# is part
 # of the kernel's cache key (Triton hashes the constexpr globals a jit function and its callees read), so a binary
 # compiled for other tiles is never taken from the cache.
 _TILES = gl.constexpr(configs.GLUON_TILES)
@@ -160,7 +149,8 @@ _TILES = gl.constexpr(configs.GLUON_TILES)
 
 @triton.constexpr_function
 def kv_slots(head_dim, block_m, block_n):
-    """The K/V slots of the tiles at ``head_dim`` (ring_core.kernels.configs.GLUON_TILES), whose query and K/V block rows the
+    """The K/V slots of the tiles at ``head_dim`` (ring_core.kernels.configs.GLUON_TILES), whose query and K/V block
+    rows the
     plans pass (``block_m``, ``block_n``: checked against the table here)."""
     tile_m, tile_n, slots, _ = _TILES.value[head_dim]
     assert (block_m, block_n) == (tile_m, tile_n), f"ring_core.plans: the Gluon tiles at head_dim {head_dim}"
@@ -234,16 +224,6 @@ def free_slots_kv(kv_ready, kv_empty, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _acquire_chunk(flag, epoch, ctl, timeout_ns, src, step, c):
-    """The bounded acquire of one chunk's flag (the protocol's ``poll_ge``; a wait that gives up is recorded as the
-    tl kernel's are), then the generic proxy ordered before the async one (TMA) that reads the chunk."""
-    if poll_ge(flag, epoch, ctl, timeout_ns, False) == 0:
-        record_error(ctl, ERR_KV_TIMEOUT, src, step, c)
-    gl.inline_asm_elementwise("fence.proxy.async.global;\n mov.b32 $0, 0;", "=r", [], dtype=gl.int32,
-                              is_pure=False, pack=1)
-
-
-@gluon.jit
 def free_q_halves(q_ready, q_empty):
     """``q_halves``' mbarriers invalidated, once every partition is done with them."""
     for i in gl.static_range(2):
@@ -284,20 +264,6 @@ def _no_more_tiles(q_ready, q_empty, tword, i):
 
 
 @gluon.jit
-def _put(words, k, value):
-    """Word ``k`` of ``words`` (a [n, 1] int32 buffer) = ``value``, from a one-warp partition (the load warp, the
-    planner): what ``_tile_word`` reads once the barrier after it has passed."""
-    words.index(k).store(gl.full([1], value, gl.int32, _WORD_LAYOUT_1))
-
-
-@gluon.jit
-def _tile_word(tword, k, WARPS: gl.constexpr = 4):
-    """Word ``k`` of ``tword`` (``_load_q``), in a partition of ``WARPS`` warps after the barrier that published it:
-    a consumer's warpgroup (``_WORD_LAYOUT_4``), or the backward's one-warp dQ writer (``_WORD_LAYOUT_1``)."""
-    return gl.max(tword.index(k).load(gl.BlockedLayout([1], [32], [WARPS], [0])), axis=0)
-
-
-@gluon.jit
 def _stamp(tln, i, e: gl.constexpr, value=None, after=None, NS: gl.constexpr = False):
     """The timeline (``_TIMELINE``): the program's ``i``-th tile's word ``e``, the SM's clock (read once the int32
     scalar ``after`` is there, if given; ``NS``: %globaltimer), or ``value``."""
@@ -334,7 +300,8 @@ def _producer(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_ready, q
     """The load partition without masks (with them: ``_producer_planned``): the program's tiles one after another,
     each one's Q and blocks (``_tile_loads``; the slots' rounds go on from tile to tile), then tile -1 to the
     consumers. Every tile is taken from the call's tile counter (CTL_FWD_TILE; the next one fetched while the tile
-    before is loaded), so the tiles start in ring_core.kernels.tiles.query_tile's order, as a program per tile would: the
+    before is loaded), so the tiles start in ring_core.kernels.tiles.query_tile's order, as a program per tile would:
+    the
     programs running at once share K/V in L2, the heaviest tiles go first, and where fewer programs are resident than
     launched (ranks sharing a GPU under MPS) none of them keeps a tile of its own for when it starts."""
     BLOCK_M: gl.constexpr = 2 * q_smem.shape[1]
@@ -616,9 +583,6 @@ def _tile_q(q_desc, q_smem, q_ready, q_empty, tword, qids, seg_ptr, b, h, q0, S,
 # A block's word (``_tile_loads_masked`` -> the consumers, through the slot's ``meta``): ring step, block, and bit 0 set
 # where the block needs masks (then the whole rule is applied: the positions' alone for the diagonal of a tile of one
 # document measured no faster, its separate path made the consumers spill).
-_WORD_LAYOUT_1 = gl.constexpr(gl.BlockedLayout([1], [32], [1], [0]))  # the load partition's one warp
-_WORD_LAYOUT_4 = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))  # a consumer's warpgroup
-
 
 @gluon.jit
 def block_word(step, jb, unmasked):
@@ -755,20 +719,6 @@ def online_softmax(qk, m_i, l_i, SAFE: gl.constexpr, qk_scale=1.0):
     alpha = gl.exp2(m_i - m_safe)
     l_i = l_i * alpha + gl.sum(p, axis=1)
     return p, alpha, m_new, l_i
-
-
-@gluon.jit
-def release(kv_empty, s):
-    """This consumer partition is done with slot s (it waited for its own MMAs): one thread frees its share of it
-    (Gluon's arrive is thread 0's), and the producer may refill it once every consumer has."""
-    release_bar(kv_empty.index(s))
-
-
-@gluon.jit
-def release_bar(bar):
-    """``release`` of one barrier (e.g. a half of Q's buffer): this partition is done with what ``bar`` guards."""
-    cta_barrier()  # within a partition: a named barrier of its warps only
-    mbarrier.arrive(bar, count=1)
 
 
 @gluon.jit

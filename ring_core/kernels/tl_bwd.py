@@ -85,11 +85,11 @@ import iris
 
 from ring_core.protocol import control
 from ring_core.protocol.steps import (CTL_BWD_DELTA, CTL_BWD_TICKET, CTL_ERROR, ERR_KV_TIMEOUT, ERR_PEER_FAILED,
-                                block_reaches, block_rows, chunk_needed, claim_push, drain_pushes, end_call, in_rows,
-                                last_pos, pairs_allowed, poll_ge, positions, published_range, ranges_of, ranks_rng,
-                                record_error, record_peer_error, receive_slots, ring_context, row_blocks, rows_within,
-                                seg_blocks, start_call, step_blocks, tile_id_parts, tile_ids, visible_rows, wait_chunks,
-                                wait_rows)
+                                      block_reaches, block_rows, chunk_needed, claim_push, drain_pushes, end_call,
+                                      in_rows, last_pos, pairs_allowed, poll_ge, positions, published_range, ranges_of,
+                                      ranks_rng, record_error, record_peer_error, receive_slots, ring_context,
+                                      row_blocks, rows_within, seg_blocks, start_call, step_blocks, tile_id_parts,
+                                      tile_ids, visible_rows, wait_chunks, wait_rows)
 from ring_core.kernels.tiles import dot, load_kv, query_tile
 
 KIND_BWD = tl.constexpr(control.KIND_BWD)
@@ -186,6 +186,385 @@ def _dkdv_blocks(dk, dv, k, v, k_pos, k_seg, q_ptr, do_ptr, lse_ptr, delta_ptr, 
 
 # The timeout is not specialised on its value (no binary per timeout); B and S are, as Triton's JIT does
 # (the JAX launcher, ring_core.runtime.build, specialises them alike: one binary for both frontends).
+@triton.jit
+def _dq_task(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, dlse_ptr, seg_ptr, B, S, sm_scale, timeout_ns, dq_ptr,
+             delta_ptr, heap_bases, rank, ctl, flags, epoch, recv, seg_recv, n_chunks, rng, n_push, B64, qk_scale,
+             offs_d, dmask, tid, call_ok, W: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+             DQ_BLOCK_M: tl.constexpr, DQ_BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PUSH_ROWS: tl.constexpr,
+             SEG_BLOCKS: tl.constexpr, PUSH_VEC: tl.constexpr, POLL_N: tl.constexpr, CAUSAL: tl.constexpr,
+             ZIGZAG: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr,
+             WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SEGMENTED: tl.constexpr, G: tl.constexpr,
+             CHUNK_ROWS: tl.constexpr):
+    """The dQ task ``tid`` (< n_dq): one (batch, head, DQ_BLOCK_M query rows) tile's dQ over every rank's K/V, in ring
+    order, pushing this rank's K/V units between its local blocks as the forward does; NaN if a wait gave up."""
+    valid = call_ok  # 0 once a wait of this task gave up: its result is then written as NaN
+    b, h, hkv, m_blk = query_tile(tid, G, tl.cdiv(S, DQ_BLOCK_M), HKV, CAUSAL)
+    offs_m = m_blk * DQ_BLOCK_M + tl.arange(0, DQ_BLOCK_M)
+    m_valid = offs_m < S
+    qmask = m_valid[:, None] & dmask[None, :]
+    q_off = ((b.to(tl.int64) * S + offs_m[:, None]) * H + h) * D + offs_d[None, :]
+    q = tl.load(q_ptr + q_off, mask=qmask, other=0.0)
+    do = tl.load(do_ptr + q_off, mask=qmask, other=0.0)
+    o = tl.load(o_ptr + q_off, mask=qmask, other=0.0)
+    row_off = (b.to(tl.int64) * H + h) * S + offs_m
+    # The cotangent of lse enters every dS through delta: dS = P * (dP - (rowsum(dO * O) - dlse)).
+    if SEGMENTED:
+        # A padding row's lse is the constant -inf: its dlse is selected away (not multiplied: it may be
+        # inf or NaN there), so its delta is 0 (its out is 0) and it takes and gives no gradient.
+        dlse = tl.load(dlse_ptr + row_off, mask=m_valid, other=0.0)
+        dlse = tl.where(tl.load(lse_ptr + row_off, mask=m_valid, other=0.0) == float("-inf"), 0.0, dlse)
+        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1) - dlse
+    else:
+        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1) - tl.load(dlse_ptr + row_off, mask=m_valid,
+                                                                             other=0.0)
+    tl.store(delta_ptr + row_off, delta, mask=m_valid)
+    # Every thread's delta stores before the count (cumulativity through bar.sync), then publish.
+    tl.debug_barrier()
+    tl.atomic_add(ctl + CTL_BWD_DELTA, 1, sem="release", scope="gpu")
+    lse2 = tl.load(lse_ptr + row_off, mask=m_valid, other=0.0) * _LOG2E
+    if SEGMENTED:
+        lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2)  # padding rows: P = 0 (masked), never exp(inf)
+    q_pos = positions(offs_m, rank, S, W, ZIGZAG)
+    q_pos_max = tl.max(tl.where(m_valid, q_pos, -1), axis=0)
+    q_pos_min = tl.min(tl.where(m_valid, q_pos, 2147483647), axis=0)
+    seg_q = seg_ptr + b.to(tl.int64) * S  # this rank's ids of batch b (SEGMENTED only)
+    q_seg, s_lo, s_hi, t_id = tile_ids(seg_q, offs_m, m_valid, SEGMENTED)
+    a_lo, a_hi, b_lo, b_hi = tile_id_parts(q_seg, offs_m, S, ZIGZAG)  # (SEGMENTED: the chunks it waits for)
+    offs_n = tl.arange(0, DQ_BLOCK_N)
+    dq = tl.zeros([DQ_BLOCK_M, BLOCK_D], tl.float32)
+    for step in tl.static_range(W):
+        src = (rank - step + W) % W
+        # The K/V blocks of rank src this task visits, as a forward tile's (ring_core.protocol.steps.step_blocks);
+        # with causal masking only, rows from ``seen`` on are hidden: never waited for, loaded or computed.
+        j_lo, n_full_lo, n_full, n_hi, lo1, hi1, lo2, hi2, seen = step_blocks(
+            m_blk * DQ_BLOCK_M, tl.minimum(m_blk * DQ_BLOCK_M + DQ_BLOCK_M, S), q_pos_min, q_pos_max, s_hi, rank,
+            src, S, W, DQ_BLOCK_N, ZIGZAG, CAUSAL, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)
+        if step == 0:
+            k_base = k_ptr + b.to(tl.int64) * S * HKV * D + hkv * D
+            v_base = v_ptr + b.to(tl.int64) * S * HKV * D + hkv * D
+            seg_k = seg_q
+            if SEGMENTED:
+                j_lo, n_full_lo, n_full, n_hi = seg_blocks(seg_k, j_lo, n_hi, lo1, hi1, lo2, hi2, n_full_lo,
+                                                           n_full, s_lo, s_hi, t_id, DQ_BLOCK_N,
+                                                           ranges_of(rng, rank, b, B, n_chunks), a_lo, a_hi, b_lo,
+                                                           b_hi, CHUNK_ROWS, False)
+            if WINDOW or SEGMENTED:
+                dq = _dq_blocks(dq, q, do, lse2, delta, q_pos, q_pos_max, k_base, v_base, j_lo, n_full_lo, src,
+                                S, qk_scale, offs_n, offs_d, lo1, hi1, lo2, hi2, q_seg, s_lo, s_hi, seg_k, HKV * D,
+                                W, D, DQ_BLOCK_N, BLOCK_D, True, CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION, WINDOW,
+                                WIN_LEFT, WIN_RIGHT, SEGMENTED,
+                                rng, a_lo, a_hi, b_lo, b_hi, CHUNK_ROWS, False)
+                dq = dq * (sm_scale * 0.0 + 1.0)  # see below (C7515)
+            if W > 1:
+                # Overlap: claim and push one unit of the local K/V every SEG_BLOCKS blocks; the claims
+                # sit between the pipelined loops, never inside them.
+                for seg in range(n_full_lo, n_full, SEG_BLOCKS):
+                    claim_push(ctl, n_push, k_ptr, v_ptr, seg_ptr, recv, seg_recv, flags, heap_bases, rank, epoch,
+                               B, S, n_chunks, W, HKV, D, BLOCK_D, CHUNK_ROWS, PUSH_ROWS, PUSH_VEC, CAUSAL, ZIGZAG,
+                               WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED, rng, SEGMENTED)
+                    dq = _dq_blocks(dq, q, do, lse2, delta, q_pos, q_pos_max, k_base, v_base, seg,
+                                    tl.minimum(seg + SEG_BLOCKS, n_full), src, S, qk_scale, offs_n, offs_d,
+                                    lo1, hi1, lo2, hi2, q_seg, s_lo, s_hi, seg_k, HKV * D, W, D, DQ_BLOCK_N,
+                                    BLOCK_D, False, CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION, WINDOW, WIN_LEFT,
+                                    WIN_RIGHT, SEGMENTED,
+                                    rng, a_lo, a_hi, b_lo, b_hi, CHUNK_ROWS, False)
+                # dq times exactly 1 (sm_scale is finite): without a non-wgmma definition of the
+                # accumulator between this loop nest and the next loop, ptxas serialises every wgmma of
+                # the kernel (warning C7515): each k-step of every matmul then waits for the one before
+                # (tests/cpu/test_kernel_ir.py checks that this stays away).
+                dq = dq * (sm_scale * 0.0 + 1.0)
+            else:
+                dq = _dq_blocks(dq, q, do, lse2, delta, q_pos, q_pos_max, k_base, v_base, n_full_lo, n_full, src,
+                                S, qk_scale, offs_n, offs_d, lo1, hi1, lo2, hi2, q_seg, s_lo, s_hi, seg_k, HKV * D,
+                                W, D, DQ_BLOCK_N, BLOCK_D, False, CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION, WINDOW,
+                                WIN_LEFT, WIN_RIGHT, SEGMENTED,
+                                rng, a_lo, a_hi, b_lo, b_hi, CHUNK_ROWS, False)
+            dq = _dq_blocks(dq, q, do, lse2, delta, q_pos, q_pos_max, k_base, v_base, n_full, n_hi, src, S,
+                            qk_scale, offs_n, offs_d, lo1, hi1, lo2, hi2, q_seg, s_lo, s_hi, seg_k, HKV * D, W, D,
+                            DQ_BLOCK_N, BLOCK_D, True, CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION, WINDOW, WIN_LEFT,
+                            WIN_RIGHT, SEGMENTED,
+                            rng, a_lo, a_hi, b_lo, b_hi, CHUNK_ROWS, False)
+        else:
+            slot = step - 1
+            k_base = recv + ((slot * 2 * B + b).to(tl.int64) * HKV + hkv) * S * D
+            v_base = k_base + B64 * HKV * S * D
+            seg_k = seg_recv + ((slot * B + b).to(tl.int64) * HKV + hkv) * S
+            rng_src = ranges_of(rng, src, b, B, n_chunks)  # src's published id ranges of batch b
+            if step == 1:
+                # Every task passes here, also one that needs nothing from any peer (module docstring, (a)).
+                drain_pushes(ctl, n_push, k_ptr, v_ptr, seg_ptr, recv, seg_recv, flags, heap_bases, rank, epoch, B,
+                             S, n_chunks, W, HKV, D, BLOCK_D, CHUNK_ROWS, PUSH_ROWS, PUSH_VEC, CAUSAL, ZIGZAG,
+                             WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED, rng, SEGMENTED)
+            # Every chunk this tile can see, before the loops that read them (protocol.wait_chunks says
+            # why). Every chunk that holds a row the tile sees holds one that a query of this rank sees, so
+            # its owner pushed it (protocol.chunk_needed; causal: it starts at a position the tile sees).
+            flag0 = flags + (slot * B * HKV + b * HKV + hkv) * n_chunks
+            if WINDOW or SEGMENTED:
+                valid = valid * wait_rows(flag0, lo1, hi1, lo2, hi2, CHUNK_ROWS, epoch, ctl, timeout_ns, src,
+                                          step, INTERPRET, POLL_N, rng_src, a_lo, a_hi, b_lo, b_hi, SEGMENTED)
+                if SEGMENTED:  # ids travel with their chunk: read after the wait, they narrow the loops
+                    j_lo, n_full_lo, n_full, n_hi = seg_blocks(seg_k, j_lo, n_hi, lo1, hi1, lo2, hi2, n_full_lo,
+                                                               n_full, s_lo, s_hi, t_id, DQ_BLOCK_N, rng_src,
+                                                               a_lo, a_hi, b_lo, b_hi, CHUNK_ROWS, SEGMENTED)
+                dq = _dq_blocks(dq, q, do, lse2, delta, q_pos, q_pos_max, k_base, v_base, j_lo, n_full_lo, src,
+                                S, qk_scale, offs_n, offs_d, lo1, hi1, lo2, hi2, q_seg, s_lo, s_hi, seg_k, D, W, D,
+                                DQ_BLOCK_N, BLOCK_D, True, CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION, WINDOW,
+                                WIN_LEFT, WIN_RIGHT, SEGMENTED,
+                                rng_src, a_lo, a_hi, b_lo, b_hi, CHUNK_ROWS, SEGMENTED)
+                dq = dq * (sm_scale * 0.0 + 1.0)  # (C7515, above)
+            else:
+                valid = valid * wait_chunks(flag0, 0, tl.cdiv(seen, CHUNK_ROWS), epoch, ctl, timeout_ns, src,
+                                            step, INTERPRET, POLL_N, flags, s_lo, s_hi, s_lo, s_hi, False)
+            dq = _dq_blocks(dq, q, do, lse2, delta, q_pos, q_pos_max, k_base, v_base, n_full_lo, n_full, src, S,
+                            qk_scale, offs_n, offs_d, lo1, hi1, lo2, hi2, q_seg, s_lo, s_hi, seg_k, D, W, D,
+                            DQ_BLOCK_N, BLOCK_D, False, CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION, WINDOW, WIN_LEFT,
+                            WIN_RIGHT, SEGMENTED,
+                            rng_src, a_lo, a_hi, b_lo, b_hi, CHUNK_ROWS, SEGMENTED)
+            dq = _dq_blocks(dq, q, do, lse2, delta, q_pos, q_pos_max, k_base, v_base, n_full, n_hi, src, S,
+                            qk_scale, offs_n, offs_d, lo1, hi1, lo2, hi2, q_seg, s_lo, s_hi, seg_k, D, W, D,
+                            DQ_BLOCK_N, BLOCK_D, True, CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION, WINDOW, WIN_LEFT,
+                            WIN_RIGHT, SEGMENTED,
+                            rng_src, a_lo, a_hi, b_lo, b_hi, CHUNK_ROWS, SEGMENTED)
+    dq = tl.where(valid != 0, dq * sm_scale, float("nan"))  # NaN, not a wrong value, if a wait gave up
+    tl.store(dq_ptr + q_off, dq.to(dq_ptr.dtype.element_ty), mask=qmask)
+
+
+@triton.jit
+def _dkdv_out(B, S, sm_scale, timeout_ns, dk_ptr, dv_ptr, heap_bases, rank, ctl, flags, epoch, part, n_chunks,
+              n_units, rng, call_ok, n_kvb, B64, offs_d, dmask, d, n_blk, bh, b, hkv, src, inputs_ok, n0, n1, rows_n,
+              n_valid, k_pos_min, bkv, my_lo, my_hi, block_needed, dk, dv, W: tl.constexpr, HKV: tl.constexpr,
+              D: tl.constexpr, KV_BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PART_VEC: tl.constexpr,
+              CAUSAL: tl.constexpr, ZIGZAG: tl.constexpr, INTERPRET: tl.constexpr, WINDOW: tl.constexpr,
+              WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SEGMENTED: tl.constexpr):
+    """A dK/dV task's result: a partial task's unscaled float32 dK/dV into the owner's partial slot, then its
+    flag; a final task's own part plus every peer's partial, in rank order, scaled and stored (NaN if an input
+    is missing or a peer failed)."""
+    part_rows = rows_n[:, None].to(tl.int64) * D + offs_d[None, :]
+    out_mask = n_valid[:, None] & dmask[None, :]
+    if d > 0:
+        if block_needed & (call_ok == 1):
+            # Unscaled float32 partials into slot d-1 of the owner's partial region.
+            slot = d - 1
+            dst = ((slot * 2 * B + b).to(tl.int64) * HKV + hkv) * S * D
+            iris.store(part + dst + part_rows, dk, rank, src, heap_bases, mask=out_mask, hint=(1, PART_VEC))
+            iris.store(part + dst + B64 * HKV * S * D + part_rows, dv, rank, src, heap_bases, mask=out_mask,
+                       hint=(1, PART_VEC))
+            tl.debug_barrier()
+            if inputs_ok == 0:
+                # Published anyway (the owner must not wait out its timeout), but marked untrustworthy:
+                # the owner's status will say this rank failed.
+                record_peer_error(ctl, heap_bases, rank, src, ERR_PEER_FAILED, d)
+            iris.atomic_xchg(flags + n_units + (slot * B * HKV + bh) * n_kvb + n_blk, epoch, rank, src,
+                             heap_bases, sem="release", scope="sys")
+    else:
+        # Final task: wait for every peer's partial of this block before reading any of them. A peer
+        # sends one exactly when some query of it sees the block (the test its partial task makes).
+        for r in tl.static_range(W):
+            if r != rank:
+                if block_reaches(n0, n1, k_pos_min, rank, r, rng, b, B, n_chunks, my_lo, my_hi, True, S, W, ZIGZAG,
+                                 CAUSAL, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED):
+                    rslot = (r - rank + W) % W - 1
+                    flag = flags + n_units + (rslot * B * HKV + bh) * n_kvb + n_blk
+                    ok = poll_ge(flag, epoch, ctl, timeout_ns, INTERPRET)
+                    if ok == 0:
+                        record_error(ctl, ERR_PARTIAL_TIMEOUT, r, rslot + 1, n_blk)
+        tl.debug_barrier()
+        # Valid only if every input arrived and nothing failed: a peer that sent an untrustworthy partial
+        # marked this rank's error word (ERR_PEER) before publishing it, so the acquires above see it.
+        err_now = tl.atomic_add(ctl + CTL_ERROR, 0, sem="acquire", scope="gpu")
+        valid = inputs_ok * call_ok * (err_now == 0).to(tl.int32)
+        # Sum in rank order, the local contribution at its place: the same order on every run.
+        for which in tl.static_range(2):
+            if which == 0:
+                local = dk
+            else:
+                local = dv
+            total = tl.zeros([KV_BLOCK_N, BLOCK_D], tl.float32)
+            for r in tl.static_range(W):
+                if r == rank:
+                    total += local
+                else:
+                    if block_reaches(n0, n1, k_pos_min, rank, r, rng, b, B, n_chunks, my_lo, my_hi, True, S, W,
+                                     ZIGZAG, CAUSAL, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED):
+                        rslot = (r - rank + W) % W - 1
+                        src_off = ((rslot * 2 * B + which * B + b).to(tl.int64) * HKV + hkv) * S * D
+                        total += tl.load(part + src_off + part_rows, mask=out_mask, other=0.0)
+            out_off = bkv + rows_n[:, None].to(tl.int64) * (HKV * D) + offs_d[None, :]
+            total = tl.where(valid != 0, total, float("nan"))
+            if which == 0:
+                total = total * sm_scale
+                tl.store(dk_ptr + out_off, total.to(dk_ptr.dtype.element_ty), mask=out_mask)
+            else:
+                tl.store(dv_ptr + out_off, total.to(dv_ptr.dtype.element_ty), mask=out_mask)
+
+
+
+@triton.jit
+def _dkdv_task(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, seg_ptr, B, S, sm_scale, timeout_ns, dk_ptr, dv_ptr, delta_ptr,
+               heap_bases, rank, ctl, flags, epoch, recv, seg_recv, part, n_chunks, n_units, rng, call_ok, n_push,
+               n_kvb, n_dq, n_part, B64, my_last, qk_scale, offs_d, dmask, tid, W: tl.constexpr, H: tl.constexpr,
+               HKV: tl.constexpr, D: tl.constexpr, KV_BLOCK_N: tl.constexpr, KV_BLOCK_M: tl.constexpr,
+               BLOCK_D: tl.constexpr, PUSH_ROWS: tl.constexpr, PUSH_VEC: tl.constexpr, PART_VEC: tl.constexpr,
+               CAUSAL: tl.constexpr, ZIGZAG: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr,
+               WINDOW: tl.constexpr, WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SEGMENTED: tl.constexpr,
+               G: tl.constexpr, CHUNK_ROWS: tl.constexpr):
+    """The dK/dV task ``tid`` (>= n_dq): a partial one (a peer's K/V block against this rank's queries, sent back to
+    its owner) or a final one (this rank's K/V block: its own part plus every peer's partial, summed in rank order)."""
+    t = tid - n_dq
+    per_d = B * HKV * n_kvb
+    is_final = t >= n_part
+    d = tl.where(is_final, 0, t // per_d + 1)  # peer distance of the K/V's owner; 0: local K/V
+    rem = tl.where(is_final, t - n_part, t % per_d)
+    n_blk = rem % n_kvb
+    bh = rem // n_kvb
+    b = bh // HKV
+    hkv = bh % HKV
+    src = (rank - d + W) % W
+    # Never wait while push units are unclaimed (module docstring, (a)).
+    drain_pushes(ctl, n_push, k_ptr, v_ptr, seg_ptr, recv, seg_recv, flags, heap_bases, rank, epoch, B, S,
+                 n_chunks, W, HKV, D, BLOCK_D, CHUNK_ROWS, PUSH_ROWS, PUSH_VEC, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT,
+                 WIN_RIGHT, SEGMENTED, rng, SEGMENTED)
+    inputs_ok = poll_ge(ctl + CTL_BWD_DELTA, n_dq, ctl, timeout_ns, INTERPRET)
+    if inputs_ok == 0:
+        record_error(ctl, ERR_LOCAL_TIMEOUT, rank, d, n_blk)
+
+    n0 = n_blk * KV_BLOCK_N
+    n1 = tl.minimum(n0 + KV_BLOCK_N, S)
+    rows_n = n0 + tl.arange(0, KV_BLOCK_N)
+    n_valid = rows_n < S
+    k_pos = positions(rows_n, src, S, W, ZIGZAG)
+    k_pos_min = positions(n0, src, S, W, ZIGZAG)
+    n_mk = tl.cdiv(S, KV_BLOCK_M)
+    if WINDOW or SEGMENTED:
+        # Local query rows that see some key of the block by position ([ql1, qh1) | [ql2, qh2): query
+        # blocks [i_lo, i_hi)) and those that see every key ([i_full, i_fend): unmasked).
+        ql1, qh1, ql2, qh2, qf_lo, qf_hi = rows_within(n0, n1, src, rank, S, W, ZIGZAG, CAUSAL, WIN_LEFT, WIN_RIGHT,
+                                                       False)
+        i_lo, i_full, i_fend, i_hi = row_blocks(ql1, qh1, ql2, qh2, qf_lo, qf_hi, KV_BLOCK_M)
+        if WINDOW:
+            # Rows of this block some local query sees by position (others may not have been sent: not read).
+            sl1, sh1, sl2, sh2, _, _ = rows_within(0, S, rank, src, S, W, ZIGZAG, CAUSAL, WIN_LEFT, WIN_RIGHT,
+                                                   True)
+            row_ok = n_valid & in_rows(rows_n, sl1, sh1, sl2, sh2)
+        elif CAUSAL:
+            row_ok = n_valid & (k_pos <= my_last)
+        else:
+            row_ok = n_valid
+    elif CAUSAL:
+        # Local query blocks [i_lo, n_mk) see some key of this block; from i_full on, all of them.
+        k_pos_max = positions(tl.minimum(n0 + KV_BLOCK_N, S) - 1, src, S, W, ZIGZAG)
+        i_lo = visible_rows(k_pos_min - 1, rank, S, W, ZIGZAG) // KV_BLOCK_M
+        i_full = tl.maximum(tl.cdiv(visible_rows(k_pos_max - 1, rank, S, W, ZIGZAG), KV_BLOCK_M), i_lo)
+        row_ok = n_valid & (k_pos <= my_last)  # rows no local query sees: maybe never sent, not read
+    else:
+        i_lo = n0 * 0
+        i_full = n0 * 0
+        row_ok = n_valid
+    bkv = b.to(tl.int64) * S * HKV * D + hkv * D
+    seg_own = seg_ptr + b.to(tl.int64) * S  # this rank's ids of batch b (SEGMENTED only)
+    my_lo = n0 * 0  # a final task's chunk's id range (SEGMENTED only; set below)
+    my_hi = my_lo
+    c_lo = my_lo  # a partial task's (SEGMENTED only)
+    c_hi = my_lo
+    if SEGMENTED:
+        if d > 0:
+            # A partial task: the K/V chunk holding this block came (and its partial goes back) only if its
+            # ids meet a half of this rank's shard: the range its owner published against this rank's halves
+            # as this rank publishes them (protocol.push_unit made the same test).
+            c_lo, c_hi = published_range(rng, src, b, B, n_chunks, n0 // CHUNK_ROWS)
+        else:
+            # A final task: its chunk's range as published, for the same test from this side.
+            my_lo, my_hi = published_range(rng, rank, b, B, n_chunks, n0 // CHUNK_ROWS)
+    # Whether the block is here at all (and, for a partial task, its partial goes back): protocol.block_reaches,
+    # the test its pusher made and its owner makes of this rank.
+    block_needed = block_reaches(n0, n1, k_pos_min, src, rank, rng, b, B, n_chunks, c_lo, c_hi, d > 0, S, W,
+                                 ZIGZAG, CAUSAL, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)
+    if d > 0:
+        slot = d - 1
+        k_base = recv + ((slot * 2 * B + b).to(tl.int64) * HKV + hkv) * S * D
+        v_base = k_base + B64 * HKV * S * D
+        seg_k = seg_recv + ((slot * B + b).to(tl.int64) * HKV + hkv) * S
+        row_stride = rank * 0 + D
+        if block_needed:
+            # The chunks holding this block's rows that some local query sees (pushed: the pusher made the
+            # same test).
+            c_end = (tl.minimum(n0 + KV_BLOCK_N, S) - 1) // CHUNK_ROWS + 1
+            for c in range(n0 // CHUNK_ROWS, c_end):
+                chunk_need = True
+                if WINDOW:
+                    chunk_need = chunk_needed(c, src, rank, S, CHUNK_ROWS, W, ZIGZAG, CAUSAL, WIN_LEFT, WIN_RIGHT)
+                elif CAUSAL:
+                    chunk_need = positions(c * CHUNK_ROWS, src, S, W, ZIGZAG) <= my_last
+                if chunk_need:
+                    flag = flags + (slot * B * HKV + b * HKV + hkv) * n_chunks + c
+                    ok = poll_ge(flag, epoch, ctl, timeout_ns, INTERPRET)
+                    if ok == 0:
+                        record_error(ctl, ERR_KV_TIMEOUT, src, d, c)
+                        inputs_ok = inputs_ok * 0
+    else:
+        k_base = k_ptr + bkv
+        v_base = v_ptr + bkv
+        seg_k = seg_ptr + b.to(tl.int64) * S
+        row_stride = rank * 0 + HKV * D
+    tl.debug_barrier()  # every thread's loads below after the acquires above (see the dQ task)
+    dk = tl.zeros([KV_BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([KV_BLOCK_N, BLOCK_D], tl.float32)
+    if block_needed:
+        kv_off = rows_n[:, None].to(tl.int64) * row_stride + offs_d[None, :]
+        kv_mask = row_ok[:, None] & dmask[None, :]
+        k = tl.load(k_base + kv_off, mask=kv_mask, other=0.0)
+        v = tl.load(v_base + kv_off, mask=kv_mask, other=0.0)
+        offs_mk = tl.arange(0, KV_BLOCK_M)
+        n_mfull = S // KV_BLOCK_M
+        seg_q = seg_own  # the local queries' ids (SEGMENTED only)
+        if SEGMENTED:
+            # The block's ids (after the wait: they travel with it) narrow the local query blocks to those
+            # that may hold a pair (protocol.seg_blocks).
+            k_seg, s_lo, s_hi, t_id = tile_ids(seg_k, rows_n, row_ok, SEGMENTED)
+            i_lo, i_full, i_fend, i_hi = seg_blocks(seg_q, i_lo, i_hi, ql1, qh1, ql2, qh2, i_full, i_fend, s_lo,
+                                                    s_hi, t_id, KV_BLOCK_M,
+                                                    ranges_of(rng, rank, b, B, n_chunks), s_lo, s_hi, s_lo, s_hi,
+                                                    CHUNK_ROWS, False)
+        else:
+            k_seg = k_pos  # unused
+        # Fixed order: head g of the group, then local query blocks (deterministic accumulation).
+        for g in range(0, G):
+            h = hkv * G + g
+            q_base = b.to(tl.int64) * S * H * D + h * D
+            row_base = (b.to(tl.int64) * H + h) * S
+            if WINDOW or SEGMENTED:
+                dk, dv = _dkdv_blocks(dk, dv, k, v, k_pos, k_seg, q_ptr, do_ptr, lse_ptr, delta_ptr, seg_q, q_base,
+                                      row_base, i_lo, i_full, rank, S, qk_scale, offs_mk, offs_d, H, W, D,
+                                      KV_BLOCK_M, BLOCK_D, True, CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION, WINDOW,
+                                      WIN_LEFT, WIN_RIGHT, SEGMENTED)
+                dk, dv = _dkdv_blocks(dk, dv, k, v, k_pos, k_seg, q_ptr, do_ptr, lse_ptr, delta_ptr, seg_q, q_base,
+                                      row_base, i_full, i_fend, rank, S, qk_scale, offs_mk, offs_d, H, W, D,
+                                      KV_BLOCK_M, BLOCK_D, False, CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION, WINDOW,
+                                      WIN_LEFT, WIN_RIGHT, SEGMENTED)
+                dk, dv = _dkdv_blocks(dk, dv, k, v, k_pos, k_seg, q_ptr, do_ptr, lse_ptr, delta_ptr, seg_q, q_base,
+                                      row_base, i_fend, i_hi, rank, S, qk_scale, offs_mk, offs_d, H, W, D,
+                                      KV_BLOCK_M, BLOCK_D, True, CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION, WINDOW,
+                                      WIN_LEFT, WIN_RIGHT, SEGMENTED)
+            else:
+                dk, dv = _dkdv_blocks(dk, dv, k, v, k_pos, k_seg, q_ptr, do_ptr, lse_ptr, delta_ptr, seg_q, q_base,
+                                      row_base, i_lo, tl.minimum(i_full, n_mk), rank, S, qk_scale, offs_mk, offs_d,
+                                      H, W, D, KV_BLOCK_M, BLOCK_D, True, CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION,
+                                      WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)
+                dk, dv = _dkdv_blocks(dk, dv, k, v, k_pos, k_seg, q_ptr, do_ptr, lse_ptr, delta_ptr, seg_q, q_base,
+                                      row_base, i_full, n_mfull, rank, S, qk_scale, offs_mk, offs_d, H, W, D,
+                                      KV_BLOCK_M, BLOCK_D, False, CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION, WINDOW,
+                                      WIN_LEFT, WIN_RIGHT, SEGMENTED)
+                dk, dv = _dkdv_blocks(dk, dv, k, v, k_pos, k_seg, q_ptr, do_ptr, lse_ptr, delta_ptr, seg_q, q_base,
+                                      row_base, tl.maximum(i_full, n_mfull), n_mk, rank, S, qk_scale, offs_mk,
+                                      offs_d, H, W, D, KV_BLOCK_M, BLOCK_D, True, CAUSAL, ZIGZAG, INTERPRET,
+                                      DOT_PRECISION, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)
+
+    _dkdv_out(B, S, sm_scale, timeout_ns, dk_ptr, dv_ptr, heap_bases, rank, ctl, flags, epoch, part, n_chunks,
+              n_units, rng, call_ok, n_kvb, B64, offs_d, dmask, d, n_blk, bh, b, hkv, src, inputs_ok, n0, n1, rows_n,
+              n_valid, k_pos_min, bkv, my_lo, my_hi, block_needed, dk, dv, W, HKV, D, KV_BLOCK_N, BLOCK_D, PART_VEC,
+              CAUSAL, ZIGZAG, INTERPRET, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)
+
+
 @triton.jit(do_not_specialize=["timeout_ns", "part_off"])
 def ring_attn_bwd_kernel(
     # inputs
@@ -202,7 +581,7 @@ def ring_attn_bwd_kernel(
     CAUSAL: tl.constexpr, ZIGZAG: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SIG_DTYPE: tl.constexpr, STICKY_ERRORS: tl.constexpr,
     WINDOW: tl.constexpr, WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SEGMENTED: tl.constexpr,
-    DETERMINISTIC: tl.constexpr,  # the Gluon kernel's (ring_core.kernels.gluon_bwd); this one always sums in a fixed order
+    DETERMINISTIC: tl.constexpr,  # the Gluon backward's (ring_core.kernels.gluon_bwd); this one sums in a fixed order
 ):
     G: tl.constexpr = H // HKV
     CHUNK_ROWS: tl.constexpr = CHUNK_BLOCKS * KV_BLOCK_N
@@ -236,346 +615,18 @@ def ring_attn_bwd_kernel(
     dmask = offs_d < D
 
     tid = tl.atomic_add(ctl + CTL_BWD_TICKET, 1, sem="relaxed", scope="gpu")
-    valid = call_ok  # 0 once a wait of this task gave up: its result is then written as NaN
     if tid < n_dq:
-        # ================================ dQ task ===================================================
-        b, h, hkv, m_blk = query_tile(tid, G, tl.cdiv(S, DQ_BLOCK_M), HKV, CAUSAL)
-        offs_m = m_blk * DQ_BLOCK_M + tl.arange(0, DQ_BLOCK_M)
-        m_valid = offs_m < S
-        qmask = m_valid[:, None] & dmask[None, :]
-        q_off = ((b.to(tl.int64) * S + offs_m[:, None]) * H + h) * D + offs_d[None, :]
-        q = tl.load(q_ptr + q_off, mask=qmask, other=0.0)
-        do = tl.load(do_ptr + q_off, mask=qmask, other=0.0)
-        o = tl.load(o_ptr + q_off, mask=qmask, other=0.0)
-        row_off = (b.to(tl.int64) * H + h) * S + offs_m
-        # The cotangent of lse enters every dS through delta: dS = P * (dP - (rowsum(dO * O) - dlse)).
-        if SEGMENTED:
-            # A padding row's lse is the constant -inf: its dlse is selected away (not multiplied: it may be
-            # inf or NaN there), so its delta is 0 (its out is 0) and it takes and gives no gradient.
-            dlse = tl.load(dlse_ptr + row_off, mask=m_valid, other=0.0)
-            dlse = tl.where(tl.load(lse_ptr + row_off, mask=m_valid, other=0.0) == float("-inf"), 0.0, dlse)
-            delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1) - dlse
-        else:
-            delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1) - tl.load(dlse_ptr + row_off, mask=m_valid,
-                                                                                 other=0.0)
-        tl.store(delta_ptr + row_off, delta, mask=m_valid)
-        # Every thread's delta stores before the count (cumulativity through bar.sync), then publish.
-        tl.debug_barrier()
-        tl.atomic_add(ctl + CTL_BWD_DELTA, 1, sem="release", scope="gpu")
-        lse2 = tl.load(lse_ptr + row_off, mask=m_valid, other=0.0) * _LOG2E
-        if SEGMENTED:
-            lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2)  # padding rows: P = 0 (masked), never exp(inf)
-        q_pos = positions(offs_m, rank, S, W, ZIGZAG)
-        q_pos_max = tl.max(tl.where(m_valid, q_pos, -1), axis=0)
-        q_pos_min = tl.min(tl.where(m_valid, q_pos, 2147483647), axis=0)
-        seg_q = seg_ptr + b.to(tl.int64) * S  # this rank's ids of batch b (SEGMENTED only)
-        q_seg, s_lo, s_hi, t_id = tile_ids(seg_q, offs_m, m_valid, SEGMENTED)
-        a_lo, a_hi, b_lo, b_hi = tile_id_parts(q_seg, offs_m, S, ZIGZAG)  # (SEGMENTED: the chunks it waits for)
-        offs_n = tl.arange(0, DQ_BLOCK_N)
-        dq = tl.zeros([DQ_BLOCK_M, BLOCK_D], tl.float32)
-        for step in tl.static_range(W):
-            src = (rank - step + W) % W
-            # The K/V blocks of rank src this task visits, as a forward tile's (ring_core.protocol.steps.step_blocks);
-            # with causal masking only, rows from ``seen`` on are hidden: never waited for, loaded or computed.
-            j_lo, n_full_lo, n_full, n_hi, lo1, hi1, lo2, hi2, seen = step_blocks(
-                m_blk * DQ_BLOCK_M, tl.minimum(m_blk * DQ_BLOCK_M + DQ_BLOCK_M, S), q_pos_min, q_pos_max, s_hi, rank,
-                src, S, W, DQ_BLOCK_N, ZIGZAG, CAUSAL, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)
-            if step == 0:
-                k_base = k_ptr + b.to(tl.int64) * S * HKV * D + hkv * D
-                v_base = v_ptr + b.to(tl.int64) * S * HKV * D + hkv * D
-                seg_k = seg_q
-                if SEGMENTED:
-                    j_lo, n_full_lo, n_full, n_hi = seg_blocks(seg_k, j_lo, n_hi, lo1, hi1, lo2, hi2, n_full_lo,
-                                                               n_full, s_lo, s_hi, t_id, DQ_BLOCK_N,
-                                                               ranges_of(rng, rank, b, B, n_chunks), a_lo, a_hi, b_lo,
-                                                               b_hi, CHUNK_ROWS, False)
-                if WINDOW or SEGMENTED:
-                    dq = _dq_blocks(dq, q, do, lse2, delta, q_pos, q_pos_max, k_base, v_base, j_lo, n_full_lo, src,
-                                    S, qk_scale, offs_n, offs_d, lo1, hi1, lo2, hi2, q_seg, s_lo, s_hi, seg_k, HKV * D,
-                                    W, D, DQ_BLOCK_N, BLOCK_D, True, CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION, WINDOW,
-                                    WIN_LEFT, WIN_RIGHT, SEGMENTED,
-                                    rng, a_lo, a_hi, b_lo, b_hi, CHUNK_ROWS, False)
-                    dq = dq * (sm_scale * 0.0 + 1.0)  # see below (C7515)
-                if W > 1:
-                    # Overlap: claim and push one unit of the local K/V every SEG_BLOCKS blocks; the claims
-                    # sit between the pipelined loops, never inside them.
-                    for seg in range(n_full_lo, n_full, SEG_BLOCKS):
-                        claim_push(ctl, n_push, k_ptr, v_ptr, seg_ptr, recv, seg_recv, flags, heap_bases, rank, epoch,
-                                   B, S, n_chunks, W, HKV, D, BLOCK_D, CHUNK_ROWS, PUSH_ROWS, PUSH_VEC, CAUSAL, ZIGZAG,
-                                   WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED, rng, SEGMENTED)
-                        dq = _dq_blocks(dq, q, do, lse2, delta, q_pos, q_pos_max, k_base, v_base, seg,
-                                        tl.minimum(seg + SEG_BLOCKS, n_full), src, S, qk_scale, offs_n, offs_d,
-                                        lo1, hi1, lo2, hi2, q_seg, s_lo, s_hi, seg_k, HKV * D, W, D, DQ_BLOCK_N,
-                                        BLOCK_D, False, CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION, WINDOW, WIN_LEFT,
-                                        WIN_RIGHT, SEGMENTED,
-                                        rng, a_lo, a_hi, b_lo, b_hi, CHUNK_ROWS, False)
-                    # dq times exactly 1 (sm_scale is finite): without a non-wgmma definition of the
-                    # accumulator between this loop nest and the next loop, ptxas serialises every wgmma of
-                    # the kernel (warning C7515): each k-step of every matmul then waits for the one before
-                    # (tests/cpu/test_kernel_ir.py checks that this stays away).
-                    dq = dq * (sm_scale * 0.0 + 1.0)
-                else:
-                    dq = _dq_blocks(dq, q, do, lse2, delta, q_pos, q_pos_max, k_base, v_base, n_full_lo, n_full, src,
-                                    S, qk_scale, offs_n, offs_d, lo1, hi1, lo2, hi2, q_seg, s_lo, s_hi, seg_k, HKV * D,
-                                    W, D, DQ_BLOCK_N, BLOCK_D, False, CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION, WINDOW,
-                                    WIN_LEFT, WIN_RIGHT, SEGMENTED,
-                                    rng, a_lo, a_hi, b_lo, b_hi, CHUNK_ROWS, False)
-                dq = _dq_blocks(dq, q, do, lse2, delta, q_pos, q_pos_max, k_base, v_base, n_full, n_hi, src, S,
-                                qk_scale, offs_n, offs_d, lo1, hi1, lo2, hi2, q_seg, s_lo, s_hi, seg_k, HKV * D, W, D,
-                                DQ_BLOCK_N, BLOCK_D, True, CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION, WINDOW, WIN_LEFT,
-                                WIN_RIGHT, SEGMENTED,
-                                rng, a_lo, a_hi, b_lo, b_hi, CHUNK_ROWS, False)
-            else:
-                slot = step - 1
-                k_base = recv + ((slot * 2 * B + b).to(tl.int64) * HKV + hkv) * S * D
-                v_base = k_base + B64 * HKV * S * D
-                seg_k = seg_recv + ((slot * B + b).to(tl.int64) * HKV + hkv) * S
-                rng_src = ranges_of(rng, src, b, B, n_chunks)  # src's published id ranges of batch b
-                if step == 1:
-                    # Every task passes here, also one that needs nothing from any peer (module docstring, (a)).
-                    drain_pushes(ctl, n_push, k_ptr, v_ptr, seg_ptr, recv, seg_recv, flags, heap_bases, rank, epoch, B,
-                                 S, n_chunks, W, HKV, D, BLOCK_D, CHUNK_ROWS, PUSH_ROWS, PUSH_VEC, CAUSAL, ZIGZAG,
-                                 WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED, rng, SEGMENTED)
-                # Every chunk this tile can see, before the loops that read them (protocol.wait_chunks says
-                # why). Every chunk that holds a row the tile sees holds one that a query of this rank sees, so
-                # its owner pushed it (protocol.chunk_needed; causal: it starts at a position the tile sees).
-                flag0 = flags + (slot * B * HKV + b * HKV + hkv) * n_chunks
-                if WINDOW or SEGMENTED:
-                    valid = valid * wait_rows(flag0, lo1, hi1, lo2, hi2, CHUNK_ROWS, epoch, ctl, timeout_ns, src,
-                                              step, INTERPRET, POLL_N, rng_src, a_lo, a_hi, b_lo, b_hi, SEGMENTED)
-                    if SEGMENTED:  # ids travel with their chunk: read after the wait, they narrow the loops
-                        j_lo, n_full_lo, n_full, n_hi = seg_blocks(seg_k, j_lo, n_hi, lo1, hi1, lo2, hi2, n_full_lo,
-                                                                   n_full, s_lo, s_hi, t_id, DQ_BLOCK_N, rng_src,
-                                                                   a_lo, a_hi, b_lo, b_hi, CHUNK_ROWS, SEGMENTED)
-                    dq = _dq_blocks(dq, q, do, lse2, delta, q_pos, q_pos_max, k_base, v_base, j_lo, n_full_lo, src,
-                                    S, qk_scale, offs_n, offs_d, lo1, hi1, lo2, hi2, q_seg, s_lo, s_hi, seg_k, D, W, D,
-                                    DQ_BLOCK_N, BLOCK_D, True, CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION, WINDOW,
-                                    WIN_LEFT, WIN_RIGHT, SEGMENTED,
-                                    rng_src, a_lo, a_hi, b_lo, b_hi, CHUNK_ROWS, SEGMENTED)
-                    dq = dq * (sm_scale * 0.0 + 1.0)  # (C7515, above)
-                else:
-                    valid = valid * wait_chunks(flag0, 0, tl.cdiv(seen, CHUNK_ROWS), epoch, ctl, timeout_ns, src,
-                                                step, INTERPRET, POLL_N, flags, s_lo, s_hi, s_lo, s_hi, False)
-                dq = _dq_blocks(dq, q, do, lse2, delta, q_pos, q_pos_max, k_base, v_base, n_full_lo, n_full, src, S,
-                                qk_scale, offs_n, offs_d, lo1, hi1, lo2, hi2, q_seg, s_lo, s_hi, seg_k, D, W, D,
-                                DQ_BLOCK_N, BLOCK_D, False, CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION, WINDOW, WIN_LEFT,
-                                WIN_RIGHT, SEGMENTED,
-                                rng_src, a_lo, a_hi, b_lo, b_hi, CHUNK_ROWS, SEGMENTED)
-                dq = _dq_blocks(dq, q, do, lse2, delta, q_pos, q_pos_max, k_base, v_base, n_full, n_hi, src, S,
-                                qk_scale, offs_n, offs_d, lo1, hi1, lo2, hi2, q_seg, s_lo, s_hi, seg_k, D, W, D,
-                                DQ_BLOCK_N, BLOCK_D, True, CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION, WINDOW, WIN_LEFT,
-                                WIN_RIGHT, SEGMENTED,
-                                rng_src, a_lo, a_hi, b_lo, b_hi, CHUNK_ROWS, SEGMENTED)
-        dq = tl.where(valid != 0, dq * sm_scale, float("nan"))  # NaN, not a wrong value, if a wait gave up
-        tl.store(dq_ptr + q_off, dq.to(dq_ptr.dtype.element_ty), mask=qmask)
+        _dq_task(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, dlse_ptr, seg_ptr, B, S, sm_scale, timeout_ns, dq_ptr,
+                 delta_ptr, heap_bases, rank, ctl, flags, epoch, recv, seg_recv, n_chunks, rng, n_push, B64,
+                 qk_scale, offs_d, dmask, tid, call_ok, W, H, HKV, D, DQ_BLOCK_M, DQ_BLOCK_N, BLOCK_D, PUSH_ROWS,
+                 SEG_BLOCKS, PUSH_VEC, POLL_N, CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION, WINDOW, WIN_LEFT, WIN_RIGHT,
+                 SEGMENTED, G, CHUNK_ROWS)
     else:
-        # ============================ partial and final dK/dV tasks ==================================
-        t = tid - n_dq
-        per_d = B * HKV * n_kvb
-        is_final = t >= n_part
-        d = tl.where(is_final, 0, t // per_d + 1)  # peer distance of the K/V's owner; 0: local K/V
-        rem = tl.where(is_final, t - n_part, t % per_d)
-        n_blk = rem % n_kvb
-        bh = rem // n_kvb
-        b = bh // HKV
-        hkv = bh % HKV
-        src = (rank - d + W) % W
-        # Never wait while push units are unclaimed (module docstring, (a)).
-        drain_pushes(ctl, n_push, k_ptr, v_ptr, seg_ptr, recv, seg_recv, flags, heap_bases, rank, epoch, B, S,
-                     n_chunks, W, HKV, D, BLOCK_D, CHUNK_ROWS, PUSH_ROWS, PUSH_VEC, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT,
-                     WIN_RIGHT, SEGMENTED, rng, SEGMENTED)
-        inputs_ok = poll_ge(ctl + CTL_BWD_DELTA, n_dq, ctl, timeout_ns, INTERPRET)
-        if inputs_ok == 0:
-            record_error(ctl, ERR_LOCAL_TIMEOUT, rank, d, n_blk)
-
-        n0 = n_blk * KV_BLOCK_N
-        n1 = tl.minimum(n0 + KV_BLOCK_N, S)
-        rows_n = n0 + tl.arange(0, KV_BLOCK_N)
-        n_valid = rows_n < S
-        k_pos = positions(rows_n, src, S, W, ZIGZAG)
-        k_pos_min = positions(n0, src, S, W, ZIGZAG)
-        n_mk = tl.cdiv(S, KV_BLOCK_M)
-        if WINDOW or SEGMENTED:
-            # Local query rows that see some key of the block by position ([ql1, qh1) | [ql2, qh2): query
-            # blocks [i_lo, i_hi)) and those that see every key ([i_full, i_fend): unmasked).
-            ql1, qh1, ql2, qh2, qf_lo, qf_hi = rows_within(n0, n1, src, rank, S, W, ZIGZAG, CAUSAL, WIN_LEFT, WIN_RIGHT,
-                                                           False)
-            i_lo, i_full, i_fend, i_hi = row_blocks(ql1, qh1, ql2, qh2, qf_lo, qf_hi, KV_BLOCK_M)
-            if WINDOW:
-                # Rows of this block some local query sees by position (others may not have been sent: not read).
-                sl1, sh1, sl2, sh2, _, _ = rows_within(0, S, rank, src, S, W, ZIGZAG, CAUSAL, WIN_LEFT, WIN_RIGHT,
-                                                       True)
-                row_ok = n_valid & in_rows(rows_n, sl1, sh1, sl2, sh2)
-            elif CAUSAL:
-                row_ok = n_valid & (k_pos <= my_last)
-            else:
-                row_ok = n_valid
-        elif CAUSAL:
-            # Local query blocks [i_lo, n_mk) see some key of this block; from i_full on, all of them.
-            k_pos_max = positions(tl.minimum(n0 + KV_BLOCK_N, S) - 1, src, S, W, ZIGZAG)
-            i_lo = visible_rows(k_pos_min - 1, rank, S, W, ZIGZAG) // KV_BLOCK_M
-            i_full = tl.maximum(tl.cdiv(visible_rows(k_pos_max - 1, rank, S, W, ZIGZAG), KV_BLOCK_M), i_lo)
-            row_ok = n_valid & (k_pos <= my_last)  # rows no local query sees: maybe never sent, not read
-        else:
-            i_lo = n0 * 0
-            i_full = n0 * 0
-            row_ok = n_valid
-        bkv = b.to(tl.int64) * S * HKV * D + hkv * D
-        seg_own = seg_ptr + b.to(tl.int64) * S  # this rank's ids of batch b (SEGMENTED only)
-        my_lo = n0 * 0  # a final task's chunk's id range (SEGMENTED only; set below)
-        my_hi = my_lo
-        c_lo = my_lo  # a partial task's (SEGMENTED only)
-        c_hi = my_lo
-        if SEGMENTED:
-            if d > 0:
-                # A partial task: the K/V chunk holding this block came (and its partial goes back) only if its
-                # ids meet a half of this rank's shard: the range its owner published against this rank's halves
-                # as this rank publishes them (protocol.push_unit made the same test).
-                c_lo, c_hi = published_range(rng, src, b, B, n_chunks, n0 // CHUNK_ROWS)
-            else:
-                # A final task: its chunk's range as published, for the same test from this side.
-                my_lo, my_hi = published_range(rng, rank, b, B, n_chunks, n0 // CHUNK_ROWS)
-        # Whether the block is here at all (and, for a partial task, its partial goes back): protocol.block_reaches,
-        # the test its pusher made and its owner makes of this rank.
-        block_needed = block_reaches(n0, n1, k_pos_min, src, rank, rng, b, B, n_chunks, c_lo, c_hi, d > 0, S, W,
-                                     ZIGZAG, CAUSAL, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)
-        if d > 0:
-            slot = d - 1
-            k_base = recv + ((slot * 2 * B + b).to(tl.int64) * HKV + hkv) * S * D
-            v_base = k_base + B64 * HKV * S * D
-            seg_k = seg_recv + ((slot * B + b).to(tl.int64) * HKV + hkv) * S
-            row_stride = rank * 0 + D
-            if block_needed:
-                # The chunks holding this block's rows that some local query sees (pushed: the pusher made the
-                # same test).
-                c_end = (tl.minimum(n0 + KV_BLOCK_N, S) - 1) // CHUNK_ROWS + 1
-                for c in range(n0 // CHUNK_ROWS, c_end):
-                    chunk_need = True
-                    if WINDOW:
-                        chunk_need = chunk_needed(c, src, rank, S, CHUNK_ROWS, W, ZIGZAG, CAUSAL, WIN_LEFT, WIN_RIGHT)
-                    elif CAUSAL:
-                        chunk_need = positions(c * CHUNK_ROWS, src, S, W, ZIGZAG) <= my_last
-                    if chunk_need:
-                        flag = flags + (slot * B * HKV + b * HKV + hkv) * n_chunks + c
-                        ok = poll_ge(flag, epoch, ctl, timeout_ns, INTERPRET)
-                        if ok == 0:
-                            record_error(ctl, ERR_KV_TIMEOUT, src, d, c)
-                            inputs_ok = inputs_ok * 0
-        else:
-            k_base = k_ptr + bkv
-            v_base = v_ptr + bkv
-            seg_k = seg_ptr + b.to(tl.int64) * S
-            row_stride = rank * 0 + HKV * D
-        tl.debug_barrier()  # every thread's loads below after the acquires above (see the dQ task)
-        dk = tl.zeros([KV_BLOCK_N, BLOCK_D], tl.float32)
-        dv = tl.zeros([KV_BLOCK_N, BLOCK_D], tl.float32)
-        if block_needed:
-            kv_off = rows_n[:, None].to(tl.int64) * row_stride + offs_d[None, :]
-            kv_mask = row_ok[:, None] & dmask[None, :]
-            k = tl.load(k_base + kv_off, mask=kv_mask, other=0.0)
-            v = tl.load(v_base + kv_off, mask=kv_mask, other=0.0)
-            offs_mk = tl.arange(0, KV_BLOCK_M)
-            n_mfull = S // KV_BLOCK_M
-            seg_q = seg_own  # the local queries' ids (SEGMENTED only)
-            if SEGMENTED:
-                # The block's ids (after the wait: they travel with it) narrow the local query blocks to those
-                # that may hold a pair (protocol.seg_blocks).
-                k_seg, s_lo, s_hi, t_id = tile_ids(seg_k, rows_n, row_ok, SEGMENTED)
-                i_lo, i_full, i_fend, i_hi = seg_blocks(seg_q, i_lo, i_hi, ql1, qh1, ql2, qh2, i_full, i_fend, s_lo,
-                                                        s_hi, t_id, KV_BLOCK_M,
-                                                        ranges_of(rng, rank, b, B, n_chunks), s_lo, s_hi, s_lo, s_hi,
-                                                        CHUNK_ROWS, False)
-            else:
-                k_seg = k_pos  # unused
-            # Fixed order: head g of the group, then local query blocks (deterministic accumulation).
-            for g in range(0, G):
-                h = hkv * G + g
-                q_base = b.to(tl.int64) * S * H * D + h * D
-                row_base = (b.to(tl.int64) * H + h) * S
-                if WINDOW or SEGMENTED:
-                    dk, dv = _dkdv_blocks(dk, dv, k, v, k_pos, k_seg, q_ptr, do_ptr, lse_ptr, delta_ptr, seg_q, q_base,
-                                          row_base, i_lo, i_full, rank, S, qk_scale, offs_mk, offs_d, H, W, D,
-                                          KV_BLOCK_M, BLOCK_D, True, CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION, WINDOW,
-                                          WIN_LEFT, WIN_RIGHT, SEGMENTED)
-                    dk, dv = _dkdv_blocks(dk, dv, k, v, k_pos, k_seg, q_ptr, do_ptr, lse_ptr, delta_ptr, seg_q, q_base,
-                                          row_base, i_full, i_fend, rank, S, qk_scale, offs_mk, offs_d, H, W, D,
-                                          KV_BLOCK_M, BLOCK_D, False, CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION, WINDOW,
-                                          WIN_LEFT, WIN_RIGHT, SEGMENTED)
-                    dk, dv = _dkdv_blocks(dk, dv, k, v, k_pos, k_seg, q_ptr, do_ptr, lse_ptr, delta_ptr, seg_q, q_base,
-                                          row_base, i_fend, i_hi, rank, S, qk_scale, offs_mk, offs_d, H, W, D,
-                                          KV_BLOCK_M, BLOCK_D, True, CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION, WINDOW,
-                                          WIN_LEFT, WIN_RIGHT, SEGMENTED)
-                else:
-                    dk, dv = _dkdv_blocks(dk, dv, k, v, k_pos, k_seg, q_ptr, do_ptr, lse_ptr, delta_ptr, seg_q, q_base,
-                                          row_base, i_lo, tl.minimum(i_full, n_mk), rank, S, qk_scale, offs_mk, offs_d,
-                                          H, W, D, KV_BLOCK_M, BLOCK_D, True, CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION,
-                                          WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)
-                    dk, dv = _dkdv_blocks(dk, dv, k, v, k_pos, k_seg, q_ptr, do_ptr, lse_ptr, delta_ptr, seg_q, q_base,
-                                          row_base, i_full, n_mfull, rank, S, qk_scale, offs_mk, offs_d, H, W, D,
-                                          KV_BLOCK_M, BLOCK_D, False, CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION, WINDOW,
-                                          WIN_LEFT, WIN_RIGHT, SEGMENTED)
-                    dk, dv = _dkdv_blocks(dk, dv, k, v, k_pos, k_seg, q_ptr, do_ptr, lse_ptr, delta_ptr, seg_q, q_base,
-                                          row_base, tl.maximum(i_full, n_mfull), n_mk, rank, S, qk_scale, offs_mk,
-                                          offs_d, H, W, D, KV_BLOCK_M, BLOCK_D, True, CAUSAL, ZIGZAG, INTERPRET,
-                                          DOT_PRECISION, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)
-
-        part_rows = rows_n[:, None].to(tl.int64) * D + offs_d[None, :]
-        out_mask = n_valid[:, None] & dmask[None, :]
-        if d > 0:
-            if block_needed & (call_ok == 1):
-                # Unscaled float32 partials into slot d-1 of the owner's partial region.
-                slot = d - 1
-                dst = ((slot * 2 * B + b).to(tl.int64) * HKV + hkv) * S * D
-                iris.store(part + dst + part_rows, dk, rank, src, heap_bases, mask=out_mask, hint=(1, PART_VEC))
-                iris.store(part + dst + B64 * HKV * S * D + part_rows, dv, rank, src, heap_bases, mask=out_mask,
-                           hint=(1, PART_VEC))
-                tl.debug_barrier()
-                if inputs_ok == 0:
-                    # Published anyway (the owner must not wait out its timeout), but marked untrustworthy:
-                    # the owner's status will say this rank failed.
-                    record_peer_error(ctl, heap_bases, rank, src, ERR_PEER_FAILED, d)
-                iris.atomic_xchg(flags + n_units + (slot * B * HKV + bh) * n_kvb + n_blk, epoch, rank, src,
-                                 heap_bases, sem="release", scope="sys")
-        else:
-            # Final task: wait for every peer's partial of this block before reading any of them. A peer
-            # sends one exactly when some query of it sees the block (the test its partial task makes).
-            for r in tl.static_range(W):
-                if r != rank:
-                    if block_reaches(n0, n1, k_pos_min, rank, r, rng, b, B, n_chunks, my_lo, my_hi, True, S, W, ZIGZAG,
-                                     CAUSAL, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED):
-                        rslot = (r - rank + W) % W - 1
-                        flag = flags + n_units + (rslot * B * HKV + bh) * n_kvb + n_blk
-                        ok = poll_ge(flag, epoch, ctl, timeout_ns, INTERPRET)
-                        if ok == 0:
-                            record_error(ctl, ERR_PARTIAL_TIMEOUT, r, rslot + 1, n_blk)
-            tl.debug_barrier()
-            # Valid only if every input arrived and nothing failed: a peer that sent an untrustworthy partial
-            # marked this rank's error word (ERR_PEER) before publishing it, so the acquires above see it.
-            err_now = tl.atomic_add(ctl + CTL_ERROR, 0, sem="acquire", scope="gpu")
-            valid = inputs_ok * call_ok * (err_now == 0).to(tl.int32)
-            # Sum in rank order, the local contribution at its place: the same order on every run.
-            for which in tl.static_range(2):
-                if which == 0:
-                    local = dk
-                else:
-                    local = dv
-                total = tl.zeros([KV_BLOCK_N, BLOCK_D], tl.float32)
-                for r in tl.static_range(W):
-                    if r == rank:
-                        total += local
-                    else:
-                        if block_reaches(n0, n1, k_pos_min, rank, r, rng, b, B, n_chunks, my_lo, my_hi, True, S, W,
-                                         ZIGZAG, CAUSAL, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED):
-                            rslot = (r - rank + W) % W - 1
-                            src_off = ((rslot * 2 * B + which * B + b).to(tl.int64) * HKV + hkv) * S * D
-                            total += tl.load(part + src_off + part_rows, mask=out_mask, other=0.0)
-                out_off = bkv + rows_n[:, None].to(tl.int64) * (HKV * D) + offs_d[None, :]
-                total = tl.where(valid != 0, total, float("nan"))
-                if which == 0:
-                    total = total * sm_scale
-                    tl.store(dk_ptr + out_off, total.to(dk_ptr.dtype.element_ty), mask=out_mask)
-                else:
-                    tl.store(dv_ptr + out_off, total.to(dv_ptr.dtype.element_ty), mask=out_mask)
+        _dkdv_task(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, seg_ptr, B, S, sm_scale, timeout_ns, dk_ptr, dv_ptr,
+                   delta_ptr, heap_bases, rank, ctl, flags, epoch, recv, seg_recv, part, n_chunks, n_units, rng,
+                   call_ok, n_push, n_kvb, n_dq, n_part, B64, my_last, qk_scale, offs_d, dmask, tid, W, H, HKV, D,
+                   KV_BLOCK_N, KV_BLOCK_M, BLOCK_D, PUSH_ROWS, PUSH_VEC, PART_VEC, CAUSAL, ZIGZAG, INTERPRET,
+                   DOT_PRECISION, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED, G, CHUNK_ROWS)
 
     # ---- end: the last program of this rank meets every peer, reports, resets -----------------------
     end_call(ctl, status_ptr, heap_bases, rank, epoch, timeout_ns, W, INTERPRET, STICKY_ERRORS, True)

@@ -36,9 +36,9 @@ import triton.language as tl
 
 from ring_core.protocol import control
 
-from ring_core.protocol.steps import (block_rows, claim_push, drain_pushes, end_call, pairs_allowed, positions, ranges_of,
-                                ranks_rng, receive_slots, ring_context, seg_blocks, start_call, step_blocks,
-                                tile_id_parts, tile_ids, wait_chunks, wait_rows)
+from ring_core.protocol.steps import (block_rows, claim_push, drain_pushes, end_call, pairs_allowed, positions,
+                                      ranges_of, ranks_rng, receive_slots, ring_context, seg_blocks, start_call,
+                                      step_blocks, tile_id_parts, tile_ids, wait_chunks, wait_rows)
 from ring_core.kernels.tiles import dot, load_kv, query_tile
 
 KIND_FWD = tl.constexpr(control.KIND_FWD)
