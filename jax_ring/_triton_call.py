@@ -1,5 +1,6 @@
 """The fused kernels as XLA custom calls: our own lowering onto jaxlib's Triton custom call
-(``triton_kernel_call``, the one jax-triton uses), launching exactly the kernel that ``ring_core.runtime.build`` compiled.
+(``triton_kernel_call``, the one jax-triton uses), launching exactly the kernel that ``ring_core.runtime.build``
+compiled.
 
 Why not jax-triton's ``triton_call`` (0.3.1): it compiles outside Triton's cache (every process compiles every
 kernel again, each time it starts) and launches ``num_warps`` as asked, not the compiled kernel's total (a

@@ -165,7 +165,8 @@ def ring_attention(q, k, v, *, axis_name, is_causal=False, scale=None, layout="c
         from run to run and between JAX and torch (the same inputs on the same GPUs). Also turned on by
         ``XLA_FLAGS=--xla_gpu_deterministic_ops=true`` (or ``--xla_gpu_exclude_nondeterministic_ops=true``),
         read when the call is traced. With False, on Hopper for fp16/bf16, head_dim 128 (windows and segment
-        ids included: ring_core.plans.gluon_bwd_applies), the fused backward is the Gluon kernel whose dQ sums come in no
+        ids included: ring_core.plans.gluon_bwd_applies), the fused backward is the Gluon kernel whose dQ sums come in
+        no
         fixed order (ring_core/kernels/gluon_bwd.py); elsewhere, and with True, it is the deterministic tl kernel.
         The ``"xla"`` backend ignores it: it runs XLA's own ops, which XLA_FLAGS governs.
 

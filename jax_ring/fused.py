@@ -1,5 +1,6 @@
 """backend='fused' for JAX, the raw ops: the shared kernels (ring_core.kernels.tl_fwd, ring_core.kernels.tl_bwd) as XLA
-custom calls (``forward``, ``backward``; jax_ring._triton_call: compiled by ring_core.runtime.build, launched by jaxlib's
+custom calls (``forward``, ``backward``; jax_ring._triton_call: compiled by ring_core.runtime.build, launched by
+jaxlib's
 Triton custom call); the autograd layer that calls them is in jax_ring.api. The twin of torch_bridge.fused.
 
 Per-rank values (this rank's position in its ring, the heap bases of the ring's members as mapped in its
@@ -248,7 +249,8 @@ def forward(q, k, v, spec, axis_name, world_size: int, timeout_s: float | None =
 
 def backward(q, k, v, out, lse, dout, dlse, spec, axis_name, world_size: int, timeout_s: float | None = None,
              segment_ids=None, deterministic: bool = False):
-    """Run the fused backward kernel (ring_core.kernels.tl_bwd, or ring_core.kernels.gluon_bwd) on this rank's shards inside
+    """Run the fused backward kernel (ring_core.kernels.tl_bwd, or ring_core.kernels.gluon_bwd) on this rank's shards
+    inside
     shard_map, from the forward's ``out`` and ``lse`` and the cotangents ``dout`` and ``dlse``; returns (dq, dk, dv),
     typed as q, k and v. Same context row, launch maths (ring_core.plans.plan_bwd) and argument list as the torch
     launcher (torch_bridge.fused.backward). ``segment_ids`` as in ``forward`` (no gradient: ids are ints).

@@ -54,13 +54,14 @@ class KernelConfig:
     num_warps: int
     num_stages: int
     seg_blocks: int = 4  # K/V blocks computed between two push claims in ring step 0
-    gluon: bool = False  # the Hopper kernel (ring_core.kernels.gluon_fwd) instead of the tl one (ring_core.kernels.tl_fwd)
+    gluon: bool = False  # the Hopper kernel (ring_core.kernels.gluon_fwd) instead of the tl one (kernels.tl_fwd)
 
     @staticmethod
     def get_default(spec: AttentionSpec, world_size: int, *, interpret: bool = False,
                     capability: tuple | None = None) -> "KernelConfig":
         """The tuned tiles for ``spec``; on a GPU of compute ``capability`` where ``gluon_applies``, the Gluon
-        kernel's (ring_core.kernels.gluon_fwd): its query rows per tile, K/V rows per block and K/V slots at this head_dim
+        kernel's (ring_core.kernels.gluon_fwd): its query rows per tile, K/V rows per block and K/V slots at this
+        head_dim
         (``GLUON_TILES``; ``num_stages``: the slots), 4 warps per partition, chunks of 4 blocks per flag; with
         segment ids chunks of one block, whose published id ranges then say which blocks a tile loads and which it
         computes unmasked (ring_core.kernels.gluon_fwd reads blocks whole: its skipping is as fine as the ranges)."""
@@ -113,7 +114,8 @@ _SMS = {}  # torch device -> streaming multiprocessors
 
 def device_sms(device) -> int | None:
     """The streaming multiprocessors of torch ``device`` (None: not a CUDA device): the persistent Gluon kernels'
-    programs (``plan``). Ranks sharing a GPU under MPS see the whole GPU's count; each rank's programs then run in as many
+    programs (``plan``). Ranks sharing a GPU under MPS see the whole GPU's count; each rank's programs then run in as
+    many
     waves as its share of the SMs asks, the protocol being indifferent to how many are resident (a program pushes
     every unit left before it waits: ring_core.protocol.steps)."""
     if getattr(device, "type", None) != "cuda":
@@ -165,7 +167,8 @@ class BwdKernelConfig:
 
     ``deterministic``: whether the kernel this config runs gives bit-identical gradients from run to run (and
     so between the frontends, which launch it alike). The split kernel (ring_core.kernels.tl_bwd) always does: every
-    dQ, dK and dV block is summed in a fixed order. The Gluon kernel (``gluon``: ring_core.kernels.gluon_bwd) adds dQ up in
+    dQ, dK and dV block is summed in a fixed order. The Gluon kernel (``gluon``: ring_core.kernels.gluon_bwd) adds dQ
+    up in
     the order its contributions arrive when False, and in the tickets' order (each add waiting for its turn) when
     True. The constexpr DETERMINISTIC of both kernels; the split kernel ignores it (always True for it: one binary
     whatever the caller asked for)."""
@@ -180,7 +183,7 @@ class BwdKernelConfig:
     num_stages: int
     seg_blocks: int = 4
     deterministic: bool = True
-    gluon: bool = False  # the Hopper kernel (ring_core.kernels.gluon_bwd) instead of the tl one (ring_core.kernels.tl_bwd)
+    gluon: bool = False  # the Hopper kernel (ring_core.kernels.gluon_bwd) instead of the tl one (kernels.tl_bwd)
 
     @staticmethod
     def get_default(spec: AttentionSpec, world_size: int, *, interpret: bool = False,
@@ -189,7 +192,8 @@ class BwdKernelConfig:
         """The tiles for ``spec``. ``deterministic``: the caller needs bit-identical gradients from run to run
         (the frontends' ``deterministic``, or the framework's switch for deterministic algorithms). Without it, the
         Gluon Hopper kernel takes the call where it applies on a GPU of compute ``capability``
-        (``gluon_bwd_applies``; ring_core.kernels.gluon_bwd: dQ added up by TMA reductions in no fixed order), with its fixed
+        (``gluon_bwd_applies``; ring_core.kernels.gluon_bwd: dQ added up by TMA reductions in no fixed order), with its
+        fixed
         tiles (128 K/V rows per dK/dV task, 64 query rows per step, 128 rows per delta or dQ task, one K/V block per
         flag). With it, the same kernel in its own deterministic order (DETERMINISTIC: dQ's adds in ticket order, by
         a writer warp; 0.87-0.95x cuDNN forward+backward against the split's 0.80, benchmarks/NOTES.md)

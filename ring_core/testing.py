@@ -94,7 +94,8 @@ def random_segment_ids(seed, batch, seq, *, max_len=None, padding=True) -> np.nd
 
 def id_range_words(local_ids, chunk_rows: int, zigzag: bool) -> np.ndarray:
     """A rank's published id-range words [B][n_chunks + 2][lo, hi] for its local segment ids [B, S], as
-    ring_core.protocol.steps.publish_id_ranges writes them: each chunk's [min, max] with padding counted as -1 in the min
+    ring_core.protocol.steps.publish_id_ranges writes them: each chunk's [min, max] with padding counted as -1 in the
+    min
     and the max at least -1, then each half's of the shard over ids >= 0 ((BIG_ID, -1) where none; zigzag: its two
     chunks, contiguous: the shard, then nothing), all stored as -1 - value."""
     B, S = local_ids.shape

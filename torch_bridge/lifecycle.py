@@ -5,7 +5,8 @@ Errors found by the kernel (a bounded wait that expired, ranks that disagree) co
 tensor per launch, which the kernel writes straight into pinned host memory (torch_bridge.fused._zeroed_status).
 Checking it at once would cost a host sync per call, so an event is recorded after the launch and the status is
 read once the event has completed: at the next fused call, at ``check_errors()`` (which waits), or at once with
-RING_ATTENTION_ERRORS=call (ring_core.protocol.control.errors_mode; torch's default is "deferred"). JAX's status is an XLA
+RING_ATTENTION_ERRORS=call (ring_core.protocol.control.errors_mode; torch's default is "deferred"). JAX's status is an
+XLA
 buffer in device memory instead, which jax_ring.status copies into its pinned slots with a kernel per call.
 """
 

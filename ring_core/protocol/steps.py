@@ -1,7 +1,11 @@
-"""The ring protocol on the device: the Triton functions the kernels (ring_core.kernels.tl_fwd, ring_core.kernels.tl_bwd, and the
-Gluon Hopper forward ring_core.kernels.gluon_fwd, which compiles the same functions under Gluon: their index vectors come
-from ring_core.protocol.lanes) build their calls from, and the arguments for why a call cannot deadlock, race the next call
-or corrupt silently. The control words and error codes are named in ring_core.protocol.control (its host twin, which also lays
+"""The ring protocol on the device: the Triton functions the kernels (ring_core.kernels.tl_fwd,
+ring_core.kernels.tl_bwd, and the
+Gluon Hopper forward ring_core.kernels.gluon_fwd, which compiles the same functions under Gluon: their index vectors
+come
+from ring_core.protocol.lanes) build their calls from, and the arguments for why a call cannot deadlock, race the next
+call
+or corrupt silently. The control words and error codes are named in ring_core.protocol.control (its host twin, which
+also lays
 out the heap and turns status words into exceptions).
 
 K/V shards reach the other ranks of a ring through iris remote stores issued from inside the kernel,
@@ -947,7 +951,8 @@ def bwd_task_steps(n0, d, src, rank, b, B, S, rng, rng_b, n_chunks, W: tl.conste
                    Q_ROWS: tl.constexpr, CHUNK_ROWS: tl.constexpr, CAUSAL: tl.constexpr, ZIGZAG: tl.constexpr,
                    WINDOW: tl.constexpr, WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SEGMENTED: tl.constexpr):
     """With a window or segment ids, for a backward that reads whole K/V blocks of KV_ROWS rows (chunks of one
-    block) and steps over the local queries in blocks of Q_ROWS (the Gluon backward, ring_core.kernels.gluon_bwd): a dK/dV
+    block) and steps over the local queries in blocks of Q_ROWS (the Gluon backward, ring_core.kernels.gluon_bwd): a
+    dK/dV
     task's steps for K/V block [n0, n0 + KV_ROWS) of rank ``src`` (peer distance ``d``; ``rng_b``: this rank's
     published ranges of batch b, ``ranges_of``): (sent, i_lo, n_m, i_full, i_fend, kv_t).
     ``sent``: the block reaches this rank at all (``block_reaches``, the tl kernel's test too): some local query sees
@@ -1208,7 +1213,8 @@ def block_reaches(n0, n1, k_pos_min, src, dst, rng, b, B, n_chunks, lo, hi, ids,
     rank ``dst``: some query of ``dst`` sees a row of it by position (``rows_seen``; causal: its first key at or
     before ``dst``'s last query) and, with segment ids where ``ids`` is true (a peer's block; a rank's own block is
     always at hand), its chunk's published range [lo, hi] meets a half of ``dst``'s (``meets_halves``). A partial
-    task asks it of its block (is the block there, does its partial go back: ring_core.kernels.tl_bwd, ``bwd_task_steps``)
+    task asks it of its block (is the block there, does its partial go back: ring_core.kernels.tl_bwd,
+    ``bwd_task_steps``)
     and the block's owner of each peer (does it wait for that peer's partial), from the same published words, so the
     two sides agree."""
     reach = n0 * 0 == 0  # (true, and folded as such: no window, not causal)

@@ -145,7 +145,8 @@ def signature(kernel, arg_types, constexprs: dict, divisible=(), capability: int
 
 
 # The modules whose Triton functions settle_cache_keys settles (with everything they call).
-KERNEL_MODULES = ("ring_core.kernels.tl_fwd", "ring_core.kernels.tl_bwd", "ring_core.kernels.gluon_fwd", "ring_core.kernels.gluon_bwd")
+KERNEL_MODULES = ("ring_core.kernels.tl_fwd", "ring_core.kernels.tl_bwd", "ring_core.kernels.gluon_fwd",
+                  "ring_core.kernels.gluon_bwd")
 _settled = False
 
 
@@ -156,7 +157,8 @@ def settle_cache_keys() -> None:
     computes the callee's key (``DependenciesFinder._update_hash``; Triton 3.9 computes it first), so a function
     whose callees had no key yet hashes without their globals: the same kernel got another cache key in a process
     that had compiled another kernel first (``ring_attn_fwd_kernel`` then ``ring_attn_fwd_gluon``, or the reverse,
-    gave both kernels other keys), and the GPU compiled variants its carried cache held (benchmarks/NOTES.md). Here every Triton function loaded (ring_core's kernels, what they call, iris's, Triton's own)
+    gave both kernels other keys), and the GPU compiled variants its carried cache held (benchmarks/NOTES.md). Here
+    every Triton function loaded (ring_core's kernels, what they call, iris's, Triton's own)
     is hashed again until no key changes: each caller then holds all its callees' globals, one fixed point
     whatever the order. Once per process, before the first compile or launch (``_compile``, torch_bridge's
     first launch); about a second."""

@@ -28,7 +28,8 @@ from ring_core.validate import AttentionSpec
 
 def interpreter_usable() -> bool:
     """True if the kernels can be (or already are) imported as interpreted functions in this process."""
-    for mod, attr in (("ring_core.kernels.tl_fwd", "ring_attn_fwd_kernel"), ("ring_core.kernels.tl_bwd", "ring_attn_bwd_kernel"),
+    for mod, attr in (("ring_core.kernels.tl_fwd", "ring_attn_fwd_kernel"),
+                      ("ring_core.kernels.tl_bwd", "ring_attn_bwd_kernel"),
                       ("iris", "store")):
         if mod in sys.modules:
             from triton.runtime.interpreter import InterpretedFunction
@@ -44,21 +45,21 @@ def ensure_interpreter():
     if not interpreter_usable():
         raise RuntimeError("ring_core.kernels.tl_fwd was imported without TRITON_INTERPRET=1 in this process")
     os.environ["TRITON_INTERPRET"] = "1"
-    from ring_core.kernels import tl_fwd as kernel, tl_bwd as kernel_bwd  # noqa: F401  (both decorated as interpreted functions here)
+    from ring_core.kernels import tl_bwd, tl_fwd  # noqa: F401  (both decorated as interpreted functions here)
 
     _make_interpreter_thread_safe()
     _serialize_interpreter_rewrites()
     _round_interpreter_bf16_to_nearest()
     _yield_interpreter_polls()
-    return kernel.ring_attn_fwd_kernel
+    return tl_fwd.ring_attn_fwd_kernel
 
 
 def ensure_interpreter_bwd():
     """``ensure_interpreter`` for the backward kernel: returns the interpreted ``ring_attn_bwd_kernel``."""
     ensure_interpreter()
-    from ring_core.kernels import tl_bwd as kernel_bwd
+    from ring_core.kernels import tl_bwd
 
-    return kernel_bwd.ring_attn_bwd_kernel
+    return tl_bwd.ring_attn_bwd_kernel
 
 
 _thread_safe_lock = threading.Lock()

@@ -691,7 +691,8 @@ def test_ab_runs_and_status_cost_plots_draw_from_committed_csvs(tmp_path):
     pytest.importorskip("matplotlib")
     from benchmarks import status_cost
 
-    results = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks", "results")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    results = os.path.join(root, "benchmarks", "results")
     runs = [os.path.join(results, f"attention_w1_fwd_tiles-{r}_1xH200_2026-12-02J.csv") for r in ("base", "s4")]
     png = tmp_path / "runs.png"
     assert bplot.main(["--runs", *runs, "--out", str(png)]) == 0 and png.stat().st_size > 10_000

@@ -1,4 +1,5 @@
-"""ring_core.runtime.build (the compile of a fused launch for a GPU, through Triton's cache) and the JAX custom call on top
+"""ring_core.runtime.build (the compile of a fused launch for a GPU, through Triton's cache) and the JAX custom call on
+top
 of it (jax_ring._triton_call), on CPU: Triton compiles for sm_90 without a GPU; the custom call's abstract
 evaluation and its jaxlib parameter list are checked with a stand-in for jaxlib's GPU library (the launch itself
 runs in tests/gpu/gpu_checks.py). Compiles run in a subprocess: this process may hold the interpreted kernels
@@ -259,7 +260,8 @@ LOG_AND_COMPILE = textwrap.dedent("""
 
 
 def test_compiles_are_logged_and_warm_compiles_them_again(tmp_path):
-    """With RING_ATTENTION_COMPILE_LOG set, a compile leaves a record; ``python -m ring_core.runtime.build --warm`` compiles
+    """With RING_ATTENTION_COMPILE_LOG set, a compile leaves a record; ``python -m ring_core.runtime.build --warm``
+    compiles
     the records again (in parallel processes) into another cache, to the same cache key; a record the current
     code cannot compile is reported and skipped."""
     (tmp_path / "tiny_kernels.py").write_text(TINY)
@@ -550,7 +552,8 @@ GLUON_BWD_COMPILE = PLAN_SM90 + textwrap.dedent("""
         # CI-time cut: W=1 and W=3 compiled it too (2 of the 9 compiles). What W changes in the DETERMINISTIC code is
         # _dq_turn's static loop over the other ranks' groups (none at W=1, W-1 iterations otherwise), and CAUSAL
         # only _seen_blocks's count; the turn order checked below (acquire of the turn before the reduction,
-        # wait_group 2 before the release: the dQ writer's) is the same source at every W, and W=1 and W=3 (non-causal) still
+        # wait_group 2 before the release: the dQ writer's) is the same source at every W, and W=1 and W=3 (non-causal)
+        # still
         # compile here in any order. Every Gluon backward case runs in both orders on a GPU (tests/gpu/gpu_checks.py,
         # section gluon-bwd).
         for det in (False, True) if W == 2 and not masked else (False, ):
@@ -785,7 +788,8 @@ IRIS_DEVICE_ONLY = textwrap.dedent("""
 
 
 def test_warm_without_torch_compiles_the_same_kernels():
-    """ring_core.runtime.build's warm on a machine without torch (a Python of the GPU machine's Triton wheel) imports the
+    """ring_core.runtime.build's warm on a machine without torch (a Python of the GPU machine's Triton wheel) imports
+    the
     kernels through iris's device functions only, and they hash as with the whole of iris: same cache entries."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))

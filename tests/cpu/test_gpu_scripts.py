@@ -67,8 +67,8 @@ def test_fault_script_imports_lightly_and_checks_its_arguments():
     gf = _script("gpu_faults")
     for argv, fragment in ((["--sections", "kill,timeout"], "must run alone"),
                            (["--sections", "timeout,hang"], "unknown sections")):
-        r = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu" / "gpu_faults.py"), *argv], cwd=ROOT, timeout=120,
-                           capture_output=True, text=True)
+        r = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu" / "gpu_faults.py"), *argv], cwd=ROOT,
+                           timeout=120, capture_output=True, text=True)
         assert r.returncode == 2 and fragment in r.stderr, r.stderr
     assert set(gf.DEFAULT_SECTIONS.split(",")) | {"kill"} == set(gf.SECTIONS)
 

@@ -1,11 +1,13 @@
-"""The segment-id ranges a rank publishes for its own programs at world size 1 (ring_core.protocol.steps.id_ranges_ready:
+"""The segment-id ranges a rank publishes for its own programs at world size 1
+(ring_core.protocol.steps.id_ranges_ready:
 the programs of the call share the chunks' steps, 2048 ids each, taken from a counter; whoever counts the last one
 done releases CTL_RANGES), run in Triton's interpreter against numpy.
 
 Several steps per batch (seq_local over 2048), several batches, chunks over 2048 rows (a step per chunk), padding, and
 two calls in a row (the second call's words replace the first's once the counters are reset as ``finish_call`` does).
 Every program must see the ranges ready, and each word must be what every reader expects: per chunk, the min of its
-ids with padding counted as -1, the max of its ids (at least -1), stored as -1 - value (ring_core.protocol.steps's layout).
+ids with padding counted as -1, the max of its ids (at least -1), stored as -1 - value (ring_core.protocol.steps's
+layout).
 """
 import json
 import os

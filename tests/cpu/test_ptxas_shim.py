@@ -1,4 +1,5 @@
-"""ring_core/runtime/ptxas_shim.py: jaxlib's ptxas call answered from Triton's cache, anything else passed to the real one."""
+"""ring_core/runtime/ptxas_shim.py: jaxlib's ptxas call answered from Triton's cache, anything else passed to the real
+one."""
 
 import os
 import subprocess

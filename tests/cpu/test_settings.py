@@ -46,7 +46,8 @@ def test_the_project_reads_its_own_variables_only_through_settings():
             if path.name in ("settings.py", "ptxas_shim.py"):
                 continue
             for i, line in enumerate(path.read_text().splitlines(), 1):
-                if re.search(r"""environ(\.get)?[\[(]\s*["']RING_""", line) or re.search(r"""_ENV\s*=\s*["']RING_""", line):
+                if re.search(r"""environ(\.get)?[\[(]\s*["']RING_""", line) or \
+                        re.search(r"""_ENV\s*=\s*["']RING_""", line):
                     direct.append(f"{path.relative_to(ROOT)}:{i}")
     assert not direct
 

@@ -51,7 +51,8 @@ CASES = [
     (3, 1, 4, 2, 2, 192, "float32", False, "zigzag", None),
     (4, 1, 19, 2, 1, 40, "bfloat16", True, "contiguous", None),
     (4, 1, 8, 4, 2, 16, "float32", True, "zigzag", 0.5),
-    # 8 ranks (an 8-GPU machine's world size). CI-time cut: 2 heads over 1 K/V head (was 4 over 2): the same GQA ratio at half the
+    # 8 ranks (an 8-GPU machine's world size). CI-time cut: 2 heads over 1 K/V head (was 4 over 2): the same GQA ratio
+    # at half the
     # programs; more heads per K/V head and batch 2 are covered by the cases above at W <= 4 (the heads' and
     # batches' indexing does not depend on W).
     (8, 1, 4, 2, 1, 16, "float32", True, "zigzag", None),
@@ -270,7 +271,8 @@ def test_grad_falls_back_to_subprocess_when_kernel_compiled_for_gpu():
 
 
 def test_scale_zero_grads_under_masks():
-    """scale=0 through the backward kernel (ring_core.protocol.control.kernel_scale: 1e-30 for the kernels; dq and dk 1e-30
+    """scale=0 through the backward kernel (ring_core.protocol.control.kernel_scale: 1e-30 for the kernels; dq and dk
+    1e-30
     times finite values instead of 0)."""
     case = (2, 1, 6, 2, 1, 16, "float32", True, "contiguous", 0.0)
     W, B, S, H, HKV, D, dtype, causal, layout, scale = case

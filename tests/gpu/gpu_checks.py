@@ -97,7 +97,8 @@ GLUON_CASES = [(1, 1024, 8, 2, 128, "bfloat16", True, "zigzag"), (2, 512, 4, 4, 
                (1, 768, 8, 8, 128, "bfloat16", True, "contiguous"), (1, 512, 6, 3, 64, "bfloat16", True, "zigzag", 0.3),
                (1, 128, 4, 1, 128, "float16", True, "contiguous"), (1, 2048, 4, 2, 128, "bfloat16", False, "zigzag"),
                (1, 768, 8, 2, 256, "bfloat16", True, "zigzag"),
-               # scale 0 (allowed): the kernels get 1e-30 (ring_core.protocol.control.kernel_scale; 0 gave NaN under masks)
+               # scale 0 (allowed): the kernels get 1e-30 (ring_core.protocol.control.kernel_scale; 0 gave NaN under
+               # masks)
                (1, 512, 6, 3, 64, "bfloat16", True, "zigzag", 0.0)]
 # ... and with masks: packed documents with padding (a 160-token run, more than a tile, and the tail),
 # windows one- and two-sided, both together, GQA, D64 / D128 / D256, both layouts, a tile of one document

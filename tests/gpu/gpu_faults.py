@@ -467,7 +467,8 @@ CONCURRENT_CHECKS = ("concurrent/torch: same order, fused first", "concurrent/to
                      "concurrent/torch: opposite orders, first call of a kernel variant",
                      "concurrent/jax: psum and the fused call in one jitted program")
 SHARED_GPU_REASON = ("ranks share a GPU: NCCL refuses two ranks on one GPU, so no NCCL collective (torch all-reduce, "
-                     "JAX psum) can run beside the fused kernel here (tests/gpu/gpu_shared_limits.py records what does)")
+                     "JAX psum) can run beside the fused kernel here (tests/gpu/gpu_shared_limits.py records what "
+                     "does)")
 
 
 def section_concurrent(job: Job):

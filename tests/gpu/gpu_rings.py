@@ -1,4 +1,5 @@
-"""GPU checks of the training set-ups (several rings, meshes), on 4 ranks as a 2 x 2 mesh (one GPU each, or sharing GPUs):
+"""GPU checks of the training set-ups (several rings, meshes), on 4 ranks as a 2 x 2 mesh (one GPU each, or sharing
+GPUs):
 
     source .gpu/prelude.sh; python -m jax_ring.launch --nproc-per-node 4 tests/gpu/gpu_rings.py --out $OUT
 
