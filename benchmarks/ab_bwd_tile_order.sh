@@ -12,7 +12,7 @@ run() {  # $1: label, $2: the folder to run in (its packages are the ones import
 }
 alt=$(mktemp -d)
 cp -r ring_core jax_ring torch_bridge benchmarks "$alt/"
-python - "$alt/ring_core/kernel_bwd.py" <<'PY'
+python - "$alt/ring_core/kernels/tl_bwd.py" <<'PY'
 import sys
 p = sys.argv[1]
 s = open(p).read()
