@@ -51,8 +51,11 @@ json.dump(out, open(sys.argv[2], "w"))
 
 
 def code(ptx: str) -> list:
-    """The PTX's lines before its DWARF section, without .loc / .file lines."""
-    lines = [ln for ln in ptx.splitlines() if not re.match(r"\s*\.(loc|file)\b", ln)]
+    """The PTX's lines before its DWARF section, without .loc / .file lines and without the ``$L__tmpN:`` labels that
+    only the DWARF section refers to (they mark inlined functions' scopes: moving code into a function of its own
+    adds some, the instructions staying the same)."""
+    lines = [ln for ln in ptx.splitlines()
+             if not re.match(r"\s*\.(loc|file)\b", ln) and not re.match(r"\$L__tmp\d+:\s*$", ln.strip())]
     end = next((i for i, ln in enumerate(lines) if "Length of Unit" in ln or ".section\t.debug" in ln), len(lines))
     return lines[:end]
 
