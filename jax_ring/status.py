@@ -321,11 +321,13 @@ class _CudaSlots:
             self._src[slot].value = src
             rc = self.fast.cuLaunchKernel(self.kernel, 1, 1, 1, 64, 1, 1, 0, stream, self._params[slot], None)
             self._ok(rc, "cuLaunchKernel")
-        else:
+        elif self.mode == "pdl":
             self._src[slot].value = src
             fn, kernel, config, address, _ = self.pdl
             config.stream = stream
             self._ok(fn(address, kernel, self._params[slot], None), "cuLaunchKernelEx")
+        else:
+            raise ValueError(f"status copy mode {self.mode!r}: 'pdl' or 'kernel'")
         self._ok(self.fast.cuEventRecord(self.events[slot], stream), "cuEventRecord")
 
     def landed(self, slot: int) -> bool:
