@@ -197,8 +197,10 @@ def main(argv=None) -> int:
     if a.markdown:
         print(markdown(), end="")
     else:
-        for s in SETTINGS:
-            print(f"{s.name}={os.environ.get(s.name, '')!r:<12} default {s.default}: {s.meaning}")
+        width = max(len(s.name) for s in SETTINGS)
+        for s in SETTINGS:  # what this environment sets
+            value = os.environ.get(s.name)
+            print(f"{s.name:<{width}}  {'unset' if value is None else repr(value)}  (default: {s.default})")
     return 0
 
 
