@@ -2,7 +2,7 @@
 ahead of a device call.
 
 The GPU machine starts every call with a cold cache, and its stages compile one variant after another, each rank
-on its own: most of a stage's time (issue 15's W=4 checks were compile-bound). A variant is decided by the
+on its own: most of a stage's time (the W=4 checks were compile-bound). A variant is decided by the
 launch plan (ring_core.plans: constexprs, argument types, Triton's specialisation of the integer scalars), and the
 plan by the spec, the world size and the heap. So the variants of a script's tables can be listed from the
 tables themselves:
@@ -154,8 +154,8 @@ def command_records(cmd, nproc: int, tag: str) -> list:
     """The records of one command line of a GPU session stage (tools/gpu_session.py's STAGES) at ``nproc``
     ranks: tests/gpu/gpu_checks.py with its ``--sections`` and ``--mask-cases``, tests/gpu/gpu_faults.py with its
     ``--sections``, tests/gpu/gpu_soak.py with its defaults, benchmarks/attention.py's fused methods (``bench_records``)
-    and benchmarks/status_cost.py's (the same cases), benchmarks/gluon_fwd.py (issue 18's Gluon forward) and
-    gluon_bwd.py (issue 19's backward) with their ``--seq``,
+    and benchmarks/status_cost.py's (the same cases), benchmarks/gluon_fwd.py (the Gluon forward's loop) and
+    gluon_bwd.py (the Gluon backward's loop) with their ``--seq``,
     benchmarks/gluon_ring.py; none for other scripts (they compile at run time, as before). A command that names its
     own rank count (``--nproc-per-node``: LAUNCH1's one rank, bench-window-share's lone rank) is counted at that."""
     nproc = int(_option(cmd, "--nproc-per-node", nproc))
