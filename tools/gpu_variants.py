@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ring_core.runtime import build
-from ring_core.protocol import control
+from ring_core.protocol import control  # noqa: E402
 from ring_core import plans, validate  # noqa: E402
 
 CHECKS_SECTIONS = ("cases", "gluon", "jit", "grads", "bwd", "gluon-bwd", "gluon-bwd-masks", "masks", "soak", "big")

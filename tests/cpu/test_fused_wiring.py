@@ -22,8 +22,8 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from ring_core.runtime import heap as heap_mod  # noqa: E402
-from ring_core.protocol import control
-from ring_core.sim import interpret
+from ring_core.protocol import control  # noqa: E402
+from ring_core.sim import interpret  # noqa: E402
 from ring_core import plans, reference, testing  # noqa: E402
 
 TORCH_DTYPES = {}  # filled on first use (torch is imported lazily)

@@ -12,7 +12,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from ring_core.runtime import heap as heap_mod  # noqa: E402
-from ring_core.protocol import control
+from ring_core.protocol import control  # noqa: E402
 from ring_core import testing  # noqa: E402
 from ring_core.runtime.heap import FRONTEND_SLOTS, RingSlots  # noqa: E402
 

@@ -24,8 +24,8 @@ import pytest  # noqa: E402
 
 from ring_core.sim import simulate  # noqa: E402
 from ring_core.sim.simulate import SimulatedRing, simulate_job, simulate_ring_attention  # noqa: E402
-from ring_core.protocol import control
-from ring_core.sim import interpret
+from ring_core.protocol import control  # noqa: E402
+from ring_core.sim import interpret  # noqa: E402
 from ring_core import plans, reference, testing  # noqa: E402
 from ring_core import layout as L  # noqa: E402
 from ring_core.protocol.control import HeapTooSmallError, RingAttentionMismatch, RingAttentionTimeout  # noqa: E402

@@ -24,7 +24,7 @@ import pytest  # noqa: E402
 
 from ring_core.sim import simulate  # noqa: E402
 from ring_core.sim.simulate import SimulatedRing, simulate_job, simulate_ring_attention_grad  # noqa: E402
-from ring_core.protocol import control
+from ring_core.protocol import control  # noqa: E402
 from ring_core import plans, reference, testing, validate  # noqa: E402
 from ring_core.protocol.control import HeapTooSmallError, RingAttentionTimeout  # noqa: E402
 

@@ -28,10 +28,10 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from ring_core.sim import simulate  # noqa: E402
-from ring_core.sim.simulate import (SimulatedRing, simulate_ring_attention,
-                                    # noqa: E402                                 simulate_ring_attention_grad)
-from ring_core.protocol import control
+from ring_core.sim.simulate import (SimulatedRing, simulate_ring_attention,  # noqa: E402
+                                    simulate_ring_attention_grad)
 from ring_core import masks, plans, reference, testing, validate  # noqa: E402
+from ring_core.protocol import control  # noqa: E402
 from ring_core.protocol.control import HeapTooSmallError, RingAttentionMismatch  # noqa: E402
 
 TILE = 16  # the interpreter's BLOCK_M / BLOCK_N / chunk rows (ring_core.plans, interpret=True)

@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 import torch_bridge  # noqa: E402
 from ring_core.runtime import heap as heap_mod  # noqa: E402
-from ring_core.protocol import control
+from ring_core.protocol import control  # noqa: E402
 from ring_core import testing  # noqa: E402
 from test_fused_wiring import _CpuHeap, _check_now, cpu_heap, restore_torch_determinism  # noqa: E402,F401  (fixtures)
 from torch_bridge import fused as tfused  # noqa: E402
