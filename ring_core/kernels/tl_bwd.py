@@ -400,6 +400,30 @@ def _dkdv_out(B, S, sm_scale, timeout_ns, dk_ptr, dv_ptr, heap_bases, rank, ctl,
 
 
 @triton.jit
+def _wait_block_chunks(inputs_ok, flags, epoch, ctl, timeout_ns, n0, src, rank, d, b, hkv, B, S, n_chunks, my_last,
+                       W: tl.constexpr, HKV: tl.constexpr, KV_BLOCK_N: tl.constexpr, CHUNK_ROWS: tl.constexpr,
+                       CAUSAL: tl.constexpr, ZIGZAG: tl.constexpr, WINDOW: tl.constexpr, WIN_LEFT: tl.constexpr,
+                       WIN_RIGHT: tl.constexpr, INTERPRET: tl.constexpr):
+    """A partial task's wait for the chunks holding its K/V block's rows that some local query sees (pushed: the
+    pusher made the same test), from receive slot d-1; ``inputs_ok`` 0 if a wait gave up."""
+    slot = d - 1
+    c_end = (tl.minimum(n0 + KV_BLOCK_N, S) - 1) // CHUNK_ROWS + 1
+    for c in range(n0 // CHUNK_ROWS, c_end):
+        chunk_need = True
+        if WINDOW:
+            chunk_need = chunk_needed(c, src, rank, S, CHUNK_ROWS, W, ZIGZAG, CAUSAL, WIN_LEFT, WIN_RIGHT)
+        elif CAUSAL:
+            chunk_need = positions(c * CHUNK_ROWS, src, S, W, ZIGZAG) <= my_last
+        if chunk_need:
+            flag = flags + (slot * B * HKV + b * HKV + hkv) * n_chunks + c
+            ok = poll_ge(flag, epoch, ctl, timeout_ns, INTERPRET)
+            if ok == 0:
+                record_error(ctl, ERR_KV_TIMEOUT, src, d, c)
+                inputs_ok = inputs_ok * 0
+    return inputs_ok
+
+
+@triton.jit
 def _dkdv_task(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, seg_ptr, B, S, sm_scale, timeout_ns, dk_ptr, dv_ptr, delta_ptr,
                heap_bases, rank, ctl, flags, epoch, recv, seg_recv, part, n_chunks, n_units, rng, call_ok, n_push,
                n_kvb, n_dq, n_part, B64, my_last, qk_scale, offs_d, dmask, tid, W: tl.constexpr, H: tl.constexpr,
@@ -486,21 +510,9 @@ def _dkdv_task(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, seg_ptr, B, S, sm_scale, ti
         seg_k = seg_recv + ((slot * B + b).to(tl.int64) * HKV + hkv) * S
         row_stride = rank * 0 + D
         if block_needed:
-            # The chunks holding this block's rows that some local query sees (pushed: the pusher made the
-            # same test).
-            c_end = (tl.minimum(n0 + KV_BLOCK_N, S) - 1) // CHUNK_ROWS + 1
-            for c in range(n0 // CHUNK_ROWS, c_end):
-                chunk_need = True
-                if WINDOW:
-                    chunk_need = chunk_needed(c, src, rank, S, CHUNK_ROWS, W, ZIGZAG, CAUSAL, WIN_LEFT, WIN_RIGHT)
-                elif CAUSAL:
-                    chunk_need = positions(c * CHUNK_ROWS, src, S, W, ZIGZAG) <= my_last
-                if chunk_need:
-                    flag = flags + (slot * B * HKV + b * HKV + hkv) * n_chunks + c
-                    ok = poll_ge(flag, epoch, ctl, timeout_ns, INTERPRET)
-                    if ok == 0:
-                        record_error(ctl, ERR_KV_TIMEOUT, src, d, c)
-                        inputs_ok = inputs_ok * 0
+            inputs_ok = _wait_block_chunks(inputs_ok, flags, epoch, ctl, timeout_ns, n0, src, rank, d, b, hkv, B, S,
+                                           n_chunks, my_last, W, HKV, KV_BLOCK_N, CHUNK_ROWS, CAUSAL, ZIGZAG, WINDOW,
+                                           WIN_LEFT, WIN_RIGHT, INTERPRET)
     else:
         k_base = k_ptr + bkv
         v_base = v_ptr + bkv
