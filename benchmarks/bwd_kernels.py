@@ -2,8 +2,8 @@
 
 benchmarks/attention.py times forward+backward through autograd; this times the backward alone, through
 ``torch.autograd.grad`` on a saved forward (the way a training step runs it), with ``deterministic=False`` (the
-Gluon Hopper backward, ring_core.gluon_bwd), ``True`` (the same kernel in its own deterministic order, by its dQ
-writer) and ``True`` with RING_ATTENTION_GLUON_DETERMINISTIC=0 (the tl split, ring_core.kernel_bwd), and
+Gluon Hopper backward, ring_core.kernels.gluon_bwd), ``True`` (the same kernel in its own deterministic order, by its dQ
+writer) and ``True`` with RING_ATTENTION_GLUON_DETERMINISTIC=0 (the tl split, ring_core.kernels.tl_bwd), and
 reads every CUDA kernel's own duration from torch.profiler (CUPTI): the fused kernel's, and the small ones
 autograd and the launcher add (zeros for dlse, casts). benchmarks/gluon_bwd.py's probe (the same loop with delta and
 dQ's conversion done by torch) runs beside them for the A/B. bf16, B=1, H=32, D=128.
@@ -22,11 +22,12 @@ call's dK/dV tasks and their steps (``task_steps``), so that runs over several d
 import argparse
 import functools
 
-from ring_core import control, plans
+from ring_core.protocol import control
+from ring_core import plans
 
 
 def launch_records(seqs=(16384,), heads: int = 32, tag: str = "", doc_lens=None) -> list:
-    """The compile-log records of the fused launches ``main`` makes at world size 1 on an H200 (tests/gpu_variants.py:
+    """The compile-log records of the fused launches ``main`` makes at world size 1 on an H200 (tools/gpu_variants.py:
     the cache filled ahead): each forward, each backward (the Gluon kernel both ways, the tl split); then the
     probe's. With ``doc_lens`` (``--doc-lens``'s list): the causal forward and ``deterministic=False`` backward,
     with segment ids where an entry is not "none"."""

@@ -58,7 +58,7 @@ def _program(variant: str, n: int, reps: int):
     import jax.numpy as jnp
     import numpy as np
 
-    from ring_core import control
+    from ring_core.protocol import control
 
     def check(status, ctx=None):
         s = np.asarray(status)

@@ -9,7 +9,7 @@ processes): a trace of every ``triton.compile`` a process makes, and the cache k
   a miss with ``True`` means the entry was there and Triton would not take it, e.g. a group file naming
   files under another root) and the seconds it took.
 * ``python -m benchmarks.compile_trace --keys`` prints the cache key of every Triton function of ``ring_core``
-  and of iris's device functions, one per line, sorted, as ``ring_core.build.settle_cache_keys`` settles them:
+  and of iris's device functions, one per line, sorted, as ``ring_core.runtime.build.settle_cache_keys`` settles them:
   two processes' outputs (two machines', two runs') diffed show which function's key moves. (What moved them
   before the settling, 2026-12-04: Triton 3.6 hashed a caller without the globals of callees not yet hashed, so a
   key depended on which kernel a process hashed first.)
@@ -60,10 +60,10 @@ def install(folder: str) -> None:
 def function_keys(settle: bool = True) -> dict:
     """{module.name: cache key} of every Triton function in ring_core's kernel modules and the modules they
     import Triton functions from (iris's included), settled as every compile and launch of ours settles them
-    (``ring_core.build.settle_cache_keys``; ``settle=False``: as this process's order of asking gives them)."""
+    (``ring_core.runtime.build.settle_cache_keys``; ``settle=False``: as this process's order of asking gives them)."""
     from triton.runtime.jit import JITCallable
 
-    from ring_core import build
+    from ring_core.runtime import build
 
     if settle:
         build.settle_cache_keys()

@@ -1,7 +1,7 @@
 """A Gluon attention backward for Hopper, single GPU, no ring: FlashAttention-3's structure.
 
 Why: the backward is about 80 % of a forward+backward call now that the forward runs at cuDNN speed
-(docs/performance.md). The tl backward (ring_core/kernel_bwd.py) is FlashAttention-2's split: dK/dV
+(docs/performance.md). The tl backward (ring_core/kernels/tl_bwd.py) is FlashAttention-2's split: dK/dV
 tasks (four matmuls per block pair) and dQ tasks (three, two of them recomputed), seven where five would do, and
 capped near 0.67x cuDNN by that count. The five-matmul version in plain Triton lost: its
 dQ float atomics sat on the math warps. This probe measures FlashAttention-3's answer in Gluon 3.6 without the ring
@@ -9,7 +9,7 @@ protocol, as benchmarks/gluon_fwd.py does for the forward.
 
 * One program per (batch, kv head, 128 rows of K/V): dK and dV of those rows over every query block of the kv
   group's heads (causal: from the diagonal on; the heaviest K/V blocks first).
-* Its loop is the product's (ring_core.gluon_bwd: ``load_steps`` in the load warp, ``dkdv_steps`` in two consumer
+* Its loop is the product's (ring_core.kernels.gluon_bwd: ``load_steps`` in the load warp, ``dkdv_steps`` in two consumer
   warpgroups, ``bwd_slots`` for the shared memory): five matmuls per block pair, dQ added by TMA bulk reductions.
   What this probe leaves out is the ring's protocol and the kernel's own delta, zeroing and conversion tasks: delta
   = rowsum(dO * O) comes from torch here, and the float32 dQ accumulator is zeroed and converted by torch, all
@@ -40,15 +40,15 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from benchmarks.gluon_fwd import probe_args, timed_row, tma_desc
 from ring_core import plans
-from ring_core.gluon_bwd import (CONSUMER_REGS, CONSUMER_WARPS, LOAD_REGS, LOAD_WARPS, bwd_slots, dkdv_steps,
-                                 free_bwd_slots, load_steps)
-from ring_core.gluon_kernel import tma_load as _tma_load
+from ring_core.kernels.gluon_bwd import (CONSUMER_REGS, CONSUMER_WARPS, LOAD_REGS, LOAD_WARPS, bwd_slots, dkdv_steps,
+                                         free_bwd_slots, load_steps)
+from ring_core.kernels.gluon_parts import tma_load as _tma_load
 
 BLOCK_N = plans.GLUON_BWD_KV_ROWS  # K/V rows per program (two consumers of half each)
 BLOCK_M = plans.GLUON_BWD_Q_ROWS  # query rows per step of the loop
 # The configurations measured and dropped (dQ by float atomics from the consumers, no dQ at all, 3 slots) are in
 # git history; what is left is the
-# product's loop (ring_core.gluon_bwd: dQ by TMA reductions, 2 slots) without the protocol.
+# product's loop (ring_core.kernels.gluon_bwd: dQ by TMA reductions, 2 slots) without the protocol.
 CONFIG = "product-loop"
 # As the kernel reads them (a @gluon.jit function reads constexpr globals only).
 _BLOCK_N, _BLOCK_M = gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_M)
@@ -60,7 +60,7 @@ _REGS = gl.constexpr([LOAD_REGS, CONSUMER_REGS])
 def _probe_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, kv_smem, lse_smem, dl_smem, kv_bar,
                     q_ready, q_empty, lse_ptr, delta_ptr, b, hkv, n0, S, n_m, m_start, H: gl.constexpr,
                     G: gl.constexpr, D: gl.constexpr):
-    """The load warp: K and V once, then the product's steps (ring_core.gluon_bwd.load_steps)."""
+    """The load warp: K and V once, then the product's steps (ring_core.kernels.gluon_bwd.load_steps)."""
     mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
     _tma_load(k_desc, [b * S + n0, hkv * D], kv_bar, kv_smem.index(0))
     _tma_load(v_desc, [b * S + n0, hkv * D], kv_bar, kv_smem.index(1))
@@ -72,7 +72,7 @@ def _probe_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, kv_smem, l
 def _probe_consumer(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_bar, q_ready, q_empty,
                     ds_bar, dq_desc, dk_ptr, dv_ptr, b, hkv, n0, S, n_m, m_start, sm_scale, H: gl.constexpr,
                     HKV: gl.constexpr, D: gl.constexpr, HALF_INDEX: gl.constexpr, CAUSAL: gl.constexpr):
-    """One consumer: the product's steps (ring_core.gluon_bwd.dkdv_steps, at world size 1), then its rows of dK
+    """One consumer: the product's steps (ring_core.kernels.gluon_bwd.dkdv_steps, at world size 1), then its rows of dK
     (scaled) and dV."""
     dk, dv = dkdv_steps(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_bar, q_ready,
                         q_empty, ds_bar, dq_desc, b, hkv, n0, 0, 0, S, n_m, m_start, sm_scale, HALF_INDEX, 1, H,
@@ -169,7 +169,7 @@ def _constexprs(H: int, HKV: int, causal: bool) -> dict:
 
 def compile_for_sm90(dtype: str = "bfloat16", H: int = 32, HKV: int = 32, causal: bool = True):
     """Compile for sm_90 without a GPU; Triton's CompiledKernel (``asm``: TTGIR, PTX; ``metadata``)."""
-    from ring_core import build
+    from ring_core.runtime import build
 
     return build.compile_kernel(gluon_attn_bwd, _arg_types(dtype, 128), _constexprs(H, HKV, causal),
                                 num_warps=CONSUMER_WARPS, num_stages=3, capability=90)
@@ -183,8 +183,8 @@ FORWARD_CONFIG = (128, 3, True, True)  # benchmarks/gluon_fwd.py's (block_n, sta
 
 
 def launch_records(seqs=(16384, 32768)) -> list:
-    """The compile-log records of every launch ``main`` makes (tests/gpu_variants.py: the cache filled ahead)."""
-    from ring_core import build
+    """The compile-log records of every launch ``main`` makes (tools/gpu_variants.py: the cache filled ahead)."""
+    from ring_core.runtime import build
 
     from benchmarks import gluon_fwd
 

@@ -1,8 +1,8 @@
-"""ptxas's spills in the Gluon backward (ring_core.gluon_bwd) as compiled for sm_90 on the CPU, and where they sit:
+"""ptxas's spills in the Gluon backward (ring_core.kernels.gluon_bwd) as compiled for sm_90 on the CPU, and where they sit:
 the local loads and stores (LDL/STL) inside each loop of the SASS that holds warpgroup MMAs (the consumers' steps).
 bf16, B=1, H=32, D=128, seq_local 16384: world size 1 non-causal and causal contiguous, world size 2 causal zigzag;
 with ``--probe``, benchmarks/gluon_bwd.py's probe too. Needs the GPU machine's Triton (3.6) for its numbers to be
-the ones that run there; nvdisasm comes with Triton. Run from a tree's root (any tree with ring_core.gluon_bwd, e.g.
+the ones that run there; nvdisasm comes with Triton. Run from a tree's root (any tree with ring_core.kernels.gluon_bwd, e.g.
 a git worktree of an older commit):
 
     TRITON_CACHE_DIR=/tmp/tc PYTHONPATH=$PWD python benchmarks/gluon_bwd_spills.py [--probe] [--masks]
@@ -21,7 +21,9 @@ import tempfile
 
 from triton.backends.nvidia.compiler import get_ptxas
 
-from ring_core import build, control, plans, validate
+from ring_core.runtime import build
+from ring_core.protocol import control
+from ring_core import plans, validate
 
 
 def sass(ptx: str) -> tuple:
@@ -60,7 +62,7 @@ def mma_loops(text: str) -> list:
 def main() -> int:
     build._iris_device_only()
     heap = control.HeapLayout.for_workspace(8 << 30)
-    from ring_core import gluon_bwd
+    from ring_core.kernels import gluon_bwd
 
     det_ok = "DETERMINISTIC" in inspect.getsource(gluon_bwd)  # the deterministic order (trees from 2026-12-02 on)
     variants = [(W, causal, det, None, False) for W, causal, det in (

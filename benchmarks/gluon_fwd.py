@@ -18,7 +18,7 @@ the ring protocol: FlashAttention-3's shape, simplified.
   while P V is on the tensor cores), each releasing the K/V slots on its own (no barrier between them per block:
   one's softmax can run beside the other's MMAs, the scheduling FlashAttention-3's ping-pong enforces with named
   barriers); each writes its rows of O into its half of Q's buffer, and one TMA store follows the join. These
-  consumers are the product's (ring_core.gluon_kernel), run here at world size 1 with no error record.
+  consumers are the product's (ring_core.kernels.gluon_fwd), run here at world size 1 with no error record.
 * Epilogue: O / l through shared memory and a TMA store (Q's buffer, free by then); lse (natural log) by plain
   stores.
 
@@ -46,14 +46,15 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from ring_core import control
-from ring_core.gluon_kernel import _consumer as consumer  # the product's split consumer partition
-from ring_core.gluon_kernel import free_slots as _free_slots
-from ring_core.gluon_kernel import free_turns, turns
-from ring_core.gluon_kernel import online_softmax, release as _release, slots
-from ring_core.gluon_kernel import tma_load as _tma_load
-from ring_core.gluon_kernel import tma_store as _tma_store
-from ring_core.tiles import query_tile
+from ring_core.protocol import control
+from ring_core.kernels.gluon_fwd import _consumer as consumer  # the product's split consumer partition
+from ring_core.kernels.gluon_fwd import free_slots as _free_slots
+from ring_core.kernels.gluon_fwd import free_turns, turns
+from ring_core.kernels.gluon_fwd import online_softmax, slots
+from ring_core.kernels.gluon_parts import release as _release
+from ring_core.kernels.gluon_parts import tma_load as _tma_load
+from ring_core.kernels.gluon_parts import tma_store as _tma_store
+from ring_core.kernels.tiles import query_tile
 
 BLOCK_M = 128
 BLOCK_N = 128
@@ -62,7 +63,7 @@ STAGES = 2
 # (K/V block rows, slots, pipelined, split) of the probe: 128-row blocks in 2 slots (160 KiB of shared memory at
 # D128), each block's MMAs in turn, the baseline; and the split consumers ("x": two partitions of one warpgroup
 # each, on 64 query rows apiece, FlashAttention-3's overlap of S_j with P_{j-1} V, releasing the slots separately)
-# in 3 slots, which is the product's loop: its consumers are ring_core.gluon_kernel's own. The configurations
+# in 3 slots, which is the product's loop: its consumers are ring_core.kernels.gluon_fwd's own. The configurations
 # measured and dropped (64-row blocks; the overlap in one partition of two warpgroups, 2 and 3 slots;
 # the split in 2 slots; one H200, 2026-12-02) are in git history.
 CONFIGS = ((BLOCK_N, STAGES, False, False), (BLOCK_N, 3, True, True))
@@ -177,7 +178,7 @@ def _finish_rows(acc, l_i, m_i, o_smem, lse_rows):
 @gluon.jit
 def _tile(S, H, HKV, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
     """This program's tile: (batch, head, kv head, first query row, local K/V blocks every query sees whole, local
-    K/V blocks it visits). The tl kernels' order, from their own helper (ring_core.tiles.query_tile, scalar maths
+    K/V blocks it visits). The tl kernels' order, from their own helper (ring_core.kernels.tiles.query_tile, scalar maths
     that compiles in Gluon too): the heads of one kv group fastest, then the query tiles, so the programs side by
     side share one kv head's K and V (L2); causal, each head's heaviest tiles first. With (batch x head) fastest
     instead (3c8ce48: 32 heads' K/V at once), non-causal fell from 511/510 to 473/455 TFLOP/s at 16k/32k
@@ -195,7 +196,7 @@ def _tile(S, H, HKV, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.co
 
 @gluon.jit
 def _slots(q_desc, k_desc, v_desc, STAGES: gl.constexpr, RELEASERS: gl.constexpr):
-    """Shared memory and mbarriers for Q and ``STAGES`` K/V slots (ring_core.gluon_kernel.slots), in the
+    """Shared memory and mbarriers for Q and ``STAGES`` K/V slots (ring_core.kernels.gluon_fwd.slots), in the
     descriptors' blocks and layout."""
     layout: gl.constexpr = q_desc.layout  # as a constexpr: Triton 3.6 cannot pass a bare layout to a jit function
     return slots(q_desc.dtype, q_desc.block_type.shape[0], k_desc.block_type.shape[0], q_desc.block_type.shape[1],
@@ -311,7 +312,7 @@ def compile_for_sm90(dtype: str = "bfloat16", D: int = 128, causal: bool = True,
                      stages: int = STAGES, pipelined: bool = False, split: bool = False):
     """Compile the kernel for sm_90 without a GPU (CPU tensors only give the descriptors their types); returns
     Triton's CompiledKernel (its ``asm`` has the TTGIR and PTX)."""
-    from ring_core import build
+    from ring_core.runtime import build
 
     return build.compile_kernel(gluon_attn_fwd, _arg_types(dtype, D, block_n),
                                 _constexprs(causal, stages, pipelined, split), num_warps=consumer_warps(split),
@@ -326,11 +327,11 @@ DEFAULT_NUM_STAGES = 3  # Triton's default: what the JIT launch compiles with (t
 
 
 def launch_records(seqs=(16384, 32768), shapes=None, configs=CONFIGS) -> list:
-    """The compile-log records (ring_core.build.record) of every launch ``main`` makes: each check shape and each
-    timed length, through every configuration; for a cache filled ahead of the GPU run (tests/gpu_variants.py).
+    """The compile-log records (ring_core.runtime.build.record) of every launch ``main`` makes: each check shape and each
+    timed length, through every configuration; for a cache filled ahead of the GPU run (tools/gpu_variants.py).
     ``shapes`` / ``configs``: other (B, S, H, HKV, D, causal, dtype) and configurations (benchmarks/gluon_bwd.py's
     forwards)."""
-    from ring_core import build
+    from ring_core.runtime import build
 
     if shapes is None:
         shapes = CHECKS + [(1, s, TIMED_HEADS, TIMED_HEADS, 128, c, "bfloat16") for s in seqs for c in (False, True)]

@@ -1,10 +1,10 @@
-"""ptxas's registers and spills in the Gluon forward (ring_core.gluon_kernel) as ring_core.plans launches it on an
+"""ptxas's registers and spills in the Gluon forward (ring_core.kernels.gluon_fwd) as ring_core.plans launches it on an
 H200, compiled for sm_90 on the CPU, and where the spills sit: the local loads and stores (LDL/STL) inside each loop
 of the SASS that holds warpgroup MMAs (the consumers' steps); with the kernel's shared memory, and its global stores
 by width and shuffles (the rows of O: ``_store_rows``). bf16, B=1, H=32,
 seq_local 16384, head_dim 64, 128 and 256: world size 1 non-causal and causal contiguous, world size 2 causal zigzag
 with GQA 32/8. Needs the GPU machine's Triton (3.6) for its numbers to be the ones that run there; nvdisasm comes
-with Triton. Run from a tree's root (any tree with ring_core.gluon_kernel, e.g. a git worktree of an older commit):
+with Triton. Run from a tree's root (any tree with ring_core.kernels.gluon_fwd, e.g. a git worktree of an older commit):
 
     TRITON_CACHE_DIR=/tmp/tc PYTHONPATH=$PWD python benchmarks/gluon_fwd_spills.py [--dims 64,128,256] [--ptx DIR] \
         [--masks]
@@ -19,7 +19,9 @@ import os
 import re
 
 from benchmarks.gluon_bwd_spills import mma_loops, sass
-from ring_core import build, control, plans, validate
+from ring_core.runtime import build
+from ring_core.protocol import control
+from ring_core import plans, validate
 
 
 def cases(dims, masks=False):

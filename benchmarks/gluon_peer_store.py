@@ -33,9 +33,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
-from ring_core.gluon_kernel import cta_barrier as _cta_barrier
-from ring_core.gluon_kernel import tma_load as _tma_load
-from ring_core.gluon_kernel import tma_store as _tma_store
+from ring_core.kernels.gluon_parts import cta_barrier as _cta_barrier
+from ring_core.kernels.gluon_parts import tma_load as _tma_load
+from ring_core.kernels.gluon_parts import tma_store as _tma_store
 from benchmarks.gluon_ring import _acquire_flag
 
 ROWS, D = 128, 128
@@ -52,7 +52,7 @@ def _release_after_bulk_writes(flag_ptr, epoch):
     gl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n fence.proxy.async.global;\n mov.b32 $0, 0;", "=r", [],
                               dtype=gl.int32, is_pure=False, pack=1)
     # The thread that issued the stores waited for them; the release may be another thread's: the barrier orders
-    # it after (cumulativity through bar.sync, as ring_core.protocol.push_unit relies on).
+    # it after (cumulativity through bar.sync, as ring_core.protocol.steps.push_unit relies on).
     _cta_barrier()
     gl.atomic_xchg(flag_ptr, epoch, sem="release", scope="sys")
 
@@ -110,7 +110,7 @@ def compile_for_sm90():
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime.jit import mangle_type
 
-    from ring_core import build
+    from ring_core.runtime import build
 
     t = torch.zeros((TILES * ROWS, D), dtype=torch.bfloat16)
     desc = mangle_type(TensorDescriptor(t, [TILES * ROWS, D], [D, 1], [ROWS, D],
@@ -126,7 +126,7 @@ def main(argv=None) -> int:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     import torch_bridge
-    from ring_core import heap as _heap
+    from ring_core.runtime import heap as _heap
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None)

@@ -7,7 +7,7 @@ after its flag, which the pusher releases once the chunk's rows are stored. Here
 wait: before the TMA loads of a chunk's first block it spins, bounded, on the chunk's flag with acquire loads, then
 fences the generic proxy against the async one (the flag is acquired by ordinary loads, the chunk's bytes read by
 TMA, which is the async proxy: ``fence.proxy.async.global``, PTX ISA, "memory consistency model", proxies). The
-consumers, the product's own (ring_core.gluon_kernel), see one flat sequence of blocks in the product's order: the
+consumers, the product's own (ring_core.kernels.gluon_fwd), see one flat sequence of blocks in the product's order: the
 local K/V's (causal: the diagonal masked), then every peer step's (the tile is the last rank's of a contiguous ring,
 so every peer key is visible to every query).
 
@@ -21,7 +21,7 @@ What this probe answers, on one GPU (the flags and slots filled by the host, not
 
     python -m benchmarks.gluon_ring --out OUT_DIR/gluon_ring.csv
 
-Left out here (the product, ring_core.gluon_kernel, has them): the pushes, the call check, the end barrier and status words,
+Left out here (the product, ring_core.kernels.gluon_fwd, has them): the pushes, the call check, the end barrier and status words,
 NaN rows after a failed wait, zigzag positions and the masked steps of other ranks, D64/D256.
 """
 from __future__ import annotations
@@ -39,7 +39,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from benchmarks.gluon_fwd import (_LOAD_REGS, _LOAD_WARPS, _SPLIT_REGS, BLOCK_M, BLOCK_N, DEFAULT_NUM_STAGES,
                                   SPLIT_WARPS, _free_slots, _slots, _tile, _tma_load, _tma_store, consumer,
                                   descriptors, free_turns, turns)
-from ring_core import control
+from ring_core.protocol import control
 
 STAGES = 3  # n128s3x: the split consumers need the third slot
 CHUNK_BLOCKS = 4  # K/V blocks per flag (512 rows)
@@ -66,7 +66,7 @@ def _load_ring_partition(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem,
                          row_kv, col_q, col_kv, n_local, n_peer, n_blocks, n_step, r_row, slot_rows, v_rows, flag0,
                          flags_per_step, epoch, max_polls, err_ptr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                          CHUNK_BLOCKS: gl.constexpr):
-    """The producer: Q once; then in the product's order (ring_core.gluon_kernel) flat block j: local block j
+    """The producer: Q once; then in the product's order (ring_core.kernels.gluon_fwd) flat block j: local block j
     (j < n_local), then peer block j - n_local (``n_step`` per ring step, from the receive slots through ``r_desc``,
     a chunk's blocks after its flag)."""
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
@@ -207,16 +207,16 @@ def _arg_types(dtype: str, D: int) -> list:
 
 def compile_for_sm90(dtype: str = "bfloat16", D: int = 128, W: int = 2, causal: bool = True):
     """Compile the kernel for sm_90 without a GPU; returns Triton's CompiledKernel (``asm``: TTGIR, PTX)."""
-    from ring_core import build
+    from ring_core.runtime import build
 
     return build.compile_kernel(gluon_ring_fwd, _arg_types(dtype, D), _constexprs(W, causal), num_warps=SPLIT_WARPS,
                                 num_stages=DEFAULT_NUM_STAGES, capability=90)
 
 
 def launch_records() -> list:
-    """The compile-log records (ring_core.build.record) of every launch ``main`` makes (each check, each timed
-    world size), for a cache filled ahead of the GPU run (tests/gpu_variants.py)."""
-    from ring_core import build
+    """The compile-log records (ring_core.runtime.build.record) of every launch ``main`` makes (each check, each timed
+    world size), for a cache filled ahead of the GPU run (tools/gpu_variants.py)."""
+    from ring_core.runtime import build
 
     shapes = [(B, S, H, HKV, D, W, causal, dt, TIMEOUT_POLLS if mode == "timeout" else 1 << 30)
               for B, S, H, HKV, D, W, causal, dt, mode in CHECKS]

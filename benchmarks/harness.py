@@ -66,10 +66,10 @@ rank where the mask bounds each rank's reach: run the same command with one proc
 ring steps any rank's fused kernel ran in the last timed call (read from the flags the kernel left:
 ``ring_core.plans.LaunchPlan.ring_steps_run``); ``ring_steps_needed``: the most ring steps holding a pair the
 mask allows, for any rank (``allowed_pairs``; segment ids can make it smaller than ``ring_steps``: the kernel
-still waits for every chunk positions allow, ring_core/protocol.py).
+still waits for every chunk positions allow, ring_core/protocol/steps.py).
 
 Several ranks may share one GPU (``python -m jax_ring.launch --nproc-per-node 4 ...`` on one GPU, see
-``ring_core.gpus``): the real protocol then runs, but each rank has only its share of the SMs. Such rows
+``ring_core.runtime.gpus``): the real protocol then runs, but each rank has only its share of the SMs. Such rows
 say so in ``ranks_per_gpu`` and in ``note`` (they measure the protocol's overhead, not multi-GPU speed),
 and their ``scaling_eff`` compares the GPU's whole rate (ranks_per_gpu x the per-rank rate) with one
 rank's rate on the global problem: 1.0 means the ring costs nothing on one GPU.
@@ -93,7 +93,7 @@ import traceback
 
 import numpy as np
 
-from ring_core import gpus
+from ring_core.runtime import gpus
 
 AXIS = "sp"
 DIFF_WARN = 0.05  # |out - anchor| above this is flagged (bf16/fp16 outputs of random-normal inputs are O(0.1))
@@ -359,7 +359,8 @@ def tflops(flops: float, ms: float) -> float:
 def heap_bytes_needed(cases, world: int) -> int:
     """A heap size that fits the fused kernel's receive slots for every case, the backward's (K/V and the
     float32 partial dK/dV) in fwd+bwd cases (at least the 4 GiB default)."""
-    from ring_core import heap, plans
+    from ring_core.runtime import heap
+    from ring_core import plans
     from ring_core.validate import AttentionSpec
 
     def need(c):
@@ -529,7 +530,7 @@ class Env:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.cuda = not self.smoke
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
-        # Ranks sharing a GPU (ring_core.gpus): their rows measure the protocol, not multi-GPU speed.
+        # Ranks sharing a GPU (ring_core.runtime.gpus): their rows measure the protocol, not multi-GPU speed.
         self.ranks_per_gpu = gpus.placement_from_env(torch.cuda.device_count()).ranks_per_gpu if self.cuda else 1
         self.jax = None
         self.mesh = None

@@ -315,7 +315,8 @@ def fused_ring_steps(env, case, frontend: str) -> int:
     ("torch" or "jax", whose ring is every process in rank order): read from the flags the kernel left on the
     heap, with the plan of that call's kernel (the backward's in fwd+bwd: the last call there;
     ``ring_core.plans.LaunchPlan.ring_steps_run`` says why the flags show the steps the kernel ran)."""
-    from ring_core import heap, validate
+    from ring_core.runtime import heap
+    from ring_core import validate
 
     b, s = case.batch, case.seq_local
     q, kv = (b, s, case.heads, case.head_dim), (b, s, case.kv_heads, case.head_dim)
@@ -384,7 +385,7 @@ def build_jax_fused_deferred(env, args, case, data, stack, **_):
 
 def build_jax_fused_call(env, args, case, data, stack, **_):
     """``jax_fused`` traced (here) with RING_ATTENTION_ERRORS=call: a host callback after every call."""
-    from ring_core.control import ERRORS_ENV
+    from ring_core.protocol.control import ERRORS_ENV
 
     old = os.environ.get(ERRORS_ENV)
     os.environ[ERRORS_ENV] = "call"

@@ -17,10 +17,16 @@ import subprocess
 import sys
 import tempfile
 
-# (imports by itself, not with ring_core.build.import_kernel_module: the other tree's build may predate it)
+# (imports by itself, not with ring_core.runtime.build.import_kernel_module: the other tree's build may predate it)
 _DUMP = r"""
 import importlib, json, re, sys
-from ring_core import build
+try:
+    from ring_core.runtime import build
+except ModuleNotFoundError:  # a tree from before ring_core's subpackages
+    from ring_core import build
+MOVED = {"ring_core.kernel": "ring_core.kernels.tl_fwd", "ring_core.kernel_bwd": "ring_core.kernels.tl_bwd",
+         "ring_core.gluon_kernel": "ring_core.kernels.gluon_fwd", "ring_core.gluon_bwd": "ring_core.kernels.gluon_bwd"}
+MOVED.update({v: k for k, v in MOVED.items()})
 try:
     import torch  # noqa: F401
 except ModuleNotFoundError:
@@ -29,7 +35,12 @@ out = {}
 for line in open(sys.argv[1]):
     r = json.loads(line)
     mod, name = r["kernel"].split(":")
-    k = getattr(importlib.import_module(mod), name)
+    try:
+        k = getattr(importlib.import_module(mod), name)
+    except ModuleNotFoundError as e:  # the records may name the kernel by the other tree's module
+        if e.name != mod or mod not in MOVED:
+            raise
+        k = getattr(importlib.import_module(MOVED[mod]), name)
     ck = build._compile(k, (r["types"], {}, set(r["divisible"])), r["constexprs"], r["num_warps"], r["num_stages"],
                         r["capability"])
     c = r["constexprs"]
@@ -40,8 +51,11 @@ json.dump(out, open(sys.argv[2], "w"))
 
 
 def code(ptx: str) -> list:
-    """The PTX's lines before its DWARF section, without .loc / .file lines."""
-    lines = [ln for ln in ptx.splitlines() if not re.match(r"\s*\.(loc|file)\b", ln)]
+    """The PTX's lines before its DWARF section, without .loc / .file lines and without the ``$L__tmpN:`` labels that
+    only the DWARF section refers to (they mark inlined functions' scopes: moving code into a function of its own
+    adds some, the instructions staying the same)."""
+    lines = [ln for ln in ptx.splitlines()
+             if not re.match(r"\s*\.(loc|file)\b", ln) and not re.match(r"\$L__tmp\d+:\s*$", ln.strip())]
     end = next((i for i, ln in enumerate(lines) if "Length of Unit" in ln or ".section\t.debug" in ln), len(lines))
     return lines[:end]
 
@@ -56,7 +70,7 @@ def dump(tree: str, records: str, out: str) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.ptx_same", description=__doc__.split("\n")[0])
     ap.add_argument("--other", required=True, help="the other tree's folder (holding its ring_core)")
-    ap.add_argument("--records", required=True, help="compile-log records (JSON lines: ring_core.build's)")
+    ap.add_argument("--records", required=True, help="compile-log records (JSON lines: ring_core.runtime.build's)")
     a = ap.parse_args(argv)
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with tempfile.TemporaryDirectory() as tmp:

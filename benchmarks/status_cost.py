@@ -109,7 +109,7 @@ def _probe(mode):
 
 def _trace_context(mode):
     from jax_ring import status
-    from ring_core import control
+    from ring_core.protocol import control
 
     if mode == "none":
         return status.left_out()
@@ -125,7 +125,7 @@ def build(mode, mesh, pass_, causal, q, k, v, do):
 
     def attn(a, b, c):
         # Causal in the zigzag layout, as benchmarks/attention.py runs it (at world size 1 the same token order):
-        # the same kernel variants, which tests/gpu_variants.py lists from that script's cases.
+        # the same kernel variants, which tools/gpu_variants.py lists from that script's cases.
         return jax_ring.ring_attention_sharded(a, b, c, mesh=mesh, axis_name="sp", backend="fused", is_causal=causal,
                                                layout="zigzag" if causal else "contiguous")
 
@@ -148,7 +148,7 @@ TORCH_PROBES = ("deferred-nocopy",)
 
 def _torch_mode(mode):
     """What ``mode`` changes in torch's tracking while a round runs (torch reads the error mode at each call)."""
-    from ring_core import control
+    from ring_core.protocol import control
     from torch_bridge import lifecycle
 
     if mode == "none":

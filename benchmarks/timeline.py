@@ -2,7 +2,7 @@
 masked path cost 3-5 % over dense with the dense kernel's blocks, one H200, 2026-12-03; docs/performance.md).
 
 The kernel is built with its timeline on (``RING_ATTENTION_GLUON_TIMELINE=1``, set here before ring_core is
-imported; ring_core.gluon_kernel): each partition writes the SM's ``%clock64`` at its events of each of its program's
+imported; ring_core.kernels.gluon_fwd): each partition writes the SM's ``%clock64`` at its events of each of its program's
 tiles (consumers: Q landed, blocks done, rows stored, and consumer 0's error record back and rows issued; the load
 warp: tile known, loads issued; the planner: plan started, published) into the receive region, which no ring step
 uses at world size 1. After each timed run the words of its last call are read back and summed up in SM cycles:
@@ -47,7 +47,7 @@ import numpy as np
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-TIMELINE_ENV = "RING_ATTENTION_GLUON_TIMELINE"  # ring_core.gluon_kernel.TIMELINE_ENV (checked after the import)
+TIMELINE_ENV = "RING_ATTENTION_GLUON_TIMELINE"  # ring_core.kernels.gluon_fwd.TIMELINE_ENV (checked after the import)
 
 # name -> the harness Case's mask keywords
 CASES = {
@@ -61,14 +61,14 @@ CASES = {
 def summarize(words: np.ndarray, ev: dict, capacity: int | None = None) -> dict:
     """One call's timeline words [programs, tiles, events] (-1 where never written) -> the module docstring's
     figures (cycles), and the per-tile arrays for the figure. ``capacity``: the tiles the kernel had room for
-    (default: the words' second axis; the saved words, cut to the tiles run, give ring_core.gluon_kernel's
+    (default: the words' second axis; the saved words, cut to the tiles run, give ring_core.kernels.gluon_fwd's
     TIMELINE_TILES here)."""
     tiles = words[:, :, ev["tile"]]
     n_per = (tiles >= 0).sum(axis=1)
     cap = words.shape[1] if capacity is None else capacity
     if (n_per >= cap).any():
         raise RuntimeError(f"a program ran {n_per.max()} tiles, more than the timeline's {cap}: raise "
-                           "ring_core.gluon_kernel.TIMELINE_TILES")
+                           "ring_core.kernels.gluon_fwd.TIMELINE_TILES")
     ran = n_per > 0
     per = [words[p, :n] for p, n in enumerate(n_per) if n]  # each program's tiles' words
     comp, blocks, gaps, epis = [], [], [], []
@@ -121,11 +121,11 @@ def run(args) -> int:
 
     import torch_bridge
     from benchmarks import harness
-    from ring_core import gluon_kernel as gk
-    from ring_core import heap as heap_mod
+    from ring_core.kernels import gluon_fwd as gk
+    from ring_core.runtime import heap as heap_mod
 
     if gk.TIMELINE_ENV != TIMELINE_ENV or not gk._TIMELINE.value:
-        raise RuntimeError("ring_core.gluon_kernel was imported without its timeline")
+        raise RuntimeError("ring_core.kernels.gluon_fwd was imported without its timeline")
     torch_bridge.initialize()
     if torch.distributed.get_world_size() != 1:
         raise SystemExit("the timeline is for world size 1")

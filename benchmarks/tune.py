@@ -4,11 +4,11 @@
     python -m jax_ring.launch --nproc-per-node 2 -m benchmarks.tune --kernel bwd --csv benchmarks/results/y.csv
 
 For every candidate config (KernelConfig, or BwdKernelConfig for the backward; all fit Hopper's shared
-memory, tests/test_kernel_ir.py) and every case it checks the result and times the call: median and 20/80 %
+memory, tests/cpu/test_kernel_ir.py) and every case it checks the result and times the call: median and 20/80 %
 quantiles of the slowest rank's CUDA-event time, TFLOP/s per GPU (causal counts half; the backward alone
 counts 2.5 forwards). The forward is checked against the torch reference ring (at seq_local <=
 --check-max-seq), the backward's dq/dk/dv against those of the backward's default config (the default itself
-is checked against float64 by tests/gpu_checks.py). The winners become the tables in
+is checked against float64 by tests/gpu/gpu_checks.py). The winners become the tables in
 ring_core.plans.KernelConfig.get_default and BwdKernelConfig.get_default (the choice is cached there, never
 autotuned per call). torch SDPA with the cuDNN backend on the same per-GPU work (non-causal: S_local queries
 against S_global keys; forward, or backward alone) is printed beside them as the limit.
@@ -38,7 +38,7 @@ CANDIDATES = {
 BWD_CANDIDATES = {
     64: [(64, 64, 64, 64, 2, 64, 4, 3), (128, 32, 128, 32, 1, 64, 4, 3), (128, 64, 128, 64, 1, 64, 8, 2),
          (64, 32, 128, 32, 1, 64, 4, 3), (128, 32, 64, 64, 2, 64, 4, 3)],
-    # Since the wgmma fix of 2026-11-30 (no C7515; tests/test_kernel_ir.py): eight-warp configs whose sm_90
+    # Since the wgmma fix of 2026-11-30 (no C7515; tests/cpu/test_kernel_ir.py): eight-warp configs whose sm_90
     # compile spills least (ptxas -v: 48-900 bytes; four warps spill 2-4 KiB). The second won and is the default.
     128: [(128, 64, 128, 64, 1, 32, 8, 2), (128, 64, 128, 64, 1, 32, 8, 3), (128, 64, 128, 32, 1, 32, 8, 2),
           (128, 64, 128, 32, 1, 32, 8, 3), (128, 32, 128, 32, 1, 32, 8, 3), (128, 64, 64, 64, 2, 32, 8, 2),

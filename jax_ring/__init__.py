@@ -14,7 +14,7 @@ from jax_ring.api import (from_layout, ring_attention, ring_attention_sharded, s
 from jax_ring.nn import dot_product_attention
 from jax_ring import flax  # noqa: E402  (imports flax only where a model uses it)
 from jax_ring.lifecycle import check_errors, initialize, is_initialized, node_size, reset, shutdown
-from ring_core.simulate import simulate_ring_attention, simulate_ring_attention_grad
+from ring_core.sim.simulate import simulate_ring_attention, simulate_ring_attention_grad
 
 __all__ = [
     "check_errors",

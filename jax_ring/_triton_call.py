@@ -1,12 +1,13 @@
 """The fused kernels as XLA custom calls: our own lowering onto jaxlib's Triton custom call
-(``triton_kernel_call``, the one jax-triton uses), launching exactly the kernel that ``ring_core.build`` compiled.
+(``triton_kernel_call``, the one jax-triton uses), launching exactly the kernel that ``ring_core.runtime.build``
+compiled.
 
 Why not jax-triton's ``triton_call`` (0.3.1): it compiles outside Triton's cache (every process compiles every
 kernel again, each time it starts) and launches ``num_warps`` as asked, not the compiled kernel's total (a
 warp-specialised kernel has more) and with no global scratch (device-side TMA descriptors need it). Here:
 
 * the kernel is compiled when the call is traced, through ``triton.compile`` and its on-disk cache
-  (ring_core.build), for this process's GPU; the result (``Binary``) is a static parameter of the primitive;
+  (ring_core.runtime.build), for this process's GPU; the result (``Binary``) is a static parameter of the primitive;
 * the launch has the binary's total warps and shared memory; when the binary needs global scratch, the call
   gets one more output, a byte buffer of ``Binary.scratch_bytes(grid)``, passed as the argument after the
   kernel's own, where the compiled kernel takes its scratch pointer (jaxlib appends two null pointers for the
@@ -28,7 +29,7 @@ import numpy as np
 import jax
 from jax.interpreters import mlir
 
-from ring_core import build
+from ring_core.runtime import build
 
 try:
     from jax.extend.core import Primitive
@@ -141,7 +142,7 @@ def triton_call(*args, kernel, out_shape, grid, name: str, num_warps: int, num_s
     values = [None if slot == "a" else scalars[slot][0] for slot in layout]
     binary = build.binary(kernel, types, constexprs, num_warps=num_warps, num_stages=num_stages,
                           capability=capability(), values=values)
-    # Scalars equal to 1 were compiled in (Triton's JIT specialisation, ring_core.build): not passed.
+    # Scalars equal to 1 were compiled in (Triton's JIT specialisation, ring_core.runtime.build): not passed.
     names = build.runtime_arg_names(kernel)
     layout = tuple(None if names[i] in binary.folded else slot for i, slot in enumerate(layout))
     outs = ring_kernel_call_p.bind(

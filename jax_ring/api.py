@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from ring_core import heap as _heap
+from ring_core.runtime import heap as _heap
 from ring_core import nodes as core_nodes
 from ring_core import plans
 from ring_core.layout import inverse_permutation, layout_permutation
@@ -78,7 +78,7 @@ _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
 def _forget_compiled_programs():
-    """Release hook (ring_core.heap.on_release): a program traced with the fused backend baked the heap's
+    """Release hook (ring_core.runtime.heap.on_release): a program traced with the fused backend baked the heap's
     addresses into its constants (the context table), so after shutdown() running it again would write into
     released memory. Clearing JAX's caches makes the next call trace again, which raises without a heap and
     otherwise takes the new heap's addresses."""
@@ -150,10 +150,10 @@ def ring_attention(q, k, v, *, axis_name, is_causal=False, scale=None, layout="c
         default check_vma; not under jax.vmap) or ``"xla"`` (the pure-JAX reference ring: K/V go round with
         ``lax.ppermute``, float32 maths).
       timeout_s: bound in seconds on every wait inside the fused kernel (default: RING_ATTENTION_TIMEOUT_S
-        when traced, else 300); an expired wait raises ``ring_core.control.RingAttentionTimeout`` naming the
+        when traced, else 300); an expired wait raises ``ring_core.protocol.control.RingAttentionTimeout`` naming the
         missing rank and ring step. Baked into the compiled program. The xla ring has no waits of its own.
         Ranks whose fused calls differ (shapes, dtype, flags, layout, scale) raise
-        ``ring_core.control.RingAttentionMismatch`` naming both calls (found before any data moves).
+        ``ring_core.protocol.control.RingAttentionMismatch`` naming both calls (found before any data moves).
         By default (RING_ATTENTION_ERRORS=deferred, read when tracing) the failed call does not raise
         itself, and there is no host sync per call: a later fused call on this process reports it (its program
         fails with a ``jax.errors.JaxRuntimeError`` whose message starts with the exception's name) and
@@ -169,14 +169,15 @@ def ring_attention(q, k, v, *, axis_name, is_causal=False, scale=None, layout="c
         attends keys j with ``i - left <= j <= i + right``; -1 unbounded on that side; None: no window. With
         ``is_causal``, keys after the query stay masked. Every backend takes both masks; the fused kernels
         skip the work they hide (K/V rows outside the window are not sent, waited for, loaded or computed;
-        those of other segments not loaded or computed: ring_core/protocol.py).
+        those of other segments not loaded or computed: ring_core/protocol/steps.py).
       deterministic: as in flash-attn. False (the default): the fastest fused backward, which may accumulate
         dQ in a nondeterministic order where a kernel does. True: the fused backend's gradients bit-identical
         from run to run and between JAX and torch (the same inputs on the same GPUs). Also turned on by
         ``XLA_FLAGS=--xla_gpu_deterministic_ops=true`` (or ``--xla_gpu_exclude_nondeterministic_ops=true``),
         read when the call is traced. With False, on Hopper for fp16/bf16, head_dim 128 (windows and segment
-        ids included: ring_core.plans.gluon_bwd_applies), the fused backward is the Gluon kernel whose dQ sums come in no
-        fixed order (ring_core/gluon_bwd.py); elsewhere, and with True, it is the deterministic tl kernel.
+        ids included: ring_core.plans.gluon_bwd_applies), the fused backward is the Gluon kernel whose dQ sums come in
+        no
+        fixed order (ring_core/kernels/gluon_bwd.py); elsewhere, and with True, it is the deterministic tl kernel.
         The ``"xla"`` backend ignores it: it runs XLA's own ops, which XLA_FLAGS governs.
 
     Returns:

@@ -1,5 +1,6 @@
-"""backend='fused' for JAX, the raw ops: the shared kernels (ring_core.kernel, ring_core.kernel_bwd) as XLA
-custom calls (``forward``, ``backward``; jax_ring._triton_call: compiled by ring_core.build, launched by jaxlib's
+"""backend='fused' for JAX, the raw ops: the shared kernels (ring_core.kernels.tl_fwd, ring_core.kernels.tl_bwd) as XLA
+custom calls (``forward``, ``backward``; jax_ring._triton_call: compiled by ring_core.runtime.build, launched by
+jaxlib's
 Triton custom call); the autograd layer that calls them is in jax_ring.api. The twin of torch_bridge.fused.
 
 Per-rank values (this rank's position in its ring, the heap bases of the ring's members as mapped in its
@@ -9,7 +10,7 @@ same table, one row per device of the mesh, and each device picks its own row wi
 (``lax.axis_index`` of every mesh axis). The table is built where the concrete mesh is known, when the
 program is lowered (``ring_ctx_p``): a ring is the devices along ``axis_name`` at one position of the other
 mesh axes (a ``("dp", "sp")`` mesh has one ring per dp index), each device in its own process; every ring
-gets a slot of the heap (ring_core.heap.RingSlots), assigned alike in every process.
+gets a slot of the heap (ring_core.runtime.heap.RingSlots), assigned alike in every process.
 
 Under shard_map's default check_vma, the kernels' outputs are typed like values computed from their inputs
 (varying along the inputs' axes and the ring's axis): the custom call types them as the same on every device.
@@ -28,8 +29,9 @@ from jax.interpreters import mlir
 
 from jax_ring import _platform
 from jax_ring import status as _status
-from ring_core import heap as _heap
-from ring_core import control, validate
+from ring_core.runtime import heap as _heap
+from ring_core.protocol import control
+from ring_core import validate
 
 try:
     from jax.extend.core import Primitive
@@ -64,12 +66,12 @@ def _raise_status(words, ring_size: int, timeout_s):
 
 
 def errors_mode() -> str:
-    """How a fused call traced now reports a failure (ring_core.control.errors_mode; JAX's default "deferred"):
+    """How a fused call traced now reports a failure (ring_core.protocol.control.errors_mode; JAX's default "deferred"):
     "deferred": its status is checked by jax_ring.status (copied to the host without a sync, raised by a later
     fused call on this process or by ``jax_ring.check_errors()``), and the kernel also keeps it on the heap;
     "call": jax_ring.status waits for the call's own status and fails the call's program with it (a host sync
     per call)."""
-    return control.errors_mode("deferred", legacy_env="RING_ATTENTION_JAX_ERRORS")
+    return control.errors_mode()
 
 
 # ---------------------------------------------------------------------------- the ring's context row
@@ -137,6 +139,9 @@ def local_ring(ctx, axis_name, ring_size: int):
         raise ValueError(f"the fused backend needs exactly one device of this process in the mesh, found {len(mine)}")
     row = table[mine[0]].view(np.int64)
     return int(row[ring_size]), row[ring_size + 4:2 * ring_size + 4].copy(), table
+
+
+_status.ring_of = lambda ctx, axis_name, ring_size: local_ring(ctx, axis_name, ring_size)
 
 
 def _ring_ctx_lowering(ctx, pos, *, axis_name, ring_size):
@@ -224,11 +229,10 @@ def _check_of(mode: str):
     program's runtime token, not its outputs, so the call does not raise by itself on a GPU (only
     ``jax.effects_barrier()`` raises it), and JAX keeps that failed token (its ``RuntimeTokenSet.block_until_ready``
     raises before it clears): every later ``effects_barrier()`` raised the same failure again until another program
-    with host callbacks ran (seen on an H200, jax 0.11.2: tests/gpu_faults.py's mismatch section). The status
+    with host callbacks ran (seen on an H200, jax 0.11.2: tests/gpu/gpu_faults.py's mismatch section). The status
     handler's error fails the program's outputs, like any XLA error, and leaves no token behind."""
     if mode == "deferred" and _status.is_left_out():
         return None
-    _status.copy_mode()  # a wrong RING_ATTENTION_STATUS_COPY raises now, not in XLA's call of the handler
     err = _status.register(jax.default_backend())
     if err is not None:
         warnings.warn(f"jax_ring: RING_ATTENTION_ERRORS={mode} needs the status check's XLA handler, which could not "
@@ -249,7 +253,8 @@ def forward(q, k, v, spec, axis_name, world_size: int, timeout_s: float | None =
 
 def backward(q, k, v, out, lse, dout, dlse, spec, axis_name, world_size: int, timeout_s: float | None = None,
              segment_ids=None, deterministic: bool = False):
-    """Run the fused backward kernel (ring_core.kernel_bwd, or ring_core.gluon_bwd) on this rank's shards inside
+    """Run the fused backward kernel (ring_core.kernels.tl_bwd, or ring_core.kernels.gluon_bwd) on this rank's shards
+    inside
     shard_map, from the forward's ``out`` and ``lse`` and the cotangents ``dout`` and ``dlse``; returns (dq, dk, dv),
     typed as q, k and v. Same context row, launch maths (ring_core.plans.plan_bwd) and argument list as the torch
     launcher (torch_bridge.fused.backward). ``segment_ids`` as in ``forward`` (no gradient: ids are ints).

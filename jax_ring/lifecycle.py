@@ -6,7 +6,7 @@ Errors found by the kernel (a bounded wait that expired, ranks that disagree) co
 per launch. Checking it from the call would cost a host round trip per call, so by default
 (RING_ATTENTION_ERRORS=deferred) jax_ring.status copies it to pinned memory asynchronously and a later fused
 call on this process raises it, as do ``check_errors()`` (which waits) and ``shutdown()``;
-RING_ATTENTION_ERRORS=call raises it from the call itself (ring_core.control.errors_mode).
+RING_ATTENTION_ERRORS=call raises it from the call itself (ring_core.protocol.control.errors_mode).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from __future__ import annotations
 import os
 
 from jax_ring import status as _status
-from ring_core import control
-from ring_core import heap as _heap
 from ring_core import topology
+from ring_core.protocol import control
+from ring_core.runtime import heap as _heap
 
 
 def initialize(heap_size: int | None = None, node_size: int | None = None):
@@ -25,7 +25,7 @@ def initialize(heap_size: int | None = None, node_size: int | None = None):
     In a job of one process per rank (``python -m jax_ring.launch --nproc-per-node N script.py`` or
     torchrun), this initialises torch.distributed (iris exchanges heap handles through it) and
     ``jax.distributed`` (one local device: this process's GPU, ``LOCAL_RANK % visible GPUs``; ranks may
-    share a GPU, see ``ring_core.gpus``), each only if not done yet, then creates the
+    share a GPU, see ``ring_core.runtime.gpus``), each only if not done yet, then creates the
     iris symmetric heap of ``heap_size`` bytes (default 4 GiB or RING_ATTENTION_HEAP_BYTES). Call it before
     JAX touches the GPU, so that XLA does not preallocate the memory the heap needs.
 
@@ -132,7 +132,7 @@ def reset():
 
 def check_errors():
     """Raise the first failure of a fused call on this rank since the last ``check_errors()`` or ``reset()``
-    (ring_core.control.RingAttentionTimeout / RingAttentionMismatch, naming global ranks); waits for this GPU's
+    (ring_core.protocol.control.RingAttentionTimeout / RingAttentionMismatch, naming global ranks); waits for this GPU's
     calls first. Local: call it on every rank, e.g. once per training step.
 
     With RING_ATTENTION_ERRORS=deferred (the default) a failed call does not raise by itself: a later fused call

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_ring import _platform, fused
-from ring_core import heap as _heap
+from ring_core.runtime import heap as _heap
 from ring_core import nodes
 
 

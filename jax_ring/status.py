@@ -1,7 +1,7 @@
 """The fused calls' status checked without stalling the stream: JAX's default error mode, "deferred" (the twin of
-torch_bridge.lifecycle's pinned copies; ring_core.control.errors_mode).
+torch_bridge.lifecycle's pinned copies; ring_core.protocol.control.errors_mode).
 
-Every fused launch writes its status words (ring_core.control.check_status) to a small device array. After the
+Every fused launch writes its status words (ring_core.protocol.control.check_status) to a small device array. After the
 launch, one more custom call, ``ring_attention_status`` (XLA's typed FFI, its handler written here in Python
 through ctypes: no compiled extension), runs on the host when XLA *enqueues* it, not when the GPU reaches it:
 
@@ -12,16 +12,16 @@ through ctypes: no compiled extension), runs on the host when XLA *enqueues* it,
 2. it enqueues a copy of this call's status into the next free slot, and an event, on XLA's stream: a one-warp
    kernel storing the words into the slots, pinned host memory mapped into the GPU's address space; on Hopper and
    later launched as a programmatic dependent launch (PDL: scheduled as the fused kernel ends, it waits on the GPU
-   for that kernel's completion and memory), elsewhere as a plain launch after it
-   (``RING_ATTENTION_STATUS_COPY``: ``pdl``, the default, ``kernel``, or ``dma`` for cuMemcpyDtoHAsync).
+   for that kernel's completion and memory), elsewhere as a plain launch after it.
 
 So a call's failure is raised by a later fused call on this process, or by ``jax_ring.check_errors()`` /
 ``shutdown()``, which wait for the copies and raise it as its own type (RingAttentionTimeout /
-RingAttentionMismatch). Per call: the handler's host time (~45-50 us of Python on the GPU machine of session 23)
+RingAttentionMismatch). Per call: the handler's host time (~45-50 us of Python on the GPU machine, an H200 with jax
+0.11)
 and the tiny copy kernel on the stream, no sync. benchmarks/status_cost.py, one H200, seq_local 4k, calls back to
 back, the 0.28 ms causal forward against no check: the PDL copy +1.6-1.7 % (three runs; +0.2-1.6 % in the probe
 runs), the plain copy kernel +2.5-5.3 % (six runs), the DMA copy +2.5-3.9 %, a handler that copies nothing within
-0.5 % (benchmarks/NOTES.md, session 23).
+0.5 % (benchmarks/NOTES.md).
 
 RING_ATTENTION_ERRORS=call sets the call's attribute ``now``: the handler then waits for the copy it enqueued (a
 host sync per call: the host waits for the GPU to finish the call) and fails this call's program with this call's
@@ -33,13 +33,13 @@ and orders it because it has the status as operand and ``has_side_effect``. It i
 command-buffer trait, so XLA never captures it into a CUDA graph (where a host handler would run only when the
 graph is recorded). Like jax.debug.callback's handler, it takes the GIL, on whichever thread XLA runs it: XLA's
 CPU client runs it on threads of its own (jax 0.10), and there a main thread busy in Python meanwhile delays
-each call's handler (tests/gpu_status.py, on our CPU: 70 us a call without the check, 96 us with it, 231 us
-with it while the main thread spins in Python). Where a GPU client runs it is measured by tests/gpu_status.py.
+each call's handler (tests/gpu/gpu_status.py, on our CPU: 70 us a call without the check, 96 us with it, 231 us
+with it while the main thread spins in Python). Where a GPU client runs it is measured by tests/gpu/gpu_status.py.
 So the handler takes the GIL once and keeps it: the driver's and XLA's functions it calls per call keep the GIL
 (PyDLL, PYFUNCTYPE) instead of releasing it around each call, where a busy main thread would take it each time.
-On the GPU machine of session 23 (jax 0.11) the handler ran on the dispatching thread itself, where that changes
+On the GPU machine (an H200, jax 0.11) the handler ran on the dispatching thread itself, where that changes
 nothing measurable; it took ~45-50 us a call there, most of it Python, which runs several times slower on that
-machine than on our CPU (benchmarks/NOTES.md, session 23, call BO).
+machine than on our CPU (benchmarks/NOTES.md).
 
 On the CPU platform the same handler runs with a memcpy for the copy (a slot lands at once): that is how the
 tests check the host side (the ring of slots, the message, raising at the next call) without a GPU.
@@ -50,7 +50,6 @@ from __future__ import annotations
 import collections
 import ctypes
 import functools
-import os
 import threading
 import zlib
 from ctypes import POINTER, Structure, c_char_p, c_int, c_int64, c_size_t, c_uint32, c_void_p
@@ -60,7 +59,7 @@ import numpy as np
 import jax
 from jax.interpreters import mlir
 
-from ring_core import control
+from ring_core.protocol import control
 
 try:
     from jax.extend.core import Primitive
@@ -184,8 +183,8 @@ class _HostSlots:
 
 
 # A kernel of one warp's worth of threads that copies ``n`` int32 words from device memory to pinned host memory
-# mapped into the device's address space (zero-copy): what ``_CudaSlots`` uses instead of cuMemcpyDtoHAsync unless
-# COPY_ENV says "dma" (the copy engine's small transfer held the next kernel about 10 us; this kernel about 4).
+# mapped into the device's address space (zero-copy): what ``_CudaSlots`` uses instead of cuMemcpyDtoHAsync (the
+# copy engine's small transfer held the next kernel about 10 us; this kernel about 4).
 # PTX for sm_70 and later, compiled by the driver when the slots are made.
 _COPY_PTX = b"""
 .version 7.0
@@ -217,16 +216,6 @@ DONE:
 _COPY_PTX_PDL = (_COPY_PTX.replace(b".version 7.0", b".version 7.8").replace(b".target sm_70", b".target sm_90")
                  .replace(b"  mov.u32 %r2, %tid.x;", b"  griddepcontrol.wait;\n  mov.u32 %r2, %tid.x;"))
 _LIBCUDA = "libcuda.so.1"
-COPY_ENV = "RING_ATTENTION_STATUS_COPY"  # "pdl" (the default; "kernel" before Hopper), "kernel" or "dma"
-
-
-def copy_mode() -> str:
-    """COPY_ENV, checked (read when the slots are made; jax_ring.fused also reads it when a call is traced, so that a
-    wrong value raises there, before anything runs)."""
-    mode = os.environ.get(COPY_ENV, "pdl")
-    if mode not in ("dma", "kernel", "pdl"):
-        raise ValueError(f"{COPY_ENV} must be pdl (the default), kernel or dma, got {mode!r}")
-    return mode
 
 
 class _LaunchAttribute(Structure):  # CUlaunchAttribute: an id, then a union of 64 bytes
@@ -244,15 +233,15 @@ _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREA
 class _CudaSlots:
     """Pinned host slots filled on XLA's stream, each followed by an event (CUDA driver API through ctypes: libcuda
     is there wherever a GPU is): by a one-warp kernel that stores the words into the slots mapped into the device's
-    address space, launched as a programmatic dependent launch (``mode`` "pdl", the default; Hopper and later, else
-    "kernel") or plainly ("kernel"), or by cuMemcpyDtoHAsync ("dma"); COPY_ENV."""
+    address space, launched as a programmatic dependent launch (``mode`` "pdl"; Hopper and later) or plainly
+    ("kernel": before Hopper, or a driver without cuLaunchKernelEx)."""
 
     def __init__(self, n: int, stream):
         # Two views of the driver: ``cu`` (CDLL) releases the GIL around each call, for what may block (waiting for
         # a copy, setting up); ``fast`` (PyDLL) keeps it, for the quick calls each handler makes (the copy's launch,
         # its event, a query). Where XLA runs the handler on a thread of its own (its CPU client does), every
         # release is a chance for a main thread busy in Python to take the GIL, and the handler waits to get it
-        # back. (On the GPU machine of session 23 the handler ran on the dispatching thread: no change there.)
+        # back. (On the GPU machine, jax 0.11, the handler ran on the dispatching thread: no change there.)
         self.cu = cu = ctypes.CDLL(_LIBCUDA)
         self.fast = fast = ctypes.PyDLL(_LIBCUDA)
         for lib in (cu, fast):
@@ -284,9 +273,9 @@ class _CudaSlots:
         module, self.kernel = c_void_p(), c_void_p()
         self._ok(cu.cuModuleLoadData(ctypes.byref(module), ctypes.c_char_p(_COPY_PTX)), "cuModuleLoadData")
         self._ok(cu.cuModuleGetFunction(ctypes.byref(self.kernel), module, b"ring_status_copy"), "cuModuleGetFunction")
-        self.mode = copy_mode()
+        self.mode = "pdl"
         self.pdl = self._pdl_launch(stream)
-        if self.mode == "pdl" and self.pdl is None:  # before Hopper, or a driver without cuLaunchKernelEx
+        if self.pdl is None:  # before Hopper, or a driver without cuLaunchKernelEx
             self.mode = "kernel"
         self.events = []
         for _ in range(n):
@@ -338,8 +327,7 @@ class _CudaSlots:
             config.stream = stream
             self._ok(fn(address, kernel, self._params[slot], None), "cuLaunchKernelEx")
         else:
-            self._ok(self.fast.cuMemcpyDtoHAsync_v2(self.address[slot], src, _STATUS_BYTES, stream),
-                     "cuMemcpyDtoHAsync")
+            raise ValueError(f"status copy mode {self.mode!r}: 'pdl' or 'kernel'")
         self._ok(self.fast.cuEventRecord(self.events[slot], stream), "cuEventRecord")
 
     def landed(self, slot: int) -> bool:
@@ -369,7 +357,7 @@ _first = None  # the first failure since the last take(): what check_errors() ra
 
 
 def _check(words, site: int) -> None:
-    """Raise the failure in one call's status words (ring_core.control.check_status), naming global ranks."""
+    """Raise the failure in one call's status words (ring_core.protocol.control.check_status), naming global ranks."""
     if words[0] == control.ERR_NONE and words[3] > 0:  # the common case, without building the message's parts
         return
     position, members, timeout_s = _sites.get(site, (0, None, None))
@@ -467,7 +455,7 @@ def _execute(frame, platform: str):
         if _unreported:
             e = _unreported.popleft()[1]
             name = type(e).__name__
-            where = "ring_core.control." if type(e).__module__ == control.__name__ else ""
+            where = "ring_core.protocol.control." if type(e).__module__ == control.__name__ else ""
             return _ffi_error(frame, f"{name}: {e} [{REPORTED}; jax_ring.check_errors() raises it as {where}{name}]")
     return None
 
@@ -522,8 +510,13 @@ def site_key(*parts) -> int:
     return (crc << 31) ^ crc2
 
 
+# (position in its ring, the ring's global ranks, the ring table) of this process's device, from the lowering's
+# context: jax_ring.fused's ``local_ring``, which it sets here when imported (this module does not import it).
+ring_of = None
+
+
 def register_site(key: int, position: int, members, timeout_s) -> None:
-    """What this process's failures at site ``key`` are named with (ring_core.control.check_status)."""
+    """What this process's failures at site ``key`` are named with (ring_core.protocol.control.check_status)."""
     _sites[key] = (int(position), tuple(int(m) for m in members) if members is not None else None, timeout_s)
 
 
@@ -535,9 +528,7 @@ def _lowering(ctx, status, *, axis_name, ring_size, timeout_s, now, platform):
     if axis_name is None:  # no ring to name ranks with (benchmarks/callback_cost.py)
         position, members, table = 0, None, None
     else:
-        from jax_ring import fused
-
-        position, members, table = fused.local_ring(ctx, axis_name, ring_size)
+        position, members, table = ring_of(ctx, axis_name, ring_size)
     key = site_key(axis_name, ring_size, timeout_s, table)
     register_site(key, position, members, timeout_s)
     err = register(platform)

@@ -15,7 +15,7 @@ The window is a pair of constexprs (WIN_LEFT, WIN_RIGHT, as ring_core.masks.kern
 says whether there is one), not runtime scalars: a kernel is compiled per window, which is one or two per model
 (a local and a global layer type), and in exchange every test on an unbounded side folds away.
 
-Heap use of one call (regions of ring_core.control.HeapLayout; flags in the ring's slot):
+Heap use of one call (regions of ring_core.protocol.control.HeapLayout; flags in the ring's slot):
     forward   receive region [W-1][K|V][B][HKV][S][D] (input dtype), with segment ids then the peers' ids
               [W-1][B][HKV][S] int32 (each pushed chunk carries its rows' ids); a flag per pushed chunk, then
               with segment ids every rank's id ranges (``id_range_words``)
@@ -27,13 +27,16 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass
 
 import numpy as np
 
-from ring_core import build, control, masks
-from ring_core.control import HeapLayout, HeapTooSmallError
+from ring_core import masks, settings
+from ring_core.kernels.configs import (GLUON_BWD_HEAD_DIMS, GLUON_BWD_KV_ROWS, GLUON_BWD_Q_ROWS, GLUON_BWD_ROW_TASK,
+                                       GLUON_TILES)
+from ring_core.protocol import control
+from ring_core.runtime import build
+from ring_core.protocol.control import HeapLayout, HeapTooSmallError
 from ring_core.validate import FUSED_DTYPES, AttentionSpec, check_fused_dtype
 
 ELEM_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
@@ -51,16 +54,17 @@ class KernelConfig:
     num_warps: int
     num_stages: int
     seg_blocks: int = 4  # K/V blocks computed between two push claims in ring step 0
-    gluon: bool = False  # the Hopper kernel (ring_core.gluon_kernel) instead of the tl one (ring_core.kernel)
+    gluon: bool = False  # the Hopper kernel (ring_core.kernels.gluon_fwd) instead of the tl one (kernels.tl_fwd)
 
     @staticmethod
     def get_default(spec: AttentionSpec, world_size: int, *, interpret: bool = False,
                     capability: tuple | None = None) -> "KernelConfig":
         """The tuned tiles for ``spec``; on a GPU of compute ``capability`` where ``gluon_applies``, the Gluon
-        kernel's (ring_core.gluon_kernel): its query rows per tile, K/V rows per block and K/V slots at this head_dim
+        kernel's (ring_core.kernels.gluon_fwd): its query rows per tile, K/V rows per block and K/V slots at this
+        head_dim
         (``GLUON_TILES``; ``num_stages``: the slots), 4 warps per partition, chunks of 4 blocks per flag; with
         segment ids chunks of one block, whose published id ranges then say which blocks a tile loads and which it
-        computes unmasked (ring_core.gluon_kernel reads blocks whole: its skipping is as fine as the ranges)."""
+        computes unmasked (ring_core.kernels.gluon_fwd reads blocks whole: its skipping is as fine as the ranges)."""
         if not interpret and gluon_applies(spec, world_size, capability):
             block_m, block_n, slots, _ = GLUON_TILES[spec.head_dim]
             return KernelConfig(block_m=block_m, block_n=block_n, chunk_blocks=1 if spec.segmented else 4,
@@ -88,38 +92,15 @@ class KernelConfig:
                             num_stages=1 if wide else 2)
 
 
-# The Gluon forward's tiles by head_dim, the one place they are set (ring_core.gluon_kernel reads them at compile
-# time, and its binaries' cache key holds them): (query rows per tile, two consumer warpgroups of half as many rows
-# each; K/V rows per block; K/V slots in shared memory; rings: 1 when a block's K and V share a slot and its
-# barriers, 2 when K and V have rings of their own, FlashAttention-3's separate K and V pipelines).
-# D64/D128: 3 shared slots of 128-row blocks (the split consumers need the third: benchmarks/NOTES.md, session 7;
-# D128 224 KiB of shared memory). D256: Q 64 KiB + 2 slots of 64-row K and V blocks, 64 KiB each = 192 KiB (a
-# third slot would make 256), in rings of their own: the pipelined consumers use block j's K beside block j-1's V,
-# so with 2 shared slots they hold both at once and block j+1's load waits for block j-1's P V; in rings of their
-# own each K is freed once S = Q K^T is done, each V after P V, and the loads run a block ahead, as with 3 shared
-# slots. The O accumulator: 64 x 256 float32 per warpgroup (128 registers a thread). FlashAttention-3 takes
-# hdim 256 in 128-row tiles and 80-row blocks in 2 stages.
-GLUON_TILES = {64: (128, 128, 3, 1), 128: (128, 128, 3, 1), 256: (128, 64, 2, 2)}
-# For tuning runs only: RING_ATTENTION_GLUON_TILES="64=128,128,4,1;256=..." replaces entries, read at import (the
-# Gluon kernel reads the table as a constexpr global: part of its cache key).
-GLUON_TILES_ENV = "RING_ATTENTION_GLUON_TILES"
-for _entry in filter(None, os.environ.get(GLUON_TILES_ENV, "").split(";")):
-    _d, _, _t = _entry.partition("=")
-    _nums = [x.strip() for x in (_d, *_t.split(","))]
-    if len(_nums) != 5 or not all(x.isdigit() for x in _nums):
-        raise ValueError(f'{GLUON_TILES_ENV}: each entry is head_dim=query rows,K/V rows,slots,rings (e.g. '
-                         f'"64=128,128,4,1"), got {_entry!r}')
-    GLUON_TILES[int(_nums[0])] = tuple(int(x) for x in _nums[1:])
-GLUON_HEAD_DIMS = tuple(GLUON_TILES)
-GLUON_ENV = "RING_ATTENTION_GLUON"  # "0": the tl kernel on every GPU (read at each plan)
-GLUON_DET_ENV = "RING_ATTENTION_GLUON_DETERMINISTIC"  # "0": deterministic backwards on the tl split (each plan)
+GLUON_ENV = settings.GLUON  # "0": the tl kernel on every GPU (read at each plan)
+GLUON_DET_ENV = settings.GLUON_DETERMINISTIC  # "0": deterministic backwards on the tl split (each plan)
 _CAPABILITY = {}  # torch device -> (major, minor)
 
 
 def gluon_capability(device):
     """The compute capability of torch ``device`` where the Gluon kernel may run on it (None: a CPU device, or
     RING_ATTENTION_GLUON=0)."""
-    if getattr(device, "type", None) != "cuda" or os.environ.get(GLUON_ENV, "1") == "0":
+    if getattr(device, "type", None) != "cuda" or not settings.gluon():
         return None
     if device not in _CAPABILITY:
         import torch
@@ -129,16 +110,15 @@ def gluon_capability(device):
 
 
 _SMS = {}  # torch device -> streaming multiprocessors
-PERSISTENT_ENV = "RING_ATTENTION_GLUON_PERSISTENT"  # "0": the Gluon forward with a program per tile (A/B runs)
 
 
 def device_sms(device) -> int | None:
-    """The streaming multiprocessors of torch ``device`` (None: not a CUDA device, or RING_ATTENTION_GLUON_PERSISTENT
-    is "0", read at each plan: a program per tile, for A/B runs): the persistent Gluon forward's programs
-    (``plan``). Ranks sharing a GPU under MPS see the whole GPU's count; each rank's programs then run in as many
+    """The streaming multiprocessors of torch ``device`` (None: not a CUDA device): the persistent Gluon kernels'
+    programs (``plan``). Ranks sharing a GPU under MPS see the whole GPU's count; each rank's programs then run in as
+    many
     waves as its share of the SMs asks, the protocol being indifferent to how many are resident (a program pushes
-    every unit left before it waits: ring_core.protocol)."""
-    if getattr(device, "type", None) != "cuda" or os.environ.get(PERSISTENT_ENV, "1") == "0":
+    every unit left before it waits: ring_core.protocol.steps)."""
+    if getattr(device, "type", None) != "cuda":
         return None
     if device not in _SMS:
         import torch
@@ -148,13 +128,13 @@ def device_sms(device) -> int | None:
 
 
 def gluon_applies(spec: AttentionSpec, world_size: int, capability) -> bool:
-    """Whether the Gluon Hopper kernel (ring_core.gluon_kernel) takes the forward of ``spec`` over ``world_size``
+    """Whether the Gluon Hopper kernel (ring_core.kernels.gluon_fwd) takes the forward of ``spec`` over ``world_size``
     ranks on a GPU of compute ``capability`` ((major, minor); None: no GPU, or the Gluon kernel turned off): Hopper
     (9.x), fp16/bf16,
     head_dim 64, 128 or 256 (``GLUON_TILES``), seq_local a multiple of the tile's query rows and of the K/V block's
     (128; zigzag: of twice that, 256, so that each half of the shard holds whole tiles and blocks: the masks are
     positions relative to one number per block, which needs a tile's and a block's positions contiguous); windows
-    and segment ids too. Everything else runs the tl kernel (ring_core.kernel)."""
+    and segment ids too. Everything else runs the tl kernel (ring_core.kernels.tl_fwd)."""
     if capability is None or tuple(capability)[0] != 9 or spec.head_dim not in GLUON_TILES:
         return False
     block_m, block_n, _, _ = GLUON_TILES[spec.head_dim]
@@ -162,14 +142,10 @@ def gluon_applies(spec: AttentionSpec, world_size: int, capability) -> bool:
     return spec.dtype in ("float16", "bfloat16") and spec.seq_local % rows == 0
 
 
-# ring_core.gluon_bwd's tiles: K/V rows per dK/dV task, query rows per step, and query rows per delta or dQ task
-# (512, was 128: 6,144 fewer programs at 16k, H=32; measured 0-2 % faster, benchmarks/NOTES.md, session 15).
-GLUON_BWD_KV_ROWS, GLUON_BWD_Q_ROWS, GLUON_BWD_ROW_TASK = 128, 64, 512
-GLUON_BWD_HEAD_DIMS = (128,)
 
 
 def gluon_bwd_applies(spec: AttentionSpec, world_size: int, capability, deterministic: bool = False) -> bool:
-    """Whether the Gluon Hopper backward (ring_core.gluon_bwd) may take the backward of ``spec``
+    """Whether the Gluon Hopper backward (ring_core.kernels.gluon_bwd) may take the backward of ``spec``
     (BwdKernelConfig.get_default): where the Gluon forward applies (``gluon_applies``) and head_dim is 128 (its dQ is
     split between two consumers by halves of D, 64 columns of a 128-byte swizzled row each); with a window or segment
     ids only in its any-order mode (``deterministic`` False: its deterministic order counts each query block's
@@ -190,8 +166,9 @@ class BwdKernelConfig:
     claims one push unit every ``seg_blocks`` blocks of its local K/V.
 
     ``deterministic``: whether the kernel this config runs gives bit-identical gradients from run to run (and
-    so between the frontends, which launch it alike). The split kernel (ring_core.kernel_bwd) always does: every
-    dQ, dK and dV block is summed in a fixed order. The Gluon kernel (``gluon``: ring_core.gluon_bwd) adds dQ up in
+    so between the frontends, which launch it alike). The split kernel (ring_core.kernels.tl_bwd) always does: every
+    dQ, dK and dV block is summed in a fixed order. The Gluon kernel (``gluon``: ring_core.kernels.gluon_bwd) adds dQ
+    up in
     the order its contributions arrive when False, and in the tickets' order (each add waiting for its turn) when
     True. The constexpr DETERMINISTIC of both kernels; the split kernel ignores it (always True for it: one binary
     whatever the caller asked for)."""
@@ -206,7 +183,7 @@ class BwdKernelConfig:
     num_stages: int
     seg_blocks: int = 4
     deterministic: bool = True
-    gluon: bool = False  # the Hopper kernel (ring_core.gluon_bwd) instead of the tl one (ring_core.kernel_bwd)
+    gluon: bool = False  # the Hopper kernel (ring_core.kernels.gluon_bwd) instead of the tl one (kernels.tl_bwd)
 
     @staticmethod
     def get_default(spec: AttentionSpec, world_size: int, *, interpret: bool = False,
@@ -215,10 +192,11 @@ class BwdKernelConfig:
         """The tiles for ``spec``. ``deterministic``: the caller needs bit-identical gradients from run to run
         (the frontends' ``deterministic``, or the framework's switch for deterministic algorithms). Without it, the
         Gluon Hopper kernel takes the call where it applies on a GPU of compute ``capability``
-        (``gluon_bwd_applies``; ring_core.gluon_bwd: dQ added up by TMA reductions in no fixed order), with its fixed
+        (``gluon_bwd_applies``; ring_core.kernels.gluon_bwd: dQ added up by TMA reductions in no fixed order), with its
+        fixed
         tiles (128 K/V rows per dK/dV task, 64 query rows per step, 128 rows per delta or dQ task, one K/V block per
         flag). With it, the same kernel in its own deterministic order (DETERMINISTIC: dQ's adds in ticket order, by
-        a writer warp; 0.87-0.95x cuDNN forward+backward against the split's 0.80, benchmarks/NOTES.md, session 17)
+        a writer warp; 0.87-0.95x cuDNN forward+backward against the split's 0.80, benchmarks/NOTES.md)
         where it applies without masks, else the split kernel; ``gluon_det`` False (RING_ATTENTION_GLUON_DETERMINISTIC
         =0, read by ``plan_bwd``) gives the split for A/B runs."""
         if (not interpret and (gluon_det or not deterministic)
@@ -231,7 +209,7 @@ class BwdKernelConfig:
             return BwdKernelConfig(16, 16, 16, 16, chunk_blocks=1, push_rows=16, num_warps=4, num_stages=1,
                                    seg_blocks=2)
         # Other head dims and fp32: not tuned on a GPU yet. Shared memory when compiled for sm_90 with Triton
-        # 3.6 (tests/test_kernel_ir.py checks <= 227 KiB), every loop with a dot software-pipelined: D64 fp32
+        # 3.6 (tests/cpu/test_kernel_ir.py checks <= 227 KiB), every loop with a dot software-pipelined: D64 fp32
         # 80 KiB, fp16 65 KiB; D128 bf16 161 KiB, fp32 145 KiB; D256 bf16 99 KiB, fp32 132 KiB.
         stages = 2 if spec.dtype == "float32" else 3
         if spec.head_dim <= 64:
@@ -298,14 +276,14 @@ class LaunchPlan:
 
     def chunks_received(self, flag_words, epoch: int):
         """What this rank's kernel received in the call of ``epoch``, from the slot's first ``kv_flags`` flag
-        words after the call (``ring_core.control.ring_flags``; ``HeapRings.ring_flags`` on a GPU heap): a
+        words after the call (``ring_core.protocol.control.ring_flags``; ``HeapRings.ring_flags`` on a GPU heap): a
         numpy array [W] whose entry t >= 1 counts the K/V chunks (over batch and kv heads) that came from rank
         ``rank - t``, i.e. at ring step t. Entry 0 is 0 (step 0 uses the local K/V).
 
         This is where the kernels' decisions show: which chunks travel is decided on the device, chunk by
-        chunk, by causal masking and the window (``ring_core.protocol.chunk_needed``: a chunk is pushed iff
+        chunk, by causal masking and the window (``ring_core.protocol.steps.chunk_needed``: a chunk is pushed iff
         some query of the receiver sees one of its rows by position) and by the segment ids' ranges
-        (``ring_core.protocol.push_unit``), and a tile waits for, loads and computes
+        (``ring_core.protocol.steps.push_unit``), and a tile waits for, loads and computes
         exactly the chunks of its ring steps that reach its rows, all of which were pushed. So the ring steps a
         rank runs (some tile waits, loads or computes there) are step 0 and those with a chunk received:
         ``ring_steps_run``. Segment ids decide too, in both kernels: a chunk travels only if its ids meet the
@@ -321,7 +299,7 @@ class LaunchPlan:
 
     def constexprs(self, *, sticky_errors: bool = False) -> dict:
         """The kernel's constexprs; ``sticky_errors``: keep a failed call's status on the heap for the host
-        (deferred errors, ring_core.control.errors_mode). A new dict each time, built once per plan (the torch
+        (deferred errors, ring_core.protocol.control.errors_mode). A new dict each time, built once per plan (the torch
         launcher asks for it at every call)."""
         return dict(_cached_constexprs(self, sticky_errors))
 
@@ -341,7 +319,7 @@ class LaunchPlan:
                     KV_BLOCK_M=c.kv_block_m, PART_VEC=store_hint(s.head_dim, 4), DETERMINISTIC=c.deterministic)
 
     def signature(self):
-        """This call's signature words (ring_core.control.call_signature), as the kernel builds them."""
+        """This call's signature words (ring_core.protocol.control.call_signature), as the kernel builds them."""
         return control.call_signature(self.kind, self.world_size, self.spec, self.chunk_rows, self.block)
 
     def scalars(self, timeout_s: float | None = None) -> tuple:
@@ -352,13 +330,13 @@ class LaunchPlan:
 
     @property
     def scalar_types(self) -> tuple:
-        """Triton types of ``scalars`` (what the JAX launcher compiles and passes them as; ring_core.build)."""
+        """Triton types of ``scalars`` (what the JAX launcher compiles and passes them as; ring_core.runtime.build)."""
         base = ("i32", "i32", "fp32", "i64")
         return base if self.kind == control.KIND_FWD else (*base, "i32")
 
     def arg_types(self) -> list:
         """Triton types of the kernel's runtime arguments, in argument order (the module docstring): what both
-        launchers pass (inputs, scalars, outputs), as ring_core.build compiles them."""
+        launchers pass (inputs, scalars, outputs), as ring_core.runtime.build compiles them."""
         t = "*" + build.TRITON_TYPES[self.spec.dtype]
         ids = ["*i32", "*i32"]  # seg, ctx
         outs = [f"*{build.TRITON_TYPES[dt]}" for _, dt in self.out_shapes]
@@ -369,19 +347,19 @@ class LaunchPlan:
         """The Triton kernel this plan launches (imported on first use)."""
         if self.kind == control.KIND_FWD:
             if self.config.gluon:
-                from ring_core.gluon_kernel import ring_attn_fwd_gluon
+                from ring_core.kernels.gluon_fwd import ring_attn_fwd_gluon
                 return ring_attn_fwd_gluon
-            from ring_core.kernel import ring_attn_fwd_kernel
+            from ring_core.kernels.tl_fwd import ring_attn_fwd_kernel
             return ring_attn_fwd_kernel
         if self.config.gluon:
-            from ring_core.gluon_bwd import ring_attn_bwd_gluon
+            from ring_core.kernels.gluon_bwd import ring_attn_bwd_gluon
             return ring_attn_bwd_gluon
-        from ring_core.kernel_bwd import ring_attn_bwd_kernel
+        from ring_core.kernels.tl_bwd import ring_attn_bwd_kernel
         return ring_attn_bwd_kernel
 
     def compile_record(self, *, sticky_errors: bool = False, timeout_s: float | None = None, tag: str = "") -> dict:
-        """The compile-log record (ring_core.build.record) of the binary this launch runs: what a cache filled
-        ahead of the launch (``python -m ring_core.build --warm``) needs, on a machine with no GPU."""
+        """The compile-log record (ring_core.runtime.build.record) of the binary this launch runs: what a cache filled
+        ahead of the launch (``python -m ring_core.runtime.build --warm``) needs, on a machine with no GPU."""
         n_in = len(self.arg_types()) - len(self.scalar_types) - len(self.out_shapes)
         values = [None] * n_in + list(self.scalars(timeout_s)) + [None] * len(self.out_shapes)
         return build.record(self.kernel(), self.arg_types(), self.constexprs(sticky_errors=sticky_errors),
@@ -461,7 +439,7 @@ def bwd_recv_bytes(spec: AttentionSpec, world_size: int) -> tuple:
 def id_range_words(spec: AttentionSpec, world_size: int, n_chunks: int) -> int:
     """Words of the segment-id ranges in the ring slot's flag region, after the K/V (and partial) flags (0 without
     segment ids): per rank of the ring, this one included, [B][n_chunks + 2][lo, hi] (each K/V chunk's, then each
-    half's of the shard; ring_core.protocol.publish_id_ranges)."""
+    half's of the shard; ring_core.protocol.steps.publish_id_ranges)."""
     if not spec.segmented:
         return 0
     return world_size * spec.batch * (n_chunks + 2) * 2
@@ -512,7 +490,7 @@ def plan(spec: AttentionSpec, world_size: int, heap: HeapLayout, *, interpret: b
     (every argument is frozen and hashable; the torch launcher plans at every call); errors are not.
     ``capability``: the GPU's, where the Gluon kernel may run (``gluon_applies``); ``sms``: its streaming
     multiprocessors (``device_sms``), the Gluon kernel's programs: it is persistent, each program taking tiles in
-    order from the call's tile counter (ring_core.gluon_kernel) until none is left (None: a program per tile, e.g.
+    order from the call's tile counter (ring_core.kernels.gluon_fwd) until none is left (None: a program per tile, e.g.
     planned without a GPU)."""
     check_fused(spec, "a reference backend")
     cfg = config or KernelConfig.get_default(spec, world_size, interpret=interpret, capability=capability)
@@ -540,7 +518,7 @@ def plan_bwd(spec: AttentionSpec, world_size: int, heap: HeapLayout, *, interpre
     (``device_sms``), the Gluon backward's programs, each taking tasks by ticket until none is left (None: a program
     per task, which the kernel runs the same way)."""
     if gluon_det is None:
-        gluon_det = os.environ.get(GLUON_DET_ENV, "1") != "0"
+        gluon_det = settings.gluon_deterministic()
     return _plan_bwd(spec, world_size, heap, interpret, config, deterministic, capability, gluon_det, sms)
 
 
@@ -564,7 +542,7 @@ def _plan_bwd(spec, world_size, heap, interpret, config, deterministic, capabili
     n_part = (W - 1) * spec.batch * spec.num_kv_heads * n_kv_blocks
     n_final = spec.batch * spec.num_kv_heads * n_kv_blocks
     # The Gluon kernel ends with as many dQ tasks as it starts with delta tasks, and is persistent: a program per SM
-    # (ring_core.gluon_bwd).
+    # (ring_core.kernels.gluon_bwd).
     tasks = n_dq + n_part + n_final + (n_dq if cfg.gluon else 0)
     grid = (min(tasks, sms) if cfg.gluon and sms else tasks,)
     return LaunchPlan(control.KIND_BWD, spec, W, cfg, chunk_blocks, cfg.kv_block_n, grid, need, flags, interpret,

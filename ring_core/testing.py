@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ring_core import control, masks, reference, validate
+from ring_core.protocol import control
+from ring_core import masks, reference, validate
 
 # dtype -> slack for out, for lse (always float32), for gradients.
 TOLERANCES = {
@@ -93,7 +94,8 @@ def random_segment_ids(seed, batch, seq, *, max_len=None, padding=True) -> np.nd
 
 def id_range_words(local_ids, chunk_rows: int, zigzag: bool) -> np.ndarray:
     """A rank's published id-range words [B][n_chunks + 2][lo, hi] for its local segment ids [B, S], as
-    ring_core.protocol.publish_id_ranges writes them: each chunk's [min, max] with padding counted as -1 in the min
+    ring_core.protocol.steps.publish_id_ranges writes them: each chunk's [min, max] with padding counted as -1 in the
+    min
     and the max at least -1, then each half's of the shard over ids >= 0 ((BIG_ID, -1) where none; zigzag: its two
     chunks, contiguous: the shard, then nothing), all stored as -1 - value."""
     B, S = local_ids.shape
@@ -147,7 +149,7 @@ def case_label(W, B, S, H, HKV, D, dtype, causal, layout) -> str:
 def no_gpu_driver(stream: int = 0):
     """A stand-in for Triton's active driver (``triton.runtime.driver.set_active``) on a machine without a GPU: what
     Triton's JIT asks of a driver before it compiles or launches (an sm_90 target, device 0, ``stream``), for the CPU
-    tests that drive the JIT with a stand-in compile (tests/test_build.py, tests/test_launch.py)."""
+    tests that drive the JIT with a stand-in compile (tests/cpu/test_build.py, tests/cpu/test_launch.py)."""
     import torch
     from triton.backends.compiler import GPUTarget
 

@@ -1,9 +1,9 @@
 """The bad-input table: one row per bad call, with the exception and message every frontend must give.
 
-Run on CPU by tests/test_bad_inputs.py through each frontend a row names ("jax": ``jax_ring.ring_attention``
+Run on CPU by tests/cpu/test_bad_inputs.py through each frontend a row names ("jax": ``jax_ring.ring_attention``
 inside ``jax.shard_map`` over 2 CPU devices, backend auto = xla; "torch": ``torch_bridge.ring_attention`` on
 every rank of a 2-process gloo group; "sim": ``jax_ring.simulate_ring_attention``, the real kernel in the
-Triton interpreter, 2 ranks), and on GPUs by tests/gpu_faults.py (the "torch" rows, backend="fused", CUDA
+Triton interpreter, 2 ranks), and on GPUs by tests/gpu/gpu_faults.py (the "torch" rows, backend="fused", CUDA
 tensors). After each bad call the next valid call must give the right answer.
 
 Shapes are per rank, ``[batch, seq_local, heads, head_dim]``, and the JAX and simulator runners make global

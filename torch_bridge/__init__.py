@@ -9,7 +9,7 @@ Drop-in entry points: ``torch_bridge.hf.register`` (HuggingFace transformers), r
 ``reduce_gradients`` for a batch split over the ranks.
 """
 
-from ring_core.simulate import simulate_ring_attention, simulate_ring_attention_grad
+from ring_core.sim.simulate import simulate_ring_attention, simulate_ring_attention_grad
 from torch_bridge.api import (BACKENDS, RingAttention, from_layout, ring_attention, segment_ids_from_cu_seqlens,
                               to_layout)
 from torch_bridge.batch import cross_entropy, gather, reduce_gradients, shard_batch

@@ -242,9 +242,9 @@ def ring_attention(q, k, v, *, group=None, is_causal=False, scale=None, layout="
     ``backend="torch"``).
 
     ``timeout_s`` bounds every wait inside the fused kernel (default RING_ATTENTION_TIMEOUT_S, else 300 s);
-    an expired wait raises ``ring_core.control.RingAttentionTimeout`` naming the missing rank and ring step,
+    an expired wait raises ``ring_core.protocol.control.RingAttentionTimeout`` naming the missing rank and ring step,
     at the next call or ``check_errors()`` (at once with RING_ATTENTION_ERRORS=call). Ranks whose fused
-    calls differ (shapes, dtype, flags, layout, scale) raise ``ring_core.control.RingAttentionMismatch`` the
+    calls differ (shapes, dtype, flags, layout, scale) raise ``ring_core.protocol.control.RingAttentionMismatch`` the
     same way, naming both calls; the kernel finds it before any data moves. The torch ring is bounded by
     its process group's own timeout instead.
 
@@ -256,7 +256,7 @@ def ring_attention(q, k, v, *, group=None, is_causal=False, scale=None, layout="
     sliding window ``(left, right)``, flash-attn's meaning in global token order (query i attends keys j with
     ``i - left <= j <= i + right``; -1 unbounded; None: no window). Every backend takes both masks; the fused
     kernels skip the work they hide (K/V rows outside the window are not sent, waited for, loaded or computed;
-    those of other segments not loaded or computed: ring_core/protocol.py).
+    those of other segments not loaded or computed: ring_core/protocol/steps.py).
 
     ``deterministic``: as in flash-attn. False (the default): the fastest fused backward, which may accumulate
     dQ in a nondeterministic order where a kernel does. True: the fused backend's gradients bit-identical from
@@ -264,7 +264,7 @@ def ring_attention(q, k, v, *, group=None, is_causal=False, scale=None, layout="
     ``torch.use_deterministic_algorithms(True)`` turns it on too (read at each call; under torch.compile a
     change recompiles). With False, on Hopper for fp16/bf16, head_dim 128 (windows and segment ids included:
     ring_core.plans.gluon_bwd_applies), the fused backward is the Gluon kernel whose dQ sums come in no fixed
-    order (ring_core/gluon_bwd.py); elsewhere, and with True, it is the deterministic tl kernel. The ``"torch"``
+    order (ring_core/kernels/gluon_bwd.py); elsewhere, and with True, it is the deterministic tl kernel. The ``"torch"``
     backend ignores it: it runs torch's own ops, which torch.use_deterministic_algorithms governs.
 
     Inputs may be non-contiguous or oddly strided (transposed, sliced, expanded views): every backend

@@ -1,4 +1,5 @@
-"""backend='fused' for PyTorch, the raw ops: the shared kernels (ring_core.kernel, .kernel_bwd) launched with torch
+"""backend='fused' for PyTorch, the raw ops: the shared kernels (ring_core.kernels.tl_fwd, .kernel_bwd) launched with
+torch
 tensors over the ring of a process group (``forward``, ``backward``); the autograd layer that calls them (the
 custom ops torch.compile sees) is in torch_bridge.api, and the status of every launch goes to
 torch_bridge.lifecycle, which raises a failure (at the next call, ``check_errors()`` or at once). The twin of
@@ -10,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ring_core import build
-from ring_core import heap as _heap
+from ring_core.runtime import build
+from ring_core.runtime import heap as _heap
 from ring_core import validate
 from torch_bridge import lifecycle
 
@@ -19,7 +20,7 @@ from torch_bridge import lifecycle
 def ring_of(h, group):
     """(members, this rank's position, heap slot) of the ring over ``group`` (None: every process), members
     in group-rank order. The first fused call over a group agrees on its slot with the group's members (a
-    collective over the group, once: ring_core.heap.RingSlots)."""
+    collective over the group, once: ring_core.runtime.heap.RingSlots)."""
     if group is None or group is dist.group.WORLD:
         members = tuple(range(h.world_size))
     else:
@@ -92,7 +93,7 @@ def _with_scratch(p):
 
 def _outputs(p, device):
     """The launch's outputs (ring_core.plans.LaunchPlan.out_shapes); the status last, zeroed: the kernel's
-    last program writes it (ring_core.control.check_status)."""
+    last program writes it (ring_core.protocol.control.check_status)."""
     *shapes, (status_shape, status_dt) = p.out_shapes
     outs = [torch.empty(shape, dtype=getattr(torch, dt), device=device) for shape, dt in shapes]
     return [*outs, _zeroed_status(status_shape, status_dt, device)]
@@ -107,7 +108,7 @@ def _zeroed_status(shape, dt: str, device):
     long as a row of it does). For a CUDA launch the block is pinned host memory, which the GPU reaches through
     unified addressing: the kernel's last program stores the status words straight into it, so that checking a
     call costs no copy on the stream, only an event (lifecycle.track; a cuMemcpyAsync of the status per call cost
-    1.1-3.5 % of a 4k call, benchmarks/NOTES.md call BT). Rows are never reused: a row's block is freed only once
+    1.1-3.5 % of a 4k call, benchmarks/NOTES.md). Rows are never reused: a row's block is freed only once
     every row of it has been checked, after its kernel ended."""
     (n,) = shape
     key = (device, n, dt)
@@ -237,7 +238,8 @@ def check_backward_fits(spec, group=None, deterministic: bool = False):
 
 def backward(q, k, v, out, lse, dout, spec, group=None, timeout_s: float | None = None, config=None, dlse=None,
              segment_ids=None, deterministic: bool = False):
-    """Launch the fused backward kernel (ring_core.kernel_bwd, or ring_core.gluon_bwd) on this rank's shards, from
+    """Launch the fused backward kernel (ring_core.kernels.tl_bwd, or ring_core.kernels.gluon_bwd) on this rank's
+    shards, from
     the forward's ``out`` and ``lse`` and the gradients ``dout`` and ``dlse`` (None: lse carries none); returns
     (dq, dk, dv). Same launch maths (ring_core.plans.plan_bwd) and argument list as the JAX launcher
     (jax_ring.fused.backward). ``config`` (a ring_core.plans.BwdKernelConfig) overrides the defaults: for

@@ -5,7 +5,8 @@ Errors found by the kernel (a bounded wait that expired, ranks that disagree) co
 tensor per launch, which the kernel writes straight into pinned host memory (torch_bridge.fused._zeroed_status).
 Checking it at once would cost a host sync per call, so an event is recorded after the launch and the status is
 read once the event has completed: at the next fused call, at ``check_errors()`` (which waits), or at once with
-RING_ATTENTION_ERRORS=call (ring_core.control.errors_mode; torch's default is "deferred"). JAX's status is an XLA
+RING_ATTENTION_ERRORS=call (ring_core.protocol.control.errors_mode; torch's default is "deferred"). JAX's status is an
+XLA
 buffer in device memory instead, which jax_ring.status copies into its pinned slots with a kernel per call.
 """
 
@@ -13,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from ring_core import control
-from ring_core import heap as _heap
 from ring_core import topology
+from ring_core.protocol import control
+from ring_core.runtime import heap as _heap
 
 _pending = []  # (event, status (pinned host memory the kernel writes), ring position, timeout_s, ring members)
 
@@ -26,7 +27,7 @@ def node_size() -> int:
 
 
 def node_rings():
-    """This rank's ring_core.heap.NodeRings when the job has several nodes, else None."""
+    """This rank's ring_core.runtime.heap.NodeRings when the job has several nodes, else None."""
     return _heap.node_rings()
 
 
@@ -35,7 +36,7 @@ def initialize(heap_size: int | None = None, group=None, node_size: int | None =
 
     Initialises torch.distributed from the launcher's environment (RANK, WORLD_SIZE, LOCAL_RANK,
     LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) if the program has not: NCCL where every rank has its own
-    GPU, gloo where ranks share one (rank r uses GPU ``LOCAL_RANK % visible GPUs``, see ``ring_core.gpus``);
+    GPU, gloo where ranks share one (rank r uses GPU ``LOCAL_RANK % visible GPUs``, see ``ring_core.runtime.gpus``);
     a process group created here is destroyed at interpreter exit (never earlier), one the program
     created is left alone. The heap serves rings over any process groups within a node
     (``ring_attention(..., group=...)``); ``group`` is accepted for compatibility and unused.
@@ -122,7 +123,7 @@ def track(status, ring, timeout_s):
     ev.record()
     members, position, _ = ring
     _pending.append((ev, status, position, timeout_s, members))
-    if control.errors_mode("deferred") == "call":
+    if control.errors_mode() == "call":
         check_errors()
 
 

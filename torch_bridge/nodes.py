@@ -2,7 +2,7 @@
 fused calls (torch_bridge.fused over the node's process group) and the K/V between nodes over torch.distributed
 point-to-point (NCCL; gloo where ranks share a GPU, staged through host memory). The twin of jax_ring.nodes.
 
-``torch_bridge.initialize()`` finds the nodes (ring_core.heap.NodeRings); ``ring_attention(group=None)``
+``torch_bridge.initialize()`` finds the nodes (ring_core.runtime.heap.NodeRings); ``ring_attention(group=None)``
 then comes here when the job has several. Each transfer posts its send to the same local rank of the next node and
 its receive from the previous node's together (``batch_isend_irecv``), before the node-step's fused call is
 launched, and is waited for after it: the transfer of node-step s + 1 runs while node-step s computes. NCCL runs it
@@ -19,9 +19,10 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from ring_core import control, nodes
+from ring_core import nodes
+from ring_core.protocol import control
 from ring_core.validate import AttentionSpec
-from ring_core import heap as _heap
+from ring_core.runtime import heap as _heap
 from torch_bridge import fused, lifecycle
 
 

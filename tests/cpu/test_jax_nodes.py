@@ -17,7 +17,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 import jax_ring
 from jax_ring import _platform, api
 from jax_ring import nodes as jnodes
-from ring_core import heap as heap_mod
+from ring_core.runtime import heap as heap_mod
 from ring_core import testing, topology
 from ring_core.layout import layout_permutation
 

@@ -129,7 +129,7 @@ def test_bad_node_flags_fail_before_anything_starts(tmp_path, args, match):
 
 
 def test_rank_env_matches_torchrun():
-    from ring_core.spawn import rank_env
+    from ring_core.runtime.spawn import rank_env
 
     seen = set()
     for node in range(3):

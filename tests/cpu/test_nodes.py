@@ -5,7 +5,8 @@ each node (simulate_ring_attention(_grad)(node_size=R)), against float64 with th
 import numpy as np
 import pytest
 
-from ring_core import nodes, reference, simulate, testing
+from ring_core import nodes, reference, testing
+from ring_core.sim import simulate
 from ring_core.layout import global_positions, layout_permutation
 
 

@@ -21,8 +21,10 @@ def _setup_rank(rank, world, node_size):
     import torch
 
     import torch_bridge.api
-    from ring_core import control, interpret, plans, topology
-    from ring_core import heap as heap_mod
+    from ring_core import plans, topology
+    from ring_core.protocol import control
+    from ring_core.runtime import heap as heap_mod
+    from ring_core.sim import interpret
     from torch_bridge import lifecycle
 
     interpret.ensure_interpreter()
@@ -130,7 +132,7 @@ def _late(rank, world):
     import torch
 
     import torch_bridge
-    from ring_core.control import RingAttentionTimeout
+    from ring_core.protocol.control import RingAttentionTimeout
 
     q = torch.zeros(1, 8, 2, 16)
     if rank == 1:

@@ -1,0 +1,773 @@
+"""CPU tests of the benchmark harness's logic (benchmarks/harness.py, peers.py, attention.py, plot.py): FLOP counts and
+the single-GPU share, quantiles, arguments and cases (both passes), ratios (keyed by pass), the CSV log
+(and CSVs older than the ``pass`` column), the gradient check's bookkeeping, the plot's grouping, the
+pure-JAX cuDNN-style ring (its LSE merging and its autodiff, run here with dense XLA blocks) against
+dense attention, and the whole harness, fwd and fwd+bwd, through the launcher on CPU (--cpu-smoke)."""
+
+import csv
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+import types
+
+import numpy as np
+import pytest
+
+from benchmarks import attention as cli
+from benchmarks import harness, peers
+from benchmarks import plot as bplot
+
+
+# ------------------------------------------------------------------------------------------ FLOPs
+
+
+def test_flops_per_gpu_counts_the_rank_rectangle_and_half_when_causal():
+    full = harness.Case(1, 32, 32, 128, 4096, False, "bfloat16")
+    assert harness.flops_per_gpu(full, 2) == 4 * 32 * 4096 * 8192 * 128
+    causal = harness.Case(1, 32, 8, 128, 4096, True, "bfloat16")
+    assert harness.flops_per_gpu(causal, 2) == 2 * 32 * 4096 * 8192 * 128  # GQA does not change the FLOPs
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("kv_heads", [32, 8])
+def test_single_gpu_share_has_the_ring_rank_flops(world, causal, kv_heads):
+    case = harness.Case(1, 32, kv_heads, 64, 2048, causal, "float16")
+    for rank in range(world):
+        prob = peers.limit_problem(case, world, rank)
+        assert prob.flops(case.batch, case.head_dim) == harness.flops_per_gpu(case, world)
+        assert prob.causal == causal and prob.q_heads // prob.kv_heads == 32 // kv_heads
+        if causal:  # H/W heads over the whole sequence; rank r takes the r-th slice of heads
+            assert (prob.q_len, prob.kv_len, prob.head_offset) == (2048 * world, 2048 * world, rank * 32 // world)
+        else:  # the rank's own queries against every key
+            assert (prob.q_len, prob.kv_len, prob.q_heads) == (2048, 2048 * world, 32)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fwd_bwd_counts_three_and_a_half_forwards(causal):
+    fwd = harness.Case(2, 32, 8, 128, 4096, causal, "bfloat16")
+    step = harness.Case(2, 32, 8, 128, 4096, causal, "bfloat16", "fwd+bwd")
+    assert harness.flops_per_gpu(step, 2) == 3.5 * harness.flops_per_gpu(fwd, 2)
+    assert harness.flops_per_gpu(step, 2) == 3.5 * 4 * 2 * 32 * 4096 * 8192 * 128 / (2 if causal else 1)
+    for rank in range(2):  # the single-GPU share keeps the ring rank's FLOPs in fwd+bwd too
+        prob = peers.limit_problem(step, 2, rank)
+        assert prob.flops(step.batch, step.head_dim, step.mode) == harness.flops_per_gpu(step, 2)
+    assert "fwd+bwd" in step.label() and step.label().replace("fwd+bwd", "fwd") == fwd.label()
+
+
+def test_causal_share_needs_heads_divisible_by_world():
+    with pytest.raises(harness.Unavailable, match="divisible"):
+        peers.limit_problem(harness.Case(1, 32, 1, 64, 1024, True, "bfloat16"), 2)  # MQA: 1 kv head for 2 GPUs
+
+
+def test_summarize_times_median_and_quantiles():
+    med, q20, q80 = harness.summarize_times([5.0, 1.0, 4.0, 2.0, 3.0])
+    assert (med, q20, q80) == (3.0, 1.8, 4.2)
+    assert harness.tflops(1e12, 1000.0) == pytest.approx(1.0)
+    with pytest.raises(ValueError):
+        harness.summarize_times([])
+
+
+# ------------------------------------------------------------------------------- masks: exact pair counts
+
+
+def _pairs_by_rule(case, world):
+    """[W, W] allowed pairs counted from ring_core.masks.allowed's boolean mask (the one rule), rank by rank."""
+    from ring_core import masks, validate
+    from ring_core.layout import global_positions
+
+    ids = harness.segment_ids(case, world)
+    out = np.zeros((world, world), np.int64)
+    for r in range(world):
+        qp = global_positions(np, r, world, case.seq_local, case.layout)
+        for s in range(world):
+            kp = global_positions(np, s, world, case.seq_local, case.layout)
+            m = masks.allowed(qp, kp, is_causal=case.causal, window=validate.check_window(case.window_size),
+                              q_segment_ids=None if ids is None else ids[:, qp],
+                              k_segment_ids=None if ids is None else ids[:, kp])
+            out[r, s] = (qp.size * kp.size * case.batch if m is None
+                         else int(np.broadcast_to(m, (case.batch, 1, 1, qp.size, kp.size) if ids is not None
+                                                  else m.shape).sum() * (1 if ids is not None else case.batch)))
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("causal, mask, window, doc_lens", [
+    (True, "packed", (-1, -1), (5, 40)), (False, "packed", (-1, -1), (1, 70)),
+    (True, "window", (23, 0), (5, 40)), (False, "window", (30, 7), (5, 40)), (False, "window", (-1, 0), (5, 40)),
+    (True, "none", (-1, -1), (5, 40)), (False, "none", (-1, -1), (5, 40)),
+])
+def test_allowed_pairs_are_exact(world, layout, causal, mask, window, doc_lens):
+    """The benchmark's pair count (its FLOPs for masked cases, its ring_steps_needed) equals the count of
+    ring_core.masks.allowed's mask, for every (query rank, key rank), batch rows with their own documents."""
+    case = harness.Case(2, 4, 2, 16, 36, causal, "bfloat16", mask=mask, window=window, doc_lens=doc_lens,
+                        layout=layout)
+    got = harness.allowed_pairs(case, world)
+    assert got.dtype == np.int64 and got.shape == (world, world)
+    np.testing.assert_array_equal(got, _pairs_by_rule(case, world))
+    assert harness.pairs_per_gpu(case, world) == got.sum() / world
+    assert harness.ring_steps_needed(case, world) == (got > 0).sum(axis=1).max()
+
+
+def test_packed_documents_are_fixed_and_counted_into_the_flops():
+    case = harness.Case(2, 32, 8, 128, 16384, True, "bfloat16", mask="packed")
+    docs = harness.packed_documents(case, 2)
+    assert len(docs) == 2 and all(d[0] == 0 and d[-1] == 32768 for d in docs)
+    lens = np.concatenate([np.diff(d)[:-1] for d in docs])  # the last one of a row is cut at the end
+    assert lens.min() >= 512 and lens.max() <= 8192
+    assert not np.array_equal(docs[0][:3], docs[1][:3])  # each row its own documents ...
+    again = harness.packed_documents(case, 2)
+    assert all(np.array_equal(a, b) for a, b in zip(docs, again))  # ... the same in every run
+    w1 = harness.packed_documents(dataclasses.replace(case, batch=1), 1)[0]  # a shorter sequence: a prefix
+    np.testing.assert_array_equal(w1[:-1], docs[0][:len(w1) - 1])
+    ids = harness.segment_ids(case, 2)
+    assert ids.shape == (2, 32768) and ids.dtype == np.int32 and (ids >= 0).all()
+    assert harness.segment_ids(dataclasses.replace(case, mask="none"), 2) is None
+    # Effective FLOPs: 4 * H * D * (allowed pairs per rank, mean over ranks), x 3.5 in fwd+bwd
+    pairs = harness.allowed_pairs(case, 2)
+    assert harness.flops_per_gpu(case, 2) == 4 * 32 * 128 * pairs.sum() / 2
+    step = dataclasses.replace(case, mode="fwd+bwd")
+    assert harness.flops_per_gpu(step, 2) == pytest.approx(3.5 * harness.flops_per_gpu(case, 2))
+    dense = dataclasses.replace(case, mask="none")
+    assert harness.flops_per_gpu(dense, 2) == 2 * 2 * 32 * 16384 * 32768 * 128  # B=2; the dense convention is kept
+    share = harness.flops_per_gpu(case, 2) / harness.flops_per_gpu(dense, 2)
+    assert 0.1 < share < 0.3  # documents of 512-8192 tokens keep a small share of 32k causal pairs
+    assert "packed(512-8192)" in case.label() and case.mask_label == "packed(512-8192)"
+    assert case.layout == "zigzag" and case.window_size is None and case.segmented
+
+
+def test_causal_window_per_rank_work_and_ring_steps():
+    """The issue's window target: 4096 tokens, causal, contiguous, seq_local 16k: every rank but the first
+    holds 16384 x 4096 pairs (+ the diagonal) and reaches one neighbour; a world of one does less (its first
+    4096 queries see fewer keys)."""
+    case = harness.Case(1, 32, 32, 128, 16384, True, "bfloat16", mask="window", window=(4095, 0), layout="contiguous")
+    for world in (2, 4, 8):
+        pairs = harness.allowed_pairs(case, world)
+        assert pairs[1].sum() == 16384 * 4096 and pairs[1, 0] == 4095 * 4096 // 2  # 1 + ... + 4095 from rank 0
+        assert harness.ring_steps_needed(case, world) == 2
+    one = harness.allowed_pairs(case, 1).sum()
+    assert one == 4096 * 4097 // 2 + (16384 - 4096) * 4096
+    assert 16384 * 4096 / one == pytest.approx(1.143, abs=1e-3)
+    assert case.window_size == (4095, 0) and "contiguous window(4095,0)" in case.label()
+    assert harness.ring_steps_needed(dataclasses.replace(case, layout="zigzag"), 4) == 3  # both zigzag neighbours
+
+
+def test_masked_ratios_and_ring_steps_in_the_rows():
+    def row(method, tflops, mask="packed(512-8192)", world=2, run="r1", ms=None, mode="fwd"):
+        return dict(_row(method, tflops, world=world, seq_local=16384, run=run, mode=mode), mask=mask,
+                    layout="zigzag", ms_median="" if ms is None else str(ms))
+    rows = [row("torch_fused", 300, "none", ms=20.0), row("torch_fused", 250, ms=8.0), row("jax_fused", 240, ms=8.2),
+            row("torch_ref", 30, ms=80.0), row("torch_fused", 280, "none", mode="fwd+bwd"),
+            row("torch_fused", 230, mode="fwd+bwd"),
+            row("torch_fused", 270, world=1, run="r2", ms=6.0), row("torch_fused", 999, "none", world=1, run="r2", ms=1.0)]
+    out = {(r["method"], r["mask"], r["world"], r["pass"]): r for r in harness.compute_ratios(rows)}
+    packed = out["torch_fused", "packed(512-8192)", "2", "fwd"]
+    assert packed["vs_dense"] == round(250 / 300, 3)  # the same method's unmasked row of the same run and pass
+    assert packed["ms_vs_world1"] == round(8.0 / 6.0, 3)  # the world-1 run of the same per-rank work
+    assert out["torch_fused", "packed(512-8192)", "2", "fwd+bwd"]["vs_dense"] == round(230 / 280, 3)
+    assert out["jax_fused", "packed(512-8192)", "2", "fwd"]["vs_dense"] == ""  # no unmasked jax row
+    assert out["torch_fused", "none", "2", "fwd"]["vs_dense"] == out["torch_fused", "none", "2", "fwd"]["ms_vs_world1"] == ""
+    assert out["torch_ref", "packed(512-8192)", "2", "fwd"]["vs_dense"] == ""  # fused rows only
+    assert out["torch_fused", "packed(512-8192)", "1", "fwd"]["ms_vs_world1"] == ""
+    line = harness.format_ratios([dict(packed, ring_steps="2", ring_steps_needed="2", world="2")])[0]
+    assert "0.83x the unmasked rate" in line and "1.33x the world-1 time" in line and "ring steps run 2" in line
+
+
+def test_mask_arguments():
+    a = cli.parse_args(["--mask", "none, packed,none", "--doc-lens", "100-200", "--window", "63,0", "--seq", "1k",
+                        "--causal", "yes", "--pass", "fwd,fwd+bwd"])
+    cases = cli.enumerate_cases(a, 2)
+    assert [(c.mask, c.mode) for c in cases] == [("none", "fwd"), ("none", "fwd+bwd"), ("packed", "fwd"),
+                                                 ("packed", "fwd+bwd")]
+    assert cases[2].doc_lens == (100, 200) and cases[0].doc_lens == (512, 8192) and cases[0].layout == "zigzag"
+    w = cli.enumerate_cases(cli.parse_args(["--mask", "window", "--layout", "contiguous", "--seq", "1001",
+                                            "--causal", "yes"]), 2)
+    assert [(c.mask, c.window_size, c.layout, c.seq_local) for c in w] == [("window", (4095, 0), "contiguous", 1001)]
+    assert cli.parse_args(["--cpu-smoke"]).doc_lens == (8, 40) and cli.parse_args([]).masks == ["none"]
+    with pytest.raises(SystemExit, match="even"):
+        cli.enumerate_cases(cli.parse_args(["--mask", "window", "--layout", "zigzag", "--seq", "1001"]), 2)
+    for bad in (["--mask", "sparse"], ["--window", "4096"], ["--window", "-2,0"], ["--doc-lens", "9-3"],
+                ["--doc-lens", "x"], ["--layout", "ring"]):
+        with pytest.raises(SystemExit):
+            cli.parse_args(bad)
+    assert {m for m, i in harness.METHODS.items() if i.masks} == {"torch_fused", "jax_fused", "jax_fused_deferred",
+                                                                   "jax_fused_call", "torch_fused_det", "jax_fused_det",
+                                                                   "torch_ref", "jax_xla"}
+
+
+# ---------------------------------------------------------------------------------- arguments, cases
+
+
+def test_defaults_are_the_issue_4_target_set():
+    a = cli.parse_args([])
+    cases = cli.enumerate_cases(a, 2)
+    assert len(cases) == 8
+    assert {(c.batch, c.heads, c.kv_heads, c.head_dim, c.dtype) for c in cases} == {(1, 32, 32, 128, "bfloat16")}
+    assert sorted({c.seq_local for c in cases}) == [4096, 8192, 16384, 32768]
+    assert {c.causal for c in cases} == {False, True}
+    assert {c.layout for c in cases if c.causal} == {"zigzag"}
+    assert (a.warmup, a.iters, a.input_sets, a.ref_max_seq) == (2, 10, 3, 8192)
+    assert a.passes == ["fwd"] and {c.mode for c in cases} == {"fwd"}
+    assert a.csv.startswith("benchmarks/results/attention_")
+    assert cli.select_methods(a, 2) == list(harness.METHODS)
+    assert cli.select_methods(a, 1) == [m for m in harness.METHODS if m in cli.WORLD1_METHODS]
+
+
+def test_every_axis_is_selectable():
+    a = cli.parse_args(["--seq", "4k,8k", "--kv-heads", "32,8", "--head-dim", "64,128", "--dtype", "bf16,fp16",
+                          "--causal", "yes", "--methods", "jax_fused,torch_cp,torch_fused", "--framework", "torch"])
+    cases = cli.enumerate_cases(a, 2)
+    assert len(cases) == 2 * 2 * 2 * 2
+    assert {c.seq_local for c in cases} == {4096, 8192} and all(c.causal for c in cases)
+    assert {c.dtype for c in cases} == {"bfloat16", "float16"} and {c.kv_heads for c in cases} == {32, 8}
+    assert cli.select_methods(a, 2) == ["torch_fused", "torch_cp"]  # METHODS order, jax filtered out
+
+
+def test_pass_option_runs_each_shape_in_each_pass():
+    a = cli.parse_args(["--seq", "4k,16k", "--causal", "yes", "--pass", "fwd, fwd+bwd,fwd"])
+    assert a.passes == ["fwd", "fwd+bwd"]  # spaces and repeats tolerated
+    cases = cli.enumerate_cases(a, 2)
+    assert [(c.seq_local, c.mode) for c in cases] == [(4096, "fwd"), (4096, "fwd+bwd"), (16384, "fwd"),
+                                                      (16384, "fwd+bwd")]
+    assert [c.mode for c in cli.enumerate_cases(cli.parse_args(["--pass", "fwd+bwd"]), 2)] == ["fwd+bwd"] * 8
+    assert "--pass" in cli.build_parser().format_help()
+
+
+@pytest.mark.parametrize("argv", [["--methods", "nope"], ["--dtype", "fp32"], ["--heads", "32", "--kv-heads", "5"],
+                                  ["--seq", "4x"], ["--warmup", "0"], ["--world1", "1"], ["--pass", "bwd"],
+                                  ["--pass", "fwd,"], ["--pass", ""]])
+def test_bad_arguments_are_refused(argv):
+    with pytest.raises(SystemExit):
+        cli.parse_args(argv)
+
+
+def test_world1_runs_the_global_problems_on_one_process():
+    a = cli.parse_args(["--world1", "2", "--causal", "no"])
+    assert [c.seq_local for c in cli.enumerate_cases(a, 1)] == [8192, 16384, 32768, 65536]
+    with pytest.raises(SystemExit, match="one process"):
+        cli.enumerate_cases(a, 2)
+
+
+def test_odd_causal_seq_is_refused():
+    with pytest.raises(SystemExit, match="even"):
+        cli.enumerate_cases(cli.parse_args(["--seq", "4097", "--causal", "yes"]), 2)
+
+
+def test_cpu_smoke_defaults_are_tiny_and_run_every_method():
+    a = cli.parse_args(["--cpu-smoke"])
+    assert max(c.seq_local for c in cli.enumerate_cases(a, 2)) <= 128 and a.csv is None
+    assert a.passes == ["fwd", "fwd+bwd"]  # the smoke covers the backward path too
+    assert cli.select_methods(a, 1) == list(harness.METHODS)
+
+
+def test_heap_covers_the_largest_case():
+    from ring_core.runtime import heap
+    from ring_core import plans
+
+    small = [harness.Case(1, 32, 32, 128, 4096, False, "bfloat16")]
+    assert harness.heap_bytes_needed(small, 2) == heap.DEFAULT_HEAP_BYTES
+    big = [harness.Case(1, 32, 32, 128, 1 << 20, False, "bfloat16")]
+    need = 2 * (1 << 20) * 32 * 128 * 2
+    assert harness.heap_bytes_needed(big, 2) == plans.heap_bytes_for(need) > need
+    # the backward also receives float32 partial dK/dV: K/V (2 bytes) + partials (4 bytes) per element
+    big_step = [harness.Case(1, 32, 32, 128, 1 << 20, False, "bfloat16", "fwd+bwd")]
+    with_step = harness.heap_bytes_needed(big + big_step, 2)
+    assert with_step >= plans.heap_bytes_for(need * 3) > harness.heap_bytes_needed(big, 2)
+
+
+# ------------------------------------------------------------------------------------- ratios, CSV
+
+
+def _row(method, tflops, world=2, seq_local=4096, run="r1", error="", mode=None):
+    row = dict(run_id=run, world=str(world), method=method, batch="1", heads="32", kv_heads="32", head_dim="128",
+               seq_local=str(seq_local), seq_global=str(seq_local * world), causal="1", dtype="bfloat16",
+               tflops_per_gpu="" if tflops is None else str(tflops), error=error)
+    if mode is not None:  # None: a row from before the pass column
+        row["pass"] = mode
+    return row
+
+
+def test_ratios_same_run_and_case_and_scaling_from_world1_rows():
+    rows = [_row("torch_fused", 300), _row("jax_fused", 240), _row("torch_cudnn_1gpu", 600),
+            _row("jax_cudnn_1gpu", 500), _row("torch_cp", 200), _row("jax_xla", 60), _row("torch_ref", None, error="OOM"),
+            _row("torch_cp", 999, run="r0"),  # another run: never a denominator here
+            _row("torch_fused", 310, world=1, seq_local=8192, run="r9"),  # world-1 run of the same global problem
+            _row("torch_fused", 320, world=1, seq_local=8192, run="r10")]  # ... again: the latest counts
+    out = {(r["run_id"], r["method"], r["world"]): r for r in harness.compute_ratios(rows)}
+    tf = out["r1", "torch_fused", "2"]
+    assert tf["vs_cudnn_1gpu"] == 0.5  # against the faster single-GPU limit
+    assert tf["vs_context_parallel"] == 1.5 and tf["vs_xla_ref"] == 5.0
+    assert tf["vs_torch_ref"] == "" and tf["vs_cudnn_ring"] == ""  # failed / absent
+    assert tf["scaling_eff"] == round(300 / 320, 3)
+    jf = out["r1", "jax_fused", "2"]
+    assert jf["vs_cudnn_1gpu"] == 0.4 and jf["scaling_eff"] == ""  # no world-1 jax_fused row
+    assert all(out["r1", "torch_cp", "2"][c] == "" for c in harness.RATIOS)  # only fused rows carry ratios
+    assert out["r10", "torch_fused", "1"]["scaling_eff"] == ""
+    assert rows[0].get("vs_cudnn_1gpu") is None  # inputs untouched
+    lines = harness.format_ratios([tf])
+    assert lines and "0.50x cuDNN 1 GPU" in lines[0] and "scaling eff 0.94" in lines[0]
+
+
+def test_ratios_only_compare_rows_of_the_same_pass():
+    rows = [_row("torch_fused", 300, mode="fwd"), _row("torch_cp", 200),  # no pass column: fwd
+            _row("torch_fused", 210, mode="fwd+bwd"), _row("torch_cp", 300, mode="fwd+bwd"),
+            _row("jax_cudnn_1gpu", 250, mode="fwd+bwd"), _row("torch_cudnn_1gpu", 600, mode="fwd"),
+            _row("torch_fused", 240, world=1, seq_local=8192, run="r9", mode="fwd+bwd")]
+    out = {(r["method"], harness.field(r, "pass"), r["world"]): r for r in harness.compute_ratios(rows)}
+    fwd, step = out["torch_fused", "fwd", "2"], out["torch_fused", "fwd+bwd", "2"]
+    assert (fwd["vs_context_parallel"], fwd["vs_cudnn_1gpu"], fwd["scaling_eff"]) == (1.5, 0.5, "")
+    assert (step["vs_context_parallel"], step["vs_cudnn_1gpu"], step["scaling_eff"]) == (0.7, 0.84, 0.875)
+    assert harness.field({"pass": ""}, "pass") == harness.field({}, "pass") == "fwd"
+    assert harness.field({"pass": "fwd+bwd"}, "pass") == "fwd+bwd" and harness.field({}, "note") == ""
+
+
+def test_scaling_compares_rows_of_the_same_timing():
+    """A row timed back to back (--timing stream) scales against a world-1 row timed so, never against one timed
+    call by call (a row without the column was timed call by call)."""
+    call_w1 = _row("torch_fused", 400, world=1, seq_local=8192, run="r9")
+    stream_w1 = dict(_row("torch_fused", 500, world=1, seq_local=8192, run="r8"), timing="stream")
+    stream = dict(_row("torch_fused", 450), timing="stream")
+    by_timing = {harness.field(r, "timing"): r for r in harness.compute_ratios([stream_w1, call_w1, stream])
+                 if r["world"] == "2"}
+    assert by_timing["stream"]["scaling_eff"] == 0.9 and harness.field({}, "timing") == "call"
+    (plain,) = [r for r in harness.compute_ratios([stream_w1, call_w1, _row("torch_fused", 300)]) if r["world"] == "2"]
+    assert plain["scaling_eff"] == 0.75
+
+
+def test_ranks_sharing_a_gpu_are_labelled_and_scaled_by_the_whole_gpu(tmp_path):
+    shared = dict(_row("torch_fused", 150), ranks_per_gpu="2")  # two ranks on one GPU, each at 150
+    rows = [shared, _row("torch_fused", 320, world=1, seq_local=8192, run="r10")]
+    out = {r["world"]: r for r in harness.compute_ratios(rows)}
+    assert out["2"]["scaling_eff"] == round(2 * 150 / 320, 3)  # the GPU's rate against one rank's on it
+    assert harness.field({}, "ranks_per_gpu") == "1"  # rows written before the column: a GPU per rank
+    old_columns = [c for c in harness.CSV_COLUMNS if c not in ("pass", "ranks_per_gpu")]
+    path = tmp_path / "old.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=old_columns)
+        w.writeheader()
+        w.writerow({c: _row("torch_fused", 300).get(c, "") for c in old_columns})
+    assert [(r["pass"], r["ranks_per_gpu"]) for r in harness.CsvLog(str(path)).rows] == [("fwd", "1")]
+
+
+def test_csv_log_rewrites_after_every_row_and_keeps_earlier_runs(tmp_path):
+    path = tmp_path / "sub" / "bench.csv"
+    log = harness.CsvLog(str(path))
+    log.add(_row("torch_fused", 300))
+    assert len(list(csv.DictReader(open(path)))) == 1  # on disk at once
+    log.add(_row("torch_cp", 200))
+    log.refresh_ratios()
+    again = harness.CsvLog(str(path))  # a second run appends
+    assert [r["method"] for r in again.rows] == ["torch_fused", "torch_cp"]
+    assert again.rows[0]["vs_context_parallel"] == "1.5"
+    assert tuple(csv.DictReader(open(path)).fieldnames) == harness.CSV_COLUMNS
+    assert harness.CsvLog(str(path), overwrite=True).rows == []
+    other = tmp_path / "other.csv"
+    other.write_text("a,b\n1,2\n")
+    with pytest.raises(SystemExit, match="other columns"):
+        harness.CsvLog(str(other))
+
+
+def test_csvs_from_before_the_pass_column_load_as_fwd(tmp_path):
+    old_columns = [c for c in harness.CSV_COLUMNS if c != "pass"]
+    path = tmp_path / "old.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=old_columns)
+        w.writeheader()
+        w.writerows([{c: r.get(c, "") for c in old_columns} for r in (_row("torch_fused", 300), _row("torch_cp", 200))])
+    log = harness.CsvLog(str(path))
+    assert [r["pass"] for r in log.rows] == ["fwd", "fwd"]
+    assert [r["pass"] for r in bplot.load_rows([str(path)])] == ["fwd", "fwd"]
+    log.add(_row("torch_fused", 150, mode="fwd+bwd"))
+    log.add(_row("torch_cp", 100, mode="fwd+bwd"))
+    log.refresh_ratios()  # rewritten with the new column; the old rows' ratios stay within their pass
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        rows = list(reader)
+    assert tuple(reader.fieldnames) == harness.CSV_COLUMNS
+    assert [(r["pass"], r["vs_context_parallel"]) for r in rows] == [("fwd", "1.5"), ("fwd", ""), ("fwd+bwd", "1.5"),
+                                                                    ("fwd+bwd", "")]
+    results = os.path.join(os.path.dirname(harness.__file__), "results", "attention_2xH200_2026-11-30.csv")
+    if os.path.exists(results):  # the checked-in results of the forward-only harness
+        assert {r["pass"] for r in harness.CsvLog(results).rows} == {"fwd"}
+        assert bplot.table(bplot.load_rows([results])).startswith("### fwd\n")
+
+
+def test_format_row_and_command_line():
+    ok = dict(method="torch_fused", ms_median=10.0, ms_q20=9.5, ms_q80=11.0, tflops_per_gpu=123.4, max_abs_diff="",
+              note="n")
+    assert "123.4 TFLOP/s/GPU" in harness.format_row(ok)
+    assert "ERROR boom" in harness.format_row(dict(method="torch_cp", error="boom"))
+    cmd = cli.command_line(["--seq", "4k", "--csv", "a b.csv"], 2)
+    assert cmd == "python -m jax_ring.launch --nproc-per-node 2 -m benchmarks.attention --seq 4k --csv 'a b.csv'"
+
+
+def test_gradient_check_bookkeeping():
+    torch = pytest.importorskip("torch")
+    a = {n: torch.ones(1, 4, 2, 8) for n in harness.GRADS}
+    a["dq"][0, 0, 0, 0] = 2.0
+    b = {"dq": a["dq"] + 0.05, "dk": a["dk"].clone()}  # no dv: compared over the names both have
+    b["dk"][0, 1, 1, 3] -= 0.5
+    diff, excess, names = harness.max_abs_diff(b, a)
+    assert (diff, names) == (pytest.approx(0.5), ("dq", "dk"))
+    assert excess == pytest.approx(0.5 / (harness.GRAD_WARN * 1.0))  # relative to each gradient's largest value
+    assert harness.max_abs_diff({"dq": b["dq"]}, a)[1] == pytest.approx(0.05 / (harness.GRAD_WARN * 2.0))  # < 1: fine
+    out_excess = harness.max_abs_diff({"out": b["dq"]}, {"out": a["dq"]})[1]
+    assert out_excess == pytest.approx(0.05 / harness.DIFF_WARN)  # the output's bound is absolute
+    assert harness.max_abs_diff({"out": a["dq"]}, a) == (-1.0, -1.0, ())
+    assert harness._compared(("out",)) == "" and harness._compared(("dq",)) == " (dq)"
+    step, fwd = (harness.Case(1, 2, 2, 8, 4, False, "bfloat16", m) for m in ("fwd+bwd", "fwd"))
+    grads = peers._comparable(step, lambda name, x: x * 2)(("out", 1, 2, 3))
+    assert grads == {"dq": 2, "dk": 4, "dv": 6}  # fwd+bwd compares the gradients, not the output
+    assert peers._comparable(fwd, lambda name, x: x)(7) == {"out": 7}
+    share = peers._share_convert(peers.limit_problem(step, 2), lambda x: -x)
+    assert peers._comparable(step, share)(("out", 1, 2, 3)) == {"dq": -1}  # its dK/dV are partial sums
+    causal = harness.Case(1, 2, 2, 8, 4, True, "bfloat16", "fwd+bwd")
+    assert peers._comparable(causal, peers._share_convert(peers.limit_problem(causal, 2), lambda x: x))(
+        ("out", 1, 2, 3)) == {}
+    rep = torch.arange(2 * 4 * 3 * 5, dtype=torch.float32).reshape(2, 4, 3, 5)  # [b, h=4, s, d], kv_heads 2
+    gqa = harness.Case(1, 4, 2, 5, 3, False, "float16")
+    (_, k2, _), = peers._repeat_kv([(None, rep[:, :2], rep[:, :2])], gqa, dim=1)
+    assert torch.equal(peers._fold_kv(k2, gqa, dim=1), 2 * rep[:, :2])  # each kv head was used twice
+
+
+def test_sdpa_methods_call_the_sdpa_current_at_call_time(monkeypatch):
+    """torch_cp's calls must reach the SDPA that context_parallel patches in while active, not the original."""
+    torch = pytest.importorskip("torch")
+    import torch.nn.functional as F
+
+    case = harness.Case(1, 4, 2, 8, 6, True, "float32", "fwd+bwd")
+    q, do = torch.randn(1, 6, 4, 8), torch.randn(1, 6, 4, 8)
+    k, v = torch.randn(1, 6, 2, 8), torch.randn(1, 6, 2, 8)
+    sets, douts, attn, gqa = peers._sdpa_inputs(case, [(q, k, v)], [do], False, True)
+    assert gqa and [x.shape for x in (*sets[0], douts[0])] == [(1, 4, 6, 8), (1, 2, 6, 8), (1, 2, 6, 8), (1, 4, 6, 8)]
+    seen = []
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **kw: seen.append(kw) or a[0])
+    attn(*sets[0])
+    assert seen == [{"is_causal": True, "enable_gqa": True}]
+    sets, _, attn, gqa = peers._sdpa_inputs(case, [(q, k, v)], [do], True, False)  # the GQA retry: heads repeated
+    attn(*sets[0])
+    assert not gqa and sets[0][1].shape == (1, 4, 6, 8) and seen[-1] == {"is_causal": False}
+
+
+# -------------------------------------------------------------------------------------------- plot
+
+
+def test_plot_groups_panels_lines_and_keeps_the_latest_row(tmp_path):
+    rows = [_row("torch_fused", 100, seq_local=4096), _row("torch_fused", 120, seq_local=4096, run="r2"),
+            _row("torch_fused", 200, seq_local=8192), _row("torch_cudnn_1gpu", 600, seq_local=4096),
+            _row("torch_fused", 310, world=1, seq_local=8192), _row("torch_cp", None, error="x")]
+    rows.append(dict(_row("torch_fused", 90), causal="0"))
+    rows.append(_row("torch_fused", 70, seq_local=4096, run="r3", mode="fwd+bwd"))  # another pass: its own panel
+    data = bplot.panels(rows)
+    assert set(data) == {("fwd", "1", "bfloat16", "128", "32", "32", "1", "none", ""),
+                         ("fwd", "0", "bfloat16", "128", "32", "32", "1", "none", ""),
+                         ("fwd+bwd", "1", "bfloat16", "128", "32", "32", "1", "none", "")}
+    lines = data["fwd", "1", "bfloat16", "128", "32", "32", "1", "none", ""]
+    assert lines["torch_fused (W=2)"] == [(8192, 120.0), (16384, 200.0)]  # x = global length; the rerun wins
+    assert lines["torch_fused (W=1)"] == [(8192, 310.0)] and lines["torch_cudnn_1gpu (share of W=2)"] == [(8192, 600.0)]
+    assert not any(label.startswith("torch_cp") for label in lines)  # failed: not plotted
+    assert data["fwd+bwd", "1", "bfloat16", "128", "32", "32", "1", "none", ""] == {"torch_fused (W=2)": [(8192, 70.0)]}
+    local = bplot.panels(rows, x="local")["fwd", "1", "bfloat16", "128", "32", "32", "1", "none", ""]
+    assert local["torch_fused (W=2)"][0] == (4096, 120.0)
+    assert bplot.panel_title(("fwd+bwd", "1", "bfloat16", "128", "32", "8", "1", "none", "zigzag")) == \
+        "fwd+bwd: causal (zigzag), bfloat16, D=128, H=32/8"
+    assert bplot.panel_title(("fwd", "1", "bfloat16", "128", "32", "8", "1", "window(4095,0)", "contiguous")) == \
+        "fwd: causal (contiguous), bfloat16, D=128, H=32/8, window(4095,0)"
+    md = bplot.table(rows)
+    fwd_md, step_md = md.split("### fwd+bwd")  # one table per pass, fwd first
+    assert fwd_md.startswith("### fwd\n")
+    assert "| torch_fused | 2 | causal (zigzag), bfloat16, D=128, H=32/32 | 8192 | 200.0 |" in fwd_md
+    assert "| 70.0 |" in step_md and "| 70.0 |" not in fwd_md
+    assert bplot.table([_row("torch_cp", 1.0)]) == "(no timed fused rows)"
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "p.png"
+    assert bplot.plot(rows, str(out)) == 3
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ----------------------------------------------------------------------------- the pure-JAX ring
+
+
+@pytest.mark.parametrize("world,causal", [(2, False), (4, True)])
+def test_cudnn_style_ring_merges_blocks_exactly(cpu_mesh, world, causal):
+    """The hand-written ring (LSE merge, zigzag half-blocks) with dense XLA blocks equals dense attention."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    import jax_ring
+    from jax_ring.reference import dense_attention
+
+    mesh = cpu_mesh(world)
+    s_g, h, hkv, d = 16 * world, 4, 2, 16
+    rng = np.random.default_rng(world + 10 * causal)
+    q = rng.standard_normal((2, s_g, h, d), dtype=np.float32)
+    k, v = (rng.standard_normal((2, s_g, hkv, d), dtype=np.float32) for _ in range(2))
+    layout = "zigzag" if causal else "contiguous"
+
+    def body(q, k, v):
+        return peers.cudnn_ring_attention(q, k, v, axis_name="sp", world=world, is_causal=causal,
+                                          block_attention=peers.xla_block_attention)
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(None, "sp"),) * 3, out_specs=P(None, "sp")))
+    out = f(*(jax_ring.to_layout(x, layout, world) for x in (q, k, v)))
+    out = np.asarray(jax_ring.from_layout(np.asarray(out), layout, world))
+    ref, _ = dense_attention(q, k, v, is_causal=causal)
+    np.testing.assert_allclose(out, np.asarray(ref), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("world,causal", [(2, True), (4, False)])
+def test_cudnn_style_ring_gradients_by_autodiff_equal_dense(cpu_mesh, world, causal):
+    """What fwd+bwd times for jax_cudnn_ring: jax.vjp of the hand-written ring (the harness's own step
+    function, inside shard_map) gives the gradients of dense attention when the blocks' LSEs differentiate."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    import jax_ring
+    from jax_ring.reference import dense_attention
+
+    mesh = cpu_mesh(world)
+    s_g, h, hkv, d = 8 * world, 4, 2, 16
+    rng = np.random.default_rng(7 + world)
+    q, dout = (rng.standard_normal((1, s_g, h, d), dtype=np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((1, s_g, hkv, d), dtype=np.float32) for _ in range(2))
+    layout = "zigzag" if causal else "contiguous"
+    case = harness.Case(1, h, hkv, d, s_g // world, causal, "float32", "fwd+bwd")
+
+    def body(q, k, v):
+        return peers.cudnn_ring_attention(q, k, v, axis_name="sp", world=world, is_causal=causal,
+                                          block_attention=peers.xla_block_attention)
+
+    spec = P(None, "sp")
+    f = jax.jit(jax.shard_map(peers._jax_step(case, body), mesh=mesh, in_specs=(spec,) * 4, out_specs=(spec,) * 4))
+    got = f(*(jax_ring.to_layout(x, layout, world) for x in (q, k, v, dout)))
+    got = [np.asarray(jax_ring.from_layout(np.asarray(x), layout, world)) for x in got]
+    out, pull = jax.vjp(lambda q, k, v: dense_attention(q, k, v, is_causal=causal)[0], q, k, v)
+    for g, want in zip(got, (out, *pull(dout))):
+        np.testing.assert_allclose(g, np.asarray(want), atol=2e-5, rtol=1e-4)
+
+
+def test_lse_probe_refuses_blocks_whose_lse_carries_no_gradient():
+    """jax's cuDNN attention drops its LSE's cotangent; the probe must catch that (here: a stop_gradient)."""
+    import jax
+
+    env = types.SimpleNamespace(jax=jax)
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((1, 8, 4, 16), dtype=np.float32)
+    k, v = (rng.standard_normal((1, 8, 2, 16), dtype=np.float32) for _ in range(2))
+    peers.check_lse_differentiates(env, peers.xla_block_attention, q, k, v)  # dense XLA blocks: fine
+
+    def dropped(q, k, v, is_causal, scale):
+        out, lse = peers.xla_block_attention(q, k, v, is_causal, scale)
+        return out, jax.lax.stop_gradient(lse)
+
+    with pytest.raises(harness.Unavailable, match="LSE"):
+        peers.check_lse_differentiates(env, dropped, q, k, v)
+
+
+# ------------------------------------------------------------------------------ the whole harness on CPU
+
+
+def test_cpu_smoke_both_passes_through_the_launcher(tmp_path):
+    """Two gloo/XLA-CPU processes run every method in fwd and fwd+bwd; GPU-only methods write why they cannot."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = tmp_path / "smoke.csv"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    env.pop("XLA_FLAGS", None)  # conftest's forced host devices would give each process 4 JAX devices
+    cmd = [sys.executable, "-m", "jax_ring.launch", "--nproc-per-node", "2", "-m", "benchmarks.attention",
+           "--cpu-smoke", "--pass", "fwd,fwd+bwd", "--seq", "64", "--kv-heads", "2", "--iters", "2", "--csv", str(out)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = list(csv.DictReader(open(out)))
+    by = {(r["pass"], r["causal"], r["method"]): r for r in rows}
+    assert len(rows) == len(by) == 2 * 2 * len(harness.METHODS), f"{len(rows)} rows in {time.perf_counter() - t0:.0f} s"
+    gpu_only = {"torch_fused", "jax_fused", "jax_fused_deferred", "jax_fused_call", "torch_fused_det", "jax_fused_det",
+                "torch_cp"}
+    for (mode, causal, method), r in by.items():
+        assert (r["world"], r["seq_global"], r["kv_heads"], r["timing"]) == ("2", "128", "2", "call")
+        if method in gpu_only:
+            assert "Unavailable" in r["error"] and not r["tflops_per_gpu"]
+            continue
+        assert not r["error"] and float(r["tflops_per_gpu"]) > 0, r
+        fwd = by["fwd", causal, method]
+        assert float(r["flops_per_gpu"]) == pytest.approx(harness.PASSES[mode] * float(fwd["flops_per_gpu"]), rel=1e-5)
+        if method == "torch_ref":  # the first ring that ran is the anchor
+            assert r["diff_vs"] == ("(anchor)" if mode == "fwd" else "(anchor) (dq,dk,dv)")
+            continue
+        limit = harness.METHODS[method].kind == "limit"
+        if limit and causal == "1":  # other heads over every token: nothing to compare
+            assert r["diff_vs"] == r["max_abs_diff"] == ""
+            continue
+        want = "torch_ref" + ("" if mode == "fwd" else " (dq)" if limit else " (dq,dk,dv)")
+        assert r["diff_vs"] == want and float(r["max_abs_diff"]) < 0.1 and "LARGE DIFF" not in r["note"], r
+        if mode == "fwd+bwd":
+            assert "backward by" in r["note"]
+
+
+def test_cpu_smoke_with_masks_through_the_launcher(tmp_path):
+    """The masked cases on CPU (2 gloo/XLA-CPU processes): the reference rings run packed documents and a causal
+    window in both passes, checked against each other, with the effective FLOPs of the allowed pairs; methods
+    without masks are skipped (no row); the fused kernel says why it cannot run here. Timed back to back
+    (``--timing stream``): one mean per row (JAX's calls dispatched without waiting, the last one waited for).
+    With an MPS SM share in the environment (as bench-window-share's lone rank has), every row's note says so."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = tmp_path / "smoke_masks.csv"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p),
+               CUDA_MPS_ACTIVE_THREAD_PERCENTAGE="50")
+    env.pop("XLA_FLAGS", None)
+    cmd = [sys.executable, "-m", "jax_ring.launch", "--nproc-per-node", "2", "-m", "benchmarks.attention",
+           "--cpu-smoke", "--mask", "packed,window", "--causal", "yes", "--seq", "64", "--kv-heads", "2",
+           "--iters", "2", "--methods", "torch_fused,torch_ref,jax_xla,torch_cp", "--timing", "stream",
+           "--csv", str(out)]
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "torch_cp          skipped: takes no segment ids or windows" in proc.stdout
+    rows = list(csv.DictReader(open(out)))
+    by = {(r["mask"], r["pass"], r["method"]): r for r in rows}
+    masks = {"packed": "packed(8-40)", "window": "window(23,0)"}
+    assert len(rows) == len(by) == 2 * 2 * 3 and not any(m == "torch_cp" for _, _, m in by)
+    for (label, mode, method), r in by.items():
+        assert harness.SM_SHARE_NOTE.format(share=50) in r["note"], r["note"]
+        mask = next(k for k, v in masks.items() if v == label)
+        case = harness.Case(1, 4, 2, 32, 64, True, "bfloat16", mode, mask=mask,
+                            **(dict(window=(23, 0)) if mask == "window" else dict(doc_lens=(8, 40))))
+        assert float(r["pairs_per_gpu"]) == pytest.approx(harness.pairs_per_gpu(case, 2), rel=1e-5)
+        assert int(r["ring_steps_needed"]) == harness.ring_steps_needed(case, 2) == 2
+        if method == "torch_fused":
+            assert "Unavailable" in r["error"] and r["ring_steps"] == ""
+            continue
+        assert not r["error"] and float(r["tflops_per_gpu"]) > 0, r
+        assert r["timing"] == "stream" and r["ms_q20"] == r["ms_median"] == r["ms_q80"], r  # one mean
+        assert float(r["flops_per_gpu"]) == pytest.approx(
+            4 * 4 * 32 * harness.pairs_per_gpu(case, 2) * harness.PASSES[mode], rel=1e-5)
+        if method == "jax_xla":  # checked against the first ring that ran (torch_ref): outputs, or gradients
+            assert r["diff_vs"].startswith("torch_ref") and float(r["max_abs_diff"]) < 0.1, r
+
+
+def test_callback_cost_probe_runs_on_cpu(tmp_path):
+    """benchmarks/callback_cost.py (the per-call check's cost, for the GPU) runs every variant and writes its CSV."""
+    import csv
+
+    from benchmarks import callback_cost
+
+    out = tmp_path / "cb.csv"
+    assert callback_cost.main(["--n", "32", "--iters", "2", "--depth", "2", "--work-ms", "0.5", "--out", str(out)]) == 0
+    rows = list(csv.DictReader(out.open()))
+    assert [r["variant"] for r in rows] == list(callback_cost.VARIANTS)
+    assert all(float(r["sync_ms"]) > 0 and float(r["pipelined_ms"]) > 0 for r in rows)
+
+
+def test_cuda_stream_ms_times_the_calls_back_to_back():
+    """harness.cuda_stream_ms (launch_gap.py, gluon_fwd.py): two events around ``iters`` calls, one sync, the mean;
+    a stand-in for torch.cuda's events counts what happens."""
+    log = []
+
+    class Event:
+        def __init__(self, enable_timing):
+            assert enable_timing
+            self.at = None
+
+        def record(self):
+            self.at = len(log)
+            log.append("record")
+
+        def synchronize(self):
+            log.append("sync")
+
+        def elapsed_time(self, end):
+            return 10.0 * (end.at - self.at - 1)  # 10 ms per call recorded between the two events
+
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(Event=Event))
+    assert harness.cuda_stream_ms(fake, lambda: log.append("call"), 4) == 10.0
+    assert log == ["record", "call", "call", "call", "call", "record", "sync"]
+
+
+def test_ab_runs_and_status_cost_plots_draw_from_committed_csvs(tmp_path):
+    """The figures of the tile A/B runs and of benchmarks/status_cost.py are drawn on the CPU from committed CSVs
+    (the GPU run of status_cost's own plot once failed on a matplotlib keyword; these would have caught it)."""
+    pytest.importorskip("matplotlib")
+    from benchmarks import status_cost
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    results = os.path.join(root, "benchmarks", "results")
+    runs = [os.path.join(results, f"attention_w1_fwd_tiles-{r}_1xH200_2026-12-02J.csv") for r in ("base", "s4")]
+    png = tmp_path / "runs.png"
+    assert bplot.main(["--runs", *runs, "--out", str(png)]) == 0 and png.stat().st_size > 10_000
+    # the A/B of the packed forward: the masked row against the dense one of its own run
+    runs = [os.path.join(results, f"ab_packed_{t}_W1_1xH200_2026-12-04AZ.csv") for t in ("current_1", "late_1")]
+    png = tmp_path / "runs_dense.png"
+    assert bplot.main(["--runs", "--ratio", "vs_dense", *runs, "--out", str(png)]) == 0 and png.stat().st_size > 10_000
+    for name in ("status_cost_1xH200_2026-12-02N.csv", "status_cost_probe_1xH200_2026-12-02L.csv"):
+        png = tmp_path / (name + ".png")
+        status_cost.plot(os.path.join(results, name), str(png))
+        assert png.stat().st_size > 10_000
+
+
+def test_ready_timing_records_the_second_event_once_the_device_is_idle():
+    """--timing ready (harness.cuda_timed): the call, then torch.cuda.synchronize(), then the second event, so a torch
+    call counts the wait for its kernels as a JAX call (block_until_ready) does; --timing call records the second
+    event right after the call returns."""
+    order = []
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            self.name = f"e{sum(1 for x in order if x.startswith('new'))}"
+            order.append("new")
+
+        def record(self):
+            order.append(f"record {self.name}")
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return 1.5
+
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(Event=Event, synchronize=lambda: order.append("sync")))
+    for ready, want in ((True, ["record e0", "call", "sync", "record e1"]),
+                        (False, ["record e0", "call", "record e1"])):
+        order.clear()
+        ms, out = harness.cuda_timed(fake, lambda: order.append("call") or 7, ready)
+        assert (ms, out) == (1.5, 7) and [x for x in order if x != "new"] == want, (ready, order)
+    assert "ready" in harness.TIMINGS
+
+
+def test_jax_call_cost_pairs_alternate_their_order():
+    """benchmarks/jax_call_cost.py times torch and JAX in pairs whose order swaps every pair, so that a drift of the
+    GPU's clock falls on both frameworks alike; each call after the last one's result is ready."""
+    from benchmarks import jax_call_cost
+
+    log = []
+    ta, tb = jax_call_cost._paired(lambda: log.append("a"), lambda: log.append("b"),
+                                   lambda x=None: log.append("ready a"), lambda x=None: log.append("ready b"), 4)
+    calls = [x for x in log if x in ("a", "b")]
+    assert calls == ["a", "b", "b", "a", "a", "b", "b", "a"]
+    assert len(ta) == len(tb) == 4 and (ta >= 0).all() and (tb >= 0).all()
+    assert log[:3] == ["ready a", "a", "ready a"]  # idle before the call, then until its result is ready
+
+
+def test_stream_timing_issues_jax_calls_without_waiting_and_waits_for_the_last():
+    """--timing stream (harness._run_all): calls 0..n-2 through ``Prepared.issue`` (JAX: dispatched, not blocked),
+    the last through ``run`` (blocked); a method without ``issue`` (torch) runs every call through ``run``. And the
+    JAX builder's ``issue`` does not block while its ``run`` does (block_until_ready on the compiled call)."""
+    calls = []
+    prep = harness.Prepared(run=lambda i: calls.append(("run", i)) or i, local_out=None,
+                            issue=lambda i: calls.append(("issue", i)))
+    assert harness._run_all(prep, 4) == 3
+    assert calls == [("issue", 0), ("issue", 1), ("issue", 2), ("run", 3)]
+    calls.clear()
+    torch_like = harness.Prepared(run=lambda i: calls.append(("run", i)) or i, local_out=None)
+    assert harness._run_all(torch_like, 3) == 2 and calls == [("run", 0), ("run", 1), ("run", 2)]
+
+    blocked = []
+    fake_jax = types.SimpleNamespace(jit=lambda fn: types.SimpleNamespace(
+        lower=lambda *a: types.SimpleNamespace(compile=lambda: lambda *a: ("out", a))),
+        block_until_ready=lambda x: blocked.append(x) or x)
+    env = types.SimpleNamespace(jax=fake_jax)
+    case = harness.Case(batch=1, heads=2, kv_heads=2, head_dim=8, seq_local=16, causal=False, dtype="float32")
+    p = peers._jax_compiled(env, case, None, [(1,), (2,)], None, "", "")
+    assert p.issue(1) == ("out", (2,)) and blocked == []
+    assert p.run(0) == ("out", (1,)) and blocked == [("out", (1,))]

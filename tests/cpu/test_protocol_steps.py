@@ -1,0 +1,233 @@
+"""The masked Gluon backward's step plan (ring_core.protocol.steps.bwd_task_steps, bwd_step_unmasked, chunk_one_id), run
+in Triton's interpreter against every pair the mask allows (numpy, ring_core.masks.allowed).
+
+The Gluon backward (ring_core.kernels.gluon_bwd) cannot run on a CPU, but the rules that decide its work are protocol
+helpers in triton.language, so they run here as they compile there: for each dK/dV task (a K/V block of 128 rows
+of rank ``rank - d``) and each local query block of 64 rows,
+* every query row that attends some key of the block lies in the task's steps, and the block is then ``sent``
+  (it reaches this rank, and its partial goes back): no pair is skipped;
+* ``sent`` only where some query of this rank sees a row of the block by position (nothing sent or waited for in
+  vain by position);
+* a step marked unmasked holds only allowed pairs (its P is used without the mask);
+* the owner of each block waits for a peer's partial exactly where that peer's task sends one
+  (ring_core.protocol.steps.block_reaches asked from the owner's side, as both backwards' final tasks ask it, against
+  the
+  peer's ``sent``): no wait in vain, no partial unread.
+The ranges the kernels read are built as ring_core.protocol.steps.publish_id_ranges writes them
+(ring_core.testing.id_range_words: a chunk's lo counts padding as -1; the halves' ranges count ids >= 0). What the
+Gluon kernel then computes with them is checked on a
+GPU (tests/gpu/gpu_checks.py, section gluon-bwd-masks).
+"""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+PROBE = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    import torch
+    import triton
+    import triton.language as tl
+    from ring_core import layout as L, masks, testing
+    from ring_core.protocol import steps as protocol
+
+    KV, QR, CR = 128, 64, 128
+
+
+    @triton.jit
+    def probe(rng, out, B, S, n_chunks, rank, W: tl.constexpr, CAUSAL: tl.constexpr, ZIGZAG: tl.constexpr,
+              WINDOW: tl.constexpr, WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SEGMENTED: tl.constexpr):
+        t = tl.program_id(0)
+        b = tl.program_id(1)
+        n_kvb = S // 128
+        d = t // n_kvb
+        n0 = (t % n_kvb) * 128
+        src = (rank - d + W) % W
+        rng_b = protocol.ranges_of(rng, rank, b, B, n_chunks)
+        sent, i_lo, n_m, i_full, i_fend, kv_t = protocol.bwd_task_steps(
+            n0, d, src, rank, b, B, S, rng, rng_b, n_chunks, W, 128, 64, 128, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT,
+            WIN_RIGHT, SEGMENTED)
+        base = out + (b * W * n_kvb + t) * (4 + S // 64 + W)
+        tl.store(base, sent)
+        tl.store(base + 1, i_lo)
+        tl.store(base + 2, n_m)
+        for i in range(0, S // 64):
+            m0 = i * 64
+            u = protocol.bwd_step_unmasked(m0, i_full, i_fend, 64)
+            if SEGMENTED:
+                u = u & protocol.chunk_one_id(rng_b, m0 // 128, m0 >= 0, kv_t)
+            tl.store(base + 4 + i, u.to(tl.int32))
+        if d == 0:  # the owner's side: whether it waits for peer r's partial of this block
+            my_lo, my_hi = protocol.published_range(rng, rank, b, B, n_chunks, n0 // 128)
+            for r in tl.static_range(W):
+                if r != rank:
+                    w = protocol.block_reaches(n0, n0 + 128, protocol.positions(n0, rank, S, W, ZIGZAG), rank, r,
+                                               rng, b, B, n_chunks, my_lo, my_hi, True, S, W, ZIGZAG, CAUSAL, WINDOW,
+                                               WIN_LEFT, WIN_RIGHT, SEGMENTED)
+                    tl.store(base + 4 + S // 64 + r, w.to(tl.int32))
+
+
+
+
+    out = []
+    for W, B, S, causal, lay, window, seg in json.loads(sys.argv[1]):
+        window = tuple(window) if window else masks.NO_WINDOW
+        win = masks.kernel_window(causal, window, W * S)
+        rs = np.random.default_rng(W * 100 + S + causal)
+        G = None
+        if seg:  # documents of 1-150 tokens, padding at the end and a run of 90 in the middle
+            G = testing.random_segment_ids(int(rs.integers(1 << 20)), B, W * S, max_len=150)
+            G[:, W * S // 3:W * S // 3 + 90] = -1
+        pos = [L.global_positions(np, r, W, S, lay) for r in range(W)]
+        local = [G[:, p] if seg else None for p in pos]
+        rng = torch.tensor(np.stack([testing.id_range_words(x, CR, lay == "zigzag") for x in local]) if seg
+                           else np.zeros((W, B, S // CR + 2, 2)), dtype=torch.int32).reshape(-1)
+        n_kvb = S // KV
+        bad = []
+        checked = 0
+        per_rank = []
+        for rank in range(W):
+            res = torch.full((B * W * n_kvb * (4 + S // QR + W),), -7, dtype=torch.int32)
+            probe[(W * n_kvb, B)](rng, res, B, S, S // CR, rank, W, causal, lay == "zigzag", win != masks.NO_WINDOW,
+                                  win[0], win[1], seg)
+            res = res.numpy().reshape(B, W * n_kvb, 4 + S // QR + W)
+            per_rank.append(res)
+            for b in range(B):
+                for t in range(W * n_kvb):
+                    d, n0 = t // n_kvb, (t % n_kvb) * KV
+                    src = (rank - d) % W
+                    kp = pos[src][n0:n0 + KV]
+                    by_pos = masks.allowed(pos[rank], kp, is_causal=causal, window=window)
+                    by_pos = np.ones((S, KV), bool) if by_pos is None else by_pos
+                    ok = by_pos
+                    if seg:
+                        q_ids, k_ids = local[rank][b], local[src][b, n0:n0 + KV]
+                        ok = ok & (q_ids[:, None] == k_ids[None, :]) & (q_ids[:, None] >= 0)
+                    sent, i_lo, n_m = res[b, t, :3]
+                    unmasked = res[b, t, 4:4 + S // QR]
+                    rows = np.nonzero(ok.any(axis=1))[0]
+                    where = f"W{W} {lay} causal={causal} window={window} seg={seg} rank {rank} b {b} d {d} n0 {n0}"
+                    checked += 1
+                    if rows.size and not sent:
+                        bad.append(f"{where}: rows {rows[:4]} attend the block, but it is not sent")
+                    blocks = rows // QR
+                    if rows.size and not ((blocks >= i_lo) & (blocks < i_lo + n_m)).all():
+                        bad.append(f"{where}: query blocks {sorted(set(blocks))} outside the steps [{i_lo}, "
+                                   f"{i_lo + n_m})")
+                    if sent and not by_pos.any():
+                        bad.append(f"{where}: sent, but no query of this rank sees it by position")
+                    if not sent and n_m:
+                        bad.append(f"{where}: {n_m} steps of a block not sent")
+                    for i in range(i_lo, i_lo + n_m):
+                        if unmasked[i] and not ok[i * QR:(i + 1) * QR].all():
+                            bad.append(f"{where}: query block {i} unmasked but holds masked pairs")
+        for owner in range(W):  # the owner waits for a peer's partial exactly where the peer sends it
+            for b in range(B):
+                for blk in range(n_kvb):
+                    for r in range(W):
+                        if r != owner:
+                            waits = per_rank[owner][b, blk, 4 + S // QR + r]
+                            sends = per_rank[r][b, ((r - owner) % W) * n_kvb + blk, 0]
+                            checked += 1
+                            if bool(waits) != bool(sends):
+                                bad.append(f"W{W} {lay} causal={causal} window={window} seg={seg}: rank {owner} "
+                                           f"block {blk} b {b}: waits for rank {r}'s partial {bool(waits)}, sent "
+                                           f"{bool(sends)}")
+        out.append(dict(checked=checked, bad=bad[:8]))
+    print(json.dumps(out))
+""")
+
+# (W, B, S, causal, layout, window, segment ids): every world size up to 3, both layouts, windows one- and
+# two-sided and crossing shards, packed documents with padding, both masks together.
+CASES = [(1, 2, 512, True, "contiguous", None, True),
+         (2, 1, 512, True, "zigzag", None, True),
+         (2, 2, 512, False, "contiguous", None, True),
+         (3, 1, 512, True, "contiguous", (300, -1), False),
+         (2, 1, 512, False, "zigzag", (200, 90), False),
+         (3, 1, 512, False, "zigzag", (200, 90), True),
+         (2, 1, 512, True, "zigzag", (150, -1), True),
+         (1, 1, 512, False, "contiguous", (64, 0), True)]
+
+
+def test_masked_backward_steps_cover_every_allowed_pair_and_unmask_only_whole_blocks():
+    """The masked Gluon backward's plan of each dK/dV task (module docstring) against every pair the mask allows,
+    for the cases above, each at every rank of its ring, in the interpreter."""
+    env = {k: v for k, v in os.environ.items()}
+    env.update(TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", PROBE, json.dumps(CASES)], capture_output=True, text=True, env=env,
+                       cwd=ROOT, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(got) == len(CASES)
+    for case, g in zip(CASES, got):
+        assert g["checked"] > 0 and not g["bad"], (case, g)
+
+
+
+KEYED = textwrap.dedent("""
+    import json
+    import numpy as np
+    import torch
+    import triton
+    import triton.language as tl
+    from ring_core import masks
+    from ring_core.protocol import steps as protocol
+
+
+    @triton.jit
+    def rule(qp, kp, qs, ks, out, N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+             WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, KEYED: tl.constexpr):
+        i = tl.arange(0, N)
+        q_pos, k_pos, q_seg, k_seg = tl.load(qp + i), tl.load(kp + i), tl.load(qs + i), tl.load(ks + i)
+        if KEYED:  # as the Gluon kernels key them: once per row and per column
+            q_seg = protocol.segment_keys(q_seg, protocol.QUERY_PAD)
+            k_seg = protocol.segment_keys(k_seg, protocol.KEY_PAD)
+        ok = protocol.pairs_allowed(k_pos[None, :] >= 0, q_pos[:, None], k_pos[None, :], q_seg[:, None],
+                                    k_seg[None, :], CAUSAL, WINDOW, WIN_LEFT, WIN_RIGHT, True, KEYED)
+        tl.store(out + i[:, None] * N + i[None, :], ok.to(tl.int32))
+
+
+    rng = np.random.default_rng(7)
+    N, bad, checked = 32, [], 0
+    for trial in range(12):
+        q_pos = rng.permutation(64)[:N].astype(np.int32)
+        k_pos = rng.permutation(64)[:N].astype(np.int32)
+        # ids with padding (several negative values), ids equal to the padding keys' numbers, large ids
+        pool = np.array([-1, -2, -3, -7, 0, 1, 2, 3, 2147483647], np.int32)
+        q_seg, k_seg = rng.choice(pool, N).astype(np.int32), rng.choice(pool, N).astype(np.int32)
+        causal = bool(trial % 2)
+        window = [(-1, -1), (5, 3), (0, -1)][trial % 3]
+        want = masks.allowed(q_pos, k_pos, is_causal=causal, window=window, q_segment_ids=q_seg[None],
+                             k_segment_ids=k_seg[None])[0, 0, 0]
+        for keyed in (False, True):
+            out = torch.zeros((N, N), dtype=torch.int32)
+            rule[(1,)](*(torch.from_numpy(x) for x in (q_pos, k_pos, q_seg, k_seg)), out, N, causal,
+                       window != (-1, -1), window[0], window[1], keyed)
+            checked += 1
+            if not np.array_equal(out.numpy().astype(bool), want):
+                bad.append([trial, keyed])
+    print(json.dumps({"checked": checked, "bad": bad}))
+""")
+
+
+def test_keyed_segment_ids_give_the_same_rule():
+    """protocol.pairs_allowed on ids keyed by protocol.segment_keys (KEYED=True, as the Gluon kernels' masked steps
+    use it: one compare a pair) allows exactly the pairs of ring_core.masks.allowed, as the unkeyed rule does:
+    padding of several negative values on both sides, ids equal to the keys' padding numbers, causal and windows,
+    in the interpreter."""
+    env = {k: v for k, v in os.environ.items()}
+    env.update(TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", KEYED], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got == {"checked": 24, "bad": []}, got
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
