@@ -54,8 +54,9 @@ SETTINGS = (
             "deferred", "at each fused call (torch) / trace (JAX)"),
     Setting(HEAP_BYTES, "bytes of the symmetric heap `initialize()` reserves when it is given no `heap_size`",
             "4294967296 (4 GiB)", "at `initialize()`"),
-    Setting(NODE_SIZE, "ranks per node for the two-level ring; set it to test several nodes on one host",
-            "found from the launcher (LOCAL_WORLD_SIZE, SLURM)", "at each plan of a two-level ring"),
+    Setting(NODE_SIZE, "ranks per node (host) for the two-level ring; overrides LOCAL_WORLD_SIZE and SLURM's counts, "
+            "and lets several nodes share a host (to test the two-level ring on one machine)",
+            "found from the launcher (LOCAL_WORLD_SIZE, SLURM)", "at `initialize()` (ring_core.topology)"),
     Setting(GLUON, '"0": every forward and backward runs the `triton.language` kernels, also on Hopper (the '
             "portable kernels, the parity reference of the Gluon ones)", "1", "at each plan"),
     Setting(GLUON_DETERMINISTIC, '"0": `deterministic=True` backwards run the `triton.language` split kernel '
@@ -78,7 +79,12 @@ SETTINGS = (
     Setting("WORLD_SIZE", "the job's ranks", "-", "at `initialize()`", False),
     Setting("LOCAL_RANK", "this process's rank on its node: its GPU is LOCAL_RANK % visible GPUs", "RANK",
             "at `initialize()`", False),
-    Setting("LOCAL_WORLD_SIZE", "ranks on this node", "WORLD_SIZE", "at `initialize()`", False),
+    Setting("LOCAL_WORLD_SIZE", "ranks on this node (also the two-level ring's node size)", "WORLD_SIZE",
+            "at `initialize()`", False),
+    Setting("SLURM_NTASKS_PER_NODE", "SLURM's tasks per node: the node size where LOCAL_WORLD_SIZE is unset", "-",
+            "at `initialize()` (ring_core.topology)", False),
+    Setting("SLURM_TASKS_PER_NODE", 'SLURM\'s tasks per node as "4(x2)" or "4,4": the node size where neither of '
+            "the above is set", "-", "at `initialize()` (ring_core.topology)", False),
     Setting("MASTER_ADDR", "the rendezvous host", "-", "at `initialize()`", False),
     Setting("MASTER_PORT", "the rendezvous port (JAX's coordinator: MASTER_PORT + 1)", "-", "at `initialize()`",
             False),

@@ -30,14 +30,15 @@ Nodes(num_nodes=2, node_size=4)
 from __future__ import annotations
 
 import operator
-import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-OVERRIDE = "RING_ATTENTION_NODE_SIZE"
+from ring_core import settings
+
+OVERRIDE = settings.NODE_SIZE
 # The variables looked at, in order; the first set one wins (the module docstring).
 ENV_ORDER = (OVERRIDE, "LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
 # Sources that name the node size on purpose: several nodes may then share a host (the test mode).
@@ -136,9 +137,9 @@ def _parse_tasks_per_node(text: str) -> int:
 
 def _from_env(world_size: int, env: Mapping[str, str] | None):
     """(node size or None, the variable it came from)."""
-    env = os.environ if env is None else env
+    get = settings.raw if env is None else env.get  # (the variables are in ring_core.settings' table)
     for name in ENV_ORDER:
-        text = env.get(name)
+        text = get(name)
         if text is None or not str(text).strip():
             continue
         text = str(text).strip()
