@@ -39,16 +39,15 @@ MODES = ("none", "deferred", "call")
 # (the handler is Python, looked up at each call; the compiled program is the same): "deferred-nocopy" records the
 # event but copies nothing (the slot is marked right by hand), "deferred-noop" returns at once (what is left: XLA
 # calling a host handler between the kernel and the rest of the program). Measurement only: such a handler checks
-# nothing. "deferred-kernel", "deferred-pdl" and "deferred-dma" are real checks, the slots filled by jax_ring.status's
-# one-warp copy kernel launched plainly or as a programmatic dependent launch (Hopper), or by cuMemcpyDtoHAsync
-# (RING_ATTENTION_STATUS_COPY; "deferred" is the default's). Each row's ``copy`` says which copy ran.
+# nothing. "deferred-kernel" and "deferred-pdl" are real checks, the slots filled by jax_ring.status's one-warp copy
+# kernel launched plainly or as a programmatic dependent launch (Hopper; "deferred" is the default's). Each row's
+# ``copy`` says which copy ran.
 # "deferred-timed" is "deferred" with its handler's host time taken (perf_counter around ``_execute``, whose total
 # per call is printed and written as ``handler_us``): what the handler's Python costs on this machine; and the share
 # of its calls that ran on the main thread (``handler_on_main``; else on a thread of XLA's).
 # "deferred-parts" times the handler's parts in place (its functions and the driver's calls, each wrapped), written
 # as ``parts``: microseconds a call of each.
-PROBES = ("deferred-nocopy", "deferred-noop", "deferred-kernel", "deferred-dma", "deferred-pdl", "deferred-timed",
-          "deferred-parts")
+PROBES = ("deferred-nocopy", "deferred-noop", "deferred-kernel", "deferred-pdl", "deferred-timed", "deferred-parts")
 _handler_s = []  # "deferred-timed": seconds of each handler call
 _handler_main = []  # "deferred-timed": whether each ran on the main thread
 _parts = {}  # "deferred-parts": part -> seconds, summed
@@ -79,7 +78,7 @@ def _probe(mode):
             self._ok(self.cu.cuEventRecord(self.events[slot], stream), "cuEventRecord")
 
         return mock.patch.object(status._CudaSlots, "copy", copy)
-    if mode in ("deferred-kernel", "deferred-dma", "deferred-pdl"):
+    if mode in ("deferred-kernel", "deferred-pdl"):
         return mock.patch.object(status._slots["cuda"], "mode", mode.split("-")[1])  # made by the first runs
     if mode == "deferred-noop":
         return mock.patch.object(status, "_execute", lambda frame, platform: None)
