@@ -1,13 +1,13 @@
-"""Run GPU stages in one device call and carry the Triton cache from one call to the next.
+"""Run GPU stages in one GPU run and carry the Triton cache from one call to the next.
 
-A cold compile of the kernels costs 5-150 s per variant on the GPU machine, and every call of the device tool
+A cold compile of the kernels costs 5-150 s per variant on the GPU machine, and every run on the GPU machine
 starts on a bare machine. This runner restores the Triton cache carried in ``.tcache/``, runs the stages one
 after another, each under its own time limit, and then writes the variants it compiled under ``$OUT`` in parts
-of at most 15 MiB (the device tool returns at most 8 files of 16 MiB). The next call finds the compiled kernels,
+of at most 15 MiB (a remote run returns a limited number of files). The next call finds the compiled kernels,
 as long as the kernel source has not changed. Of each variant only what a launch needs travels (CACHE_SUFFIXES).
 
 The local cache ``.cache/triton/`` (git-ignored) is the master copy. It can be filled here, with no GPU, before
-the device call (tools/gpu_variants.py works the variants out from the stages' tables; it needs Triton of the
+the GPU run (tools/gpu_variants.py works the variants out from the stages' tables; it needs Triton of the
 GPU machine's wheel: ``python -m ring_core.runtime.build --identity`` prints the same line on both)::
 
     python tools/gpu_variants.py --nproc 4 checks-all soak --out /tmp/variants.jsonl
@@ -19,11 +19,11 @@ On the GPU machine (carry ``.gpu`` and ``.tcache``)::
     source .gpu/prelude.sh; python tools/gpu_session.py --budget 580 --out $OUT soak:300 bench-fwdbwd:240
     source .gpu/prelude.sh; python tools/gpu_session.py --nproc 4 --out $OUT checks:300 faults:200  # 4 ranks, 1 GPU
 
-Several sessions in one call write into folders of ``$OUT``; the device tool returns at most 8 files, so end
+Several sessions in one call write into folders of ``$OUT``; a remote run may return only a few files, so end
 the call with ``python tools/gpu_session.py --bundle $OUT`` (one tar, in parts). Then, on this machine, add the
 returned compiles to the local cache and carry it again (a bundle is first unpacked into a new folder)::
 
-    python tools/gpu_session.py --collect /work/.device/N
+    python tools/gpu_session.py --collect RETURNED_DIR
 
 Compiles are logged (ring_core.runtime.build's compile log, tagged ``stage@nproc``) into ``$OUT/compiles.jsonl``;
 ``--collect`` merges them into ``tools/gpu_compiles.jsonl`` (committed), and a ``warm`` stage put first
@@ -188,7 +188,7 @@ def _mask_cost(timing: str, csv: str) -> list:
 
 
 STAGES = {
-    # First in a call after a kernel edit: the later stages' variants (as tests/gpu_compiles.jsonl records them, at
+    # First in a call after a kernel edit: the later stages' variants (as tools/gpu_compiles.jsonl records them, at
     # the same --nproc), compiled from the current source many at a time, instead of one after another as each
     # stage's cases reach them.
     "warm": (240, [[sys.executable, "tools/gpu_variants.py", "--nproc", "{nproc}", "--stages", "{later_names}",
@@ -467,7 +467,7 @@ def save_cache(out: str, cache: str = CACHE, part_bytes: int = PART_BYTES, skip=
 
 
 def _split(joined: str, out: str, prefix: str, part_bytes: int = PART_BYTES) -> list:
-    """Cut the file ``joined`` into ``out/{prefix}NN`` parts of at most ``part_bytes`` (the device tool returns
+    """Cut the file ``joined`` into ``out/{prefix}NN`` parts of at most ``part_bytes`` (a remote run returns
     files of at most 16 MiB), remove it; returns the parts' paths."""
     paths = []
     with open(joined, "rb") as f:
@@ -484,7 +484,7 @@ BUNDLE_PREFIX = "results.tgz.part"
 
 def bundle(out: str, part_bytes: int = PART_BYTES) -> list:
     """Put every file under ``out`` (several sessions' folders, their logs, JSON and cache parts) into one tar
-    cut into ``results.tgz.partNN``: the device tool returns at most 8 files (a W=8 log was lost to that,
+    cut into ``results.tgz.partNN``: a remote run returns few files (a W=8 log was lost to that,
     2026-12-02). ``--collect`` takes such a bundle apart again. Returns the parts' paths."""
     files = sorted(os.path.relpath(os.path.join(d, f), out) for d, _, fs in os.walk(out) for f in fs)
     if not files:
@@ -502,8 +502,8 @@ def bundle(out: str, part_bytes: int = PART_BYTES) -> list:
 
 
 def unbundle(returned: str) -> str:
-    """The folder holding what a device call returned: ``returned`` itself, or, where it holds a bundle
-    (``results.tgz.partNN``), a new folder it is unpacked into (the device tool's folder is read-only)."""
+    """The folder holding what a GPU run returned: ``returned`` itself, or, where it holds a bundle
+    (``results.tgz.partNN``), a new folder it is unpacked into (the returned folder may be read-only)."""
     parts = sorted(glob.glob(os.path.join(returned, BUNDLE_PREFIX + "*")))
     if not parts:
         return returned
@@ -520,7 +520,7 @@ def unbundle(returned: str) -> str:
 def pack(carry: str = CARRY, cache: str = CACHE) -> int:
     """Replace the carried parts with the whole local ``cache`` (as ``save_cache`` writes it); returns how many.
     The local cache is the master copy: variants warmed on this machine (tools/gpu_variants.py) and those
-    device calls returned (``collect``)."""
+    GPU runs returned (``collect``)."""
     os.makedirs(carry, exist_ok=True)
     for old in glob.glob(os.path.join(carry, PART_PREFIX + "*")):
         os.remove(old)
@@ -528,7 +528,7 @@ def pack(carry: str = CARRY, cache: str = CACHE) -> int:
 
 
 def merge_compiles(returned: str, compiles: str = COMPILES) -> int:
-    """Merge the compile log a device call returned into ``compiles``: a tag's records are replaced by the new
+    """Merge the compile log a GPU run returned into ``compiles``: a tag's records are replaced by the new
     run's (the latest set of variants a stage needed), other tags kept; returns the records now there."""
     new_path = os.path.join(returned, COMPILE_LOG)
     if not os.path.exists(new_path):
@@ -544,13 +544,13 @@ def merge_compiles(returned: str, compiles: str = COMPILES) -> int:
 
 def returned_sessions(returned: str) -> list:
     """The folders under ``returned`` (unbundled) that a session wrote into (its compile log or cache parts):
-    one per ``gpu_session.py`` run of the device call."""
+    one per ``gpu_session.py`` run of the GPU run."""
     return sorted(d for d, _, fs in os.walk(returned)
                   if COMPILE_LOG in fs or any(f.startswith(PART_PREFIX) for f in fs))
 
 
 def collect(returned: str, carry: str = CARRY, cache: str = CACHE) -> int:
-    """Add the cache parts a device call returned (its new compiles, from every session folder in it; unbundled)
+    """Add the cache parts a GPU run returned (its new compiles, from every session folder in it; unbundled)
     to the local cache, then carry the whole local cache (``pack``); returns the number of parts carried."""
     parts = [sorted(glob.glob(os.path.join(d, PART_PREFIX + "*"))) for d in returned_sessions(returned)]
     if not any(parts):
@@ -596,7 +596,7 @@ SAVE_RESERVE = 45  # seconds kept for writing the cache back at the end of a --b
 def stage_limits(stages, budget, reserve: float = SAVE_RESERVE) -> list:
     """The stages' time limits within ``budget`` seconds for the whole session (None: no budget), keeping
     ``reserve`` seconds for the cache save; stages are clipped in order, and those left without at least 5 s
-    get 0 (skipped). Every stage in a device call should fit its limit, and the cache must be saved: a call
+    get 0 (skipped). Every stage in a GPU run should fit its limit, and the cache must be saved: a call
     stopped from outside loses both (it happened: the next call recompiled everything)."""
     if budget is None:
         return [limit for _, limit in stages]
@@ -613,10 +613,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("stages", nargs="*", type=parse_stage, help="NAME[:SECONDS] ...")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="where the log and the cache parts go ($OUT)")
-    ap.add_argument("--collect", metavar="DIR", help="add the cache parts a device call returned to the local cache "
+    ap.add_argument("--collect", metavar="DIR", help="add the cache parts a GPU run returned to the local cache "
                     "(.cache/triton) and carry it (.tcache/); merge its compile log")
     ap.add_argument("--bundle", metavar="DIR", help="put every file under DIR (e.g. $OUT, after the sessions of a "
-                    "device call) into results.tgz.partNN, since the device tool returns at most 8 files")
+                    "GPU run) into results.tgz.partNN, since a remote run returns few files")
     ap.add_argument("--pack", action="store_true",
                     help="carry the local cache (.cache/triton, e.g. filled by ring_core.runtime.build --warm) in .tcache/")
     ap.add_argument("--nproc", type=int, default=2,
@@ -625,7 +625,7 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=float, default=None, metavar="SECONDS",
                     help="wall time for the whole session: the stages' limits are clipped in order so that it "
                          f"ends, cache saved, within it ({SAVE_RESERVE} s kept for the save); use it inside a "
-                         "device call's own limit")
+                         "GPU run's own limit")
     ap.add_argument("--no-ptxas-shim", action="store_true",
                     help="let jaxlib run its own ptxas on every variant in every process, instead of serving it "
                          "the cubin Triton built from the same PTX (ring_core/runtime/ptxas_shim.py)")

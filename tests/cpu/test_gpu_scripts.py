@@ -280,8 +280,8 @@ def test_session_restarts_mps_after_a_stage_that_may_have_faulted_it(tmp_path, m
 
 
 def test_session_bundle_returns_several_sessions_in_few_files(tmp_path, monkeypatch):
-    """A device call with several sessions (``--out $OUT/w8``, ``$OUT/w4``, ...) ends with ``--bundle $OUT``: every
-    file in one tar cut into parts under the size limit; ``--collect`` unpacks it elsewhere (the device tool's
+    """A GPU run with several sessions (``--out $OUT/w8``, ``$OUT/w4``, ...) ends with ``--bundle $OUT``: every
+    file in one tar cut into parts under the size limit; ``--collect`` unpacks it elsewhere (the remote run's
     folder is read-only), merges each session's compile log and adds each session's new compiles to the cache."""
     gs = _script("gpu_session")
     out = tmp_path / "out"
@@ -299,7 +299,7 @@ def test_session_bundle_returns_several_sessions_in_few_files(tmp_path, monkeypa
     assert gs.main(["--bundle", str(out)]) == 0
     left = sorted(p.name for p in out.iterdir())
     assert left and all(n.startswith(gs.BUNDLE_PREFIX) for n in left), left
-    out.chmod(0o555)  # as the device tool leaves it
+    out.chmod(0o555)  # as a remote run may leave it
     local, compiles = tmp_path / "here" / ".cache" / "triton", tmp_path / "compiles.jsonl"
     monkeypatch.setattr(gs, "CACHE", str(local))
     monkeypatch.setattr(gs, "CARRY", str(tmp_path / "carry"))
