@@ -53,11 +53,9 @@ def initialize(heap_size: int | None = None, group=None, node_size: int | None =
     first); after ``shutdown()`` it creates a new heap on the same process group. Until it has run,
     ``backend="fused"`` raises and ``backend="auto"`` uses the torch reference ring.
     """
-    import torch.distributed as dist
-
     heap_size = _heap.check_heap_size(heap_size) if heap_size is not None else None
-    _heap.init_torch_distributed_from_env()
-    return _heap.initialize(heap_size, nodes=topology.resolve_nodes(dist.get_world_size(), node_size))
+    _, world, _ = _heap.init_torch_distributed_from_env()
+    return _heap.initialize(heap_size, nodes=topology.resolve_nodes(world, node_size))
 
 
 def shutdown() -> bool:

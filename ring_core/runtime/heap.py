@@ -476,8 +476,10 @@ def initialize(heap_size: int | None = None, nodes=None) -> SymmetricHeap:
             _node_rings = None
         elif _node_rings is None or _node_rings.nodes != nodes:  # (process groups are made once per job)
             _node_rings = join_nodes(nodes)
-        _heap = SymmetricHeap(heap_size, nodes=nodes, node_group=None if _node_rings is None else
-                              _node_rings.node_group)
+        if _node_rings is None:  # one node: the heap as it always was
+            _heap = SymmetricHeap(heap_size)
+        else:
+            _heap = SymmetricHeap(heap_size, nodes=nodes, node_group=_node_rings.node_group)
         return _heap
 
 
