@@ -13,6 +13,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+
+
+def gpu_script(name: str):
+    """One of the GPU scripts in tests/gpu/ (gpu_faults, gpu_soak, test_gpu) or tools/ (gpu_session), imported as a
+    module (the CPU tests check their host side; the GPU suite reads their tables)."""
+    import importlib
+
+    sys.path[:0] = [os.path.join(ROOT, "tests", "gpu"), os.path.join(ROOT, "tools")]
+    try:
+        return importlib.import_module(name)
+    finally:
+        del sys.path[:2]
+
+
 # ---------------------------------------------------------------------------------------------- JAX
 _HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"
 _flags = os.environ.get("XLA_FLAGS", "")

@@ -1,4 +1,5 @@
-"""The examples run on CPU (`--cpu`: reference backends, gloo / simulated XLA devices) and check themselves."""
+"""The examples run on CPU (`--cpu`: reference backends, gloo / simulated XLA devices) and check themselves (the
+integration examples against one device: a non-zero exit beyond their tolerance)."""
 
 import os
 import subprocess
@@ -42,3 +43,17 @@ def test_jax_example_on_cpu():
 def test_flax_train_example_on_cpu(dp):
     out = _run(["examples/flax_train.py", "--cpu", "--seq", "256", "--steps", "4", "--dp", str(dp)])
     assert f"loss ring ({dp} x 2 devices" in out and "max |loss difference| over 4 steps" in out
+
+
+@pytest.mark.parametrize("extra", [[], ["--model", "mistral", "--window", "24", "--layout", "contiguous"]],
+                         ids=["llama-zigzag", "mistral-window-contiguous"])
+def test_hf_example_on_two_cpu_ranks(extra):
+    pytest.importorskip("transformers", reason="the [hf] extra (transformers) is not installed")
+    out = _run(["-m", "torch.distributed.run", "--nproc-per-node", "2", "examples/hf_llama_train.py", "--cpu",
+                "--seq", "128", "--steps", "3", *extra])
+    assert "max |loss difference| over 3 steps" in out
+
+
+def test_flax_attention_fn_example_on_cpu():
+    out = _run(["examples/flax_attention_fn.py", "--cpu", "--seq", "128", "--steps", "3"])
+    assert "loss ring (2 devices, backend=xla)" in out and "max |loss difference| over 3 steps" in out

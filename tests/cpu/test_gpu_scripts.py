@@ -9,19 +9,10 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import gpu_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
-
-def _script(name: str):
-    """One of the GPU scripts in tests/gpu/ (gpu_faults, gpu_soak) or tools/ (gpu_session), imported as a module."""
-    import importlib
-
-    sys.path[:0] = [str(ROOT / "tests" / "gpu"), str(ROOT / "tools")]
-    try:
-        return importlib.import_module(name)
-    finally:
-        del sys.path[:2]
 
 
 def test_fault_expectations_name_checks_the_script_reports():
@@ -32,12 +23,12 @@ def test_fault_expectations_name_checks_the_script_reports():
     text = (ROOT / "tests" / "gpu" / "gpu_faults.py").read_text()
     patterns = [re.escape(n).replace(r"\{", "{") for n in re.findall(r'check\(f?"([^"]+)"', text)]
     patterns = [re.sub(r"\{[^}]*\}", ".+", p) for p in patterns]
-    suite = _script("test_gpu")
+    suite = gpu_script("test_gpu")
     for sections in suite.FAULT_RUNS:
         for shared in (False, True):
             wanted, may_skip = suite.expected_fault_checks(sections, shared)
             for name in wanted:
-                reported = any(re.fullmatch(p, name) for p in patterns) or name in _script("gpu_faults").CONCURRENT_CHECKS
+                reported = any(re.fullmatch(p, name) for p in patterns) or name in gpu_script("gpu_faults").CONCURRENT_CHECKS
                 assert reported, name
             assert may_skip <= set(wanted)
 
@@ -45,7 +36,7 @@ def test_fault_expectations_name_checks_the_script_reports():
 def test_soak_plan_is_valid_and_the_same_on_every_rank():
     from ring_core import validate
 
-    gpu_soak = _script("gpu_soak")
+    gpu_soak = gpu_script("gpu_soak")
 
     plan = gpu_soak.plan(2026, 40, 4)
     assert plan == gpu_soak.plan(2026, 40, 4) and len(set(plan)) > 10
@@ -64,7 +55,7 @@ def test_fault_script_imports_lightly_and_checks_its_arguments():
             "heavy = [m for m in ('jax', 'torch', 'iris', 'jax_ring', 'torch_bridge') if m in sys.modules]; "
             "assert not heavy, heavy")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=120)
-    gf = _script("gpu_faults")
+    gf = gpu_script("gpu_faults")
     for argv, fragment in ((["--sections", "kill,timeout"], "must run alone"),
                            (["--sections", "timeout,hang"], "unknown sections")):
         r = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu" / "gpu_faults.py"), *argv], cwd=ROOT,
@@ -78,7 +69,7 @@ def test_fault_script_timeout_message_check():
 
     from ring_core.protocol import control
 
-    gf = _script("gpu_faults")
+    gf = gpu_script("gpu_faults")
     for status in ((control.ERR_KV_TIMEOUT, 1, 1, 4), (control.ERR_BARRIER_TIMEOUT, 1, 0, 4)):
         with pytest.raises(control.RingAttentionTimeout) as info:
             control.check_status(np.array(status, np.int32), rank=0, timeout_s=5.0)
@@ -93,7 +84,7 @@ def test_fault_script_timeout_message_check():
 
 
 def test_fault_script_report_and_waits(capsys):
-    gf = _script("gpu_faults")
+    gf = gpu_script("gpu_faults")
     report = gf.Report(rank=0)
     with report.check("passes") as c:
         c.detail = "fine"
@@ -122,7 +113,7 @@ def test_fault_script_watchdog_ends_a_stuck_process():
 
 # ------------------------------------------------------------ the GPU session runner's host-side logic (CPU)
 def test_session_stages_parse_and_fill_their_commands():
-    gs = _script("gpu_session")
+    gs = gpu_script("gpu_session")
     assert gs.parse_stage("soak") == ("soak", float(gs.STAGES["soak"][0]))
     assert gs.parse_stage("faults:90") == ("faults", 90.0)
     for bad in ("nope", "soak:x", "soak:0"):
@@ -148,7 +139,7 @@ def test_session_warm_stage_compiles_for_the_stages_after_it(tmp_path, monkeypat
     """The warm stage asks ring_core.runtime.build for the later stages' recorded variants (tagged stage@nproc); each
     stage's compiles are tagged so; --collect merges a call's compile log, a tag's records replaced by the new
     run's."""
-    gs = _script("gpu_session")
+    gs = gpu_script("gpu_session")
     variants, cmd = gs.commands("warm", 200, "/o", nproc=4, later=["checks-masks", "bench-packed"])
     assert variants[1:] == ["tools/gpu_variants.py", "--nproc", "4", "--stages", "checks-masks,bench-packed",
                             "--out", "/o/" + gs.VARIANTS]
@@ -174,7 +165,7 @@ def test_session_warm_stage_compiles_for_the_stages_after_it(tmp_path, monkeypat
 
 
 def test_session_budget_clips_stages_and_keeps_time_for_the_cache():
-    gs = _script("gpu_session")
+    gs = gpu_script("gpu_session")
     stages = [("checks", 300.0), ("soak", 200.0), ("kill", 90.0)]
     assert gs.stage_limits(stages, None) == [300.0, 200.0, 90.0]
     assert gs.stage_limits(stages, 1000, reserve=45) == [300.0, 200.0, 90.0]
@@ -186,7 +177,7 @@ def test_session_cache_survives_the_round_trip_in_parts(tmp_path):
     """The cache carried in parts (``pack``) is restored on the GPU machine; what a session compiled there (the
     entries it did not restore) comes back in parts that respect the size limit, and ``collect`` adds them to
     the local cache and carries it all. Only what a launch needs travels (no IR)."""
-    gs = _script("gpu_session")
+    gs = gpu_script("gpu_session")
     local = tmp_path / "here" / ".cache" / "triton"
     files = {"a/k.cubin": os.urandom(3000), "a/k.json": b"{}", "a/k.ptx": b"ptx", "b/__grp__k.json": os.urandom(5000)}
     for rel, data in files.items():
@@ -220,7 +211,7 @@ def test_session_cache_survives_the_round_trip_in_parts(tmp_path):
 def test_session_stage_timeout_stops_the_launchers_children(tmp_path, monkeypatch):
     """A stage past its limit is stopped with every process its launcher started (ranks left running would
     use the GPUs under the next stage)."""
-    gs = _script("gpu_session")
+    gs = gpu_script("gpu_session")
     pid_file = tmp_path / "child.pid"
     child = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
     launcher = f"import subprocess, sys; subprocess.Popen([sys.executable, '-c', {child!r}]).wait()"
@@ -244,7 +235,7 @@ def test_session_restarts_mps_after_a_stage_that_may_have_faulted_it(tmp_path, m
     """Ranks sharing a GPU: after a stage that failed, was stopped at its limit or killed a rank on purpose, the
     next stage gets a fresh MPS daemon (a client ended with its kernel in flight faults the GPU for later
     clients too); after a stage that passed, the same one. The ptxas shim goes first on PATH for the stages."""
-    gs = _script("gpu_session")
+    gs = gpu_script("gpu_session")
     events, seen_env = [], []
 
     class FakeMps:
@@ -283,7 +274,7 @@ def test_session_bundle_returns_several_sessions_in_few_files(tmp_path, monkeypa
     """A GPU run with several sessions (``--out $OUT/w8``, ``$OUT/w4``, ...) ends with ``--bundle $OUT``: every
     file in one tar cut into parts under the size limit; ``--collect`` unpacks it elsewhere (the remote run's
     folder is read-only), merges each session's compile log and adds each session's new compiles to the cache."""
-    gs = _script("gpu_session")
+    gs = gpu_script("gpu_session")
     out = tmp_path / "out"
     rec = dict(kernel="m:k", types=["*bf16"], constexprs=dict(W=8), divisible=[], num_warps=4, num_stages=1,
                capability=90)

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import gpu_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -86,7 +87,7 @@ KILL_SHARED = ["kill (shared GPU): rank 0 raises within timeout_s, no hang",
 
 def expected_fault_checks(sections: str, shared: bool) -> tuple:
     """(the checks rank 0 must report, those that may be reported as skipped) for a run of ``sections``."""
-    gf = _script("gpu_faults")
+    gf = gpu_script("gpu_faults")
     if sections == "kill":
         return (KILL_SHARED, {KILL_SHARED[1]}) if shared else (FAULT_RUNS["kill"], set())
     return FAULT_RUNS[sections] + list(gf.CONCURRENT_CHECKS), set(gf.CONCURRENT_CHECKS) if shared else set()
@@ -125,12 +126,3 @@ def test_soak_on_gpus(tmp_path):
     assert summary["ok"] and all(m["wrong"] == 0 and m["calls"] == int(calls) for m in summary["ranks"])
 
 
-def _script(name: str):
-    """One of the GPU scripts in tests/gpu/ (gpu_faults, gpu_soak) or tools/ (gpu_session), imported as a module."""
-    import importlib
-
-    sys.path[:0] = [str(ROOT / "tests" / "gpu"), str(ROOT / "tools")]
-    try:
-        return importlib.import_module(name)
-    finally:
-        del sys.path[:2]
