@@ -93,7 +93,7 @@ two_level.defvjp(_fwd, _bwd)
 def check_fits(spec, backward: bool, deterministic: bool) -> None:
     """Raise (HeapTooSmallError, masks not taken yet) at trace time, before anything runs."""
     h = _heap.get()
-    nodes.check_supported(window=spec.window, segmented=spec.segmented, layout=spec.layout, seq_local=spec.seq_local)
+    nodes.check_supported(spec)
     for sp in nodes.node_specs(spec):
         h.plan(sp, h.node_size)
         if backward:

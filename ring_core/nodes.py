@@ -88,15 +88,15 @@ def supports(spec) -> bool:
     return tuple(spec.window) == (-1, -1) and not spec.segmented
 
 
-def check_supported(*, window, segmented: bool, layout: str, seq_local: int) -> None:
-    """Raise, saying what to do, for a two-level fused call this module cannot run."""
-    if tuple(window) != (-1, -1) or segmented:
-        what = "a sliding window" if tuple(window) != (-1, -1) else "segment ids"
+def check_supported(spec) -> None:
+    """Raise, saying what to do, for a two-level fused call of ``spec`` this module cannot run."""
+    if not supports(spec):
+        what = "segment ids" if tuple(spec.window) == (-1, -1) else "a sliding window"
         raise NotImplementedError(
             f"the fused backend across several nodes does not take {what} yet; use backend='torch' / 'xla' "
             "(the reference ring takes every mask across nodes), or run within one node")
-    if layout == "zigzag" and seq_local % 2:
-        raise ValueError(f"zigzag needs an even seq_local, got {seq_local}")
+    if spec.layout == "zigzag" and spec.seq_local % 2:
+        raise ValueError(f"zigzag needs an even seq_local, got {spec.seq_local}")
 
 
 def node_specs(spec) -> list:

@@ -53,15 +53,19 @@ class _Transfer:
         self.device = xs[0].device
         self.staged = xs[0].is_cuda and dist.get_backend(rings.peers) == "gloo"
         # With gloo, a tensor that arrived here travels on from its host copy (no copy back from the GPU).
-        self.sends = [getattr(x, "_host_copy", None) if self.staged else None for x in xs]
-        self.sends = [s if s is not None else (x.detach().contiguous().cpu() if self.staged else x.detach().contiguous())
-                      for s, x in zip(self.sends, xs)]
+        self.sends = [self._sendable(x) for x in xs]
         self.outs = [torch.empty_like(s) for s in self.sends]
         ops = []
         for send, out in zip(self.sends, self.outs):  # matched in posting order on both ranks
             ops += [dist.P2POp(dist.isend, send, rings.next_rank, rings.peers),
                     dist.P2POp(dist.irecv, out, rings.prev_rank, rings.peers)]
         self.works = dist.batch_isend_irecv(ops)
+
+    def _sendable(self, x):
+        if not self.staged:
+            return x.detach().contiguous()
+        host = getattr(x, "_host_copy", None)
+        return host if host is not None else x.detach().contiguous().cpu()
 
     def wait(self):
         try:
@@ -108,9 +112,21 @@ def _ops(spec: AttentionSpec, rings: _heap.NodeRings, timeout_s, deterministic: 
 def check_fits(spec: AttentionSpec, backward: bool, deterministic: bool) -> None:
     """Raise HeapTooSmallError (or the bad-input error) now, before anything runs, for a two-level call."""
     rings = lifecycle.node_rings()
-    nodes.check_supported(window=spec.window, segmented=spec.segmented, layout=spec.layout, seq_local=spec.seq_local)
+    nodes.check_supported(spec)
     for sp in nodes.node_specs(spec):
         fused.check_fits(sp, rings.node_group, backward=backward, deterministic=deterministic)
+
+
+def _ops_and_geometry(spec: AttentionSpec, timeout_s, deterministic: bool):
+    """(this rank's ring_core.nodes.Ops, the keywords of its place in the two-level ring)."""
+    rings = lifecycle.node_rings()
+    return _ops(spec, rings, timeout_s, deterministic), dict(node=rings.node, num_nodes=rings.nodes.num_nodes,
+                                                             is_causal=spec.is_causal, layout=spec.layout)
+
+
+def _forward(q, k, v, spec: AttentionSpec, timeout_s, deterministic: bool):
+    ops, geometry = _ops_and_geometry(spec, timeout_s, deterministic)
+    return nodes.forward(ops, q, k, v, **geometry)
 
 
 class _TwoLevel(torch.autograd.Function):
@@ -119,21 +135,19 @@ class _TwoLevel(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, spec, timeout_s, deterministic):
-        rings = lifecycle.node_rings()
-        kw = dict(node=rings.node, num_nodes=rings.nodes.num_nodes, is_causal=spec.is_causal, layout=spec.layout)
-        out, lse = nodes.forward(_ops(spec, rings, timeout_s, deterministic), q, k, v, **kw)
+        out, lse = _forward(q, k, v, spec, timeout_s, deterministic)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (spec, timeout_s, deterministic, kw)
+        ctx.args = (spec, timeout_s, deterministic)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        spec, timeout_s, deterministic, kw = ctx.args
-        rings = lifecycle.node_rings()
+        spec, timeout_s, deterministic = ctx.args
         dlse = torch.zeros_like(lse) if dlse is None else dlse.float()
         dout = torch.zeros_like(out) if dout is None else dout.to(q.dtype)
-        dq, dk, dv = nodes.backward(_ops(spec, rings, timeout_s, deterministic), q, k, v, out, lse, dout, dlse, **kw)
+        ops, geometry = _ops_and_geometry(spec, timeout_s, deterministic)
+        dq, dk, dv = nodes.backward(ops, q, k, v, out, lse, dout, dlse, **geometry)
         return dq, dk, dv, None, None, None
 
 
@@ -146,7 +160,5 @@ def ring_attention(q, k, v, spec: AttentionSpec, timeout_s=None, deterministic: 
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     check_fits(spec, grad, deterministic)
     if not grad:
-        rings = lifecycle.node_rings()
-        return nodes.forward(_ops(spec, rings, timeout_s, deterministic), q, k, v, node=rings.node,
-                             num_nodes=rings.nodes.num_nodes, is_causal=spec.is_causal, layout=spec.layout)
+        return _forward(q, k, v, spec, timeout_s, deterministic)
     return _TwoLevel.apply(q, k, v, spec, timeout_s, deterministic)

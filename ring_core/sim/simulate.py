@@ -589,9 +589,9 @@ def run_nodes(world_size: int, node_size: int, rank_fn, execute, timeout_s: floa
     from ring_core.sim.interpret import run_on_threads
 
     run_on_threads(one, range(W), timeout_s, "two-level ring")
-    first = [e for e in errors if e is not None and not str(e).startswith("simulated rank")]
-    if first or any(e is not None for e in errors):  # the cause, not a rank that stopped because of it
-        raise (first or [e for e in errors if e is not None])[0]
+    failed = [e for e in errors if e is not None]
+    if failed:  # the cause, not a rank that stopped because of it
+        raise next((e for e in failed if not str(e).startswith("simulated rank")), failed[0])
     return results
 
 
@@ -642,7 +642,7 @@ def _simulate_nodes(call: _Call, node_size: int, *, grad: bool):
     spec, W, R = call.spec, call.world_size, node_size
     if call.data_parallel != 1:
         raise ValueError("node_size and data_parallel cannot be combined in one simulation")
-    nodes.check_supported(window=spec.window, segmented=spec.segmented, layout=spec.layout, seq_local=spec.seq_local)
+    nodes.check_supported(spec)
     kernels = _KernelNodes(spec, W // R, R, call.timeout_s)
     kw = dict(num_nodes=W // R, is_causal=spec.is_causal, layout=spec.layout)
 
