@@ -109,7 +109,10 @@ def _spec_of(q, k, segment_ids, scale: float, is_causal: bool, layout: str, wind
 
 def _fwd_impl(q, k, v, segment_ids, spec: AttentionSpec, group, timeout_s, deterministic: bool,
               check_backward: bool):
-    """The forward launch behind both routes (the custom op, the eager Function)."""
+    """The forward launch behind both routes (the custom op, the eager Function): the one-node kernel, or the
+    two-level ring (torch_bridge.nodes) where ``group`` spans several nodes."""
+    if nodes.spans_nodes(group):
+        return nodes.forward(q, k, v, spec, timeout_s, deterministic, check_backward)
     if check_backward:  # HeapTooSmallError before the forward runs
         fused.check_backward_fits(spec, group, deterministic=deterministic)
     return fused.forward(q, k, v, spec, group, timeout_s, segment_ids=segment_ids)
@@ -118,6 +121,8 @@ def _fwd_impl(q, k, v, segment_ids, spec: AttentionSpec, group, timeout_s, deter
 def _bwd_impl(q, k, v, out, lse, dout, dlse, segment_ids, spec: AttentionSpec, group, timeout_s,
               deterministic: bool):
     """The backward launch behind both routes."""
+    if nodes.spans_nodes(group):
+        return nodes.backward(q, k, v, out, lse, dout, dlse, spec, timeout_s, deterministic)
     return fused.backward(q, k, v, out, lse, dout, spec, group, timeout_s, dlse=dlse, segment_ids=segment_ids,
                           deterministic=deterministic)
 
@@ -303,9 +308,7 @@ def ring_attention(q, k, v, *, group=None, is_causal=False, scale=None, layout="
         backend = "torch"  # masks the two-level fused ring does not take yet: the reference ring takes them
     if backend == "torch":  # ignores deterministic: torch's own ops, as deterministic as torch makes them
         out, lse = ring_attention_torch(q, k, v, spec, rank, world, peers, group, segment_ids=segment_ids)
-    elif nodes.spans_nodes(group):  # several nodes: the fused kernel in each, K/V between them (torch_bridge.nodes)
-        out, lse = nodes.ring_attention(q, k, v, spec, timeout_s, deterministic)
-    else:
+    else:  # several nodes: the same route, the launches go to torch_bridge.nodes (_fwd_impl, _bwd_impl)
         out, lse = _ring_attention_fused(q, k, v, segment_ids, spec=spec, group=group, timeout_s=timeout_s,
                                          deterministic=deterministic)
     return (out, lse) if return_lse else out

@@ -124,41 +124,20 @@ def _ops_and_geometry(spec: AttentionSpec, timeout_s, deterministic: bool):
                                                              is_causal=spec.is_causal, layout=spec.layout)
 
 
-def _forward(q, k, v, spec: AttentionSpec, timeout_s, deterministic: bool):
+def forward(q, k, v, spec: AttentionSpec, timeout_s, deterministic: bool, check_backward: bool):
+    """(out, lse) of the two-level ring over the whole job for this rank's shards (validated ``spec``); raises
+    before anything runs where the call cannot run (masks not taken yet; the heap too small for it, or, with
+    ``check_backward``, for the backward to come). torch_bridge.api's fused route calls it (its eager Function and
+    its custom op, which torch.compile sees as one opaque op) when the group spans several nodes."""
+    check_fits(spec, check_backward, deterministic)
     ops, geometry = _ops_and_geometry(spec, timeout_s, deterministic)
     return nodes.forward(ops, q, k, v, **geometry)
 
 
-class _TwoLevel(torch.autograd.Function):
-    """(out, lse) of the two-level ring; its backward is ring_core.nodes.backward (the partial dK/dV travel
-    between nodes, float32)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, spec, timeout_s, deterministic):
-        out, lse = _forward(q, k, v, spec, timeout_s, deterministic)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (spec, timeout_s, deterministic)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        spec, timeout_s, deterministic = ctx.args
-        dlse = torch.zeros_like(lse) if dlse is None else dlse.float()
-        dout = torch.zeros_like(out) if dout is None else dout.to(q.dtype)
-        ops, geometry = _ops_and_geometry(spec, timeout_s, deterministic)
-        dq, dk, dv = nodes.backward(ops, q, k, v, out, lse, dout, dlse, **geometry)
-        return dq, dk, dv, None, None, None
-
-
-def ring_attention(q, k, v, spec: AttentionSpec, timeout_s=None, deterministic: bool = False):
-    """(out, lse) of the two-level ring over the whole job for this rank's shards (validated ``spec``),
-    differentiable; raises before anything runs where the call cannot run (masks not taken yet, heap too small)."""
-    if torch.compiler.is_compiling():
-        raise NotImplementedError("torch.compile does not trace the fused backend across several nodes yet; "
-                                  "compile the model around the attention call, or use backend='torch'")
-    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    check_fits(spec, grad, deterministic)
-    if not grad:
-        return _forward(q, k, v, spec, timeout_s, deterministic)
-    return _TwoLevel.apply(q, k, v, spec, timeout_s, deterministic)
+def backward(q, k, v, out, lse, dout, dlse, spec: AttentionSpec, timeout_s, deterministic: bool):
+    """(dq, dk, dv) of the two-level ring from the final out and lse (ring_core.nodes.backward: the float32
+    partial dK/dV travel between nodes)."""
+    dlse = torch.zeros_like(lse) if dlse is None else dlse.float()
+    dout = torch.zeros_like(out) if dout is None else dout.to(q.dtype)
+    ops, geometry = _ops_and_geometry(spec, timeout_s, deterministic)
+    return nodes.backward(ops, q, k, v, out, lse, dout, dlse, **geometry)
