@@ -592,28 +592,6 @@ class Env:
             print(*a, flush=True)
 
 
-def write_rows(path: str, rows: list) -> None:
-    """A probe's rows as CSV: the union of their keys as columns, sorted (rows of different kinds share a file)."""
-    keys = sorted({k for r in rows for k in r})
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=keys)
-        w.writeheader()
-        w.writerows(rows)
-
-
-def cuda_stream_ms(torch, fn, iters: int) -> float:
-    """Mean milliseconds per call of ``iters`` calls of ``fn`` back to back between two CUDA events on the torch
-    stream, one sync at the end (the host issues call i + 1 while the GPU runs call i)."""
-    e0 = torch.cuda.Event(enable_timing=True)
-    e1 = torch.cuda.Event(enable_timing=True)
-    e0.record()
-    for _ in range(iters):
-        fn()
-    e1.record()
-    e1.synchronize()
-    return e0.elapsed_time(e1) / iters
-
-
 def cuda_timed(torch, fn, ready: bool = False):
     """(milliseconds, result) of ``fn()`` between two CUDA events recorded on the current torch stream; ``ready``:
     the second recorded after ``torch.cuda.synchronize()``, once everything the call launched is done."""
