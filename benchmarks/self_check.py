@@ -231,7 +231,8 @@ def mask_arguments():
             cli.parse_args(bad)
     assert {m for m, i in harness.METHODS.items() if i.masks} == {
         "torch_fused", "jax_fused", "jax_fused_deferred", "jax_fused_call", "torch_fused_det", "jax_fused_det",
-        "torch_ref", "jax_xla"}
+        "torch_ref", "jax_xla", "torch_flex", "torch_flash_attn"}
+    assert {m for m, i in harness.METHODS.items() if i.world1} == {"torch_flex", "torch_flash_attn"}
 
 
 @check
@@ -542,6 +543,92 @@ def sdpa_methods_call_the_sdpa_current_at_call_time():
         sets, _, attn, gqa = peers._sdpa_inputs(case, [(q, k, v)], [do], True, False)  # the GQA retry: repeated
         attn(*sets[0])
     assert not gqa and sets[0][1].shape == (1, 4, 6, 8) and seen[-1] == {"is_causal": False}
+
+
+@check
+def flex_mask_is_the_ring_core_rule():
+    """torch_flex's mask_mod allows exactly the pairs ring_core.masks.allowed allows: causal or not, the packed
+    documents of a batch of two rows, windows on one side and on both; nothing to mask gives no mask."""
+    import torch
+
+    from ring_core import masks, validate
+
+    _, harness, peers, _ = _modules()
+    for causal, mask, window in ((True, "none", (-1, -1)), (False, "none", (-1, -1)), (True, "packed", (-1, -1)),
+                                 (False, "packed", (-1, -1)), (True, "window", (23, 0)), (False, "window", (30, 7)),
+                                 (False, "window", (-1, 0)), (False, "window", (5, -1))):
+        case = harness.Case(2, 4, 2, 16, 96, causal, "float32", mask=mask, window=window, doc_lens=(5, 40))
+        ids = harness.segment_ids(case, 1)
+        mod = peers.flex_mask_mod(case, None if ids is None else torch.as_tensor(ids))
+        pos = np.arange(96)
+        want = masks.allowed(pos, pos, is_causal=causal, window=validate.check_window(case.window_size),
+                             q_segment_ids=ids, k_segment_ids=ids, head_axes=1)
+        if want is None:
+            assert mod is None, case.label()
+            continue
+        want = np.broadcast_to(want, (2, 1, 96, 96) if ids is not None else (96, 96))
+        q, k = torch.arange(96)[:, None], torch.arange(96)[None, :]
+        for b in range(2):
+            got = mod(torch.tensor(b), torch.tensor(0), q, k).numpy()
+            np.testing.assert_array_equal(got, want[b, 0] if ids is not None else want, err_msg=case.label())
+
+
+@check
+def flash_attn_peer_calls_flash_attn_as_documented():
+    """torch_flash_attn with a stand-in ``flash_attn`` module (the real one needs a GPU): dense and windowed cases
+    call ``flash_attn_func`` on [b, s, h, d] with ``causal`` and ``window_size``; packed documents call
+    ``flash_attn_varlen_func`` on [b * s, h, d] with int32 ``cu_seqlens`` of every row's documents (which reproduce
+    the harness's segment ids) and the longest document, and its output comes back as [b, s, h, d]. Without
+    ``flash_attn`` the method is unavailable, saying so."""
+    from unittest import mock
+
+    import torch
+
+    _, harness, peers, _ = _modules()
+    calls = []
+
+    def func(q, k, v, *, causal, window_size):
+        calls.append(("func", tuple(q.shape), tuple(k.shape), causal, tuple(window_size)))
+        return q + 1
+
+    def varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, causal):
+        calls.append(("varlen", tuple(q.shape), tuple(k.shape), cu_q, cu_k, max_q, max_k, causal))
+        return q + 1
+
+    fake = types.ModuleType("flash_attn")
+    fake.flash_attn_func, fake.flash_attn_varlen_func = func, varlen
+    env = types.SimpleNamespace(torch=torch, world=1, rank=0, device=torch.device("cpu"), cuda=True)
+    with mock.patch.dict(sys.modules, {"flash_attn": fake}):
+        for causal, mask, window in ((True, "window", (23, 0)), (False, "none", (-1, -1)),
+                                     (True, "packed", (-1, -1))):
+            case = harness.Case(2, 4, 2, 16, 96, causal, "float32", mask=mask, window=window, doc_lens=(5, 40))
+            data = harness.CaseData(env, case, 1, 0)
+            with contextlib.ExitStack() as stack:
+                prep = peers.build_torch_flash_attn(env, None, case, data, stack)
+                out = prep.local_out(prep.run(0))["out"]
+            q = data.local_sets[0][0]
+            assert torch.equal(out, q + 1) and out.shape == (2, 96, 4, 16), case.label()
+            call = calls.pop()
+            if mask != "packed":
+                assert call == ("func", (2, 96, 4, 16), (2, 96, 2, 16), causal, case.window_size or (-1, -1)), call
+                continue
+            _, qs, ks, cu_q, cu_k, max_q, max_k, c = call
+            assert (qs, ks, c) == ((192, 4, 16), (192, 2, 16), causal) and cu_q is cu_k and cu_q.dtype == torch.int32
+            bounds = cu_q.numpy()
+            assert bounds[0] == 0 and bounds[-1] == 192 and (np.diff(bounds) > 0).all() and 96 in bounds
+            assert max_q == max_k == np.diff(bounds).max() <= 40
+            doc = np.searchsorted(bounds, np.arange(192), side="right") - 1  # each token's document
+            ids = harness.segment_ids(case, 1)
+            for r in range(2):  # the same documents as the harness's segment ids, row by row
+                same = doc[r * 96:(r + 1) * 96]
+                np.testing.assert_array_equal(same[:, None] == same[None, :], ids[r][:, None] == ids[r][None, :])
+    with mock.patch.dict(sys.modules, {"flash_attn": None}):  # import flash_attn fails
+        case = harness.Case(1, 4, 2, 16, 96, True, "float32")
+        with raises(harness.Unavailable, match="flash_attn is not importable"):
+            peers.build_torch_flash_attn(env, None, case, None, contextlib.ExitStack())
+    with raises(harness.Unavailable, match="world size 1 only"):
+        peers.build_torch_flash_attn(types.SimpleNamespace(**dict(vars(env), world=2)), None, case, None,
+                                     contextlib.ExitStack())
 
 
 # ------------------------------------------------------------------------------------------- timing

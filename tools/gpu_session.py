@@ -80,6 +80,8 @@ Stages (``NAME[:SECONDS]``; the default time limit is in brackets):
                MPS SM share of a shared session is dropped for it, so it gets the whole GPU)  [540]
   bench-masks-w1-stream  bench-masks-w1 with --timing stream (the calls back to back)       [300]
   bench-w1-stream  bench-w1 with --timing stream (the calls back to back)                [300]
+  bench-w1-peers  torch_fused beside torch flex_attention and flash-attn (where it imports) at world size 1, back to
+               back, 16k causal: dense and packed documents, then the 4k window; fwd and fwd+bwd       [420]
   bench-w1-ready  bench-w1's forward with --timing ready (each call until its results are ready on the host: torch
                and JAX timed alike)                                                           [300]
   probe-mask-cost  the masked forward's cost over dense with the same blocks, back to back, twice: dense, a window
@@ -160,6 +162,8 @@ WINDOW = BENCH + ["--mask", "window", "--window", "4095,0", "--layout", "contigu
 W1_SHAPES = ["-m", "benchmarks.attention", "--methods", "torch_fused,torch_cudnn_1gpu", "--seq", "16k,32k", "--pass",
              "fwd", "--warmup", "2", "--iters", "5", "--csv", "{out}/attention_w1_shapes.csv"]
 
+PEERS = ["-m", "benchmarks.attention", "--methods", "torch_fused,torch_flex,torch_flash_attn", "--causal", "yes",
+         "--seq", "16k", "--pass", "fwd,fwd+bwd", "--timing", "stream", "--warmup", "2", "--iters", "5"]
 STATUS_BENCH = ["-m", "benchmarks.attention", "--methods", "jax_fused,jax_fused_deferred,jax_fused_call,torch_fused",
                 "--seq", "4k", "--pass", "fwd,fwd+bwd", "--warmup", "5", "--iters", "30"]
 
@@ -275,6 +279,11 @@ STAGES = {
                                         "torch_fused,torch_cudnn_1gpu,jax_fused,jax_fused_deferred,jax_cudnn_1gpu",
                                         "--seq", "16k,32k", "--pass", "fwd", "--warmup", "2", "--iters", "10",
                                         "--timing", "ready", "--csv", "{out}/attention_w1_ready.csv"]]),
+    # The one-process peers of packed documents and windows (flex_attention; flash-attn where it imports) beside the
+    # fused kernel at world size 1, back to back (docs/performance.md).
+    "bench-w1-peers": (420, [LAUNCH1 + PEERS + ["--mask", "none,packed", "--csv", "{out}/attention_w1_peers.csv"],
+                             LAUNCH1 + PEERS + ["--mask", "window", "--window", "4095,0", "--layout", "contiguous",
+                                                "--csv", "{out}/attention_w1_peers.csv"]]),
     "bench-w1-stream": (300, [LAUNCH1 + ["-m", "benchmarks.attention", "--methods",
                                          "torch_fused,torch_cudnn_1gpu,jax_fused,jax_fused_deferred,jax_cudnn_1gpu",
                                          "--seq", "16k,32k", "--pass", "fwd,fwd+bwd", "--warmup", "2", "--iters", "5",

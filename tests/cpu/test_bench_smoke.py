@@ -17,6 +17,7 @@ GPU_ONLY = ("torch_fused", "jax_fused", "jax_fused_deferred", "jax_fused_call", 
             "torch_cp")
 ON_CPU = ("torch_ref", "jax_xla", "jax_cudnn_ring", "torch_cudnn_1gpu", "jax_cudnn_1gpu")
 LIMITS = ("torch_cudnn_1gpu", "jax_cudnn_1gpu")  # one GPU's share of the ring's work
+WORLD1_ONLY = ("torch_flex", "torch_flash_attn")  # the whole sequence in one process (test_bench_peers.py)
 
 
 def _launch(nproc, args, out, timeout=400, **env):
@@ -31,11 +32,14 @@ def _launch(nproc, args, out, timeout=400, **env):
 
 
 def test_cpu_smoke_both_passes_through_the_launcher(tmp_path):
-    """Two processes run every method in fwd and fwd+bwd; GPU-only methods write why they cannot; the others are
-    timed, counted (fwd+bwd: 3.5 forwards) and compared with the first reference ring that ran (the anchor):
-    outputs in fwd, gradients in fwd+bwd (the non-causal single-GPU share: dq only; the causal one: nothing)."""
-    _, rows = _launch(2, ["--pass", "fwd,fwd+bwd", "--seq", "64", "--kv-heads", "2", "--iters", "2"],
-                      tmp_path / "smoke.csv")
+    """Two processes run every method in fwd and fwd+bwd (the one-process peers are skipped, saying why); GPU-only
+    methods write why they cannot; the others are timed, counted (fwd+bwd: 3.5 forwards) and compared with the
+    first reference ring that ran (the anchor): outputs in fwd, gradients in fwd+bwd (the non-causal single-GPU
+    share: dq only; the causal one: nothing)."""
+    proc, rows = _launch(2, ["--pass", "fwd,fwd+bwd", "--seq", "64", "--kv-heads", "2", "--iters", "2"],
+                         tmp_path / "smoke.csv")
+    for method in WORLD1_ONLY:  # skipped, no row
+        assert f"{method:17s} skipped: the whole sequence in one process (world size 1 only)" in proc.stdout
     by = {(r["pass"], r["causal"], r["method"]): r for r in rows}
     assert len(rows) == len(by) == 2 * 2 * len(GPU_ONLY + ON_CPU), sorted(by)
     assert {m for _, _, m in by} == set(GPU_ONLY + ON_CPU)
