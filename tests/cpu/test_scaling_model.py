@@ -3,6 +3,7 @@ properties any such model must have (``--self-check``, on the committed rates; n
 run writes its table, CSV, plot and command, and bad arguments are refused."""
 
 import csv
+import importlib.util
 import os
 import re
 import subprocess
@@ -28,8 +29,10 @@ def test_self_check_holds_on_the_committed_rates():
 
 
 def test_command_line_writes_table_csv_plot_and_command(tmp_path):
+    """The plot where matplotlib (the bench extra) is installed; the rest in any case."""
+    drawn = importlib.util.find_spec("matplotlib") is not None
     args = ["--gpus", "8,16,64", "--seq", "4k,16k", "--kv-heads", "8,32", "--tag", "t", "--out-dir", str(tmp_path)]
-    proc = _run(*args)
+    proc = _run(*args, *([] if drawn else ["--no-plot"]))
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert "target fwd:" in out and "target fwd+bwd:" in out and "smallest S_local" in out
@@ -38,7 +41,7 @@ def test_command_line_writes_table_csv_plot_and_command(tmp_path):
     assert {r["pass"] for r in rows} == {"fwd", "fwd+bwd"} and all(r["inputs"] for r in rows)
     assert {int(r["gpus"]) for r in rows} == {8, 16, 64}
     assert all(0 < float(r["eff"]) <= 1 for r in rows)
-    assert (tmp_path / "scaling_model_t.png").stat().st_size > 10_000
+    assert not drawn or (tmp_path / "scaling_model_t.png").stat().st_size > 10_000
     cmd = (tmp_path / "scaling_model_t.cmd").read_text().strip()
     assert cmd.startswith("python -m benchmarks.scaling_model --gpus 8,16,64")
     assert (tmp_path / "scaling_model_t.txt").read_text().strip() == out[:out.index("\nwrote")].strip()
