@@ -6,7 +6,8 @@ One process per GPU, started by the launcher; the world size is the job's (torch
     python -m jax_ring.launch --nproc-per-node 1 -m benchmarks.attention --world1 2 --csv benchmarks/results/x.csv
     python -m benchmarks.plot benchmarks/results/x.csv --out benchmarks/results/x.png --table
 
-(``python benchmarks/attention.py`` works too, with the repository root on PYTHONPATH.) The second
+(``python benchmarks/attention.py`` works too, with the repository root on PYTHONPATH.) ``python -m
+benchmarks.attention --self-check`` runs the harness's own checks on a CPU (benchmarks/self_check.py). The second
 command runs, on one GPU, the *global* problem of every 2-GPU case (seq_local x 2), so that the scaling
 efficiency of the fused kernel can be computed; it appends rows to the same CSV. ``--cpu-smoke`` runs
 the whole path on CPU (gloo, XLA CPU) at tiny sizes, both passes unless ``--pass`` says otherwise;
@@ -138,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m jax_ring.launch --nproc-per-node N -m benchmarks.attention",
         description="Time the fused ring attention against its peers; one process per GPU.",
-        epilog="Axes given as comma lists run as a product. Defaults are the issue-4 target set.")
+        epilog="Axes given as comma lists run as a product. Defaults: the target set (32 heads, head_dim 128, "
+               "bf16, seq_local 4k-32k, causal and not).")
     ap.add_argument("--framework", default="both", choices=("jax", "torch", "both"),
                     help="which frontends' methods to run (default both)")
     ap.add_argument("--methods", default="all",
@@ -192,11 +194,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--overwrite", action="store_true", help="replace the CSV instead of appending to it")
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="CPU only (gloo, XLA CPU), tiny default sizes; GPU-only methods write why they cannot run")
+    ap.add_argument("--self-check", nargs="?", const="", default=None, metavar="NAME",
+                    help="run the harness's own checks on this CPU (benchmarks/self_check.py; NAME: only the checks "
+                         "whose names contain it) and exit; no launcher, no GPU")
     return ap
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    """Parse and resolve defaults (the issue-4 target set, or tiny sizes with --cpu-smoke)."""
+    """Parse and resolve defaults (the target set, or tiny sizes with --cpu-smoke)."""
     ap = build_parser()
     a = ap.parse_args(argv)
     defaults = SMOKE_DEFAULTS if a.cpu_smoke else TARGET_DEFAULTS
@@ -285,6 +290,10 @@ def command_line(argv, world: int) -> str:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
+    if args.self_check is not None:
+        from benchmarks import self_check
+
+        return self_check.main(args.self_check)
     world_env = int(os.environ.get("WORLD_SIZE", 1))
     methods = {m: BUILDERS[m] for m in select_methods(args, world_env)}  # name: its builder
     cases = enumerate_cases(args, world_env)

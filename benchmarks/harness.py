@@ -53,10 +53,11 @@ the ``pass`` column existed is read as fwd rows (and rewritten with the column).
 Masks (``--mask``, the CSV's ``mask`` column): ``packed``, documents packed back to back (segment
 ids; their lengths drawn uniformly from ``--doc-lens`` with a fixed seed, DOC_SEED, the last one cut at the
 sequence's end), and ``window``, a sliding window (``--window LEFT,RIGHT``, flash-attn's window_size), beside
-``none``. Only the methods that take masks run them (MethodInfo.masks: the fused kernel and the reference
-rings); the others are skipped, saying so. A masked row's FLOPs count only the (query, key) pairs the mask
-allows, exactly (``allowed_pairs``: per rank, from the documents' bounds and the window; tested against
-``ring_core.masks.allowed``), over the world: ``4*H*D*pairs/W`` per GPU (x 3.5 in fwd+bwd), so its TFLOP/s
+``none``. Only the methods that take masks run them (MethodInfo.masks: the fused kernel, the reference rings,
+flex_attention and flash-attn); the others are skipped, saying so. The one-process peers (MethodInfo.world1:
+flex_attention, flash-attn) run at world size 1 only and are skipped, saying so, at more ranks. A masked row's
+FLOPs count only the (query, key) pairs the mask allows, exactly (``allowed_pairs``: per rank, from the
+documents' bounds and the window; tested against ``ring_core.masks.allowed``), over the world: ``4*H*D*pairs/W`` per GPU (x 3.5 in fwd+bwd), so its TFLOP/s
 are *effective* (useful work per second); ``pairs_per_gpu`` holds that mean (every row has it: a dense row's
 FLOPs keep the ``S_local*S_global/2`` convention, which differs from its exact causal count by 1/S_global).
 Their ratio columns: ``vs_dense``, the masked fused row's TFLOP/s over the same method's unmasked row of the
@@ -111,6 +112,7 @@ class MethodInfo:
     kind: str  # "fused", "reference", "peer" or "limit"
     summary: str
     masks: bool = False  # takes segment ids and windows (runs the masked cases)
+    world1: bool = False  # the whole sequence in one process: runs at world size 1 only (skipped at more ranks)
 
 
 # Every method a run may time, in the order a case runs them (the first ring methods serve as the check's
@@ -128,6 +130,10 @@ METHODS = {
     "jax_xla": MethodInfo("jax", "reference", "jax_ring backend='xla' (ppermute ring, float32 maths)", True),
     "jax_cudnn_ring": MethodInfo("jax", "peer", "pure-JAX ppermute ring, cuDNN per block, LSE merge"),
     "torch_cp": MethodInfo("torch", "peer", "torch context_parallel over cuDNN SDPA"),
+    "torch_flex": MethodInfo("torch", "peer", "torch flex_attention (torch.compile), one process, one block mask",
+                             True, True),
+    "torch_flash_attn": MethodInfo("torch", "peer", "flash-attn flash_attn_func / flash_attn_varlen_func, one process",
+                                   True, True),
     "torch_cudnn_1gpu": MethodInfo("torch", "limit", "torch SDPA (cuDNN) on one GPU's share"),
     "jax_cudnn_1gpu": MethodInfo("jax", "limit", "jax.nn.dot_product_attention(cudnn) on one GPU's share"),
 }
@@ -141,6 +147,8 @@ GQA_RETRY = ("torch_cp", "torch_cudnn_1gpu")
 RATIOS = {
     "vs_cudnn_1gpu": ("torch_cudnn_1gpu", "jax_cudnn_1gpu"),
     "vs_context_parallel": ("torch_cp",),
+    "vs_flex": ("torch_flex",),
+    "vs_flash_attn": ("torch_flash_attn",),
     "vs_cudnn_ring": ("jax_cudnn_ring",),
     "vs_xla_ref": ("jax_xla",),
     "vs_torch_ref": ("torch_ref",),
@@ -163,7 +171,8 @@ PASSES = {"fwd": 1.0, "fwd+bwd": 3.5}
 GRADS = ("dq", "dk", "dv")
 # Columns added since the first CSVs, with the value a row written without them means.
 LEGACY_DEFAULTS = {"pass": "fwd", "ranks_per_gpu": "1", "mask": "none", "pairs_per_gpu": "", "ring_steps": "",
-                   "ring_steps_needed": "", "vs_dense": "", "ms_vs_world1": "", "timing": "call"}
+                   "ring_steps_needed": "", "vs_dense": "", "ms_vs_world1": "", "timing": "call", "vs_flex": "",
+                   "vs_flash_attn": ""}
 # --timing: each call between its own events, the calls back to back, or each call until its results are ready
 TIMINGS = ("call", "stream", "ready")
 SHARED_NOTE = "RANKS SHARE GPUS: protocol overhead, not multi-GPU speed"
@@ -500,7 +509,8 @@ def format_row(row: dict) -> str:
 
 def format_ratios(rows) -> list:
     """Printable ratio lines of the fused rows among ``rows`` (already passed through compute_ratios)."""
-    names = {"vs_cudnn_1gpu": "cuDNN 1 GPU", "vs_context_parallel": "context_parallel", "vs_cudnn_ring": "cuDNN ring",
+    names = {"vs_cudnn_1gpu": "cuDNN 1 GPU", "vs_context_parallel": "context_parallel", "vs_flex": "flex_attention",
+             "vs_flash_attn": "flash-attn", "vs_cudnn_ring": "cuDNN ring",
              "vs_xla_ref": "xla ref", "vs_torch_ref": "torch ref", "scaling_eff": "scaling eff",
              "vs_dense": "the unmasked rate", "ms_vs_world1": "the world-1 time"}
     lines = []
@@ -590,28 +600,6 @@ class Env:
     def print(self, *a):
         if self.rank == 0:
             print(*a, flush=True)
-
-
-def write_rows(path: str, rows: list) -> None:
-    """A probe's rows as CSV: the union of their keys as columns, sorted (rows of different kinds share a file)."""
-    keys = sorted({k for r in rows for k in r})
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=keys)
-        w.writeheader()
-        w.writerows(rows)
-
-
-def cuda_stream_ms(torch, fn, iters: int) -> float:
-    """Mean milliseconds per call of ``iters`` calls of ``fn`` back to back between two CUDA events on the torch
-    stream, one sync at the end (the host issues call i + 1 while the GPU runs call i)."""
-    e0 = torch.cuda.Event(enable_timing=True)
-    e1 = torch.cuda.Event(enable_timing=True)
-    e0.record()
-    for _ in range(iters):
-        fn()
-    e1.record()
-    e1.synchronize()
-    return e0.elapsed_time(e1) / iters
 
 
 def cuda_timed(torch, fn, ready: bool = False):
@@ -988,6 +976,9 @@ def run_case(env, args, case, methods, log, meta) -> list:
             continue
         if case.mask != "none" and not METHODS[name].masks:
             env.print(f"  {name:17s} skipped: takes no segment ids or windows")
+            continue
+        if METHODS[name].world1 and env.world > 1:
+            env.print(f"  {name:17s} skipped: the whole sequence in one process (world size 1 only)")
             continue
         todo.append(name)
     data = err = None

@@ -27,6 +27,13 @@ Methods, each timed in the same process group on the same inputs:
   balancer (the zigzag layout), non-causal with it off; K/V rotation ``--cp-rotate`` (torch's default
   is ``allgather``). In fwd+bwd, dout is one of its sharded buffers, and its local q, k, v shards are the
   leaves (torch's ring backward for cuDNN SDPA);
+* ``torch_flex``: ``torch.nn.attention.flex_attention`` compiled with ``torch.compile``, on the whole sequence in
+  one process (world size 1 only): no mask, causal, the packed documents (a document mask on the harness's segment
+  ids) or the window, all through one ``create_block_mask`` BlockMask built before the timed calls (the first call
+  compiles; ``first_call_s`` says how long). fwd+bwd needs a GPU: flex_attention has no backward on a CPU;
+* ``torch_flash_attn``: flash-attn's ``flash_attn_func`` (``causal``, ``window_size``), or
+  ``flash_attn_varlen_func`` over the packed documents (``cu_seqlens`` of every row's documents), on the whole
+  sequence in one process (world size 1 only); where ``import flash_attn`` fails, its rows say so;
 * ``torch_cudnn_1gpu`` / ``jax_cudnn_1gpu``: the limit: single-GPU cuDNN attention (torch SDPA cuDNN
   backend; ``jax.nn.dot_product_attention(implementation="cudnn")``) on **one GPU's share** of the ring
   case, i.e. exactly the per-GPU FLOPs of the ring:
@@ -61,8 +68,8 @@ import math
 import os
 import time
 
-from benchmarks.harness import (AXIS, GRADS, METHODS, Case, Prepared, Unavailable, attention_flops,
-                                call_args)
+from benchmarks.harness import (AXIS, GRADS, METHODS, Case, Prepared, Unavailable, attention_flops, call_args,
+                                packed_documents, segment_ids)
 
 
 # --------------------------------------------------------------------------------- the single-GPU share
@@ -513,6 +520,132 @@ def build_jax_limit(env, args, case, data, stack, **_):
                          _share_convert(prob, torch.from_dlpack), note, prob.shapes(case.batch, case.head_dim))
 
 
+# ------------------------------------------------------------------- one-process peers (world size 1)
+
+
+def _whole_sequence(env, name: str) -> None:
+    """A one-process peer runs the whole sequence: at world size 1 this rank's shard is the whole sequence, in
+    natural order in either layout (ring_core.layout.layout_permutation of one rank is the identity)."""
+    if env.world != 1:
+        raise Unavailable(f"{name} runs the whole sequence in one process: world size 1 only")
+
+
+def _masked_shape(case: Case, q: str, kv: str) -> str:
+    mask = "" if case.mask == "none" else f" {case.mask_label}"
+    return f"q{q} kv{kv} one process{' causal' if case.causal else ''}{mask}"
+
+
+def flex_mask_mod(case: Case, ids=None):
+    """The case's mask as a flex_attention ``mask_mod(b, h, q_idx, kv_idx)`` (None: nothing is masked): causal,
+    the window (flash-attn's (left, right), -1 unbounded) and documents (``ids``: segment ids [batch, S], the
+    harness's ``segment_ids``), as ring_core.masks.allowed has them."""
+    from ring_core.validate import check_window
+
+    left, right = check_window(case.window_size)
+    parts = []
+    if case.causal:
+        parts.append(lambda b, h, q, k: q >= k)
+    if left >= 0:
+        parts.append(lambda b, h, q, k: q - k <= left)
+    if right >= 0 and not case.causal:
+        parts.append(lambda b, h, q, k: k - q <= right)
+    if ids is not None:
+        parts.append(lambda b, h, q, k: (ids[b, q] == ids[b, k]) & (ids[b, q] >= 0))
+    if not parts:
+        return None
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        m = parts[0](b, h, q_idx, kv_idx)
+        for part in parts[1:]:
+            m = m & part(b, h, q_idx, kv_idx)
+        return m
+
+    return mask_mod
+
+
+def build_torch_flex(env, args, case, data, stack, **_):
+    """torch's ``flex_attention`` compiled with ``torch.compile`` (as its documentation says), on the whole
+    sequence: dense, causal, packed documents (the harness's segment ids) and the window, through one BlockMask."""
+    torch = env.torch
+    _whole_sequence(env, "torch_flex")
+    if not env.cuda and case.mode != "fwd":
+        raise Unavailable("flex_attention has no backward on a CPU (torch raises NotImplementedError); "
+                          "fwd only in --cpu-smoke")
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError as e:
+        raise Unavailable(f"torch {torch.__version__} has no flex_attention ({e})") from None
+    b, s, d = case.batch, case.seq_local, case.head_dim
+    ids = segment_ids(case, 1)
+    ids = None if ids is None else torch.as_tensor(ids, device=env.device)
+    mask_mod = flex_mask_mod(case, ids)
+    # Built once, here, outside the timed calls (as a training step builds it once for all its layers): the timed
+    # calls are flex_attention's alone. Its batch axis only where the documents differ from row to row.
+    block_mask = None if mask_mod is None else create_block_mask(mask_mod, b if ids is not None else None, None, s, s,
+                                                                 device=env.device)
+    # A fresh compile for each case: torch.compile recompiles for every new shape and mask up to its recompile limit,
+    # past which it would run flex_attention eagerly (slowly) without saying so in the row.
+    torch._dynamo.reset()
+    flex = torch.compile(flex_attention, dynamic=False)
+    gqa = case.heads != case.kv_heads
+    sets = [tuple(x.transpose(1, 2).contiguous() for x in st) for st in data.local_sets]  # [b, h, s, d]
+    douts = [x.transpose(1, 2).contiguous() for x in data.local_douts]
+
+    def attn(q, k, v):
+        return flex(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+
+    note = (f"torch.compile(flex_attention){', enable_gqa' if gqa else ''}"
+            f"{'' if block_mask is None else ', block mask built before timing'}"
+            f"{'' if env.cuda else '; cpu-smoke: compiled for the CPU'}")
+    shape = _masked_shape(case, f"[{b},{case.heads},{s},{d}]", f"[{b},{case.kv_heads},{s},{d}]")
+    return _torch_prepared(env, case, stack, attn, sets, douts, lambda name, x: x.transpose(1, 2), note, shape)
+
+
+def varlen_bounds(case: Case) -> tuple:
+    """(cu_seqlens, the longest document) of a packed case's batch as flash-attn's varlen functions take them: every
+    row's documents (``packed_documents``) back to back, row r's bounds shifted by r * S, int32."""
+    import numpy as np
+
+    docs = packed_documents(case, 1)
+    s = case.seq_local
+    bounds = np.concatenate([docs[0]] + [row[1:] + r * s for r, row in enumerate(docs[1:], 1)]).astype(np.int32)
+    return bounds, int(max(np.diff(row).max() for row in docs))
+
+
+def build_torch_flash_attn(env, args, case, data, stack, **_):
+    """flash-attn's own kernels on the whole sequence: ``flash_attn_func`` (dense, causal, the window as its
+    ``window_size``), or ``flash_attn_varlen_func`` over the packed documents (each batch row's documents as
+    sequences of their own: ``cu_seqlens``)."""
+    torch = env.torch
+    _whole_sequence(env, "torch_flash_attn")
+    if not env.cuda:
+        raise Unavailable("flash-attn runs on NVIDIA GPUs only (not in --cpu-smoke)")
+    try:
+        from flash_attn import flash_attn_func, flash_attn_varlen_func
+    except ImportError as e:
+        raise Unavailable(f"flash_attn is not importable here ({type(e).__name__}: {e})") from None
+    b, s, d, h, hkv = case.batch, case.seq_local, case.head_dim, case.heads, case.kv_heads
+    if case.segmented:
+        bounds, longest = varlen_bounds(case)
+        cu = torch.as_tensor(bounds, device=env.device)
+
+        def attn(q, k, v):
+            out = flash_attn_varlen_func(q.reshape(b * s, h, d), k.reshape(b * s, hkv, d), v.reshape(b * s, hkv, d),
+                                         cu, cu, longest, longest, causal=case.causal)
+            return out.view(b, s, h, d)
+
+        note = f"flash_attn_varlen_func over {len(bounds) - 1} documents"
+    else:
+        window = case.window_size or (-1, -1)
+
+        def attn(q, k, v):
+            return flash_attn_func(q, k, v, causal=case.causal, window_size=window)
+
+        note = "flash_attn_func" + (f", window_size={window}" if case.window_size else "")
+    shape = _masked_shape(case, f"[{b},{s},{h},{d}]", f"[{b},{s},{hkv},{d}]")
+    return _torch_prepared(env, case, stack, attn, data.local_sets, data.local_douts, lambda name, x: x, note, shape)
+
+
 BUILDERS = {  # every method of harness.METHODS, under its name there
     "torch_fused": functools.partial(build_torch_ring, backend="fused"),
     "jax_fused": functools.partial(build_jax_ring, backend="fused"),
@@ -524,6 +657,8 @@ BUILDERS = {  # every method of harness.METHODS, under its name there
     "jax_xla": functools.partial(build_jax_ring, backend="xla"),
     "jax_cudnn_ring": build_jax_cudnn_ring,
     "torch_cp": build_torch_cp,
+    "torch_flex": build_torch_flex,
+    "torch_flash_attn": build_torch_flash_attn,
     "torch_cudnn_1gpu": build_torch_limit,
     "jax_cudnn_1gpu": build_jax_limit,
 }

@@ -155,7 +155,7 @@ def plot(rows, out: str, x: str = "global", title: str | None = None) -> int:
 
 def grouped_bars(bars: dict, png: str, *, ylabel: str, title: str, label=str, figsize=(9, 4), ylim=None) -> None:
     """A bar chart of ``bars`` ({series: {x key: value}}): one group per x key (sorted, ticks from ``label``), one bar
-    per series; the probes' figures (benchmarks/gluon_fwd.py, gluon_bwd.py, bwd_kernels.py)."""
+    per series (``--runs``)."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -314,6 +314,8 @@ def parse_args(argv=None):
     ap.add_argument("--tag", default=None, help="name part of the outputs (default: the UTC date)")
     ap.add_argument("--out-dir", default=RESULTS)
     ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--self-check", action="store_true",
+                    help="check the model's properties on these rates (no output files) and exit")
     a = ap.parse_args(argv)
     for g in a.gpus:
         if g < 1 or g % a.node_size:
@@ -426,9 +428,108 @@ def plot(rows, a, path):
     plt.close(fig)
 
 
+def self_check(a) -> int:
+    """The properties any such model must have, checked on the rates of ``a`` (no predicted number is fixed here):
+    the inputs read, one node is the one-node kernel, more nodes never help the forward, longer shards and fewer K/V
+    heads scale better, faster links never hurt, the backward moves more and brings dK/dV home, and the smallest
+    shard that hides the transfer. Prints each check; 0 if all hold."""
+    gpus, seqs = (8, 16, 32, 64, 128, 256, 512), (4096, 8192, 16384, 32768, 65536)
+    rates = load_rates([p for p in a.rates.split(",") if p], a.ring)
+    base = Links()
+
+    def eff(links=base, **kw):
+        return predict(Case(**{"gpus": 64, "node_size": 8, "seq_local": 16384, "kv_heads": 8, **kw}), rates, links)
+
+    def inputs():
+        for p in PASSES:
+            assert 0.5 < rates.ring[p] <= 1.05, rates.ring  # a ring keeps most of the one-GPU rate, never gains much
+            for causal in (True, False):
+                pts = rates.w1[(p, causal)]
+                assert len(pts) >= 2 and all(100 < tf < 1000 for _, tf in pts), pts
+        # interpolation stays between neighbours and is flat outside the measured lengths
+        pts = rates.w1[("fwd", True)]
+        (s0, r0), (s1, r1) = pts[0], pts[1]
+        assert min(r0, r1) <= rates.w1_rate("fwd", True, (s0 * s1) ** 0.5) <= max(r0, r1)
+        assert rates.w1_rate("fwd", True, pts[-1][0] * 8) == pts[-1][1] and rates.w1_rate("fwd", True, 1) == r0
+
+    def one_node_is_the_one_node_kernel_and_more_nodes_cost():
+        for hkv in (8, 32):
+            for s in seqs:
+                for p in PASSES:
+                    res = eff(gpus=8, seq_local=s, kv_heads=hkv)
+                    one = res[p]
+                    assert abs(one["eff"] - 1.0) < 1e-9, one
+                    # one node is the one-node ring: the W=1 rate times the ring factor, less NVLink time not hidden
+                    assert one["eff_vs_1gpu"] <= rates.ring[p] + 1e-9
+                    if res["steps"]["nvlink_hidden_diag"]:
+                        assert abs(one["eff_vs_1gpu"] - rates.ring[p]) < 1e-9
+                    for g in gpus[1:]:
+                        r = eff(gpus=g, seq_local=s, kv_heads=hkv)[p]
+                        assert 0 < r["eff"] <= 1 and 0 < r["eff_vs_1gpu"] <= 1, (g, s, hkv, p, r)
+                # forward: every added node adds a node-step with its merge, so efficiency never rises with GPUs
+                effs = [eff(gpus=g, seq_local=s, kv_heads=hkv)["fwd"]["eff"] for g in gpus]
+                assert all(x >= y - 1e-12 for x, y in zip(effs, effs[1:])), (s, hkv, effs)
+
+    def longer_shards_and_fewer_kv_heads_scale_better():
+        for p in PASSES:
+            for g in (16, 64, 512):
+                for hkv in (8, 32):  # compute grows as S^2, the transfer as S
+                    effs = [eff(gpus=g, seq_local=s, kv_heads=hkv)[p]["eff"] for s in seqs]
+                    assert all(x <= y + 1e-12 for x, y in zip(effs, effs[1:])), (p, g, hkv, effs)
+                for s in seqs:  # the same FLOPs, a quarter of the bytes
+                    assert eff(gpus=g, seq_local=s, kv_heads=8)[p]["eff"] >= \
+                        eff(gpus=g, seq_local=s, kv_heads=32)[p]["eff"] - 1e-12
+
+    def faster_links_never_hurt():
+        for p in PASSES:
+            for s in (4096, 16384):
+                slow, mid, fast = (eff(replace(base, ib_gbit=b), seq_local=s, kv_heads=32)[p]["eff"]
+                                   for b in (100, base.ib_gbit, 1600))
+                assert slow <= mid <= fast, (p, s, slow, mid, fast)
+                assert eff(replace(base, overlap_cost=0.1), seq_local=s)[p]["eff"] < \
+                    eff(base, seq_local=s)[p]["eff"]
+                assert eff(replace(base, glue_fwd=0, glue_bwd=0, glue_bwd_kv=0), seq_local=s)[p]["eff"] \
+                    >= eff(base, seq_local=s)[p]["eff"]
+
+    def backward_moves_more_and_brings_dkdv_home():
+        t = eff()["steps"]
+        assert t["x_bwd"] > t["x_home"] > t["x_fwd"] / 2 and t["x_bwd"] > t["x_fwd"], t
+        # two nodes: the last dK/dV transfer is exposed once, so forward+backward time exceeds its compute by it
+        r = eff(gpus=16)["fwd+bwd"]
+        assert r["seconds"] >= r["compute"] + t["x_home"], r
+
+    def smallest_hiding_shard():
+        c = Case(gpus=64, node_size=8, seq_local=4096, kv_heads=32)
+        for d in ("fwd", "bwd"):
+            s32 = smallest_hiding_seq(c, rates, base, d)
+            s8 = smallest_hiding_seq(replace(c, kv_heads=8), rates, base, d)
+            fast = smallest_hiding_seq(c, rates, replace(base, ib_gbit=800), d)
+            assert s8 < s32 and fast < s32, (d, s8, s32, fast)  # fewer bytes or more bandwidth: shorter shards
+            assert predict(replace(c, seq_local=s32), rates, base)["hidden"][d]
+            assert not predict(replace(c, seq_local=s32 - 256, gpus=24), rates, base)["hidden"][d]
+        assert smallest_hiding_seq(c, rates, replace(base, ib_gbit=1e-6), "fwd") is None
+
+    failed = 0
+    checks = (inputs, one_node_is_the_one_node_kernel_and_more_nodes_cost,
+              longer_shards_and_fewer_kv_heads_scale_better, faster_links_never_hurt,
+              backward_moves_more_and_brings_dkdv_home, smallest_hiding_shard)
+    for fn in checks:
+        try:
+            fn()
+        except AssertionError as e:
+            failed += 1
+            print(f"FAIL {fn.__name__}: {e!r}", flush=True)
+        else:
+            print(f"ok   {fn.__name__}", flush=True)
+    print(f"self-check: {len(checks) - failed} of {len(checks)} checks passed", flush=True)
+    return 1 if failed else 0
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     a = parse_args(argv)
+    if a.self_check:
+        return self_check(a)
     rows, hiding, rates = run(a)
     tag = a.tag or datetime.now(timezone.utc).strftime("%Y-%m-%d")
     base = os.path.join(a.out_dir, f"scaling_model_{tag}")

@@ -34,6 +34,10 @@ documents of the packed benchmark:
 
     python -m jax_ring.launch --nproc-per-node 1 -m benchmarks.timeline --out DIR     # GPU: DIR/timeline.{csv,npz}
     python -m benchmarks.timeline --plot DIR/timeline.npz --png OUT.png                # CPU: the figure
+    python -m benchmarks.timeline --summarize DIR/timeline.npz [--csv OUT.csv]         # CPU: the figures again
+
+``--summarize`` sums up the words a run saved (each case's and timing's first repeat) as the run did, e.g. after a
+change to ``summarize``.
 """
 from __future__ import annotations
 
@@ -212,15 +216,48 @@ def plot(npz: str, png: str) -> int:
     return 0
 
 
+def summarize_saved(npz: str, out_csv: str | None = None) -> int:
+    """The figures of every ``CASE|TIMING|REPEAT|words`` array in a run's ``timeline.npz`` (``summarize``, with the
+    kernel's timeline capacity: the saved words are cut to the tiles run), printed and, with ``out_csv``, written."""
+    from ring_core.kernels import gluon_fwd as gk
+
+    data = np.load(npz)
+    rows = []
+    for key in data.files:
+        if not key.endswith("|words"):
+            continue
+        name, timing, rep, _ = key.split("|")
+        try:
+            figures, _ = summarize(data[key], dict(gk.TIMELINE_EVENT), capacity=gk.TIMELINE_TILES)
+        except RuntimeError as e:
+            raise SystemExit(f"{key}: {e}") from None
+        rows.append(dict(case=name, timing=timing, repeat=int(rep), **figures))
+        print("  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in rows[-1].items()),
+              flush=True)
+    if not rows:
+        raise SystemExit(f"{npz} holds no timeline words (keys CASE|TIMING|REPEAT|words)")
+    if out_csv:
+        keys = list(dict.fromkeys(k for r in rows for k in r))
+        with open(out_csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=keys)
+            w.writeheader()
+            w.writerows(rows)
+    return 0
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.timeline", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=".", help="directory for timeline.csv and timeline.npz (GPU run)")
     ap.add_argument("--seq", type=int, default=16384)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--iters", type=int, default=5, help="calls back to back in the stream timing")
     ap.add_argument("--plot", metavar="NPZ", help="draw the figure of a run's timeline.npz (no GPU) ...")
     ap.add_argument("--png", help="... into this file")
+    ap.add_argument("--summarize", metavar="NPZ", help="the figures of a run's saved words (no GPU) ...")
+    ap.add_argument("--csv", help="... also written to this CSV")
     args = ap.parse_args(argv)
+    if args.summarize:
+        return summarize_saved(args.summarize, args.csv)
     if args.plot:
         return plot(args.plot, args.png or os.path.splitext(args.plot)[0] + ".png")
     return run(args)

@@ -59,7 +59,7 @@ def _kernel_call():
 def _raise_status(words, ring_size: int, timeout_s):
     """Host callback: raise the failure in the status words, naming ranks by their global ranks (from the ring's
     members, which the context row carries after what the kernel reads). ``words``: the status, then the context
-    row, in one array: a callback pays a fixed cost per operand it copies to the host (benchmarks/callback_cost.py)."""
+    row, in one array: a callback pays a fixed cost per operand it copies to the host (docs/performance.md)."""
     words = np.asarray(words)
     status, row = words[:control.STATUS_WORDS], words[control.STATUS_WORDS:].view(np.int64)
     control.check_status(status, int(row[ring_size]), timeout_s, members=row[ring_size + 4:2 * ring_size + 4])

@@ -18,10 +18,10 @@ So a call's failure is raised by a later fused call on this process, or by ``jax
 ``shutdown()``, which wait for the copies and raise it as its own type (RingAttentionTimeout /
 RingAttentionMismatch). Per call: the handler's host time (~45-50 us of Python on the GPU machine, an H200 with jax
 0.11)
-and the tiny copy kernel on the stream, no sync. benchmarks/status_cost.py, one H200, seq_local 4k, calls back to
-back, the 0.28 ms causal forward against no check: the PDL copy +1.6-1.7 % (three runs; +0.2-1.6 % in the probe
-runs), the plain copy kernel +2.5-5.3 % (six runs), the DMA copy +2.5-3.9 %, a handler that copies nothing within
-0.5 % (benchmarks/NOTES.md).
+and the tiny copy kernel on the stream, no sync. Measured 2026-12-02 to 2026-12-04 on one H200, seq_local 4k, calls
+back to back, the 0.28 ms causal forward against no check: the PDL copy +1.6-1.7 % (three runs; +0.2-1.6 % in the
+probe runs), the plain copy kernel +2.5-5.3 % (six runs), the DMA copy +2.5-3.9 %, a handler that copies nothing
+within 0.5 % (docs/performance.md, "The per-call error check's cost").
 
 RING_ATTENTION_ERRORS=call sets the call's attribute ``now``: the handler then waits for the copy it enqueued (a
 host sync per call: the host waits for the GPU to finish the call) and fails this call's program with this call's
@@ -525,7 +525,7 @@ def _abstract(status, **_):
 
 
 def _lowering(ctx, status, *, axis_name, ring_size, timeout_s, now, platform):
-    if axis_name is None:  # no ring to name ranks with (benchmarks/callback_cost.py)
+    if axis_name is None:  # no ring to name ranks with (a status outside any ring: tests/gpu/gpu_status.py)
         position, members, table = 0, None, None
     else:
         position, members, table = ring_of(ctx, axis_name, ring_size)

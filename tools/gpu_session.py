@@ -45,8 +45,6 @@ Stages (``NAME[:SECONDS]``; the default time limit is in brackets):
                64 and 256 (32 kv heads), then GQA 32/8 at head_dim 128; bf16 16k/32k, causal and not      [150]
   checks-quick tests/gpu/gpu_checks.py, forward sections cases, gluon, jit, grads, launch (no big grid) [300]
   checks-grads tests/gpu/gpu_checks.py, sections grads and launch (the end of checks-quick)  [240]
-  probe-callback  benchmarks/callback_cost.py: what a host callback per call costs a JAX program (the
-               per-call check), one process, no ring                                  [150]
   checks-big   tests/gpu/gpu_checks.py --sections big (a grid far larger than the GPU holds at once)  [180]
   checks-bwd   tests/gpu/gpu_checks.py --sections bwd                                  [300]
   checks-gluon-bwd tests/gpu/gpu_checks.py --sections gluon-bwd: the Gluon Hopper backward (deterministic=False)
@@ -64,12 +62,7 @@ Stages (``NAME[:SECONDS]``; the default time limit is in brackets):
                raised by the next fused call and by check_errors()) and the call mode, torch's   [180]
   bench-status the per-call check's cost at seq_local 4k, world size 1: jax_fused (default check),
                jax_fused_deferred (none), jax_fused_call (a sync), torch_fused; timed per call and back to
-               back; then benchmarks/callback_cost.py (variant status)                 [420]
-  status-cost  benchmarks/status_cost.py: the same cost in interleaved rounds, per-round ratios to no check,
-               fwd and fwd+bwd, causal and not                                     [150]
-  probe-status-cost  the same with --probe: where the default check's cost goes      [200]
-  probe-status-cost-fwd  --probe on the forwards only, 40 rounds: the rows that missed 2 % [200]
-  probe-status-cost-torch  the same rounds through torch_bridge (its check: an event per call)     [150]
+               back                                                                   [420]
   bench-w1-fwd every forward shape at world size 1 (D128, D64, D256, GQA 32/8), torch beside
                cuDNN, 10 timed calls: the A/B of a Gluon forward change              [200]
   bad_inputs   tests/gpu/gpu_faults.py --sections bad_inputs                           [150]
@@ -78,31 +71,19 @@ Stages (``NAME[:SECONDS]``; the default time limit is in brackets):
   bench-fwdbwd benchmarks/attention.py --pass fwd,fwd+bwd --seq 4k,16k             [420]
   bench-packed benchmarks/attention.py --mask none,packed: packed documents against the dense
                causal rate, seq_local 16k, torch_fused, fwd then fwd+bwd (--nproc ranks)  [420]
+  bench-packed-stream  bench-packed with the calls back to back (--timing stream, 10 calls)       [300]
   bench-window benchmarks/attention.py --mask window --window 4095,0, causal contiguous, seq_local 16k,
                torch_fused, fwd and fwd+bwd (--nproc ranks)                          [300]
+  bench-window-share  bench-window, back to back: one rank alone on one rank's share of the SMs (MPS), then the
+               --nproc ranks sharing the GPU, into one CSV                                   [300]
   bench-masks-w1  the world-1 runs of bench-packed and bench-window (one process, whatever --nproc; the
                MPS SM share of a shared session is dropped for it, so it gets the whole GPU)  [540]
   bench-masks-w1-stream  bench-masks-w1 with --timing stream (the calls back to back)       [300]
   bench-w1-stream  bench-w1 with --timing stream (the calls back to back)                [300]
+  bench-w1-peers  torch_fused beside torch flex_attention and flash-attn (where it imports) at world size 1, back to
+               back, 16k causal: dense and packed documents, then the 4k window; fwd and fwd+bwd       [420]
   bench-w1-ready  bench-w1's forward with --timing ready (each call until its results are ready on the host: torch
                and JAX timed alike)                                                           [300]
-  probe-gluon-fwd  benchmarks/gluon_fwd.py: a Gluon warp-specialised forward (single GPU), checked, then
-               timed against cuDNN, bf16 D128 16k/32k                                      [240]
-  probe-gluon-ring benchmarks/gluon_ring.py: that loop over a ring's steps, the chunk waits in the load
-               partition (host-filled slots and flags: ready, late, never), checked, then timed at W=1,2,4 [180]
-  probe-bwd-kernels benchmarks/bwd_kernels.py: the backward alone at W=1, each CUDA kernel's own time (Gluon,
-               tl split, the probe) [150]
-  probe-bwd-kernels-seq the same at 4k, 8k and 16k (a fixed cost per task against a cost per step) [240]
-  probe-bwd-masks   the causal backward's kernels with segment ids: dense, one 16k document
-               through the masked path, packed documents of 512-8192 tokens                 [120]
-  probe-bwd-doclens the same with documents of 16k, 8k, 4k, 2k and 1k tokens each, with each call's dK/dV
-               tasks and steps (a cost per task against a cost per step)                    [150]
-  probe-gluon-peer-store benchmarks/gluon_peer_store.py: TMA stores into the next rank's heap, each tile
-               released by a flag, read there by TMA after the acquire (--nproc >= 2)       [90]
-  probe-jax-call  benchmarks/jax_call_cost.py: a JAX fused forward's per-call time beside torch's on one clock, in
-               pairs of alternating order (16k and 32k, causal and not), each framework's floor (a one-element
-               jitted op / op and sync), the JAX program's HLO by kind                      [240]
-  bench-doclens-stream  the same back to back, documents of 16384 down to 512 tokens, and dense    [150]
   probe-mask-cost  the masked forward's cost over dense with the same blocks, back to back, twice: dense, a window
                that hides almost nothing (16000, 0: the masked path without ids) and one 16384-token document
                (the masked path with ids)                                                    [120]
@@ -111,7 +92,10 @@ Stages (``NAME[:SECONDS]``; the default time limit is in brackets):
                each partition's clock at each tile's events, for dense, that window, one document and packed
                documents (512-8192), calls back to back and one at a time, twice: where a masked tile's
                time goes (W=1)                                                                [240]
+  probe-tiles  one problem's work cut into 1, 4, 16 and 64 sequences (B=1 S=16k ... B=64 S=2k), ours and cuDNN's
+               forward and forward+backward back to back: what a tile costs however few blocks it has    [240]
   bench-doclens  the packed forward at W=1 with documents of 16384, 4096 and 1024 tokens    [150]
+  bench-doclens-stream  bench-doclens back to back, documents of 16384 down to 512 tokens, and dense    [150]
   checks-masks-tail  tests/gpu/gpu_checks.py masks cases 3, 4, 5 (fp32 last)                  [420]
   bench-w1     benchmarks/attention.py at world size 1 (one rank whatever --nproc: run it with --nproc 1, so
                that no MPS share caps it): fused (also with deterministic=True) and cuDNN, torch and JAX, bf16
@@ -153,12 +137,12 @@ CARRY = os.path.join(ROOT, ".tcache")  # carried to the GPU machine; git-ignored
 CACHE = os.path.join(ROOT, ".cache", "triton")  # TRITON_CACHE_DIR there
 PART_BYTES = 15 << 20
 PART_PREFIX = "tcache.tgz.part"  # parts of one tar, xz-compressed (gzip before 2026-12-02: still read)
-# The variants earlier sessions' stages compiled (ring_core.runtime.build's compile log, merged by --collect; committed):
+# The variants earlier GPU runs compiled (ring_core.runtime.build's compile log, merged by --collect; committed):
 # what the warm stage compiles, in parallel, for the stages after it.
 COMPILES = os.path.join(ROOT, "tools", "gpu_compiles.jsonl")
 COMPILE_LOG = "compiles.jsonl"  # this session's compile log, under --out
 # The later stages' variants as tools/gpu_variants.py works them out from their tables (under --out): the warm
-# stage compiles them too, so a stage no earlier session has logged at this --nproc starts warm as well.
+# stage compiles them too, so a stage that no earlier GPU run logged at this --nproc starts warm as well.
 VARIANTS = "variants.jsonl"
 # What a launch needs of a cache entry: the metadata, the binary (torch's launcher) and the PTX (jax_ring's
 # custom call); the other stages' IR (ttir, ttgir, llir, source) is left out of the carried parts.
@@ -178,6 +162,8 @@ WINDOW = BENCH + ["--mask", "window", "--window", "4095,0", "--layout", "contigu
 W1_SHAPES = ["-m", "benchmarks.attention", "--methods", "torch_fused,torch_cudnn_1gpu", "--seq", "16k,32k", "--pass",
              "fwd", "--warmup", "2", "--iters", "5", "--csv", "{out}/attention_w1_shapes.csv"]
 
+PEERS = ["-m", "benchmarks.attention", "--methods", "torch_fused,torch_flex,torch_flash_attn", "--causal", "yes",
+         "--seq", "16k", "--pass", "fwd,fwd+bwd", "--timing", "stream", "--warmup", "2", "--iters", "5"]
 STATUS_BENCH = ["-m", "benchmarks.attention", "--methods", "jax_fused,jax_fused_deferred,jax_fused_call,torch_fused",
                 "--seq", "4k", "--pass", "fwd,fwd+bwd", "--warmup", "5", "--iters", "30"]
 
@@ -226,26 +212,9 @@ STAGES = {
                                "--out", "{out}"]]),
     # Its cost at seq_local 4k (target: 2 % of a call): jax_fused (the default check) against jax_fused_deferred
     # (no per-call check) and jax_fused_call (the call mode: a host sync), one process on the whole GPU, timed per call
-    # (a sync after each) and back to back; then benchmarks/callback_cost.py's stand-in (variant "status").
+    # (a sync after each) and back to back.
     "bench-status": (420, [LAUNCH1 + STATUS_BENCH + ["--timing", timing, "--csv", f"{{out}}/status_4k_{timing}.csv"]
-                           for timing in ("call", "stream")]
-                     + [["env", "-u", gpus.MPS_SHARE_ENV, sys.executable, "-m", "benchmarks.callback_cost",
-                         "--work-ms", "0.3,0.7", "--out", "{out}/callback_cost_status.csv"]]),
-    # The same cost, timed against drift: interleaved rounds, per-round ratios to the unchecked program (none,
-    # deferred, call; fwd and fwd+bwd, causal and not), one process on the whole GPU.
-    "status-cost": (150, [LAUNCH1 + ["-m", "benchmarks.status_cost", "--csv", "{out}/status_cost.csv",
-                                     "--png", "{out}/status_cost.png"]]),
-    # The same with --probe: the default check with its handler's copy left out, and with the handler doing nothing.
-    "probe-status-cost": (200, [LAUNCH1 + ["-m", "benchmarks.status_cost", "--probe", "--csv",
-                                           "{out}/status_cost_probe.csv", "--png", "{out}/status_cost_probe.png"]]),
-    # The forwards only (the 4k causal forward, the shortest call, is the one nearest 2 %), with more rounds.
-    "probe-status-cost-fwd": (200, [LAUNCH1 + ["-m", "benchmarks.status_cost", "--probe", "--pass", "fwd", "--rounds",
-                                               "40", "--csv", "{out}/status_cost_probe_fwd.csv", "--png",
-                                               "{out}/status_cost_probe_fwd.png"]]),
-    # torch's own per-call check (an event; the kernel writes the status into pinned host memory) in the same rounds.
-    "probe-status-cost-torch": (150, [LAUNCH1 + ["-m", "benchmarks.status_cost", "--frontend", "torch", "--probe",
-                                                 "--rounds", "30", "--csv", "{out}/status_cost_torch.csv", "--png",
-                                                 "{out}/status_cost_torch.png"]]),
+                           for timing in ("call", "stream")]),
     "bad_inputs": (150, [LAUNCH + ["tests/gpu/gpu_faults.py", "--sections", "bad_inputs", "--deadline", "{limit_minus}",
                                    "--out", "{out}"]]),
     "kill": (90, [LAUNCH + ["tests/gpu/gpu_faults.py", "--sections", "kill", "--deadline", "{limit_minus}",
@@ -310,42 +279,15 @@ STAGES = {
                                         "torch_fused,torch_cudnn_1gpu,jax_fused,jax_fused_deferred,jax_cudnn_1gpu",
                                         "--seq", "16k,32k", "--pass", "fwd", "--warmup", "2", "--iters", "10",
                                         "--timing", "ready", "--csv", "{out}/attention_w1_ready.csv"]]),
+    # The one-process peers of packed documents and windows (flex_attention; flash-attn where it imports) beside the
+    # fused kernel at world size 1, back to back (docs/performance.md).
+    "bench-w1-peers": (420, [LAUNCH1 + PEERS + ["--mask", "none,packed", "--csv", "{out}/attention_w1_peers.csv"],
+                             LAUNCH1 + PEERS + ["--mask", "window", "--window", "4095,0", "--layout", "contiguous",
+                                                "--csv", "{out}/attention_w1_peers.csv"]]),
     "bench-w1-stream": (300, [LAUNCH1 + ["-m", "benchmarks.attention", "--methods",
                                          "torch_fused,torch_cudnn_1gpu,jax_fused,jax_fused_deferred,jax_cudnn_1gpu",
                                          "--seq", "16k,32k", "--pass", "fwd,fwd+bwd", "--warmup", "2", "--iters", "5",
                                          "--timing", "stream", "--csv", "{out}/attention_w1_stream.csv"]]),
-    # benchmarks/gluon_fwd.py's single-GPU Gluon forward (no ring), checked against float32
-    # attention, then timed against cuDNN (one process, the whole GPU).
-    "probe-gluon-fwd": (240, [["env", "-u", gpus.MPS_SHARE_ENV, sys.executable, "-m", "benchmarks.gluon_fwd",
-                               "--out", "{out}/gluon_fwd.csv"]]),
-    # benchmarks/gluon_bwd.py's single-GPU Gluon backward (FlashAttention-3's structure), checked
-    # against float32 autograd, then timed against cuDNN's backward (one process, the whole GPU).
-    "probe-gluon-bwd": (240, [["env", "-u", gpus.MPS_SHARE_ENV, sys.executable, "-m", "benchmarks.gluon_bwd",
-                               "--out", "{out}/gluon_bwd.csv"]]),
-    # benchmarks/gluon_ring.py: the Gluon forward's loop over a ring's steps with the chunk waits in the
-    # load partition (flags and slots filled by the host: late, ready, never), checked, then timed (one process).
-    "probe-gluon-ring": (180, [["env", "-u", gpus.MPS_SHARE_ENV, sys.executable, "-m", "benchmarks.gluon_ring",
-                                "--out", "{out}/gluon_ring.csv"]]),
-    # The push design: a TMA store into a peer's heap, released by a flag, read by the peer's TMA
-    # load (benchmarks/gluon_peer_store.py; --nproc ranks, at least 2).
-    "probe-gluon-peer-store": (90, [LAUNCH + ["-m", "benchmarks.gluon_peer_store", "--out", "{out}/peer_store.json"]]),
-    # The backward alone at W=1, each CUDA kernel's own time (torch.profiler): the Gluon backward, the tl
-    # split and benchmarks/gluon_bwd.py's probe.
-    "probe-bwd-kernels": (150, [LAUNCH1 + ["-m", "benchmarks.bwd_kernels", "--csv", "{out}/bwd_kernels.csv"]]),
-    # The same at 4k, 8k and 16k: a task's steps grow with S and so does the number of tasks, so the kernel times
-    # separate a fixed cost per task from the cost per step.
-    "probe-bwd-kernels-seq": (240, [LAUNCH1 + ["-m", "benchmarks.bwd_kernels", "--seq", "4096,8192,16384", "--csv",
-                                               "{out}/bwd_kernels_seq.csv"]]),
-    # The causal backward's kernels with segment ids: dense, one 16k document, packed 512-8192.
-    "probe-bwd-masks": (120, [LAUNCH1 + ["-m", "benchmarks.bwd_kernels", "--doc-lens", "none,16384-16384,512-8192",
-                                         "--csv", "{out}/bwd_kernels_masks.csv"]]),
-    # The same over documents of one length each (16k down to 1k) and the packed rows: each row's kernel time with its
-    # dK/dV tasks and steps (bwd_kernels.task_steps), to fit a cost per task and per step.
-    "probe-bwd-doclens": (150, [LAUNCH1 + ["-m", "benchmarks.bwd_kernels", "--doc-lens",
-                                           "none,16384-16384,8192-8192,4096-4096,2048-2048,1024-1024,512-8192",
-                                           "--csv", "{out}/bwd_kernels_doclens.csv"]]),
-    "probe-jax-call": (240, [LAUNCH1 + ["-m", "benchmarks.jax_call_cost", "--seq", "16384,32768", "--causal", "both",
-                                        "--csv", "{out}/jax_call_cost.csv", "--hlo", "{out}/jax_call_cost_hlo.txt"]]),
     "bench-w1": (300, [LAUNCH1 + ["-m", "benchmarks.attention", "--methods",
                                   "torch_fused,torch_cudnn_1gpu,jax_fused,jax_fused_deferred,jax_cudnn_1gpu,"
                                   "torch_fused_det,jax_fused_det",
@@ -378,8 +320,6 @@ STAGES = {
     # The torch examples alone: with ranks sharing a GPU the JAX ones cannot run (their XLA collectives need NCCL,
     # which refuses two ranks on one GPU), and a stage stops at its first failing command.
     "examples-torch": (240, [TORCHRUN + ["examples/torch_ring_attention.py"], TORCHRUN + ["examples/torch_train.py"]]),
-    "probe-callback": (150, [["env", "-u", gpus.MPS_SHARE_ENV, sys.executable, "-m", "benchmarks.callback_cost",
-                              "--out", "{out}/callback_cost.csv"]]),
     "flax": (120, [LAUNCH + ["examples/flax_train.py"]]),
     "limits": (240, [LAUNCH + ["tests/gpu/gpu_shared_limits.py", "--out", "{out}"]]),
     "rings": (300, [LAUNCH + ["tests/gpu/gpu_rings.py", "--out", "{out}"]]),

@@ -18,8 +18,8 @@ over (``--pack``). Variants a script compiles that are not listed here are compi
 
 Stages are tools/gpu_session.py's: the variants of their tests/gpu/gpu_checks.py commands (with the sections those
 run; not the ``launch`` section's test kernel), tests/gpu/gpu_faults.py commands (with their sections),
-tests/gpu/gpu_soak.py commands (its defaults), benchmarks/attention.py's fused methods (its cases, as its arguments give
-them) and the Gluon probes; other scripts' variants are compiled when they run, as before. Plans are made as on the
+tests/gpu/gpu_soak.py commands (its defaults) and benchmarks/attention.py's fused methods (its cases, as its arguments
+give them); other scripts' variants are compiled when they run. Plans are made as on the
 GPU machine's H200 (``GPU_CAPABILITY``: the Gluon forward where it applies). The session's ``warm`` stage compiles
 these too.
 
@@ -153,11 +153,9 @@ def _option(cmd, flag: str, default=None):
 def command_records(cmd, nproc: int, tag: str) -> list:
     """The records of one command line of a GPU session stage (tools/gpu_session.py's STAGES) at ``nproc``
     ranks: tests/gpu/gpu_checks.py with its ``--sections`` and ``--mask-cases``, tests/gpu/gpu_faults.py with its
-    ``--sections``, tests/gpu/gpu_soak.py with its defaults, benchmarks/attention.py's fused methods (``bench_records``)
-    and benchmarks/status_cost.py's (the same cases), benchmarks/gluon_fwd.py (the Gluon forward's loop) and
-    gluon_bwd.py (the Gluon backward's loop) with their ``--seq``,
-    benchmarks/gluon_ring.py; none for other scripts (they compile at run time, as before). A command that names its
-    own rank count (``--nproc-per-node``: LAUNCH1's one rank, bench-window-share's lone rank) is counted at that."""
+    ``--sections``, tests/gpu/gpu_soak.py with its defaults and benchmarks/attention.py's fused methods
+    (``bench_records``); none for other scripts (they compile at run time). A command that names its own rank count
+    (``--nproc-per-node``: LAUNCH1's one rank, bench-window-share's lone rank) is counted at that."""
     nproc = int(_option(cmd, "--nproc-per-node", nproc))
     if "tests/gpu/gpu_checks.py" in cmd:
         sections = _option(cmd, "--sections", ",".join(CHECKS_SECTIONS)).split(",")
@@ -178,30 +176,6 @@ def command_records(cmd, nproc: int, tag: str) -> list:
         gluon = f"{plans.GLUON_ENV}=0" not in cmd  # a stage that turns the Gluon forward off (env VAR=0 ...)
         return bench_records(cmd[cmd.index("benchmarks.attention") + 1:], nproc, tag,
                              GPU_CAPABILITY if gluon else None)
-    if "benchmarks.status_cost" in cmd:  # the 4k cases of bench-status's JAX methods (--probe: the same programs)
-        argv = ["--methods", "jax_fused,jax_fused_deferred,jax_fused_call", "--seq", _option(cmd, "--seq", "4096"),
-                "--pass", _option(cmd, "--pass", "fwd,fwd+bwd")]
-        return bench_records(argv, nproc, tag)
-    if "benchmarks.gluon_fwd" in cmd:
-        from benchmarks import gluon_fwd
-
-        seqs = [int(x) for x in _option(cmd, "--seq", "16384,32768").split(",")]
-        return [dict(r, tag=tag) for r in gluon_fwd.launch_records(seqs)]
-    if "benchmarks.bwd_kernels" in cmd:
-        from benchmarks import bwd_kernels
-
-        seqs = [int(x) for x in _option(cmd, "--seq", "16384").split(",")]
-        doc_lens = _option(cmd, "--doc-lens")
-        return distinct(bwd_kernels.launch_records(seqs, tag=tag, doc_lens=doc_lens and doc_lens.split(",")))
-    if "benchmarks.gluon_bwd" in cmd:
-        from benchmarks import gluon_bwd
-
-        seqs = [int(x) for x in _option(cmd, "--seq", "16384,32768").split(",")]
-        return distinct([dict(r, tag=tag) for r in gluon_bwd.launch_records(seqs)])
-    if "benchmarks.gluon_ring" in cmd:
-        from benchmarks import gluon_ring
-
-        return [dict(r, tag=tag) for r in gluon_ring.launch_records()]
     return []
 
 

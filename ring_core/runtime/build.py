@@ -213,7 +213,7 @@ def _compile(kernel, specialized, constexprs: dict, num_warps: int, num_stages: 
     consts = dict(constexprs, **ones)
     sig, attrs = signature(kernel, types, consts, divisible, capability)
     _record(kernel, types, consts, divisible, num_warps, num_stages, capability)
-    if getattr(kernel, "is_gluon", lambda: False)():  # a Gluon kernel (benchmarks/gluon_fwd.py): its own source
+    if getattr(kernel, "is_gluon", lambda: False)():  # a Gluon kernel (ring_core.kernels.gluon_fwd): its own source
         from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
     src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", capability, 32),

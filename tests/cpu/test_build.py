@@ -299,103 +299,6 @@ def _compiled_for_sm90(script: str, cache) -> dict:
     return testing.run_compiled(script, cache)
 
 
-GLUON_COMPILE = textwrap.dedent("""
-    import json, re
-    from benchmarks import gluon_fwd
-    out = {}
-    for dt, d, causal, config in (("bfloat16", 128, True, gluon_fwd.CONFIGS[0]),
-                                  ("float16", 64, False, gluon_fwd.CONFIGS[0]),
-                                  ("bfloat16", 128, True, gluon_fwd.CONFIGS[1]),
-                                  ("float16", 64, False, gluon_fwd.CONFIGS[1])):
-        ck = gluon_fwd.compile_for_sm90(dt, d, causal, *config)
-        ttgir, ptx = ck.asm["ttgir"], ck.asm["ptx"]
-        out[f"{dt}-{d}-{causal}-{gluon_fwd.config_name(*config)}"] = dict(
-            ws="ttg.warp_specialize" in ttgir, warps=ck.metadata.num_warps, shared=ck.metadata.shared,
-            wgmma=ptx.count("wgmma.mma_async"), tma=len(re.findall(r"cp.async.bulk.tensor", ptx)),
-            pipelined=config[2], wait1=ptx.count("wgmma.wait_group.sync.aligned 1;"))
-    print(json.dumps(out))
-""")
-
-
-def test_gluon_forward_compiles_warp_specialised_for_hopper(tmp_path):
-    """benchmarks/gluon_fwd.py (the Gluon forward's loop, single GPU) compiles for sm_90 on CPU under the
-    Triton at hand: an explicit load partition beside the consumers' warps (one partition of two warpgroups, or
-    two of one: split), TMA copies and warpgroup MMAs, within Hopper's shared memory. What it computes is checked
-    on a GPU (``python -m benchmarks.gluon_fwd``)."""
-    got = _compiled_for_sm90(GLUON_COMPILE, tmp_path)
-    for name, c in got.items():
-        assert c["ws"] and c["warps"] > 8, (name, c)  # the consumers' 8 warps and the load warp(s)
-        assert c["wgmma"] > 0 and c["tma"] >= 1 and c["shared"] <= 227 * 1024, (name, c)
-        # The pipelined loop waits for S_j with P_{j-1} V still in flight (one group outstanding); the plain one
-        # always waits for everything.
-        assert (c["wait1"] > 0) == c["pipelined"], (name, c)
-
-
-GLUON_RING_COMPILE = textwrap.dedent("""
-    import json, re
-    from benchmarks import gluon_ring
-    out = {}
-    for dt, d, w, causal in (("bfloat16", 128, 2, True), ("float16", 64, 3, False), ("bfloat16", 128, 1, True)):
-        ck = gluon_ring.compile_for_sm90(dt, d, w, causal)
-        ttgir = ck.asm["ttgir"]
-        # The load partition, in the TTGIR (structured: text order is program order).
-        parts = re.split(r"\\bpartition\\d+\\(", ttgir)
-        load = next((t for t in parts[1:] if "num_warps(1)" in t.split("\\n", 1)[0]), "")
-        acq = [m.start() for m in re.finditer(r"atomic_rmw add, acquire", load)]
-        fence = [m.start() for m in re.finditer(r"fence\\.proxy\\.async\\.global", load)]
-        tma = [m.start() for m in re.finditer(r"async_tma_copy_global_to_local", load)]
-        ptx = ck.asm["ptx"]  # what is left once the compiler folded what W = 1 never runs
-        ptx_acq, ptx_fences = len(re.findall(r"\\.acquire", ptx)), len(re.findall(r"fence\\.proxy\\.async\\.global", ptx))
-        out[f"{dt}-{d}-W{w}-{causal}"] = dict(ws="ttg.warp_specialize" in ttgir, warps=ck.metadata.num_warps,
-                                              ptx_acquires=ptx_acq, ptx_fences=ptx_fences,
-                                              shared=ck.metadata.shared, acquires=len(acq), fences=len(fence),
-                                              fence_after_acquire=bool(acq and fence and fence[0] > acq[0]),
-                                              tma_after_fence=bool(fence and tma and tma[-1] > fence[0]))
-    print(json.dumps(out))
-""")
-
-
-def test_gluon_ring_forward_compiles_with_its_waits_in_the_load_partition(tmp_path):
-    """benchmarks/gluon_ring.py (the Gluon loop over a ring's steps): the chunk waits are acquire loads
-    followed by the generic-to-async proxy fence that the TMA reads of the chunk need, inside a warp-specialised
-    kernel; at world size 1 there is nothing to wait for and no acquire is left. What it computes, and whether a
-    late flag is honoured, is checked on a GPU (``python -m benchmarks.gluon_ring``)."""
-    got = _compiled_for_sm90(GLUON_RING_COMPILE, tmp_path)
-    for name, c in got.items():
-        assert c["ws"] and c["warps"] > 8 and c["shared"] <= 227 * 1024, (name, c)
-        if "-W1-" in name:
-            assert c["ptx_acquires"] == 0 and c["ptx_fences"] == 0, (name, c)
-        else:
-            assert c["acquires"] > 0 and c["fence_after_acquire"] and c["tma_after_fence"], (name, c)
-
-
-PEER_STORE_COMPILE = textwrap.dedent("""
-    import json
-    from benchmarks import gluon_peer_store
-    ptx = gluon_peer_store.compile_for_sm90().asm["ptx"]
-    lines = [l.strip() for l in ptx.splitlines()]
-    at = lambda pred: next((i for i, l in enumerate(lines) if pred(l)), -1)
-    store = at(lambda l: l.startswith("@") and "cp.async.bulk.tensor" in l and "global.shared" in l)
-    wait = at(lambda l: l.startswith("cp.async.bulk.wait_group 0"))
-    fence = at(lambda l: l.startswith("fence.proxy.async.global"))
-    bar = next((i for i in range(max(fence, 0), len(lines)) if lines[i].startswith("bar.sync")), -1)
-    release = at(lambda l: "release" in l and "atom" in l)
-    print(json.dumps(dict(store=store, wait=wait, fence=fence, bar=bar, release=release,
-                          read_only_waits=sum(l.startswith("cp.async.bulk.wait_group.read") for l in lines))))
-""")
-
-
-def test_gluon_peer_store_waits_for_the_bulk_writes_before_its_release(tmp_path):
-    """benchmarks/gluon_peer_store.py (a push design: TMA stores into a peer's heap, then a flag): the
-    release comes after a wait for the bulk writes themselves (``cp.async.bulk.wait_group 0``, not Gluon's
-    ``tma.store_wait``, whose ``.read`` form only waits for shared memory to be read), the generic-to-async proxy
-    fence and a CTA barrier (the releasing thread may not be the one that issued the stores). Whether TMA takes a
-    peer's heap address and the data arrive is checked on a GPU (stage ``probe-gluon-peer-store``)."""
-    got = _compiled_for_sm90(PEER_STORE_COMPILE, tmp_path)
-    assert 0 <= got["store"] < got["wait"] < got["fence"] < got["bar"] < got["release"], got
-    assert got["read_only_waits"] == 0, got
-
-
 # What GLUON_KERNEL_COMPILE and GLUON_BWD_COMPILE do with a plan: compile it for sm_90 and find, in the TTGIR
 # (structured: text order is program order), the load partition and its chunk waits.
 PLAN_SM90 = """
@@ -614,39 +517,6 @@ def test_gluon_backward_compiles_warp_specialised_with_tma_reductions(tmp_path):
             assert c["acquires"] > 0 and c["tma_after_fence"], (name, c)
 
 
-GLUON_BWD_PROBE_COMPILE = textwrap.dedent("""
-    import json
-    from benchmarks import gluon_bwd
-    out = {}
-    for causal in (False, True):
-        ck = gluon_bwd.compile_for_sm90(causal=causal, H=8, HKV=2)
-        ttgir, ptx = ck.asm["ttgir"], ck.asm["ptx"]
-        out[str(causal)] = dict(ws="ttg.warp_specialize" in ttgir, shared=ck.metadata.shared,
-                                wgmma=ptx.count("wgmma.mma_async"), reduces=ptx.count("cp.reduce.async.bulk.tensor"))
-    print(json.dumps(out))
-""")
-
-
-def test_gluon_backward_probe_runs_the_products_loop(tmp_path):
-    """benchmarks/gluon_bwd.py (the backward's loop without the protocol, for the A/B with the product) compiles for
-    sm_90 from ring_core.kernels.gluon_bwd's own pieces (bwd_slots, load_steps, dkdv_steps): warp-specialised, the same
-    shared memory budget, TMA reductions; and tools/gpu_variants.py lists its launches and those of
-    benchmarks/bwd_kernels.py (each once), so a cache can be filled for them ahead of a GPU run."""
-    got = _compiled_for_sm90(GLUON_BWD_PROBE_COMPILE, tmp_path)
-    for causal, c in got.items():
-        assert c["ws"] and c["shared"] <= 227 * 1024 and c["wgmma"] >= 5 and c["reduces"] > 0, (causal, c)
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        import gpu_variants as gv
-    finally:
-        sys.path.remove(str(ROOT / "tools"))
-    for stage in ("probe-gluon-bwd", "probe-bwd-kernels"):
-        recs = gv.stage_records(stage, 1)
-        kinds = {r["kernel"].split(":")[1] for r in recs}
-        assert "gluon_attn_bwd" in kinds and len({json.dumps(r, sort_keys=True) for r in recs}) == len(recs), stage
-    assert "ring_attn_bwd_gluon" in {r["kernel"].split(":")[1] for r in gv.stage_records("probe-bwd-kernels", 1)}
-
-
 # ------------------------------------------------------------- the variants a run compiles, worked out ahead
 RECORD_THROUGH_JAX = textwrap.dedent("""
     import json, os, sys
@@ -767,13 +637,6 @@ def test_gpu_variants_lists_the_runs_kernels():
     faults = gv.stage_records("faults", 3)  # the fault sections' right calls (forward only)
     assert faults and all(r["kernel"].split(":")[1].startswith("ring_attn_fwd") and r["constexprs"]["W"] == 3
                           for r in faults)
-    gluon = gv.stage_records("probe-gluon-fwd", 1)  # the Gluon forward: its checks and timed shapes
-    assert gluon and all(r["kernel"] == "benchmarks.gluon_fwd:gluon_attn_fwd" for r in gluon)
-    assert {r["types"][0].split("[")[0] for r in gluon} == {"tensordesc<bf16", "tensordesc<fp16"}
-    assert {r["tag"] for r in gluon} == {"probe-gluon-fwd@1"}
-    ring = gv.stage_records("probe-gluon-ring", 1)  # its ring-step loop: every check and timed world size
-    assert ring and all(r["kernel"] == "benchmarks.gluon_ring:gluon_ring_fwd" for r in ring)
-    assert {r["constexprs"]["W"] for r in ring} == {1, 2, 3, 4}
 
 
 IRIS_DEVICE_ONLY = textwrap.dedent("""
@@ -849,18 +712,6 @@ JIT_AND_BUILD_KEYS = textwrap.dedent("""
                 from triton.experimental.gluon._runtime import GluonASTSource as src
             ours = src(fn=p.kernel(), signature=sig, constexprs=rec["constexprs"], attrs=attrs).hash()
             out.append([seen.pop("hash"), ours])
-    from benchmarks import gluon_fwd as gf  # the Gluon forward's JIT launch (descriptors) against its records
-    from triton.experimental.gluon._runtime import GluonASTSource
-    (B, S, H, HKV, D, causal, dt), (block_n, stages, pipelined, split) = gf.CHECKS[2], gf.CONFIGS[1]
-    rec = [r for r in gf.launch_records(()) if r["constexprs"]["STAGES"] == stages
-           and r["constexprs"]["SPLIT"] == split][2]
-    q, kv = torch.zeros(B, S, H, D, dtype=getattr(torch, dt)), torch.zeros(B, S, HKV, D, dtype=getattr(torch, dt))
-    gf.gluon_attn_fwd.run(*gf.descriptors(q, kv, kv, q.clone(), block_n), torch.zeros(B, H, S),
-                          torch.zeros(8, dtype=torch.int32), S, H, HKV, 0.1,
-                          **gf._constexprs(causal, stages, pipelined, split), grid=(1,), warmup=True,
-                          num_warps=gf.consumer_warps(split))  # as gluon_fwd.attention launches it
-    sig, attrs = build.signature(gf.gluon_attn_fwd, rec["types"], rec["constexprs"], rec["divisible"])
-    out.append([seen.pop("hash"), GluonASTSource(gf.gluon_attn_fwd, sig, rec["constexprs"], attrs).hash()])
     print(json.dumps(out))
 """)
 
@@ -868,10 +719,8 @@ JIT_AND_BUILD_KEYS = textwrap.dedent("""
 def test_torch_jit_and_the_jax_launch_compile_one_cache_entry():
     """torch's JIT launch of a plan and ring_core.runtime.build's compile of it (the JAX launch, and what warm fills)
     hash to the same Triton source key: same signature, constexprs and attributes, the empty attribute entries
-    the installed Triton's JIT writes included (3.6 and 3.9 differ there). Before, every variant compiled twice on
-    the GPU machine, once per frontend, and a cache warmed ahead served only JAX. Also the Gluon Hopper forward's
-    and backward's plans (ring_core.kernels.gluon_fwd, ring_core.kernels.gluon_bwd), and the Gluon probe's launch (TMA
-    descriptors) against its record
-    (benchmarks/gluon_fwd.launch_records)."""
+    the installed Triton's JIT writes included (3.6 and 3.9 differ there). Otherwise every variant would compile
+    twice on the GPU machine, once per frontend, and a cache warmed ahead would serve only JAX. Also the Gluon
+    Hopper forward's and backward's plans (ring_core.kernels.gluon_fwd, ring_core.kernels.gluon_bwd)."""
     pairs = testing.run_compiled(JIT_AND_BUILD_KEYS)
-    assert len(pairs) == 9 and all(jit == ours for jit, ours in pairs), pairs
+    assert len(pairs) == 8 and all(jit == ours for jit, ours in pairs), pairs

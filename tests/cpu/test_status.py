@@ -4,7 +4,7 @@ handler's registration (XLA asks its FFI version), the ring of slots (full: the 
 raised by the next call and then as its own type by take(), failures in order, a handler that fails saying why,
 the primitive kept by JAX's dead-code elimination and by XLA (has_side_effect) without a JAX effect, calls from
 several threads. The fused path end to end (the kernel's status through this check) is in test_fused_wiring.py;
-the GPU's copies and events in tests/gpu/gpu_faults.py (stage ``faults``) and benchmarks/callback_cost.py.
+the GPU's copies and events in tests/gpu/gpu_faults.py (stage ``faults``) and tests/gpu/gpu_status.py.
 """
 
 import re

@@ -4,7 +4,7 @@ source files' folder) with the .loc/.file lines dropped. For a change meant to l
 the Gluon forward's pushers at W > 1 must leave every W = 1 kernel as it was):
 
     git archive 9fa4b9d ring_core | tar x -C /tmp/oldtree
-    python -m benchmarks.ptx_same --other /tmp/oldtree --records RECORDS.jsonl      # with the GPU's Triton (3.6)
+    python tools/ptx_same.py --other /tmp/oldtree --records RECORDS.jsonl      # with the GPU's Triton (3.6)
 
 Each tree compiles in its own process (its own Triton cache under a temporary folder)."""
 from __future__ import annotations
@@ -68,7 +68,7 @@ def dump(tree: str, records: str, out: str) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.ptx_same", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python tools/ptx_same.py", description=__doc__.split("\n")[0])
     ap.add_argument("--other", required=True, help="the other tree's folder (holding its ring_core)")
     ap.add_argument("--records", required=True, help="compile-log records (JSON lines: ring_core.runtime.build's)")
     a = ap.parse_args(argv)

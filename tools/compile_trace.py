@@ -1,19 +1,19 @@
 """Why a GPU process compiles a variant that the carried Triton cache holds (e.g. a cache key that moves between
 processes): a trace of every ``triton.compile`` a process makes, and the cache keys of the kernels' functions.
 
-* ``install(path)`` (what ``benchmarks/compile_trace_site/sitecustomize.py`` calls in every Python process when
+* ``install(path)`` (what ``tools/compile_trace_site/sitecustomize.py`` calls in every Python process when
   that folder leads ``PYTHONPATH`` and ``RING_ATTENTION_COMPILE_TRACE`` names a folder): Triton's compilation
   listener appends one JSON line per compile, hit or miss, to ``<folder>/trace.<pid>.jsonl``: the kernel, the
   cache entry (``hash``), the source's hash and its parts (the function's key, the attributes, the
   constexprs), whether the entry's folder was in the cache when the process started (``in_cache_at_start``:
   a miss with ``True`` means the entry was there and Triton would not take it, e.g. a group file naming
   files under another root) and the seconds it took.
-* ``python -m benchmarks.compile_trace --keys`` prints the cache key of every Triton function of ``ring_core``
+* ``python tools/compile_trace.py --keys`` prints the cache key of every Triton function of ``ring_core``
   and of iris's device functions, one per line, sorted, as ``ring_core.runtime.build.settle_cache_keys`` settles them:
   two processes' outputs (two machines', two runs') diffed show which function's key moves. (What moved them
   before the settling, 2026-12-04: Triton 3.6 hashed a caller without the globals of callees not yet hashed, so a
   key depended on which kernel a process hashed first.)
-* ``python -m benchmarks.compile_trace --summarize FOLDER``: the traces' misses and hits per kernel, and the
+* ``python tools/compile_trace.py --summarize FOLDER``: the traces' misses and hits per kernel, and the
   functions whose keys differ between two ``--keys`` outputs (``--diff A B``).
 """
 
@@ -87,7 +87,7 @@ def summarize(folder: str) -> list:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.compile_trace", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python tools/compile_trace.py", description=__doc__.split("\n")[0])
     ap.add_argument("--keys", action="store_true", help="print every kernel function's cache key")
     ap.add_argument("--summarize", metavar="FOLDER", help="the traces under FOLDER: misses and hits")
     ap.add_argument("--diff", nargs=2, metavar=("A", "B"), help="two --keys outputs: the functions that differ")
@@ -121,4 +121,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository's ring_core
     raise SystemExit(main())
