@@ -903,57 +903,47 @@ def ring_attn_bwd_gluon(
         if not MASKS:  # (never read)
             meta_smem = task_smem
             ids_smem = task_smem
-        if not DETERMINISTIC:  # (never read)
+        if DETERMINISTIC:  # each consumer: all four dQ buffers (its two: ``dkdv_steps``)
+            dq_bufs0 = dq_smem
+            dq_bufs1 = dq_smem
+        else:  # each consumer: its one; the dQ barriers never read
+            dq_bufs0 = dq_smem.index(0)
+            dq_bufs1 = dq_smem.index(1)
             dq_full0 = kv_empty
             dq_empty0 = kv_empty
             dq_full1 = kv_empty
             dq_empty1 = kv_empty
-        # The partitions as a literal list (a partition function cannot be held in a variable of the kernel, so the
-        # two lists share their entries as text): DETERMINISTIC adds the dQ writer and gives each consumer all four
-        # dQ buffers (its two: ``dkdv_steps``); in any order each consumer gets its one.
+        # The partitions, the default first: DETERMINISTIC adds the dQ writer before the second consumer. One literal
+        # list, indexed, as neither a partition function nor an argument tuple can be held in a variable of the kernel
+        # (a tuple held in one turns its constexprs into tensors); its entries only name values (no code is emitted
+        # however often the comprehension reads them).
+        gl.warp_specialize([[
+            (_consumer, (q_smem, do_smem, kv_smem, ds_smem, dq_bufs0, lse_smem, dl_smem, kv_bar, kv_empty, q_ready,
+                         q_empty, ds_bar, part_bar, task_smem, dq_desc, dk_ptr, dv_ptr, ctx_ptr, part_off, seg_ptr,
+                         seg_recv, rank, S, B, n_dq, n_kv, n_part, timeout_ns, sm_scale, dq_full0, dq_empty0, ctl,
+                         ids_smem, meta_smem, 0, W, H, HKV, D, CAUSAL, ZIGZAG, CHUNK_ROWS, DETERMINISTIC, WINDOW,
+                         WIN_LEFT, WIN_RIGHT, SEGMENTED)),
+            (_producer_tasks, (tid, n_dq, n_kv, n_part, call_ok, task_smem, kv_empty, q_desc, do_desc, k_desc, v_desc,
+                               r_desc, q_smem, do_smem, kv_smem, lse_smem, dl_smem, kv_bar, q_ready, q_empty, lse_ptr,
+                               delta_ptr, seg_ptr, rng, ids_smem, meta_smem, rank, B, S, flags, n_chunks, epoch, ctl,
+                               timeout_ns, W, H, HKV, D, CAUSAL, ZIGZAG, CHUNK_ROWS, DETERMINISTIC, WINDOW, WIN_LEFT,
+                               WIN_RIGHT, SEGMENTED)),
+            (_dq_writer, (task_smem, kv_bar, kv_empty, dq_smem, dq_full0, dq_empty0, dq_full1, dq_empty1, dq_desc,
+                          turns, ctl, rank, S, B, n_dq, n_kv, n_part, timeout_ns, W, H, HKV, D, CAUSAL, ZIGZAG)),
+            (_consumer, (q_smem, do_smem, kv_smem, ds_smem, dq_bufs1, lse_smem, dl_smem, kv_bar, kv_empty, q_ready,
+                         q_empty, ds_bar, part_bar, task_smem, dq_desc, dk_ptr, dv_ptr, ctx_ptr, part_off, seg_ptr,
+                         seg_recv, rank, S, B, n_dq, n_kv, n_part, timeout_ns, sm_scale, dq_full1, dq_empty1, ctl,
+                         ids_smem, meta_smem, 1, W, H, HKV, D, CAUSAL, ZIGZAG, CHUNK_ROWS, DETERMINISTIC, WINDOW,
+                         WIN_LEFT, WIN_RIGHT, SEGMENTED)),
+        ][i] for i in ((0, 1, 2, 3) if DETERMINISTIC else (0, 1, 3))],
+            [_LOAD_WARPS, _WRITER_WARPS, _CONSUMER_WARPS] if DETERMINISTIC else [_LOAD_WARPS, _CONSUMER_WARPS],
+            [_LOAD_REGS, _WRITER_REGS, _CONSUMER_REGS] if DETERMINISTIC else [_LOAD_REGS, _CONSUMER_REGS])
         if DETERMINISTIC:
-            gl.warp_specialize([
-                (_consumer, (q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_bar,
-                             kv_empty, q_ready, q_empty, ds_bar, part_bar, task_smem, dq_desc, dk_ptr, dv_ptr, ctx_ptr,
-                             part_off, seg_ptr, seg_recv, rank, S, B, n_dq, n_kv, n_part, timeout_ns, sm_scale,
-                             dq_full0, dq_empty0, ctl, ids_smem, meta_smem, 0, W, H, HKV, D, CAUSAL, ZIGZAG,
-                             CHUNK_ROWS, DETERMINISTIC, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
-                (_producer_tasks, (tid, n_dq, n_kv, n_part, call_ok, task_smem, kv_empty, q_desc, do_desc, k_desc,
-                                  v_desc, r_desc, q_smem, do_smem, kv_smem, lse_smem, dl_smem, kv_bar, q_ready,
-                                  q_empty, lse_ptr, delta_ptr, seg_ptr, rng, ids_smem, meta_smem, rank, B, S, flags,
-                                  n_chunks, epoch, ctl, timeout_ns, W, H, HKV, D, CAUSAL, ZIGZAG, CHUNK_ROWS,
-                                  DETERMINISTIC, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
-                (_dq_writer, (task_smem, kv_bar, kv_empty, dq_smem, dq_full0, dq_empty0, dq_full1, dq_empty1, dq_desc,
-                              turns, ctl, rank, S, B, n_dq, n_kv, n_part, timeout_ns, W, H, HKV, D, CAUSAL, ZIGZAG)),
-                (_consumer, (q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_bar,
-                             kv_empty, q_ready, q_empty, ds_bar, part_bar, task_smem, dq_desc, dk_ptr, dv_ptr, ctx_ptr,
-                             part_off, seg_ptr, seg_recv, rank, S, B, n_dq, n_kv, n_part, timeout_ns, sm_scale,
-                             dq_full1, dq_empty1, ctl, ids_smem, meta_smem, 1, W, H, HKV, D, CAUSAL, ZIGZAG,
-                             CHUNK_ROWS, DETERMINISTIC, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
-            ], [_LOAD_WARPS, _WRITER_WARPS, _CONSUMER_WARPS], [_LOAD_REGS, _WRITER_REGS, _CONSUMER_REGS])
             for i in gl.static_range(2):
                 mbarrier.invalidate(dq_full0.index(i))
                 mbarrier.invalidate(dq_empty0.index(i))
                 mbarrier.invalidate(dq_full1.index(i))
                 mbarrier.invalidate(dq_empty1.index(i))
-        else:
-            gl.warp_specialize([
-                (_consumer, (q_smem, do_smem, kv_smem, ds_smem, dq_smem.index(0), lse_smem, dl_smem, kv_bar,
-                             kv_empty, q_ready, q_empty, ds_bar, part_bar, task_smem, dq_desc, dk_ptr, dv_ptr, ctx_ptr,
-                             part_off, seg_ptr, seg_recv, rank, S, B, n_dq, n_kv, n_part, timeout_ns, sm_scale,
-                             dq_full0, dq_empty0, ctl, ids_smem, meta_smem, 0, W, H, HKV, D, CAUSAL, ZIGZAG,
-                             CHUNK_ROWS, DETERMINISTIC, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
-                (_producer_tasks, (tid, n_dq, n_kv, n_part, call_ok, task_smem, kv_empty, q_desc, do_desc, k_desc,
-                                  v_desc, r_desc, q_smem, do_smem, kv_smem, lse_smem, dl_smem, kv_bar, q_ready,
-                                  q_empty, lse_ptr, delta_ptr, seg_ptr, rng, ids_smem, meta_smem, rank, B, S, flags,
-                                  n_chunks, epoch, ctl, timeout_ns, W, H, HKV, D, CAUSAL, ZIGZAG, CHUNK_ROWS,
-                                  DETERMINISTIC, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
-                (_consumer, (q_smem, do_smem, kv_smem, ds_smem, dq_smem.index(1), lse_smem, dl_smem, kv_bar,
-                             kv_empty, q_ready, q_empty, ds_bar, part_bar, task_smem, dq_desc, dk_ptr, dv_ptr, ctx_ptr,
-                             part_off, seg_ptr, seg_recv, rank, S, B, n_dq, n_kv, n_part, timeout_ns, sm_scale,
-                             dq_full1, dq_empty1, ctl, ids_smem, meta_smem, 1, W, H, HKV, D, CAUSAL, ZIGZAG,
-                             CHUNK_ROWS, DETERMINISTIC, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
-            ], [_LOAD_WARPS, _CONSUMER_WARPS], [_LOAD_REGS, _CONSUMER_REGS])
         tid = _tile_word(task_smem, 0)  # the ticket the load warp took after its last dK/dV task
     while tid < n_dq + n_kv + n_dq:
         _dq_task(tid - n_dq - n_kv, n_rows, n_dq + 2 * n_kv, call_ok, dq_ptr, dq_acc, sm_scale, rank, ctl, timeout_ns,
