@@ -12,9 +12,8 @@ tables themselves:
 writes one compile-log record per variant (ring_core.runtime.build's format, tagged ``stage@nproc`` like the GPU
 session's log), and ``python -m ring_core.runtime.build --warm /tmp/variants.jsonl`` compiles them into Triton's cache.
 A cache filled on another machine serves the GPU machine when ``python -m ring_core.runtime.build --identity`` prints
-the
-same line on both (same Triton wheel, same Python minor version, same ptxas); tools/gpu_session.py carries it
-over (``--pack``). Variants a script compiles that are not listed here are compiled by the run, as before.
+the same line on both (same Triton wheel, same Python minor version, same ptxas); tools/gpu_session.py carries it over
+(``--pack``). Variants a script compiles that are not listed here are compiled by the run, as before.
 
 Stages are tools/gpu_session.py's: the variants of their tests/gpu/gpu_checks.py commands (with the sections those
 run; not the ``launch`` section's test kernel), tests/gpu/gpu_faults.py commands (with their sections),
@@ -56,8 +55,7 @@ def spec_of(B, S, H, HKV, D, dtype, causal, layout, *, window=None, segmented=Fa
 
 def heap_layout(heap_bytes: int) -> control.HeapLayout:
     """The layout of a heap of ``heap_bytes`` (ring_core.runtime.heap.SymmetricHeap's workspace; where the workspace
-    sits
-    in the heap does not change the capacities a plan reads)."""
+    sits in the heap does not change the capacities a plan reads)."""
     return control.HeapLayout.for_workspace(heap_bytes - control.HEAP_SLACK)
 
 
@@ -151,13 +149,13 @@ def _option(cmd, flag: str, default=None):
 
 
 def command_records(cmd, nproc: int, tag: str) -> list:
-    """The records of one command line of a GPU session stage (tools/gpu_session.py's STAGES) at ``nproc``
-    ranks: tests/gpu/gpu_checks.py with its ``--sections`` and ``--mask-cases``, tests/gpu/gpu_faults.py with its
+    """The records of one command line of a GPU session stage (tools/gpu_session.py's STAGES) at ``nproc`` ranks:
+    tests/gpu/gpu_checks.py with its ``--sections`` and ``--mask-cases``, tests/gpu/gpu_faults.py with its
     ``--sections``, tests/gpu/gpu_soak.py with its defaults, benchmarks/attention.py's fused methods (``bench_records``)
     and benchmarks/status_cost.py's (the same cases), benchmarks/gluon_fwd.py (the Gluon forward's loop) and
-    gluon_bwd.py (the Gluon backward's loop) with their ``--seq``,
-    benchmarks/gluon_ring.py; none for other scripts (they compile at run time, as before). A command that names its
-    own rank count (``--nproc-per-node``: LAUNCH1's one rank, bench-window-share's lone rank) is counted at that."""
+    gluon_bwd.py (the Gluon backward's loop) with their ``--seq``, benchmarks/gluon_ring.py; none for other scripts
+    (they compile at run time, as before). A command that names its own rank count (``--nproc-per-node``: LAUNCH1's one
+    rank, bench-window-share's lone rank) is counted at that."""
     nproc = int(_option(cmd, "--nproc-per-node", nproc))
     if "tests/gpu/gpu_checks.py" in cmd:
         sections = _option(cmd, "--sections", ",".join(CHECKS_SECTIONS)).split(",")

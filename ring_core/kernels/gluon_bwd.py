@@ -451,14 +451,13 @@ def _consumer_task(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem
                    ZIGZAG: gl.constexpr, CHUNK_ROWS: gl.constexpr, DETERMINISTIC: gl.constexpr, sent, ids_smem=None,
                    meta_smem=None, seg_k=None, WINDOW: gl.constexpr = False, WIN_LEFT: gl.constexpr = -1,
                    WIN_RIGHT: gl.constexpr = -1, SEGMENTED: gl.constexpr = False):
-    """One consumer's part of a dK/dV task (module docstring): its steps (``g0``: the program's steps before this
-    task; ``kv_phase``: ``kv_bar``'s phase for its K and V), K and V freed for the next task's (``kv_empty``), then its
-    rows' partial sent (``part_phase``: ``part_bar``'s phase, the program's partials so far) or final dK/dV written,
-    while the next task's K and V load. ``n_m`` is 0 for a task with nothing to compute (its block unseen, or the
-    call check failed). With a
-    window or segment ids (``sent`` given, ``protocol.bwd_task_steps``): ``sent`` is nonzero for a partial task that
-    sends its partial, even where no query block meets the block's ids (the owner's test); without, a partial task
-    sends exactly when it has steps.
+    """One consumer's part of a dK/dV task (module docstring): its steps (``g0``: the program's steps before this task;
+    ``kv_phase``: ``kv_bar``'s phase for its K and V), K and V freed for the next task's (``kv_empty``), then its rows'
+    partial sent (``part_phase``: ``part_bar``'s phase, the program's partials so far) or final dK/dV written, while the
+    next task's K and V load. ``n_m`` is 0 for a task with nothing to compute (its block unseen, or the call check
+    failed). With a window or segment ids (``sent`` given, ``protocol.bwd_task_steps``): ``sent`` is nonzero for a
+    partial task that sends its partial, even where no query block meets the block's ids (the owner's test); without, a
+    partial task sends exactly when it has steps.
     What only the end needs (the ring's words, the partial slots) is read again there from ``ctx_ptr``, not held
     across the loop: registers are what the loop is short of. The task's dQ adds are left running: the consumer
     waits for them and counts its tasks once, after its last (``_consumer``); with DETERMINISTIC the dQ writer adds
