@@ -252,6 +252,40 @@ def free_bwd_slots(kv_bar, part_bar, q_ready, q_empty, ds_bar):
 
 
 @gluon.jit
+def _dq_bars(kv_empty, DETERMINISTIC: gl.constexpr):
+    """With DETERMINISTIC, the mbarriers of each consumer's two dQ buffers, initialised: consumer 0's full (the
+    consumer stored a step's dQ half) and empty (the dQ writer's add of it completed), then consumer 1's; without,
+    ``kv_empty`` in their place (never read)."""
+    if DETERMINISTIC:
+        dq_full0 = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        dq_empty0 = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        dq_full1 = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        dq_empty1 = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(dq_full0.index(i), count=1)
+            mbarrier.init(dq_empty0.index(i), count=1)
+            mbarrier.init(dq_full1.index(i), count=1)
+            mbarrier.init(dq_empty1.index(i), count=1)
+    else:
+        dq_full0 = kv_empty
+        dq_empty0 = kv_empty
+        dq_full1 = kv_empty
+        dq_empty1 = kv_empty
+    return dq_full0, dq_empty0, dq_full1, dq_empty1
+
+
+@gluon.jit
+def _free_dq_bars(dq_full0, dq_empty0, dq_full1, dq_empty1, DETERMINISTIC: gl.constexpr):
+    """``_dq_bars``' mbarriers invalidated (with DETERMINISTIC), once every partition is done with them."""
+    if DETERMINISTIC:
+        for i in gl.static_range(2):
+            mbarrier.invalidate(dq_full0.index(i))
+            mbarrier.invalidate(dq_empty0.index(i))
+            mbarrier.invalidate(dq_full1.index(i))
+            mbarrier.invalidate(dq_empty1.index(i))
+
+
+@gluon.jit
 def _work(i, n_m, i_lo, hkv, G: gl.constexpr):
     """Step i of a dK/dV task: (query head, first query row): the kv group's heads in turn, each over its query
     blocks [i_lo, i_lo + n_m)."""
@@ -864,17 +898,7 @@ def ring_attn_bwd_gluon(
     task_smem = gl.allocate_shared_memory(gl.int32, [4, 1], row_words)
     kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_empty, count=3 if DETERMINISTIC else 2)
-    if DETERMINISTIC:  # each consumer's two dQ buffers: full (the consumer stored a step's dQ half), empty (the
-        # writer's add of it completed)
-        dq_full0 = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        dq_empty0 = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        dq_full1 = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        dq_empty1 = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(2):
-            mbarrier.init(dq_full0.index(i), count=1)
-            mbarrier.init(dq_empty0.index(i), count=1)
-            mbarrier.init(dq_full1.index(i), count=1)
-            mbarrier.init(dq_empty1.index(i), count=1)
+    dq_full0, dq_empty0, dq_full1, dq_empty1 = _dq_bars(kv_empty, DETERMINISTIC)
     fence_async_shared()
     if MASKS:  # each slot's word (masked or not) and, with segment ids, its query rows' ids (``load_steps``)
         meta_smem = gl.allocate_shared_memory(gl.int32, [_STAGES, 1], row_words)
@@ -905,13 +929,9 @@ def ring_attn_bwd_gluon(
         if DETERMINISTIC:  # each consumer: all four dQ buffers (its two: ``dkdv_steps``)
             dq_bufs0 = dq_smem
             dq_bufs1 = dq_smem
-        else:  # each consumer: its one; the dQ barriers never read
+        else:  # each consumer: its one
             dq_bufs0 = dq_smem.index(0)
             dq_bufs1 = dq_smem.index(1)
-            dq_full0 = kv_empty
-            dq_empty0 = kv_empty
-            dq_full1 = kv_empty
-            dq_empty1 = kv_empty
         # The partitions, the default first: DETERMINISTIC adds the dQ writer before the second consumer. One literal
         # list, indexed, as neither a partition function nor an argument tuple can be held in a variable of the kernel
         # (a tuple held in one turns its constexprs into tensors); its entries only name values (no code is emitted
@@ -937,12 +957,7 @@ def ring_attn_bwd_gluon(
         ][i] for i in ((0, 1, 2, 3) if DETERMINISTIC else (0, 1, 3))],
             [_LOAD_WARPS, _WRITER_WARPS, _CONSUMER_WARPS] if DETERMINISTIC else [_LOAD_WARPS, _CONSUMER_WARPS],
             [_LOAD_REGS, _WRITER_REGS, _CONSUMER_REGS] if DETERMINISTIC else [_LOAD_REGS, _CONSUMER_REGS])
-        if DETERMINISTIC:
-            for i in gl.static_range(2):
-                mbarrier.invalidate(dq_full0.index(i))
-                mbarrier.invalidate(dq_empty0.index(i))
-                mbarrier.invalidate(dq_full1.index(i))
-                mbarrier.invalidate(dq_empty1.index(i))
+        _free_dq_bars(dq_full0, dq_empty0, dq_full1, dq_empty1, DETERMINISTIC)
         tid = _tile_word(task_smem, 0)  # the ticket the load warp took after its last dK/dV task
     while tid < n_dq + n_kv + n_dq:
         _dq_task(tid - n_dq - n_kv, n_rows, n_dq + 2 * n_kv, call_ok, dq_ptr, dq_acc, sm_scale, rank, ctl, timeout_ns,
