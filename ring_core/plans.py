@@ -407,7 +407,8 @@ def heap_bytes_for(recv_need: int) -> int:
 
 def kv_bytes(spec: AttentionSpec, world_size: int) -> int:
     """Receive bytes of the peers' K/V."""
-    return (world_size - 1) * 2 * spec.batch * spec.num_kv_heads * spec.seq_local * spec.head_dim * ELEM_BYTES[spec.dtype]
+    return ((world_size - 1) * 2 * spec.batch * spec.num_kv_heads * spec.seq_local * spec.head_dim
+            * ELEM_BYTES[spec.dtype])
 
 
 def seg_bytes(spec: AttentionSpec, world_size: int) -> int:

@@ -47,7 +47,8 @@ KIND_FWD = tl.constexpr(control.KIND_FWD)
 @triton.jit
 def _attn_blocks(acc, l_i, m_i, q, q_pos, k_base, v_base, lo, hi, src, S, qk_scale, offs_n, offs_d,
                  lo1, hi1, lo2, hi2, q_seg, s_lo, s_hi, seg_k,
-                 ROW_STRIDE: tl.constexpr, W: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                 ROW_STRIDE: tl.constexpr, W: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_D: tl.constexpr,
                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, ZIGZAG: tl.constexpr, INTERPRET: tl.constexpr,
                  DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr, WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr,
                  SEGMENTED: tl.constexpr, rng_src_b, a_lo, a_hi, b_lo, b_hi, CHUNK_ROWS: tl.constexpr,
