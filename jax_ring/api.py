@@ -170,14 +170,13 @@ def ring_attention(q, k, v, *, axis_name, is_causal=False, scale=None, layout="c
         ``is_causal``, keys after the query stay masked. Every backend takes both masks; the fused kernels
         skip the work they hide (K/V rows outside the window are not sent, waited for, loaded or computed;
         those of other segments not loaded or computed: ring_core/protocol/steps.py).
-      deterministic: as in flash-attn. False (the default): the fastest fused backward, which may accumulate
-        dQ in a nondeterministic order where a kernel does. True: the fused backend's gradients bit-identical
-        from run to run and between JAX and torch (the same inputs on the same GPUs). Also turned on by
-        ``XLA_FLAGS=--xla_gpu_deterministic_ops=true`` (or ``--xla_gpu_exclude_nondeterministic_ops=true``),
-        read when the call is traced. With False, on Hopper for fp16/bf16, head_dim 128 (windows and segment
-        ids included: ring_core.plans.gluon_bwd_applies), the fused backward is the Gluon kernel whose dQ sums come in
-        no
-        fixed order (ring_core/kernels/gluon_bwd.py); elsewhere, and with True, it is the deterministic tl kernel.
+      deterministic: as in flash-attn. False (the default): the fastest fused backward, which may accumulate dQ in a
+        nondeterministic order where a kernel does. True: the fused backend's gradients bit-identical from run to run
+        and between JAX and torch (the same inputs on the same GPUs). Also turned on by
+        ``XLA_FLAGS=--xla_gpu_deterministic_ops=true`` (or ``--xla_gpu_exclude_nondeterministic_ops=true``), read when
+        the call is traced. With False, on Hopper for fp16/bf16, head_dim 128 (windows and segment ids included:
+        ring_core.plans.gluon_bwd_applies), the fused backward is the Gluon kernel whose dQ sums come in no fixed order
+        (ring_core/kernels/gluon_bwd.py); elsewhere, and with True, it is the deterministic tl kernel.
         The ``"xla"`` backend ignores it: it runs XLA's own ops, which XLA_FLAGS governs.
 
     Returns:

@@ -1,7 +1,6 @@
 """backend='fused' for JAX, the raw ops: the shared kernels (ring_core.kernels.tl_fwd, ring_core.kernels.tl_bwd) as XLA
 custom calls (``forward``, ``backward``; jax_ring._triton_call: compiled by ring_core.runtime.build, launched by
-jaxlib's
-Triton custom call); the autograd layer that calls them is in jax_ring.api. The twin of torch_bridge.fused.
+jaxlib's Triton custom call); the autograd layer that calls them is in jax_ring.api. The twin of torch_bridge.fused.
 
 Per-rank values (this rank's position in its ring, the heap bases of the ring's members as mapped in its
 process) reach the kernel as an on-device array: a program baked with per-process constants would differ
@@ -254,12 +253,11 @@ def forward(q, k, v, spec, axis_name, world_size: int, timeout_s: float | None =
 def backward(q, k, v, out, lse, dout, dlse, spec, axis_name, world_size: int, timeout_s: float | None = None,
              segment_ids=None, deterministic: bool = False):
     """Run the fused backward kernel (ring_core.kernels.tl_bwd, or ring_core.kernels.gluon_bwd) on this rank's shards
-    inside
-    shard_map, from the forward's ``out`` and ``lse`` and the cotangents ``dout`` and ``dlse``; returns (dq, dk, dv),
-    typed as q, k and v. Same context row, launch maths (ring_core.plans.plan_bwd) and argument list as the torch
+    inside shard_map, from the forward's ``out`` and ``lse`` and the cotangents ``dout`` and ``dlse``; returns (dq, dk,
+    dv), typed as q, k and v. Same context row, launch maths (ring_core.plans.plan_bwd) and argument list as the torch
     launcher (torch_bridge.fused.backward). ``segment_ids`` as in ``forward`` (no gradient: ids are ints).
-    ``deterministic``: as jax_ring.ring_attention's (XLA_FLAGS=--xla_gpu_deterministic_ops=true, read now,
-    turns it on too); it picks the backward's kernel (ring_core.plans.BwdKernelConfig.get_default)."""
+    ``deterministic``: as jax_ring.ring_attention's (XLA_FLAGS=--xla_gpu_deterministic_ops=true, read now, turns it on
+    too); it picks the backward's kernel (ring_core.plans.BwdKernelConfig.get_default)."""
     deterministic = validate.check_deterministic(deterministic, _platform.xla_deterministic_ops())
     dq, dk, dv, _ = _launch("ring_attn_bwd",
                             (q, k, v, out, dout, lse, dlse.astype(jnp.float32), _segment_ids(spec, segment_ids)),

@@ -16,8 +16,7 @@ through ctypes: no compiled extension), runs on the host when XLA *enqueues* it,
 
 So a call's failure is raised by a later fused call on this process, or by ``jax_ring.check_errors()`` /
 ``shutdown()``, which wait for the copies and raise it as its own type (RingAttentionTimeout /
-RingAttentionMismatch). Per call: the handler's host time (~45-50 us of Python on the GPU machine, an H200 with jax
-0.11)
+RingAttentionMismatch). Per call: the handler's host time (~45-50 us of Python on the GPU machine, an H200 with jax 0.11)
 and the tiny copy kernel on the stream, no sync. Measured 2026-12-02 to 2026-12-04 on one H200, seq_local 4k, calls
 back to back, the 0.28 ms causal forward against no check: the PDL copy +1.6-1.7 % (three runs; +0.2-1.6 % in the
 probe runs), the plain copy kernel +2.5-5.3 % (six runs), the DMA copy +2.5-3.9 %, a handler that copies nothing

@@ -59,12 +59,11 @@ class KernelConfig:
     @staticmethod
     def get_default(spec: AttentionSpec, world_size: int, *, interpret: bool = False,
                     capability: tuple | None = None) -> "KernelConfig":
-        """The tuned tiles for ``spec``; on a GPU of compute ``capability`` where ``gluon_applies``, the Gluon
-        kernel's (ring_core.kernels.gluon_fwd): its query rows per tile, K/V rows per block and K/V slots at this
-        head_dim
-        (``GLUON_TILES``; ``num_stages``: the slots), 4 warps per partition, chunks of 4 blocks per flag; with
-        segment ids chunks of one block, whose published id ranges then say which blocks a tile loads and which it
-        computes unmasked (ring_core.kernels.gluon_fwd reads blocks whole: its skipping is as fine as the ranges)."""
+        """The tuned tiles for ``spec``; on a GPU of compute ``capability`` where ``gluon_applies``, the Gluon kernel's
+        (ring_core.kernels.gluon_fwd): its query rows per tile, K/V rows per block and K/V slots at this head_dim
+        (``GLUON_TILES``; ``num_stages``: the slots), 4 warps per partition, chunks of 4 blocks per flag; with segment
+        ids chunks of one block, whose published id ranges then say which blocks a tile loads and which it computes
+        unmasked (ring_core.kernels.gluon_fwd reads blocks whole: its skipping is as fine as the ranges)."""
         if not interpret and gluon_applies(spec, world_size, capability):
             block_m, block_n, slots, _ = GLUON_TILES[spec.head_dim]
             return KernelConfig(block_m=block_m, block_n=block_n, chunk_blocks=1 if spec.segmented else 4,
@@ -115,8 +114,7 @@ _SMS = {}  # torch device -> streaming multiprocessors
 def device_sms(device) -> int | None:
     """The streaming multiprocessors of torch ``device`` (None: not a CUDA device): the persistent Gluon kernels'
     programs (``plan``). Ranks sharing a GPU under MPS see the whole GPU's count; each rank's programs then run in as
-    many
-    waves as its share of the SMs asks, the protocol being indifferent to how many are resident (a program pushes
+    many waves as its share of the SMs asks, the protocol being indifferent to how many are resident (a program pushes
     every unit left before it waits: ring_core.protocol.steps)."""
     if getattr(device, "type", None) != "cuda":
         return None
@@ -130,11 +128,10 @@ def device_sms(device) -> int | None:
 def gluon_applies(spec: AttentionSpec, world_size: int, capability) -> bool:
     """Whether the Gluon Hopper kernel (ring_core.kernels.gluon_fwd) takes the forward of ``spec`` over ``world_size``
     ranks on a GPU of compute ``capability`` ((major, minor); None: no GPU, or the Gluon kernel turned off): Hopper
-    (9.x), fp16/bf16,
-    head_dim 64, 128 or 256 (``GLUON_TILES``), seq_local a multiple of the tile's query rows and of the K/V block's
-    (128; zigzag: of twice that, 256, so that each half of the shard holds whole tiles and blocks: the masks are
-    positions relative to one number per block, which needs a tile's and a block's positions contiguous); windows
-    and segment ids too. Everything else runs the tl kernel (ring_core.kernels.tl_fwd)."""
+    (9.x), fp16/bf16, head_dim 64, 128 or 256 (``GLUON_TILES``), seq_local a multiple of the tile's query rows and of
+    the K/V block's (128; zigzag: of twice that, 256, so that each half of the shard holds whole tiles and blocks: the
+    masks are positions relative to one number per block, which needs a tile's and a block's positions contiguous);
+    windows and segment ids too. Everything else runs the tl kernel (ring_core.kernels.tl_fwd)."""
     if capability is None or tuple(capability)[0] != 9 or spec.head_dim not in GLUON_TILES:
         return False
     block_m, block_n, _, _ = GLUON_TILES[spec.head_dim]
@@ -165,13 +162,12 @@ class BwdKernelConfig:
     K/V travel in chunks of ``chunk_blocks * kv_block_n`` rows, ``push_rows`` rows per store; a dQ task
     claims one push unit every ``seg_blocks`` blocks of its local K/V.
 
-    ``deterministic``: whether the kernel this config runs gives bit-identical gradients from run to run (and
-    so between the frontends, which launch it alike). The split kernel (ring_core.kernels.tl_bwd) always does: every
-    dQ, dK and dV block is summed in a fixed order. The Gluon kernel (``gluon``: ring_core.kernels.gluon_bwd) adds dQ
-    up in
-    the order its contributions arrive when False, and in the tickets' order (each add waiting for its turn) when
-    True. The constexpr DETERMINISTIC of both kernels; the split kernel ignores it (always True for it: one binary
-    whatever the caller asked for)."""
+    ``deterministic``: whether the kernel this config runs gives bit-identical gradients from run to run (and so between
+    the frontends, which launch it alike). The split kernel (ring_core.kernels.tl_bwd) always does: every dQ, dK and dV
+    block is summed in a fixed order. The Gluon kernel (``gluon``: ring_core.kernels.gluon_bwd) adds dQ up in the order
+    its contributions arrive when False, and in the tickets' order (each add waiting for its turn) when True. The
+    constexpr DETERMINISTIC of both kernels; the split kernel ignores it (always True for it: one binary whatever the
+    caller asked for)."""
 
     dq_block_m: int
     dq_block_n: int
@@ -189,16 +185,15 @@ class BwdKernelConfig:
     def get_default(spec: AttentionSpec, world_size: int, *, interpret: bool = False,
                     deterministic: bool = False, capability: tuple | None = None,
                     gluon_det: bool = True) -> "BwdKernelConfig":
-        """The tiles for ``spec``. ``deterministic``: the caller needs bit-identical gradients from run to run
-        (the frontends' ``deterministic``, or the framework's switch for deterministic algorithms). Without it, the
-        Gluon Hopper kernel takes the call where it applies on a GPU of compute ``capability``
-        (``gluon_bwd_applies``; ring_core.kernels.gluon_bwd: dQ added up by TMA reductions in no fixed order), with its
-        fixed
-        tiles (128 K/V rows per dK/dV task, 64 query rows per step, 128 rows per delta or dQ task, one K/V block per
-        flag). With it, the same kernel in its own deterministic order (DETERMINISTIC: dQ's adds in ticket order, by
-        a writer warp; 0.87-0.95x cuDNN forward+backward against the split's 0.80, benchmarks/NOTES.md)
-        where it applies without masks, else the split kernel; ``gluon_det`` False (RING_ATTENTION_GLUON_DETERMINISTIC
-        =0, read by ``plan_bwd``) gives the split for A/B runs."""
+        """The tiles for ``spec``. ``deterministic``: the caller needs bit-identical gradients from run to run (the
+        frontends' ``deterministic``, or the framework's switch for deterministic algorithms). Without it, the Gluon
+        Hopper kernel takes the call where it applies on a GPU of compute ``capability`` (``gluon_bwd_applies``;
+        ring_core.kernels.gluon_bwd: dQ added up by TMA reductions in no fixed order), with its fixed tiles (128 K/V
+        rows per dK/dV task, 64 query rows per step, 128 rows per delta or dQ task, one K/V block per flag). With it,
+        the same kernel in its own deterministic order (DETERMINISTIC: dQ's adds in ticket order, by a writer warp;
+        0.87-0.95x cuDNN forward+backward against the split's 0.80, benchmarks/NOTES.md) where it applies without masks,
+        else the split kernel; ``gluon_det`` False (RING_ATTENTION_GLUON_DETERMINISTIC=0, read by ``plan_bwd``) gives
+        the split for A/B runs."""
         if (not interpret and (gluon_det or not deterministic)
                 and gluon_bwd_applies(spec, world_size, capability, deterministic)):
             return BwdKernelConfig(dq_block_m=GLUON_BWD_ROW_TASK, dq_block_n=GLUON_BWD_Q_ROWS,
@@ -412,7 +407,8 @@ def heap_bytes_for(recv_need: int) -> int:
 
 def kv_bytes(spec: AttentionSpec, world_size: int) -> int:
     """Receive bytes of the peers' K/V."""
-    return (world_size - 1) * 2 * spec.batch * spec.num_kv_heads * spec.seq_local * spec.head_dim * ELEM_BYTES[spec.dtype]
+    return ((world_size - 1) * 2 * spec.batch * spec.num_kv_heads * spec.seq_local * spec.head_dim
+            * ELEM_BYTES[spec.dtype])
 
 
 def seg_bytes(spec: AttentionSpec, world_size: int) -> int:

@@ -145,7 +145,8 @@ def check_attention_args(q_shape, k_shape, v_shape, q_dtype, k_dtype, v_dtype, *
         raise ValueError(f"batch mismatch: q has batch {b}, k/v have {kb}")
     if ks != s:
         raise ValueError(
-            f"seq_local mismatch: q has {s} local tokens, k/v have {ks}; every rank holds the same tokens of q, k and v")
+            f"seq_local mismatch: q has {s} local tokens, k/v have {ks}; every rank holds the same tokens of q, k "
+            "and v")
     if kd != d:
         raise ValueError(f"head_dim mismatch: q has {d}, k/v have {kd}")
     if h % hkv:
@@ -173,7 +174,8 @@ def check_attention_args(q_shape, k_shape, v_shape, q_dtype, k_dtype, v_dtype, *
     else:
         # >= 0: a negative scale would turn the causal mask's -inf into +inf in a kernel that scales the
         # masked scores; 0 is fine (uniform weights).
-        if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float)) and not hasattr(scale, "__float__"):
+        if (isinstance(scale, (bool, np.bool_))
+                or not isinstance(scale, (int, float)) and not hasattr(scale, "__float__")):
             raise TypeError(f"scale must be a Python float or None, got {_type_name(scale)}")
         if getattr(scale, "ndim", 0) != 0:
             raise TypeError(f"scale must be one number (a Python float or a 0-d array) or None, "

@@ -1,9 +1,7 @@
 """backend='fused' for PyTorch, the raw ops: the shared kernels (ring_core.kernels.tl_fwd, .kernel_bwd) launched with
-torch
-tensors over the ring of a process group (``forward``, ``backward``); the autograd layer that calls them (the
-custom ops torch.compile sees) is in torch_bridge.api, and the status of every launch goes to
-torch_bridge.lifecycle, which raises a failure (at the next call, ``check_errors()`` or at once). The twin of
-jax_ring.fused.
+torch tensors over the ring of a process group (``forward``, ``backward``); the autograd layer that calls them (the
+custom ops torch.compile sees) is in torch_bridge.api, and the status of every launch goes to torch_bridge.lifecycle,
+which raises a failure (at the next call, ``check_errors()`` or at once). The twin of jax_ring.fused.
 """
 
 from __future__ import annotations
@@ -239,11 +237,10 @@ def check_backward_fits(spec, group=None, deterministic: bool = False):
 def backward(q, k, v, out, lse, dout, spec, group=None, timeout_s: float | None = None, config=None, dlse=None,
              segment_ids=None, deterministic: bool = False):
     """Launch the fused backward kernel (ring_core.kernels.tl_bwd, or ring_core.kernels.gluon_bwd) on this rank's
-    shards, from
-    the forward's ``out`` and ``lse`` and the gradients ``dout`` and ``dlse`` (None: lse carries none); returns
-    (dq, dk, dv). Same launch maths (ring_core.plans.plan_bwd) and argument list as the JAX launcher
-    (jax_ring.fused.backward). ``config`` (a ring_core.plans.BwdKernelConfig) overrides the defaults: for
-    tuning only. ``segment_ids`` as in ``forward``. ``deterministic``: as torch_bridge.ring_attention's
+    shards, from the forward's ``out`` and ``lse`` and the gradients ``dout`` and ``dlse`` (None: lse carries none);
+    returns (dq, dk, dv). Same launch maths (ring_core.plans.plan_bwd) and argument list as the JAX launcher
+    (jax_ring.fused.backward). ``config`` (a ring_core.plans.BwdKernelConfig) overrides the defaults: for tuning only.
+    ``segment_ids`` as in ``forward``. ``deterministic``: as torch_bridge.ring_attention's
     (torch.use_deterministic_algorithms(True), read now, turns it on too); it picks the backward's kernel
     (ring_core.plans.BwdKernelConfig.get_default)."""
     deterministic = validate.check_deterministic(deterministic, torch.are_deterministic_algorithms_enabled())

@@ -1,13 +1,12 @@
 """The fused backend's lifecycle in PyTorch: joining the job (initialize), the symmetric heap's lifetime (shutdown,
 reset) and the failures of fused calls (check_errors). The twin of jax_ring.lifecycle.
 
-Errors found by the kernel (a bounded wait that expired, ranks that disagree) come back in a small status
-tensor per launch, which the kernel writes straight into pinned host memory (torch_bridge.fused._zeroed_status).
-Checking it at once would cost a host sync per call, so an event is recorded after the launch and the status is
-read once the event has completed: at the next fused call, at ``check_errors()`` (which waits), or at once with
-RING_ATTENTION_ERRORS=call (ring_core.protocol.control.errors_mode; torch's default is "deferred"). JAX's status is an
-XLA
-buffer in device memory instead, which jax_ring.status copies into its pinned slots with a kernel per call.
+Errors found by the kernel (a bounded wait that expired, ranks that disagree) come back in a small status tensor per
+launch, which the kernel writes straight into pinned host memory (torch_bridge.fused._zeroed_status). Checking it at
+once would cost a host sync per call, so an event is recorded after the launch and the status is read once the event has
+completed: at the next fused call, at ``check_errors()`` (which waits), or at once with RING_ATTENTION_ERRORS=call
+(ring_core.protocol.control.errors_mode; torch's default is "deferred"). JAX's status is an XLA buffer in device memory
+instead, which jax_ring.status copies into its pinned slots with a kernel per call.
 """
 
 from __future__ import annotations

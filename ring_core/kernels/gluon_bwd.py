@@ -252,6 +252,40 @@ def free_bwd_slots(kv_bar, part_bar, q_ready, q_empty, ds_bar):
 
 
 @gluon.jit
+def _dq_bars(kv_empty, DETERMINISTIC: gl.constexpr):
+    """With DETERMINISTIC, the mbarriers of each consumer's two dQ buffers, initialised: consumer 0's full (the
+    consumer stored a step's dQ half) and empty (the dQ writer's add of it completed), then consumer 1's; without,
+    ``kv_empty`` in their place (never read)."""
+    if DETERMINISTIC:
+        dq_full0 = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        dq_empty0 = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        dq_full1 = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        dq_empty1 = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(dq_full0.index(i), count=1)
+            mbarrier.init(dq_empty0.index(i), count=1)
+            mbarrier.init(dq_full1.index(i), count=1)
+            mbarrier.init(dq_empty1.index(i), count=1)
+    else:
+        dq_full0 = kv_empty
+        dq_empty0 = kv_empty
+        dq_full1 = kv_empty
+        dq_empty1 = kv_empty
+    return dq_full0, dq_empty0, dq_full1, dq_empty1
+
+
+@gluon.jit
+def _free_dq_bars(dq_full0, dq_empty0, dq_full1, dq_empty1, DETERMINISTIC: gl.constexpr):
+    """``_dq_bars``' mbarriers invalidated (with DETERMINISTIC), once every partition is done with them."""
+    if DETERMINISTIC:
+        for i in gl.static_range(2):
+            mbarrier.invalidate(dq_full0.index(i))
+            mbarrier.invalidate(dq_empty0.index(i))
+            mbarrier.invalidate(dq_full1.index(i))
+            mbarrier.invalidate(dq_empty1.index(i))
+
+
+@gluon.jit
 def _work(i, n_m, i_lo, hkv, G: gl.constexpr):
     """Step i of a dK/dV task: (query head, first query row): the kv group's heads in turn, each over its query
     blocks [i_lo, i_lo + n_m)."""
@@ -451,14 +485,13 @@ def _consumer_task(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem
                    ZIGZAG: gl.constexpr, CHUNK_ROWS: gl.constexpr, DETERMINISTIC: gl.constexpr, sent, ids_smem=None,
                    meta_smem=None, seg_k=None, WINDOW: gl.constexpr = False, WIN_LEFT: gl.constexpr = -1,
                    WIN_RIGHT: gl.constexpr = -1, SEGMENTED: gl.constexpr = False):
-    """One consumer's part of a dK/dV task (module docstring): its steps (``g0``: the program's steps before this
-    task; ``kv_phase``: ``kv_bar``'s phase for its K and V), K and V freed for the next task's (``kv_empty``), then its
-    rows' partial sent (``part_phase``: ``part_bar``'s phase, the program's partials so far) or final dK/dV written,
-    while the next task's K and V load. ``n_m`` is 0 for a task with nothing to compute (its block unseen, or the
-    call check failed). With a
-    window or segment ids (``sent`` given, ``protocol.bwd_task_steps``): ``sent`` is nonzero for a partial task that
-    sends its partial, even where no query block meets the block's ids (the owner's test); without, a partial task
-    sends exactly when it has steps.
+    """One consumer's part of a dK/dV task (module docstring): its steps (``g0``: the program's steps before this task;
+    ``kv_phase``: ``kv_bar``'s phase for its K and V), K and V freed for the next task's (``kv_empty``), then its rows'
+    partial sent (``part_phase``: ``part_bar``'s phase, the program's partials so far) or final dK/dV written, while the
+    next task's K and V load. ``n_m`` is 0 for a task with nothing to compute (its block unseen, or the call check
+    failed). With a window or segment ids (``sent`` given, ``protocol.bwd_task_steps``): ``sent`` is nonzero for a
+    partial task that sends its partial, even where no query block meets the block's ids (the owner's test); without, a
+    partial task sends exactly when it has steps.
     What only the end needs (the ring's words, the partial slots) is read again there from ``ctx_ptr``, not held
     across the loop: registers are what the loop is short of. The task's dQ adds are left running: the consumer
     waits for them and counts its tasks once, after its last (``_consumer``); with DETERMINISTIC the dQ writer adds
@@ -865,17 +898,7 @@ def ring_attn_bwd_gluon(
     task_smem = gl.allocate_shared_memory(gl.int32, [4, 1], row_words)
     kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_empty, count=3 if DETERMINISTIC else 2)
-    if DETERMINISTIC:  # each consumer's two dQ buffers: full (the consumer stored a step's dQ half), empty (the
-        # writer's add of it completed)
-        dq_full0 = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        dq_empty0 = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        dq_full1 = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        dq_empty1 = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(2):
-            mbarrier.init(dq_full0.index(i), count=1)
-            mbarrier.init(dq_empty0.index(i), count=1)
-            mbarrier.init(dq_full1.index(i), count=1)
-            mbarrier.init(dq_empty1.index(i), count=1)
+    dq_full0, dq_empty0, dq_full1, dq_empty1 = _dq_bars(kv_empty, DETERMINISTIC)
     fence_async_shared()
     if MASKS:  # each slot's word (masked or not) and, with segment ids, its query rows' ids (``load_steps``)
         meta_smem = gl.allocate_shared_memory(gl.int32, [_STAGES, 1], row_words)
@@ -903,57 +926,38 @@ def ring_attn_bwd_gluon(
         if not MASKS:  # (never read)
             meta_smem = task_smem
             ids_smem = task_smem
-        if not DETERMINISTIC:  # (never read)
-            dq_full0 = kv_empty
-            dq_empty0 = kv_empty
-            dq_full1 = kv_empty
-            dq_empty1 = kv_empty
-        # The partitions as a literal list (a partition function cannot be held in a variable of the kernel, so the
-        # two lists share their entries as text): DETERMINISTIC adds the dQ writer and gives each consumer all four
-        # dQ buffers (its two: ``dkdv_steps``); in any order each consumer gets its one.
-        if DETERMINISTIC:
-            gl.warp_specialize([
-                (_consumer, (q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_bar,
-                             kv_empty, q_ready, q_empty, ds_bar, part_bar, task_smem, dq_desc, dk_ptr, dv_ptr, ctx_ptr,
-                             part_off, seg_ptr, seg_recv, rank, S, B, n_dq, n_kv, n_part, timeout_ns, sm_scale,
-                             dq_full0, dq_empty0, ctl, ids_smem, meta_smem, 0, W, H, HKV, D, CAUSAL, ZIGZAG,
-                             CHUNK_ROWS, DETERMINISTIC, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
-                (_producer_tasks, (tid, n_dq, n_kv, n_part, call_ok, task_smem, kv_empty, q_desc, do_desc, k_desc,
-                                  v_desc, r_desc, q_smem, do_smem, kv_smem, lse_smem, dl_smem, kv_bar, q_ready,
-                                  q_empty, lse_ptr, delta_ptr, seg_ptr, rng, ids_smem, meta_smem, rank, B, S, flags,
-                                  n_chunks, epoch, ctl, timeout_ns, W, H, HKV, D, CAUSAL, ZIGZAG, CHUNK_ROWS,
-                                  DETERMINISTIC, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
-                (_dq_writer, (task_smem, kv_bar, kv_empty, dq_smem, dq_full0, dq_empty0, dq_full1, dq_empty1, dq_desc,
-                              turns, ctl, rank, S, B, n_dq, n_kv, n_part, timeout_ns, W, H, HKV, D, CAUSAL, ZIGZAG)),
-                (_consumer, (q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_bar,
-                             kv_empty, q_ready, q_empty, ds_bar, part_bar, task_smem, dq_desc, dk_ptr, dv_ptr, ctx_ptr,
-                             part_off, seg_ptr, seg_recv, rank, S, B, n_dq, n_kv, n_part, timeout_ns, sm_scale,
-                             dq_full1, dq_empty1, ctl, ids_smem, meta_smem, 1, W, H, HKV, D, CAUSAL, ZIGZAG,
-                             CHUNK_ROWS, DETERMINISTIC, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
-            ], [_LOAD_WARPS, _WRITER_WARPS, _CONSUMER_WARPS], [_LOAD_REGS, _WRITER_REGS, _CONSUMER_REGS])
-            for i in gl.static_range(2):
-                mbarrier.invalidate(dq_full0.index(i))
-                mbarrier.invalidate(dq_empty0.index(i))
-                mbarrier.invalidate(dq_full1.index(i))
-                mbarrier.invalidate(dq_empty1.index(i))
-        else:
-            gl.warp_specialize([
-                (_consumer, (q_smem, do_smem, kv_smem, ds_smem, dq_smem.index(0), lse_smem, dl_smem, kv_bar,
-                             kv_empty, q_ready, q_empty, ds_bar, part_bar, task_smem, dq_desc, dk_ptr, dv_ptr, ctx_ptr,
-                             part_off, seg_ptr, seg_recv, rank, S, B, n_dq, n_kv, n_part, timeout_ns, sm_scale,
-                             dq_full0, dq_empty0, ctl, ids_smem, meta_smem, 0, W, H, HKV, D, CAUSAL, ZIGZAG,
-                             CHUNK_ROWS, DETERMINISTIC, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
-                (_producer_tasks, (tid, n_dq, n_kv, n_part, call_ok, task_smem, kv_empty, q_desc, do_desc, k_desc,
-                                  v_desc, r_desc, q_smem, do_smem, kv_smem, lse_smem, dl_smem, kv_bar, q_ready,
-                                  q_empty, lse_ptr, delta_ptr, seg_ptr, rng, ids_smem, meta_smem, rank, B, S, flags,
-                                  n_chunks, epoch, ctl, timeout_ns, W, H, HKV, D, CAUSAL, ZIGZAG, CHUNK_ROWS,
-                                  DETERMINISTIC, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
-                (_consumer, (q_smem, do_smem, kv_smem, ds_smem, dq_smem.index(1), lse_smem, dl_smem, kv_bar,
-                             kv_empty, q_ready, q_empty, ds_bar, part_bar, task_smem, dq_desc, dk_ptr, dv_ptr, ctx_ptr,
-                             part_off, seg_ptr, seg_recv, rank, S, B, n_dq, n_kv, n_part, timeout_ns, sm_scale,
-                             dq_full1, dq_empty1, ctl, ids_smem, meta_smem, 1, W, H, HKV, D, CAUSAL, ZIGZAG,
-                             CHUNK_ROWS, DETERMINISTIC, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
-            ], [_LOAD_WARPS, _CONSUMER_WARPS], [_LOAD_REGS, _CONSUMER_REGS])
+        if DETERMINISTIC:  # each consumer: all four dQ buffers (its two: ``dkdv_steps``)
+            dq_bufs0 = dq_smem
+            dq_bufs1 = dq_smem
+        else:  # each consumer: its one
+            dq_bufs0 = dq_smem.index(0)
+            dq_bufs1 = dq_smem.index(1)
+        # The partitions, the default first: DETERMINISTIC adds the dQ writer before the second consumer. One literal
+        # list, indexed, as neither a partition function nor an argument tuple can be held in a variable of the kernel
+        # (a tuple held in one turns its constexprs into tensors); its entries only name values (no code is emitted
+        # however often the comprehension reads them).
+        gl.warp_specialize([[
+            (_consumer, (q_smem, do_smem, kv_smem, ds_smem, dq_bufs0, lse_smem, dl_smem, kv_bar, kv_empty, q_ready,
+                         q_empty, ds_bar, part_bar, task_smem, dq_desc, dk_ptr, dv_ptr, ctx_ptr, part_off, seg_ptr,
+                         seg_recv, rank, S, B, n_dq, n_kv, n_part, timeout_ns, sm_scale, dq_full0, dq_empty0, ctl,
+                         ids_smem, meta_smem, 0, W, H, HKV, D, CAUSAL, ZIGZAG, CHUNK_ROWS, DETERMINISTIC, WINDOW,
+                         WIN_LEFT, WIN_RIGHT, SEGMENTED)),
+            (_producer_tasks, (tid, n_dq, n_kv, n_part, call_ok, task_smem, kv_empty, q_desc, do_desc, k_desc, v_desc,
+                               r_desc, q_smem, do_smem, kv_smem, lse_smem, dl_smem, kv_bar, q_ready, q_empty, lse_ptr,
+                               delta_ptr, seg_ptr, rng, ids_smem, meta_smem, rank, B, S, flags, n_chunks, epoch, ctl,
+                               timeout_ns, W, H, HKV, D, CAUSAL, ZIGZAG, CHUNK_ROWS, DETERMINISTIC, WINDOW, WIN_LEFT,
+                               WIN_RIGHT, SEGMENTED)),
+            (_dq_writer, (task_smem, kv_bar, kv_empty, dq_smem, dq_full0, dq_empty0, dq_full1, dq_empty1, dq_desc,
+                          turns, ctl, rank, S, B, n_dq, n_kv, n_part, timeout_ns, W, H, HKV, D, CAUSAL, ZIGZAG)),
+            (_consumer, (q_smem, do_smem, kv_smem, ds_smem, dq_bufs1, lse_smem, dl_smem, kv_bar, kv_empty, q_ready,
+                         q_empty, ds_bar, part_bar, task_smem, dq_desc, dk_ptr, dv_ptr, ctx_ptr, part_off, seg_ptr,
+                         seg_recv, rank, S, B, n_dq, n_kv, n_part, timeout_ns, sm_scale, dq_full1, dq_empty1, ctl,
+                         ids_smem, meta_smem, 1, W, H, HKV, D, CAUSAL, ZIGZAG, CHUNK_ROWS, DETERMINISTIC, WINDOW,
+                         WIN_LEFT, WIN_RIGHT, SEGMENTED)),
+        ][i] for i in ((0, 1, 2, 3) if DETERMINISTIC else (0, 1, 3))],
+            [_LOAD_WARPS, _WRITER_WARPS, _CONSUMER_WARPS] if DETERMINISTIC else [_LOAD_WARPS, _CONSUMER_WARPS],
+            [_LOAD_REGS, _WRITER_REGS, _CONSUMER_REGS] if DETERMINISTIC else [_LOAD_REGS, _CONSUMER_REGS])
+        _free_dq_bars(dq_full0, dq_empty0, dq_full1, dq_empty1, DETERMINISTIC)
         tid = _tile_word(task_smem, 0)  # the ticket the load warp took after its last dK/dV task
     while tid < n_dq + n_kv + n_dq:
         _dq_task(tid - n_dq - n_kv, n_rows, n_dq + 2 * n_kv, call_ok, dq_ptr, dq_acc, sm_scale, rank, ctl, timeout_ns,

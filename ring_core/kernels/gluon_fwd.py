@@ -17,22 +17,19 @@ holds as it is: the programs that push (``is_pusher``: the first quarter of the 
 counter before anything of them waits (here: before the partitions start), and every program waits only for
 flags that pushes set.
 
-Persistent: a program per SM (``ring_core.plans.plan``'s grid), each taking tiles of (batch, head, BLOCK_M query
-rows) from the call's tile counter (CTL_FWD_TILE) in the tl kernel's order (ring_core.kernels.tiles.query_tile: the
-programs running at once share K/V in L2, the heaviest tiles go first; a static round-robin lost 8-15 % on causal
-rows, benchmarks/NOTES.md), so that what a program pays however few blocks its tile has (the call check,
-the descriptors, the barriers, the end count: about 11 us) is paid once per SM, and a tile's first loads
-overlap the last tile's end. The pushes never depend on how many programs are resident (ranks sharing a GPU under
-MPS run fewer at once than the grid holds): the pushers are the first programs to arrive, and each pushes every
-unit left before anything of it waits, while the other three quarters start on their tiles, whose ring step 0
-(local K/V) needs no push; the units go kv head by kv head, the order the tiles take (until 2026-12-04 every
-program pushed before its first tile, so no compute overlapped the pushes). The last program done resets the
-counters for the next call. The
-tiles depend on head_dim, set in one place (``ring_core.kernels.configs.GLUON_TILES``, passed as BLOCK_M / BLOCK_N, the
-slots
-read by ``kv_slots`` and ``kv_rings``): 128 query rows, K/V blocks of 128 rows in 3 slots at D64 / D128, of 64 rows
-in 2 slots at D256, there with K and V in rings of their own (shared memory: Q and the slots 224 KiB at D128, 192 KiB
-at D256).
+Persistent: a program per SM (``ring_core.plans.plan``'s grid), each taking tiles of (batch, head, BLOCK_M query rows)
+from the call's tile counter (CTL_FWD_TILE) in the tl kernel's order (ring_core.kernels.tiles.query_tile: the programs
+running at once share K/V in L2, the heaviest tiles go first; a static round-robin lost 8-15 % on causal rows,
+benchmarks/NOTES.md), so that what a program pays however few blocks its tile has (the call check, the descriptors, the
+barriers, the end count: about 11 us) is paid once per SM, and a tile's first loads overlap the last tile's end. The
+pushes never depend on how many programs are resident (ranks sharing a GPU under MPS run fewer at once than the grid
+holds): the pushers are the first programs to arrive, and each pushes every unit left before anything of it waits, while
+the other three quarters start on their tiles, whose ring step 0 (local K/V) needs no push; the units go kv head by kv
+head, the order the tiles take (until 2026-12-04 every program pushed before its first tile, so no compute overlapped
+the pushes). The last program done resets the counters for the next call. The tiles depend on head_dim, set in one place
+(``ring_core.kernels.configs.GLUON_TILES``, passed as BLOCK_M / BLOCK_N, the slots read by ``kv_slots`` and
+``kv_rings``): 128 query rows, K/V blocks of 128 rows in 3 slots at D64 / D128, of 64 rows in 2 slots at D256, there
+with K and V in rings of their own (shared memory: Q and the slots 224 KiB at D128, 192 KiB at D256).
 * Prologue (the kernel's 4 warps), once per program: ring context, call check, push every unclaimed unit
   (``drain_pushes``), TMA descriptors made on the device (global scratch: the launchers pass it), shared memory for
   Q (a half per consumer, ``q_halves``) and ``STAGES`` K/V slots with their mbarriers.
@@ -140,9 +137,8 @@ TL_Q, TL_DONE, TL_STORED, TL_LOAD_TILE, TL_LOAD_ISSUED, TL_PLAN_START, TL_PLAN_P
     TL_EXIT_NS = (gl.constexpr(v) for v in TIMELINE_EVENT.values())
 
 
-# ring_core.kernels.configs.GLUON_TILES as a constexpr global: read by name in ``kv_slots`` / ``kv_rings``, its value
-# is part
-# of the kernel's cache key (Triton hashes the constexpr globals a jit function and its callees read), so a binary
+# ring_core.kernels.configs.GLUON_TILES as a constexpr global: read by name in ``kv_slots`` / ``kv_rings``, its value is
+# part of the kernel's cache key (Triton hashes the constexpr globals a jit function and its callees read), so a binary
 # compiled for other tiles is never taken from the cache.
 _TILES = gl.constexpr(configs.GLUON_TILES)
 
@@ -150,8 +146,7 @@ _TILES = gl.constexpr(configs.GLUON_TILES)
 @triton.constexpr_function
 def kv_slots(head_dim, block_m, block_n):
     """The K/V slots of the tiles at ``head_dim`` (ring_core.kernels.configs.GLUON_TILES), whose query and K/V block
-    rows the
-    plans pass (``block_m``, ``block_n``: checked against the table here)."""
+    rows the plans pass (``block_m``, ``block_n``: checked against the table here)."""
     tile_m, tile_n, slots, _ = _TILES.value[head_dim]
     assert (block_m, block_n) == (tile_m, tile_n), f"ring_core.plans: the Gluon tiles at head_dim {head_dim}"
     return slots
@@ -297,13 +292,12 @@ def _producer(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_ready, q
               W: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, CHUNK_BLOCKS: gl.constexpr, CAUSAL: gl.constexpr,
               ZIGZAG: gl.constexpr, WINDOW: gl.constexpr, WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr,
               SEGMENTED: gl.constexpr):
-    """The load partition without masks (with them: ``_producer_planned``): the program's tiles one after another,
-    each one's Q and blocks (``_tile_loads``; the slots' rounds go on from tile to tile), then tile -1 to the
-    consumers. Every tile is taken from the call's tile counter (CTL_FWD_TILE; the next one fetched while the tile
-    before is loaded), so the tiles start in ring_core.kernels.tiles.query_tile's order, as a program per tile would:
-    the
-    programs running at once share K/V in L2, the heaviest tiles go first, and where fewer programs are resident than
-    launched (ranks sharing a GPU under MPS) none of them keeps a tile of its own for when it starts."""
+    """The load partition without masks (with them: ``_producer_planned``): the program's tiles one after another, each
+    one's Q and blocks (``_tile_loads``; the slots' rounds go on from tile to tile), then tile -1 to the consumers.
+    Every tile is taken from the call's tile counter (CTL_FWD_TILE; the next one fetched while the tile before is
+    loaded), so the tiles start in ring_core.kernels.tiles.query_tile's order, as a program per tile would: the programs
+    running at once share K/V in L2, the heaviest tiles go first, and where fewer programs are resident than launched
+    (ranks sharing a GPU under MPS) none of them keeps a tile of its own for when it starts."""
     BLOCK_M: gl.constexpr = 2 * q_smem.shape[1]
     n_tiles = B * H * (S // BLOCK_M)
     tile = gl.atomic_add(ctl + CTL_FWD_TILE, 1, sem="relaxed", scope="gpu")
@@ -405,16 +399,15 @@ def _planner(pwords, p_full, p_empty, rank, B, S, seg_ptr, n_chunks, ctl, tln, r
              W: gl.constexpr, HKV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CHUNK_ROWS: gl.constexpr,
              CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr, WINDOW: gl.constexpr, WIN_LEFT: gl.constexpr,
              WIN_RIGHT: gl.constexpr, SEGMENTED: gl.constexpr):
-    """With a window or segment ids, the planner partition (one warp): the program's tiles from the call's tile
-    counter, as ``_producer`` takes them without masks, each one's plan (``_tile_plan``: global loads of the tile's
-    ids and of the chunks' published ranges, a scan of the blocks by position) worked out ahead of the load warp into
-    one of two slots of words (``pwords``, plan_words(W) each), each slot published by its ``p_full`` barrier and
-    given back by the load warp's ``p_empty`` once that tile's loads are issued, a tile taken from the counter only
-    once its slot is free (taken earlier, the program would hold tiles that an idle program could run at the call's
-    end); then tile -1. The load warp's own
-    path is then each block's test and loads only (the plan on it had cost about 1.3 us of an SM a tile:
-    ``bench-doclens-stream``, benchmarks/NOTES.md). It waits only for its slots (freed by the load warp,
-    which waits for nothing of it but these words), so the partitions' waits stay acyclic."""
+    """With a window or segment ids, the planner partition (one warp): the program's tiles from the call's tile counter,
+    as ``_producer`` takes them without masks, each one's plan (``_tile_plan``: global loads of the tile's ids and of
+    the chunks' published ranges, a scan of the blocks by position) worked out ahead of the load warp into one of two
+    slots of words (``pwords``, plan_words(W) each), each slot published by its ``p_full`` barrier and given back by the
+    load warp's ``p_empty`` once that tile's loads are issued, a tile taken from the counter only once its slot is free
+    (taken earlier, the program would hold tiles that an idle program could run at the call's end); then tile -1. The
+    load warp's own path is then each block's test and loads only (the plan on it had cost about 1.3 us of an SM a tile:
+    ``bench-doclens-stream``, benchmarks/NOTES.md). It waits only for its slots (freed by the load warp, which waits for
+    nothing of it but these words), so the partitions' waits stay acyclic."""
     PW: gl.constexpr = plan_words(W)
     n_tiles = B * H * (S // BLOCK_M)
     k = rank * 0

@@ -47,7 +47,8 @@ KIND_FWD = tl.constexpr(control.KIND_FWD)
 @triton.jit
 def _attn_blocks(acc, l_i, m_i, q, q_pos, k_base, v_base, lo, hi, src, S, qk_scale, offs_n, offs_d,
                  lo1, hi1, lo2, hi2, q_seg, s_lo, s_hi, seg_k,
-                 ROW_STRIDE: tl.constexpr, W: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                 ROW_STRIDE: tl.constexpr, W: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_D: tl.constexpr,
                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, ZIGZAG: tl.constexpr, INTERPRET: tl.constexpr,
                  DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr, WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr,
                  SEGMENTED: tl.constexpr, rng_src_b, a_lo, a_hi, b_lo, b_hi, CHUNK_ROWS: tl.constexpr,
@@ -87,6 +88,62 @@ def _attn_blocks(acc, l_i, m_i, q, q_pos, k_base, v_base, lo, hi, src, S, qk_sca
         acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_PRECISION, INTERPRET)
         m_i = m_new
     return acc, l_i, m_i
+
+
+@triton.jit
+def _received_step(acc, l_i, m_i, valid, q, q_pos, offs_n, offs_d, q_seg, s_lo, s_hi, t_id, a_lo, a_hi, b_lo, b_hi,
+                   j_lo, n_full_lo, n_full, n_hi, lo1, hi1, lo2, hi2, b, hkv, rank, src, B, S, qk_scale, n_units,
+                   n_chunks, k_ptr, v_ptr, seg_ptr, recv, seg_recv, flags, heap_bases, ctl, rng, epoch, timeout_ns,
+                   STEP: tl.constexpr, W: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_D: tl.constexpr, CHUNK_BLOCKS: tl.constexpr, CHUNK_ROWS: tl.constexpr,
+                   PUSH_ROWS: tl.constexpr, PUSH_VEC: tl.constexpr, POLL_N: tl.constexpr, CAUSAL: tl.constexpr,
+                   ZIGZAG: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr,
+                   WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SEGMENTED: tl.constexpr):
+    """Ring step STEP >= 1 of a tile: the K/V of rank ``src`` from receive slot STEP - 1, the blocks that
+    ``step_blocks`` gave ([n_full_lo, n_full) unmasked, [j_lo, n_full_lo) and [n_full, n_hi) masked), after waiting
+    for every chunk they lie in (at step 1 after the push units are drained). Returns the online softmax's state and
+    ``valid``, 0 once the wait gave up."""
+    slot = STEP - 1
+    k_base = recv + ((slot * 2 * B + b).to(tl.int64) * HKV + hkv) * S * D
+    v_base = k_base + (b * 0 + B).to(tl.int64) * HKV * S * D
+    seg_k = seg_recv + ((slot * B + b).to(tl.int64) * HKV + hkv) * S
+    rng_src = ranges_of(rng, src, b, B, n_chunks)  # src's published id ranges of batch b
+    if STEP == 1:
+        # Never wait, nor end, while push units are unclaimed: this is what makes the protocol independent of which
+        # programs are resident (ring_core.protocol.steps). Every program passes here, also one that needs nothing
+        # from any peer.
+        drain_pushes(ctl, n_units, k_ptr, v_ptr, seg_ptr, recv, seg_recv, flags, heap_bases, rank, epoch, B, S,
+                     n_chunks, W, HKV, D, BLOCK_D, CHUNK_ROWS, PUSH_ROWS, PUSH_VEC, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT,
+                     WIN_RIGHT, SEGMENTED, rng, SEGMENTED)
+    # Every chunk this tile will read, before the loops that read them (protocol.wait_chunks says why).
+    flag0 = flags + ((STEP - 1) * B * HKV + b * HKV + hkv) * n_chunks
+    if WINDOW or SEGMENTED:
+        # The chunks holding rows the tile may see by position (none: no wait): each was pushed, since its rows are
+        # seen by a query of this rank (protocol.chunk_needed); with segment ids only those whose published id range
+        # meets the tile's, which were pushed too (protocol.push_unit). The ids themselves are read after the wait
+        # (they travel with the chunk): they narrow the loops.
+        valid = valid * wait_rows(flag0, lo1, hi1, lo2, hi2, CHUNK_ROWS, epoch, ctl, timeout_ns, src, STEP, INTERPRET,
+                                  POLL_N, rng_src, a_lo, a_hi, b_lo, b_hi, SEGMENTED)
+        if SEGMENTED:
+            j_lo, n_full_lo, n_full, n_hi = seg_blocks(seg_k, j_lo, n_hi, lo1, hi1, lo2, hi2, n_full_lo, n_full, s_lo,
+                                                       s_hi, t_id, BLOCK_N, rng_src, a_lo, a_hi, b_lo, b_hi,
+                                                       CHUNK_ROWS, SEGMENTED)
+        acc, l_i, m_i = _attn_blocks(acc, l_i, m_i, q, q_pos, k_base, v_base, j_lo, n_full_lo, src, S, qk_scale,
+                                     offs_n, offs_d, lo1, hi1, lo2, hi2, q_seg, s_lo, s_hi, seg_k, D, W, D, BLOCK_N,
+                                     BLOCK_D, True, CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION, WINDOW, WIN_LEFT,
+                                     WIN_RIGHT, SEGMENTED, rng_src, a_lo, a_hi, b_lo, b_hi, CHUNK_ROWS, SEGMENTED)
+    else:
+        valid = valid * wait_chunks(flag0, 0, tl.cdiv(n_hi, CHUNK_BLOCKS), epoch, ctl, timeout_ns, src, STEP,
+                                    INTERPRET, POLL_N, rng_src, a_lo, a_hi, b_lo, b_hi, False)
+    acc, l_i, m_i = _attn_blocks(acc, l_i, m_i, q, q_pos, k_base, v_base, n_full_lo, n_full, src, S, qk_scale, offs_n,
+                                 offs_d, lo1, hi1, lo2, hi2, q_seg, s_lo, s_hi, seg_k, D, W, D, BLOCK_N, BLOCK_D,
+                                 False, CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION, WINDOW, WIN_LEFT, WIN_RIGHT,
+                                 SEGMENTED, rng_src, a_lo, a_hi, b_lo, b_hi, CHUNK_ROWS, SEGMENTED)
+    acc, l_i, m_i = _attn_blocks(acc, l_i, m_i, q, q_pos, k_base, v_base, n_full, n_hi, src, S, qk_scale, offs_n,
+                                 offs_d, lo1, hi1, lo2, hi2, q_seg, s_lo, s_hi, seg_k, D, W, D, BLOCK_N, BLOCK_D, True,
+                                 CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED,
+                                 rng_src, a_lo, a_hi, b_lo, b_hi, CHUNK_ROWS, SEGMENTED)
+    return acc, l_i, m_i, valid
 
 
 # The timeout is not specialised on its value (no binary per timeout); B and S are, as Triton's JIT does
@@ -200,55 +257,12 @@ def ring_attn_fwd_kernel(
                                          DOT_PRECISION, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED,
                                          rng, a_lo, a_hi, b_lo, b_hi, CHUNK_ROWS, False)
         else:
-            slot = step - 1
-            k_base = recv + ((slot * 2 * B + b).to(tl.int64) * HKV + hkv) * S * D
-            v_base = k_base + (b * 0 + B).to(tl.int64) * HKV * S * D
-            seg_k = seg_recv + ((slot * B + b).to(tl.int64) * HKV + hkv) * S
-            rng_src = ranges_of(rng, src, b, B, n_chunks)  # src's published id ranges of batch b
-            if step == 1:
-                # Never wait, nor end, while push units are unclaimed: this is what makes the protocol
-                # independent of which programs are resident (ring_core.protocol.steps). Every program passes here,
-                # also one that needs nothing from any peer.
-                drain_pushes(ctl, n_units, k_ptr, v_ptr, seg_ptr, recv, seg_recv, flags, heap_bases, rank, epoch, B, S,
-                             n_chunks, W, HKV, D, BLOCK_D, CHUNK_ROWS, PUSH_ROWS, PUSH_VEC, CAUSAL, ZIGZAG, WINDOW,
-                             WIN_LEFT, WIN_RIGHT, SEGMENTED, rng, SEGMENTED)
-            # Every chunk this tile will read, before the loops that read them (protocol.wait_chunks says why).
-            flag0 = flags + ((step - 1) * B * HKV + b * HKV + hkv) * n_chunks
-            if WINDOW or SEGMENTED:
-                # The chunks holding rows the tile may see by position (none: no wait): each was pushed, since
-                # its rows are seen by a query of this rank (protocol.chunk_needed); with segment ids only those
-                # whose published id range meets the tile's, which were pushed too (protocol.push_unit). The ids
-                # themselves are read after the wait (they travel with the chunk): they narrow the loops.
-                valid = valid * wait_rows(flag0, lo1, hi1, lo2, hi2, CHUNK_ROWS, epoch, ctl, timeout_ns, src, step,
-                                          INTERPRET, POLL_N, rng_src, a_lo, a_hi, b_lo, b_hi,
-                                          SEGMENTED)
-                if SEGMENTED:
-                    j_lo, n_full_lo, n_full, n_hi = seg_blocks(seg_k, j_lo, n_hi, lo1, hi1, lo2, hi2, n_full_lo,
-                                                               n_full, s_lo, s_hi, t_id, BLOCK_N, rng_src, a_lo,
-                                                               a_hi, b_lo, b_hi, CHUNK_ROWS,
-                                                               SEGMENTED)
-                acc, l_i, m_i = _attn_blocks(acc, l_i, m_i, q, q_pos, k_base, v_base, j_lo, n_full_lo, src, S,
-                                             qk_scale, offs_n, offs_d, lo1, hi1, lo2, hi2, q_seg, s_lo, s_hi, seg_k, D,
-                                             W, D, BLOCK_N, BLOCK_D, True, CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION,
-                                             WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED,
-                                             rng_src, a_lo, a_hi, b_lo, b_hi, CHUNK_ROWS,
-                                             SEGMENTED)
-            else:
-                valid = valid * wait_chunks(flag0, 0, tl.cdiv(n_hi, CHUNK_BLOCKS), epoch, ctl, timeout_ns, src, step,
-                                            INTERPRET, POLL_N, rng_src, a_lo, a_hi, b_lo, b_hi,
-                                            False)
-            acc, l_i, m_i = _attn_blocks(acc, l_i, m_i, q, q_pos, k_base, v_base, n_full_lo, n_full, src, S, qk_scale,
-                                         offs_n, offs_d, lo1, hi1, lo2, hi2, q_seg, s_lo, s_hi, seg_k, D, W, D, BLOCK_N,
-                                         BLOCK_D, False, CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION, WINDOW, WIN_LEFT,
-                                         WIN_RIGHT, SEGMENTED,
-                                         rng_src, a_lo, a_hi, b_lo, b_hi, CHUNK_ROWS,
-                                         SEGMENTED)
-            acc, l_i, m_i = _attn_blocks(acc, l_i, m_i, q, q_pos, k_base, v_base, n_full, n_hi, src, S,
-                                         qk_scale, offs_n, offs_d, lo1, hi1, lo2, hi2, q_seg, s_lo, s_hi, seg_k, D, W,
-                                         D, BLOCK_N, BLOCK_D, True, CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION, WINDOW,
-                                         WIN_LEFT, WIN_RIGHT, SEGMENTED,
-                                         rng_src, a_lo, a_hi, b_lo, b_hi, CHUNK_ROWS,
-                                         SEGMENTED)
+            acc, l_i, m_i, valid = _received_step(
+                acc, l_i, m_i, valid, q, q_pos, offs_n, offs_d, q_seg, s_lo, s_hi, t_id, a_lo, a_hi, b_lo, b_hi, j_lo,
+                n_full_lo, n_full, n_hi, lo1, hi1, lo2, hi2, b, hkv, rank, src, B, S, qk_scale, n_units, n_chunks,
+                k_ptr, v_ptr, seg_ptr, recv, seg_recv, flags, heap_bases, ctl, rng, epoch, timeout_ns, step, W, HKV,
+                D, BLOCK_N, BLOCK_D, CHUNK_BLOCKS, CHUNK_ROWS, PUSH_ROWS, PUSH_VEC, POLL_N, CAUSAL, ZIGZAG,
+                INTERPRET, DOT_PRECISION, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)
 
     # ---- epilogue ----------------------------------------------------------------------------------
     # A tile whose waits gave up (the call failed) writes NaN, never a plausible-looking wrong value. A row that

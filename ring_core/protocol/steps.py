@@ -1,12 +1,8 @@
 """The ring protocol on the device: the Triton functions the kernels (ring_core.kernels.tl_fwd,
-ring_core.kernels.tl_bwd, and the
-Gluon Hopper forward ring_core.kernels.gluon_fwd, which compiles the same functions under Gluon: their index vectors
-come
-from ring_core.protocol.lanes) build their calls from, and the arguments for why a call cannot deadlock, race the next
-call
-or corrupt silently. The control words and error codes are named in ring_core.protocol.control (its host twin, which
-also lays
-out the heap and turns status words into exceptions).
+ring_core.kernels.tl_bwd, and the Gluon Hopper forward ring_core.kernels.gluon_fwd, which compiles the same functions
+under Gluon: their index vectors come from ring_core.protocol.lanes) build their calls from, and the arguments for why a
+call cannot deadlock, race the next call or corrupt silently. The control words and error codes are named in
+ring_core.protocol.control (its host twin, which also lays out the heap and turns status words into exceptions).
 
 K/V shards reach the other ranks of a ring through iris remote stores issued from inside the kernel,
 signalled with release/acquire flags, while the same programs do the attention math. One launch per call.
@@ -122,11 +118,10 @@ Why it cannot deadlock
 A program waits only for (0) the peers' signatures, (a) flags of units pushed by the source rank, and
 (b) the end barrier. (0) A signature is published by whichever program of the peer's kernel claims the
 publishing first, before it waits for anything; so it is published as soon as any program there runs.
-(a) Units are pushed by programs that claimed them; claiming and pushing never wait on anything, and
-every program drains the claim counter before its first wait, and before it ends even if it never waits
-(a tile of padding rows, or one whose window sees no peer, waits for nothing). So all units of rank s are
-pushed as soon
-as *any* program of the kernel on rank s runs; no wait depends on a particular program being resident.
+(a) Units are pushed by programs that claimed them; claiming and pushing never wait on anything, and every program
+drains the claim counter before its first wait, and before it ends even if it never waits (a tile of padding rows, or
+one whose window sees no peer, waits for nothing). So all units of rank s are pushed as soon as *any* program of the
+kernel on rank s runs; no wait depends on a particular program being resident.
 The persistent Gluon forward drains in its first programs only (``is_pusher``: the first quarter of its grid
 to *arrive*, counted on CTL_PUSHERS), so that its other programs compute ring step 0 meanwhile: a pusher is
 a running program by construction (it took its place by arriving), it drains the counter until no unit is
@@ -950,11 +945,10 @@ def met_blocks(j_lo, j_hi, lo1, hi1, lo2, hi2, rng_src_b, a_lo, a_hi, b_lo, b_hi
 def bwd_task_steps(n0, d, src, rank, b, B, S, rng, rng_b, n_chunks, W: tl.constexpr, KV_ROWS: tl.constexpr,
                    Q_ROWS: tl.constexpr, CHUNK_ROWS: tl.constexpr, CAUSAL: tl.constexpr, ZIGZAG: tl.constexpr,
                    WINDOW: tl.constexpr, WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SEGMENTED: tl.constexpr):
-    """With a window or segment ids, for a backward that reads whole K/V blocks of KV_ROWS rows (chunks of one
-    block) and steps over the local queries in blocks of Q_ROWS (the Gluon backward, ring_core.kernels.gluon_bwd): a
-    dK/dV
-    task's steps for K/V block [n0, n0 + KV_ROWS) of rank ``src`` (peer distance ``d``; ``rng_b``: this rank's
-    published ranges of batch b, ``ranges_of``): (sent, i_lo, n_m, i_full, i_fend, kv_t).
+    """With a window or segment ids, for a backward that reads whole K/V blocks of KV_ROWS rows (chunks of one block)
+    and steps over the local queries in blocks of Q_ROWS (the Gluon backward, ring_core.kernels.gluon_bwd): a dK/dV
+    task's steps for K/V block [n0, n0 + KV_ROWS) of rank ``src`` (peer distance ``d``; ``rng_b``: this rank's published
+    ranges of batch b, ``ranges_of``): (sent, i_lo, n_m, i_full, i_fend, kv_t).
     ``sent``: the block reaches this rank at all (``block_reaches``, the tl kernel's test too): some local query sees
     a row of it by position (the test its pusher made, chunks being blocks) and, with segment ids, its chunk's
     published id range meets a half of this rank's (the pusher's test again; the final task's own block always). A
@@ -1209,14 +1203,13 @@ def meets_halves(rng, dst, b, B, n_chunks, lo, hi):
 def block_reaches(n0, n1, k_pos_min, src, dst, rng, b, B, n_chunks, lo, hi, ids, S, W: tl.constexpr,
                   ZIGZAG: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, WIN_LEFT: tl.constexpr,
                   WIN_RIGHT: tl.constexpr, SEGMENTED: tl.constexpr):
-    """A backward's one test of whether K/V block [n0, n1) of rank ``src`` (first position ``k_pos_min``) reaches
-    rank ``dst``: some query of ``dst`` sees a row of it by position (``rows_seen``; causal: its first key at or
-    before ``dst``'s last query) and, with segment ids where ``ids`` is true (a peer's block; a rank's own block is
-    always at hand), its chunk's published range [lo, hi] meets a half of ``dst``'s (``meets_halves``). A partial
-    task asks it of its block (is the block there, does its partial go back: ring_core.kernels.tl_bwd,
-    ``bwd_task_steps``)
-    and the block's owner of each peer (does it wait for that peer's partial), from the same published words, so the
-    two sides agree."""
+    """A backward's one test of whether K/V block [n0, n1) of rank ``src`` (first position ``k_pos_min``) reaches rank
+    ``dst``: some query of ``dst`` sees a row of it by position (``rows_seen``; causal: its first key at or before
+    ``dst``'s last query) and, with segment ids where ``ids`` is true (a peer's block; a rank's own block is always at
+    hand), its chunk's published range [lo, hi] meets a half of ``dst``'s (``meets_halves``). A partial task asks it of
+    its block (is the block there, does its partial go back: ring_core.kernels.tl_bwd, ``bwd_task_steps``) and the
+    block's owner of each peer (does it wait for that peer's partial), from the same published words, so the two sides
+    agree."""
     reach = n0 * 0 == 0  # (true, and folded as such: no window, not causal)
     if WINDOW:
         reach = rows_seen(n0, n1, src, dst, S, W, ZIGZAG, CAUSAL, WIN_LEFT, WIN_RIGHT)

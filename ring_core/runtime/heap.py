@@ -219,7 +219,8 @@ def check_heap_size(heap_size):
     """None (then RING_ATTENTION_HEAP_BYTES or 4 GiB) or an int of at least twice iris's slack; returns it."""
     if heap_size is None:
         heap_size = settings.heap_bytes()
-    if isinstance(heap_size, bool) or not isinstance(heap_size, (int, np.integer)) or heap_size < 2 * control.HEAP_SLACK:
+    if (isinstance(heap_size, bool) or not isinstance(heap_size, (int, np.integer))
+            or heap_size < 2 * control.HEAP_SLACK):
         raise ValueError(f"heap_size must be an int of at least {2 * control.HEAP_SLACK} bytes, got {heap_size!r}")
     return int(heap_size)
 

@@ -1,11 +1,10 @@
 """A ``ptxas`` for jaxlib that hands back the cubin Triton already built from the same PTX.
 
 jaxlib's Triton custom call takes a kernel's PTX only, and turns it into a cubin with ptxas at the kernel's first
-launch, in every process (XLA's ``CompileGpuAsm``: the jax CUDA plugin is built without libnvptxcompiler, so it
-runs the first ``ptxas`` it finds, ``PATH`` before the CUDA roots). For our kernels that is 2-80 s per variant
-per process, though Triton compiled that very PTX into a cubin when ``ring_core.runtime.build`` asked for the binary,
-and
-keeps both in its cache. Torch's launcher loads that cubin; jaxlib compiles again with its own ptxas.
+launch, in every process (XLA's ``CompileGpuAsm``: the jax CUDA plugin is built without libnvptxcompiler, so it runs the
+first ``ptxas`` it finds, ``PATH`` before the CUDA roots). For our kernels that is 2-80 s per variant per process,
+though Triton compiled that very PTX into a cubin when ``ring_core.runtime.build`` asked for the binary, and keeps both
+in its cache. Torch's launcher loads that cubin; jaxlib compiles again with its own ptxas.
 
 Put this first on ``PATH`` (``python -m ring_core.runtime.ptxas_shim --install DIR`` writes ``DIR/ptxas``; then
 ``PATH=DIR:$PATH``) and jaxlib's ptxas call finds, in Triton's cache, the ``.ptx`` whose bytes equal the file it

@@ -2,15 +2,13 @@
 ``python -m torch_bridge.launch``, the same program; no framework here).
 
 Each process gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT (what
-``jax_ring.initialize`` / ``torch_bridge.initialize`` read; the same names torchrun sets), and GROUP_RANK /
-NODE_RANK. Several nodes, as with torchrun: run the launcher once on each with ``--nnodes M --node-rank i
---master-addr HOST --master-port PORT`` (HOST: node rank 0's host, PORT: the same free port on every node); rank
-``i * N + local rank`` of ``M * N``. Local rank r uses GPU ``r % visible GPUs``, so N may exceed the GPUs: ranks
-then share them (``ring_core.runtime.gpus``). With
-``--mps auto`` (the default) the launcher then starts a private CUDA MPS daemon for the job, gives each
-rank its share of the SMs and stops the daemon at the end, so the ranks' kernels run side by side instead
-of time-sliced. If one process fails, the others are stopped and the launcher exits with that process's
-code.
+``jax_ring.initialize`` / ``torch_bridge.initialize`` read; the same names torchrun sets), and GROUP_RANK / NODE_RANK.
+Several nodes, as with torchrun: run the launcher once on each with ``--nnodes M --node-rank i --master-addr HOST
+--master-port PORT`` (HOST: node rank 0's host, PORT: the same free port on every node); rank ``i * N + local rank`` of
+``M * N``. Local rank r uses GPU ``r % visible GPUs``, so N may exceed the GPUs: ranks then share them
+(``ring_core.runtime.gpus``). With ``--mps auto`` (the default) the launcher then starts a private CUDA MPS daemon for
+the job, gives each rank its share of the SMs and stops the daemon at the end, so the ranks' kernels run side by side
+instead of time-sliced. If one process fails, the others are stopped and the launcher exits with that process's code.
 """
 
 from __future__ import annotations

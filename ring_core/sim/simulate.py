@@ -34,7 +34,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from ring_core.protocol import control
-from ring_core import plans
 from ring_core.layout import inverse_permutation, layout_permutation
 from ring_core.validate import (AttentionSpec, check_attention_args, check_fused_dtype, check_global_seq, check_layout,
                                 check_timeout)

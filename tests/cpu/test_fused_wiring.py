@@ -2,14 +2,13 @@
 (torch_bridge.fused and the custom call of jax_ring.fused) drive the real kernels in the Triton
 interpreter, on one rank whose "heap" is a CPU buffer.
 
-What this checks that the simulator does not: the autograd layers (the register_autograd of the torch custom
-ops ring_attention::fwd/bwd, jax.custom_vjp) save what the backward needs and return the gradients in the
-right places; both frontends pass the kernels the same argument lists, scalars, output shapes and zeroed
-status, from the one plan in ring_core.plans; and so JAX and torch give bit-identical gradients. The custom
-call itself (jax_ring._triton_call) needs a GPU: here its ``triton_call`` is replaced by a host callback that
-launches the kernel with exactly the arguments it was given, with the GPU's default tile sizes. One rank only: the
-interpreter runs one kernel at a time
-per callback, so ranks could not meet. The multi-rank protocol is tested by test_simulate*.py.
+What this checks that the simulator does not: the autograd layers (the register_autograd of the torch custom ops
+ring_attention::fwd/bwd, jax.custom_vjp) save what the backward needs and return the gradients in the right places; both
+frontends pass the kernels the same argument lists, scalars, output shapes and zeroed status, from the one plan in
+ring_core.plans; and so JAX and torch give bit-identical gradients. The custom call itself (jax_ring._triton_call) needs
+a GPU: here its ``triton_call`` is replaced by a host callback that launches the kernel with exactly the arguments it
+was given, with the GPU's default tile sizes. One rank only: the interpreter runs one kernel at a time per callback, so
+ranks could not meet. The multi-rank protocol is tested by test_simulate*.py.
 """
 
 import contextlib
@@ -363,13 +362,12 @@ def test_torch_eager_calls_skip_the_custom_op_dispatch(cpu_heap, monkeypatch):
 
 @pytest.mark.parametrize("mode", ["call", "deferred", "left_out"])
 def test_jax_error_modes(cpu_heap, monkeypatch, mode):
-    """RING_ATTENTION_ERRORS: "deferred" (the default) puts the status check of jax_ring.status after every fused
-    launch (no JAX effect: jit keeps its fast path; never dead-code eliminated, not even under grad, whose forward's
-    status nothing reads); "call" the same check told to wait for the call's own status (``now``), no host
-    callback (whose failure would fail JAX's runtime token, not the call); both launch the kernels torch launches. With
-    the
-    check left out (jax_ring.status.left_out(), for benchmarks) the kernel keeps a failure on the heap instead,
-    which jax_ring.check_errors() raises once."""
+    """RING_ATTENTION_ERRORS: "deferred" (the default) puts the status check of jax_ring.status after every fused launch
+    (no JAX effect: jit keeps its fast path; never dead-code eliminated, not even under grad, whose forward's status
+    nothing reads); "call" the same check told to wait for the call's own status (``now``), no host callback (whose
+    failure would fail JAX's runtime token, not the call); both launch the kernels torch launches. With the check left
+    out (jax_ring.status.left_out(), for benchmarks) the kernel keeps a failure on the heap instead, which
+    jax_ring.check_errors() raises once."""
     import contextlib
 
     import jax

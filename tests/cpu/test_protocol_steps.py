@@ -11,8 +11,7 @@ of rank ``rank - d``) and each local query block of 64 rows,
 * a step marked unmasked holds only allowed pairs (its P is used without the mask);
 * the owner of each block waits for a peer's partial exactly where that peer's task sends one
   (ring_core.protocol.steps.block_reaches asked from the owner's side, as both backwards' final tasks ask it, against
-  the
-  peer's ``sent``): no wait in vain, no partial unread.
+  the peer's ``sent``): no wait in vain, no partial unread.
 The ranges the kernels read are built as ring_core.protocol.steps.publish_id_ranges writes them
 (ring_core.testing.id_range_words: a chunk's lo counts padding as -1; the halves' ranges count ids >= 0). What the
 Gluon kernel then computes with them is checked on a

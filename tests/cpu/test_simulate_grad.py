@@ -272,8 +272,7 @@ def test_grad_falls_back_to_subprocess_when_kernel_compiled_for_gpu():
 
 def test_scale_zero_grads_under_masks():
     """scale=0 through the backward kernel (ring_core.protocol.control.kernel_scale: 1e-30 for the kernels; dq and dk
-    1e-30
-    times finite values instead of 0)."""
+    1e-30 times finite values instead of 0)."""
     case = (2, 1, 6, 2, 1, 16, "float32", True, "contiguous", 0.0)
     W, B, S, H, HKV, D, dtype, causal, layout, scale = case
     ref, (q, k, v, do) = testing.sharded_inputs(78, W, B, S, H, HKV, D, dtype, with_dout=True)
