@@ -14,13 +14,13 @@ through ctypes: no compiled extension), runs on the host when XLA *enqueues* it,
    later launched as a programmatic dependent launch (PDL: scheduled as the fused kernel ends, it waits on the GPU
    for that kernel's completion and memory), elsewhere as a plain launch after it.
 
-So a call's failure is raised by a later fused call on this process, or by ``jax_ring.check_errors()`` /
-``shutdown()``, which wait for the copies and raise it as its own type (RingAttentionTimeout /
-RingAttentionMismatch). Per call: the handler's host time (~45-50 us of Python on the GPU machine, an H200 with jax 0.11)
-and the tiny copy kernel on the stream, no sync. Measured 2026-12-02 to 2026-12-04 on one H200, seq_local 4k, calls
-back to back, the 0.28 ms causal forward against no check: the PDL copy +1.6-1.7 % (three runs; +0.2-1.6 % in the
-probe runs), the plain copy kernel +2.5-5.3 % (six runs), the DMA copy +2.5-3.9 %, a handler that copies nothing
-within 0.5 % (docs/performance.md, "The per-call error check's cost").
+So a call's failure is raised by a later fused call on this process, or by ``jax_ring.check_errors()`` / ``shutdown()``,
+which wait for the copies and raise it as its own type (RingAttentionTimeout / RingAttentionMismatch). Per call: the
+handler's host time (~45-50 us of Python on the GPU machine, an H200 with jax 0.11) and the tiny copy kernel on the
+stream, no sync. Measured 2026-12-02 to 2026-12-04 on one H200, seq_local 4k, calls back to back, the 0.28 ms causal
+forward against no check: the PDL copy +1.6-1.7 % (three runs; +0.2-1.6 % in the probe runs), the plain copy kernel
++2.5-5.3 % (six runs), the DMA copy +2.5-3.9 %, a handler that copies nothing within 0.5 % (docs/performance.md, "The
+per-call error check's cost").
 
 RING_ATTENTION_ERRORS=call sets the call's attribute ``now``: the handler then waits for the copy it enqueued (a
 host sync per call: the host waits for the GPU to finish the call) and fails this call's program with this call's
@@ -38,7 +38,7 @@ So the handler takes the GIL once and keeps it: the driver's and XLA's functions
 (PyDLL, PYFUNCTYPE) instead of releasing it around each call, where a busy main thread would take it each time.
 On the GPU machine (an H200, jax 0.11) the handler ran on the dispatching thread itself, where that changes
 nothing measurable; it took ~45-50 us a call there, most of it Python, which runs several times slower on that
-machine than on our CPU (benchmarks/NOTES.md).
+machine than on a development CPU.
 
 On the CPU platform the same handler runs with a memcpy for the copy (a slot lands at once): that is how the
 tests check the host side (the ring of slots, the message, raising at the next call) without a GPU.

@@ -191,7 +191,7 @@ class BwdKernelConfig:
         ring_core.kernels.gluon_bwd: dQ added up by TMA reductions in no fixed order), with its fixed tiles (128 K/V
         rows per dK/dV task, 64 query rows per step, 128 rows per delta or dQ task, one K/V block per flag). With it,
         the same kernel in its own deterministic order (DETERMINISTIC: dQ's adds in ticket order, by a writer warp;
-        0.87-0.95x cuDNN forward+backward against the split's 0.80, benchmarks/NOTES.md) where it applies without masks,
+        0.87-0.95x cuDNN forward+backward against the split's 0.80, docs/performance.md) where it applies without masks,
         else the split kernel; ``gluon_det`` False (RING_ATTENTION_GLUON_DETERMINISTIC=0, read by ``plan_bwd``) gives
         the split for A/B runs."""
         if (not interpret and (gluon_det or not deterministic)
@@ -389,7 +389,7 @@ def store_hint(head_dim: int, itemsize: int) -> int:
     """iris.store's alignment hint for rows of ``head_dim`` elements of ``itemsize`` bytes written into a
     peer's receive region (K/V pushes, float32 partials): 16 (16-byte aligned groups of 16 contiguous
     elements) when every row starts 16-byte aligned, else 1 (no claim). Without it the remote stores were
-    2-byte scalars over NVLink (benchmarks/NOTES.md, v1b)."""
+    2-byte scalars over NVLink."""
     return 16 if (head_dim * itemsize) % 16 == 0 else 1
 
 

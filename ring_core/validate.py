@@ -200,7 +200,7 @@ def check_attention_args_remembered(q_shape, k_shape, v_shape, q_dtype, k_dtype,
                                     layout, backend, backends, return_lse=False, window_size=None,
                                     segment_ids_shape=None, segment_ids_dtype=None) -> AttentionSpec:
     """``check_attention_args`` for a frontend that checks a call at every call (torch, eager), where these checks
-    were a fifth of a call's host time before the launch (benchmarks/NOTES.md): arguments seen before
+    were a fifth of a call's host time before the launch (one H200): arguments seen before
     give the spec they gave (``_SPECS``). Only arguments of exact plain types are remembered, so that a value a
     check rejects by its type (``is_causal=1``, a numpy scalar, a traced value) is never taken for an equal one that
     passed. Not under a tracer that guards on what it reads (torch.compile: a global dict would recompile)."""

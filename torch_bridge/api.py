@@ -177,8 +177,8 @@ _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 class _EagerFused(torch.autograd.Function):
     """The custom ops' autograd without their dispatch, for eager calls: the same launches (_fwd_impl,
     _bwd_impl), the same saved tensors and gradients. torch.library's custom-op dispatch costs about six times an
-    autograd.Function's host time per call (benchmarks/custom_op_cost.py: 75 against 12 us on a CPU; on the GPU machine
-    cProfile put most of a call's 0.4-0.6 ms host issue in it), which short calls cannot hide; torch.compile
+    autograd.Function's host time per call (75 against 12 us on a CPU, 2026-12-02: docs/performance.md; on the GPU
+    machine cProfile put most of a call's 0.4-0.6 ms host issue in it), which short calls cannot hide; torch.compile
     still sees the ops."""
 
     @staticmethod

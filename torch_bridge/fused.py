@@ -106,7 +106,7 @@ def _zeroed_status(shape, dt: str, device):
     long as a row of it does). For a CUDA launch the block is pinned host memory, which the GPU reaches through
     unified addressing: the kernel's last program stores the status words straight into it, so that checking a
     call costs no copy on the stream, only an event (lifecycle.track; a cuMemcpyAsync of the status per call cost
-    1.1-3.5 % of a 4k call, benchmarks/NOTES.md). Rows are never reused: a row's block is freed only once
+    1.1-3.5 % of a 4k call, one H200). Rows are never reused: a row's block is freed only once
     every row of it has been checked, after its kernel ended."""
     (n,) = shape
     key = (device, n, dt)
@@ -136,9 +136,9 @@ def _launch(p, *args):
     A plan's first launch goes through Triton's JIT (compile or cache, specialisation, binding), which returns the
     compiled kernel; later launches call that kernel's own launcher, as the JIT's last step does, and skip the rest:
     per call the JIT binds and specialises every argument (the plan's constexprs included) and hashes its key, 35-85
-    us of host time that a call timed on its own waits out before its kernel starts (benchmarks/host_path.py, calls
-    AA and AB). The binary is the one the JIT would pick: what the JIT specialises on is fixed by the plan (dtypes,
-    the integer scalars batch and seq_local; timeout_ns and part_off are not specialised) but for the pointers'
+    us of host time that a call timed on its own waits out before its kernel starts (one H200, calls
+    timed one at a time). The binary is the one the JIT would pick: what the JIT specialises on is fixed by the plan
+    (dtypes, the integer scalars batch and seq_local; timeout_ns and part_off are not specialised) but for the pointers'
     16-byte alignment, so a launch with a pointer not so aligned (a view into a buffer) goes through the JIT, and
     only launches with every pointer aligned reuse the kernel. The pointers go to the launcher as integers, which it
     takes as they are (a tensor costs it a ``data_ptr()`` call and a ``cuPointerGetAttribute`` each; the frontend

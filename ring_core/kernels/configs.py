@@ -4,7 +4,7 @@ binaries' cache keys hold them) and ring_core.plans plans launches with them."""
 # The Gluon forward's tiles by head_dim: (query rows per tile, two consumer warpgroups of half as many rows each;
 # K/V rows per block; K/V slots in shared memory; rings: 1 when a block's K and V share a slot and its
 # barriers, 2 when K and V have rings of their own, FlashAttention-3's separate K and V pipelines).
-# D64/D128: 3 shared slots of 128-row blocks (the split consumers need the third: benchmarks/NOTES.md;
+# D64/D128: 3 shared slots of 128-row blocks (the split consumers need the third, measured on one H200;
 # D128 224 KiB of shared memory). D256: Q 64 KiB + 2 slots of 64-row K and V blocks, 64 KiB each = 192 KiB (a
 # third slot would make 256), in rings of their own: the pipelined consumers use block j's K beside block j-1's V,
 # so with 2 shared slots they hold both at once and block j+1's load waits for block j-1's P V; in rings of their
@@ -14,6 +14,6 @@ binaries' cache keys hold them) and ring_core.plans plans launches with them."""
 GLUON_TILES = {64: (128, 128, 3, 1), 128: (128, 128, 3, 1), 256: (128, 64, 2, 2)}
 
 # ring_core.kernels.gluon_bwd's tiles: K/V rows per dK/dV task, query rows per step, and query rows per delta or dQ task
-# (512, was 128: 6,144 fewer programs at 16k, H=32; measured 0-2 % faster, benchmarks/NOTES.md).
+# (512, was 128: 6,144 fewer programs at 16k, H=32; measured 0-2 % faster, one H200).
 GLUON_BWD_KV_ROWS, GLUON_BWD_Q_ROWS, GLUON_BWD_ROW_TASK = 128, 64, 512
 GLUON_BWD_HEAD_DIMS = (128,)

@@ -3,9 +3,9 @@ FlashAttention-3's backward for the math.
 
 Why a second backward source: the tl backward (ring_core.kernels.tl_bwd) is FlashAttention-2's split, seven matmuls per
 block pair where five would do, with dQ summed in a fixed order (deterministic). Five matmuls need dQ added up from
-many programs; on the math warps (float atomics) that lost (benchmarks/NOTES.md, v1e), and FlashAttention-3 takes
-the adds off them with TMA bulk reductions, which only Gluon reaches (benchmarks/gluon_bwd.py measured the loop at
-0.85-0.89x cuDNN at world size 1). With DETERMINISTIC=False (the frontends' default) the adds come in any order;
+many programs; on the math warps (float atomics) that lost (0.68-0.73x cuDNN for the loop alone), and FlashAttention-3
+takes the adds off them with TMA bulk reductions, which only Gluon reaches (0.85-0.89x for the loop alone at world
+size 1: docs/performance.md). With DETERMINISTIC=False (the frontends' default) the adds come in any order;
 with True each waits for its turn (below, a writer warp's), so dQ is bit-identical from run to run (the plans give
 it ``deterministic=True``; RING_ATTENTION_GLUON_DETERMINISTIC=0 gives the tl split instead, for A/B runs). The tl
 kernel also serves the interpreter, other GPUs, fp32, head_dim other than 128, and windows and segment ids with
@@ -52,7 +52,7 @@ on the peers exactly as in the tl kernel: ring_core.protocol.steps's no-deadlock
      Those waits, fences and releases are a fifth partition's, the **dQ writer** (one warp, in the load warp's
      warpgroup; FlashAttention-3's way): the consumers store each step's dQ half into one of their two buffers
      (each freed by the writer once its add completed) and hand it over through an mbarrier, so their steps carry
-     no global access (on the consumers they cost the kernel 1.5x, benchmarks/NOTES.md). The writer
+     no global access (on the consumers they cost the kernel 1.5x, one H200). The writer
      follows the load warp's tasks as the consumers do (``kv_empty`` waits for it too, once it read a task's words).
      Within each (batch, kv head) the dK/dV tickets go from the last K/V block to the first: the order in which
      the tasks, each going up from its first visible query block, reach a block, so the turns seldom make anyone
@@ -75,7 +75,7 @@ on the peers exactly as in the tl kernel: ring_core.protocol.steps's no-deadlock
 Every program ends with ``end_call`` (the last resets CTL_BWD_TICKET and CTL_BWD_DELTA).
 
 **Persistent**, as the forward (a program per task cost 24-28 us however few its steps, against cuDNN's 12-16,
-benchmarks/NOTES.md): a program per SM (``plans.plan_bwd``'s grid), each taking tickets until none is left. Its 4
+one H200): a program per SM (``plans.plan_bwd``'s grid), each taking tickets until none is left. Its 4
 warps run delta tasks while their tickets are delta tickets; at the first dK/dV ticket the partitions start, and the
 load warp takes the later tickets itself (the next one once a task's loads are issued), passing each task to the
 consumers in words of shared memory (``_task_words``) that ``kv_bar``'s arrival publishes with the task's K and V.
@@ -111,7 +111,7 @@ from ring_core.protocol.steps import (CTL_BWD_DELTA, CTL_BWD_TICKET, CTL_ERROR, 
 KV_ROWS = configs.GLUON_BWD_KV_ROWS  # K/V rows per dK/dV task (two consumers of half each)
 Q_ROWS = configs.GLUON_BWD_Q_ROWS  # query rows per step of the dK/dV loop
 ROW_TASK = configs.GLUON_BWD_ROW_TASK  # query rows of a delta or dQ task
-STAGES = 2  # Q/dO slots (benchmarks/gluon_bwd.py: 3 slots were no faster, and leave no room for dQ's buffers)
+STAGES = 2  # Q/dO slots (3 slots were no faster on one H200, and leave no room for dQ's buffers)
 LOAD_WARPS, LOAD_REGS, CONSUMER_WARPS, CONSUMER_REGS = 1, 24, 4, 240
 SUB_ROWS = 32  # rows per pass of a delta or dQ task's 4 warps (32 values per thread per tensor)
 ROW_GROUP = 128  # a delta or dQ task's rows in groups of 128 (S % 128 == 0: gluon_bwd_applies), 4 passes each
@@ -213,7 +213,7 @@ def bwd_slots(dtype: gl.constexpr, D: gl.constexpr, layout: gl.constexpr, acc_la
     K and V (128 rows); two buffers of dS^T (128 x 64); each consumer's dQ buffer (64 x D/2, float32; ``DQ_BUFS``
     4 with DETERMINISTIC: two each, consumer c's 2c and 2c + 1, as the dQ writer adds a step behind); ``kv_bar``
     (K and V landed), ``part_bar`` (both consumers stored their partial), ``q_ready`` / ``q_empty`` per slot,
-    ``ds_bar`` per dS buffer (both halves stored). Also benchmarks/gluon_bwd.py's."""
+    ``ds_bar`` per dS buffer (both halves stored)."""
     row_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
     q_smem = gl.allocate_shared_memory(dtype, [_STAGES, _Q_ROWS, D], layout)
     do_smem = gl.allocate_shared_memory(dtype, [_STAGES, _Q_ROWS, D], layout)
@@ -334,7 +334,7 @@ def load_steps(q_desc, do_desc, q_smem, do_smem, lse_smem, dl_smem, q_ready, q_e
                W: gl.constexpr = 1, ZIGZAG: gl.constexpr = False, SEGMENTED: gl.constexpr = False, g0=0):
     """The load warp's steps (``dkdv_steps``' inputs): Q and dO of every step through TMA, with its lse (log2 units)
     and delta, into slot (g0 + i) % STAGES once the consumers freed it (``g0``: the program's steps of its tasks
-    before this one: the slots' rounds go on from task to task). Also benchmarks/gluon_bwd.py's.
+    before this one: the slots' rounds go on from task to task).
     With a window or segment ids (``meta_smem`` given), also the step's word in ``meta_smem``: UNMASKED where every
     query of the block sees every key of the task's by position (blocks [i_full, i_fend)) and, with segment ids, the
     query block's chunk and the K/V block both carry one id alone (their published ranges [kv_t, kv_t]: ``kv_t`` -2
@@ -376,7 +376,7 @@ def dkdv_steps(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv
     those rows, float32, unscaled; dQ's reductions issued (the caller waits for them). With DETERMINISTIC the
     consumer adds nothing itself: each step's dQ half goes into buffer 2 HALF_INDEX + (g0 + i) % 2 of ``dq_smem``
     (both consumers' four; this one's two) once the dQ writer freed it (``dq_empty``), and ``dq_full`` hands it to
-    the writer (``_dq_writer``), which adds it in its turn. Also benchmarks/gluon_bwd.py's.
+    the writer (``_dq_writer``), which adds it in its turn.
     With a window or segment ids (``meta_smem`` given): a step whose word (``load_steps``) says so gets the one mask
     rule of every kernel (protocol.pairs_allowed) on P^T, on positions relative to the block's first query and the
     half's first key (each contiguous: ``plans.gluon_applies``) and on the ids (the query block's from ``ids_smem``,
@@ -417,7 +417,7 @@ def dkdv_steps(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv
         do_s = do_smem.index(s)
         # K and V viewed again at each step through an index the compilers cannot fold (0): their wgmma descriptors
         # are then a few uniform adds per step, where views made once before the loop were 24 64-bit values held
-        # across it, which ptxas spilled and reloaded every step (benchmarks/gluon_bwd_spills.py).
+        # across it, which ptxas spilled and reloaded every step (``python -m benchmarks.spills --kernel bwd``).
         z = _zero_at(i)
         k_half = kv_smem.index(z).slice(HALF_INDEX * _HALF, _HALF)
         v_half = kv_smem.index(z + 1).slice(HALF_INDEX * _HALF, _HALF)

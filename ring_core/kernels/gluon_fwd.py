@@ -2,9 +2,9 @@
 FlashAttention-3's explicit partitions for the attention math.
 
 Why a second kernel source: Triton's automatic warp specialisation takes only one flat loop per program, with no
-``while`` anywhere in the kernel (benchmarks/NOTES.md), which the ring protocol's waits and pushes cannot meet;
-Gluon's explicit partitions can (benchmarks/gluon_fwd.py and gluon_ring.py measured the loop at 0.97-1.04x cuDNN
-at world size 1 and the ring steps' waits as free). The tl kernel (ring_core.kernels.tl_fwd) stays the kernel of the
+``while`` anywhere in the kernel (docs/performance.md), which the ring protocol's waits and pushes cannot meet;
+Gluon's explicit partitions can (the loop alone measured 0.97-1.04x cuDNN at world size 1 and the ring steps' waits
+as free: docs/performance.md). The tl kernel (ring_core.kernels.tl_fwd) stays the kernel of the
 interpreter, of other GPUs, of fp32, of D other than 64, 128 and 256, and the parity reference of this one
 (tests/gpu/gpu_checks.py compares both against float64). ``ring_core.plans`` picks this kernel where it applies
 (``KernelConfig.get_default``, ``plans.gluon_applies``).
@@ -20,7 +20,7 @@ flags that pushes set.
 Persistent: a program per SM (``ring_core.plans.plan``'s grid), each taking tiles of (batch, head, BLOCK_M query rows)
 from the call's tile counter (CTL_FWD_TILE) in the tl kernel's order (ring_core.kernels.tiles.query_tile: the programs
 running at once share K/V in L2, the heaviest tiles go first; a static round-robin lost 8-15 % on causal rows,
-benchmarks/NOTES.md), so that what a program pays however few blocks its tile has (the call check, the descriptors, the
+one H200), so that what a program pays however few blocks its tile has (the call check, the descriptors, the
 barriers, the end count: about 11 us) is paid once per SM, and a tile's first loads overlap the last tile's end. The
 pushes never depend on how many programs are resident (ranks sharing a GPU under MPS run fewer at once than the grid
 holds): the pushers are the first programs to arrive, and each pushes every unit left before anything of it waits, while
@@ -63,7 +63,7 @@ warp, ``_planner``), takes the tiles from the counter in the load partition's st
 ahead of it (``_tile_plan``: the tile's ids, each ring step's run of blocks, ``make_plan``, and their count) into
 one of two slots of shared-memory words, each published by a barrier and given back by the load partition once that
 tile's loads are issued (a segmented tile cost about 6 us of an SM more than a dense one, the plan at its start on
-the load warp about 1.3 us of that: benchmarks/NOTES.md). The load partition (``_producer_planned``)
+the load warp about 1.3 us of that, one H200). The load partition (``_producer_planned``)
 counts the blocks for the consumers (in a word per half, published with Q), then (``_tile_loads_masked``) walks the
 runs, skips a block no query of the tile attends (not sent, not waited for, not loaded: only blocks sent whole are
 read, as TMA reads whole blocks) and passes each block's word (ring step, block, masked) to the consumers through a
@@ -163,7 +163,7 @@ def kv_rings(head_dim):
 def slots(dtype: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, layout: gl.constexpr,
           STAGES: gl.constexpr, RELEASERS: gl.constexpr, RINGS: gl.constexpr):
     """Shared memory for Q (``BLOCK_M`` rows of D) and its mbarrier ``q_bar`` (Q landed), and ``kv_slots_smem``'s
-    K/V slots: the Gluon probes' (benchmarks/gluon_fwd.py), one tile per program. The consumers and the load
+    K/V slots, one tile per program. The consumers and the load
     partitions read the tiles and the rings back from these buffers' shapes."""
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D], layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -406,7 +406,7 @@ def _planner(pwords, p_full, p_empty, rank, B, S, seg_ptr, n_chunks, ctl, tln, r
     load warp's ``p_empty`` once that tile's loads are issued, a tile taken from the counter only once its slot is free
     (taken earlier, the program would hold tiles that an idle program could run at the call's end); then tile -1. The
     load warp's own path is then each block's test and loads only (the plan on it had cost about 1.3 us of an SM a tile:
-    ``bench-doclens-stream``, benchmarks/NOTES.md). It waits only for its slots (freed by the load warp, which waits for
+    packed documents, one H200). It waits only for its slots (freed by the load warp, which waits for
     nothing of it but these words), so the partitions' waits stay acyclic."""
     PW: gl.constexpr = plan_words(W)
     n_tiles = B * H * (S // BLOCK_M)
@@ -494,7 +494,7 @@ def _tile_loads_masked(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q
     and the block's all carry one id: the chunk's published range is [t, t], padding counted). With segment ids, the
     tile's ids go with its Q (``_load_q``) and a masked block's ids, keyed (``segment_keys``), into the slot's row of
     ``kids`` before the slot's barrier: the consumers read them from shared memory (global loads in their loop came
-    in waves, each waiting out the load's latency: benchmarks/NOTES.md). A tile with no block (padding
+    in waves, each waiting out the load's latency, one H200). A tile with no block (padding
     rows) gets Q alone."""
     BLOCK_M: gl.constexpr = 2 * q_smem.shape[1]
     STAGES: gl.constexpr = k_smem.shape[0]
@@ -785,7 +785,7 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, pp, meta, n_blo
               rank, B, S, q_pos_min, q_pos_max, qids, kids, HALF_INDEX: gl.constexpr, W: gl.constexpr,
               HKV: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr, WINDOW: gl.constexpr,
               WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr, SEGMENTED: gl.constexpr):
-    """One consumer partition of a program of one tile (the Gluon probes: benchmarks/gluon_fwd.py, gluon_ring.py) on
+    """One consumer partition of a program of one tile on
     its half of the tile's query rows (64): the pipelined online softmax over the tile's ``n_blocks`` blocks
     (``_blocks``), then its rows of O / l (NaN rows after a failure) into its half of Q's buffer and its lse
     (``_rows_out``). No window nor segment ids. The product's kernel is persistent: ``_consumer_tiles``."""

@@ -45,8 +45,8 @@ def heavy_first(m_blk, n_m, CAUSAL: tl.constexpr):
 
 @triton.jit
 def query_tile(t, G, n_m, HKV, CAUSAL: tl.constexpr):
-    """The query tile of task ``t`` (forward tiles, backward dQ tasks, and the Gluon forward of
-    benchmarks/gluon_fwd.py, which passes G and HKV at run time): (batch, head, kv head, query block). The heads
+    """The query tile of task ``t`` (forward tiles and backward dQ tasks; G and HKV may be run-time
+    values): (batch, head, kv head, query block). The heads
     sharing a kv head fastest, so the programs side by side read one kv head's K/V (L2 reuse), then the query
     blocks (``heavy_first``), then kv heads and batches."""
     g = t % G

@@ -157,7 +157,7 @@ def settle_cache_keys() -> None:
     computes the callee's key (``DependenciesFinder._update_hash``; Triton 3.9 computes it first), so a function
     whose callees had no key yet hashes without their globals: the same kernel got another cache key in a process
     that had compiled another kernel first (``ring_attn_fwd_kernel`` then ``ring_attn_fwd_gluon``, or the reverse,
-    gave both kernels other keys), and the GPU compiled variants its carried cache held (benchmarks/NOTES.md). Here
+    gave both kernels other keys), and the GPU compiled variants its carried cache held (Triton 3.6, 2026-12). Here
     every Triton function loaded (ring_core's kernels, what they call, iris's, Triton's own)
     is hashed again until no key changes: each caller then holds all its callees' globals, one fixed point
     whatever the order. Once per process, before the first compile or launch (``_compile``, torch_bridge's

@@ -1,7 +1,7 @@
 """ring_core.runtime.build.settle_cache_keys: a kernel's Triton cache key must not depend on which kernel a process
 hashed first. Triton 3.6 (the GPU machine's) merged a callee's global constexprs into its caller's key before hashing
 the callee, so a caller hashed before its callees missed their globals, and the GPU compiled variants its carried cache
-held (benchmarks/NOTES.md). This machine's Triton hashes the callee first; the test puts 3.6's order back
+held. This machine's Triton hashes the callee first; the test puts 3.6's order back
 (``_update_hash`` as 3.6 has it) to show the keys move with the order without the settling and not with it."""
 
 import os

@@ -327,7 +327,7 @@ def test_torch_fused_checks_backward_heap_before_forward(cpu_heap, monkeypatch):
 
 def test_torch_eager_calls_skip_the_custom_op_dispatch(cpu_heap, monkeypatch):
     """Eager fused calls launch through torch_bridge.api._EagerFused (the custom ops' launches and autograd
-    without their dispatch: benchmarks/custom_op_cost.py); the ops themselves are what torch.compile traces
+    without their dispatch: docs/performance.md); the ops themselves are what torch.compile traces
     (tests/cpu/test_torch_compile.py: one graph with the two ops, compiled bit-identical to eager). Here: forward
     and backward in eager never enter the ops, and give the ops' own results bit for bit."""
     import torch
