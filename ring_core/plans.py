@@ -211,7 +211,7 @@ class BwdKernelConfig:
             return BwdKernelConfig(64, 64, 64, 64, chunk_blocks=2, push_rows=64, num_warps=4, num_stages=stages)
         if spec.head_dim <= 128 and spec.dtype != "float32":
             # Measured on 2xH200 (benchmarks/tune.py --kernel bwd, bf16 D128 H32 seq_local 16k), after the wgmma
-            # fix (results/tune_backward_2xH200_2026-11-30b.csv): the best of seven, 60 ms (full) and 31 ms
+            # fix (results/tune_backward_parallel-matmuls_2xH200_2026-11-30.csv): the best of seven, 60 ms (full) and 31 ms
             # (causal) against 68 and 36 with 2 stages; 81 and 37 before the fix (..._2026-11-30.csv).
             return BwdKernelConfig(128, 64, 128, 64, chunk_blocks=1, push_rows=32, num_warps=8, num_stages=3)
         if spec.head_dim <= 128:

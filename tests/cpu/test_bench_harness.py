@@ -59,11 +59,11 @@ def test_plot_draws_and_tabulates_committed_results(tmp_path):
     assert png.stat().st_size > 10_000 and re.search(r"wrote .* \(\d+ panels?\)", proc.stdout)
     table = proc.stdout[proc.stdout.index("### fwd"):]
     assert "### fwd+bwd" not in table and "| torch_fused | 2 |" in table and "vs_context_parallel" in table
-    runs = [os.path.join(RESULTS, f"attention_w1_fwd_tiles-{r}_1xH200_2026-12-02J.csv") for r in ("base", "s4")]
+    runs = [os.path.join(RESULTS, f"attention_w1_fwd_tiles-{r}_1xH200_2026-12-02.csv") for r in ("base", "s4")]
     png = tmp_path / "runs.png"
     proc = _run("benchmarks.plot", "--runs", *runs, "--out", str(png))
     assert proc.returncode == 0 and png.stat().st_size > 10_000, proc.stderr[-3000:]
-    runs = [os.path.join(RESULTS, f"ab_packed_{t}_W1_1xH200_2026-12-04AZ.csv") for t in ("current_1", "late_1")]
+    runs = [os.path.join(RESULTS, f"ab_packed_{t}_W1_1xH200_2026-12-04.csv") for t in ("current", "late")]
     png = tmp_path / "runs_dense.png"
     proc = _run("benchmarks.plot", "--runs", "--ratio", "vs_dense", *runs, "--out", str(png))
     assert proc.returncode == 0 and png.stat().st_size > 10_000, proc.stderr[-3000:]
