@@ -166,14 +166,17 @@ def settle_cache_keys() -> None:
     if _settled:
         return
     import sys
+    import warnings
 
     from triton.runtime.jit import JITCallable
 
     for name in KERNEL_MODULES:
         import_kernel_module(name)
-    fns = {id(v): v for mod in list(sys.modules.values()) if mod is not None
-           for v in list(getattr(mod, "__dict__", {}).values())
-           if isinstance(v, JITCallable) and "hash" in vars(v)}
+    with warnings.catch_warnings():  # (a module's deprecated attributes warn when looked at: torch.distributed's)
+        warnings.simplefilter("ignore")
+        fns = {id(v): v for mod in list(sys.modules.values()) if mod is not None
+               for v in list(getattr(mod, "__dict__", {}).values())
+               if isinstance(v, JITCallable) and "hash" in vars(v)}
     fns = sorted(fns.values(), key=lambda f: (getattr(f, "__module__", ""), getattr(f, "__name__", "")))
     keys = None
     for _ in range(64):  # (as many passes as the deepest call chain, plus one)
