@@ -12,8 +12,7 @@ tables themselves:
 writes one compile-log record per variant (ring_core.runtime.build's format, tagged ``stage@nproc`` like the GPU
 session's log), and ``python -m ring_core.runtime.build --warm /tmp/variants.jsonl`` compiles them into Triton's cache.
 A cache filled on another machine serves the GPU machine when ``python -m ring_core.runtime.build --identity`` prints
-the
-same line on both (same Triton wheel, same Python minor version, same ptxas); tools/gpu_session.py carries it
+the same line on both (same Triton wheel, same Python minor version, same ptxas); tools/gpu_session.py carries it
 over (``--pack``). Variants a script compiles that are not listed here are compiled by the run, as before.
 
 Stages are tools/gpu_session.py's: the variants of their tests/gpu/gpu_checks.py commands (with the sections those
@@ -56,8 +55,7 @@ def spec_of(B, S, H, HKV, D, dtype, causal, layout, *, window=None, segmented=Fa
 
 def heap_layout(heap_bytes: int) -> control.HeapLayout:
     """The layout of a heap of ``heap_bytes`` (ring_core.runtime.heap.SymmetricHeap's workspace; where the workspace
-    sits
-    in the heap does not change the capacities a plan reads)."""
+    sits in the heap does not change the capacities a plan reads)."""
     return control.HeapLayout.for_workspace(heap_bytes - control.HEAP_SLACK)
 
 

@@ -1,6 +1,5 @@
 """ring_core.runtime.build (the compile of a fused launch for a GPU, through Triton's cache) and the JAX custom call on
-top
-of it (jax_ring._triton_call), on CPU: Triton compiles for sm_90 without a GPU; the custom call's abstract
+top of it (jax_ring._triton_call), on CPU: Triton compiles for sm_90 without a GPU; the custom call's abstract
 evaluation and its jaxlib parameter list are checked with a stand-in for jaxlib's GPU library (the launch itself
 runs in tests/gpu/gpu_checks.py). Compiles run in a subprocess: this process may hold the interpreted kernels
 (TRITON_INTERPRET=1, see test_simulate.py)."""
@@ -261,8 +260,7 @@ LOG_AND_COMPILE = textwrap.dedent("""
 
 def test_compiles_are_logged_and_warm_compiles_them_again(tmp_path):
     """With RING_ATTENTION_COMPILE_LOG set, a compile leaves a record; ``python -m ring_core.runtime.build --warm``
-    compiles
-    the records again (in parallel processes) into another cache, to the same cache key; a record the current
+    compiles the records again (in parallel processes) into another cache, to the same cache key; a record the current
     code cannot compile is reported and skipped."""
     (tmp_path / "tiny_kernels.py").write_text(TINY)
     log = tmp_path / "compiles.jsonl"
@@ -652,8 +650,7 @@ IRIS_DEVICE_ONLY = textwrap.dedent("""
 
 def test_warm_without_torch_compiles_the_same_kernels():
     """ring_core.runtime.build's warm on a machine without torch (a Python of the GPU machine's Triton wheel) imports
-    the
-    kernels through iris's device functions only, and they hash as with the whole of iris: same cache entries."""
+    the kernels through iris's device functions only, and they hash as with the whole of iris: same cache entries."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
     code = "from ring_core.kernels.tl_fwd import ring_attn_fwd_kernel as f; from ring_core.kernels.tl_bwd import " \
