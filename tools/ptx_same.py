@@ -6,7 +6,8 @@ the Gluon forward's pushers at W > 1 must leave every W = 1 kernel as it was):
     git archive 9fa4b9d ring_core | tar x -C /tmp/oldtree
     python tools/ptx_same.py --other /tmp/oldtree --records RECORDS.jsonl      # with the GPU's Triton (3.6)
 
-Each tree compiles in its own process (its own Triton cache under a temporary folder)."""
+Each tree compiles in its own process (its own Triton cache under a temporary folder; ``--cache DIR`` gives this
+tree's compiles a cache of its own, e.g. .cache/triton after ``ring_core.runtime.build --warm`` of the same records)."""
 from __future__ import annotations
 
 import argparse
@@ -60,9 +61,9 @@ def code(ptx: str) -> list:
     return lines[:end]
 
 
-def dump(tree: str, records: str, out: str) -> None:
+def dump(tree: str, records: str, out: str, cache: str = None) -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([tree, os.environ.get("PYTHONPATH", "")]),
-               TRITON_CACHE_DIR=tempfile.mkdtemp(prefix="ptx_same_"))
+               TRITON_CACHE_DIR=cache or tempfile.mkdtemp(prefix="ptx_same_"))
     env.pop("TRITON_INTERPRET", None)
     subprocess.run([sys.executable, "-c", _DUMP, records, out], cwd=tree, env=env, check=True)
 
@@ -71,12 +72,15 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python tools/ptx_same.py", description=__doc__.split("\n")[0])
     ap.add_argument("--other", required=True, help="the other tree's folder (holding its ring_core)")
     ap.add_argument("--records", required=True, help="compile-log records (JSON lines: ring_core.runtime.build's)")
+    ap.add_argument("--cache", default=None, help="a Triton cache for this tree's compiles (e.g. the one "
+                    "ring_core.runtime.build --warm filled from the same records); default: a temporary one")
     a = ap.parse_args(argv)
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with tempfile.TemporaryDirectory() as tmp:
         sides = []
         for i, tree in enumerate((os.path.abspath(a.other), here)):
-            dump(tree, os.path.abspath(a.records), os.path.join(tmp, f"{i}.json"))
+            dump(tree, os.path.abspath(a.records), os.path.join(tmp, f"{i}.json"),
+                 os.path.abspath(a.cache) if i and a.cache else None)
             with open(os.path.join(tmp, f"{i}.json")) as f:
                 sides.append(json.load(f))
     same = 0
