@@ -5,10 +5,16 @@ against the same model trained on one device with flax's own attention and a cau
 GPUs (one process per GPU, fused kernels):   python -m jax_ring.launch --nproc-per-node 2 examples/flax_attention_fn.py
 CPU (2 simulated devices, the xla ring):     python examples/flax_attention_fn.py --cpu
 
-All the user writes for the ring is the attention_fn and the sharding of the inputs' sequence axis:
+All the user writes for the ring is the attention_fn, the sharding of the inputs' sequence axis and the mesh
+the step runs under:
 
     attn = nn.MultiHeadDotProductAttention(num_heads=4, attention_fn=jax_ring.flax.ring_attention_fn(is_causal=True))
-    tokens = jax.device_put(tokens, NamedSharding(mesh, P(None, "sp")))     # the mesh and axis come from here
+    tokens = jax.device_put(tokens, NamedSharding(mesh, P(None, "sp")))     # the axis comes from here
+    with jax.set_mesh(mesh):                                                # the devices from here
+        params, state, loss = step(params, state, tokens, labels)
+
+(Under jax.jit an input's sharding carries an abstract mesh, without devices; the fused kernels need to know
+which process holds which position of the ring, so they take the mesh set with jax.set_mesh, or mesh=.)
 
 Prints the loss of every step for the ring and for one device; exits non-zero if they differ by more than
 --tol (float32; matmuls at "highest" precision) or if the loss does not decrease. The gradient sum over the
@@ -102,8 +108,9 @@ dense_params, dense_state = params, opt.init(params)
 losses = []
 for step in range(args.steps):
     x, y = data[step, :, :-1], data[step, :, 1:]
-    ring_params, ring_state, loss = ring_step(ring_params, ring_state, global_array(x, P(None, "sp")),
-                                              global_array(y, P(None, "sp")))
+    with jax.set_mesh(mesh):
+        ring_params, ring_state, loss = ring_step(ring_params, ring_state, global_array(x, P(None, "sp")),
+                                                  global_array(y, P(None, "sp")))
     dense_params, dense_state, ref = dense_step(dense_params, dense_state, jnp.asarray(x), jnp.asarray(y))
     losses.append((float(loss), float(ref)))
     if jax.process_index() == 0:

@@ -78,6 +78,17 @@ def vary(x, axes):
     return lax.pvary(x, missing)  # pragma: no cover - JAX releases before pcast
 
 
+def concrete_mesh():
+    """The mesh set with ``jax.set_mesh`` (devices included), else None; readable while a program is traced or
+    lowered, where ``jax.sharding.get_mesh`` refuses (JAX's shard_map lowering reads the same setting)."""
+    try:
+        from jax._src.mesh import get_concrete_mesh
+    except ImportError:  # pragma: no cover - a JAX that moved it: only the explicit forms are left
+        return None
+    mesh = get_concrete_mesh()
+    return None if mesh is None or mesh.empty else mesh
+
+
 def mesh_position():
     """This device's position in the mesh of the enclosing shard_map, row-major over its axes (so that
     ``mesh.devices.flat[position]`` is this device), as a traced int32. Every mesh axis must be manual."""

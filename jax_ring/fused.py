@@ -121,10 +121,23 @@ def _ring_ctx_abstract(pos, *, axis_name, ring_size):
 
 
 def _lowering_mesh(ctx):
+    """The concrete mesh the program is lowered on. A shard_map over an abstract mesh (the mesh a traced input
+    carries under jax.jit) takes the mesh set with ``jax.set_mesh``, as JAX's own shard_map lowering does; without
+    one, which process holds which mesh position is not known here, so the ring cannot be built."""
     mesh = getattr(ctx.module_context.axis_context, "mesh", None)
-    if mesh is None or not hasattr(mesh, "devices"):
+    if mesh is None:
         raise ValueError("the fused backend must run inside jax.shard_map over a mesh of devices (the program is "
                          "lowered without one)")
+    if isinstance(mesh, jax.sharding.AbstractMesh):
+        concrete = _platform.concrete_mesh()
+        if concrete is None or concrete.abstract_mesh.shape_tuple != mesh.shape_tuple:
+            raise ValueError(
+                f"the fused backend needs the devices of the mesh it runs on, and this program knows only an abstract "
+                f"mesh {dict(mesh.shape)} (under jax.jit an input's sharding carries no devices): set the mesh with "
+                "jax.set_mesh(mesh) around the jitted call (or for the program), or pass mesh=mesh to "
+                "jax_ring.dot_product_attention / jax_ring.flax.ring_attention_fn, or give jax.shard_map the Mesh "
+                "itself")
+        mesh = concrete
     return mesh
 
 

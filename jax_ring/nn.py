@@ -7,7 +7,9 @@ Same names and meaning as ``jax.nn.dot_product_attention`` (query ``[batch, seq,
 ``local_window_size``; ``return_residual`` gives ``(out, logsumexp [batch, seq, heads])``). The mesh and the axis
 that shards the sequence come, in this order, from the keywords ``mesh=`` / ``axis_name=``, from the query's
 sharding (a sharded ``jax.Array`` outside jit; under jit, its abstract mesh, and its spec on a mesh of Explicit
-axes), from the mesh set with ``jax.set_mesh``, and, when the mesh has one axis, that axis. The batch and head
+axes), from the mesh set with ``jax.set_mesh``, and, when the mesh has one axis, that axis. The fused kernels need
+the mesh's devices too: under jit, where an input carries only an abstract mesh, they take them from the mesh set
+with ``jax.set_mesh`` (or ``mesh=``); without one the lowering raises, saying so. The batch and head
 axes keep the query's sharding where it is known. What the ring cannot compute raises: ``bias``, ``mask`` (an
 arbitrary mask), ``query_seq_lengths`` / ``key_value_seq_lengths`` (give ``segment_ids`` with -1 on padding),
 ``implementation`` (the ring picks its kernel: ``backend=``).

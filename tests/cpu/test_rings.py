@@ -146,6 +146,44 @@ def test_jax_rows_are_picked_by_each_device_at_lowering(monkeypatch):
         assert got["bases"] == [1000 * r + m for m in members]
 
 
+def test_jax_rows_on_an_abstract_mesh_come_from_the_set_mesh(monkeypatch):
+    """A shard_map over the abstract mesh a traced input carries (jax_ring.dot_product_attention and the flax
+    attention_fn under jax.jit): the table is built from the mesh set with jax.set_mesh, as JAX's own lowering
+    does; without one, a ValueError says how to give the devices (before anything runs)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from jax_ring import _platform, fused
+
+    devices = jax.devices("cpu")[:2]
+    if len(devices) < 2:
+        pytest.skip("needs 2 CPU devices")
+    monkeypatch.setattr(heap_mod, "_heap", _heap(2))
+    monkeypatch.setattr(heap_mod, "_release_hooks", [])
+    rank_of_device = {d.id: r for r, d in enumerate(devices)}
+    monkeypatch.setattr(fused, "_device_rank", lambda d: rank_of_device[d.id])
+    order = devices[::-1]
+    mesh = Mesh(np.array(order), ("sp",))
+
+    def body(x):
+        return x + fused.ring_ctx_p.bind(_platform.mesh_position(), axis_name="sp", ring_size=2)[None, :]
+
+    def outer(x):  # under jit the input's sharding carries the abstract mesh only
+        return jax.shard_map(body, mesh=jax.typeof(x).sharding.mesh, in_specs=P("sp"), out_specs=P("sp"))(x)
+
+    x = jax.device_put(jnp.zeros((2, 2 * (2 * 2 + 4)), jnp.int32), NamedSharding(mesh, P("sp")))
+    with pytest.raises(ValueError, match="jax.set_mesh"):
+        jax.jit(outer)(x)
+    with jax.set_mesh(mesh):
+        rows = np.asarray(jax.jit(outer)(x))
+    ranks = [rank_of_device[d.id] for d in order]
+    for pos, r in enumerate(ranks):
+        got = _row(rows, pos, 2)
+        assert got["members"] == ranks and got["position"] == pos
+        assert got["bases"] == [1000 * r + m for m in ranks]
+
+
 # ------------------------------------------------------------------- the kernels: several rings at once
 def test_several_rings_at_once_and_a_rank_in_rings_of_two_axes():
     """Four simulated ranks as a 2 x 2 mesh: the two rings along one axis run at once, then the rings of the
