@@ -103,6 +103,10 @@ Stages (``NAME[:SECONDS]``; the default time limit is in brackets):
   examples     the four examples on 2 GPUs (flax_train.py needs flax and optax there: install them
                first, see docs/operations.md)                                 [300]
   flax         examples/flax_train.py alone                                        [120]
+  integrations examples/hf_llama_train.py (5 steps, --nproc ranks, gloo between them) and
+               examples/flax_attention_fn.py (one process: its gradient sum is an XLA collective, which
+               ranks sharing a GPU cannot run); both need the wheels of docs/integrations.md, "An offline
+               GPU machine", on PYTHONPATH                                           [300]
   examples-torch  the two torch examples (gloo between the ranks: they run with ranks sharing a GPU, which the JAX
                examples' NCCL collectives cannot)                                  [240]
   limits       tests/gpu/gpu_shared_limits.py: what works between ranks sharing a GPU   [240]
@@ -321,6 +325,8 @@ STAGES = {
     # which refuses two ranks on one GPU), and a stage stops at its first failing command.
     "examples-torch": (240, [TORCHRUN + ["examples/torch_ring_attention.py"], TORCHRUN + ["examples/torch_train.py"]]),
     "flax": (120, [LAUNCH + ["examples/flax_train.py"]]),
+    "integrations": (300, [LAUNCH + ["examples/hf_llama_train.py", "--steps", "5"],
+                           LAUNCH1 + ["examples/flax_attention_fn.py"]]),
     "limits": (240, [LAUNCH + ["tests/gpu/gpu_shared_limits.py", "--out", "{out}"]]),
     "rings": (300, [LAUNCH + ["tests/gpu/gpu_rings.py", "--out", "{out}"]]),
     "train-dp": (180, [TORCHRUN + ["examples/torch_train.py", "--dp", "2"]]),
