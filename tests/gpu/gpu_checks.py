@@ -403,7 +403,7 @@ def main():
             f"({time.time() - t1:.1f} s)")
 
     summary = {"world": W, "ranks_per_gpu": gpus.placement_from_env(torch.cuda.device_count()).ranks_per_gpu,
-               "gpu": torch.cuda.get_device_name(), "cases": 0}
+               "gpu": torch.cuda.get_device_name()}
     t0 = time.time()
     cases = CASES
     failed = []
@@ -418,13 +418,12 @@ def main():
             failed.append(str(e) if tag is None else f"{tag}: {e}")
             say(f"FAILED {what}: {e}", every_rank=True)
 
-    for c in (cases if "cases" in sections else []):
-        t1 = time.time()
-        keep_going(lambda: case(*c), c)
-        summary["cases"] += 1
-        say(f"   ({time.time() - t1:.1f} s)")
-    summary["cases_s"] = round(time.time() - t0, 1)
-    summary["cases_failed"] = failed
+    if "cases" in sections:  # a section's figures only where it ran (stages add their sections to one file)
+        for c in cases:
+            t1 = time.time()
+            keep_going(lambda: case(*c), c)
+            say(f"   ({time.time() - t1:.1f} s)")
+        summary.update(cases=len(cases), cases_s=round(time.time() - t0, 1), cases_failed=failed)
 
     # ---- the Gluon Hopper forward against float64 and against the tl kernel ------------------------
     def segment_ids(kind, seed, B, n):
@@ -771,11 +770,16 @@ def main():
 
     dist.barrier()
     assert not failed, f"{len(failed)} cases failed: {failed}"
-    summary["ok"] = True
-    summary["log"] = log
+    summary.update(ok=True, sections=sorted(sections), log=log)
     if rank == 0 and a.out:
         os.makedirs(a.out, exist_ok=True)
-        with open(os.path.join(a.out, "gpu_checks.json"), "w") as f:
+        path = os.path.join(a.out, "gpu_checks.json")
+        if os.path.exists(path):  # an earlier run's sections into the same folder (a GPU session's stages): kept
+            with open(path) as f:
+                prev = json.load(f)
+            summary = {**prev, **summary, "sections": sorted(set(prev.get("sections", [])) | sections),
+                       "log": prev.get("log", []) + log}
+        with open(path, "w") as f:
             json.dump(summary, f, indent=1)
     say("ALL GPU CHECKS PASSED")
     jax_ring.shutdown()
