@@ -6,7 +6,8 @@ warpgroup MMAs (the consumers' steps).
   (``--dims``): world size 1 non-causal and causal contiguous, world size 2 causal zigzag with GQA 32/8; with the
   kernel's tiles, shared memory and ``setmaxnreg`` values, and its global stores by width and shuffles (the rows of O:
   ``_store_rows``). Head dims the tree's plans do not give the Gluon kernel are reported as such.
-* ``--kernel bwd`` (ring_core.kernels.gluon_bwd): bf16, B=1, H=32, D=128, seq_local 16384: world size 1 non-causal
+* ``--kernel bwd`` (ring_core.kernels.gluon_bwd): bf16, B=1, H=32, seq_local 16384, head_dim 128 (``--dims``): world
+  size 1 non-causal
   and causal contiguous, world size 2 causal zigzag, each in any order and in the deterministic one.
 
 ``--masks``: the variants of the masked benchmarks instead (causal; segment ids at world size 1 and 2, a causal window
@@ -102,15 +103,16 @@ def fwd_cases(dims, masks: bool = False):
                    _spec(D, W, causal, hkv, window, segs), W)
 
 
-def bwd_cases(masks: bool = False):
-    """(name, spec, world size, deterministic) of every backward variant reported (D128)."""
+def bwd_cases(dims=(128,), masks: bool = False):
+    """(name, spec, world size, deterministic) of every backward variant reported."""
     rows = ((1, True, False, None, True), (2, True, False, None, True), (1, True, False, (4095, 0), False)) if masks \
         else tuple((W, causal, det, None, False) for det in (False, True)
                    for W, causal in ((1, False), (1, True), (2, True)))
-    for W, causal, det, window, segs in rows:
-        mask = (f"-window{window[0]}" if window else "") + ("-segments" if segs else "")
-        yield (f"bwd-W{W}-{'causal' if causal else 'full'}{'-deterministic' if det else ''}{mask}",
-               _spec(128, W, causal, 32, window, segs), W, det)
+    for D in dims:
+        for W, causal, det, window, segs in rows:
+            mask = (f"-window{window[0]}" if window else "") + ("-segments" if segs else "")
+            yield (f"bwd-D{D}-W{W}-{'causal' if causal else 'full'}{'-deterministic' if det else ''}{mask}",
+                   _spec(D, W, causal, 32, window, segs), W, det)
 
 
 def _compiled(p):
@@ -127,7 +129,7 @@ def _compiled(p):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.spills", description=__doc__.split("\n\n")[0])
     ap.add_argument("--kernel", required=True, choices=("fwd", "bwd"), help="the Hopper forward or backward")
-    ap.add_argument("--dims", default="64,128,256", help="--kernel fwd: head dims, comma-separated")
+    ap.add_argument("--dims", default=None, help="head dims, comma-separated (fwd: 64,128,256; bwd: 128)")
     ap.add_argument("--masks", action="store_true", help="the masked variants (segment ids, a window) instead")
     ap.add_argument("--ptx", default=None, help="a directory for each variant's PTX without debug lines")
     args = ap.parse_args(argv)
@@ -139,13 +141,14 @@ def main(argv=None) -> int:
     heap = control.HeapLayout.for_workspace(8 << 30)
     if args.ptx:
         os.makedirs(args.ptx, exist_ok=True)
+    dims = [int(d) for d in (args.dims or ("64,128,256" if args.kernel == "fwd" else "128")).split(",")]
     if args.kernel == "fwd":
         variants = [(name, spec, plans.plan(spec, W, heap, capability=(9, 0)))
-                    for name, spec, W in fwd_cases((int(d) for d in args.dims.split(",")), args.masks)]
+                    for name, spec, W in fwd_cases(dims, args.masks)]
     else:  # deterministic: the Gluon kernel's own order
         variants = [(name, spec, plans.plan_bwd(spec, W, heap, capability=(9, 0),
                                                 **({"deterministic": True, "gluon_det": True} if det else {})))
-                    for name, spec, W, det in bwd_cases(args.masks)]
+                    for name, spec, W, det in bwd_cases(dims, args.masks)]
     for name, spec, p in variants:
         if not p.config.gluon:
             print(f"{name}: not the Gluon kernel in this tree's plans")

@@ -106,15 +106,27 @@ def _run(q, k, v, segment_ids, spec, *, axis_name, return_lse, backend, timeout_
     if backend == "xla":  # ignores deterministic: XLA's own ops, as deterministic as XLA_FLAGS make them
         return ring_attention_xla(q, k, v, axis_name=axis_name, spec=spec, return_lse=return_lse,
                                   segment_ids=segment_ids)
+    width = _heap.get().kernel_head_dim(spec)
+    if width != spec.head_dim:  # the Gluon kernels at the padded width (ring_core.plans.kernel_head_dim)
+        pad = [(0, 0)] * 3 + [(0, width - spec.head_dim)]
+        out, lse = _fused_call(*(jnp.pad(x, pad) for x in (q, k, v)), segment_ids, plans.padded_spec(spec, width),
+                               axis_name, world, timeout_s, deterministic)
+        out = out[..., :spec.head_dim]
+    else:
+        out, lse = _fused_call(q, k, v, segment_ids, spec, axis_name, world, timeout_s, deterministic)
+    return (out, lse) if return_lse else out
+
+
+def _fused_call(q, k, v, segment_ids, spec, axis_name, world, timeout_s, deterministic):
+    """(out, lse) of the fused backend over ``world`` ranks of ``axis_name``: the one-node kernel, or the two-level
+    ring where the axis spans several nodes."""
     if nodes.spans_nodes(world):  # several nodes: the kernel within each, K/V between them (jax_ring.nodes)
         if _platform.under_vmap():
             raise ValueError("jax_ring.ring_attention(backend='fused') does not run under jax.vmap: fold the mapped "
                              "axis into the batch axis, or use backend='xla'")
         _heap.on_release(_forget_compiled_programs)
-        out, lse = nodes.ring_attention(q, k, v, spec, axis_name, timeout_s, deterministic)
-    else:
-        out, lse = _ring_attention_fused(q, k, v, segment_ids, spec, axis_name, world, timeout_s, deterministic)
-    return (out, lse) if return_lse else out
+        return nodes.ring_attention(q, k, v, spec, axis_name, timeout_s, deterministic)
+    return _ring_attention_fused(q, k, v, segment_ids, spec, axis_name, world, timeout_s, deterministic)
 
 
 def _validate(q, k, v, segment_ids, local=lambda shape: shape, **kw):
@@ -174,9 +186,10 @@ def ring_attention(q, k, v, *, axis_name, is_causal=False, scale=None, layout="c
         nondeterministic order where a kernel does. True: the fused backend's gradients bit-identical from run to run
         and between JAX and torch (the same inputs on the same GPUs). Also turned on by
         ``XLA_FLAGS=--xla_gpu_deterministic_ops=true`` (or ``--xla_gpu_exclude_nondeterministic_ops=true``), read when
-        the call is traced. With False, on Hopper for fp16/bf16, head_dim 128 (windows and segment ids included:
+        the call is traced. With False, on Hopper for fp16/bf16, head_dim 64 or 128 (windows and segment ids included:
         ring_core.plans.gluon_bwd_applies), the fused backward is the Gluon kernel whose dQ sums come in no fixed order
-        (ring_core/kernels/gluon_bwd.py); elsewhere, and with True, it is the deterministic tl kernel.
+        (ring_core/kernels/gluon_bwd.py); with True, the same kernel adding dQ in a fixed order (without a window or
+        segment ids); elsewhere the deterministic tl kernel.
         The ``"xla"`` backend ignores it: it runs XLA's own ops, which XLA_FLAGS governs.
 
     Returns:

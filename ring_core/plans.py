@@ -25,6 +25,7 @@ Heap use of one call (regions of ring_core.protocol.control.HeapLayout; flags in
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -32,8 +33,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ring_core import masks, settings
-from ring_core.kernels.configs import (GLUON_BWD_HEAD_DIMS, GLUON_BWD_KV_ROWS, GLUON_BWD_Q_ROWS, GLUON_BWD_ROW_TASK,
-                                       GLUON_TILES)
+from ring_core.kernels.configs import (GLUON_BWD_DET_HEAD_DIMS, GLUON_BWD_HEAD_DIMS, GLUON_BWD_KV_ROWS,
+                                       GLUON_BWD_Q_ROWS, GLUON_BWD_ROW_TASK, GLUON_TILES)
 from ring_core.protocol import control
 from ring_core.runtime import build
 from ring_core.protocol.control import HeapLayout, HeapTooSmallError
@@ -141,16 +142,37 @@ def gluon_applies(spec: AttentionSpec, world_size: int, capability) -> bool:
 
 
 
+def kernel_head_dim(spec: AttentionSpec, capability) -> int:
+    """The head_dim the fused kernels run a call of ``spec`` at, on a GPU of compute ``capability``: ``spec.head_dim``,
+    or the next power of two where the tl kernels would compute at that width anyway (their BLOCK_D: ``block_d``)
+    and the Gluon Hopper forward takes it (``gluon_applies``; head_dim 80 and 96 run at 128, 192 at 256, 48 at 64).
+    Both frontends then pad q, k and v with zero columns up to it and cut the output back: the zeros add nothing
+    to Q K^T, so the scores and lse are the caller's; the output's and the gradients' extra columns are cut off;
+    the scale is the caller's (1 / sqrt of its head_dim by default, resolved in ``spec``). It costs the padded copies
+    of q, k and v (kept for the backward) and the output's cut, against the Gluon kernels' speed at that width."""
+    width = block_d(spec.head_dim)
+    if width == spec.head_dim or width not in GLUON_TILES:
+        return spec.head_dim
+    return width if gluon_applies(padded_spec(spec, width), 1, capability) else spec.head_dim
+
+
+def padded_spec(spec: AttentionSpec, head_dim: int) -> AttentionSpec:
+    """``spec`` with its head_dim padded to ``head_dim`` (``kernel_head_dim``): what the kernels are planned for."""
+    return spec if head_dim == spec.head_dim else dataclasses.replace(spec, head_dim=head_dim)
+
+
 def gluon_bwd_applies(spec: AttentionSpec, world_size: int, capability, deterministic: bool = False) -> bool:
     """Whether the Gluon Hopper backward (ring_core.kernels.gluon_bwd) may take the backward of ``spec``
-    (BwdKernelConfig.get_default): where the Gluon forward applies (``gluon_applies``) and head_dim is 128 (its dQ is
-    split between two consumers by halves of D, 64 columns of a 128-byte swizzled row each); with a window or segment
+    (BwdKernelConfig.get_default): where the Gluon forward applies (``gluon_applies``) and head_dim is 64 or 128
+    (``GLUON_BWD_HEAD_DIMS``: its dQ is split between two consumers by halves of D; at 256 a consumer's dK and dV
+    accumulators alone would take 256 registers a thread); with a window or segment
     ids only in its any-order mode (``deterministic`` False: its deterministic order counts each query block's
-    contributors by position, which masks change; those run the tl backward)."""
+    contributors by position, which masks change; those run the tl backward); in its deterministic order only at
+    ``GLUON_BWD_DET_HEAD_DIMS`` (elsewhere the tl split is faster)."""
     unmasked = (masks.kernel_window(spec.is_causal, spec.window, world_size * spec.seq_local) == masks.NO_WINDOW
                 and not spec.segmented)
     return (gluon_applies(spec, world_size, capability) and spec.head_dim in GLUON_BWD_HEAD_DIMS
-            and (unmasked or not deterministic))
+            and (not deterministic or (unmasked and spec.head_dim in GLUON_BWD_DET_HEAD_DIMS)))
 
 
 @dataclass(frozen=True)

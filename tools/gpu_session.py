@@ -51,8 +51,11 @@ Stages (``NAME[:SECONDS]``; the default time limit is in brackets):
                against float64 [240]
   checks-gluon-bwd-masks tests/gpu/gpu_checks.py --sections gluon-bwd-masks: the Gluon backward with windows and
                segment ids (deterministic=False) against float64 [240]
-  checks-gluon-bwd-rest  the slowest runs of those two sections alone: gluon-bwd case 3 deterministic,
-               gluon-bwd-masks case 5 (batch 2, both masks)                                   [200]
+  checks-gluon-bwd-rest  the slowest runs of those two sections alone: gluon-bwd case 5 deterministic,
+               gluon-bwd-masks case 7 (batch 2, both masks)                                   [200]
+  checks-padded  the gluon section's padded head dims (96, 80, 192: cases g8-g10) and their Gluon backwards
+               (b7, b8), against float64                                                     [240]
+  checks-gluon-bwd-d64  the head_dim-64 runs of those two sections (cases b1, b3, b6, m1, m4)     [240]
   checks-masks tests/gpu/gpu_checks.py --sections masks: segment ids and windows, forward and
                backward (6 cases; compiles dominate)                                [540]
   faults       tests/gpu/gpu_faults.py (timeout, concurrent, mismatch, bad_inputs, security) [240]
@@ -63,6 +66,13 @@ Stages (``NAME[:SECONDS]``; the default time limit is in brackets):
   bench-status the per-call check's cost at seq_local 4k, world size 1: jax_fused (default check),
                jax_fused_deferred (none), jax_fused_call (a sync), torch_fused; timed per call and back to
                back                                                                   [420]
+  bench-shapes every shape at world size 1, torch beside cuDNN, forward and forward+backward, one call at a
+               time: head_dim 128 16k/32k causal and not; head_dim 64, 256, 80, 96, 192 at 16k causal;
+               4k causal head_dim 128, also back to back                                     [420]
+  bench-d64-bwd  head_dim 64, 16k causal, forward+backward beside cuDNN: the Gluon backward in any order, the
+               deterministic one (the tl split), twice: the second with RING_ATTENTION_GLUON_DETERMINISTIC=0 [200]
+  probe-host-path  benchmarks/host_path.py: a 4k call's launch, kernels and GPU idle time, fused against cuDNN,
+               forward and forward+backward, under the torch profiler; cProfile of the host  [150]
   bench-w1-fwd every forward shape at world size 1 (D128, D64, D256, GQA 32/8), torch beside
                cuDNN, 10 timed calls: the A/B of a Gluon forward change              [200]
   bad_inputs   tests/gpu/gpu_faults.py --sections bad_inputs                           [150]
@@ -168,6 +178,14 @@ W1_SHAPES = ["-m", "benchmarks.attention", "--methods", "torch_fused,torch_cudnn
 
 PEERS = ["-m", "benchmarks.attention", "--methods", "torch_fused,torch_flex,torch_flash_attn", "--causal", "yes",
          "--seq", "16k", "--pass", "fwd,fwd+bwd", "--timing", "stream", "--warmup", "2", "--iters", "5"]
+# The shapes users train at, each beside cuDNN in the same process, one call at a time (docs/performance.md, "Every
+# shape against cuDNN"): torch only (JAX runs the same binary; its per-call compile of each variant's PTX would take
+# most of the stage).
+SHAPES = ["-m", "benchmarks.attention", "--methods", "torch_fused,torch_cudnn_1gpu", "--pass", "fwd,fwd+bwd",
+          "--warmup", "3", "--iters", "10", "--csv", "{out}/attention_w1_shapes.csv"]
+D64_BWD = ["-m", "benchmarks.attention", "--methods", "torch_fused,torch_fused_det,torch_cudnn_1gpu", "--head-dim",
+           "64", "--seq", "16k", "--causal", "yes", "--pass", "fwd+bwd", "--warmup", "3", "--iters", "10", "--csv",
+           "{out}/attention_d64_bwd.csv"]
 STATUS_BENCH = ["-m", "benchmarks.attention", "--methods", "jax_fused,jax_fused_deferred,jax_fused_call,torch_fused",
                 "--seq", "4k", "--pass", "fwd,fwd+bwd", "--warmup", "5", "--iters", "30"]
 
@@ -194,10 +212,17 @@ STAGES = {
     "checks-gluon-bwd": (240, [LAUNCH + ["tests/gpu/gpu_checks.py", "--sections", "gluon-bwd", "--out", "{out}"]]),
     "checks-gluon-bwd-masks": (240, [LAUNCH + ["tests/gpu/gpu_checks.py", "--sections", "gluon-bwd-masks", "--out",
                                                "{out}"]]),
-    # The slowest runs of the two sections above, alone: gluon-bwd case 3 (non-causal zigzag) in the deterministic order, and the
-    # batch-2 masked case (windows and padded segment ids together).
+    # The slowest runs of the two sections above, alone: gluon-bwd case 5 (non-causal zigzag) in the deterministic
+    # order, and the batch-2 masked case (windows and padded segment ids together).
     "checks-gluon-bwd-rest": (200, [LAUNCH + ["tests/gpu/gpu_checks.py", "--sections", "gluon-bwd,gluon-bwd-masks",
-                                              "--gluon-bwd-cases", "b3:det,m5", "--out", "{out}"]]),
+                                              "--gluon-bwd-cases", "b5:det,m7", "--out", "{out}"]]),
+    # The head dims the kernels run padded (ring_core.plans.kernel_head_dim: 96 and 80 at 128, 192 at 256): the
+    # gluon section's forwards and the gluon-bwd section's backwards (both orders).
+    "checks-padded": (240, [LAUNCH + ["tests/gpu/gpu_checks.py", "--sections", "gluon,gluon-bwd", "--gluon-cases",
+                                      "g8,g9,g10", "--gluon-bwd-cases", "b7,b8", "--out", "{out}"]]),
+    # The head_dim-64 runs of the same two sections (in any order: the deterministic one is the tl split's there).
+    "checks-gluon-bwd-d64": (240, [LAUNCH + ["tests/gpu/gpu_checks.py", "--sections", "gluon-bwd,gluon-bwd-masks",
+                                             "--gluon-bwd-cases", "b1,b3,b6,m1,m4", "--out", "{out}"]]),
     "checks-quick": (300, [LAUNCH + ["tests/gpu/gpu_checks.py", "--sections", "cases,gluon,jit,grads,launch", "--out", "{out}"]]),
     "checks-grads": (240, [LAUNCH + ["tests/gpu/gpu_checks.py", "--sections", "grads,launch", "--out", "{out}"]]),
     "checks-big": (180, [LAUNCH + ["tests/gpu/gpu_checks.py", "--sections", "big", "--out", "{out}"]]),
@@ -302,6 +327,9 @@ STAGES = {
     "bench-w1-split": (120, [["env", "RING_ATTENTION_GLUON_DETERMINISTIC=0"] + LAUNCH1 + [
         "-m", "benchmarks.attention", "--methods", "torch_fused_det,torch_cudnn_1gpu", "--seq", "16k,32k", "--pass",
         "fwd+bwd", "--warmup", "2", "--iters", "5", "--csv", "{out}/attention_w1_split.csv"]]),
+    # The backward's kernels at head_dim 64, 16k causal, beside cuDNN: the Gluon kernel in any order (torch_fused), then
+    # the tl split (torch_fused_det: the deterministic backward there; RING_ATTENTION_GLUON_DETERMINISTIC=0 too).
+    "bench-d64-bwd": (200, [LAUNCH1 + D64_BWD, ["env", "RING_ATTENTION_GLUON_DETERMINISTIC=0"] + LAUNCH1 + D64_BWD]),
     # bench-w1's forward with the tl kernel (RING_ATTENTION_GLUON=0), beside cuDNN in the same run: the A/B of the
     # Gluon Hopper forward.
     "bench-w1-tl": (150, [["env", "RING_ATTENTION_GLUON=0"] + LAUNCH1 + [
@@ -313,6 +341,13 @@ STAGES = {
                               LAUNCH1 + W1_SHAPES + ["--head-dim", "128", "--kv-heads", "8"]]),
     # Every forward shape at world size 1 in one stage (D128, D64, D256, GQA 32/8; torch beside cuDNN;
     # 10 timed calls): the A/B of a Gluon forward change (e.g. RING_ATTENTION_GLUON_PINGPONG=1 in the environment).
+    "probe-host-path": (150, [LAUNCH1 + ["-m", "benchmarks.host_path", "--out", "{out}", "--seq", "4k",
+                                         "--cprofile", "200"]]),
+    "bench-shapes": (420, [LAUNCH1 + SHAPES + ["--head-dim", "128", "--seq", "16k,32k"],
+                           LAUNCH1 + SHAPES + ["--head-dim", "64,256,80,96,192", "--seq", "16k", "--causal", "yes"],
+                           LAUNCH1 + SHAPES + ["--head-dim", "128", "--seq", "4k", "--causal", "yes"],
+                           LAUNCH1 + SHAPES + ["--head-dim", "128", "--seq", "4k", "--causal", "yes", "--timing",
+                                               "stream"]]),
     "bench-w1-fwd": (200, [LAUNCH1 + W1_SHAPES[:-4] + ["--iters", "10", "--csv", "{out}/attention_w1_fwd.csv",
                                                         "--head-dim", "128,64,256", "--kv-heads", "32"],
                            LAUNCH1 + W1_SHAPES[:-4] + ["--iters", "10", "--csv", "{out}/attention_w1_fwd.csv",

@@ -210,6 +210,13 @@ def _ring_attention_fused(q, k, v, segment_ids=None, *, spec: AttentionSpec, gro
     graph break: all it computes before the op is the group's name and whether a backward will follow, in
     which case the fwd op checks the backward's heap need before it launches (HeapTooSmallError before the
     forward runs, as in eager). Eager calls take the same launches through ``_EagerFused``."""
+    width = fused.kernel_head_dim(spec)
+    if width != spec.head_dim:  # the Gluon kernels at the padded width (ring_core.plans.kernel_head_dim)
+        pad = (0, width - spec.head_dim)
+        out, lse = _ring_attention_fused(*(nn.functional.pad(x, pad) for x in (q, k, v)), segment_ids,
+                                         spec=plans.padded_spec(spec, width), group=group, timeout_s=timeout_s,
+                                         deterministic=deterministic)
+        return out[..., :spec.head_dim].contiguous(), lse
     check_backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if _eager(q, k, v, segment_ids):
         if not check_backward:  # no gradient to come: the launch alone (autograd's Function costs host time)
@@ -267,9 +274,10 @@ def ring_attention(q, k, v, *, group=None, is_causal=False, scale=None, layout="
     dQ in a nondeterministic order where a kernel does. True: the fused backend's gradients bit-identical from
     run to run and between torch and JAX (the same inputs on the same GPUs).
     ``torch.use_deterministic_algorithms(True)`` turns it on too (read at each call; under torch.compile a
-    change recompiles). With False, on Hopper for fp16/bf16, head_dim 128 (windows and segment ids included:
+    change recompiles). With False, on Hopper for fp16/bf16, head_dim 64 or 128 (windows and segment ids included:
     ring_core.plans.gluon_bwd_applies), the fused backward is the Gluon kernel whose dQ sums come in no fixed
-    order (ring_core/kernels/gluon_bwd.py); elsewhere, and with True, it is the deterministic tl kernel. The ``"torch"``
+    order (ring_core/kernels/gluon_bwd.py); with True, the same kernel adding dQ in a fixed order (without a window or
+    segment ids); elsewhere the deterministic tl kernel. The ``"torch"``
     backend ignores it: it runs torch's own ops, which torch.use_deterministic_algorithms governs.
 
     Inputs may be non-contiguous or oddly strided (transposed, sliced, expanded views): every backend

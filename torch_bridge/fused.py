@@ -49,6 +49,12 @@ def _prepare(q, spec, group, config, *, backward: bool, deterministic: bool = Fa
     return p, h.ctx(members, slot), ring
 
 
+def kernel_head_dim(spec) -> int:
+    """The head_dim the fused kernels run ``spec`` at on this rank's device (ring_core.plans.kernel_head_dim); a
+    constant to torch.compile (the heap's device does not change while it lives)."""
+    return _heap.get().kernel_head_dim(spec)
+
+
 def _segment_ids(spec, segment_ids, device):
     """What the kernels get as ``seg_ptr``: this rank's segment ids (int32 [batch, seq_local], layout order) when
     ``spec.segmented``, else a one-element dummy that the kernels never read (SEGMENTED=False)."""

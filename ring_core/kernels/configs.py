@@ -16,4 +16,8 @@ GLUON_TILES = {64: (128, 128, 3, 1), 128: (128, 128, 3, 1), 256: (128, 64, 2, 2)
 # ring_core.kernels.gluon_bwd's tiles: K/V rows per dK/dV task, query rows per step, and query rows per delta or dQ task
 # (512, was 128: 6,144 fewer programs at 16k, H=32; measured 0-2 % faster, one H200).
 GLUON_BWD_KV_ROWS, GLUON_BWD_Q_ROWS, GLUON_BWD_ROW_TASK = 128, 64, 512
-GLUON_BWD_HEAD_DIMS = (128,)
+GLUON_BWD_HEAD_DIMS = (64, 128)
+# Its deterministic order (DETERMINISTIC: dQ's adds in ticket order) where it beats the tl split: at head_dim 64 the
+# turns cost more than the split (16k causal forward+backward 0.71x cuDNN against the split's 0.87x, one H100,
+# 2026-12-06: benchmarks/results/attention_d64_bwd_1xH100_2026-12-06.csv).
+GLUON_BWD_DET_HEAD_DIMS = (128,)

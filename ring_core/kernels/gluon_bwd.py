@@ -8,7 +8,7 @@ takes the adds off them with TMA bulk reductions, which only Gluon reaches (0.85
 size 1: docs/performance.md). With DETERMINISTIC=False (the frontends' default) the adds come in any order;
 with True each waits for its turn (below, a writer warp's), so dQ is bit-identical from run to run (the plans give
 it ``deterministic=True``; RING_ATTENTION_GLUON_DETERMINISTIC=0 gives the tl split instead, for A/B runs). The tl
-kernel also serves the interpreter, other GPUs, fp32, head_dim other than 128, and windows and segment ids with
+kernel also serves the interpreter, other GPUs, fp32, head_dim other than 64 and 128, and windows and segment ids with
 ``deterministic=True`` (``plans.gluon_bwd_applies``).
 
 The protocol is ring_core.kernels.tl_bwd's, through ring_core.protocol.steps's own helpers (they compile under Gluon:
@@ -856,7 +856,7 @@ def ring_attn_bwd_gluon(
 ):
     gl.static_assert(KV_BLOCK_N == _KV_ROWS and KV_BLOCK_M == _Q_ROWS and DQ_BLOCK_M == _ROW_TASK and BLOCK_D == D,
                      "ring_core.plans: the Gluon backward's config")
-    gl.static_assert(D == 128, "the dQ split takes half of D per consumer: one 128-byte swizzle atom")
+    gl.static_assert(D == 64 or D == 128, "head_dim 64 or 128 (plans.gluon_bwd_applies)")
     MASKS: gl.constexpr = WINDOW or SEGMENTED
     gl.static_assert(not (MASKS and DETERMINISTIC), "with a window or segment ids: the tl kernel (gluon_bwd_applies)")
     CHUNK_ROWS: gl.constexpr = CHUNK_BLOCKS * _KV_ROWS

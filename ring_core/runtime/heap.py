@@ -272,6 +272,11 @@ class HeapRings:
             self._ctx[key] = torch.from_numpy(self.ctx_row(self.rank, members, slot).view(np.int32)).to(self.device)
         return self._ctx[key]
 
+    def kernel_head_dim(self, spec) -> int:
+        """The head_dim the fused kernels run ``spec`` at on this device (ring_core.plans.kernel_head_dim: the frontends
+        pad q, k and v to it)."""
+        return plans.kernel_head_dim(spec, plans.gluon_capability(self.device))
+
     def plan(self, spec, ring_size: int, **kw) -> plans.LaunchPlan:
         """The forward kernel's launch (ring_core.plans.plan; on a Hopper GPU the Gluon kernel where it applies,
         unless RING_ATTENTION_GLUON=0); raises HeapTooSmallError."""

@@ -128,13 +128,18 @@ class _LaunchRecorder:
         return run
 
 
-@pytest.mark.parametrize("dtype, causal, H, HKV, S, D, use_lse, deterministic", [
-    ("bfloat16", True, 4, 2, 19, 24, False, False),
-    ("float32", False, 2, 1, 7, 40, True, True),  # the loss uses lse too: its gradient flows through the kernel
+@pytest.mark.parametrize("dtype, causal, H, HKV, S, D, use_lse, deterministic, width", [
+    ("bfloat16", True, 4, 2, 19, 24, False, False, None),
+    ("float32", False, 2, 1, 7, 40, True, True, None),  # the loss uses lse too: its gradient flows through the kernel
+    ("float16", True, 4, 1, 21, 40, True, False, 64),  # the kernels at a padded head_dim (plans.kernel_head_dim)
 ])
-def test_jax_and_torch_fused_gradients(cpu_heap, monkeypatch, dtype, causal, H, HKV, S, D, use_lse, deterministic):
+def test_jax_and_torch_fused_gradients(cpu_heap, monkeypatch, dtype, causal, H, HKV, S, D, use_lse, deterministic,
+                                       width):
     """With ``deterministic=True`` (the second case) the keyword reaches every backward plan of both frontends,
-    torch's gradients are bit-identical over two calls, and JAX's to torch's (as they are by default, today)."""
+    torch's gradients are bit-identical over two calls, and JAX's to torch's (as they are by default, today).
+    ``width``: the heap says to run the kernels at that head_dim (as ring_core.plans.kernel_head_dim does for 80, 96
+    and 192 on an H200): both frontends pad q, k and v with zeros, plan at the width, and cut the output and the
+    gradients back to D, with the results of the call at D."""
     import jax
     import jax.numpy as jnp
     import torch
@@ -158,6 +163,12 @@ def test_jax_and_torch_fused_gradients(cpu_heap, monkeypatch, dtype, causal, H, 
     monkeypatch.setattr(kbwd, "ring_attn_bwd_kernel", _LaunchRecorder(kbwd.ring_attn_bwd_kernel, "ring_attn_bwd",
                                                                      torch_launches))
 
+    def pad_to_width():
+        if width is not None:
+            monkeypatch.setattr(cpu_heap, "kernel_head_dim",
+                                lambda spec: width if spec.head_dim == D else spec.head_dim)
+
+    pad_to_width()
     ref = testing.random_inputs(3, 1, S, H, HKV, D, dtype, with_dout=True)
     q, k, v, do = (x.astype(reference.np_dtype(dtype)) for x in ref)
     kw = dict(is_causal=causal, scale=None, deterministic=deterministic)
@@ -184,9 +195,11 @@ def test_jax_and_torch_fused_gradients(cpu_heap, monkeypatch, dtype, causal, H, 
     monkeypatch.setattr(heap_mod, "_release_hooks", [])
     monkeypatch.setattr(jfused, "_kernel_call", lambda: _fake_kernel_call(launches))
     monkeypatch.setattr(jfused, "fused_available", lambda: True)
+    pad_to_width()
     # The backward's heap need checked first; every backward plan got the call's deterministic.
     assert [p[0] for p in cpu_heap.plans] == ["bwd", "fwd", "bwd"] * calls
     assert cpu_heap.deterministic == [deterministic] * 2 * calls
+    assert {p[1].head_dim for p in cpu_heap.plans} == {width or D}
     testing.check_grads("torch fused", [g.astype(np.float64) for g in t_grads], *ref, dtype, is_causal=causal,
                         dlse=dl)
 

@@ -122,10 +122,10 @@ def _spec(S=1024, D=128, dtype="bfloat16", layout="contiguous", window=None, seg
 ])
 def test_the_gluon_kernel_takes_the_forwards_it_applies_to(kw, capability, gluon):
     """ring_core.plans picks the Gluon Hopper kernel exactly where it applies (plans.gluon_applies) and the tl
-    kernel everywhere else; the backward with deterministic=False (the default) likewise where head_dim is also 128
-    (plans.gluon_bwd_applies; windows and segment ids included); with deterministic=True the Gluon kernel with its
-    DETERMINISTIC constexpr (the same grid and scratch) where there is neither a window nor segment ids, else the tl
-    one, which RING_ATTENTION_GLUON_DETERMINISTIC=0 gives every deterministic backward; the interpreter always runs
+    kernel everywhere else; the backward with deterministic=False (the default) likewise where head_dim is also 64 or
+    128 (plans.gluon_bwd_applies; windows and segment ids included); with deterministic=True the Gluon kernel with
+    its DETERMINISTIC constexpr (the same grid and scratch) at head_dim 128 with neither a window nor segment ids,
+    else the tl one, which RING_ATTENTION_GLUON_DETERMINISTIC=0 gives every deterministic backward; the interpreter always runs
     the tl kernels."""
     lay = control.HeapLayout.for_workspace(1 << 30)
     spec = _spec(**kw)
@@ -150,7 +150,7 @@ def test_the_gluon_kernel_takes_the_forwards_it_applies_to(kw, capability, gluon
     assert not plans.plan(spec, 2, lay, capability=capability, interpret=True).config.gluon
     assert plans.plan_bwd(spec, 2, lay).kernel().__name__ == "ring_attn_bwd_kernel"
     fast = plans.plan_bwd(spec, 2, lay, capability=capability)
-    assert fast.config.gluon is (gluon and spec.head_dim == 128)
+    assert fast.config.gluon is (gluon and spec.head_dim in (64, 128))
     assert fast.config.deterministic is not fast.config.gluon
     assert fast.kernel().__name__ == ("ring_attn_bwd_gluon" if fast.config.gluon else "ring_attn_bwd_kernel")
     if fast.config.gluon:  # its tasks: delta, partial and final dK/dV, dQ; its scratch: delta, then dQ's sums
@@ -172,7 +172,8 @@ def test_the_gluon_kernel_takes_the_forwards_it_applies_to(kw, capability, gluon
                           sms=3).grid == split.grid  # the tl kernels: a program per task
     det = plans.plan_bwd(spec, 2, lay, capability=capability, deterministic=True)  # (gluon_det by default)
     assert det == plans.plan_bwd(spec, 2, lay, capability=capability, deterministic=True, gluon_det=True)
-    assert det.config.gluon is (fast.config.gluon and not masked) and det.config.deterministic
+    # (its deterministic order only at head_dim 128: at 64 the split is faster, plans.GLUON_BWD_DET_HEAD_DIMS)
+    assert det.config.gluon is (fast.config.gluon and not masked and spec.head_dim == 128) and det.config.deterministic
     if det.config.gluon:
         assert det.constexprs()["DETERMINISTIC"] and (det.kernel(), det.grid, det.out_shapes) == (
             fast.kernel(), fast.grid, fast.out_shapes)
@@ -339,3 +340,30 @@ def test_torch_statuses_of_cuda_launches_are_pinned_host_rows_and_track_takes_on
     with pytest.raises(RuntimeError, match="status must be pinned host memory the kernel writes"):
         lifecycle.track(torch.zeros(control.STATUS_WORDS, dtype=torch.int32), ((0,), 0, None), None)
     assert lifecycle._pending == []
+
+
+@pytest.mark.parametrize("D, dtype, S, layout, capability, want", [
+    (96, "bfloat16", 1024, "zigzag", (9, 0), 128),  # the tl kernels would compute at 128 anyway (BLOCK_D)
+    (80, "float16", 384, "contiguous", (9, 0), 128),
+    (112, "bfloat16", 256, "contiguous", (9, 0), 128),
+    (192, "bfloat16", 512, "contiguous", (9, 0), 256),
+    (48, "bfloat16", 512, "contiguous", (9, 0), 64),
+    (64, "bfloat16", 512, "contiguous", (9, 0), 64),  # the Gluon kernels' own widths stay
+    (128, "bfloat16", 512, "zigzag", (9, 0), 128),
+    (32, "bfloat16", 512, "contiguous", (9, 0), 32),  # no Gluon tiles at 32: the tl kernel at 32
+    (96, "float32", 1024, "contiguous", (9, 0), 96),  # float32: the tl kernel
+    (96, "bfloat16", 384, "zigzag", (9, 0), 96),  # zigzag needs seq_local % 256 for the Gluon tiles
+    (96, "bfloat16", 1024, "contiguous", (8, 0), 96),  # not Hopper
+    (96, "bfloat16", 1024, "contiguous", None, 96),  # no GPU (or RING_ATTENTION_GLUON=0)
+])
+def test_kernel_head_dim_pads_to_the_gluon_width_where_the_tl_kernel_would_compute_it(D, dtype, S, layout,
+                                                                                     capability, want):
+    """ring_core.plans.kernel_head_dim: the frontends pad q, k and v to the next power of two only where the Gluon
+    forward takes that width (the tl kernels compute at it anyway: their BLOCK_D); the padded spec keeps the
+    caller's scale (1 / sqrt of its head_dim)."""
+    spec = _spec(D=D, dtype=dtype, S=S, layout=layout, causal=layout == "zigzag")
+    assert plans.kernel_head_dim(spec, capability) == want
+    padded = plans.padded_spec(spec, want)
+    assert padded.head_dim == want and padded.scale == spec.scale == pytest.approx(D ** -0.5)
+    if want != D:
+        assert plans.block_d(D) == want and plans.gluon_applies(padded, 1, capability)

@@ -136,6 +136,20 @@ def test_compiled_matches_eager(fused_cpu, backend):
     assert [p[0] for p in fused_cpu.plans[n:]] == ["bwd", "fwd", "bwd"]  # as eager: heap check, fwd, bwd
 
 
+def test_compiled_at_a_padded_head_dim_matches_eager(fused_cpu, monkeypatch):
+    """Where the kernels run at a padded head_dim (ring_core.plans.kernel_head_dim; here 24 -> 32, as 96 -> 128 on
+    an H200), the pad and the cut trace into the graph beside the ops (fullgraph=True): out, lse and the gradients
+    at the caller's head_dim, bit-identical to eager, both planned at the padded width."""
+    monkeypatch.setattr(fused_cpu, "kernel_head_dim", lambda spec: 32 if spec.head_dim == 24 else spec.head_dim)
+    attn = torch_bridge.RingAttention(backend="fused", is_causal=True, return_lse=True)
+    q, k, v, do, dl = _inputs(5, 1, 9, 4, 2, 24, "float16")
+    want = _fwd_bwd(attn, q, k, v, do, dl)
+    got = _fwd_bwd(torch.compile(attn, fullgraph=True, backend="aot_eager"), q, k, v, do, dl)
+    _assert_identical(got, want, NAMES)
+    assert got[0].shape == q.shape and got[4].shape == v.shape
+    assert {p[1].head_dim for p in fused_cpu.plans} == {32}
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_compiled_with_masks_matches_eager(fused_cpu, backend):
     """Segment ids (an input of the compiled function: documents, then padding) and a sliding window (fixed

@@ -27,10 +27,10 @@ Checks (every rank asserts; rank 0 writes a JSON summary under --out):
   8. gluon: the Gluon Hopper forward (ring_core.kernels.gluon_fwd, which the plans pick on an H200 where it applies;
      on another GPU the section says so and fails) through both frontends against float64, JAX and torch
      bit-identical, and the tl kernel on the same inputs (RING_ATTENTION_GLUON=0) against float64 beside it.
-  9. gluon-bwd: the Gluon Hopper backward (ring_core.kernels.gluon_bwd) on the gluon section's head_dim-128 cases,
-     through both frontends against float64: with deterministic=False (dQ's adds in any order) and True (in the
-     tickets' order, by the dQ writer: JAX and torch bit-identical, each bit-identical from run to run; with
-     RING_ATTENTION_GLUON_DETERMINISTIC=0 deterministic=True runs the tl kernel, the bwd section's).
+  9. gluon-bwd: the Gluon Hopper backward (ring_core.kernels.gluon_bwd) on the gluon section's cases it runs at head_dim
+     64 or 128, through both frontends against float64: with deterministic=False (dQ's adds in any order) and, at
+     128, True (in the tickets' order, by the dQ writer: JAX and torch bit-identical, each bit-identical from run to
+     run; with RING_ATTENTION_GLUON_DETERMINISTIC=0 deterministic=True runs the tl kernel, the bwd section's).
  10. gluon-bwd-masks: the Gluon backward with windows and segment ids (deterministic=False only; True
      runs the tl kernel, the masks section's): padding, windows one- and two-sided, long and short documents,
      zigzag and contiguous, GQA, with the lse gradient; gradients against float64, padding rows' exactly 0.
@@ -47,6 +47,8 @@ import time
 import numpy as np
 
 import jax_ring  # noqa: E402  (initialize before JAX touches the GPU)
+from ring_core.kernels.configs import GLUON_BWD_DET_HEAD_DIMS, GLUON_BWD_HEAD_DIMS  # noqa: E402
+from ring_core.plans import block_d  # noqa: E402
 
 # The sections' tables, at module level: tools/gpu_variants.py reads them to compile their kernels ahead of a run.
 # (B, S, H, HKV, D, dtype, causal, layout[, scale]); S is seq_local (every rank holds S tokens).
@@ -99,7 +101,10 @@ GLUON_CASES = [(1, 1024, 8, 2, 128, "bfloat16", True, "zigzag"), (2, 512, 4, 4, 
                (1, 768, 8, 2, 256, "bfloat16", True, "zigzag"),
                # scale 0 (allowed): the kernels get 1e-30 (ring_core.protocol.control.kernel_scale; 0 gave NaN under
                # masks)
-               (1, 512, 6, 3, 64, "bfloat16", True, "zigzag", 0.0)]
+               (1, 512, 6, 3, 64, "bfloat16", True, "zigzag", 0.0),
+               # head dims the kernels run padded (ring_core.plans.kernel_head_dim): 96 and 80 at 128, 192 at 256
+               (1, 512, 4, 2, 96, "bfloat16", True, "zigzag"), (1, 384, 4, 4, 80, "float16", False, "contiguous"),
+               (1, 512, 4, 1, 192, "bfloat16", True, "contiguous")]
 # ... and with masks: packed documents with padding (a 160-token run, more than a tile, and the tail),
 # windows one- and two-sided, both together, GQA, D64 / D128 / D256, both layouts, a tile of one document
 # (documents longer than the tiles: blocks unmasked by their published ranges). (B, S, H, HKV, D, dtype, causal,
@@ -111,14 +116,16 @@ GLUON_MASK_CASES = [(1, 512, 8, 2, 128, "bfloat16", True, "zigzag", None, "padde
                     (1, 1024, 8, 8, 128, "bfloat16", True, "contiguous", None, "long"),
                     (1, 256, 4, 1, 64, "bfloat16", False, "contiguous", None, "packed")]
 # The gluon-bwd section: backwards the Gluon Hopper backward takes (ring_core.plans.gluon_bwd_applies: the Gluon
-# forward's cases with head_dim 128), the lse gradient in one; each with deterministic=False (the default) and True.
+# forward's cases run at head_dim 64 or 128, padded ones included), the lse gradient in one; each with
+# deterministic=False (the default) and, where the Gluon kernel takes it (head_dim 128, padded or not), True.
 # (B, S, H, HKV, D, dtype, causal, layout, scale, lse-grad)
-GLUON_BWD_CASES = [c[:8] + (c[8] if len(c) > 8 else None, i == 0) for i, c in enumerate(GLUON_CASES) if c[4] == 128]
+GLUON_BWD_CASES = [c[:8] + (c[8] if len(c) > 8 else None, i == 0) for i, c in enumerate(GLUON_CASES)
+                   if block_d(c[4]) in GLUON_BWD_HEAD_DIMS]
 # The gluon-bwd-masks section: the masked backwards the Gluon backward takes (deterministic=False only:
-# plans.gluon_bwd_applies), the head_dim-128 masked cases of the forward's and three more at D128 (a one-sided window,
-# short packed documents without padding, batch 2 with both masks), each with the lse gradient (the padding rows'
-# dlse selected away).
-GLUON_BWD_MASK_CASES = [c for c in GLUON_MASK_CASES if c[4] == 128] + [
+# plans.gluon_bwd_applies), the forward's masked cases at head_dim 64 and 128 and three more at D128 (a one-sided
+# window, short packed documents without padding, batch 2 with both masks), each with the lse gradient (the padding
+# rows' dlse selected away).
+GLUON_BWD_MASK_CASES = [c for c in GLUON_MASK_CASES if c[4] in GLUON_BWD_HEAD_DIMS] + [
     (1, 768, 4, 4, 128, "float16", True, "contiguous", (300, -1), None),
     (1, 256, 4, 1, 128, "bfloat16", False, "contiguous", None, "packed"),
     (2, 512, 8, 2, 128, "bfloat16", True, "zigzag", (350, -1), "padded")]  # batch 2
@@ -142,6 +149,9 @@ def main():
                          "(default: all)")
     ap.add_argument("--mask-cases", default=None,
                     help="masks section: comma-separated indices of its cases to run (default: all)")
+    ap.add_argument("--gluon-cases", default=None,
+                    help="gluon section: comma-separated runs to make, each 'gINDEX' (a case) or 'mINDEX' (a masked "
+                         "case); default: all")
     ap.add_argument("--gluon-bwd-cases", default=None,
                     help="gluon-bwd and gluon-bwd-masks sections: comma-separated runs to make, each 'bINDEX' (a "
                          "gluon-bwd case, both orders), 'bINDEX:det' / 'bINDEX:any' (one order) or 'mINDEX' (a "
@@ -341,6 +351,10 @@ def main():
         return (x.float().cpu().numpy() if isinstance(x, torch.Tensor)
                 else np.asarray(x.astype(jnp.float32)))
 
+    def planned(spec):
+        """``spec`` at the head_dim the kernels run it at on this GPU (ring_core.plans.kernel_head_dim)."""
+        return plans.padded_spec(spec, ring_heap.get().kernel_head_dim(spec))
+
     def bwd_case(B, S, H, HKV, D, dt, causal, lay, scale=None, use_lse=False, segs=None, window=None,
                  deterministic=True, gluon=False):
         """The fused backward through both frontends, twice each: gradients against float64; with
@@ -357,7 +371,7 @@ def main():
                                                  backends=("fused",), window_size=window,
                                                  segment_ids_shape=None if segs is None else (B, S),
                                                  segment_ids_dtype=None if segs is None else "int32")
-            kernel = ring_heap.get().plan_bwd(spec, W, deterministic=deterministic).kernel().__name__
+            kernel = ring_heap.get().plan_bwd(planned(spec), W, deterministic=deterministic).kernel().__name__
             assert kernel == "ring_attn_bwd_gluon", f"{name}: the plan launches {kernel} on this GPU"
         t1 = time.time()
         q, k, v, do = testing.random_inputs(40 + len(name), B, S * W, H, HKV, D, dt, with_dout=True)
@@ -451,7 +465,7 @@ def main():
                                              backends=("fused",), window_size=window,
                                              segment_ids_shape=None if segs is None else (B, S),
                                              segment_ids_dtype=None if segs is None else "int32")
-        kernel = ring_heap.get().plan(spec, W).kernel().__name__
+        kernel = ring_heap.get().plan(planned(spec), W).kernel().__name__
         assert kernel == "ring_attn_fwd_gluon", f"{name}: the plan launches {kernel} on this GPU"
         q, k, v = testing.random_inputs(11 + S + H + seed, B, S * W, H, HKV, D, dt)
         idx = shards(q, lay)
@@ -482,12 +496,17 @@ def main():
             f"{testing.max_abs_err(to, lo):.2e}, bit-identical jax/torch")
 
     if "gluon" in sections:
-        t0 = time.time()
-        for c in GLUON_CASES:
-            keep_going(lambda: gluon_case(*c), c)
+        t0, made = time.time(), 0
+        chosen = None if a.gluon_cases is None else {r.strip() for r in a.gluon_cases.split(",") if r.strip()}
+        for i, c in enumerate(GLUON_CASES):
+            if chosen is None or f"g{i}" in chosen:
+                made += 1
+                keep_going(lambda: gluon_case(*c), c)
         for i, c in enumerate(GLUON_MASK_CASES):
-            keep_going(lambda: gluon_case(*c[:8], scale=None, window=c[8], kind=c[9], seed=i), c)
-        summary["gluon_cases"] = len(GLUON_CASES) + len(GLUON_MASK_CASES)
+            if chosen is None or f"m{i}" in chosen:
+                made += 1
+                keep_going(lambda: gluon_case(*c[:8], scale=None, window=c[8], kind=c[9], seed=i), c)
+        summary["gluon_cases"] = made
         summary["gluon_s"] = round(time.time() - t0, 1)
 
     # ---- the Gluon Hopper backward (deterministic=False) against float64 ----------------------------
@@ -501,7 +520,8 @@ def main():
         t0, made = time.time(), 0
         for ci, c in enumerate(GLUON_BWD_CASES):  # each in both orders of dQ's adds (the deterministic one: plans)
             for det in (False, True):
-                if not chosen_run(f"b{ci}", "det" if det else "any"):
+                if not chosen_run(f"b{ci}", "det" if det else "any") or (
+                        det and block_d(c[4]) not in GLUON_BWD_DET_HEAD_DIMS):  # (the tl split: the bwd section's)
                     continue
                 made += 1
                 with control.environ(**{plans.GLUON_DET_ENV: "1" if det else "0"}):
