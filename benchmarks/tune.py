@@ -43,6 +43,12 @@ BWD_CANDIDATES = {
     128: [(128, 64, 128, 64, 1, 32, 8, 2), (128, 64, 128, 64, 1, 32, 8, 3), (128, 64, 128, 32, 1, 32, 8, 2),
           (128, 64, 128, 32, 1, 32, 8, 3), (128, 32, 128, 32, 1, 32, 8, 3), (128, 64, 64, 64, 2, 32, 8, 2),
           (128, 128, 128, 64, 1, 32, 8, 2)],
+    # D256 (and 192, which runs padded to 256): the default (32-row blocks, 4 warps) and the configs whose sm_90
+    # compile fits the shared memory and spills least (ptxas -v, Triton 3.6: 0-1.1 KiB; 64-row K/V blocks with 4 warps
+    # spill 5 KiB).
+    256: [(32, 32, 32, 32, 4, 16, 4, 3), (32, 32, 32, 32, 4, 16, 8, 3), (64, 32, 32, 64, 4, 16, 8, 2),
+          (64, 32, 32, 64, 4, 16, 8, 3), (64, 32, 64, 32, 2, 16, 8, 2), (128, 32, 64, 32, 2, 16, 8, 2),
+          (64, 64, 64, 32, 2, 32, 8, 2)],
 }
 # The D128 sweep of the first tuning (2026-11-30, results/tune_backward_2xH200_2026-11-30.csv), kept to repeat it:
 # (64, 64, 64, 64, 2, 32, 8, 3), (128, 32, 128, 32, 1, 32, 4, 3), (128, 32, 128, 32, 1, 32, 8, 3),
@@ -72,7 +78,7 @@ def main():
     a = ap.parse_args()
     bwd = a.kernel == "bwd"
     cands = (BWD_CANDIDATES if bwd else CANDIDATES) if a.candidates is None else {
-        d: [tuple(int(x) for x in c.split(",")) for c in a.candidates.split(";")] for d in (64, 128)}
+        int(d): [tuple(int(x) for x in c.split(",")) for c in a.candidates.split(";")] for d in a.head_dims.split(",")}
     torch_bridge.initialize(heap_size=16 << 30)
     import torch
     import torch.distributed as dist

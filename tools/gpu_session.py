@@ -71,6 +71,8 @@ Stages (``NAME[:SECONDS]``; the default time limit is in brackets):
                4k causal head_dim 128, also back to back                                     [420]
   bench-d64-bwd  head_dim 64, 16k causal, forward+backward beside cuDNN: the Gluon backward in any order, the
                deterministic one (the tl split), twice: the second with RING_ATTENTION_GLUON_DETERMINISTIC=0 [200]
+  tune-bwd-d256  benchmarks/tune.py --kernel bwd at head_dim 256 (and so 192, padded), 16k, world size 1: the
+               portable backward's candidate tiles                                          [300]
   probe-host-path  benchmarks/host_path.py: a 4k call's launch, kernels and GPU idle time, fused against cuDNN,
                forward and forward+backward, under the torch profiler; cProfile of the host  [150]
   bench-w1-fwd every forward shape at world size 1 (D128, D64, D256, GQA 32/8), torch beside
@@ -341,6 +343,8 @@ STAGES = {
                               LAUNCH1 + W1_SHAPES + ["--head-dim", "128", "--kv-heads", "8"]]),
     # Every forward shape at world size 1 in one stage (D128, D64, D256, GQA 32/8; torch beside cuDNN;
     # 10 timed calls): the A/B of a Gluon forward change (e.g. RING_ATTENTION_GLUON_PINGPONG=1 in the environment).
+    "tune-bwd-d256": (300, [LAUNCH1 + ["-m", "benchmarks.tune", "--kernel", "bwd", "--head-dims", "256", "--seq",
+                                       "16384", "--csv", "{out}/tune_backward_d256.csv"]]),
     "probe-host-path": (150, [LAUNCH1 + ["-m", "benchmarks.host_path", "--out", "{out}", "--seq", "4k",
                                          "--cprofile", "200"]]),
     "bench-shapes": (420, [LAUNCH1 + SHAPES + ["--head-dim", "128", "--seq", "16k,32k"],
