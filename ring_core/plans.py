@@ -238,6 +238,11 @@ class BwdKernelConfig:
             return BwdKernelConfig(128, 64, 128, 64, chunk_blocks=1, push_rows=32, num_warps=8, num_stages=3)
         if spec.head_dim <= 128:
             return BwdKernelConfig(64, 64, 64, 64, chunk_blocks=2, push_rows=32, num_warps=8, num_stages=stages)
+        if spec.dtype != "float32":
+            # Measured on one H100 (benchmarks/tune.py --kernel bwd --head-dims 256 --seq 16384,
+            # results/tune_backward_d256_1xH100_2026-12-06.csv): the best of seven, 54 ms (causal) and 115 ms (full)
+            # against 68 and 132 with the 32-row tiles below, gradients bit-identical to theirs. 192 runs here padded.
+            return BwdKernelConfig(128, 32, 64, 32, chunk_blocks=2, push_rows=16, num_warps=8, num_stages=2)
         return BwdKernelConfig(32, 32, 32, 32, chunk_blocks=4, push_rows=16, num_warps=4, num_stages=stages)
 
 
