@@ -12,6 +12,5 @@ python tools/gpu_session.py --nproc 1 --out OUT/shapes bench-shapes:300         
 # fourth), attention_w1_shapes_1xH100_2026-12-06.csv / .png (the fifth, on the tree as committed).
 python tools/gpu_session.py --nproc 1 --out OUT/tune tune-bwd-d256:240                    # exit 0
 python tools/gpu_session.py --nproc 2 --out OUT/w2 checks-padded:200                      # exit 0
-# Files: tune_backward_d256_1xH100_2026-12-06.csv (the first of these two); the second passed at 2 ranks sharing
-# the GPU (head_dim 96, 80, 192 forward; 96, 80 backward in both orders; JAX and torch bit-identical), its JSON not
-# kept beside the one-rank file.
+# Files: tune_backward_d256_1xH100_2026-12-06.csv (the first of these two), gpu_checks_padded_W2_1xH100_2026-12-06.json
+# (the second: 2 ranks sharing the GPU).
