@@ -14,3 +14,8 @@ python tools/gpu_session.py --nproc 1 --out OUT/tune tune-bwd-d256:240          
 python tools/gpu_session.py --nproc 2 --out OUT/w2 checks-padded:200                      # exit 0
 # Files: tune_backward_d256_1xH100_2026-12-06.csv (the first of these two), gpu_checks_padded_W2_1xH100_2026-12-06.json
 # (the second: 2 ranks sharing the GPU).
+# After the portable backward's tiles above head_dim 128 changed:
+python tools/gpu_session.py --nproc 1 --out OUT/bwd checks-bwd:120                         # exit 0
+python -m jax_ring.launch --nproc-per-node 1 -m benchmarks.attention --methods torch_fused,torch_cudnn_1gpu \
+    --pass fwd+bwd --warmup 3 --iters 10 --head-dim 256,192 --seq 16k --causal yes --csv OUT/d256.csv   # exit 0
+# Files: gpu_checks_bwd_W1_1xH100_2026-12-06.json (replacing the morning's one-rank file), attention_w1_d256_1xH100_2026-12-06.csv
