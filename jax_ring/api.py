@@ -188,8 +188,8 @@ def ring_attention(q, k, v, *, axis_name, is_causal=False, scale=None, layout="c
         ``XLA_FLAGS=--xla_gpu_deterministic_ops=true`` (or ``--xla_gpu_exclude_nondeterministic_ops=true``), read when
         the call is traced. With False, on Hopper for fp16/bf16, head_dim 64 or 128 (windows and segment ids included:
         ring_core.plans.gluon_bwd_applies), the fused backward is the Gluon kernel whose dQ sums come in no fixed order
-        (ring_core/kernels/gluon_bwd.py); with True, the same kernel adding dQ in a fixed order (without a window or
-        segment ids); elsewhere the deterministic tl kernel.
+        (ring_core/kernels/gluon_bwd.py); with True, at head_dim 128 (padded to it included) without a window or segment
+        ids, the same kernel adding dQ in a fixed order; elsewhere the deterministic tl kernel.
         The ``"xla"`` backend ignores it: it runs XLA's own ops, which XLA_FLAGS governs.
 
     Returns:

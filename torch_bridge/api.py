@@ -276,8 +276,8 @@ def ring_attention(q, k, v, *, group=None, is_causal=False, scale=None, layout="
     ``torch.use_deterministic_algorithms(True)`` turns it on too (read at each call; under torch.compile a
     change recompiles). With False, on Hopper for fp16/bf16, head_dim 64 or 128 (windows and segment ids included:
     ring_core.plans.gluon_bwd_applies), the fused backward is the Gluon kernel whose dQ sums come in no fixed
-    order (ring_core/kernels/gluon_bwd.py); with True, the same kernel adding dQ in a fixed order (without a window or
-    segment ids); elsewhere the deterministic tl kernel. The ``"torch"``
+    order (ring_core/kernels/gluon_bwd.py); with True, at head_dim 128 (padded to it included) without a window or
+    segment ids, the same kernel adding dQ in a fixed order; elsewhere the deterministic tl kernel. The ``"torch"``
     backend ignores it: it runs torch's own ops, which torch.use_deterministic_algorithms governs.
 
     Inputs may be non-contiguous or oddly strided (transposed, sliced, expanded views): every backend

@@ -50,8 +50,9 @@ def _prepare(q, spec, group, config, *, backward: bool, deterministic: bool = Fa
 
 
 def kernel_head_dim(spec) -> int:
-    """The head_dim the fused kernels run ``spec`` at on this rank's device (ring_core.plans.kernel_head_dim); a
-    constant to torch.compile (the heap's device does not change while it lives)."""
+    """The head_dim the fused kernels run ``spec`` at on this rank's device (ring_core.plans.kernel_head_dim); plain
+    Python, which torch.compile traces into a constant of the graph (the heap's device does not change while it
+    lives)."""
     return _heap.get().kernel_head_dim(spec)
 
 
