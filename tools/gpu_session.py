@@ -181,8 +181,8 @@ W1_SHAPES = ["-m", "benchmarks.attention", "--methods", "torch_fused,torch_cudnn
 PEERS = ["-m", "benchmarks.attention", "--methods", "torch_fused,torch_flex,torch_flash_attn", "--causal", "yes",
          "--seq", "16k", "--pass", "fwd,fwd+bwd", "--timing", "stream", "--warmup", "2", "--iters", "5"]
 # The shapes users train at, each beside cuDNN in the same process, one call at a time (docs/performance.md, "Every
-# shape, one call at a time"): torch only (JAX runs the same binary; its per-call compile of each variant's PTX would take
-# most of the stage).
+# shape, one call at a time"): torch only (JAX runs the same binary; its per-call compile of each variant's PTX
+# would take most of the stage).
 SHAPES = ["-m", "benchmarks.attention", "--methods", "torch_fused,torch_cudnn_1gpu", "--pass", "fwd,fwd+bwd",
           "--warmup", "3", "--iters", "10", "--csv", "{out}/attention_w1_shapes.csv"]
 D64_BWD = ["-m", "benchmarks.attention", "--methods", "torch_fused,torch_fused_det,torch_cudnn_1gpu", "--head-dim",
