@@ -73,14 +73,14 @@ def profile(torch, call, n: int) -> list:
     events = list(prof.events())
     kernels = sorted((e for e in events if e.device_type == DeviceType.CUDA and not e.name.startswith("host_path")),
                      key=lambda e: e.time_range.start)
+    starts = {e.name: e.time_range.start for e in events  # each call's start on the host
+              if e.device_type == DeviceType.CPU and e.name.startswith("host_path_call_")}
     rows = []
     for i in range(n):
-        mark = [e for e in events if e.name == f"host_path_call_{i}" and e.device_type == DeviceType.CPU]
-        if not mark:
+        start = starts.get(f"host_path_call_{i}")
+        if start is None:
             continue
-        start = mark[0].time_range.start
-        end = (min(e.time_range.start for e in events if e.name == f"host_path_call_{i + 1}"
-                   and e.device_type == DeviceType.CPU) if i + 1 < n else float("inf"))
+        end = starts.get(f"host_path_call_{i + 1}", float("inf"))
         mine = [e for e in kernels if start <= e.time_range.start < end]
         if not mine:
             continue

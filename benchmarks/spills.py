@@ -7,8 +7,8 @@ warpgroup MMAs (the consumers' steps).
   kernel's tiles, shared memory and ``setmaxnreg`` values, and its global stores by width and shuffles (the rows of O:
   ``_store_rows``). Head dims the tree's plans do not give the Gluon kernel are reported as such.
 * ``--kernel bwd`` (ring_core.kernels.gluon_bwd): bf16, B=1, H=32, seq_local 16384, head_dim 128 (``--dims``): world
-  size 1 non-causal
-  and causal contiguous, world size 2 causal zigzag, each in any order and in the deterministic one.
+  size 1 non-causal and causal contiguous, world size 2 causal zigzag, each in any order and in the deterministic
+  one.
 
 ``--masks``: the variants of the masked benchmarks instead (causal; segment ids at world size 1 and 2, a causal window
 of 4096 tokens at world size 1; the backward's in any order only). ``--ptx DIR``: also write each variant's PTX there

@@ -106,11 +106,11 @@ def _run(q, k, v, segment_ids, spec, *, axis_name, return_lse, backend, timeout_
     if backend == "xla":  # ignores deterministic: XLA's own ops, as deterministic as XLA_FLAGS make them
         return ring_attention_xla(q, k, v, axis_name=axis_name, spec=spec, return_lse=return_lse,
                                   segment_ids=segment_ids)
-    width = _heap.get().kernel_head_dim(spec)
-    if width != spec.head_dim:  # the Gluon kernels at the padded width (ring_core.plans.kernel_head_dim)
-        pad = [(0, 0)] * 3 + [(0, width - spec.head_dim)]
-        out, lse = _fused_call(*(jnp.pad(x, pad) for x in (q, k, v)), segment_ids, plans.padded_spec(spec, width),
-                               axis_name, world, timeout_s, deterministic)
+    padded = _heap.get().kernel_spec(spec)
+    if padded is not spec:  # the Gluon kernels at a padded head_dim (ring_core.plans.kernel_spec)
+        pad = [(0, 0)] * 3 + [(0, padded.head_dim - spec.head_dim)]
+        out, lse = _fused_call(*(jnp.pad(x, pad) for x in (q, k, v)), segment_ids, padded, axis_name, world,
+                               timeout_s, deterministic)
         out = out[..., :spec.head_dim]
     else:
         out, lse = _fused_call(q, k, v, segment_ids, spec, axis_name, world, timeout_s, deterministic)

@@ -142,23 +142,20 @@ def gluon_applies(spec: AttentionSpec, world_size: int, capability) -> bool:
 
 
 
-def kernel_head_dim(spec: AttentionSpec, capability) -> int:
-    """The head_dim the fused kernels run a call of ``spec`` at, on a GPU of compute ``capability``: ``spec.head_dim``,
-    or the next power of two where the tl kernels would compute at that width anyway (their BLOCK_D: ``block_d``)
-    and the Gluon Hopper forward takes it (``gluon_applies``; head_dim 80 and 96 run at 128, 192 at 256, 48 at 64).
-    Both frontends then pad q, k and v with zero columns up to it and cut the output back: the zeros add nothing
-    to Q K^T, so the scores and lse are the caller's; the output's and the gradients' extra columns are cut off;
-    the scale is the caller's (1 / sqrt of its head_dim by default, resolved in ``spec``). It costs the padded copies
-    of q, k and v (kept for the backward) and the output's cut, against the Gluon kernels' speed at that width."""
+def kernel_spec(spec: AttentionSpec, capability) -> AttentionSpec:
+    """The call the fused kernels run for ``spec`` on a GPU of compute ``capability``: ``spec`` itself, or ``spec`` at
+    the next power of two of its head_dim where the tl kernels would compute at that width anyway (their BLOCK_D:
+    ``block_d``) and the Gluon Hopper forward takes it (``gluon_applies``; head_dim 80 and 96 run at 128, 192 at 256,
+    48 at 64). Both frontends then pad q, k and v with zero columns up to it and cut the output back: the zeros add
+    nothing to Q K^T, so the scores and lse are the caller's; the output's and the gradients' extra columns are cut
+    off; the scale is the caller's (1 / sqrt of its head_dim by default, resolved in ``spec``). It costs the padded
+    copies of q, k and v (kept for the backward) and the output's cut, against the Gluon kernels' speed at that
+    width."""
     width = block_d(spec.head_dim)
     if width == spec.head_dim or width not in GLUON_TILES:
-        return spec.head_dim
-    return width if gluon_applies(padded_spec(spec, width), 1, capability) else spec.head_dim
-
-
-def padded_spec(spec: AttentionSpec, head_dim: int) -> AttentionSpec:
-    """``spec`` with its head_dim padded to ``head_dim`` (``kernel_head_dim``): what the kernels are planned for."""
-    return spec if head_dim == spec.head_dim else dataclasses.replace(spec, head_dim=head_dim)
+        return spec
+    padded = dataclasses.replace(spec, head_dim=width)
+    return padded if gluon_applies(padded, 1, capability) else spec
 
 
 def gluon_bwd_applies(spec: AttentionSpec, world_size: int, capability, deterministic: bool = False) -> bool:

@@ -218,7 +218,7 @@ STAGES = {
     # order, and the batch-2 masked case (windows and padded segment ids together).
     "checks-gluon-bwd-rest": (200, [LAUNCH + ["tests/gpu/gpu_checks.py", "--sections", "gluon-bwd,gluon-bwd-masks",
                                               "--gluon-bwd-cases", "b5:det,m7", "--out", "{out}"]]),
-    # The head dims the kernels run padded (ring_core.plans.kernel_head_dim: 96 and 80 at 128, 192 at 256): the
+    # The head dims the kernels run padded (ring_core.plans.kernel_spec: 96 and 80 at 128, 192 at 256): the
     # gluon section's forwards and the gluon-bwd section's backwards (both orders).
     "checks-padded": (240, [LAUNCH + ["tests/gpu/gpu_checks.py", "--sections", "gluon,gluon-bwd", "--gluon-cases",
                                       "g8,g9,g10", "--gluon-bwd-cases", "b7,b8", "--out", "{out}"]]),

@@ -68,7 +68,7 @@ def records(calls, world: int, heap_bytes: int, tag: str) -> list:
     for spec, backward, *rest in calls:
         capability = rest[0] if rest else GPU_CAPABILITY
         deterministic = rest[1] if len(rest) > 1 else False
-        spec = plans.padded_spec(spec, plans.kernel_head_dim(spec, capability))  # as the frontends pad it
+        spec = plans.kernel_spec(spec, capability)  # as the frontends pad it
         ps = [plans.plan(spec, world, lay, capability=capability)] + (
             [plans.plan_bwd(spec, world, lay, capability=capability, deterministic=deterministic)] if backward else [])
         recs += [p.compile_record(tag=tag) for p in ps]
@@ -201,7 +201,7 @@ def bench_records(argv, nproc: int, tag: str, capability=GPU_CAPABILITY) -> list
     for c in cases:
         spec = spec_of(c.batch, c.seq_local, c.heads, c.kv_heads, c.head_dim, c.dtype, c.causal, c.layout,
                        window=c.window if c.mask == "window" else None, segmented=c.segmented)
-        spec = plans.padded_spec(spec, plans.kernel_head_dim(spec, capability))  # as the frontends pad it
+        spec = plans.kernel_spec(spec, capability)  # as the frontends pad it
         for m in methods:
             sticky, det = FUSED_METHODS[m]
             ps = [plans.plan(spec, nproc, lay, capability=capability)]

@@ -210,12 +210,11 @@ def _ring_attention_fused(q, k, v, segment_ids=None, *, spec: AttentionSpec, gro
     graph break: all it computes before the op is the group's name and whether a backward will follow, in
     which case the fwd op checks the backward's heap need before it launches (HeapTooSmallError before the
     forward runs, as in eager). Eager calls take the same launches through ``_EagerFused``."""
-    width = fused.kernel_head_dim(spec)
-    if width != spec.head_dim:  # the Gluon kernels at the padded width (ring_core.plans.kernel_head_dim)
-        pad = (0, width - spec.head_dim)
-        out, lse = _ring_attention_fused(*(nn.functional.pad(x, pad) for x in (q, k, v)), segment_ids,
-                                         spec=plans.padded_spec(spec, width), group=group, timeout_s=timeout_s,
-                                         deterministic=deterministic)
+    padded = fused.kernel_spec(spec)
+    if padded is not spec:  # the Gluon kernels at a padded head_dim (ring_core.plans.kernel_spec)
+        pad = (0, padded.head_dim - spec.head_dim)
+        out, lse = _ring_attention_fused(*(nn.functional.pad(x, pad) for x in (q, k, v)), segment_ids, spec=padded,
+                                         group=group, timeout_s=timeout_s, deterministic=deterministic)
         return out[..., :spec.head_dim].contiguous(), lse
     check_backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if _eager(q, k, v, segment_ids):

@@ -49,11 +49,10 @@ def _prepare(q, spec, group, config, *, backward: bool, deterministic: bool = Fa
     return p, h.ctx(members, slot), ring
 
 
-def kernel_head_dim(spec) -> int:
-    """The head_dim the fused kernels run ``spec`` at on this rank's device (ring_core.plans.kernel_head_dim); plain
-    Python, which torch.compile traces into a constant of the graph (the heap's device does not change while it
-    lives)."""
-    return _heap.get().kernel_head_dim(spec)
+def kernel_spec(spec):
+    """The call the fused kernels run for ``spec`` on this rank's device (ring_core.plans.kernel_spec); plain Python,
+    which torch.compile traces into constants of the graph (the heap's device does not change while it lives)."""
+    return _heap.get().kernel_spec(spec)
 
 
 def _segment_ids(spec, segment_ids, device):

@@ -272,12 +272,13 @@ class HeapRings:
             self._ctx[key] = torch.from_numpy(self.ctx_row(self.rank, members, slot).view(np.int32)).to(self.device)
         return self._ctx[key]
 
-    def kernel_head_dim(self, spec) -> int:
-        """The head_dim the fused kernels run ``spec`` at on this device (ring_core.plans.kernel_head_dim: the frontends
-        pad q, k and v to it). At a power of two nothing is padded, and the device is not asked (a call's host time)."""
+    def kernel_spec(self, spec):
+        """The call the fused kernels run for ``spec`` on this device (ring_core.plans.kernel_spec: the frontends pad q,
+        k and v to its head_dim). At a power of two nothing is padded, and the device is not asked (a call's host
+        time)."""
         if plans.block_d(spec.head_dim) == spec.head_dim:
-            return spec.head_dim
-        return plans.kernel_head_dim(spec, plans.gluon_capability(self.device))
+            return spec
+        return plans.kernel_spec(spec, plans.gluon_capability(self.device))
 
     def plan(self, spec, ring_size: int, **kw) -> plans.LaunchPlan:
         """The forward kernel's launch (ring_core.plans.plan; on a Hopper GPU the Gluon kernel where it applies,

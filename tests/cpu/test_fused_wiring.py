@@ -12,6 +12,7 @@ ranks could not meet. The multi-rank protocol is tested by test_simulate*.py.
 """
 
 import contextlib
+import dataclasses
 import functools
 import os
 
@@ -131,13 +132,13 @@ class _LaunchRecorder:
 @pytest.mark.parametrize("dtype, causal, H, HKV, S, D, use_lse, deterministic, width", [
     ("bfloat16", True, 4, 2, 19, 24, False, False, None),
     ("float32", False, 2, 1, 7, 40, True, True, None),  # the loss uses lse too: its gradient flows through the kernel
-    ("float16", True, 4, 1, 21, 40, True, False, 64),  # the kernels at a padded head_dim (plans.kernel_head_dim)
+    ("float16", True, 4, 1, 21, 40, True, False, 64),  # the kernels at a padded head_dim (plans.kernel_spec)
 ])
 def test_jax_and_torch_fused_gradients(cpu_heap, monkeypatch, dtype, causal, H, HKV, S, D, use_lse, deterministic,
                                        width):
     """With ``deterministic=True`` (the second case) the keyword reaches every backward plan of both frontends,
     torch's gradients are bit-identical over two calls, and JAX's to torch's (as they are by default, today).
-    ``width``: the heap says to run the kernels at that head_dim (as ring_core.plans.kernel_head_dim does for 80, 96
+    ``width``: the heap says to run the kernels at that head_dim (as ring_core.plans.kernel_spec does for 80, 96
     and 192 on an H200): both frontends pad q, k and v with zeros, plan at the width, and cut the output and the
     gradients back to D, with the results of the call at D."""
     import jax
@@ -165,8 +166,8 @@ def test_jax_and_torch_fused_gradients(cpu_heap, monkeypatch, dtype, causal, H, 
 
     def pad_to_width():
         if width is not None:
-            monkeypatch.setattr(cpu_heap, "kernel_head_dim",
-                                lambda spec: width if spec.head_dim == D else spec.head_dim)
+            monkeypatch.setattr(cpu_heap, "kernel_spec",
+                                lambda spec: dataclasses.replace(spec, head_dim=width) if spec.head_dim == D else spec)
 
     pad_to_width()
     ref = testing.random_inputs(3, 1, S, H, HKV, D, dtype, with_dout=True)

@@ -1,5 +1,6 @@
 """The launcher, the initialisation errors and the status-to-exception mapping (CPU)."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -356,14 +357,15 @@ def test_torch_statuses_of_cuda_launches_are_pinned_host_rows_and_track_takes_on
     (96, "bfloat16", 1024, "contiguous", (8, 0), 96),  # not Hopper
     (96, "bfloat16", 1024, "contiguous", None, 96),  # no GPU (or RING_ATTENTION_GLUON=0)
 ])
-def test_kernel_head_dim_pads_to_the_gluon_width_where_the_tl_kernel_would_compute_it(D, dtype, S, layout,
-                                                                                     capability, want):
-    """ring_core.plans.kernel_head_dim: the frontends pad q, k and v to the next power of two only where the Gluon
+def test_kernel_spec_pads_to_the_gluon_width_where_the_tl_kernel_would_compute_it(D, dtype, S, layout, capability,
+                                                                                 want):
+    """ring_core.plans.kernel_spec: the frontends pad q, k and v to the next power of two only where the Gluon
     forward takes that width (the tl kernels compute at it anyway: their BLOCK_D); the padded spec keeps the
     caller's scale (1 / sqrt of its head_dim)."""
     spec = _spec(D=D, dtype=dtype, S=S, layout=layout, causal=layout == "zigzag")
-    assert plans.kernel_head_dim(spec, capability) == want
-    padded = plans.padded_spec(spec, want)
+    padded = plans.kernel_spec(spec, capability)
+    assert (padded is spec) is (want == D)
     assert padded.head_dim == want and padded.scale == spec.scale == pytest.approx(D ** -0.5)
+    assert dataclasses.replace(padded, head_dim=D) == spec  # nothing else changes
     if want != D:
         assert plans.block_d(D) == want and plans.gluon_applies(padded, 1, capability)

@@ -15,6 +15,7 @@ event of ``torch_bridge.lifecycle.track`` (pinned memory, CUDA events) are repla
 in test_fused_wiring.py. They run inside the op's real implementation, which dynamo never traces.
 """
 
+import dataclasses
 import operator
 import os
 import shutil
@@ -137,10 +138,11 @@ def test_compiled_matches_eager(fused_cpu, backend):
 
 
 def test_compiled_at_a_padded_head_dim_matches_eager(fused_cpu, monkeypatch):
-    """Where the kernels run at a padded head_dim (ring_core.plans.kernel_head_dim; here 24 -> 32, as 96 -> 128 on
+    """Where the kernels run at a padded head_dim (ring_core.plans.kernel_spec; here 24 -> 32, as 96 -> 128 on
     an H200), the pad and the cut trace into the graph beside the ops (fullgraph=True): out, lse and the gradients
     at the caller's head_dim, bit-identical to eager, both planned at the padded width."""
-    monkeypatch.setattr(fused_cpu, "kernel_head_dim", lambda spec: 32 if spec.head_dim == 24 else spec.head_dim)
+    monkeypatch.setattr(fused_cpu, "kernel_spec",
+                        lambda spec: dataclasses.replace(spec, head_dim=32) if spec.head_dim == 24 else spec)
     attn = torch_bridge.RingAttention(backend="fused", is_causal=True, return_lse=True)
     q, k, v, do, dl = _inputs(5, 1, 9, 4, 2, 24, "float16")
     want = _fwd_bwd(attn, q, k, v, do, dl)

@@ -102,7 +102,7 @@ GLUON_CASES = [(1, 1024, 8, 2, 128, "bfloat16", True, "zigzag"), (2, 512, 4, 4, 
                # scale 0 (allowed): the kernels get 1e-30 (ring_core.protocol.control.kernel_scale; 0 gave NaN under
                # masks)
                (1, 512, 6, 3, 64, "bfloat16", True, "zigzag", 0.0),
-               # head dims the kernels run padded (ring_core.plans.kernel_head_dim): 96 and 80 at 128, 192 at 256
+               # head dims the kernels run padded (ring_core.plans.kernel_spec): 96 and 80 at 128, 192 at 256
                (1, 512, 4, 2, 96, "bfloat16", True, "zigzag"), (1, 384, 4, 4, 80, "float16", False, "contiguous"),
                (1, 512, 4, 1, 192, "bfloat16", True, "contiguous")]
 # ... and with masks: packed documents with padding (a 160-token run, more than a tile, and the tail),
@@ -351,10 +351,6 @@ def main():
         return (x.float().cpu().numpy() if isinstance(x, torch.Tensor)
                 else np.asarray(x.astype(jnp.float32)))
 
-    def planned(spec):
-        """``spec`` at the head_dim the kernels run it at on this GPU (ring_core.plans.kernel_head_dim)."""
-        return plans.padded_spec(spec, ring_heap.get().kernel_head_dim(spec))
-
     def bwd_case(B, S, H, HKV, D, dt, causal, lay, scale=None, use_lse=False, segs=None, window=None,
                  deterministic=True, gluon=False):
         """The fused backward through both frontends, twice each: gradients against float64; with
@@ -371,7 +367,7 @@ def main():
                                                  backends=("fused",), window_size=window,
                                                  segment_ids_shape=None if segs is None else (B, S),
                                                  segment_ids_dtype=None if segs is None else "int32")
-            kernel = ring_heap.get().plan_bwd(planned(spec), W, deterministic=deterministic).kernel().__name__
+            kernel = ring_heap.get().plan_bwd(ring_heap.get().kernel_spec(spec), W, deterministic=deterministic).kernel().__name__
             assert kernel == "ring_attn_bwd_gluon", f"{name}: the plan launches {kernel} on this GPU"
         t1 = time.time()
         q, k, v, do = testing.random_inputs(40 + len(name), B, S * W, H, HKV, D, dt, with_dout=True)
@@ -465,7 +461,7 @@ def main():
                                              backends=("fused",), window_size=window,
                                              segment_ids_shape=None if segs is None else (B, S),
                                              segment_ids_dtype=None if segs is None else "int32")
-        kernel = ring_heap.get().plan(planned(spec), W).kernel().__name__
+        kernel = ring_heap.get().plan(ring_heap.get().kernel_spec(spec), W).kernel().__name__
         assert kernel == "ring_attn_fwd_gluon", f"{name}: the plan launches {kernel} on this GPU"
         q, k, v = testing.random_inputs(11 + S + H + seed, B, S * W, H, HKV, D, dt)
         idx = shards(q, lay)
