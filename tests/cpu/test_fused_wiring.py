@@ -581,10 +581,15 @@ def jax_fused(cpu_heap, monkeypatch):
     return launches
 
 
-def test_jax_fused_under_jax_defaults(jax_fused):
+@pytest.mark.parametrize("width", [None, 32])
+def test_jax_fused_under_jax_defaults(jax_fused, cpu_heap, monkeypatch, width):
     """shard_map's default check_vma: outputs and gradients typed like q, k, v (varying along the ring's
     axis); gradients taken outside the shard_map (as model code does), inside it with jax.vjp, through
-    jax.checkpoint and jax.value_and_grad, all equal and right against float64."""
+    jax.checkpoint and jax.value_and_grad, all equal and right against float64. ``width``: the kernels run at a
+    padded head_dim (ring_core.plans.kernel_spec, as for 96 on an H200), the pad and the cut inside the shard_map."""
+    if width is not None:
+        monkeypatch.setattr(cpu_heap, "kernel_spec",
+                            lambda spec: dataclasses.replace(spec, head_dim=width) if spec.head_dim == 16 else spec)
     import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh, PartitionSpec as P
@@ -621,6 +626,7 @@ def test_jax_fused_under_jax_defaults(jax_fused):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
     assert np.isclose(float(value), float(loss(q, k, v)))
+    assert {s.head_dim for _, s in cpu_heap.plans} == {width or 16}
 
 
 def test_jax_fused_segment_ids_carry_no_gradient(jax_fused):
