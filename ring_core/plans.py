@@ -207,16 +207,18 @@ class BwdKernelConfig:
         """The tiles for ``spec``. ``deterministic``: the caller needs bit-identical gradients from run to run (the
         frontends' ``deterministic``, or the framework's switch for deterministic algorithms). Without it, the Gluon
         Hopper kernel takes the call where it applies on a GPU of compute ``capability`` (``gluon_bwd_applies``;
-        ring_core.kernels.gluon_bwd: dQ added up by TMA reductions in no fixed order), with its fixed tiles (128 K/V
-        rows per dK/dV task, 64 query rows per step, 128 rows per delta or dQ task, one K/V block per flag). With it,
+        ring_core.kernels.gluon_bwd: dQ added up by TMA reductions in no fixed order), with its tiles (128 K/V rows
+        per dK/dV task, ``GLUON_BWD_Q_ROWS`` query rows per step, 512 rows per delta or dQ task, one K/V block per
+        flag). With it,
         the same kernel in its own deterministic order (DETERMINISTIC: dQ's adds in ticket order, by a writer warp;
         0.87-0.95x cuDNN forward+backward against the split's 0.80, docs/performance.md) where it applies without masks,
         else the split kernel; ``gluon_det`` False (RING_ATTENTION_GLUON_DETERMINISTIC=0, read by ``plan_bwd``) gives
         the split for A/B runs."""
         if (not interpret and (gluon_det or not deterministic)
                 and gluon_bwd_applies(spec, world_size, capability, deterministic)):
-            return BwdKernelConfig(dq_block_m=GLUON_BWD_ROW_TASK, dq_block_n=GLUON_BWD_Q_ROWS,
-                                   kv_block_n=GLUON_BWD_KV_ROWS, kv_block_m=GLUON_BWD_Q_ROWS, chunk_blocks=1,
+            q_rows = GLUON_BWD_Q_ROWS[spec.head_dim]
+            return BwdKernelConfig(dq_block_m=GLUON_BWD_ROW_TASK, dq_block_n=q_rows,
+                                   kv_block_n=GLUON_BWD_KV_ROWS, kv_block_m=q_rows, chunk_blocks=1,
                                    push_rows=32, num_warps=4, num_stages=2, deterministic=deterministic, gluon=True)
         if interpret:
             # Small tiles: several blocks, chunks and tasks even at the tiny sizes CI can afford.
@@ -389,7 +391,7 @@ class LaunchPlan:
     def out_shapes(self):
         """(shape, dtype name) of the outputs, in argument order: forward out, lse, status; backward dq, dk,
         dv, delta (scratch: [B, H, S]; the Gluon kernel's, flat, with its float32 dQ accumulator [B, S, H, D]
-        after it, then its int32 counters of dQ's adds [B, H, S // 64, 2]), status."""
+        after it, then its int32 counters of dQ's adds [B, H, S // query rows a step, 2]), status."""
         s = self.spec
         q = (s.batch, s.seq_local, s.num_heads, s.head_dim)
         rows = (s.batch, s.num_heads, s.seq_local)
@@ -398,7 +400,7 @@ class LaunchPlan:
             return (q, s.dtype), (rows, "float32"), status
         kv = (s.batch, s.seq_local, s.num_kv_heads, s.head_dim)
         if self.config.gluon:
-            turns = s.batch * s.num_heads * (s.seq_local // GLUON_BWD_Q_ROWS) * 2
+            turns = s.batch * s.num_heads * (s.seq_local // self.config.kv_block_m) * 2
             rows = (math.prod(rows) + math.prod(q) + turns,)
         return (q, s.dtype), (kv, s.dtype), (kv, s.dtype), (rows, "float32"), status
 

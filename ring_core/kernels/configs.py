@@ -13,9 +13,15 @@ binaries' cache keys hold them) and ring_core.plans plans launches with them."""
 # hdim 256 in 128-row tiles and 80-row blocks in 2 stages.
 GLUON_TILES = {64: (128, 128, 3, 1), 128: (128, 128, 3, 1), 256: (128, 64, 2, 2)}
 
-# ring_core.kernels.gluon_bwd's tiles: K/V rows per dK/dV task, query rows per step, and query rows per delta or dQ task
-# (512, was 128: 6,144 fewer programs at 16k, H=32; measured 0-2 % faster, one H200).
-GLUON_BWD_KV_ROWS, GLUON_BWD_Q_ROWS, GLUON_BWD_ROW_TASK = 128, 64, 512
+# ring_core.kernels.gluon_bwd's tiles: K/V rows per dK/dV task, and query rows per delta or dQ task (512, was 128:
+# 6,144 fewer programs at 16k, H=32; measured 0-2 % faster, one H200).
+GLUON_BWD_KV_ROWS, GLUON_BWD_ROW_TASK = 128, 512
+# Query rows per step of a dK/dV task, by head_dim. At 64, 128 rows: the step's matmuls twice as wide (S^T and dP^T
+# 64 x 128 a consumer, dK and dV over 128 queries): 16k causal forward+backward 0.95x cuDNN against 0.87x with 64
+# rows, non-causal 0.98x against 0.90x (one H100, 2026-12-06: benchmarks/results/attention_d64_bwd_q128_*.csv),
+# though ptxas then spills a few registers in the loop (``python -m benchmarks.spills --kernel bwd --dims 64``). At
+# 128, 64 rows: S^T, dP^T, dK and dV take the consumers' registers already.
+GLUON_BWD_Q_ROWS = {64: 128, 128: 64}
 GLUON_BWD_HEAD_DIMS = (64, 128)
 # Its deterministic order (DETERMINISTIC: dQ's adds in ticket order) where it beats the tl split: at head_dim 64 the
 # turns cost more than the split (16k causal forward+backward 0.71x cuDNN against the split's 0.87x, one H100,

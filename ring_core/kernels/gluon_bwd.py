@@ -25,8 +25,9 @@ on the peers exactly as in the tl kernel: ring_core.protocol.steps's no-deadlock
    local K/V), after CTL_BWD_DELTA reached the delta tasks' count (acquire, then a generic-to-async proxy fence:
    the accumulator's zeros were written by ordinary stores, the adds are TMA's). ``gl.warp_specialize``:
    * a **load warp**: K and V of the block (a peer's after the bounded acquire of its chunk's flag and a proxy
-     fence, as the forward's load warp), then Q and dO of every local query block (64 rows) the block's keys can
-     reach, for each head of the kv group, through TMA into two slots;
+     fence, as the forward's load warp), then Q and dO of every local query block the block's keys can reach
+     (``configs.GLUON_BWD_Q_ROWS``: 128 rows at head_dim 64, 64 at 128), for each head of the kv group, through TMA
+     into two slots;
    * two **consumer warpgroups**, 64 K/V rows each, five matmuls per query block: S^T = K Q^T and dP^T = V dO^T
      together, P^T = exp2(S^T - lse), dS^T = P^T (dP^T - delta), dV += P^T dO (P from registers), dS^T into shared
      memory, dK += dS^T Q; once both halves of dS are there (an mbarrier of two arrivals), each computes half the
@@ -109,14 +110,13 @@ from ring_core.protocol.steps import (CTL_BWD_DELTA, CTL_BWD_TICKET, CTL_ERROR, 
                                       segment_keys, start_call, visible_rows)
 
 KV_ROWS = configs.GLUON_BWD_KV_ROWS  # K/V rows per dK/dV task (two consumers of half each)
-Q_ROWS = configs.GLUON_BWD_Q_ROWS  # query rows per step of the dK/dV loop
+# Query rows per step of a dK/dV task: configs.GLUON_BWD_Q_ROWS by head_dim, the plan's KV_BLOCK_M (Q_ROWS below).
 ROW_TASK = configs.GLUON_BWD_ROW_TASK  # query rows of a delta or dQ task
 STAGES = 2  # Q/dO slots (3 slots were no faster on one H200, and leave no room for dQ's buffers)
 LOAD_WARPS, LOAD_REGS, CONSUMER_WARPS, CONSUMER_REGS = 1, 24, 4, 240
 SUB_ROWS = 32  # rows per pass of a delta or dQ task's 4 warps (32 values per thread per tensor)
 ROW_GROUP = 128  # a delta or dQ task's rows in groups of 128 (S % 128 == 0: gluon_bwd_applies), 4 passes each
-_KV_ROWS, _Q_ROWS, _HALF, _ROW_TASK = (gl.constexpr(KV_ROWS), gl.constexpr(Q_ROWS), gl.constexpr(KV_ROWS // 2),
-                                       gl.constexpr(ROW_TASK))
+_KV_ROWS, _HALF, _ROW_TASK = gl.constexpr(KV_ROWS), gl.constexpr(KV_ROWS // 2), gl.constexpr(ROW_TASK)
 _STAGES, _SUB_ROWS, _ROW_GROUP = gl.constexpr(STAGES), gl.constexpr(SUB_ROWS), gl.constexpr(ROW_GROUP)
 _LOAD_WARPS, _LOAD_REGS = gl.constexpr(LOAD_WARPS), gl.constexpr(LOAD_REGS)
 _CONSUMER_WARPS, _CONSUMER_REGS = gl.constexpr(CONSUMER_WARPS), gl.constexpr(CONSUMER_REGS)
@@ -157,10 +157,11 @@ def _previous_step_done():
 
 
 @gluon.jit
-def _turn_ptr(turns, i, n_m, i_lo, b, hkv, S, H: gl.constexpr, G: gl.constexpr, HALF_INDEX: gl.constexpr):
-    """The counter of step i's dQ rows (``dkdv_steps``): int32 [B, H, S // 64, 2] after the accumulator."""
-    h, m0 = _work(i, n_m, i_lo, hkv, G)
-    return turns + ((b * H + h) * (S // _Q_ROWS) + m0 // _Q_ROWS) * 2 + HALF_INDEX
+def _turn_ptr(turns, i, n_m, i_lo, b, hkv, S, H: gl.constexpr, G: gl.constexpr, HALF_INDEX: gl.constexpr,
+              Q_ROWS: gl.constexpr):
+    """The counter of step i's dQ rows (``dkdv_steps``): int32 [B, H, S // Q_ROWS, 2] after the accumulator."""
+    h, m0 = _work(i, n_m, i_lo, hkv, G, Q_ROWS)
+    return turns + ((b * H + h) * (S // Q_ROWS) + m0 // Q_ROWS) * 2 + HALF_INDEX
 
 
 @gluon.jit
@@ -175,12 +176,13 @@ def _seen_blocks(q_last, src, S, W: gl.constexpr, CAUSAL: gl.constexpr, ZIGZAG: 
 
 
 @gluon.jit
-def _dq_turn(m0, n_blk, d, rank, S, W: gl.constexpr, CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr):
+def _dq_turn(m0, n_blk, d, rank, S, W: gl.constexpr, CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr,
+             Q_ROWS: gl.constexpr):
     """With ``DETERMINISTIC``: how many dK/dV tasks add to the dQ rows of the query block at row m0 before the task
     of K/V block ``n_blk`` at peer distance ``d``. The order is the tickets': the partial tasks by distance 1..W-1,
     then the final ones; within each, the blocks from the last to the first (the kernel's ticket order then), and
     the contributors of each source are a prefix of its blocks (``_seen_blocks``)."""
-    q_last = positions(m0 + _Q_ROWS - 1, rank, S, W, ZIGZAG)
+    q_last = positions(m0 + Q_ROWS - 1, rank, S, W, ZIGZAG)
     turn = _seen_blocks(q_last, (rank - d + W) % W, S, W, CAUSAL, ZIGZAG) - 1 - n_blk
     if W > 1:
         group = gl.where(d == 0, W - 1, d - 1)
@@ -207,21 +209,21 @@ def _row_tile(b, h, r0, S, H: gl.constexpr, D: gl.constexpr):
 
 
 @gluon.jit
-def bwd_slots(dtype: gl.constexpr, D: gl.constexpr, layout: gl.constexpr, acc_layout: gl.constexpr,
-              DQ_BUFS: gl.constexpr = 2):
-    """A dK/dV task's shared memory and mbarriers, initialised: STAGES slots of Q, dO (64 rows), lse and delta;
-    K and V (128 rows); two buffers of dS^T (128 x 64); each consumer's dQ buffer (64 x D/2, float32; ``DQ_BUFS``
-    4 with DETERMINISTIC: two each, consumer c's 2c and 2c + 1, as the dQ writer adds a step behind); ``kv_bar``
+def bwd_slots(dtype: gl.constexpr, D: gl.constexpr, Q_ROWS: gl.constexpr, layout: gl.constexpr,
+              acc_layout: gl.constexpr, DQ_BUFS: gl.constexpr = 2):
+    """A dK/dV task's shared memory and mbarriers, initialised: STAGES slots of Q, dO (Q_ROWS rows), lse and delta;
+    K and V (128 rows); two buffers of dS^T (128 x Q_ROWS); each consumer's dQ buffer (Q_ROWS x D/2, float32;
+    ``DQ_BUFS`` 4 with DETERMINISTIC: two each, consumer c's 2c and 2c + 1, as the dQ writer adds a step behind); ``kv_bar``
     (K and V landed), ``part_bar`` (both consumers stored their partial), ``q_ready`` / ``q_empty`` per slot,
     ``ds_bar`` per dS buffer (both halves stored)."""
     row_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-    q_smem = gl.allocate_shared_memory(dtype, [_STAGES, _Q_ROWS, D], layout)
-    do_smem = gl.allocate_shared_memory(dtype, [_STAGES, _Q_ROWS, D], layout)
+    q_smem = gl.allocate_shared_memory(dtype, [_STAGES, Q_ROWS, D], layout)
+    do_smem = gl.allocate_shared_memory(dtype, [_STAGES, Q_ROWS, D], layout)
     kv_smem = gl.allocate_shared_memory(dtype, [2, _KV_ROWS, D], layout)  # K, then V (``dkdv_steps``: why one)
-    ds_smem = gl.allocate_shared_memory(dtype, [2, _KV_ROWS, _Q_ROWS], layout)
-    dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUFS, _Q_ROWS, D // 2], acc_layout)
-    lse_smem = gl.allocate_shared_memory(gl.float32, [_STAGES, _Q_ROWS], row_layout)
-    dl_smem = gl.allocate_shared_memory(gl.float32, [_STAGES, _Q_ROWS], row_layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [2, _KV_ROWS, Q_ROWS], layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUFS, Q_ROWS, D // 2], acc_layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [_STAGES, Q_ROWS], row_layout)
+    dl_smem = gl.allocate_shared_memory(gl.float32, [_STAGES, Q_ROWS], row_layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     part_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], mbarrier.MBarrierLayout())
@@ -286,10 +288,10 @@ def _free_dq_bars(dq_full0, dq_empty0, dq_full1, dq_empty1, DETERMINISTIC: gl.co
 
 
 @gluon.jit
-def _work(i, n_m, i_lo, hkv, G: gl.constexpr):
+def _work(i, n_m, i_lo, hkv, G: gl.constexpr, Q_ROWS: gl.constexpr):
     """Step i of a dK/dV task: (query head, first query row): the kv group's heads in turn, each over its query
-    blocks [i_lo, i_lo + n_m)."""
-    return hkv * G + i // n_m, (i_lo + i % n_m) * _Q_ROWS
+    blocks of Q_ROWS rows [i_lo, i_lo + n_m)."""
+    return hkv * G + i // n_m, (i_lo + i % n_m) * Q_ROWS
 
 
 @gluon.jit
@@ -342,9 +344,10 @@ def load_steps(q_desc, do_desc, q_smem, do_smem, lse_smem, dl_smem, q_ready, q_e
     minus the K/V block's (``k_pos_n0``), which the consumers' mask is relative to (made here, where time is
     free, not in their registers). With segment ids, the query block's ids in ``ids_smem`` (``seg_b``: this rank's
     ids of batch b; ``rng_b``: its published ranges)."""
-    rows = gl.arange(0, _Q_ROWS, layout=gl.BlockedLayout([_Q_ROWS // 32], [32], [1], [0]))
+    Q_ROWS: gl.constexpr = q_smem.shape[1]
+    rows = gl.arange(0, Q_ROWS, layout=gl.BlockedLayout([Q_ROWS // 32], [32], [1], [0]))
     for i in range(G * n_m):
-        h, m0 = _work(i, n_m, i_lo, hkv, G)
+        h, m0 = _work(i, n_m, i_lo, hkv, G, Q_ROWS)
         s = (g0 + i) % _STAGES
         mbarrier.wait(q_empty.index(s), (((g0 + i) // _STAGES) & 1) ^ 1)
         # The step's lse and delta beside its Q and dO: read by the consumers where they need them, not held in
@@ -354,7 +357,7 @@ def load_steps(q_desc, do_desc, q_smem, do_smem, lse_smem, dl_smem, q_ready, q_e
         lse_smem.index(s).store(gl.load(lse_ptr + row + rows) * _LOG2E)
         dl_smem.index(s).store(gl.load(delta_ptr + row + rows))
         if meta_smem is not None:
-            unmasked = bwd_step_unmasked(m0, i_full, i_fend, _Q_ROWS)
+            unmasked = bwd_step_unmasked(m0, i_full, i_fend, Q_ROWS)
             if SEGMENTED:
                 ids_smem.index(s).store(segment_keys(gl.load(seg_b + m0 + rows), QUERY_PAD))
                 unmasked = unmasked & chunk_one_id(rng_b, m0 // CHUNK_ROWS, m0 >= 0, kv_t)
@@ -388,9 +391,10 @@ def dkdv_steps(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv
     gl.static_assert(not (MASKS and DETERMINISTIC), "masks run the Gluon backward in any order only")
     G: gl.constexpr = H // HKV
     dtype: gl.constexpr = q_smem.dtype
+    Q_ROWS: gl.constexpr = q_smem.shape[1]
     DQ_COLS: gl.constexpr = D // 2
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[_CONSUMER_WARPS, 1],
-                                                       instr_shape=[16, _Q_ROWS, 16])
+                                                       instr_shape=[16, Q_ROWS, 16])
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[_CONSUMER_WARPS, 1],
                                                         instr_shape=[16, D, 16])
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[_CONSUMER_WARPS, 1],
@@ -398,8 +402,8 @@ def dkdv_steps(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     dk = gl.zeros([_HALF, D], gl.float32, kv_layout)
     dv = gl.zeros([_HALF, D], gl.float32, kv_layout)
-    zero_s = gl.zeros([_HALF, _Q_ROWS], gl.float32, s_layout)
-    zero_q = gl.zeros([_Q_ROWS, DQ_COLS], gl.float32, dq_layout)
+    zero_s = gl.zeros([_HALF, Q_ROWS], gl.float32, s_layout)
+    zero_q = gl.zeros([Q_ROWS, DQ_COLS], gl.float32, dq_layout)
     k_pos0 = positions(n0 + HALF_INDEX * _HALF, src, S, W, ZIGZAG)  # contiguous over its 64 rows (gluon_bwd_applies)
     qk_scale = sm_scale * _LOG2E
     k_rows = gl.arange(0, _HALF, layout=gl.SliceLayout(1, s_layout))  # (masks only: the causal path makes its own)
@@ -409,7 +413,7 @@ def dkdv_steps(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv
         if SEGMENTED:
             k_ids = segment_keys(gl.load(seg_k + n0 + HALF_INDEX * _HALF + k_rows), KEY_PAD)
     for i in range(G * n_m):
-        h, m0 = _work(i, n_m, i_lo, hkv, G)
+        h, m0 = _work(i, n_m, i_lo, hkv, G, Q_ROWS)
         gi = g0 + i  # the program's step
         s = gi % _STAGES
         mbarrier.wait(q_ready.index(s), (gi // _STAGES) & 1)
@@ -430,7 +434,7 @@ def dkdv_steps(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv
             word = gl.max(meta_smem.index(s).load(_WORD_LAYOUT_4), axis=0)
             if word != UNMASKED:
                 shift = word - HALF_INDEX * _HALF  # query minus key position at (row 0, column 0)
-                cols = gl.arange(0, _Q_ROWS, layout=gl.SliceLayout(0, s_layout))
+                cols = gl.arange(0, Q_ROWS, layout=gl.SliceLayout(0, s_layout))
                 q_ids = cols  # (read with segment ids only)
                 if SEGMENTED:
                     q_ids = ids_smem.index(s).load(gl.SliceLayout(0, s_layout))
@@ -442,7 +446,7 @@ def dkdv_steps(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv
             if shift < _HALF - 1:  # some key of the half after some query of the block
                 # (the indices made here, not held across the loop: registers are what it is short of)
                 key_rows = gl.arange(0, _HALF, layout=gl.SliceLayout(1, s_layout))
-                cols = gl.arange(0, _Q_ROWS, layout=gl.SliceLayout(0, s_layout))
+                cols = gl.arange(0, Q_ROWS, layout=gl.SliceLayout(0, s_layout))
                 pT = gl.where(cols[None, :] + shift >= key_rows[:, None], pT, 0.0)
         dv = warpgroup_mma(gl.convert_layout(pT.to(dtype), p_layout), do_s, dv, is_async=True)
         dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT, ))  # dV may still run
@@ -680,6 +684,7 @@ def _producer_tasks(tid, n_dq, n_kv, n_part, call_ok, task_smem, kv_empty, q_des
     row); with a window or segment ids ``protocol.bwd_task_steps`` (positions, then the chunks' published id ranges),
     which also says whether a partial goes back; none after a failed call check."""
     G: gl.constexpr = H // HKV
+    Q_ROWS: gl.constexpr = q_smem.shape[1]
     MASKS: gl.constexpr = WINDOW or SEGMENTED
     k = tid * 0  # the program's dK/dV tasks so far (kv_bar's phases)
     g = k  # their steps (the slots' rounds)
@@ -691,7 +696,7 @@ def _producer_tasks(tid, n_dq, n_kv, n_part, call_ok, task_smem, kv_empty, q_des
             seg_b = seg_ptr + b.to(gl.int64) * S  # this rank's ids of batch b (segment ids only)
             rng_b = ranges_of(rng, rank, b, B, n_chunks)  # and the ranges it published for them
             sent, i_lo, n_m, i_full, i_fend, kv_t = bwd_task_steps(n0, d, src, rank, b, B, S, rng, rng_b, n_chunks, W,
-                                                                  _KV_ROWS, _Q_ROWS, CHUNK_ROWS, CAUSAL, ZIGZAG, WINDOW,
+                                                                  _KV_ROWS, Q_ROWS, CHUNK_ROWS, CAUSAL, ZIGZAG, WINDOW,
                                                                   WIN_LEFT, WIN_RIGHT, SEGMENTED)
             n_m = n_m * call_ok  # nothing computed, waited for or sent after a mismatch
             _task_words(task_smem, tid, n_m, i_lo, sent * call_ok)
@@ -701,10 +706,10 @@ def _producer_tasks(tid, n_dq, n_kv, n_part, call_ok, task_smem, kv_empty, q_des
                       kv_t, rng_b, rank, positions(n0, src, S, W, ZIGZAG), ZIGZAG, SEGMENTED, g)
         else:
             i_lo = n0 * 0
-            n_m = S // _Q_ROWS
+            n_m = S // Q_ROWS
             if CAUSAL:
                 k_pos_min = positions(n0, src, S, W, ZIGZAG)
-                i_lo = visible_rows(k_pos_min - 1, rank, S, W, ZIGZAG) // _Q_ROWS
+                i_lo = visible_rows(k_pos_min - 1, rank, S, W, ZIGZAG) // Q_ROWS
                 n_m = gl.where(k_pos_min <= last_pos(rank, S, W, ZIGZAG), n_m - i_lo, 0)
             n_m = n_m * call_ok
             _task_words(task_smem, tid, n_m, i_lo, n_m)  # without masks a partial goes back when it has steps
@@ -774,12 +779,13 @@ def _consumer(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_
 
 
 @gluon.jit
-def _step_added(turns, i, gi, n_m, i_lo, b, hkv, S, dq_empty0, dq_empty1, H: gl.constexpr, G: gl.constexpr):
+def _step_added(turns, i, gi, n_m, i_lo, b, hkv, S, dq_empty0, dq_empty1, H: gl.constexpr, G: gl.constexpr,
+                Q_ROWS: gl.constexpr):
     """The dQ writer, once task step i's adds (the program's step gi) completed: their counts released (the turns
     of later tickets' adds to those rows) and both consumers' buffers of the step freed."""
     cta_barrier()  # (the thread that waited for the adds before the one that counts them)
     for c in gl.static_range(2):
-        gl.atomic_add(_turn_ptr(turns, i, n_m, i_lo, b, hkv, S, H, G, c), 1, sem="release", scope="gpu")
+        gl.atomic_add(_turn_ptr(turns, i, n_m, i_lo, b, hkv, S, H, G, c, Q_ROWS), 1, sem="release", scope="gpu")
     mbarrier.arrive(dq_empty0.index(gi % 2), count=1)
     mbarrier.arrive(dq_empty1.index(gi % 2), count=1)
 
@@ -796,6 +802,7 @@ def _dq_writer(task_smem, kv_bar, kv_empty, dq_smem, dq_full0, dq_empty0, dq_ful
     and their buffers freed (``dq_empty`` c); a task's last step's after the task. Then the program's dQ adds are in
     memory and the writer counts its tasks, for both consumers, in CTL_BWD_DELTA (release)."""
     G: gl.constexpr = H // HKV
+    Q_ROWS: gl.constexpr = dq_smem.shape[1]
     DQ_COLS: gl.constexpr = D // 2
     k = rank * 0  # tasks (kv_bar's phases)
     g = k  # their steps (the buffers' rounds)
@@ -809,13 +816,13 @@ def _dq_writer(task_smem, kv_bar, kv_empty, dq_smem, dq_full0, dq_empty0, dq_ful
         n_steps = G * n_m
         for i in range(n_steps):
             gi = g + i
-            h, m0 = _work(i, n_m, i_lo, hkv, G)
-            turn = _dq_turn(m0, n0 // _KV_ROWS, d, rank, S, W, CAUSAL, ZIGZAG)
+            h, m0 = _work(i, n_m, i_lo, hkv, G, Q_ROWS)
+            turn = _dq_turn(m0, n0 // _KV_ROWS, d, rank, S, W, CAUSAL, ZIGZAG, Q_ROWS)
             for c in gl.static_range(2):
-                turn_ptr = _turn_ptr(turns, i, n_m, i_lo, b, hkv, S, H, G, c)
+                turn_ptr = _turn_ptr(turns, i, n_m, i_lo, b, hkv, S, H, G, c, Q_ROWS)
                 if gl.atomic_add(turn_ptr, 0, sem="acquire", scope="gpu") < turn:  # (usually come: no poll)
                     if poll_ge(turn_ptr, turn, ctl, timeout_ns, False) == 0:
-                        record_error(ctl, ERR_LOCAL_TIMEOUT, rank, d, m0 // _Q_ROWS)
+                        record_error(ctl, ERR_LOCAL_TIMEOUT, rank, d, m0 // Q_ROWS)
                 _proxy_fence()  # the earlier adds, acquired above, before this one (the async proxy's)
                 if c == 0:
                     mbarrier.wait(dq_full0.index(gi % 2), (gi // 2) & 1)
@@ -824,10 +831,11 @@ def _dq_writer(task_smem, kv_bar, kv_empty, dq_smem, dq_full0, dq_empty0, dq_ful
                 tma_add(dq_desc, [b * S + m0, h * D + c * DQ_COLS], dq_smem.index(2 * c + gi % 2))
             if i > 0:
                 _previous_step_done()
-                _step_added(turns, i - 1, gi - 1, n_m, i_lo, b, hkv, S, dq_empty0, dq_empty1, H, G)
+                _step_added(turns, i - 1, gi - 1, n_m, i_lo, b, hkv, S, dq_empty0, dq_empty1, H, G, Q_ROWS)
         if n_steps > 0:
             _reductions_done()
-            _step_added(turns, n_steps - 1, g + n_steps - 1, n_m, i_lo, b, hkv, S, dq_empty0, dq_empty1, H, G)
+            _step_added(turns, n_steps - 1, g + n_steps - 1, n_m, i_lo, b, hkv, S, dq_empty0, dq_empty1, H, G,
+                        Q_ROWS)
         g += n_steps
         k += 1
         mbarrier.wait(kv_bar, k & 1)
@@ -854,8 +862,10 @@ def ring_attn_bwd_gluon(
     WINDOW: gl.constexpr, WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr, SEGMENTED: gl.constexpr,
     DETERMINISTIC: gl.constexpr,
 ):
-    gl.static_assert(KV_BLOCK_N == _KV_ROWS and KV_BLOCK_M == _Q_ROWS and DQ_BLOCK_M == _ROW_TASK and BLOCK_D == D,
+    gl.static_assert(KV_BLOCK_N == _KV_ROWS and DQ_BLOCK_N == KV_BLOCK_M and DQ_BLOCK_M == _ROW_TASK and BLOCK_D == D,
                      "ring_core.plans: the Gluon backward's config")
+    gl.static_assert(KV_BLOCK_M == 64 or KV_BLOCK_M == 128, "query rows per step: configs.GLUON_BWD_Q_ROWS")
+    Q_ROWS: gl.constexpr = KV_BLOCK_M
     gl.static_assert(D == 64 or D == 128, "head_dim 64 or 128 (plans.gluon_bwd_applies)")
     MASKS: gl.constexpr = WINDOW or SEGMENTED
     gl.static_assert(not (MASKS and DETERMINISTIC), "with a window or segment ids: the tl kernel (gluon_bwd_applies)")
@@ -883,7 +893,7 @@ def ring_attn_bwd_gluon(
     n_part = (W - 1) * B * HKV * n_kvb
     n_kv = n_part + B * HKV * n_kvb  # dK/dV tasks: partial, then final
     dq_acc = delta_ptr + (rank * 0 + B).to(gl.int64) * H * S  # the float32 dQ accumulator [B, S, H, D]
-    # With DETERMINISTIC, the adds made to each query block's dQ rows, per head and half of D (int32 [B, H, S // 64,
+    # With DETERMINISTIC, the adds made to each query block's dQ rows, per head and half of D (int32 [B, H, S // Q_ROWS,
     # 2], after the accumulator; zeroed by the delta tasks): ``dkdv_steps``.
     turns = (dq_acc + (rank * 0 + B).to(gl.int64) * S * H * D).to(gl.pointer_type(gl.int32), bitcast=True)
 
@@ -891,7 +901,7 @@ def ring_attn_bwd_gluon(
     layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     acc_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
     (q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_bar, part_bar, q_ready, q_empty,
-     ds_bar) = bwd_slots(dtype, D, layout, acc_layout, 4 if DETERMINISTIC else 2)
+     ds_bar) = bwd_slots(dtype, D, Q_ROWS, layout, acc_layout, 4 if DETERMINISTIC else 2)
     row_words: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
     # The load warp's words of the task it loads (``_task_words``), published by ``kv_bar``; ``kv_empty``: both
     # consumers are done with the task's K and V and its words (and with DETERMINISTIC the dQ writer with its words).
@@ -902,7 +912,7 @@ def ring_attn_bwd_gluon(
     fence_async_shared()
     if MASKS:  # each slot's word (masked or not) and, with segment ids, its query rows' ids (``load_steps``)
         meta_smem = gl.allocate_shared_memory(gl.int32, [_STAGES, 1], row_words)
-        ids_smem = gl.allocate_shared_memory(gl.int32, [_STAGES, _Q_ROWS], row_words)
+        ids_smem = gl.allocate_shared_memory(gl.int32, [_STAGES, Q_ROWS], row_words)
 
     # ---- the program's tasks, ticket after ticket (ring_core.protocol.steps: a task waits only for earlier tickets)
     # ----
@@ -914,11 +924,11 @@ def ring_attn_bwd_gluon(
         if poll_ge(ctl + CTL_BWD_DELTA, n_dq, ctl, timeout_ns, False) == 0:
             record_error(ctl, ERR_LOCAL_TIMEOUT, rank, 0, 0)
         _proxy_fence()  # the accumulator's zeros (ordinary stores) before the TMA reductions into it
-        q_desc = tma.make_tensor_descriptor(q_ptr, [B * S, H * D], [H * D, 1], [_Q_ROWS, D], layout)
-        do_desc = tma.make_tensor_descriptor(do_ptr, [B * S, H * D], [H * D, 1], [_Q_ROWS, D], layout)
+        q_desc = tma.make_tensor_descriptor(q_ptr, [B * S, H * D], [H * D, 1], [Q_ROWS, D], layout)
+        do_desc = tma.make_tensor_descriptor(do_ptr, [B * S, H * D], [H * D, 1], [Q_ROWS, D], layout)
         k_desc = tma.make_tensor_descriptor(k_ptr, [B * S, HKV * D], [HKV * D, 1], [_KV_ROWS, D], layout)
         v_desc = tma.make_tensor_descriptor(v_ptr, [B * S, HKV * D], [HKV * D, 1], [_KV_ROWS, D], layout)
-        dq_desc = tma.make_tensor_descriptor(dq_acc, [B * S, H * D], [H * D, 1], [_Q_ROWS, D // 2], acc_layout)
+        dq_desc = tma.make_tensor_descriptor(dq_acc, [B * S, H * D], [H * D, 1], [Q_ROWS, D // 2], acc_layout)
         if W > 1:
             r_desc = tma.make_tensor_descriptor(recv, [(W - 1) * 2 * B * HKV * S, D], [D, 1], [_KV_ROWS, D], layout)
         else:

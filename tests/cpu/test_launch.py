@@ -160,8 +160,10 @@ def test_the_gluon_kernel_takes_the_forwards_it_applies_to(kw, capability, gluon
         # left); without the SM count, a program per task
         assert plans.plan_bwd(spec, 2, lay, capability=capability, sms=132).grid == (min(fast.grid[0], 132),)
         assert plans.plan_bwd(spec, 2, lay, capability=capability, sms=3).grid == (3,)
-        # (then its counters of dQ's adds: 2 per head and 64 query rows)
-        assert fast.out_shapes[3] == ((1 * 8 * spec.seq_local * (1 + spec.head_dim) + 8 * spec.seq_local // 32,),
+        # (then its counters of dQ's adds: 2 per head and step of query rows, 128 at head_dim 64, 64 at 128)
+        q_rows = {64: 128, 128: 64}[spec.head_dim]
+        assert (fast.config.kv_block_m, fast.config.dq_block_n) == (q_rows, q_rows)
+        assert fast.out_shapes[3] == ((1 * 8 * spec.seq_local * (1 + spec.head_dim) + 8 * spec.seq_local // q_rows * 2,),
                                       "float32")
         assert not fast.constexprs()["DETERMINISTIC"]
     split = plans.plan_bwd(spec, 2, lay, capability=capability, deterministic=True, gluon_det=False)
