@@ -19,3 +19,27 @@ python tools/gpu_session.py --nproc 1 --out OUT/bwd checks-bwd:120              
 python -m jax_ring.launch --nproc-per-node 1 -m benchmarks.attention --methods torch_fused,torch_cudnn_1gpu \
     --pass fwd+bwd --warmup 3 --iters 10 --head-dim 256,192 --seq 16k --causal yes --csv OUT/d256.csv   # exit 0
 # Files: gpu_checks_bwd_W1_1xH100_2026-12-06.json (replacing the morning's one-rank file), attention_w1_d256_1xH100_2026-12-06.csv
+# The backward section at 1 and 2 ranks (its cases now include head_dim 160 fp16 on the portable backward's tiles above
+# 128), the fault checks and the soak at 2 ranks sharing the GPU, the 4-rank rings:
+python tools/gpu_session.py --nproc 1 --out OUT/w1 checks-bwd:90                         # exit 0
+python tools/gpu_session.py --nproc 2 --out OUT/w2 checks-bwd:110 faults:150 soak:210    # exit 0
+python tools/gpu_session.py --nproc 4 --out OUT/w4 rings:200                             # exit 0
+# Files: gpu_checks_bwd_W{1,2}_1xH100_2026-12-06.json, gpu_faults_W2_1xH100_2026-12-06.json,
+# gpu_soak_W2_1xH100_2026-12-06.json (8,600 calls a rank before --max-seconds), gpu_rings_W4_1xH100_2026-12-06.json.
+# The head_dim-64 backward's query rows a step, 64 against 128 (a tree with configs.GLUON_BWD_Q_ROWS 128 run from its
+# own folder, TREE, with the same cache), same warm machine, first run repeated last:
+python tools/gpu_session.py --nproc 1 --out OUT/x warm:30; export TRITON_CACHE_DIR=$PWD/.cache/triton  # cache unpacked
+M="-m benchmarks.attention --methods torch_fused,torch_cudnn_1gpu --head-dim 64 --seq 16k --causal both --pass fwd+bwd --warmup 3 --iters 10"
+python -m jax_ring.launch --nproc-per-node 1 $M --csv OUT/base.csv                       # exit 0
+(cd TREE && python -m jax_ring.launch --nproc-per-node 1 $M --csv OUT/q128.csv)          # exit 0
+python -m jax_ring.launch --nproc-per-node 1 $M --csv OUT/base2.csv                      # exit 0
+# Files: attention_d64_bwd_q64_1xH100_2026-12-06.csv (base; base2 read 0.92 / 0.87), attention_d64_bwd_q128_...csv.
+# After configs.GLUON_BWD_Q_ROWS became {64: 128, 128: 64} (the head_dim-128 kernels' PTX unchanged:
+# tools/ptx_same.py over the checks-gluon-bwd-rest variants, 36 of 36 identical):
+python tools/gpu_session.py --nproc 1 --out OUT/w1 warm:40 checks-gluon-bwd-d64:150 bench-d64-bwd:150   # exit 0
+python tools/gpu_session.py --nproc 2 --out OUT/w2 checks-gluon-bwd-d64:150                             # exit 0
+python -m jax_ring.launch --nproc-per-node 2 tests/gpu/gpu_soak.py --calls 10000 --seed 2152 --deadline 300 \
+    --max-seconds 230 --out OUT/soak                                                                    # exit 0
+# Files: gpu_checks_gluon_bwd_d64_W{1,2}_1xH100_2026-12-06.json, attention_d64_bwd_1xH100_2026-12-06.csv / .png,
+# gpu_soak_seed2152_W2_1xH100_2026-12-06.json (seed 2152 draws head_dim 64 fp16 at seq_local 256: the Hopper
+# forward and this backward, with gradients; 10,000 calls a rank, 0 wrong).
