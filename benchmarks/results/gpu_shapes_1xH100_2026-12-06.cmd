@@ -43,3 +43,7 @@ python -m jax_ring.launch --nproc-per-node 2 tests/gpu/gpu_soak.py --calls 10000
 # Files: gpu_checks_gluon_bwd_d64_W{1,2}_1xH100_2026-12-06.json, attention_d64_bwd_1xH100_2026-12-06.csv / .png,
 # gpu_soak_seed2152_W2_1xH100_2026-12-06.json (seed 2152 draws head_dim 64 fp16 at seq_local 256: the Hopper
 # forward and this backward, with gradients; 10,000 calls a rank, 0 wrong).
+# JAX beside torch at head_dim 64 (after the cache was unpacked as above):
+python -m jax_ring.launch --nproc-per-node 1 -m benchmarks.attention --methods torch_fused,jax_fused,torch_cudnn_1gpu,jax_cudnn_1gpu \
+    --head-dim 64 --seq 16k --causal yes --pass fwd,fwd+bwd --warmup 3 --iters 10 --csv OUT/attention_d64_jax.csv   # exit 0
+# File: attention_d64_jax_1xH100_2026-12-06.csv
