@@ -47,3 +47,9 @@ python -m jax_ring.launch --nproc-per-node 2 tests/gpu/gpu_soak.py --calls 10000
 python -m jax_ring.launch --nproc-per-node 1 -m benchmarks.attention --methods torch_fused,jax_fused,torch_cudnn_1gpu,jax_cudnn_1gpu \
     --head-dim 64 --seq 16k --causal yes --pass fwd,fwd+bwd --warmup 3 --iters 10 --csv OUT/attention_d64_jax.csv   # exit 0
 # File: attention_d64_jax_1xH100_2026-12-06.csv
+# The Gluon forward's ping-pong, off / on / off (the variants warmed on the CPU with and without the variable):
+M="-m benchmarks.attention --methods torch_fused,torch_cudnn_1gpu --head-dim 64,128 --seq 16k --causal both --pass fwd --warmup 3 --iters 10"
+python -m jax_ring.launch --nproc-per-node 1 $M --csv OUT/base.csv                                    # exit 0
+RING_ATTENTION_GLUON_PINGPONG=1 python -m jax_ring.launch --nproc-per-node 1 $M --csv OUT/pp.csv      # exit 0
+python -m jax_ring.launch --nproc-per-node 1 $M --csv OUT/base2.csv                                   # exit 0
+# Files: attention_w1_fwd_pingpong-off_1xH100_2026-12-06.csv (base), attention_w1_fwd_pingpong-on_...csv (pp)
