@@ -3,7 +3,7 @@ in Triton's interpreter against every pair the mask allows (numpy, ring_core.mas
 
 The Gluon backward (ring_core.kernels.gluon_bwd) cannot run on a CPU, but the rules that decide its work are protocol
 helpers in triton.language, so they run here as they compile there: for each dK/dV task (a K/V block of 128 rows
-of rank ``rank - d``) and each local query block of 64 rows,
+of rank ``rank - d``) and each local query block of 64 or 128 rows (``configs.GLUON_BWD_Q_ROWS``: head_dim 128 and 64),
 * every query row that attends some key of the block lies in the task's steps, and the block is then ``sent``
   (it reaches this rank, and its partial goes back): no pair is skipped;
 * ``sent`` only where some query of this rank sees a row of the block by position (nothing sent or waited for in
@@ -37,12 +37,14 @@ PROBE = textwrap.dedent("""
     from ring_core import layout as L, masks, testing
     from ring_core.protocol import steps as protocol
 
-    KV, QR, CR = 128, 64, 128
+    KV, CR = 128, 128
+    QR = int(sys.argv[2])  # query rows a step
 
 
     @triton.jit
     def probe(rng, out, B, S, n_chunks, rank, W: tl.constexpr, CAUSAL: tl.constexpr, ZIGZAG: tl.constexpr,
-              WINDOW: tl.constexpr, WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SEGMENTED: tl.constexpr):
+              WINDOW: tl.constexpr, WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SEGMENTED: tl.constexpr,
+              QR: tl.constexpr):
         t = tl.program_id(0)
         b = tl.program_id(1)
         n_kvb = S // 128
@@ -51,15 +53,15 @@ PROBE = textwrap.dedent("""
         src = (rank - d + W) % W
         rng_b = protocol.ranges_of(rng, rank, b, B, n_chunks)
         sent, i_lo, n_m, i_full, i_fend, kv_t = protocol.bwd_task_steps(
-            n0, d, src, rank, b, B, S, rng, rng_b, n_chunks, W, 128, 64, 128, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT,
+            n0, d, src, rank, b, B, S, rng, rng_b, n_chunks, W, 128, QR, 128, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT,
             WIN_RIGHT, SEGMENTED)
-        base = out + (b * W * n_kvb + t) * (4 + S // 64 + W)
+        base = out + (b * W * n_kvb + t) * (4 + S // QR + W)
         tl.store(base, sent)
         tl.store(base + 1, i_lo)
         tl.store(base + 2, n_m)
-        for i in range(0, S // 64):
-            m0 = i * 64
-            u = protocol.bwd_step_unmasked(m0, i_full, i_fend, 64)
+        for i in range(0, S // QR):
+            m0 = i * QR
+            u = protocol.bwd_step_unmasked(m0, i_full, i_fend, QR)
             if SEGMENTED:
                 u = u & protocol.chunk_one_id(rng_b, m0 // 128, m0 >= 0, kv_t)
             tl.store(base + 4 + i, u.to(tl.int32))
@@ -70,7 +72,7 @@ PROBE = textwrap.dedent("""
                     w = protocol.block_reaches(n0, n0 + 128, protocol.positions(n0, rank, S, W, ZIGZAG), rank, r,
                                                rng, b, B, n_chunks, my_lo, my_hi, True, S, W, ZIGZAG, CAUSAL, WINDOW,
                                                WIN_LEFT, WIN_RIGHT, SEGMENTED)
-                    tl.store(base + 4 + S // 64 + r, w.to(tl.int32))
+                    tl.store(base + 4 + S // QR + r, w.to(tl.int32))
 
 
 
@@ -95,7 +97,7 @@ PROBE = textwrap.dedent("""
         for rank in range(W):
             res = torch.full((B * W * n_kvb * (4 + S // QR + W),), -7, dtype=torch.int32)
             probe[(W * n_kvb, B)](rng, res, B, S, S // CR, rank, W, causal, lay == "zigzag", win != masks.NO_WINDOW,
-                                  win[0], win[1], seg)
+                                  win[0], win[1], seg, QR)
             res = res.numpy().reshape(B, W * n_kvb, 4 + S // QR + W)
             per_rank.append(res)
             for b in range(B):
@@ -155,12 +157,14 @@ CASES = [(1, 2, 512, True, "contiguous", None, True),
          (1, 1, 512, False, "contiguous", (64, 0), True)]
 
 
-def test_masked_backward_steps_cover_every_allowed_pair_and_unmask_only_whole_blocks():
+@pytest.mark.parametrize("q_rows", [64, 128])
+def test_masked_backward_steps_cover_every_allowed_pair_and_unmask_only_whole_blocks(q_rows):
     """The masked Gluon backward's plan of each dK/dV task (module docstring) against every pair the mask allows,
-    for the cases above, each at every rank of its ring, in the interpreter."""
+    for the cases above, each at every rank of its ring, in the interpreter, with ``q_rows`` query rows a step."""
     env = {k: v for k, v in os.environ.items()}
     env.update(TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-c", PROBE, json.dumps(CASES)], capture_output=True, text=True, env=env,
+    r = subprocess.run([sys.executable, "-c", PROBE, json.dumps(CASES), str(q_rows)], capture_output=True, text=True,
+                       env=env,
                        cwd=ROOT, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
