@@ -53,3 +53,9 @@ python -m jax_ring.launch --nproc-per-node 1 $M --csv OUT/base.csv              
 RING_ATTENTION_GLUON_PINGPONG=1 python -m jax_ring.launch --nproc-per-node 1 $M --csv OUT/pp.csv      # exit 0
 python -m jax_ring.launch --nproc-per-node 1 $M --csv OUT/base2.csv                                   # exit 0
 # Files: attention_w1_fwd_pingpong-off_1xH100_2026-12-06.csv (base), attention_w1_fwd_pingpong-on_...csv (pp)
+# The Gluon backward's deterministic order at head_dim 64 (a tree, TREE, with configs.GLUON_BWD_DET_HEAD_DIMS = (64, 128)):
+(cd TREE && python -m jax_ring.launch --nproc-per-node 1 -m benchmarks.attention --methods torch_fused_det,torch_fused,torch_cudnn_1gpu \
+    --head-dim 64 --seq 16k --causal yes --pass fwd+bwd --warmup 3 --iters 10 --csv OUT/det.csv)                     # exit 0
+(cd TREE && python -m jax_ring.launch --nproc-per-node 1 tests/gpu/gpu_checks.py --sections gluon-bwd,gluon-bwd-masks \
+    --gluon-bwd-cases b1,b3,b6,m1,m4 --out OUT/chk)                                                               # exit 0
+# File: attention_d64_bwd_det-gluon_1xH100_2026-12-06.csv (the checks passed; the plans were left as they are)

@@ -23,7 +23,7 @@ GLUON_BWD_KV_ROWS, GLUON_BWD_ROW_TASK = 128, 512
 # 128, 64 rows: S^T, dP^T, dK and dV take the consumers' registers already.
 GLUON_BWD_Q_ROWS = {64: 128, 128: 64}
 GLUON_BWD_HEAD_DIMS = (64, 128)
-# Its deterministic order (DETERMINISTIC: dQ's adds in ticket order) where it beats the tl split: at head_dim 64 the
-# turns cost more than the split (16k causal forward+backward 0.71x cuDNN against the split's 0.87x, one H100,
-# 2026-12-06: benchmarks/results/attention_d64_bwd_1xH100_2026-12-06.csv).
+# Its deterministic order (DETERMINISTIC: dQ's adds in ticket order) where it beats the tl split: at head_dim 64 it
+# does not (16k causal forward+backward, one H100, 2026-12-06: 0.71x cuDNN against the split's 0.87x with 64 query
+# rows a step; 0.83x, the split's, with 128: benchmarks/results/attention_d64_bwd_det-gluon_1xH100_2026-12-06.csv).
 GLUON_BWD_DET_HEAD_DIMS = (128,)
