@@ -209,11 +209,11 @@ class BwdKernelConfig:
         Hopper kernel takes the call where it applies on a GPU of compute ``capability`` (``gluon_bwd_applies``;
         ring_core.kernels.gluon_bwd: dQ added up by TMA reductions in no fixed order), with its tiles (128 K/V rows
         per dK/dV task, ``GLUON_BWD_Q_ROWS`` query rows per step, 512 rows per delta or dQ task, one K/V block per
-        flag). With it,
-        the same kernel in its own deterministic order (DETERMINISTIC: dQ's adds in ticket order, by a writer warp;
-        0.87-0.95x cuDNN forward+backward against the split's 0.80, docs/performance.md) where it applies without masks,
-        else the split kernel; ``gluon_det`` False (RING_ATTENTION_GLUON_DETERMINISTIC=0, read by ``plan_bwd``) gives
-        the split for A/B runs."""
+        flag). With it, the same kernel in its own deterministic order (DETERMINISTIC: dQ's adds in ticket order, by
+        a writer warp; 0.87-0.95x cuDNN forward+backward against the split's 0.80 at head_dim 128, docs/performance.md)
+        where it applies (``gluon_bwd_applies``: without masks, at ``GLUON_BWD_DET_HEAD_DIMS``), else the split kernel;
+        ``gluon_det`` False (RING_ATTENTION_GLUON_DETERMINISTIC=0, read by ``plan_bwd``) gives the split for A/B
+        runs."""
         if (not interpret and (gluon_det or not deterministic)
                 and gluon_bwd_applies(spec, world_size, capability, deterministic)):
             q_rows = GLUON_BWD_Q_ROWS[spec.head_dim]

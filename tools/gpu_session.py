@@ -341,8 +341,6 @@ STAGES = {
     # (JAX runs the same binary), beside cuDNN in the same run; two processes, one CSV.
     "bench-w1-shapes": (150, [LAUNCH1 + W1_SHAPES + ["--head-dim", "64,256", "--kv-heads", "32"],
                               LAUNCH1 + W1_SHAPES + ["--head-dim", "128", "--kv-heads", "8"]]),
-    # Every forward shape at world size 1 in one stage (D128, D64, D256, GQA 32/8; torch beside cuDNN;
-    # 10 timed calls): the A/B of a Gluon forward change (e.g. RING_ATTENTION_GLUON_PINGPONG=1 in the environment).
     "tune-bwd-d256": (300, [LAUNCH1 + ["-m", "benchmarks.tune", "--kernel", "bwd", "--head-dims", "256", "--seq",
                                        "16384", "--csv", "{out}/tune_backward_d256.csv"]]),
     "probe-host-path": (150, [LAUNCH1 + ["-m", "benchmarks.host_path", "--out", "{out}", "--seq", "4k",
@@ -352,6 +350,8 @@ STAGES = {
                            LAUNCH1 + SHAPES + ["--head-dim", "128", "--seq", "4k", "--causal", "yes"],
                            LAUNCH1 + SHAPES + ["--head-dim", "128", "--seq", "4k", "--causal", "yes", "--timing",
                                                "stream"]]),
+    # Every forward shape at world size 1 in one stage (D128, D64, D256, GQA 32/8; torch beside cuDNN;
+    # 10 timed calls): the A/B of a Gluon forward change (e.g. RING_ATTENTION_GLUON_PINGPONG=1 in the environment).
     "bench-w1-fwd": (200, [LAUNCH1 + W1_SHAPES[:-4] + ["--iters", "10", "--csv", "{out}/attention_w1_fwd.csv",
                                                         "--head-dim", "128,64,256", "--kv-heads", "32"],
                            LAUNCH1 + W1_SHAPES[:-4] + ["--iters", "10", "--csv", "{out}/attention_w1_fwd.csv",

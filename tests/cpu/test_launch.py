@@ -126,8 +126,8 @@ def test_the_gluon_kernel_takes_the_forwards_it_applies_to(kw, capability, gluon
     kernel everywhere else; the backward with deterministic=False (the default) likewise where head_dim is also 64 or
     128 (plans.gluon_bwd_applies; windows and segment ids included); with deterministic=True the Gluon kernel with
     its DETERMINISTIC constexpr (the same grid and scratch) at head_dim 128 with neither a window nor segment ids,
-    else the tl one, which RING_ATTENTION_GLUON_DETERMINISTIC=0 gives every deterministic backward; the interpreter always runs
-    the tl kernels."""
+    else the tl one, which RING_ATTENTION_GLUON_DETERMINISTIC=0 gives every deterministic backward; the interpreter
+    always runs the tl kernels."""
     lay = control.HeapLayout.for_workspace(1 << 30)
     spec = _spec(**kw)
     p = plans.plan(spec, 2, lay, capability=capability)
@@ -163,8 +163,8 @@ def test_the_gluon_kernel_takes_the_forwards_it_applies_to(kw, capability, gluon
         # (then its counters of dQ's adds: 2 per head and step of query rows, 128 at head_dim 64, 64 at 128)
         q_rows = {64: 128, 128: 64}[spec.head_dim]
         assert (fast.config.kv_block_m, fast.config.dq_block_n) == (q_rows, q_rows)
-        assert fast.out_shapes[3] == ((1 * 8 * spec.seq_local * (1 + spec.head_dim) + 8 * spec.seq_local // q_rows * 2,),
-                                      "float32")
+        turns = 8 * spec.seq_local // q_rows * 2
+        assert fast.out_shapes[3] == ((1 * 8 * spec.seq_local * (1 + spec.head_dim) + turns,), "float32")
         assert not fast.constexprs()["DETERMINISTIC"]
     split = plans.plan_bwd(spec, 2, lay, capability=capability, deterministic=True, gluon_det=False)
     for p in (split, plans.plan_bwd(spec, 2, lay, capability=capability, interpret=True)):

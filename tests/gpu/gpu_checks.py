@@ -368,7 +368,8 @@ def main():
                                                  backends=("fused",), window_size=window,
                                                  segment_ids_shape=None if segs is None else (B, S),
                                                  segment_ids_dtype=None if segs is None else "int32")
-            kernel = ring_heap.get().plan_bwd(ring_heap.get().kernel_spec(spec), W, deterministic=deterministic).kernel().__name__
+            h = ring_heap.get()
+            kernel = h.plan_bwd(h.kernel_spec(spec), W, deterministic=deterministic).kernel().__name__
             assert kernel == "ring_attn_bwd_gluon", f"{name}: the plan launches {kernel} on this GPU"
         t1 = time.time()
         q, k, v, do = testing.random_inputs(40 + len(name), B, S * W, H, HKV, D, dt, with_dout=True)
@@ -462,7 +463,8 @@ def main():
                                              backends=("fused",), window_size=window,
                                              segment_ids_shape=None if segs is None else (B, S),
                                              segment_ids_dtype=None if segs is None else "int32")
-        kernel = ring_heap.get().plan(ring_heap.get().kernel_spec(spec), W).kernel().__name__
+        h = ring_heap.get()
+        kernel = h.plan(h.kernel_spec(spec), W).kernel().__name__
         assert kernel == "ring_attn_fwd_gluon", f"{name}: the plan launches {kernel} on this GPU"
         q, k, v = testing.random_inputs(11 + S + H + seed, B, S * W, H, HKV, D, dt)
         idx = shards(q, lay)

@@ -8,8 +8,8 @@ Every result against float64, under the frameworks' defaults (shard_map's check_
   forward (out, lse) and the gradients taken outside the shard_map (jax.grad of a loss over the global arrays);
 * torch, the same rings from a DeviceMesh's "sp" group: forward and gradients bit-identical to JAX's (the same
   kernel on the same ring; every call here passes deterministic=True, since the default Hopper backward adds dQ in
-  any order at head_dim 64 and 128 and so is not bitwise from run to run), then torch.compile(fullgraph=True) of a module calling
-  it and torch.utils.checkpoint around it, both bit-identical to eager;
+  any order at head_dim 64 and 128 and so is not bitwise from run to run), then torch.compile(fullgraph=True) of a
+  module calling it and torch.utils.checkpoint around it, both bit-identical to eager;
 * the other axis: rings over "dp" (every rank again, in another ring: another heap slot), then "sp" again;
 * JAX mesh ("sp", "tp"): heads sharded over tp, the ring over sp.
 Prints one line per check; exit code 1 if any failed.
