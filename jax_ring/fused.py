@@ -186,9 +186,10 @@ def _scalars(p, timeout_s):
 
 
 def _segment_ids(spec, segment_ids):
-    """What the kernels get as ``seg_ptr``: this rank's segment ids (int32 [batch, seq_local], layout order) when
-    ``spec.segmented``, else a one-element dummy that the kernels never read (SEGMENTED=False)."""
-    validate.check_segment_ids_given(spec, segment_ids is not None)
+    """What the kernels get as ``seg_ptr``: this rank's segment ids (int32 [batch, seq_local], layout order; with
+    ``spec.kv_ids`` [2, batch, seq_local], the queries' then the keys') when ``spec.segmented``, else a one-element
+    dummy that the kernels never read (SEGMENTED=False)."""
+    validate.check_segment_ids_given(spec, segment_ids is not None, None if segment_ids is None else segment_ids.shape)
     if segment_ids is None:
         return jnp.zeros((1,), jnp.int32)
     return segment_ids.astype(jnp.int32)
@@ -256,8 +257,8 @@ def _check_of(mode: str):
 
 def forward(q, k, v, spec, axis_name, world_size: int, timeout_s: float | None = None, segment_ids=None):
     """Run the fused kernel on this rank's shards inside shard_map; returns (out, lse). ``segment_ids``: this
-    rank's ids (int32 [batch, seq_local], layout order) when ``spec.segmented``, else None; the window is
-    ``spec.window``."""
+    rank's ids (int32 [batch, seq_local], layout order; [2, ...] with ``spec.kv_ids``, the keys' after the
+    queries') when ``spec.segmented``, else None; the window is ``spec.window``."""
     out, lse = _launch("ring_attn_fwd", (q, k, v, _segment_ids(spec, segment_ids)), spec, axis_name, world_size,
                        timeout_s, backward=False)
     return tuple(_typed_like((out, lse), (q, k, v), axis_name))

@@ -165,10 +165,13 @@ def gluon_bwd_applies(spec: AttentionSpec, world_size: int, capability, determin
     accumulators alone would take 256 registers a thread); with a window or segment
     ids only in its any-order mode (``deterministic`` False: its deterministic order counts each query block's
     contributors by position, which masks change; those run the tl backward); in its deterministic order only at
-    ``GLUON_BWD_DET_HEAD_DIMS`` (elsewhere the tl split is faster)."""
+    ``GLUON_BWD_DET_HEAD_DIMS`` (elsewhere the tl split is faster); not where the keys' segment ids are not the
+    queries' (``spec.kv_ids``: its load warp narrows query blocks by this rank's published chunk ranges, which are
+    the keys'; the tl backward narrows them by the ids themselves)."""
     unmasked = (masks.kernel_window(spec.is_causal, spec.window, world_size * spec.seq_local) == masks.NO_WINDOW
                 and not spec.segmented)
     return (gluon_applies(spec, world_size, capability) and spec.head_dim in GLUON_BWD_HEAD_DIMS
+            and not (spec.segmented and spec.kv_ids)
             and (not deterministic or (unmasked and spec.head_dim in GLUON_BWD_DET_HEAD_DIMS)))
 
 
@@ -332,7 +335,7 @@ class LaunchPlan:
             PUSH_VEC=store_hint(s.head_dim, ELEM_BYTES[s.dtype]), CAUSAL=s.is_causal, ZIGZAG=s.layout == "zigzag",
             INTERPRET=self.interpret, DOT_PRECISION="ieee", SIG_DTYPE=control.DTYPE_CODES[s.dtype],
             STICKY_ERRORS=sticky_errors, WINDOW=self.window != masks.NO_WINDOW, WIN_LEFT=self.window[0],
-            WIN_RIGHT=self.window[1], SEGMENTED=bool(s.segmented),
+            WIN_RIGHT=self.window[1], SEGMENTED=bool(s.segmented), KV_IDS=bool(s.segmented and s.kv_ids),
         )
         if self.kind == control.KIND_FWD:
             return dict(shared, BLOCK_M=c.block_m, BLOCK_N=c.block_n)

@@ -30,6 +30,9 @@ class AttentionSpec:
     # Masks beyond causal (ring_core.masks); the defaults mean none, so every caller that predates them works.
     window: tuple = (-1, -1)  # (left, right) in global token order, -1 = unbounded (ring_core.validate.check_window)
     segmented: bool = False  # whether segment ids come with the call (int32 [batch, seq_local] per rank)
+    # With segment ids: whether the keys' ids differ from the queries' (int32 [2, batch, seq_local], the queries'
+    # then the keys'): the two-level ring's calls with another node's K/V (ring_core.nodes), not a user's call.
+    kv_ids: bool = False
 
     @property
     def group(self) -> int:
@@ -284,8 +287,13 @@ def check_global_seq(seq: int, world_size: int, layout: str, what: str = "the gl
     return seq // world_size
 
 
-def check_segment_ids_given(spec: "AttentionSpec", given: bool) -> None:
-    """The launchers' guard: segment ids are passed exactly when the (validated) spec says the call has them."""
+def check_segment_ids_given(spec: "AttentionSpec", given: bool, shape=None) -> None:
+    """The launchers' guard: segment ids are passed exactly when the (validated) spec says the call has them, in
+    the shape the kernels read (``shape``, when given: [batch, seq_local], or [2, batch, seq_local] with
+    ``spec.kv_ids``)."""
     if spec.segmented != bool(given):
         raise ValueError(f"spec.segmented is {spec.segmented} but segment_ids {'were' if given else 'were not'} "
                          "given: pass this rank's segment ids exactly when the spec says so")
+    want = (2,) * bool(spec.kv_ids) + (spec.batch, spec.seq_local)
+    if given and shape is not None and tuple(shape) != want:
+        raise ValueError(f"the segment ids have shape {tuple(shape)}; this call reads {want}")

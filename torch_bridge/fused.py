@@ -56,9 +56,10 @@ def kernel_spec(spec):
 
 
 def _segment_ids(spec, segment_ids, device):
-    """What the kernels get as ``seg_ptr``: this rank's segment ids (int32 [batch, seq_local], layout order) when
-    ``spec.segmented``, else a one-element dummy that the kernels never read (SEGMENTED=False)."""
-    validate.check_segment_ids_given(spec, segment_ids is not None)
+    """What the kernels get as ``seg_ptr``: this rank's segment ids (int32 [batch, seq_local], layout order; with
+    ``spec.kv_ids`` [2, batch, seq_local], the queries' then the keys') when ``spec.segmented``, else a one-element
+    dummy that the kernels never read (SEGMENTED=False)."""
+    validate.check_segment_ids_given(spec, segment_ids is not None, None if segment_ids is None else segment_ids.shape)
     if segment_ids is None:
         if device not in _NO_IDS:  # one per device, made once (no allocation and fill launched per call)
             _NO_IDS[device] = torch.zeros((1,), dtype=torch.int32, device=device)
@@ -211,7 +212,8 @@ def _template(kernel, constexprs: dict, n_args: int) -> list:
 def forward(q, k, v, spec, group=None, timeout_s: float | None = None, config=None, segment_ids=None):
     """Launch the fused kernel on this rank's shards; returns (out, lse). Inputs already validated.
     ``config`` (a ring_core.plans.KernelConfig) overrides the tuned defaults: for tuning only.
-    ``segment_ids``: this rank's ids (int32 [batch, seq_local], layout order) when ``spec.segmented``, else
+    ``segment_ids``: this rank's ids (int32 [batch, seq_local], layout order; [2, ...] with ``spec.kv_ids``,
+    the keys' after the queries') when ``spec.segmented``, else
     None; the window is ``spec.window``."""
     p, ctx, ring = _prepare(q, spec, group, config, backward=False)
     seg = _segment_ids(spec, segment_ids, q.device)

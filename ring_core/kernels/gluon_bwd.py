@@ -860,7 +860,7 @@ def ring_attn_bwd_gluon(
     CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr, INTERPRET: gl.constexpr, DOT_PRECISION: gl.constexpr,
     SIG_DTYPE: gl.constexpr, STICKY_ERRORS: gl.constexpr,
     WINDOW: gl.constexpr, WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr, SEGMENTED: gl.constexpr,
-    DETERMINISTIC: gl.constexpr,
+    KV_IDS: gl.constexpr, DETERMINISTIC: gl.constexpr,
 ):
     gl.static_assert(KV_BLOCK_N == _KV_ROWS and DQ_BLOCK_N == KV_BLOCK_M and DQ_BLOCK_M == _ROW_TASK and BLOCK_D == D,
                      "ring_core.plans: the Gluon backward's config")
@@ -869,6 +869,9 @@ def ring_attn_bwd_gluon(
     gl.static_assert(D == 64 or D == 128, "head_dim 64 or 128 (plans.gluon_bwd_applies)")
     MASKS: gl.constexpr = WINDOW or SEGMENTED
     gl.static_assert(not (MASKS and DETERMINISTIC), "with a window or segment ids: the tl kernel (gluon_bwd_applies)")
+    # The load warp narrows a task's query blocks by this rank's published chunk ranges, which are its keys' (its
+    # queries' too, unless KV_IDS): the tl kernel takes KV_IDS (gluon_bwd_applies).
+    gl.static_assert(not KV_IDS, "the keys' ids apart from the queries': the tl kernel (gluon_bwd_applies)")
     CHUNK_ROWS: gl.constexpr = CHUNK_BLOCKS * _KV_ROWS
     dtype: gl.constexpr = q_ptr.dtype.element_ty
 
@@ -879,8 +882,8 @@ def ring_attn_bwd_gluon(
     n_kvb = S // _KV_ROWS
     n_units = (W - 1) * B * HKV * n_chunks  # K/V push units; also the number of K/V flags
     rng = ranks_rng(flags, B, HKV, n_chunks, n_kvb, W)
-    call_ok = start_call(ctl, heap_bases, rank, epoch, timeout_ns, seg_ptr, rng, B, S, sm_scale, n_chunks, KIND_BWD, W,
-                         H, HKV, D, SIG_DTYPE, CAUSAL, ZIGZAG, CHUNK_ROWS, _KV_ROWS, WIN_LEFT, WIN_RIGHT,
+    call_ok = start_call(ctl, heap_bases, rank, epoch, timeout_ns, seg_ptr, seg_ptr, rng, B, S, sm_scale, n_chunks,
+                         KIND_BWD, W, H, HKV, D, SIG_DTYPE, CAUSAL, ZIGZAG, CHUNK_ROWS, _KV_ROWS, WIN_LEFT, WIN_RIGHT,
                          SEGMENTED, False)
     tid = gl.atomic_add(ctl + CTL_BWD_TICKET, 1, sem="relaxed", scope="gpu")
     if W > 1:

@@ -54,7 +54,8 @@ with K and V in rings of their own (shared memory: Q and the slots 224 KiB at D1
   NaN rows; the call's status raises either way).
 * Epilogue: ``end_call``.
 
-Windows and segment ids (constexprs WINDOW, SEGMENTED): the blocks come from the tl kernel's rules
+Windows and segment ids (constexprs WINDOW, SEGMENTED; KV_IDS: the keys' ids are not the queries', as in the tl
+kernel, ``protocol.key_ids``): the blocks come from the tl kernel's rules
 (``protocol.step_blocks``: positions, windows included) narrowed by the id ranges every rank publishes per chunk
 with the call check (chunks of one block with segment ids: ``plans.KernelConfig``), which say whether a block can
 hold a pair the tile attends and whether it needs masks (``protocol.block_met``; unmasked: every query sees every
@@ -89,7 +90,7 @@ from ring_core.kernels import configs
 from ring_core.protocol import control
 from ring_core.protocol.lanes import iota
 from ring_core.protocol.steps import (BIG_ID, CTL_ERROR, CTL_PUSHERS, KEY_PAD, QUERY_PAD, block_met, block_range,
-                                      chunk_ranges, drain_pushes, end_call, ids_summary, is_pusher, met_blocks,
+                                      chunk_ranges, drain_pushes, end_call, ids_summary, is_pusher, key_ids, met_blocks,
                                       pairs_allowed, positions, ranges_of, ranks_rng, receive_slots, ring_context,
                                       segment_keys, start_call, step_blocks)
 from ring_core.kernels.gluon_parts import (_WORD_LAYOUT_1, _WORD_LAYOUT_4, _acquire_chunk, _put, _tile_word, release,
@@ -447,7 +448,8 @@ def _producer_planned(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_
                       meta, tword, pwords, p_full, p_empty, qids, kids, rank, B, S, seg_ptr, seg_recv, flags, n_chunks,
                       epoch, ctl, tln, timeout_ns, rng, H: gl.constexpr, W: gl.constexpr, HKV: gl.constexpr,
                       D: gl.constexpr, CHUNK_BLOCKS: gl.constexpr, CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr,
-                      WINDOW: gl.constexpr, WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr, SEGMENTED: gl.constexpr):
+                      WINDOW: gl.constexpr, WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr, SEGMENTED: gl.constexpr,
+                      KV_IDS: gl.constexpr):
     """``_producer`` with a window or segment ids: the tiles and their plans as the planner partition publishes them
     (``_planner``; tile -1: no more), each one's Q and blocks (``_tile_loads_masked``; with segment ids the tile's and
     the masked blocks' ids into ``qids`` / ``kids``), its slot of words given back once they are issued; then tile -1
@@ -469,7 +471,8 @@ def _producer_planned(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_
         j = _tile_loads_masked(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready,
                                kv_empty, meta, tword, pwords, slot * PW, qids, kids, tile, b, h, hkv, q0, q_pos_min,
                                q_pos_max, k, j, rank, B, S, seg_ptr, seg_recv, flags, n_chunks, epoch, ctl, timeout_ns,
-                               rng, W, HKV, D, CHUNK_BLOCKS, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)
+                               rng, W, HKV, D, CHUNK_BLOCKS, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED,
+                               KV_IDS)
         release_bar(p_empty.index(slot))  # every word of the slot read
         _stamp(tln, k, TL_LOAD_ISSUED)
         k += 1
@@ -484,7 +487,7 @@ def _tile_loads_masked(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q
                        S, seg_ptr, seg_recv, flags, n_chunks, epoch, ctl, timeout_ns, rng, W: gl.constexpr,
                        HKV: gl.constexpr, D: gl.constexpr, CHUNK_BLOCKS: gl.constexpr, CAUSAL: gl.constexpr,
                        ZIGZAG: gl.constexpr, WINDOW: gl.constexpr, WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr,
-                       SEGMENTED: gl.constexpr):
+                       SEGMENTED: gl.constexpr, KV_IDS: gl.constexpr):
     """``_tile_loads`` with a window or segment ids: the tile's plan as the planner worked it out (its words from
     ``pbase`` in ``pwords``: ``_tile_plan``, each ring step's run [first, end) and the count of blocks loaded, which
     goes to the consumers with Q), then the blocks the plan holds, each tested again (``block_met``: a block no query
@@ -518,8 +521,8 @@ def _tile_loads_masked(q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q
         rng_src = ranges_of(rng, src, b, B, n_chunks)
         flag0 = flags + (((step - 1) * B + b) * HKV + hkv) * n_chunks
         k_row = (((step - 1) * 2 * B + b) * HKV + hkv) * S  # step >= 1: as _tile_loads
-        if step == 0:  # the blocks' ids: this rank's (batch b's), or those that came with the chunk (_block_ids)
-            seg_k = seg_ptr + b.to(gl.int64) * S
+        if step == 0:  # the blocks' ids: this rank's K/V's (batch b's: key_ids), or those that came with the chunk
+            seg_k = key_ids(seg_ptr, B, S, KV_IDS) + b.to(gl.int64) * S
         else:
             seg_k = seg_recv + ((((step - 1) * B + b) * HKV + hkv).to(gl.int64) * S)
         c_done = first * 0 - 1
@@ -1085,6 +1088,7 @@ def ring_attn_fwd_gluon(
     CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr, INTERPRET: gl.constexpr, DOT_PRECISION: gl.constexpr,
     SIG_DTYPE: gl.constexpr, STICKY_ERRORS: gl.constexpr,
     WINDOW: gl.constexpr, WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr, SEGMENTED: gl.constexpr,
+    KV_IDS: gl.constexpr,
 ):
     STAGES: gl.constexpr = kv_slots(D, BLOCK_M, BLOCK_N)  # ring_core.kernels.configs.GLUON_TILES
     RINGS: gl.constexpr = kv_rings(D)
@@ -1097,6 +1101,7 @@ def ring_attn_fwd_gluon(
     t_entry = _now_ns()
     heap_bases, rank, ctl, flags, recv_addr, epoch = ring_context(ctx_ptr, W)
     recv, seg_recv = receive_slots(recv_addr, seg_ptr, rank, B, S, q_ptr, W, HKV, D, SEGMENTED)
+    kseg_ptr = key_ids(seg_ptr, B, S, KV_IDS)  # the ids of the K/V this rank holds (SEGMENTED only)
     if _TIMELINE:  # (the receive region, unused at world size 1)
         gl.static_assert(W == 1, "the timeline (RING_ATTENTION_GLUON_TIMELINE) is for world size 1")
         tln = recv_addr.to(gl.pointer_type(gl.int64), bitcast=True)
@@ -1106,7 +1111,7 @@ def ring_attn_fwd_gluon(
         tln = ctl  # never written
     n_chunks = gl.cdiv(S, CHUNK_ROWS)
     rng = ranks_rng(flags, B, HKV, n_chunks, 0, W)
-    call_ok = start_call(ctl, heap_bases, rank, epoch, timeout_ns, seg_ptr, rng, B, S, sm_scale, n_chunks,
+    call_ok = start_call(ctl, heap_bases, rank, epoch, timeout_ns, seg_ptr, kseg_ptr, rng, B, S, sm_scale, n_chunks,
                          control.KIND_FWD, W, H, HKV, D, SIG_DTYPE, CAUSAL, ZIGZAG, CHUNK_ROWS, BLOCK_N, WIN_LEFT,
                          WIN_RIGHT, SEGMENTED, False)
     _stamp(tln, 0, TL_CHECKED_NS, NS=True)
@@ -1114,7 +1119,7 @@ def ring_attn_fwd_gluon(
         # The first quarter of the grid to arrive pushes every unit, each before anything of it waits (the
         # partitions), while the others compute ring step 0 meanwhile: ring_core.protocol.steps's no-deadlock argument.
         if is_pusher(ctl, gl.num_programs(0)):
-            drain_pushes(ctl, (W - 1) * B * HKV * n_chunks * call_ok, k_ptr, v_ptr, seg_ptr, recv, seg_recv, flags,
+            drain_pushes(ctl, (W - 1) * B * HKV * n_chunks * call_ok, k_ptr, v_ptr, kseg_ptr, recv, seg_recv, flags,
                          heap_bases, rank, epoch, B, S, n_chunks, W, HKV, D, D, CHUNK_ROWS, PUSH_ROWS, PUSH_VEC,
                          CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED, rng, SEGMENTED)
 
@@ -1163,7 +1168,7 @@ def ring_attn_fwd_gluon(
             (_producer_planned, (q_desc, k_desc, v_desc, r_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready,
                                  kv_empty, meta, tword, pwords, p_full, p_empty, qids, kids, rank, B, S, seg_ptr,
                                  seg_recv, flags, n_chunks, epoch, ctl, tln, timeout_ns, rng, H, W, HKV, D,
-                                 CHUNK_BLOCKS, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),
+                                 CHUNK_BLOCKS, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED, KV_IDS)),
             (_consumer_tiles, (q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, pp, meta, tword, out_ptr,
                                lse_ptr, qk_scale, ctl, tln, call_ok, rank, B, S, qids, kids, 1, H, W, HKV, D,
                                CAUSAL, ZIGZAG, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)),

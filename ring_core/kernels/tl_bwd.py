@@ -86,10 +86,10 @@ import iris
 from ring_core.protocol import control
 from ring_core.protocol.steps import (CTL_BWD_DELTA, CTL_BWD_TICKET, CTL_ERROR, ERR_KV_TIMEOUT, ERR_PEER_FAILED,
                                       block_reaches, block_rows, chunk_needed, claim_push, drain_pushes, end_call,
-                                      in_rows, last_pos, pairs_allowed, poll_ge, positions, published_range, ranges_of,
-                                      ranks_rng, record_error, record_peer_error, receive_slots, ring_context,
-                                      row_blocks, rows_within, seg_blocks, start_call, step_blocks, tile_id_parts,
-                                      tile_ids, visible_rows, wait_chunks, wait_rows)
+                                      in_rows, key_ids, last_pos, pairs_allowed, poll_ge, positions, published_range,
+                                      ranges_of, ranks_rng, record_error, record_peer_error, receive_slots,
+                                      ring_context, row_blocks, rows_within, seg_blocks, start_call, step_blocks,
+                                      tile_id_parts, tile_ids, visible_rows, wait_chunks, wait_rows)
 from ring_core.kernels.tiles import dot, load_kv, query_tile
 
 KIND_BWD = tl.constexpr(control.KIND_BWD)
@@ -187,14 +187,14 @@ def _dkdv_blocks(dk, dv, k, v, k_pos, k_seg, q_ptr, do_ptr, lse_ptr, delta_ptr, 
 # The timeout is not specialised on its value (no binary per timeout); B and S are, as Triton's JIT does
 # (the JAX launcher, ring_core.runtime.build, specialises them alike: one binary for both frontends).
 @triton.jit
-def _dq_task(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, dlse_ptr, seg_ptr, B, S, sm_scale, timeout_ns, dq_ptr,
-             delta_ptr, heap_bases, rank, ctl, flags, epoch, recv, seg_recv, n_chunks, rng, n_push, B64, qk_scale,
-             offs_d, dmask, tid, call_ok, W: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-             DQ_BLOCK_M: tl.constexpr, DQ_BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PUSH_ROWS: tl.constexpr,
-             SEG_BLOCKS: tl.constexpr, PUSH_VEC: tl.constexpr, POLL_N: tl.constexpr, CAUSAL: tl.constexpr,
-             ZIGZAG: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr,
-             WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SEGMENTED: tl.constexpr, G: tl.constexpr,
-             CHUNK_ROWS: tl.constexpr):
+def _dq_task(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, dlse_ptr, seg_ptr, kseg_ptr, B, S, sm_scale, timeout_ns,
+             dq_ptr, delta_ptr, heap_bases, rank, ctl, flags, epoch, recv, seg_recv, n_chunks, rng, n_push, B64,
+             qk_scale, offs_d, dmask, tid, call_ok, W: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr,
+             D: tl.constexpr, DQ_BLOCK_M: tl.constexpr, DQ_BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+             PUSH_ROWS: tl.constexpr, SEG_BLOCKS: tl.constexpr, PUSH_VEC: tl.constexpr, POLL_N: tl.constexpr,
+             CAUSAL: tl.constexpr, ZIGZAG: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr,
+             WINDOW: tl.constexpr, WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SEGMENTED: tl.constexpr,
+             G: tl.constexpr, CHUNK_ROWS: tl.constexpr):
     """The dQ task ``tid`` (< n_dq): one (batch, head, DQ_BLOCK_M query rows) tile's dQ over every rank's K/V, in ring
     order, pushing this rank's K/V units between its local blocks as the forward does; NaN if a wait gave up."""
     valid = call_ok  # 0 once a wait of this task gave up: its result is then written as NaN
@@ -242,7 +242,7 @@ def _dq_task(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, dlse_ptr, seg_ptr, B, 
         if step == 0:
             k_base = k_ptr + b.to(tl.int64) * S * HKV * D + hkv * D
             v_base = v_ptr + b.to(tl.int64) * S * HKV * D + hkv * D
-            seg_k = seg_q
+            seg_k = kseg_ptr + b.to(tl.int64) * S
             if SEGMENTED:
                 j_lo, n_full_lo, n_full, n_hi = seg_blocks(seg_k, j_lo, n_hi, lo1, hi1, lo2, hi2, n_full_lo,
                                                            n_full, s_lo, s_hi, t_id, DQ_BLOCK_N,
@@ -259,7 +259,7 @@ def _dq_task(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, dlse_ptr, seg_ptr, B, 
                 # Overlap: claim and push one unit of the local K/V every SEG_BLOCKS blocks; the claims
                 # sit between the pipelined loops, never inside them.
                 for seg in range(n_full_lo, n_full, SEG_BLOCKS):
-                    claim_push(ctl, n_push, k_ptr, v_ptr, seg_ptr, recv, seg_recv, flags, heap_bases, rank, epoch,
+                    claim_push(ctl, n_push, k_ptr, v_ptr, kseg_ptr, recv, seg_recv, flags, heap_bases, rank, epoch,
                                B, S, n_chunks, W, HKV, D, BLOCK_D, CHUNK_ROWS, PUSH_ROWS, PUSH_VEC, CAUSAL, ZIGZAG,
                                WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED, rng, SEGMENTED)
                     dq = _dq_blocks(dq, q, do, lse2, delta, q_pos, q_pos_max, k_base, v_base, seg,
@@ -292,7 +292,7 @@ def _dq_task(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, dlse_ptr, seg_ptr, B, 
             rng_src = ranges_of(rng, src, b, B, n_chunks)  # src's published id ranges of batch b
             if step == 1:
                 # Every task passes here, also one that needs nothing from any peer (module docstring, (a)).
-                drain_pushes(ctl, n_push, k_ptr, v_ptr, seg_ptr, recv, seg_recv, flags, heap_bases, rank, epoch, B,
+                drain_pushes(ctl, n_push, k_ptr, v_ptr, kseg_ptr, recv, seg_recv, flags, heap_bases, rank, epoch, B,
                              S, n_chunks, W, HKV, D, BLOCK_D, CHUNK_ROWS, PUSH_ROWS, PUSH_VEC, CAUSAL, ZIGZAG,
                              WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED, rng, SEGMENTED)
             # Every chunk this tile can see, before the loops that read them (protocol.wait_chunks says
@@ -424,14 +424,14 @@ def _wait_block_chunks(inputs_ok, flags, epoch, ctl, timeout_ns, n0, src, rank, 
 
 
 @triton.jit
-def _dkdv_task(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, seg_ptr, B, S, sm_scale, timeout_ns, dk_ptr, dv_ptr, delta_ptr,
-               heap_bases, rank, ctl, flags, epoch, recv, seg_recv, part, n_chunks, n_units, rng, call_ok, n_push,
-               n_kvb, n_dq, n_part, B64, my_last, qk_scale, offs_d, dmask, tid, W: tl.constexpr, H: tl.constexpr,
-               HKV: tl.constexpr, D: tl.constexpr, KV_BLOCK_N: tl.constexpr, KV_BLOCK_M: tl.constexpr,
+def _dkdv_task(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, seg_ptr, kseg_ptr, B, S, sm_scale, timeout_ns, dk_ptr, dv_ptr,
+               delta_ptr, heap_bases, rank, ctl, flags, epoch, recv, seg_recv, part, n_chunks, n_units, rng, call_ok,
+               n_push, n_kvb, n_dq, n_part, B64, my_last, qk_scale, offs_d, dmask, tid, W: tl.constexpr,
+               H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, KV_BLOCK_N: tl.constexpr, KV_BLOCK_M: tl.constexpr,
                BLOCK_D: tl.constexpr, PUSH_ROWS: tl.constexpr, PUSH_VEC: tl.constexpr, PART_VEC: tl.constexpr,
                CAUSAL: tl.constexpr, ZIGZAG: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr,
                WINDOW: tl.constexpr, WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SEGMENTED: tl.constexpr,
-               G: tl.constexpr, CHUNK_ROWS: tl.constexpr):
+               G: tl.constexpr, CHUNK_ROWS: tl.constexpr, KV_IDS: tl.constexpr):
     """The dK/dV task ``tid`` (>= n_dq): a partial one (a peer's K/V block against this rank's queries, sent back to
     its owner) or a final one (this rank's K/V block: its own part plus every peer's partial, summed in rank order)."""
     t = tid - n_dq
@@ -445,7 +445,7 @@ def _dkdv_task(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, seg_ptr, B, S, sm_scale, ti
     hkv = bh % HKV
     src = (rank - d + W) % W
     # Never wait while push units are unclaimed (module docstring, (a)).
-    drain_pushes(ctl, n_push, k_ptr, v_ptr, seg_ptr, recv, seg_recv, flags, heap_bases, rank, epoch, B, S,
+    drain_pushes(ctl, n_push, k_ptr, v_ptr, kseg_ptr, recv, seg_recv, flags, heap_bases, rank, epoch, B, S,
                  n_chunks, W, HKV, D, BLOCK_D, CHUNK_ROWS, PUSH_ROWS, PUSH_VEC, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT,
                  WIN_RIGHT, SEGMENTED, rng, SEGMENTED)
     inputs_ok = poll_ge(ctl + CTL_BWD_DELTA, n_dq, ctl, timeout_ns, INTERPRET)
@@ -516,7 +516,7 @@ def _dkdv_task(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, seg_ptr, B, S, sm_scale, ti
     else:
         k_base = k_ptr + bkv
         v_base = v_ptr + bkv
-        seg_k = seg_ptr + b.to(tl.int64) * S
+        seg_k = kseg_ptr + b.to(tl.int64) * S
         row_stride = rank * 0 + HKV * D
     tl.debug_barrier()  # every thread's loads below after the acquires above (see the dQ task)
     dk = tl.zeros([KV_BLOCK_N, BLOCK_D], tl.float32)
@@ -536,7 +536,7 @@ def _dkdv_task(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, seg_ptr, B, S, sm_scale, ti
             i_lo, i_full, i_fend, i_hi = seg_blocks(seg_q, i_lo, i_hi, ql1, qh1, ql2, qh2, i_full, i_fend, s_lo,
                                                     s_hi, t_id, KV_BLOCK_M,
                                                     ranges_of(rng, rank, b, B, n_chunks), s_lo, s_hi, s_lo, s_hi,
-                                                    CHUNK_ROWS, False)
+                                                    CHUNK_ROWS, False, not KV_IDS)
         else:
             k_seg = k_pos  # unused
         # Fixed order: head g of the group, then local query blocks (deterministic accumulation).
@@ -593,6 +593,7 @@ def ring_attn_bwd_kernel(
     CAUSAL: tl.constexpr, ZIGZAG: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SIG_DTYPE: tl.constexpr, STICKY_ERRORS: tl.constexpr,
     WINDOW: tl.constexpr, WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SEGMENTED: tl.constexpr,
+    KV_IDS: tl.constexpr,  # the keys' ids are not the queries' (protocol.key_ids; ring_core.kernels.tl_fwd)
     DETERMINISTIC: tl.constexpr,  # the Gluon backward's (ring_core.kernels.gluon_bwd); this one sums in a fixed order
 ):
     G: tl.constexpr = H // HKV
@@ -601,6 +602,7 @@ def ring_attn_bwd_kernel(
     # ---- this rank's ring: heap bases, position, its slot's control words and flags, receive region --
     heap_bases, rank, ctl, flags, recv_addr, epoch = ring_context(ctx_ptr, W)
     recv, seg_recv = receive_slots(recv_addr, seg_ptr, rank, B, S, q_ptr, W, HKV, D, SEGMENTED)
+    kseg_ptr = key_ids(seg_ptr, B, S, KV_IDS)  # the ids of the K/V this rank holds (SEGMENTED only)
     # The partial dK/dV slots: part_off is a multiple of ALIGN (ring_core.protocol.control), so their loads vectorise.
     part = (recv_addr + (rank * 0 + part_off).to(tl.uint64)).to(tl.pointer_type(tl.float32), bitcast=True)
     part = tl.multiple_of(part, 16)
@@ -613,9 +615,9 @@ def ring_attn_bwd_kernel(
     rng = ranks_rng(flags, B, HKV, n_chunks, tl.cdiv(S, KV_BLOCK_N), W)
     # Every rank must make this same call; if not, nothing is sent to a peer (no K/V push, no partial) and
     # every later wait gives up at once.
-    call_ok = start_call(ctl, heap_bases, rank, epoch, timeout_ns, seg_ptr, rng, B, S, sm_scale, n_chunks, KIND_BWD, W,
-                         H, HKV, D, SIG_DTYPE, CAUSAL, ZIGZAG, CHUNK_ROWS, KV_BLOCK_N, WIN_LEFT, WIN_RIGHT, SEGMENTED,
-                         INTERPRET)
+    call_ok = start_call(ctl, heap_bases, rank, epoch, timeout_ns, seg_ptr, kseg_ptr, rng, B, S, sm_scale, n_chunks,
+                         KIND_BWD, W, H, HKV, D, SIG_DTYPE, CAUSAL, ZIGZAG, CHUNK_ROWS, KV_BLOCK_N, WIN_LEFT,
+                         WIN_RIGHT, SEGMENTED, INTERPRET)
     n_push = n_units * call_ok  # units to push: none after a mismatch
     n_kvb = tl.cdiv(S, KV_BLOCK_N)
     n_dq = B * H * tl.cdiv(S, DQ_BLOCK_M)
@@ -628,17 +630,17 @@ def ring_attn_bwd_kernel(
 
     tid = tl.atomic_add(ctl + CTL_BWD_TICKET, 1, sem="relaxed", scope="gpu")
     if tid < n_dq:
-        _dq_task(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, dlse_ptr, seg_ptr, B, S, sm_scale, timeout_ns, dq_ptr,
-                 delta_ptr, heap_bases, rank, ctl, flags, epoch, recv, seg_recv, n_chunks, rng, n_push, B64,
+        _dq_task(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, dlse_ptr, seg_ptr, kseg_ptr, B, S, sm_scale, timeout_ns,
+                 dq_ptr, delta_ptr, heap_bases, rank, ctl, flags, epoch, recv, seg_recv, n_chunks, rng, n_push, B64,
                  qk_scale, offs_d, dmask, tid, call_ok, W, H, HKV, D, DQ_BLOCK_M, DQ_BLOCK_N, BLOCK_D, PUSH_ROWS,
                  SEG_BLOCKS, PUSH_VEC, POLL_N, CAUSAL, ZIGZAG, INTERPRET, DOT_PRECISION, WINDOW, WIN_LEFT, WIN_RIGHT,
                  SEGMENTED, G, CHUNK_ROWS)
     else:
-        _dkdv_task(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, seg_ptr, B, S, sm_scale, timeout_ns, dk_ptr, dv_ptr,
-                   delta_ptr, heap_bases, rank, ctl, flags, epoch, recv, seg_recv, part, n_chunks, n_units, rng,
+        _dkdv_task(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, seg_ptr, kseg_ptr, B, S, sm_scale, timeout_ns, dk_ptr,
+                   dv_ptr, delta_ptr, heap_bases, rank, ctl, flags, epoch, recv, seg_recv, part, n_chunks, n_units, rng,
                    call_ok, n_push, n_kvb, n_dq, n_part, B64, my_last, qk_scale, offs_d, dmask, tid, W, H, HKV, D,
                    KV_BLOCK_N, KV_BLOCK_M, BLOCK_D, PUSH_ROWS, PUSH_VEC, PART_VEC, CAUSAL, ZIGZAG, INTERPRET,
-                   DOT_PRECISION, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED, G, CHUNK_ROWS)
+                   DOT_PRECISION, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED, G, CHUNK_ROWS, KV_IDS)
 
     # ---- end: the last program of this rank meets every peer, reports, resets -----------------------
     end_call(ctl, status_ptr, heap_bases, rank, epoch, timeout_ns, W, INTERPRET, STICKY_ERRORS, True)

@@ -23,8 +23,9 @@ or read; with segment ids a K/V chunk travels and is waited for only where its i
 id ranges every rank publishes with the call check), and a range pass over the K/V blocks' ids (after the
 wait: they travel with the chunk) narrows the loops to the blocks that can hold a pair, and unmasks those
 that hold the tile's one document only. A padding row (negative id) attends nothing: out 0, lse -inf (l = 0,
-m = -inf: the masked loop shifts such rows by 0, so no NaN). WINDOW = SEGMENTED = False compiles to the kernel
-without them.
+m = -inf: the masked loop shifts such rows by 0, so no NaN). KV_IDS: the keys' ids are not the queries' (the
+two-level ring's calls with another node's K/V, ring_core.nodes; protocol.key_ids). WINDOW = SEGMENTED = False
+compiles to the kernel without them.
 
 Numerics: scores and the softmax are float32; fp16/bf16 dots run on tensor cores with float32
 accumulation, probabilities rounded to the input dtype for P@V (as flash-attention does); float32 inputs
@@ -36,8 +37,9 @@ import triton.language as tl
 
 from ring_core.protocol import control
 
-from ring_core.protocol.steps import (block_rows, claim_push, drain_pushes, end_call, pairs_allowed, positions,
-                                      ranges_of, ranks_rng, receive_slots, ring_context, seg_blocks, start_call,
+from ring_core.protocol.steps import (block_rows, claim_push, drain_pushes, end_call, key_ids, pairs_allowed,
+                                      positions, ranges_of, ranks_rng, receive_slots, ring_context, seg_blocks,
+                                      start_call,
                                       step_blocks, tile_id_parts, tile_ids, wait_chunks, wait_rows)
 from ring_core.kernels.tiles import dot, load_kv, query_tile
 
@@ -93,7 +95,7 @@ def _attn_blocks(acc, l_i, m_i, q, q_pos, k_base, v_base, lo, hi, src, S, qk_sca
 @triton.jit
 def _received_step(acc, l_i, m_i, valid, q, q_pos, offs_n, offs_d, q_seg, s_lo, s_hi, t_id, a_lo, a_hi, b_lo, b_hi,
                    j_lo, n_full_lo, n_full, n_hi, lo1, hi1, lo2, hi2, b, hkv, rank, src, B, S, qk_scale, n_units,
-                   n_chunks, k_ptr, v_ptr, seg_ptr, recv, seg_recv, flags, heap_bases, ctl, rng, epoch, timeout_ns,
+                   n_chunks, k_ptr, v_ptr, kseg_ptr, recv, seg_recv, flags, heap_bases, ctl, rng, epoch, timeout_ns,
                    STEP: tl.constexpr, W: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_D: tl.constexpr, CHUNK_BLOCKS: tl.constexpr, CHUNK_ROWS: tl.constexpr,
                    PUSH_ROWS: tl.constexpr, PUSH_VEC: tl.constexpr, POLL_N: tl.constexpr, CAUSAL: tl.constexpr,
@@ -112,7 +114,7 @@ def _received_step(acc, l_i, m_i, valid, q, q_pos, offs_n, offs_d, q_seg, s_lo, 
         # Never wait, nor end, while push units are unclaimed: this is what makes the protocol independent of which
         # programs are resident (ring_core.protocol.steps). Every program passes here, also one that needs nothing
         # from any peer.
-        drain_pushes(ctl, n_units, k_ptr, v_ptr, seg_ptr, recv, seg_recv, flags, heap_bases, rank, epoch, B, S,
+        drain_pushes(ctl, n_units, k_ptr, v_ptr, kseg_ptr, recv, seg_recv, flags, heap_bases, rank, epoch, B, S,
                      n_chunks, W, HKV, D, BLOCK_D, CHUNK_ROWS, PUSH_ROWS, PUSH_VEC, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT,
                      WIN_RIGHT, SEGMENTED, rng, SEGMENTED)
     # Every chunk this tile will read, before the loops that read them (protocol.wait_chunks says why).
@@ -164,6 +166,7 @@ def ring_attn_fwd_kernel(
     CAUSAL: tl.constexpr, ZIGZAG: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SIG_DTYPE: tl.constexpr, STICKY_ERRORS: tl.constexpr,
     WINDOW: tl.constexpr, WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SEGMENTED: tl.constexpr,
+    KV_IDS: tl.constexpr,
 ):
     G: tl.constexpr = H // HKV
     CHUNK_ROWS: tl.constexpr = CHUNK_BLOCKS * BLOCK_N
@@ -173,6 +176,7 @@ def ring_attn_fwd_kernel(
     # ---- this rank's ring: heap bases, position, its slot's control words and flags, receive region --
     heap_bases, rank, ctl, flags, recv_addr, epoch = ring_context(ctx_ptr, W)
     recv, seg_recv = receive_slots(recv_addr, seg_ptr, rank, B, S, q_ptr, W, HKV, D, SEGMENTED)
+    kseg_ptr = key_ids(seg_ptr, B, S, KV_IDS)  # the ids of the K/V this rank holds (SEGMENTED only)
 
     n_m = tl.cdiv(S, BLOCK_M)
     n_chunks = tl.cdiv(S, CHUNK_ROWS)
@@ -182,9 +186,9 @@ def ring_attn_fwd_kernel(
     # sent nor waited for (protocol.publish_id_ranges, push_unit, wait_chunks).
     rng = ranks_rng(flags, B, HKV, n_chunks, 0, W)
     # Every rank must make this same call; if not, push nothing (every later wait then gives up at once).
-    call_ok = start_call(ctl, heap_bases, rank, epoch, timeout_ns, seg_ptr, rng, B, S, sm_scale, n_chunks, KIND_FWD, W,
-                         H, HKV, D, SIG_DTYPE, CAUSAL, ZIGZAG, CHUNK_ROWS, BLOCK_N, WIN_LEFT, WIN_RIGHT, SEGMENTED,
-                         INTERPRET)
+    call_ok = start_call(ctl, heap_bases, rank, epoch, timeout_ns, seg_ptr, kseg_ptr, rng, B, S, sm_scale, n_chunks,
+                         KIND_FWD, W, H, HKV, D, SIG_DTYPE, CAUSAL, ZIGZAG, CHUNK_ROWS, BLOCK_N, WIN_LEFT, WIN_RIGHT,
+                         SEGMENTED, INTERPRET)
     n_units = n_units * call_ok
     valid = call_ok  # 0 once a wait of this tile gave up: its result is then not computed from the right data
 
@@ -221,7 +225,7 @@ def ring_attn_fwd_kernel(
         if step == 0:
             k_base = k_ptr + b.to(tl.int64) * S * HKV * D + hkv * D
             v_base = v_ptr + b.to(tl.int64) * S * HKV * D + hkv * D
-            seg_k = seg_q
+            seg_k = kseg_ptr + b.to(tl.int64) * S
             if SEGMENTED:
                 j_lo, n_full_lo, n_full, n_hi = seg_blocks(seg_k, j_lo, n_hi, lo1, hi1, lo2, hi2, n_full_lo, n_full,
                                                            s_lo, s_hi, t_id, BLOCK_N, rng_own, a_lo, a_hi, b_lo,
@@ -236,7 +240,7 @@ def ring_attn_fwd_kernel(
                 # Overlap: claim and push one unit of the local K/V every SEG_BLOCKS blocks. The claims
                 # sit between the pipelined inner loops, never inside them.
                 for seg in range(n_full_lo, n_full, SEG_BLOCKS):
-                    claim_push(ctl, n_units, k_ptr, v_ptr, seg_ptr, recv, seg_recv, flags, heap_bases, rank, epoch,
+                    claim_push(ctl, n_units, k_ptr, v_ptr, kseg_ptr, recv, seg_recv, flags, heap_bases, rank, epoch,
                                B, S, n_chunks, W, HKV, D, BLOCK_D, CHUNK_ROWS, PUSH_ROWS, PUSH_VEC, CAUSAL, ZIGZAG,
                                WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED, rng, SEGMENTED)
                     acc, l_i, m_i = _attn_blocks(acc, l_i, m_i, q, q_pos, k_base, v_base, seg,
@@ -260,7 +264,7 @@ def ring_attn_fwd_kernel(
             acc, l_i, m_i, valid = _received_step(
                 acc, l_i, m_i, valid, q, q_pos, offs_n, offs_d, q_seg, s_lo, s_hi, t_id, a_lo, a_hi, b_lo, b_hi, j_lo,
                 n_full_lo, n_full, n_hi, lo1, hi1, lo2, hi2, b, hkv, rank, src, B, S, qk_scale, n_units, n_chunks,
-                k_ptr, v_ptr, seg_ptr, recv, seg_recv, flags, heap_bases, ctl, rng, epoch, timeout_ns, step, W, HKV,
+                k_ptr, v_ptr, kseg_ptr, recv, seg_recv, flags, heap_bases, ctl, rng, epoch, timeout_ns, step, W, HKV,
                 D, BLOCK_N, BLOCK_D, CHUNK_BLOCKS, CHUNK_ROWS, PUSH_ROWS, PUSH_VEC, POLL_N, CAUSAL, ZIGZAG,
                 INTERPRET, DOT_PRECISION, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)
 

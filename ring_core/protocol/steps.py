@@ -45,7 +45,8 @@ Windows and segment ids: what travels, what is skipped, what is still waited for
 The rule is ring_core.masks.allowed's, in global positions. The window is a pair of constexprs (as
 ring_core.masks.kernel_window normalises it: a side that masks nothing is -1, the right side under causal
 masking too); segment ids are an int32 input, this rank's tokens in layout order, serving its queries and
-its keys.
+its keys (with KV_IDS the keys' ids follow the queries' in the same input: a call whose K/V are another node's,
+``key_ids``; what follows reads "the chunk's ids" as the keys', "the tile's" and "the halves'" as the queries').
 
 * Windows are positions, known to every rank without data, like causal masking. Positions grow with the
   local row in both layouts, so the keys of a source shard within reach of one run of consecutive query
@@ -302,6 +303,18 @@ def receive_slots(recv_addr, seg_ptr, rank, B, S, elem_ptr, W: tl.constexpr, HKV
 
 
 @triton.jit
+def key_ids(seg_ptr, B, S, KV_IDS: tl.constexpr):
+    """Where the ids of the K/V this rank holds are: with KV_IDS ([2][B][S] at ``seg_ptr``: a call whose K/V are
+    another node's, ring_core.nodes) after its queries' ids; else the queries' own (a rank's tokens serve its
+    queries and its keys). Everything about keys reads them here: the local step, the pushes (the ids travel with
+    the K/V), the chunks' published ranges; everything about queries reads ``seg_ptr``: tiles, the halves' ranges."""
+    if KV_IDS:
+        return seg_ptr + (S * 0 + B).to(tl.int64) * S
+    else:
+        return seg_ptr
+
+
+@triton.jit
 def start_clock(INTERPRET: tl.constexpr):
     if INTERPRET:
         return 0  # no clock in the interpreter: still_waiting counts polls instead
@@ -413,7 +426,8 @@ def call_words(KIND: tl.constexpr, B, S, sm_scale, W: tl.constexpr, H: tl.conste
 
 @triton.jit
 def check_call(ctl, heap_bases, rank, epoch, words, timeout_ns, W: tl.constexpr, INTERPRET: tl.constexpr,
-               seg_ptr, rng, B, S, n_chunks, CHUNK_ROWS: tl.constexpr, ZIGZAG: tl.constexpr, ID_RANGES: tl.constexpr):
+               seg_ptr, kseg_ptr, rng, B, S, n_chunks, CHUNK_ROWS: tl.constexpr, ZIGZAG: tl.constexpr,
+               ID_RANGES: tl.constexpr):
     """Before anything is pushed to or read from a peer: make sure every rank makes the same call.
 
     The first program of the call on this rank publishes the signature ``words`` (see call_words) into
@@ -433,7 +447,7 @@ def check_call(ctl, heap_bases, rank, epoch, words, timeout_ns, W: tl.constexpr,
             if p != rank:
                 iris.store(ctl + CTL_SIG + rank * SIG_WORDS + i, mine, rank, p, heap_bases, mask=i > 0)
         if ID_RANGES:
-            publish_id_ranges(seg_ptr, rng, heap_bases, rank, B, S, n_chunks, W, CHUNK_ROWS, ZIGZAG)
+            publish_id_ranges(seg_ptr, kseg_ptr, rng, heap_bases, rank, B, S, n_chunks, W, CHUNK_ROWS, ZIGZAG)
         tl.debug_barrier()  # every thread's words before the epoch (cumulativity through bar.sync)
         if ID_RANGES:  # this rank's own ranges, for its other programs (id_ranges_ready)
             tl.atomic_xchg(ctl + CTL_RANGES, epoch, sem="release", scope="gpu")
@@ -464,22 +478,24 @@ def check_call(ctl, heap_bases, rank, epoch, words, timeout_ns, W: tl.constexpr,
 
 
 @triton.jit
-def start_call(ctl, heap_bases, rank, epoch, timeout_ns, seg_ptr, rng, B, S, sm_scale, n_chunks, KIND: tl.constexpr,
-               W: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, SIG_DTYPE: tl.constexpr,
-               CAUSAL: tl.constexpr, ZIGZAG: tl.constexpr, CHUNK_ROWS: tl.constexpr, BLOCK: tl.constexpr,
-               WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SEGMENTED: tl.constexpr, INTERPRET: tl.constexpr):
+def start_call(ctl, heap_bases, rank, epoch, timeout_ns, seg_ptr, kseg_ptr, rng, B, S, sm_scale, n_chunks,
+               KIND: tl.constexpr, W: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+               SIG_DTYPE: tl.constexpr, CAUSAL: tl.constexpr, ZIGZAG: tl.constexpr, CHUNK_ROWS: tl.constexpr,
+               BLOCK: tl.constexpr, WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SEGMENTED: tl.constexpr,
+               INTERPRET: tl.constexpr):
     """Every program of either kernel, before anything is sent or read: 1 if every rank makes this same call
-    (``check_call`` on the signature ``call_words``; with W = 1 nothing to check) and, with segment ids, this
-    rank's own published id ranges are ready (``id_ranges_ready``: the range passes and pushes read them); else 0,
-    and the caller sends nothing to a peer (every later wait then gives up at once)."""
+    (``check_call`` on the signature ``call_words``; with W = 1 nothing to check) and, with segment ids (the
+    queries' at ``seg_ptr``, the keys' at ``kseg_ptr``: ``key_ids``), this rank's own published id ranges are
+    ready (``id_ranges_ready``: the range passes and pushes read them); else 0, and the caller sends nothing to a
+    peer (every later wait then gives up at once)."""
     call_ok = epoch * 0 + 1
     if W > 1:
         words = call_words(KIND, B, S, sm_scale, W, H, HKV, D, SIG_DTYPE, CAUSAL, ZIGZAG, CHUNK_ROWS, BLOCK,
                            WIN_LEFT, WIN_RIGHT, SEGMENTED)
-        call_ok = check_call(ctl, heap_bases, rank, epoch, words, timeout_ns, W, INTERPRET, seg_ptr, rng, B, S,
-                             n_chunks, CHUNK_ROWS, ZIGZAG, SEGMENTED)
+        call_ok = check_call(ctl, heap_bases, rank, epoch, words, timeout_ns, W, INTERPRET, seg_ptr, kseg_ptr, rng,
+                             B, S, n_chunks, CHUNK_ROWS, ZIGZAG, SEGMENTED)
     if SEGMENTED:
-        call_ok = call_ok * id_ranges_ready(ctl, seg_ptr, rng, heap_bases, rank, epoch, timeout_ns, B, S, n_chunks, W,
+        call_ok = call_ok * id_ranges_ready(ctl, kseg_ptr, rng, heap_bases, rank, epoch, timeout_ns, B, S, n_chunks, W,
                                             CHUNK_ROWS, ZIGZAG, INTERPRET)
     return call_ok
 
@@ -826,7 +842,8 @@ def ids_summary(ids, row_ok):
 
 @triton.jit
 def seg_blocks(seg_base, j_lo, j_hi, lo1, hi1, lo2, hi2, nf_lo, nf_hi, s_lo, s_hi, t, BLOCK: tl.constexpr,
-               rng_src_b, a_lo, a_hi, b_lo, b_hi, CHUNK_ROWS: tl.constexpr, ID_SKIP: tl.constexpr):
+               rng_src_b, a_lo, a_hi, b_lo, b_hi, CHUNK_ROWS: tl.constexpr, ID_SKIP: tl.constexpr,
+               NARROW: tl.constexpr = True):
     """The range pass of segment ids, before a loop over blocks [j_lo, j_hi) of BLOCK rows of the other side
     (keys for a query tile, queries for a K/V block), whose ids are at ``seg_base`` and which may be read only
     in rows [lo1, hi1) | [lo2, hi2) (rows another rank did not send are never read). A block whose non-padding
@@ -841,7 +858,9 @@ def seg_blocks(seg_base, j_lo, j_hi, lo1, hi1, lo2, hi2, nf_lo, nf_hi, s_lo, s_h
     b; this rank's own once ``id_ranges_ready``) narrow [j_lo, j_hi) to the chunks from the first whose range
     meets the tile's parts ([a_lo, a_hi] | [b_lo, b_hi], which lie within [s_lo, s_hi]) to the last: one vector
     of words instead of every id, so the id pass below reads only the run near the tile's documents. A block of
-    a chunk whose range misses the tile's holds no pair either, so the result is the same as without it. With
+    a chunk whose range misses the tile's holds no pair either, so the result is the same as without it
+    (NARROW=False: without it, where the published ranges are not the rows': a backward's local queries, whose
+    chunks' ranges are the keys' under KV_IDS, ``key_ids``). With
     ID_SKIP (received K/V, segment ids), rows of chunks whose published range misses the tile's
     (``tile_id_parts``) are not read: such a chunk was not sent (``push_unit``), and none of its rows can hold a
     pair."""
@@ -850,15 +869,16 @@ def seg_blocks(seg_base, j_lo, j_hi, lo1, hi1, lo2, hi2, nf_lo, nf_hi, s_lo, s_h
     r_hi = tl.maximum(tl.where(hi2 > lo2, hi2, 0), tl.where(hi1 > lo1, hi1, 0))  # rows that may be read: < r_hi
     c_lo = (j_lo * BLOCK) // CHUNK_ROWS
     c_hi = tl.where(j_hi > j_lo, tl.cdiv(tl.minimum(j_hi * BLOCK, r_hi), CHUNK_ROWS), c_lo)
-    c_first = c_hi
-    c_end = c_lo
-    for c0 in range(c_lo, c_hi, RC):
-        c = c0 + offs_c
-        hit = id_ranges_meet(rng_src_b, c, a_lo, a_hi, b_lo, b_hi, c < c_hi)
-        c_first = tl.minimum(c_first, tl.min(tl.where(hit, c, c_hi), axis=0))
-        c_end = tl.maximum(c_end, tl.max(tl.where(hit, c + 1, c_lo), axis=0))
-    j_lo = tl.maximum(j_lo, (c_first * CHUNK_ROWS) // BLOCK)
-    j_hi = tl.maximum(tl.minimum(j_hi, tl.cdiv(c_end * CHUNK_ROWS, BLOCK)), j_lo)
+    if NARROW:
+        c_first = c_hi
+        c_end = c_lo
+        for c0 in range(c_lo, c_hi, RC):
+            c = c0 + offs_c
+            hit = id_ranges_meet(rng_src_b, c, a_lo, a_hi, b_lo, b_hi, c < c_hi)
+            c_first = tl.minimum(c_first, tl.min(tl.where(hit, c, c_hi), axis=0))
+            c_end = tl.maximum(c_end, tl.max(tl.where(hit, c + 1, c_lo), axis=0))
+        j_lo = tl.maximum(j_lo, (c_first * CHUNK_ROWS) // BLOCK)
+        j_hi = tl.maximum(tl.minimum(j_hi, tl.cdiv(c_end * CHUNK_ROWS, BLOCK)), j_lo)
     RB: tl.constexpr = 2048 // BLOCK  # blocks per vector step (2048 ids)
     offs_b = tl.arange(0, RB)
     offs_r = tl.arange(0, BLOCK)
@@ -1075,19 +1095,21 @@ def write_chunk_ranges(seg_b, inbox, heap_bases, rank, S, n_chunks, step, W: tl.
 
 
 @triton.jit
-def publish_id_ranges(seg_ptr, rng, heap_bases, rank, B, S, n_chunks, W: tl.constexpr, CHUNK_ROWS: tl.constexpr,
-                      ZIGZAG: tl.constexpr):
-    """Write this rank's id ranges (per batch: each K/V chunk's, then each half's) into its inbox of the range
-    words on every rank of the ring, its own too (its programs read them there: the range pass, pushes, the
-    backward's partial tests). Run by the program that publishes the call's signature (W > 1), before the
-    signature's release (a peer that acquired the signature reads them after it) and before CTL_RANGES' release
-    (this rank's programs, ``id_ranges_ready``; alone, W = 1, the programs share the chunks' steps there)."""
+def publish_id_ranges(seg_ptr, kseg_ptr, rng, heap_bases, rank, B, S, n_chunks, W: tl.constexpr,
+                      CHUNK_ROWS: tl.constexpr, ZIGZAG: tl.constexpr):
+    """Write this rank's id ranges (per batch: each K/V chunk's, from the keys' ids at ``kseg_ptr``, then each
+    half's, from the queries' at ``seg_ptr``: ``key_ids``) into its inbox of the range words on every rank of the
+    ring, its own too (its programs read them there: the range pass, pushes, the backward's partial tests). Run by
+    the program that publishes the call's signature (W > 1), before the signature's release (a peer that acquired
+    the signature reads them after it) and before CTL_RANGES' release (this rank's programs, ``id_ranges_ready``;
+    alone, W = 1, the programs share the chunks' steps there)."""
     four = iota(4)
     for b in range(B):
-        seg_b = seg_ptr + (rank * 0 + b).to(tl.int64) * S  # (b may be a Python int in the interpreter)
+        seg_b = seg_ptr + (rank * 0 + b).to(tl.int64) * S  # the queries' (b may be a Python int in the interpreter)
+        kseg_b = kseg_ptr + (rank * 0 + b).to(tl.int64) * S  # the keys'
         inbox = ranges_of(rng, rank, b, B, n_chunks)
         for step in range(range_steps(n_chunks, CHUNK_ROWS)):
-            write_chunk_ranges(seg_b, inbox, heap_bases, rank, S, n_chunks, step, W, CHUNK_ROWS)
+            write_chunk_ranges(kseg_b, inbox, heap_bases, rank, S, n_chunks, step, W, CHUNK_ROWS)
         h0_lo, h0_hi, h1_lo, h1_hi = own_halves(seg_b, S, ZIGZAG)
         halves = tl.where(four == 0, h0_lo, tl.where(four == 1, h0_hi, tl.where(four == 2, h1_lo, h1_hi)))
         words = -1 - halves  # entries n_chunks and n_chunks + 1: [h0_lo, h0_hi, h1_lo, h1_hi]
@@ -1096,7 +1118,7 @@ def publish_id_ranges(seg_ptr, rng, heap_bases, rank, B, S, n_chunks, W: tl.cons
 
 
 @triton.jit
-def id_ranges_ready(ctl, seg_ptr, rng, heap_bases, rank, epoch, timeout_ns, B, S, n_chunks, W: tl.constexpr,
+def id_ranges_ready(ctl, kseg_ptr, rng, heap_bases, rank, epoch, timeout_ns, B, S, n_chunks, W: tl.constexpr,
                     CHUNK_ROWS: tl.constexpr, ZIGZAG: tl.constexpr, INTERPRET: tl.constexpr):
     """With segment ids, before a program reads a range (its own rank's too): wait (acquire, bounded) until this
     rank's own ranges lie in its own inbox, CTL_RANGES = epoch. With peers the program that publishes the call's
@@ -1117,7 +1139,7 @@ def id_ranges_ready(ctl, seg_ptr, rng, heap_bases, rank, epoch, timeout_ns, B, S
             t = tl.atomic_add(ctl + CTL_SIG_CLAIM, 1, sem="relaxed", scope="gpu")
             while t < n_steps:
                 b = t // per_b
-                write_chunk_ranges(seg_ptr + b.to(tl.int64) * S, ranges_of(rng, rank, b, B, n_chunks), heap_bases,
+                write_chunk_ranges(kseg_ptr + b.to(tl.int64) * S, ranges_of(rng, rank, b, B, n_chunks), heap_bases,
                                    rank, S, n_chunks, t - b * per_b, W, CHUNK_ROWS)
                 tl.debug_barrier()  # every thread's words before the count (cumulativity through bar.sync)
                 if tl.atomic_add(ctl + CTL_RANGES_DONE, 1, sem="acq_rel", scope="gpu") == n_steps - 1:

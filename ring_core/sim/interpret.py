@@ -21,7 +21,7 @@ import threading
 import numpy as np
 
 from ring_core.protocol import control
-from ring_core import plans
+from ring_core import plans, validate
 from ring_core.validate import AttentionSpec
 
 
@@ -363,7 +363,8 @@ class SimulatedJob:
 
     @staticmethod
     def _seg(spec, seg_shards, r):
-        """Rank ``r``'s segment ids for the kernel (int32 [B, S]); a one-element dummy when the call has none."""
+        """Rank ``r``'s segment ids for the kernel (int32 [B, S], or [2, B, S] with ``spec.kv_ids``); a one-element
+        dummy when the call has none."""
         import torch
 
         if not spec.segmented:
@@ -371,8 +372,7 @@ class SimulatedJob:
         if seg_shards is None or seg_shards[r] is None:
             raise ValueError(f"rank {r}'s call has segment ids (spec.segmented) but no seg_shards were given")
         seg = np.ascontiguousarray(seg_shards[r], dtype=np.int32)
-        if seg.shape != (spec.batch, spec.seq_local):
-            raise ValueError(f"rank {r}'s segment ids have shape {seg.shape}, not {(spec.batch, spec.seq_local)}")
+        validate.check_segment_ids_given(spec, True, seg.shape)
         return torch.from_numpy(seg.copy())
 
     def run(self, spec, q_shards, k_shards, v_shards, *, timeout_s: float = 60.0, absent_ranks=(),

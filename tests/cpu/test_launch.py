@@ -371,3 +371,27 @@ def test_kernel_spec_pads_to_the_gluon_width_where_the_tl_kernel_would_compute_i
     assert dataclasses.replace(padded, head_dim=D) == spec  # nothing else changes
     if want != D:
         assert plans.block_d(D) == want and plans.gluon_applies(padded, 1, capability)
+
+
+def test_keys_ids_apart_from_the_queries():
+    """A call whose keys carry ids other than its queries' (the two-level ring's calls with another node's K/V,
+    ring_core.nodes): the kernels read both from one int32 input [2, batch, seq_local] (KV_IDS); the Gluon forward
+    takes it; the backward runs the tl kernel (the Gluon backward narrows its query blocks by ranges that are the
+    keys' there); the launchers check the ids' shape before anything runs."""
+    from ring_core import validate
+
+    lay = control.HeapLayout.for_workspace(1 << 30)
+    spec = _spec(segmented=True)
+    apart = dataclasses.replace(spec, kv_ids=True)
+    assert not plans.plan(spec, 2, lay).constexprs()["KV_IDS"]
+    fwd = plans.plan(apart, 2, lay, capability=(9, 0))
+    assert fwd.constexprs()["KV_IDS"] and fwd.config.gluon
+    assert plans.plan_bwd(spec, 2, lay, capability=(9, 0)).config.gluon
+    bwd = plans.plan_bwd(apart, 2, lay, capability=(9, 0))
+    assert not bwd.config.gluon and bwd.constexprs()["KV_IDS"]
+    assert not plans.plan(dataclasses.replace(apart, segmented=False), 2, lay).constexprs()["KV_IDS"]
+    validate.check_segment_ids_given(apart, True, (2, spec.batch, spec.seq_local))
+    with pytest.raises(ValueError, match="this call reads"):
+        validate.check_segment_ids_given(apart, True, (spec.batch, spec.seq_local))
+    with pytest.raises(ValueError, match="this call reads"):
+        validate.check_segment_ids_given(spec, True, (2, spec.batch, spec.seq_local))
