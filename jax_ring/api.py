@@ -102,7 +102,7 @@ def _run(q, k, v, segment_ids, spec, *, axis_name, return_lse, backend, timeout_
     asked, backend = backend, _resolve_backend(backend, spec)
     world = _platform.axis_size(axis_name)  # ValueError (how to fix it) outside shard_map / wrong name
     if backend == "fused" and asked == "auto" and not core_nodes.supports(spec) and nodes.spans_nodes(world):
-        backend = "xla"  # masks the two-level fused ring does not take yet: the reference ring takes them
+        backend = "xla"  # a window, which the two-level fused ring does not take yet: the reference ring does
     if backend == "xla":  # ignores deterministic: XLA's own ops, as deterministic as XLA_FLAGS make them
         return ring_attention_xla(q, k, v, axis_name=axis_name, spec=spec, return_lse=return_lse,
                                   segment_ids=segment_ids)
@@ -125,7 +125,7 @@ def _fused_call(q, k, v, segment_ids, spec, axis_name, world, timeout_s, determi
             raise ValueError("jax_ring.ring_attention(backend='fused') does not run under jax.vmap: fold the mapped "
                              "axis into the batch axis, or use backend='xla'")
         _heap.on_release(_forget_compiled_programs)
-        return nodes.ring_attention(q, k, v, spec, axis_name, timeout_s, deterministic)
+        return nodes.ring_attention(q, k, v, spec, axis_name, timeout_s, deterministic, segment_ids)
     return _ring_attention_fused(q, k, v, segment_ids, spec, axis_name, world, timeout_s, deterministic)
 
 

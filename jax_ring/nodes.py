@@ -40,20 +40,31 @@ def _f32(x):
     return x if x.dtype == jnp.float64 else x.astype(jnp.float32)
 
 
+def _kernel_ids(ids):
+    """A one-node call's ids (ring_core.nodes.Ops) as the kernels take them: None, the queries' [b, s], or the
+    queries' and the keys' stacked [2, b, s] (``AttentionSpec.kv_ids``)."""
+    if ids is None:
+        return None
+    q_ids, kv_ids = ids
+    return q_ids if kv_ids is None else jnp.stack([q_ids, kv_ids])
+
+
 def _ops(spec, axis_name: str, node_size: int, timeout_s, deterministic: bool) -> nodes.Ops:
     world = _platform.axis_size(axis_name)
     perm = [(i, (i + node_size) % world) for i in range(world)]
 
-    def node_spec(q, k, causal, layout):
-        return dataclasses.replace(spec, seq_local=q.shape[1], num_heads=q.shape[2], num_kv_heads=k.shape[2],
-                                   is_causal=bool(causal), layout=layout)
+    def node_spec(q, k, causal, layout, ids):
+        return dataclasses.replace(spec, batch=q.shape[0], seq_local=q.shape[1], num_heads=q.shape[2],
+                                   num_kv_heads=k.shape[2], is_causal=bool(causal), layout=layout,
+                                   kv_ids=ids is not None and ids[1] is not None)
 
-    def inner_fwd(q, k, v, causal, layout):
-        return fused.forward(q, k, v, node_spec(q, k, causal, layout), axis_name, node_size, timeout_s)
+    def inner_fwd(q, k, v, causal, layout, ids):
+        return fused.forward(q, k, v, node_spec(q, k, causal, layout, ids), axis_name, node_size, timeout_s,
+                             segment_ids=_kernel_ids(ids))
 
-    def inner_bwd(q, k, v, out, lse, dout, dlse, causal, layout):
-        return fused.backward(q, k, v, out, lse, dout, dlse, node_spec(q, k, causal, layout), axis_name, node_size,
-                              timeout_s, deterministic=deterministic)
+    def inner_bwd(q, k, v, out, lse, dout, dlse, causal, layout, ids):
+        return fused.backward(q, k, v, out, lse, dout, dlse, node_spec(q, k, causal, layout, ids), axis_name,
+                              node_size, timeout_s, segment_ids=_kernel_ids(ids), deterministic=deterministic)
 
     return nodes.Ops(xp=jnp, permute=jnp.transpose, cat=jnp.concatenate, astype=lambda x, like: x.astype(like.dtype),
                      f32=_f32, inner_fwd=inner_fwd, inner_bwd=inner_bwd,
@@ -61,37 +72,40 @@ def _ops(spec, axis_name: str, node_size: int, timeout_s, deterministic: bool) -
                      switch=lax.switch)
 
 
-def _geometry(spec, axis_name: str, node_size: int):
+def _geometry(spec, axis_name: str, node_size: int, segment_ids):
     world = _platform.axis_size(axis_name)
     node = _platform.axis_index(axis_name) // node_size
-    return dict(node=node, num_nodes=world // node_size, is_causal=spec.is_causal, layout=spec.layout)
+    ids = None if segment_ids is None else segment_ids.astype(jnp.int32)
+    return dict(node=node, num_nodes=world // node_size, is_causal=spec.is_causal, layout=spec.layout, ids=ids)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
-def two_level(q, k, v, spec, axis_name, node_size, timeout_s, deterministic):
+# segment_ids: an array input (None, or this device's int32 ids), no gradient (jax_ring.api's _fused says why).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def two_level(q, k, v, segment_ids, spec, axis_name, node_size, timeout_s, deterministic):
     """(out, lse) of the two-level ring for this device's shards inside shard_map (``spec`` validated)."""
     ops = _ops(spec, axis_name, node_size, timeout_s, deterministic)
-    return nodes.forward(ops, q, k, v, **_geometry(spec, axis_name, node_size))
+    return nodes.forward(ops, q, k, v, **_geometry(spec, axis_name, node_size, segment_ids))
 
 
-def _fwd(q, k, v, spec, axis_name, node_size, timeout_s, deterministic):
-    out, lse = two_level(q, k, v, spec, axis_name, node_size, timeout_s, deterministic)
-    return (out, lse), (q, k, v, out, lse)
+def _fwd(q, k, v, segment_ids, spec, axis_name, node_size, timeout_s, deterministic):
+    out, lse = two_level(q, k, v, segment_ids, spec, axis_name, node_size, timeout_s, deterministic)
+    return (out, lse), (q, k, v, segment_ids, out, lse)
 
 
 def _bwd(spec, axis_name, node_size, timeout_s, deterministic, res, cts):
-    q, k, v, out, lse = res
+    q, k, v, segment_ids, out, lse = res
     dout, dlse = cts
     ops = _ops(spec, axis_name, node_size, timeout_s, deterministic)
-    return nodes.backward(ops, q, k, v, out, lse, dout.astype(q.dtype), dlse.astype(jnp.float32),
-                          **_geometry(spec, axis_name, node_size))
+    dq, dk, dv = nodes.backward(ops, q, k, v, out, lse, dout.astype(q.dtype), dlse.astype(jnp.float32),
+                                **_geometry(spec, axis_name, node_size, segment_ids))
+    return dq, dk, dv, None
 
 
 two_level.defvjp(_fwd, _bwd)
 
 
 def check_fits(spec, backward: bool, deterministic: bool) -> None:
-    """Raise (HeapTooSmallError, masks not taken yet) at trace time, before anything runs."""
+    """Raise (HeapTooSmallError, a window, not taken yet) at trace time, before anything runs."""
     h = _heap.get()
     nodes.check_supported(spec)
     for sp in nodes.node_specs(spec):
@@ -100,8 +114,9 @@ def check_fits(spec, backward: bool, deterministic: bool) -> None:
             h.plan_bwd(sp, h.node_size, deterministic=deterministic)
 
 
-def ring_attention(q, k, v, spec, axis_name: str, timeout_s=None, deterministic: bool = False):
-    """(out, lse), differentiable, of the two-level ring over ``axis_name`` (inside shard_map)."""
+def ring_attention(q, k, v, spec, axis_name: str, timeout_s=None, deterministic: bool = False, segment_ids=None):
+    """(out, lse), differentiable, of the two-level ring over ``axis_name`` (inside shard_map); ``segment_ids``
+    this device's (int32 [batch, seq_local]) where the call has them."""
     node_size = _heap.node_rings().nodes.node_size
     check_fits(spec, True, deterministic)
-    return two_level(q, k, v, spec, axis_name, node_size, timeout_s, deterministic)
+    return two_level(q, k, v, segment_ids, spec, axis_name, node_size, timeout_s, deterministic)

@@ -45,8 +45,16 @@ that dies leaves them waiting on a bounded wait: torch raises RingAttentionTimeo
 On GPUs, the first call of a variant compiles on each rank before it launches: a rank that compiles while its node's
 peers wait is a late rank, bounded by the same timeouts (raise ``timeout_s`` for cold caches).
 
-Not here yet: windows and segment ids (they need positions and ids of another node inside the kernel), which
-raise; the reference rings (``backend="xla"`` / ``"torch"``) take them across nodes.
+Segment ids travel with the K/V (int32, beside them in every transfer), and each call takes the queries' ids
+and the ids of the K/V it holds apart (``AttentionSpec.kv_ids``; the kernels' KV_IDS, ring_core.protocol.steps.
+key_ids): the node's own K/V (DIAG) is the one-node call with its ids; another node's K/V is a non-causal call
+whose keys carry that node's ids. Ids belong to a batch row, not to a head, so with segment ids the half-shard
+steps move the halves into the batch axis instead of the head axis (K_EARLY: the two query halves as 2B rows
+against the first K/V halves, twice; Q_LATE: the second query half twice against the two K/V halves), and the
+copies' partials add up (dK/dV of the twice-used halves, dQ of the twice-used queries) in a fixed order.
+
+Not here yet: windows (they need the positions of another node inside the kernel), which raise; the reference
+rings (``backend="xla"`` / ``"torch"``) take them across nodes.
 
 ``forward`` and ``backward`` are written once for numpy, torch and jax.numpy arrays: the frontends pass an
 ``Ops`` (array functions, the inner fused call, the transfer between nodes).
@@ -85,16 +93,15 @@ def step_kind(node: int, src: int, *, is_causal: bool, layout: str) -> str:
 
 def supports(spec) -> bool:
     """Whether the two-level fused ring takes a call of ``spec`` (``backend="auto"`` takes the reference ring else)."""
-    return tuple(spec.window) == (-1, -1) and not spec.segmented
+    return tuple(spec.window) == (-1, -1)
 
 
 def check_supported(spec) -> None:
     """Raise, saying what to do, for a two-level fused call of ``spec`` this module cannot run."""
     if not supports(spec):
-        what = "segment ids" if tuple(spec.window) == (-1, -1) else "a sliding window"
         raise NotImplementedError(
-            f"the fused backend across several nodes does not take {what} yet; use backend='torch' / 'xla' "
-            "(the reference ring takes every mask across nodes), or run within one node")
+            "the fused backend across several nodes does not take a sliding window yet; use backend='torch' / "
+            "'xla' (the reference ring takes every mask across nodes), or run within one node")
     if spec.layout == "zigzag" and spec.seq_local % 2:
         raise ValueError(f"zigzag needs an even seq_local, got {spec.seq_local}")
 
@@ -102,12 +109,16 @@ def check_supported(spec) -> None:
 def node_specs(spec) -> list:
     """The one-node calls' specs (ring_core.validate.AttentionSpec) a two-level call of ``spec`` may make on any
     node: the frontends check each against the heap before anything runs."""
-    s, h, hkv = spec.seq_local, spec.num_heads, spec.num_kv_heads
-    out = [spec, dataclasses.replace(spec, is_causal=False, layout="contiguous")]
+    s, h, hkv, ids = spec.seq_local, spec.num_heads, spec.num_kv_heads, bool(spec.segmented)
+    out = [spec, dataclasses.replace(spec, is_causal=False, layout="contiguous", kv_ids=ids)]
     if spec.is_causal and spec.layout == "zigzag":
-        for kv in (hkv, 2 * hkv):  # K_EARLY, Q_LATE
-            out.append(dataclasses.replace(spec, seq_local=s // 2, num_heads=2 * h, num_kv_heads=kv, is_causal=False,
-                                           layout="contiguous"))
+        if ids:  # K_EARLY and Q_LATE, halves in the batch axis
+            out.append(dataclasses.replace(spec, batch=2 * spec.batch, seq_local=s // 2, is_causal=False,
+                                           layout="contiguous", kv_ids=True))
+        else:
+            for kv in (hkv, 2 * hkv):  # K_EARLY, Q_LATE, halves in the head axis
+                out.append(dataclasses.replace(spec, seq_local=s // 2, num_heads=2 * h, num_kv_heads=kv,
+                                               is_causal=False, layout="contiguous"))
     return out
 
 
@@ -118,8 +129,10 @@ class Ops:
     ``xp``: the array namespace (numpy, torch, jax.numpy): ``exp``, ``logaddexp``, ``where``, ``isneginf``,
     ``zeros_like``, ``full_like``; ``permute(x, axes)``, ``cat(xs, axis)``, ``astype(x, like)`` (x in like's dtype),
     ``f32(x)`` (float32, float64 kept).
-    ``inner_fwd(q, k, v, is_causal, layout) -> (out, lse)``: the one-node call over this node's ring.
-    ``inner_bwd(q, k, v, out, lse, dout, dlse, is_causal, layout) -> (dq, dk, dv)``: its backward.
+    ``inner_fwd(q, k, v, is_causal, layout, ids) -> (out, lse)``: the one-node call over this node's ring; ``ids``
+    None (no segment ids) or (the queries' ids, the keys' ids or None where they are the queries' own), int32
+    [b, s] each (the call's spec: batch from q, ``kv_ids`` where the keys' are given).
+    ``inner_bwd(q, k, v, out, lse, dout, dlse, is_causal, layout, ids) -> (dq, dk, dv)``: its backward.
     ``send(xs) -> handle``: post the transfer of the arrays ``xs`` to the same rank of the next node and the receipt
     of the previous node's (same shapes and dtypes); ``recv(handle) -> list``: wait for what arrived.
     ``switch``: None where the node index is a Python int (the step's kind is chosen in Python); else
@@ -195,6 +208,32 @@ def kv_heads_to_halves(ops: Ops, x):
     return ops.permute(x.reshape(b, s2, hkv2 // 2, 2, d), (0, 3, 1, 2, 4)).reshape(b, 2 * s2, hkv2 // 2, d)
 
 
+# ------------------------------------------------------------------------------- moving half shards into the batch axis
+# With segment ids (ids are per batch row, not per head). Batch row ``half * b + i`` holds half ``half`` of row i.
+def halves_to_batch(ops: Ops, x, axis: int = 1):
+    """[b, s, ...] -> [2b, s / 2, ...] (lse [b, h, s]: ``axis=2``)."""
+    n = x.shape[axis] // 2
+    first, second = (x[(slice(None),) * axis + (slice(i * n, (i + 1) * n),)] for i in range(2))
+    return ops.cat([first, second], 0)
+
+
+def batch_to_halves(ops: Ops, x, axis: int = 1):
+    """The inverse of ``halves_to_batch``."""
+    b = x.shape[0] // 2
+    return ops.cat([x[:b], x[b:]], axis)
+
+
+def twice_in_batch(ops: Ops, x):
+    """[b, ...] -> [2b, ...], the rows twice (the halves of the other side each meet all of them)."""
+    return ops.cat([x, x], 0)
+
+
+def batch_sum(x):
+    """[2b, ...] -> [b, ...]: the two copies' partials added (first copy first)."""
+    b = x.shape[0] // 2
+    return x[:b] + x[b:]
+
+
 # ------------------------------------------------------------------------------------- the merge
 def merge(ops: Ops, out_a, lse_a, out_b, lse_b):
     """Two partial results over disjoint keys -> their union's (out float32, lse). A row with lse -inf on one side
@@ -224,22 +263,49 @@ def _nothing(ops: Ops, out_like, lse_like):
 
 
 # ------------------------------------------------------------------------------------- forward
-def step_forward(ops: Ops, kind: str, q, k, v, *, is_causal: bool, layout: str):
-    """One node-step's partial (out float32 [b, s, h, d], lse [b, h, s]) over every row of the shard."""
+def _listed(ids) -> list:
+    """What travels beside the K/V: their ids, if any."""
+    return [] if ids is None else [ids]
+
+
+def _unlisted(got):
+    """(k, v, ids or None) from what arrived."""
+    return (got[0], got[1], got[2] if len(got) > 2 else None)
+
+
+def step_forward(ops: Ops, kind: str, q, k, v, *, is_causal: bool, layout: str, q_ids=None, kv_ids=None):
+    """One node-step's partial (out float32 [b, s, h, d], lse [b, h, s]) over every row of the shard; ``q_ids`` /
+    ``kv_ids``: the queries' and the held K/V's segment ids (int32 [b, s]), or None."""
     hkv = k.shape[2]
     if kind == DIAG:
-        out, lse = ops.inner_fwd(q, k, v, is_causal, layout)
+        out, lse = ops.inner_fwd(q, k, v, is_causal, layout, None if q_ids is None else (q_ids, None))
         return ops.f32(out), lse
     if kind == FULL:
-        out, lse = ops.inner_fwd(q, k, v, False, "contiguous")
+        out, lse = ops.inner_fwd(q, k, v, False, "contiguous", None if q_ids is None else (q_ids, kv_ids))
         return ops.f32(out), lse
     s = q.shape[1]
+    h = s // 2
+    if q_ids is not None:  # the halves in the batch axis
+        if kind == K_EARLY:
+            kf, vf, kvf = (twice_in_batch(ops, x[:, :h]) for x in (k, v, kv_ids))
+            out, lse = ops.inner_fwd(halves_to_batch(ops, q), kf, vf, False, "contiguous",
+                                     (halves_to_batch(ops, q_ids), kvf))
+            return batch_to_halves(ops, ops.f32(out)), batch_to_halves(ops, lse, 2)
+        if kind == Q_LATE:
+            out, lse = ops.inner_fwd(twice_in_batch(ops, q[:, h:]), halves_to_batch(ops, k), halves_to_batch(ops, v),
+                                     False, "contiguous", (twice_in_batch(ops, q_ids[:, h:]),
+                                                           halves_to_batch(ops, kv_ids)))
+            b = q.shape[0]
+            out = ops.f32(out)
+            out, lse = merge(ops, out[:b], lse[:b], out[b:], lse[b:])
+            none_out, none_lse = _nothing(ops, out, lse)
+            return ops.cat([none_out, out], 1), ops.cat([none_lse, lse], 2)
     if kind == K_EARLY:
-        out, lse = ops.inner_fwd(halves_to_heads(ops, q, hkv), k[:, :s // 2], v[:, :s // 2], False, "contiguous")
+        out, lse = ops.inner_fwd(halves_to_heads(ops, q, hkv), k[:, :h], v[:, :h], False, "contiguous", None)
         return heads_to_halves(ops, ops.f32(out), hkv), lse_heads_to_halves(ops, lse, hkv)
     if kind == Q_LATE:
-        out, lse = ops.inner_fwd(twice_as_heads(ops, q[:, s // 2:], hkv), kv_halves_to_heads(ops, k),
-                                 kv_halves_to_heads(ops, v), False, "contiguous")
+        out, lse = ops.inner_fwd(twice_as_heads(ops, q[:, h:], hkv), kv_halves_to_heads(ops, k),
+                                 kv_halves_to_heads(ops, v), False, "contiguous", None)
         out, lse = merge_heads(ops, ops.f32(out), lse, hkv)
         none_out, none_lse = _nothing(ops, out, lse)
         return ops.cat([none_out, out], 1), ops.cat([none_lse, lse], 2)
@@ -260,38 +326,66 @@ def _per_kind(ops: Ops, node, s: int, num_nodes: int, is_causal: bool, layout: s
     return ops.switch(index, [(lambda kd=kd: nothing() if kd == SKIP else fn(kd)) for kd in order])
 
 
-def forward(ops: Ops, q, k, v, *, node, num_nodes: int, is_causal: bool, layout: str):
-    """(out in q's dtype, lse float32) of the two-level ring for this rank's shards (module docstring)."""
+def forward(ops: Ops, q, k, v, *, node, num_nodes: int, is_causal: bool, layout: str, ids=None):
+    """(out in q's dtype, lse float32) of the two-level ring for this rank's shards (module docstring); ``ids``:
+    this rank's segment ids (int32 [b, s]) or None."""
     acc = None
+    kv_ids = ids
     for s in range(num_nodes):
-        handle = ops.send([k, v]) if s < num_nodes - 1 else None  # the next step's K/V, while this one computes
+        # the next step's K/V (and their ids), while this one computes
+        handle = ops.send([k, v] + _listed(kv_ids)) if s < num_nodes - 1 else None
         # (a skipped step's partial, for the switch: shaped and typed like the others, from q)
         nothing = None if ops.switch is None else (lambda: _nothing(ops, ops.f32(ops.xp.zeros_like(q)),
                                                                     ops.f32(ops.permute(q[..., 0], (0, 2, 1)))))
         part = _per_kind(ops, node, s, num_nodes, is_causal, layout,
-                         lambda kind: step_forward(ops, kind, q, k, v, is_causal=is_causal, layout=layout), nothing)
+                         lambda kind: step_forward(ops, kind, q, k, v, is_causal=is_causal, layout=layout, q_ids=ids,
+                                                   kv_ids=kv_ids), nothing)
         if part is not None:
             acc = part if acc is None else merge(ops, *acc, *part)
         if handle is not None:
-            k, v = ops.recv(handle)
+            k, v, kv_ids = _unlisted(ops.recv(handle))
     out, lse = acc  # node-step 0 (DIAG) is never skipped
     return ops.astype(out, q), lse
 
 
 # ------------------------------------------------------------------------------------- backward
-def step_backward(ops: Ops, kind: str, q, k, v, out, lse, dout, dlse, *, is_causal: bool, layout: str):
+def step_backward(ops: Ops, kind: str, q, k, v, out, lse, dout, dlse, *, is_causal: bool, layout: str, q_ids=None,
+                  kv_ids=None):
     """One node-step's (dq, dk, dv), float32, full shard shapes, from the final ``out`` / ``lse`` and the
-    cotangents ``dout`` / ``dlse`` (so the step's probabilities are the global softmax's)."""
+    cotangents ``dout`` / ``dlse`` (so the step's probabilities are the global softmax's); ids as
+    ``step_forward``'s."""
     hkv = k.shape[2]
-    if kind in (DIAG, FULL):
-        causal, lay = (is_causal, layout) if kind == DIAG else (False, "contiguous")
-        return tuple(ops.f32(x) for x in ops.inner_bwd(q, k, v, out, lse, dout, dlse, causal, lay))
+    if kind == DIAG:
+        return tuple(ops.f32(x) for x in ops.inner_bwd(q, k, v, out, lse, dout, dlse, is_causal, layout,
+                                                       None if q_ids is None else (q_ids, None)))
+    if kind == FULL:
+        return tuple(ops.f32(x) for x in ops.inner_bwd(q, k, v, out, lse, dout, dlse, False, "contiguous",
+                                                       None if q_ids is None else (q_ids, kv_ids)))
     s = q.shape[1]
     h = s // 2
+    if q_ids is not None:  # the halves in the batch axis
+        if kind == K_EARLY:
+            kf, vf, kvf = (twice_in_batch(ops, x[:, :h]) for x in (k, v, kv_ids))
+            dq, dk, dv = ops.inner_bwd(halves_to_batch(ops, q), kf, vf, halves_to_batch(ops, out),
+                                       halves_to_batch(ops, lse, 2), halves_to_batch(ops, dout),
+                                       halves_to_batch(ops, dlse, 2), False, "contiguous",
+                                       (halves_to_batch(ops, q_ids), kvf))
+            dk, dv = batch_sum(ops.f32(dk)), batch_sum(ops.f32(dv))
+            return (batch_to_halves(ops, ops.f32(dq)), ops.cat([dk, ops.xp.zeros_like(dk)], 1),
+                    ops.cat([dv, ops.xp.zeros_like(dv)], 1))
+        if kind == Q_LATE:
+            dq, dk, dv = ops.inner_bwd(twice_in_batch(ops, q[:, h:]), halves_to_batch(ops, k),
+                                       halves_to_batch(ops, v), twice_in_batch(ops, out[:, h:]),
+                                       twice_in_batch(ops, lse[:, :, h:]), twice_in_batch(ops, dout[:, h:]),
+                                       twice_in_batch(ops, dlse[:, :, h:]), False, "contiguous",
+                                       (twice_in_batch(ops, q_ids[:, h:]), halves_to_batch(ops, kv_ids)))
+            dq = batch_sum(ops.f32(dq))
+            return (ops.cat([ops.xp.zeros_like(dq), dq], 1), batch_to_halves(ops, ops.f32(dk)),
+                    batch_to_halves(ops, ops.f32(dv)))
     if kind == K_EARLY:
         dq, dk, dv = ops.inner_bwd(halves_to_heads(ops, q, hkv), k[:, :h], v[:, :h], halves_to_heads(ops, out, hkv),
                                    lse_halves_to_heads(ops, lse, hkv), halves_to_heads(ops, dout, hkv),
-                                   lse_halves_to_heads(ops, dlse, hkv), False, "contiguous")
+                                   lse_halves_to_heads(ops, dlse, hkv), False, "contiguous", None)
         dk, dv = ops.f32(dk), ops.f32(dv)
         zeros = ops.xp.zeros_like(dk)
         return heads_to_halves(ops, ops.f32(dq), hkv), ops.cat([dk, zeros], 1), ops.cat([dv, ops.xp.zeros_like(dv)], 1)
@@ -299,7 +393,7 @@ def step_backward(ops: Ops, kind: str, q, k, v, out, lse, dout, dlse, *, is_caus
         dq, dk, dv = ops.inner_bwd(twice_as_heads(ops, q[:, h:], hkv), kv_halves_to_heads(ops, k),
                                    kv_halves_to_heads(ops, v), twice_as_heads(ops, out[:, h:], hkv),
                                    lse_twice_as_heads(ops, lse[:, :, h:], hkv), twice_as_heads(ops, dout[:, h:], hkv),
-                                   lse_twice_as_heads(ops, dlse[:, :, h:], hkv), False, "contiguous")
+                                   lse_twice_as_heads(ops, dlse[:, :, h:], hkv), False, "contiguous", None)
         b, s2, h2, d = dq.shape
         dq = ops.f32(dq).reshape(b, s2, hkv, 2, h2 // (2 * hkv), d)
         dq = (dq[:, :, :, 0] + dq[:, :, :, 1]).reshape(b, s2, h2 // 2, d)
@@ -308,17 +402,21 @@ def step_backward(ops: Ops, kind: str, q, k, v, out, lse, dout, dlse, *, is_caus
     raise ValueError(f"no backward for a {kind!r} step")
 
 
-def backward(ops: Ops, q, k, v, out, lse, dout, dlse, *, node, num_nodes: int, is_causal: bool, layout: str):
-    """(dq, dk, dv) in q's, k's and v's dtypes. ``dlse`` float32 like ``lse`` (zeros when lse carries no gradient)."""
+def backward(ops: Ops, q, k, v, out, lse, dout, dlse, *, node, num_nodes: int, is_causal: bool, layout: str,
+             ids=None):
+    """(dq, dk, dv) in q's, k's and v's dtypes. ``dlse`` float32 like ``lse`` (zeros when lse carries no gradient);
+    ``ids`` as ``forward``'s."""
     dq = None
     carry = None  # the transfer of the partial dK/dV of the K/V held, to the next node
     k0, v0 = k, v
+    kv_ids = ids
     for s in range(num_nodes):
-        handle = ops.send([k, v]) if s < num_nodes - 1 else None
+        handle = ops.send([k, v] + _listed(kv_ids)) if s < num_nodes - 1 else None
         zeros = lambda: tuple(ops.f32(ops.xp.zeros_like(x)) for x in (q, k, v))  # noqa: E731
         part = _per_kind(ops, node, s, num_nodes, is_causal, layout,
                          lambda kind: step_backward(ops, kind, q, k, v, out, lse, dout, dlse, is_causal=is_causal,
-                                                    layout=layout), None if ops.switch is None else zeros)
+                                                    layout=layout, q_ids=ids, kv_ids=kv_ids),
+                         None if ops.switch is None else zeros)
         if part is not None:
             dq = part[0] if dq is None else dq + part[0]
         if carry is None:  # step 0: this rank's own K/V, no partials yet
@@ -329,6 +427,6 @@ def backward(ops: Ops, q, k, v, out, lse, dout, dlse, *, node, num_nodes: int, i
             dk_acc, dv_acc = dk_acc + part[1], dv_acc + part[2]
         carry = ops.send([dk_acc, dv_acc])  # after the last step this brings every shard's dK/dV home
         if handle is not None:
-            k, v = ops.recv(handle)
+            k, v, kv_ids = _unlisted(ops.recv(handle))
     dk_own, dv_own = ops.recv(carry)
     return ops.astype(dq, q), ops.astype(dk_own, k0), ops.astype(dv_own, v0)

@@ -368,6 +368,14 @@ STAGES = {
                            LAUNCH1 + ["examples/flax_attention_fn.py"]]),
     "limits": (240, [LAUNCH + ["tests/gpu/gpu_shared_limits.py", "--out", "{out}"]]),
     "rings": (300, [LAUNCH + ["tests/gpu/gpu_rings.py", "--out", "{out}"]]),
+    # The two-level ring at {nproc} ranks as "nodes" of 2 (K/V between them over gloo): its checks (segment ids
+    # too) and soak, then its timing against the same problem as one node.
+    "nodes": (420, [["env", "RING_ATTENTION_NODE_SIZE=2"] + LAUNCH + ["tests/gpu/gpu_nodes.py", "--sections",
+                                                                       "checks,soak", "--out", "{out}"],
+                    ["env", "RING_ATTENTION_NODE_SIZE=2"] + LAUNCH + ["tests/gpu/gpu_nodes.py", "--sections",
+                                                                       "timing", "--out", "{out}"],
+                    ["env", "RING_ATTENTION_NODE_SIZE={nproc}"] + LAUNCH + ["tests/gpu/gpu_nodes.py", "--sections",
+                                                                             "timing", "--out", "{out}"]]),
     "train-dp": (180, [TORCHRUN + ["examples/torch_train.py", "--dp", "2"]]),
     "tune-bwd": (420, [LAUNCH + ["-m", "benchmarks.tune", "--kernel", "bwd", "--head-dims", "128", "--seq", "16384",
                                  "--csv", "{out}/tune_backward.csv"]]),

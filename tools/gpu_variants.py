@@ -145,6 +145,21 @@ def faults_calls(sections=("timeout", "mismatch", "bad_inputs", "kill")) -> list
     return calls
 
 
+def nodes_calls(sections=("checks", "soak")) -> list:
+    """(spec, backward, capability, deterministic) of tests/gpu/gpu_nodes.py's one-node calls inside the two-level
+    ring (ring_core.nodes.node_specs of each case: the node's own K/V, another node's, the half-shard steps), each
+    backward in both orders (its checks run deterministic=True too; the soak only that)."""
+    import gpu_nodes
+
+    from ring_core import nodes
+
+    cases = (list(gpu_nodes.CASES) if "checks" in sections else []) + (
+        [gpu_nodes.SOAK_CASE] if "soak" in sections else [])
+    return [(sp, True, GPU_CAPABILITY, det) for c in cases for sp in nodes.node_specs(spec_of(*c[:8],
+                                                                                                segmented=c[8]))
+            for det in (False, True)]
+
+
 def _option(cmd, flag: str, default=None):
     return cmd[cmd.index(flag) + 1] if flag in cmd else default
 
@@ -168,6 +183,12 @@ def command_records(cmd, nproc: int, tag: str) -> list:
         sections = _option(cmd, "--sections", gpu_faults.DEFAULT_SECTIONS).split(",")
         heap = int(float(_option(cmd, "--heap-gib", 2)) * (1 << 30))
         return records(faults_calls(sections), nproc, heap, tag)
+    if "tests/gpu/gpu_nodes.py" in cmd:  # the fused calls run over a node's ranks (RING_ATTENTION_NODE_SIZE=R)
+        from ring_core import settings
+
+        size = [a.split("=", 1)[1] for a in cmd if a.startswith(settings.NODE_SIZE + "=")]
+        sections = _option(cmd, "--sections", "checks,timing,soak").split(",")
+        return records(nodes_calls(sections), int(size[0]) if size else nproc, settings.DEFAULT_HEAP_BYTES, tag)
     if "tests/gpu/gpu_soak.py" in cmd:
         heap = int(float(_option(cmd, "--heap-gib", 4)) * (1 << 30))
         return records(soak_calls(nproc), nproc, heap, tag)

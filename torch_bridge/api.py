@@ -112,7 +112,7 @@ def _fwd_impl(q, k, v, segment_ids, spec: AttentionSpec, group, timeout_s, deter
     """The forward launch behind both routes (the custom op, the eager Function): the one-node kernel, or the
     two-level ring (torch_bridge.nodes) where ``group`` spans several nodes."""
     if nodes.spans_nodes(group):
-        return nodes.forward(q, k, v, spec, timeout_s, deterministic, check_backward)
+        return nodes.forward(q, k, v, spec, timeout_s, deterministic, check_backward, segment_ids=segment_ids)
     if check_backward:  # HeapTooSmallError before the forward runs
         fused.check_backward_fits(spec, group, deterministic=deterministic)
     return fused.forward(q, k, v, spec, group, timeout_s, segment_ids=segment_ids)
@@ -122,7 +122,7 @@ def _bwd_impl(q, k, v, out, lse, dout, dlse, segment_ids, spec: AttentionSpec, g
               deterministic: bool):
     """The backward launch behind both routes."""
     if nodes.spans_nodes(group):
-        return nodes.backward(q, k, v, out, lse, dout, dlse, spec, timeout_s, deterministic)
+        return nodes.backward(q, k, v, out, lse, dout, dlse, spec, timeout_s, deterministic, segment_ids=segment_ids)
     return fused.backward(q, k, v, out, lse, dout, spec, group, timeout_s, dlse=dlse, segment_ids=segment_ids,
                           deterministic=deterministic)
 
@@ -249,8 +249,8 @@ def ring_attention(q, k, v, *, group=None, is_causal=False, scale=None, layout="
 
     Several nodes (``initialize()`` found them, or was given ``node_size``): with ``group=None`` the fused backend
     runs the two-level ring (torch_bridge.nodes: the kernel within each node, K/V between nodes over
-    torch.distributed), same arguments and results; windows and segment ids there raise for now (use
-    ``backend="torch"``).
+    torch.distributed), same arguments and results, segment ids too; a sliding window there is not taken yet
+    (``backend="auto"`` runs the reference ring, ``backend="fused"`` raises).
 
     ``timeout_s`` bounds every wait inside the fused kernel (default RING_ATTENTION_TIMEOUT_S, else 300 s);
     an expired wait raises ``ring_core.protocol.control.RingAttentionTimeout`` naming the missing rank and ring step,
@@ -312,7 +312,7 @@ def ring_attention(q, k, v, *, group=None, is_causal=False, scale=None, layout="
     rank, world, peers = _group_info(group)
     asked, backend = backend, _resolve_backend(backend, q, spec)
     if backend == "fused" and asked == "auto" and not core_nodes.supports(spec) and nodes.spans_nodes(group):
-        backend = "torch"  # masks the two-level fused ring does not take yet: the reference ring takes them
+        backend = "torch"  # a window, which the two-level fused ring does not take yet: the reference ring does
     if backend == "torch":  # ignores deterministic: torch's own ops, as deterministic as torch makes them
         out, lse = ring_attention_torch(q, k, v, spec, rank, world, peers, group, segment_ids=segment_ids)
     else:  # several nodes: the same route, the launches go to torch_bridge.nodes (_fwd_impl, _bwd_impl)

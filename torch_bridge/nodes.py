@@ -89,20 +89,31 @@ def _f32(x):
     return x if x.dtype == torch.float64 else x.float()
 
 
+def _kernel_ids(ids):
+    """A one-node call's ids (ring_core.nodes.Ops) as the kernels take them: None, the queries' [b, s], or the
+    queries' and the keys' stacked [2, b, s] (``AttentionSpec.kv_ids``)."""
+    if ids is None:
+        return None
+    q_ids, kv_ids = ids
+    return q_ids if kv_ids is None else torch.stack([q_ids, kv_ids])
+
+
 def _ops(spec: AttentionSpec, rings: _heap.NodeRings, timeout_s, deterministic: bool) -> nodes.Ops:
     group = rings.node_group
     wait_s = control.timeout_ns(timeout_s) / 1e9
 
-    def node_spec(q, k, causal, layout):
-        return dataclasses.replace(spec, seq_local=q.shape[1], num_heads=q.shape[2], num_kv_heads=k.shape[2],
-                                   is_causal=bool(causal), layout=layout)
+    def node_spec(q, k, causal, layout, ids):
+        return dataclasses.replace(spec, batch=q.shape[0], seq_local=q.shape[1], num_heads=q.shape[2],
+                                   num_kv_heads=k.shape[2], is_causal=bool(causal), layout=layout,
+                                   kv_ids=ids is not None and ids[1] is not None)
 
-    def inner_fwd(q, k, v, causal, layout):
-        return fused.forward(q, k, v, node_spec(q, k, causal, layout), group, timeout_s)
+    def inner_fwd(q, k, v, causal, layout, ids):
+        return fused.forward(q, k, v, node_spec(q, k, causal, layout, ids), group, timeout_s,
+                             segment_ids=_kernel_ids(ids))
 
-    def inner_bwd(q, k, v, out, lse, dout, dlse, causal, layout):
-        return fused.backward(q, k, v, out, lse, dout, node_spec(q, k, causal, layout), group, timeout_s, dlse=dlse,
-                              deterministic=deterministic)
+    def inner_bwd(q, k, v, out, lse, dout, dlse, causal, layout, ids):
+        return fused.backward(q, k, v, out, lse, dout, node_spec(q, k, causal, layout, ids), group, timeout_s,
+                              dlse=dlse, segment_ids=_kernel_ids(ids), deterministic=deterministic)
 
     return nodes.Ops(xp=torch, permute=lambda x, axes: x.permute(*axes), cat=lambda xs, axis: torch.cat(xs, axis),
                      astype=lambda x, like: x.to(like.dtype), f32=_f32, inner_fwd=inner_fwd, inner_bwd=inner_bwd,
@@ -117,27 +128,29 @@ def check_fits(spec: AttentionSpec, backward: bool, deterministic: bool) -> None
         fused.check_fits(sp, rings.node_group, backward=backward, deterministic=deterministic)
 
 
-def _ops_and_geometry(spec: AttentionSpec, timeout_s, deterministic: bool):
-    """(this rank's ring_core.nodes.Ops, the keywords of its place in the two-level ring)."""
+def _ops_and_geometry(spec: AttentionSpec, timeout_s, deterministic: bool, segment_ids):
+    """(this rank's ring_core.nodes.Ops, the keywords of its place in the two-level ring and its ids)."""
     rings = lifecycle.node_rings()
+    ids = None if segment_ids is None else segment_ids.to(dtype=torch.int32).contiguous()
     return _ops(spec, rings, timeout_s, deterministic), dict(node=rings.node, num_nodes=rings.nodes.num_nodes,
-                                                             is_causal=spec.is_causal, layout=spec.layout)
+                                                             is_causal=spec.is_causal, layout=spec.layout, ids=ids)
 
 
-def forward(q, k, v, spec: AttentionSpec, timeout_s, deterministic: bool, check_backward: bool):
-    """(out, lse) of the two-level ring over the whole job for this rank's shards (validated ``spec``); raises
-    before anything runs where the call cannot run (masks not taken yet; the heap too small for it, or, with
-    ``check_backward``, for the backward to come). torch_bridge.api's fused route calls it (its eager Function and
-    its custom op, which torch.compile sees as one opaque op) when the group spans several nodes."""
+def forward(q, k, v, spec: AttentionSpec, timeout_s, deterministic: bool, check_backward: bool, segment_ids=None):
+    """(out, lse) of the two-level ring over the whole job for this rank's shards (validated ``spec``; this rank's
+    ``segment_ids`` where it has them); raises before anything runs where the call cannot run (a window, not taken
+    yet; the heap too small for it, or, with ``check_backward``, for the backward to come). torch_bridge.api's fused
+    route calls it (its eager Function and its custom op, which torch.compile sees as one opaque op) when the group
+    spans several nodes."""
     check_fits(spec, check_backward, deterministic)
-    ops, geometry = _ops_and_geometry(spec, timeout_s, deterministic)
+    ops, geometry = _ops_and_geometry(spec, timeout_s, deterministic, segment_ids)
     return nodes.forward(ops, q, k, v, **geometry)
 
 
-def backward(q, k, v, out, lse, dout, dlse, spec: AttentionSpec, timeout_s, deterministic: bool):
+def backward(q, k, v, out, lse, dout, dlse, spec: AttentionSpec, timeout_s, deterministic: bool, segment_ids=None):
     """(dq, dk, dv) of the two-level ring from the final out and lse (ring_core.nodes.backward: the float32
     partial dK/dV travel between nodes)."""
     dlse = torch.zeros_like(lse) if dlse is None else dlse.float()
     dout = torch.zeros_like(out) if dout is None else dout.to(q.dtype)
-    ops, geometry = _ops_and_geometry(spec, timeout_s, deterministic)
+    ops, geometry = _ops_and_geometry(spec, timeout_s, deterministic, segment_ids)
     return nodes.backward(ops, q, k, v, out, lse, dout, dlse, **geometry)

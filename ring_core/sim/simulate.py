@@ -400,7 +400,7 @@ def simulate_ring_attention(q, k, v, world_size, *, is_causal=False, scale=None,
         None: no window. The rule is ``ring_core.masks.allowed``'s.
       node_size: ranks per simulated node (a divisor of ``world_size``; None: one node). With several nodes the
         two-level ring of ``ring_core.nodes`` runs: the fused kernels over each node's ranks (a heap per node), the
-        K/V between nodes as the frontends send them (not yet with ``segment_ids`` or ``window_size``).
+        K/V (and their segment ids) between nodes as the frontends send them (not yet with ``window_size``).
 
     Returns:
       ``out`` (numpy, q's dtype, [batch, seq, num_heads, head_dim], natural order), or ``(out, lse)`` with
@@ -564,15 +564,15 @@ def _numpy_ops(rank: int, node_size: int, calls: _NodeCalls, inboxes: _Inboxes):
     local = rank % node_size
     return nodes.Ops(
         xp=np, permute=np.transpose, cat=np.concatenate, astype=lambda x, like: x.astype(like.dtype), f32=f32,
-        inner_fwd=lambda q, k, v, causal, layout: calls.call(local, "fwd", (q, k, v, causal, layout)),
+        inner_fwd=lambda q, k, v, causal, layout, ids: calls.call(local, "fwd", (q, k, v, causal, layout, ids)),
         inner_bwd=lambda *a: calls.call(local, "bwd", a),
         send=lambda xs: inboxes.send(rank, xs), recv=lambda n: inboxes.recv(rank, n))
 
 
 def run_nodes(world_size: int, node_size: int, rank_fn, execute, timeout_s: float) -> list:
     """Run ``rank_fn(rank, ops)`` on one thread per simulated rank of W / R nodes and return the per-rank results;
-    ``execute(node, kind, args)`` runs node ``node``'s one-node call ``kind`` ("fwd": (q, k, v, is_causal, layout);
-    "bwd": (q, k, v, out, lse, dout, dlse, is_causal, layout)) for its R ranks. A failing rank fails the job."""
+    ``execute(node, kind, args)`` runs node ``node``'s one-node call ``kind`` ("fwd": (q, k, v, is_causal, layout,
+    ids); "bwd": (q, k, v, out, lse, dout, dlse, is_causal, layout, ids)) for its R ranks. A failing rank fails the job."""
     W, R = world_size, node_size
     inboxes = _Inboxes(W, R, timeout_s)
     calls = [_NodeCalls(R, functools.partial(execute, n), timeout_s, inboxes) for n in range(W // R)]
@@ -594,6 +594,15 @@ def run_nodes(world_size: int, node_size: int, rank_fn, execute, timeout_s: floa
     return results
 
 
+def node_ids(ids):
+    """A one-node call's ``ids`` (ring_core.nodes.Ops) as the kernels take them (``AttentionSpec.kv_ids``): None,
+    the queries' ids [b, s], or the queries' and the keys' stacked [2, b, s]."""
+    if ids is None:
+        return None
+    q_ids, kv_ids = ids
+    return q_ids if kv_ids is None else np.stack([q_ids, kv_ids])
+
+
 class _KernelNodes:
     """``execute`` for ``run_nodes``: the real fused kernels, one SimulatedJob of R ranks per node (calls of all
     nodes one at a time: the interpreter patches triton.language for a whole job)."""
@@ -605,18 +614,20 @@ class _KernelNodes:
 
     def __call__(self, node: int, kind: str, args):
         q, k, v = args[0][:3]
-        causal, layout = args[0][-2:]
-        spec = dataclasses.replace(self.spec, seq_local=q.shape[1], num_heads=q.shape[2], num_kv_heads=k.shape[2],
-                                   is_causal=bool(causal), layout=layout)
+        causal, layout, ids = args[0][-3:]
+        spec = dataclasses.replace(self.spec, batch=q.shape[0], seq_local=q.shape[1], num_heads=q.shape[2],
+                                   num_kv_heads=k.shape[2], is_causal=bool(causal), layout=layout,
+                                   kv_ids=ids is not None and ids[1] is not None)
         col = lambda i: [np.ascontiguousarray(a[i]) for a in args]  # noqa: E731
+        segs = [node_ids(a[-1]) for a in args]
         members = list(range(node * self.R, (node + 1) * self.R))
         with self.lock:
             job = self.jobs[node]._get_job()
             if kind == "fwd":
-                res = job.run(spec, col(0), col(1), col(2), timeout_s=self.timeout_s)
+                res = job.run(spec, col(0), col(1), col(2), timeout_s=self.timeout_s, seg_shards=segs)
             else:
                 res = job.run_bwd(spec, col(0), col(1), col(2), col(3), col(4), col(5), timeout_s=self.timeout_s,
-                                  dlse_shards=[np.asarray(a[6], np.float32) for a in args])
+                                  dlse_shards=[np.asarray(a[6], np.float32) for a in args], seg_shards=segs)
         for pos, r in enumerate(res):
             control.check_status(r[-1], pos, self.timeout_s, members=members)
         return [r[:-1] for r in res]
@@ -647,12 +658,13 @@ def _simulate_nodes(call: _Call, node_size: int, *, grad: bool):
 
     def rank_fn(rank, ops):
         q, k, v = call.q_shards[rank], call.k_shards[rank], call.v_shards[rank]
-        out, lse = nodes.forward(ops, q, k, v, node=rank // R, **kw)
+        ids = None if call.seg_shards is None else np.asarray(call.seg_shards[rank], np.int32)
+        out, lse = nodes.forward(ops, q, k, v, node=rank // R, ids=ids, **kw)
         if not grad:
             return out, lse
         dlse = (np.zeros_like(lse) if call.dlse_shards is None else call.dlse_shards[rank])
         dlse = np.where(np.isneginf(lse), 0.0, dlse).astype(np.float32)
-        return nodes.backward(ops, q, k, v, out, lse, call.dout_shards[rank], dlse, node=rank // R, **kw)
+        return nodes.backward(ops, q, k, v, out, lse, call.dout_shards[rank], dlse, node=rank // R, ids=ids, **kw)
 
     try:
         results = run_nodes(W, R, rank_fn, kernels, call.timeout_s)

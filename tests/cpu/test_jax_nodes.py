@@ -22,20 +22,34 @@ from ring_core import testing, topology
 from ring_core.layout import layout_permutation
 
 
-def _dense_fwd(q, k, v, spec, axis_name, ring_size, timeout_s):
+def _mask(spec, s, sk, segment_ids):
+    """[b or 1, 1, 1, s, sk] pairs the call allows: causal, and the ids as the kernels take them (the queries' and,
+    with spec.kv_ids, the keys' stacked)."""
+    m = jnp.ones((1, 1, 1, s, sk), bool)
+    if spec.is_causal:
+        m = m & (jnp.arange(s)[:, None] >= jnp.arange(sk)[None, :])
+    if segment_ids is not None:
+        qi, ki = (segment_ids[0], segment_ids[1]) if spec.kv_ids else (segment_ids, segment_ids)
+        m = m & ((qi[:, :, None] == ki[:, None, :]) & (qi[:, :, None] >= 0))[:, None, None]
+    return m
+
+
+def _dense_fwd(q, k, v, spec, axis_name, ring_size, timeout_s, segment_ids=None):
     assert ring_size == 1
     b, s, h, d = q.shape
     hkv = k.shape[2]
     sc = jnp.einsum("bqkgd,bskd->bkgqs", q.reshape(b, s, hkv, h // hkv, d).astype(jnp.float32),
                     k.astype(jnp.float32)) * spec.scale
-    if spec.is_causal:
-        sc = jnp.where(jnp.arange(s)[:, None] >= jnp.arange(k.shape[1])[None, :], sc, -jnp.inf)
+    allowed = _mask(spec, s, k.shape[1], segment_ids)
+    sc = jnp.where(allowed, sc, -jnp.inf)
     lse = jax.nn.logsumexp(sc, axis=-1)
-    out = jnp.einsum("bkgqs,bskd->bqkgd", jnp.exp(sc - lse[..., None]), v.astype(jnp.float32))
+    p = jnp.where(allowed, jnp.exp(sc - jnp.where(jnp.isneginf(lse), 0.0, lse)[..., None]), 0.0)
+    out = jnp.einsum("bkgqs,bskd->bqkgd", p, v.astype(jnp.float32))
     return out.reshape(b, s, h, d).astype(q.dtype), lse.reshape(b, h, s)
 
 
-def _dense_bwd(q, k, v, out, lse, dout, dlse, spec, axis_name, ring_size, timeout_s, deterministic=False):
+def _dense_bwd(q, k, v, out, lse, dout, dlse, spec, axis_name, ring_size, timeout_s, segment_ids=None,
+               deterministic=False):
     """The fused backward's meaning from the given out and lse (those of the whole sequence)."""
     b, s, h, d = q.shape
     hkv = k.shape[2]
@@ -43,9 +57,9 @@ def _dense_bwd(q, k, v, out, lse, dout, dlse, spec, axis_name, ring_size, timeou
     f = lambda x: x.astype(jnp.float32)  # noqa: E731
     qg = f(q).reshape(b, s, hkv, g, d)
     sc = jnp.einsum("bqkgd,bskd->bkgqs", qg, f(k)) * spec.scale
-    p = jnp.exp(sc - lse.reshape(b, hkv, g, s)[..., None])
-    if spec.is_causal:
-        p = jnp.where(jnp.arange(s)[:, None] >= jnp.arange(k.shape[1])[None, :], p, 0.0)
+    lse = lse.reshape(b, hkv, g, s)
+    p = jnp.where(_mask(spec, s, k.shape[1], segment_ids),
+                  jnp.exp(sc - jnp.where(jnp.isneginf(lse), 0.0, lse)[..., None]), 0.0)
     do = f(dout).reshape(b, s, hkv, g, d)
     delta = jnp.einsum("bqkgd,bqkgd->bkgq", do, f(out).reshape(b, s, hkv, g, d)) - dlse.reshape(b, hkv, g, s)
     ds = p * (jnp.einsum("bqkgd,bskd->bkgqs", do, f(v)) - delta[..., None])
@@ -79,31 +93,48 @@ def nodes_of_one(monkeypatch):
     return Mesh(np.array(jax.devices()[:4]), ("sp",))
 
 
-@pytest.mark.parametrize("causal,layout,H,HKV,S,D", [
-    (True, "zigzag", 4, 2, 8, 16),
-    (True, "contiguous", 3, 1, 6, 8),
-    (False, "zigzag", 2, 2, 10, 16),
+def _packed(B, seq):
+    """Segment ids of packed documents that cross the nodes' boundaries, with padding at the end of row 0."""
+    ids = np.zeros((B, seq), np.int32)
+    for b in range(B):
+        cuts = [0, 3 + b, seq // 3, seq // 3 + 2, seq - 7, seq]
+        for i in range(len(cuts) - 1):
+            ids[b, cuts[i]:cuts[i + 1]] = i
+    ids[0, -3:] = -1
+    return ids
+
+
+@pytest.mark.parametrize("causal,layout,H,HKV,S,D,segmented", [
+    (True, "zigzag", 4, 2, 8, 16, False),
+    (True, "contiguous", 3, 1, 6, 8, False),
+    (False, "zigzag", 2, 2, 10, 16, False),
+    (True, "zigzag", 4, 2, 8, 16, True),
+    (True, "contiguous", 2, 1, 6, 8, True),
 ])
-def test_two_level_ring_gradients_outside_shard_map(nodes_of_one, causal, layout, H, HKV, S, D):
+def test_two_level_ring_gradients_outside_shard_map(nodes_of_one, causal, layout, H, HKV, S, D, segmented):
     mesh, W, B = nodes_of_one, 4, 2
     q, k, v, dout = testing.random_inputs(0, B, W * S, H, HKV, D, "float32", with_dout=True)
     dlse = np.random.default_rng(1).standard_normal((B, H, W * S)).astype(np.float32)
+    ids = _packed(B, W * S) if segmented else None
     perm = layout_permutation(W * S, W, layout)
     lay = lambda x, ax=1: jnp.asarray(np.take(x, perm, axis=ax).astype(np.float32))  # noqa: E731
 
-    def body(q, k, v):
+    def body(q, k, v, *seg):
         return jax_ring.ring_attention(q, k, v, axis_name="sp", is_causal=causal, layout=layout, return_lse=True,
-                                       backend="fused")
+                                       backend="fused", segment_ids=seg[0] if seg else None)
 
-    f = jax.jit(_platform.shard_map(body, mesh=mesh, in_specs=(P(None, "sp"),) * 3,
+    seg_in = (jnp.asarray(np.take(ids, perm, axis=1)),) if segmented else ()
+    f = jax.jit(_platform.shard_map(body, mesh=mesh, in_specs=(P(None, "sp"),) * (3 + len(seg_in)),
                                     out_specs=(P(None, "sp"), P(None, None, "sp"))))
-    (out, lse), vjp = jax.vjp(f, lay(q), lay(k), lay(v))
-    grads = vjp((lay(dout), lay(dlse, 2)))
+    (out, lse), vjp = jax.vjp(lambda q, k, v: f(q, k, v, *seg_in), lay(q), lay(k), lay(v))
+    grads = vjp((lay(dout), jnp.where(jnp.isneginf(lse), 0.0, lay(dlse, 2))))
     inv = np.argsort(perm)
     nat = lambda x, ax=1: np.take(np.asarray(x), inv, axis=ax)  # noqa: E731
-    testing.check_attention("jax nodes", nat(out), nat(lse, 2), q, k, v, "float32", is_causal=causal)
+    testing.check_attention("jax nodes", nat(out), nat(lse, 2), q, k, v, "float32", is_causal=causal,
+                            segment_ids=ids)
+    dlse64 = np.where(np.isneginf(nat(lse, 2)), 0.0, dlse.astype(np.float64))
     testing.check_grads("jax nodes", [nat(g) for g in grads], q, k, v, dout, "float32", is_causal=causal,
-                        dlse=dlse.astype(np.float64))
+                        dlse=dlse64, segment_ids=ids)
 
 
 def test_the_hop_is_a_collective_permute_to_the_next_node(nodes_of_one):

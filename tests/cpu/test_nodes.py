@@ -5,7 +5,7 @@ each node (simulate_ring_attention(_grad)(node_size=R)), against float64 with th
 import numpy as np
 import pytest
 
-from ring_core import nodes, reference, testing
+from ring_core import nodes, reference, testing, validate
 from ring_core.sim import simulate
 from ring_core.layout import global_positions, layout_permutation
 
@@ -121,7 +121,8 @@ def _reference_execute(spec_scale):
     def execute(node, kind, args):
         R = len(args)
         q, k, v = (np.concatenate([a[i] for a in args], axis=1) for i in range(3))
-        causal, layout = args[0][-2:]
+        causal, layout, ids = args[0][-3:]
+        assert ids is None  # (segment ids: test_segment_ids_across_nodes_against_float64, the kernels)
         S = args[0][0].shape[1]
         perm = layout_permutation(R * S, R, layout)  # node-local natural order of the concatenated rows
         inv = np.argsort(perm)
@@ -225,5 +226,56 @@ def test_bad_node_sizes_and_masks_raise_before_running():
         simulate.simulate_ring_attention(q, q, q, 4, node_size=0)
     with pytest.raises(NotImplementedError, match="sliding window"):
         simulate.simulate_ring_attention(q, q, q, 4, node_size=2, window_size=(3, 0))
-    with pytest.raises(NotImplementedError, match="segment ids"):
-        simulate.simulate_ring_attention(q, q, q, 4, node_size=2, segment_ids=np.zeros((1, 16), np.int32))
+
+
+def _packed(B, seq):
+    """Segment ids of packed documents that cross the nodes' boundaries (and the ranks'), with padding at the end
+    of row 0 and a document of one token."""
+    ids = np.zeros((B, seq), np.int32)
+    for b in range(B):
+        cuts = [0, 3 + b, seq // 3, seq // 3 + 1, seq - 7 - b, seq]
+        for i in range(len(cuts) - 1):
+            ids[b, cuts[i]:cuts[i + 1]] = i
+    ids[0, -3:] = -1
+    return ids
+
+
+SEGMENT_CASES = [  # the K/V's ids travel with them; another node's K/V meet this node's queries' ids in the kernels
+    (4, 2, 1, 16, 2, 1, 16, "float32", True, "zigzag"),  # K_EARLY and Q_LATE: the halves in the batch axis
+    (4, 2, 2, 8, 2, 1, 16, "bfloat16", True, "zigzag"),
+    (4, 2, 1, 12, 2, 2, 80, "float16", True, "contiguous"),  # the earlier node's K/V whole, the later's skipped
+    (4, 2, 1, 8, 2, 1, 16, "float32", False, "zigzag"),
+]
+
+
+@pytest.mark.parametrize("case", SEGMENT_CASES, ids=lambda c: "W{}R{}_B{}S{}_H{}/{}_D{}_{}_{}_{}".format(*c))
+def test_segment_ids_across_nodes_against_float64(case):
+    W, R, B, S, H, HKV, D, dtype, causal, layout = case
+    (q, k, v, dout), exact = _case_inputs(case, seed=W * 100 + R + 11)
+    ids = _packed(B, W * S)
+    dlse = np.random.default_rng(5).standard_normal((B, H, W * S)).astype(np.float32)
+    out, lse = simulate.simulate_ring_attention(q, k, v, W, is_causal=causal, layout=layout, return_lse=True,
+                                                node_size=R, segment_ids=ids)
+    testing.check_attention(f"nodes, ids {case}", out, lse, *exact[:3], dtype, is_causal=causal, segment_ids=ids)
+    dlse = np.where(np.isneginf(lse), 0.0, dlse).astype(np.float32)  # padding rows: lse is a constant there
+    grads = simulate.simulate_ring_attention_grad(q, k, v, dout, W, is_causal=causal, layout=layout, dlse=dlse,
+                                                  node_size=R, segment_ids=ids)
+    testing.check_grads(f"nodes, ids {case}", grads, *exact, dtype, is_causal=causal, dlse=dlse.astype(np.float64),
+                        segment_ids=ids)
+
+
+def test_batch_moves_are_inverse_and_node_specs_fold_the_halves_into_the_batch_with_ids():
+    ops = _np_ops()
+    x = np.arange(2 * 6 * 3).reshape(2, 6, 3)
+    y = nodes.halves_to_batch(ops, x)
+    assert y.shape == (4, 3, 3) and (y[1] == x[1, :3]).all() and (y[2] == x[0, 3:]).all()
+    np.testing.assert_array_equal(nodes.batch_to_halves(ops, y), x)
+    lse = np.arange(2 * 2 * 6).reshape(2, 2, 6)
+    np.testing.assert_array_equal(nodes.batch_to_halves(ops, nodes.halves_to_batch(ops, lse, 2), 2), lse)
+    np.testing.assert_array_equal(nodes.batch_sum(nodes.twice_in_batch(ops, x)), 2 * x)
+    spec = validate.check_attention_args(
+        (1, 8, 4, 16), (1, 8, 2, 16), (1, 8, 2, 16), "bfloat16", "bfloat16", "bfloat16", is_causal=True, scale=None,
+        layout="zigzag", backend="fused", backends=("fused",), segment_ids_shape=(1, 8), segment_ids_dtype="int32")
+    specs = nodes.node_specs(spec)
+    assert [(s.batch, s.seq_local, s.num_heads, s.num_kv_heads, s.is_causal, s.kv_ids) for s in specs] == [
+        (1, 8, 4, 2, True, False), (1, 8, 4, 2, False, True), (2, 4, 4, 2, False, True)]

@@ -32,11 +32,30 @@ import torch_bridge
 from ring_core import testing
 from ring_core.layout import layout_permutation
 
-CASES = [  # B, S_local, H, HKV, D, dtype, causal, layout
-    (1, 512, 8, 2, 128, "bfloat16", True, "zigzag"),  # the Gluon kernels (Hopper), GQA
-    (2, 256, 4, 4, 64, "float16", True, "contiguous"),
-    (1, 384, 4, 1, 128, "bfloat16", False, "zigzag"),
+CASES = [  # B, S_local, H, HKV, D, dtype, causal, layout, segment ids
+    (1, 512, 8, 2, 128, "bfloat16", True, "zigzag", False),  # the Gluon kernels (Hopper), GQA
+    (2, 256, 4, 4, 64, "float16", True, "contiguous", False),
+    (1, 384, 4, 1, 128, "bfloat16", False, "zigzag", False),
+    # packed documents crossing the nodes' boundaries: the ids travel with the K/V, the kernels take another node's
+    (1, 512, 8, 2, 128, "bfloat16", True, "zigzag", True),
+    (2, 256, 4, 4, 64, "float16", True, "contiguous", True),
 ]
+
+
+SOAK_CASE = (1, 256, 4, 2, 64, "bfloat16", True, "zigzag", True)  # segment ids: every kind of step the ring has
+
+
+def packed_ids(B, seq):
+    """Segment ids of packed documents (lengths drawn per row, some crossing the ranks' and the nodes' boundaries)
+    with padding at the end of row 0, in natural order."""
+    rng = np.random.default_rng(11)
+    ids = np.zeros((B, seq), np.int32)
+    for b in range(B):
+        cuts = np.unique(np.concatenate([[0, seq], rng.integers(1, seq, 6), [seq // 2 - 5, seq // 2 + 3]]))
+        for i in range(len(cuts) - 1):
+            ids[b, cuts[i]:cuts[i + 1]] = i
+    ids[0, -17:] = -1
+    return ids
 
 
 def _shard(x, rows, device, dtype, axis=1):
@@ -50,18 +69,22 @@ def _gather(x):
 
 
 def _call(case, rank, world, seed, deterministic=False):
-    B, S, H, HKV, D, dtype, causal, layout = case
+    B, S, H, HKV, D, dtype, causal, layout, segmented = case
     q, k, v, dout = testing.random_inputs(seed, B, world * S, H, HKV, D, dtype, with_dout=True)
+    ids = packed_ids(B, world * S) if segmented else None
     dlse = np.random.default_rng(seed).standard_normal((B, H, world * S))
     rows = layout_permutation(world * S, world, layout)[rank * S:(rank + 1) * S]
     dev, tdt = torch.device("cuda", torch.cuda.current_device()), getattr(torch, dtype)
     qt, kt, vt = (_shard(x, rows, dev, tdt).requires_grad_() for x in (q, k, v))
+    seg = None if ids is None else _shard(ids, rows, dev, torch.int32)
     out, lse = torch_bridge.ring_attention(qt, kt, vt, is_causal=causal, layout=layout, return_lse=True,
-                                           backend="fused", deterministic=deterministic)
-    torch.autograd.backward([out, lse], [_shard(dout, rows, dev, tdt), _shard(dlse, rows, dev, torch.float32, 2)])
+                                           backend="fused", deterministic=deterministic, segment_ids=seg)
+    # (a padding row's lse is the constant -inf: no gradient through it)
+    dlse_t = _shard(dlse, rows, dev, torch.float32, 2).masked_fill(torch.isneginf(lse.detach()), 0.0)
+    torch.autograd.backward([out, lse], [_shard(dout, rows, dev, tdt), dlse_t])
     torch_bridge.check_errors()
     f = lambda t: t.detach().float().cpu().numpy()  # noqa: E731
-    return [f(out), f(lse), f(qt.grad), f(kt.grad), f(vt.grad)], (q, k, v, dout, dlse)
+    return [f(out), f(lse), f(qt.grad), f(kt.grad), f(vt.grad)], (q, k, v, dout, dlse, ids)
 
 
 def checks(rank, world, log, cases):
@@ -69,9 +92,9 @@ def checks(rank, world, log, cases):
     for i, case in enumerate(CASES):
         if i not in cases:
             continue
-        B, S, H, HKV, D, dtype, causal, layout = case
-        name = "B{} S_local {} H{}/{} D{} {} {} {}".format(*case)
-        res, (q, k, v, dout, dlse) = _call(case, rank, world, seed=i)
+        B, S, H, HKV, D, dtype, causal, layout, segmented = case
+        name = "B{} S_local {} H{}/{} D{} {} causal={} {} segment_ids={}".format(*case)
+        res, (q, k, v, dout, dlse, ids) = _call(case, rank, world, seed=i)
         again, _ = _call(case, rank, world, seed=i, deterministic=True)
         again2, _ = _call(case, rank, world, seed=i, deterministic=True)
         same = all(np.array_equal(a, b) for a, b in zip(again, again2))
@@ -81,9 +104,11 @@ def checks(rank, world, log, cases):
             inv = np.argsort(layout_permutation(world * S, world, layout))
             g = lambda j, ax=1: np.take(np.concatenate([p[j] for p in parts], axis=ax), inv, axis=ax)  # noqa: E731
             try:
-                err = testing.check_attention(name, g(0), g(1, 2), q, k, v, dtype, is_causal=causal)
+                err = testing.check_attention(name, g(0), g(1, 2), q, k, v, dtype, is_causal=causal,
+                                              segment_ids=ids)
+                dlse = np.where(np.isneginf(g(1, 2)), 0.0, dlse)
                 gerr = testing.check_grads(name, [g(j) for j in (2, 3, 4)], q, k, v, dout, dtype, is_causal=causal,
-                                           dlse=dlse)
+                                           dlse=dlse, segment_ids=ids)
                 if not all(sames):
                     raise AssertionError(f"{name}: deterministic=True gradients differ between two runs")
                 log(f"PASS {name}: out err {err:.3g}, grad err {gerr:.3g}, deterministic bitwise")
@@ -155,7 +180,7 @@ def timing(rank, world, log, out_dir, seq_local=4096, iters=10, warmup=2):
 
 
 def soak(rank, world, log, calls):
-    case = (1, 256, 4, 2, 64, "bfloat16", True, "zigzag")
+    case = SOAK_CASE
     first, _ = _call(case, rank, world, seed=7, deterministic=True)
     wrong = 0
     t0 = time.perf_counter()
