@@ -11,7 +11,6 @@ device runs the same sequence of permutes, and a node's fused calls need only it
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -40,31 +39,18 @@ def _f32(x):
     return x if x.dtype == jnp.float64 else x.astype(jnp.float32)
 
 
-def _kernel_ids(ids):
-    """A one-node call's ids (ring_core.nodes.Ops) as the kernels take them: None, the queries' [b, s], or the
-    queries' and the keys' stacked [2, b, s] (``AttentionSpec.kv_ids``)."""
-    if ids is None:
-        return None
-    q_ids, kv_ids = ids
-    return q_ids if kv_ids is None else jnp.stack([q_ids, kv_ids])
-
-
 def _ops(spec, axis_name: str, node_size: int, timeout_s, deterministic: bool) -> nodes.Ops:
     world = _platform.axis_size(axis_name)
     perm = [(i, (i + node_size) % world) for i in range(world)]
 
-    def node_spec(q, k, causal, layout, ids):
-        return dataclasses.replace(spec, batch=q.shape[0], seq_local=q.shape[1], num_heads=q.shape[2],
-                                   num_kv_heads=k.shape[2], is_causal=bool(causal), layout=layout,
-                                   kv_ids=ids is not None and ids[1] is not None)
-
     def inner_fwd(q, k, v, causal, layout, ids):
-        return fused.forward(q, k, v, node_spec(q, k, causal, layout, ids), axis_name, node_size, timeout_s,
-                             segment_ids=_kernel_ids(ids))
+        return fused.forward(q, k, v, nodes.inner_spec(spec, q, k, causal, layout, ids), axis_name, node_size,
+                             timeout_s, segment_ids=nodes.kernel_ids(ids, jnp.stack))
 
     def inner_bwd(q, k, v, out, lse, dout, dlse, causal, layout, ids):
-        return fused.backward(q, k, v, out, lse, dout, dlse, node_spec(q, k, causal, layout, ids), axis_name,
-                              node_size, timeout_s, segment_ids=_kernel_ids(ids), deterministic=deterministic)
+        return fused.backward(q, k, v, out, lse, dout, dlse, nodes.inner_spec(spec, q, k, causal, layout, ids),
+                              axis_name, node_size, timeout_s, segment_ids=nodes.kernel_ids(ids, jnp.stack),
+                              deterministic=deterministic)
 
     return nodes.Ops(xp=jnp, permute=jnp.transpose, cat=jnp.concatenate, astype=lambda x, like: x.astype(like.dtype),
                      f32=_f32, inner_fwd=inner_fwd, inner_bwd=inner_bwd,

@@ -122,6 +122,23 @@ def node_specs(spec) -> list:
     return out
 
 
+def inner_spec(spec, q, k, is_causal: bool, layout: str, ids):
+    """The spec of a one-node call (``Ops.inner_fwd`` / ``inner_bwd``) on ``q`` and ``k`` (batch, rows and heads from
+    them: the half-shard steps move rows into heads or the batch) with ``ids`` as the Ops take them."""
+    return dataclasses.replace(spec, batch=q.shape[0], seq_local=q.shape[1], num_heads=q.shape[2],
+                               num_kv_heads=k.shape[2], is_causal=bool(is_causal), layout=layout,
+                               kv_ids=ids is not None and ids[1] is not None)
+
+
+def kernel_ids(ids, stack):
+    """A one-node call's ``ids`` as the kernels take them (``AttentionSpec.kv_ids``): None, the queries' [b, s], or
+    the queries' and the keys' stacked [2, b, s] (``stack``: the array namespace's)."""
+    if ids is None:
+        return None
+    q_ids, kv_ids = ids
+    return q_ids if kv_ids is None else stack([q_ids, kv_ids])
+
+
 @dataclass(frozen=True)
 class Ops:
     """What a frontend supplies. Arrays are [batch, seq, heads, head_dim] (lse [batch, heads, seq]).
@@ -131,7 +148,7 @@ class Ops:
     ``f32(x)`` (float32, float64 kept).
     ``inner_fwd(q, k, v, is_causal, layout, ids) -> (out, lse)``: the one-node call over this node's ring; ``ids``
     None (no segment ids) or (the queries' ids, the keys' ids or None where they are the queries' own), int32
-    [b, s] each (the call's spec: batch from q, ``kv_ids`` where the keys' are given).
+    [b, s] each (the call's spec: ``inner_spec``; the kernels' ids: ``kernel_ids``).
     ``inner_bwd(q, k, v, out, lse, dout, dlse, is_causal, layout, ids) -> (dq, dk, dv)``: its backward.
     ``send(xs) -> handle``: post the transfer of the arrays ``xs`` to the same rank of the next node and the receipt
     of the previous node's (same shapes and dtypes); ``recv(handle) -> list``: wait for what arrived.

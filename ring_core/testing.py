@@ -186,3 +186,16 @@ def run_compiled(script: str, cache=None):
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=root, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def crossing_documents(batch: int, seq: int) -> np.ndarray:
+    """Segment ids (int32 [batch, seq], natural order) of packed documents whose boundaries fall inside the shards
+    of small rings, so that documents cross ranks' (and nodes') boundaries: a one-token document, rows that differ,
+    and padding (-1) at the end of row 0."""
+    ids = np.zeros((batch, seq), np.int32)
+    for b in range(batch):
+        cuts = [0, 3 + b, seq // 3, seq // 3 + 1, seq - 7 - b, seq]
+        for i in range(len(cuts) - 1):
+            ids[b, cuts[i]:cuts[i + 1]] = i
+    ids[0, -3:] = -1
+    return ids

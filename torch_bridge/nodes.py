@@ -13,7 +13,6 @@ Why it cannot deadlock, and what a late or dead node does: ring_core.nodes.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 
 import torch
@@ -89,31 +88,18 @@ def _f32(x):
     return x if x.dtype == torch.float64 else x.float()
 
 
-def _kernel_ids(ids):
-    """A one-node call's ids (ring_core.nodes.Ops) as the kernels take them: None, the queries' [b, s], or the
-    queries' and the keys' stacked [2, b, s] (``AttentionSpec.kv_ids``)."""
-    if ids is None:
-        return None
-    q_ids, kv_ids = ids
-    return q_ids if kv_ids is None else torch.stack([q_ids, kv_ids])
-
-
 def _ops(spec: AttentionSpec, rings: _heap.NodeRings, timeout_s, deterministic: bool) -> nodes.Ops:
     group = rings.node_group
     wait_s = control.timeout_ns(timeout_s) / 1e9
 
-    def node_spec(q, k, causal, layout, ids):
-        return dataclasses.replace(spec, batch=q.shape[0], seq_local=q.shape[1], num_heads=q.shape[2],
-                                   num_kv_heads=k.shape[2], is_causal=bool(causal), layout=layout,
-                                   kv_ids=ids is not None and ids[1] is not None)
-
     def inner_fwd(q, k, v, causal, layout, ids):
-        return fused.forward(q, k, v, node_spec(q, k, causal, layout, ids), group, timeout_s,
-                             segment_ids=_kernel_ids(ids))
+        return fused.forward(q, k, v, nodes.inner_spec(spec, q, k, causal, layout, ids), group, timeout_s,
+                             segment_ids=nodes.kernel_ids(ids, torch.stack))
 
     def inner_bwd(q, k, v, out, lse, dout, dlse, causal, layout, ids):
-        return fused.backward(q, k, v, out, lse, dout, node_spec(q, k, causal, layout, ids), group, timeout_s,
-                              dlse=dlse, segment_ids=_kernel_ids(ids), deterministic=deterministic)
+        return fused.backward(q, k, v, out, lse, dout, nodes.inner_spec(spec, q, k, causal, layout, ids), group,
+                              timeout_s, dlse=dlse, segment_ids=nodes.kernel_ids(ids, torch.stack),
+                              deterministic=deterministic)
 
     return nodes.Ops(xp=torch, permute=lambda x, axes: x.permute(*axes), cat=lambda xs, axis: torch.cat(xs, axis),
                      astype=lambda x, like: x.to(like.dtype), f32=_f32, inner_fwd=inner_fwd, inner_bwd=inner_bwd,

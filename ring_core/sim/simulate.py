@@ -572,7 +572,8 @@ def _numpy_ops(rank: int, node_size: int, calls: _NodeCalls, inboxes: _Inboxes):
 def run_nodes(world_size: int, node_size: int, rank_fn, execute, timeout_s: float) -> list:
     """Run ``rank_fn(rank, ops)`` on one thread per simulated rank of W / R nodes and return the per-rank results;
     ``execute(node, kind, args)`` runs node ``node``'s one-node call ``kind`` ("fwd": (q, k, v, is_causal, layout,
-    ids); "bwd": (q, k, v, out, lse, dout, dlse, is_causal, layout, ids)) for its R ranks. A failing rank fails the job."""
+    ids); "bwd": (q, k, v, out, lse, dout, dlse, is_causal, layout, ids)) for its R ranks. A failing rank fails the
+    job."""
     W, R = world_size, node_size
     inboxes = _Inboxes(W, R, timeout_s)
     calls = [_NodeCalls(R, functools.partial(execute, n), timeout_s, inboxes) for n in range(W // R)]
@@ -594,15 +595,6 @@ def run_nodes(world_size: int, node_size: int, rank_fn, execute, timeout_s: floa
     return results
 
 
-def node_ids(ids):
-    """A one-node call's ``ids`` (ring_core.nodes.Ops) as the kernels take them (``AttentionSpec.kv_ids``): None,
-    the queries' ids [b, s], or the queries' and the keys' stacked [2, b, s]."""
-    if ids is None:
-        return None
-    q_ids, kv_ids = ids
-    return q_ids if kv_ids is None else np.stack([q_ids, kv_ids])
-
-
 class _KernelNodes:
     """``execute`` for ``run_nodes``: the real fused kernels, one SimulatedJob of R ranks per node (calls of all
     nodes one at a time: the interpreter patches triton.language for a whole job)."""
@@ -613,13 +605,11 @@ class _KernelNodes:
         self.lock = threading.Lock()
 
     def __call__(self, node: int, kind: str, args):
-        q, k, v = args[0][:3]
-        causal, layout, ids = args[0][-3:]
-        spec = dataclasses.replace(self.spec, batch=q.shape[0], seq_local=q.shape[1], num_heads=q.shape[2],
-                                   num_kv_heads=k.shape[2], is_causal=bool(causal), layout=layout,
-                                   kv_ids=ids is not None and ids[1] is not None)
+        from ring_core import nodes
+
+        spec = nodes.inner_spec(self.spec, args[0][0], args[0][1], *args[0][-3:])
         col = lambda i: [np.ascontiguousarray(a[i]) for a in args]  # noqa: E731
-        segs = [node_ids(a[-1]) for a in args]
+        segs = [nodes.kernel_ids(a[-1], np.stack) for a in args]
         members = list(range(node * self.R, (node + 1) * self.R))
         with self.lock:
             job = self.jobs[node]._get_job()

@@ -93,17 +93,6 @@ def nodes_of_one(monkeypatch):
     return Mesh(np.array(jax.devices()[:4]), ("sp",))
 
 
-def _packed(B, seq):
-    """Segment ids of packed documents that cross the nodes' boundaries, with padding at the end of row 0."""
-    ids = np.zeros((B, seq), np.int32)
-    for b in range(B):
-        cuts = [0, 3 + b, seq // 3, seq // 3 + 2, seq - 7, seq]
-        for i in range(len(cuts) - 1):
-            ids[b, cuts[i]:cuts[i + 1]] = i
-    ids[0, -3:] = -1
-    return ids
-
-
 @pytest.mark.parametrize("causal,layout,H,HKV,S,D,segmented", [
     (True, "zigzag", 4, 2, 8, 16, False),
     (True, "contiguous", 3, 1, 6, 8, False),
@@ -115,7 +104,7 @@ def test_two_level_ring_gradients_outside_shard_map(nodes_of_one, causal, layout
     mesh, W, B = nodes_of_one, 4, 2
     q, k, v, dout = testing.random_inputs(0, B, W * S, H, HKV, D, "float32", with_dout=True)
     dlse = np.random.default_rng(1).standard_normal((B, H, W * S)).astype(np.float32)
-    ids = _packed(B, W * S) if segmented else None
+    ids = testing.crossing_documents(B, W * S) if segmented else None
     perm = layout_permutation(W * S, W, layout)
     lay = lambda x, ax=1: jnp.asarray(np.take(x, perm, axis=ax).astype(np.float32))  # noqa: E731
 

@@ -228,18 +228,6 @@ def test_bad_node_sizes_and_masks_raise_before_running():
         simulate.simulate_ring_attention(q, q, q, 4, node_size=2, window_size=(3, 0))
 
 
-def _packed(B, seq):
-    """Segment ids of packed documents that cross the nodes' boundaries (and the ranks'), with padding at the end
-    of row 0 and a document of one token."""
-    ids = np.zeros((B, seq), np.int32)
-    for b in range(B):
-        cuts = [0, 3 + b, seq // 3, seq // 3 + 1, seq - 7 - b, seq]
-        for i in range(len(cuts) - 1):
-            ids[b, cuts[i]:cuts[i + 1]] = i
-    ids[0, -3:] = -1
-    return ids
-
-
 SEGMENT_CASES = [  # the K/V's ids travel with them; another node's K/V meet this node's queries' ids in the kernels
     (4, 2, 1, 16, 2, 1, 16, "float32", True, "zigzag"),  # K_EARLY and Q_LATE: the halves in the batch axis
     (4, 2, 2, 8, 2, 1, 16, "bfloat16", True, "zigzag"),
@@ -252,7 +240,7 @@ SEGMENT_CASES = [  # the K/V's ids travel with them; another node's K/V meet thi
 def test_segment_ids_across_nodes_against_float64(case):
     W, R, B, S, H, HKV, D, dtype, causal, layout = case
     (q, k, v, dout), exact = _case_inputs(case, seed=W * 100 + R + 11)
-    ids = _packed(B, W * S)
+    ids = testing.crossing_documents(B, W * S)
     dlse = np.random.default_rng(5).standard_normal((B, H, W * S)).astype(np.float32)
     out, lse = simulate.simulate_ring_attention(q, k, v, W, is_causal=causal, layout=layout, return_lse=True,
                                                 node_size=R, segment_ids=ids)

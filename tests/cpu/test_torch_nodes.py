@@ -59,17 +59,6 @@ def _inputs(W, B, S, H, HKV, D, dtype, seed):
     return q, k, v, dout, dlse
 
 
-def _packed(B, seq):
-    """Segment ids of packed documents that cross the nodes' boundaries, with padding at the end of row 0."""
-    ids = np.zeros((B, seq), np.int32)
-    for b in range(B):
-        cuts = [0, 3 + b, seq // 3, seq // 3 + 2, seq - 7, seq]
-        for i in range(len(cuts) - 1):
-            ids[b, cuts[i]:cuts[i + 1]] = i
-    ids[0, -3:] = -1
-    return ids
-
-
 def _two_level(rank, world, case, seed):
     W, B, S, H, HKV, D, dtype, causal, layout, segmented = case
     _setup_rank(rank, world, 1)
@@ -83,7 +72,7 @@ def _two_level(rank, world, case, seed):
     tdt = getattr(torch, dtype)
     mine = lambda x, ax=1: torch.from_numpy(np.ascontiguousarray(np.take(x, rows, axis=ax)))  # noqa: E731
     qt, kt, vt = (mine(x).to(tdt).requires_grad_() for x in (q, k, v))
-    ids = mine(_packed(B, W * S)) if segmented else None
+    ids = mine(testing.crossing_documents(B, W * S)) if segmented else None
     out, lse = torch_bridge.ring_attention(qt, kt, vt, is_causal=causal, layout=layout, return_lse=True,
                                            backend="fused", timeout_s=60, segment_ids=ids)
     dlse_t = mine(dlse, 2).float().masked_fill(torch.isneginf(lse.detach()), 0.0)  # padding rows: lse constant
@@ -108,7 +97,7 @@ def test_two_level_ring_against_float64(case):
     with LocalGroup(W, timeout=600) as group:
         res = group.run(_two_level, case, 5)
     q, k, v, dout, dlse = _inputs(W, B, S, H, HKV, D, dtype, 5)
-    ids = _packed(B, W * S) if segmented else None
+    ids = testing.crossing_documents(B, W * S) if segmented else None
     inv = np.argsort(layout_permutation(W * S, W, layout))
     gather = lambda i, ax=1: np.take(np.concatenate([r[i] for r in res], axis=ax), inv, axis=ax)  # noqa: E731
     testing.check_attention(f"torch nodes {case}", gather(0), gather(1, 2), q, k, v, dtype, is_causal=causal,
