@@ -229,6 +229,7 @@ STAGES = {
     "checks-grads": (240, [LAUNCH + ["tests/gpu/gpu_checks.py", "--sections", "grads,launch", "--out", "{out}"]]),
     "checks-big": (180, [LAUNCH + ["tests/gpu/gpu_checks.py", "--sections", "big", "--out", "{out}"]]),
     "checks-bwd": (300, [LAUNCH + ["tests/gpu/gpu_checks.py", "--sections", "bwd", "--out", "{out}"]]),
+    "checks-kv-ids": (200, [LAUNCH + ["tests/gpu/gpu_checks.py", "--sections", "kv-ids", "--out", "{out}"]]),
     "checks-masks": (540, [LAUNCH + ["tests/gpu/gpu_checks.py", "--sections", "masks", "--out", "{out}"]]),
     # The masks cases from 3 on (fp32 last: its cold compiles alone take minutes at 2 ranks).
     "checks-masks-tail": (420, [LAUNCH + ["tests/gpu/gpu_checks.py", "--sections", "masks", "--mask-cases", "3,4,5",

@@ -41,7 +41,8 @@ from ring_core.runtime import build
 from ring_core.protocol import control  # noqa: E402
 from ring_core import plans, validate  # noqa: E402
 
-CHECKS_SECTIONS = ("cases", "gluon", "jit", "grads", "bwd", "gluon-bwd", "gluon-bwd-masks", "masks", "soak", "big")
+CHECKS_SECTIONS = ("cases", "gluon", "jit", "grads", "bwd", "gluon-bwd", "gluon-bwd-masks", "masks", "kv-ids", "soak",
+                   "big")
 GPU_CAPABILITY = (9, 0)  # the GPU machine's H200: its plans pick the Gluon forward where it applies
 
 
@@ -112,6 +113,11 @@ def checks_calls(world: int, sections=CHECKS_SECTIONS, mask_cases=None) -> list:
         chosen = range(len(g.MASK_CASES)) if mask_cases is None else mask_cases
         calls += [(spec_of(*c[:8], window=c[8], segmented=c[9] is not None), True, GPU_CAPABILITY, True)
                   for c in (g.MASK_CASES[i] for i in chosen)]
+    if "kv-ids" in sections:
+        import dataclasses
+
+        calls += [(dataclasses.replace(spec_of(*c, False, "contiguous", segmented=True), kv_ids=True), True)
+                  for c in g.KV_IDS_CASES]
     if "soak" in sections:
         calls += [(spec_of(*c), False) for c in g.SOAK_SHAPES]
     if "big" in sections:

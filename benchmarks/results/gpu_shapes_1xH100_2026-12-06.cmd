@@ -59,3 +59,8 @@ python -m jax_ring.launch --nproc-per-node 1 $M --csv OUT/base2.csv             
 (cd TREE && python -m jax_ring.launch --nproc-per-node 1 tests/gpu/gpu_checks.py --sections gluon-bwd,gluon-bwd-masks \
     --gluon-bwd-cases b1,b3,b6,m1,m4 --out OUT/chk)                                                               # exit 0
 # File: attention_d64_bwd_det-gluon_1xH100_2026-12-06.csv (the checks passed; the plans were left as they are)
+# After the kernels took the keys' segment ids apart from the queries' (KV_IDS), 2 ranks:
+python tools/gpu_session.py --nproc 2 --out OUT --budget 420 checks-kv-ids          # exit 0
+python tools/gpu_session.py --nproc 2 --out OUT --budget 570 warm checks-masks      # exit 0
+# Files: gpu_checks_kv_ids_W2_1xH100_2026-12-06.json, gpu_checks_masks_W2_1xH100_2026-12-06.json
+# The two-level ring (2 "nodes" x 2 ranks): gpu_nodes_W4_1xH100_2026-12-06.cmd

@@ -34,6 +34,9 @@ Checks (every rank asserts; rank 0 writes a JSON summary under --out):
  10. gluon-bwd-masks: the Gluon backward with windows and segment ids (deterministic=False only; True
      runs the tl kernel, the masks section's): padding, windows one- and two-sided, long and short documents,
      zigzag and contiguous, GQA, with the lse gradient; gradients against float64, padding rows' exactly 0.
+ 11. kv-ids: a call whose keys' segment ids are not the queries' (``AttentionSpec.kv_ids``: the two-level ring's
+     calls with another node's K/V), through both frontends' fused launchers: out against float64 with those
+     masks, out, lse, dq, dk and dv of JAX and torch bit-identical.
 
 Ranks may share a GPU (``shared``): then no XLA collective runs between them, so the xla reference ring is
 left out of the tables that use it.
@@ -130,6 +133,10 @@ GLUON_BWD_MASK_CASES = [c for c in GLUON_MASK_CASES if c[4] in GLUON_BWD_HEAD_DI
     (1, 768, 4, 4, 128, "float16", True, "contiguous", (300, -1), None),
     (1, 256, 4, 1, 128, "bfloat16", False, "contiguous", None, "packed"),
     (2, 512, 8, 2, 128, "bfloat16", True, "zigzag", (350, -1), "padded")]  # batch 2
+# The kv-ids section: a call whose keys' segment ids are not the queries' (the two-level ring's calls with another
+# node's K/V, ring_core.nodes: non-causal, contiguous), through both frontends' fused launchers directly.
+# (B, S, H, HKV, D, dtype)
+KV_IDS_CASES = [(1, 512, 8, 2, 128, "bfloat16"), (2, 256, 4, 4, 64, "float16")]
 GRADS_CASE = (1, 128, 4, 2, 32, "float32", True, "zigzag")
 BWD_BIG = (2, 4096, 32, 8, 128, "bfloat16", True, "zigzag")  # the bwd section's grid larger than the GPU holds
 
@@ -144,7 +151,8 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--calls", type=int, default=1000)
     ap.add_argument("--skip-big", action="store_true")
-    ap.add_argument("--sections", default="cases,gluon,jit,grads,launch,bwd,gluon-bwd,gluon-bwd-masks,masks,soak,big",
+    ap.add_argument("--sections",
+                    default="cases,gluon,jit,grads,launch,bwd,gluon-bwd,gluon-bwd-masks,masks,kv-ids,soak,big",
                     help="comma-separated subset of cases,gluon,jit,grads,launch,bwd,gluon-bwd,gluon-bwd-masks,masks,"
                          "soak,big "
                          "(default: all)")
@@ -722,6 +730,69 @@ def main():
         except AssertionError as e:
             failed.append(str(e))
             say(f"FAILED launch: {e}", every_rank=True)
+
+    # ---- the keys' ids apart from the queries' (KV_IDS): JAX == torch bitwise, against float64 -------------
+    if "kv-ids" in sections:
+        import dataclasses
+
+        from jax_ring import fused as jax_fused
+        from torch_bridge import fused as torch_fused
+
+        for i, (B, S, H, HKV, D, dt) in enumerate(KV_IDS_CASES):
+            name = f"kv-ids B{B} S_local {S} H{H}/{HKV} D{D} {dt}"
+            q, k, v, dout = testing.random_inputs(300 + i, B, S * W, H, HKV, D, dt, with_dout=True)
+            qi = testing.crossing_documents(B, S * W)
+            ki = np.roll(qi, S // 3, axis=1)  # other ids for the keys: documents that start elsewhere
+            idx = shards(q, "contiguous")
+            seg = np.stack([qi[:, idx], ki[:, idx]])
+            spec = dataclasses.replace(validate.check_attention_args(
+                (B, S, H, D), (B, S, HKV, D), (B, S, HKV, D), dt, dt, dt, is_causal=False, scale=None,
+                layout="contiguous", backend="fused", backends=("fused",), segment_ids_shape=(B, S),
+                segment_ids_dtype="int32"), kv_ids=True)
+            t = lambda x: torch.as_tensor(np.ascontiguousarray(x), device=dev).to(tdt[dt])  # noqa: E731
+            tq, tk, tv, tdo = (t(x[:, idx]) for x in (q, k, v, dout))
+            tseg = torch.as_tensor(seg, device=dev, dtype=torch.int32)
+            t_out, t_lse = torch_fused.forward(tq, tk, tv, spec, segment_ids=tseg)
+            t_grads = torch_fused.backward(tq, tk, tv, t_out, t_lse, tdo, spec, segment_ids=tseg)
+            torch_bridge.check_errors()
+
+            def body(q, k, v, do, ids):  # ids: this rank's [2, B, S]
+                out, lse = jax_fused.forward(q, k, v, spec, "sp", W, segment_ids=ids)
+                return (out, lse, *jax_fused.backward(q, k, v, out, lse, do, jnp.zeros_like(lse), spec, "sp", W,
+                                                        segment_ids=ids))
+
+            row, ids_row = P(None, "sp"), P(None, None, "sp")
+            f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(row,) * 4 + (ids_row,),
+                                      out_specs=(row, ids_row, row, row, row)))
+            g = lambda x: jax.make_array_from_process_local_data(  # noqa: E731
+                sh, jnp.asarray(x[:, idx], dtype=jdt[dt]), x.shape)
+            ids_g = jax.make_array_from_process_local_data(NamedSharding(mesh, ids_row), jnp.asarray(seg),
+                                                           (2, B, S * W))
+            j_res = f(g(q), g(k), g(v), g(dout), ids_g)
+            jax_ring.check_errors()
+            try:
+                for what, a_t, a_j in zip(("out", "lse", "dq", "dk", "dv"), (t_out, t_lse, *t_grads), j_res):
+                    jb = np.asarray(a_j.addressable_shards[0].data)
+                    if not np.array_equal(bits(a_t), bits(jb)):
+                        raise AssertionError(f"{name}: JAX's {what} is not torch's bit for bit")
+                # float64: queries of ids qi against keys of ids ki, no causal mask
+                mask = (qi[:, None, :, None] == ki[:, None, None, :]) & (qi[:, None, :, None] >= 0)
+                g64 = H // HKV
+                kr, vr = (np.repeat(x, g64, axis=2) for x in (k, v))
+                sc = np.einsum("bqhd,bkhd->bhqk", q, kr) * spec.scale
+                sc = np.where(mask, sc, -np.inf)
+                lse64 = np.logaddexp.reduce(sc, axis=-1)
+                p64 = np.where(mask, np.exp(sc - np.where(np.isneginf(lse64), 0, lse64)[..., None]), 0.0)
+                o64 = np.einsum("bhqk,bkhd->bqhd", p64, vr)
+                err = np.abs(t_out.float().cpu().numpy() - o64[:, idx]).max()
+                bound = 4 * testing.TOLERANCES[dt]["out"]
+                if not err <= bound:
+                    raise AssertionError(f"{name}: out error {err:.3g} > {bound:.3g} against float64")
+                say(f"ok {name}: out err {err:.2e} against float64; JAX == torch bit for bit (out, lse, dq, dk, "
+                    "dv)")
+            except AssertionError as e:
+                failed.append(str(e))
+                say(f"FAILED {e}", every_rank=True)
 
     # ---- soak: consecutive calls with changing shapes through both frontends ----------------------
     if "soak" in sections:
