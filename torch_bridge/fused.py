@@ -124,6 +124,8 @@ def _zeroed_status(shape, dt: str, device):
         width = -(-n // per_16) * per_16  # rows of a multiple of 16 bytes
         if torch.device(device).type == "cuda":
             block = torch.zeros((_STATUS_ROWS, width), dtype=dtype, pin_memory=True)
+            if not block.is_pinned():  # (lifecycle.track takes the rows as pinned)
+                raise RuntimeError("torch_bridge: pinned host memory for the fused calls' status could not be had")
         else:  # (the interpreter: the kernel runs on the host)
             block = torch.zeros((_STATUS_ROWS, width), dtype=dtype, device=device)
         rows = _STATUSES[key] = list(block[:, :n].unbind(0))[::-1]  # (views made at once: popped one a call)

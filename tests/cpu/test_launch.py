@@ -320,8 +320,9 @@ def test_torch_statuses_come_zeroed_aligned_and_one_per_launch():
 
 def test_torch_statuses_of_cuda_launches_are_pinned_host_rows_and_track_takes_only_those(monkeypatch):
     """For a CUDA launch the status block is pinned host memory (no device placement): the kernel stores the words
-    into it through unified addressing, and lifecycle.track records only an event, no copy. track refuses a status
-    that is not pinned host memory (a device status would be read before it is copied)."""
+    into it through unified addressing, and lifecycle.track records only an event, no copy. A block that could not
+    be pinned raises when it is made (once per block of rows, not per call); track refuses a status that is not
+    host memory (a device status would be read before it is copied)."""
     import torch
 
     from torch_bridge import fused, lifecycle
@@ -336,12 +337,17 @@ def test_torch_statuses_of_cuda_launches_are_pinned_host_rows_and_track_takes_on
 
     monkeypatch.setattr(torch, "zeros", zeros)
     monkeypatch.setattr(fused, "_STATUSES", {})
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: True)
     st = fused._zeroed_status((control.STATUS_WORDS,), "int32", torch.device("cuda", 0))
     assert made == [dict(dtype=torch.int32, pin_memory=True)] and st.device.type == "cpu" and not st.any()
     fused._zeroed_status((control.STATUS_WORDS,), "int32", torch.device("cpu"))
     assert made[1] == dict(dtype=torch.int32, device=torch.device("cpu"))
+    monkeypatch.setattr(fused, "_STATUSES", {})
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: False)
+    with pytest.raises(RuntimeError, match="pinned host memory for the fused calls' status could not be had"):
+        fused._zeroed_status((control.STATUS_WORDS,), "int32", torch.device("cuda", 0))
     with pytest.raises(RuntimeError, match="status must be pinned host memory the kernel writes"):
-        lifecycle.track(torch.zeros(control.STATUS_WORDS, dtype=torch.int32), ((0,), 0, None), None)
+        lifecycle.track(real_zeros(control.STATUS_WORDS, dtype=torch.int32, device="meta"), ((0,), 0, None), None)
     assert lifecycle._pending == []
 
 

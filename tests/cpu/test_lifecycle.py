@@ -342,3 +342,36 @@ def test_jax_initialize_without_a_coordinator_port_says_what_to_set(monkeypatch)
         monkeypatch.delenv(var, raising=False)
     with pytest.raises(RuntimeError, match="JAX_COORDINATOR_PORT"):
         jd.initialize()
+
+
+class _PendingEvent:
+    def __init__(self):
+        self.asked = 0
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        self.asked += 1
+        return False
+
+
+def test_torch_reports_finished_calls_in_issue_order_and_asks_no_further_than_the_first_unfinished(monkeypatch):
+    """report(wait=False) checks the calls that finished, in the order they were issued, up to the first that has
+    not; the ones behind it are neither asked nor checked yet (they are once it finished), and check_errors waits
+    for all of them."""
+    import torch
+
+    from torch_bridge import lifecycle
+
+    ok = torch.tensor([control.ERR_NONE, 0, 0, 1], dtype=torch.int32)
+    bad = torch.tensor([control.ERR_KV_TIMEOUT, 1, 1, 3], dtype=torch.int32)
+    running, later = _PendingEvent(), _PendingEvent()
+    calls = [(_DoneEvent(), ok, 0, 5.0, (0, 1)), (running, ok, 0, 5.0, (0, 1)), (later, bad, 0, 5.0, (0, 1)),
+             (_DoneEvent(), bad, 0, 5.0, (0, 1))]
+    monkeypatch.setattr(lifecycle, "_pending", list(calls))
+    lifecycle.report(wait=False)  # the failures lie behind a running call: not yet
+    assert lifecycle._pending == calls[1:] and running.asked == 1 and later.asked == 0
+    with pytest.raises(control.RingAttentionTimeout, match="call #3"):
+        lifecycle.check_errors()
+    assert lifecycle._pending == []
