@@ -4,9 +4,10 @@
 gives float64 gradients. Arrays are [batch, seq, heads, head_dim] in natural (global) token order, k and v
 with ``num_kv_heads`` heads; ``lse`` is [batch, heads, seq].
 
-Masks: ``is_causal``, ``segment_ids`` (int32 [batch, seq], natural order; negative = padding) and ``window``
-(``(left, right)``, flash-attn's ``window_size``), all by the one rule of ``ring_core.masks.allowed``. A row
-that attends nothing (a padding token) has out 0 and lse -inf and neither takes nor gives gradient; no NaN.
+Masks: ``is_causal``, ``segment_ids`` (int32 [batch, seq], natural order; negative = padding; or a pair, the
+queries' ids and the keys', where they differ) and ``window`` (``(left, right)``, flash-attn's ``window_size``),
+all by the one rule of ``ring_core.masks.allowed``. A row that attends nothing (a padding token) has out 0 and
+lse -inf and neither takes nor gives gradient; no NaN.
 """
 
 from __future__ import annotations
@@ -40,16 +41,18 @@ def round_to(x, dtype: str) -> np.ndarray:
 
 def _scores(q, k, scale, is_causal, segment_ids=None, window=None, q_rows=None):
     """Scaled scores [b, hkv, g, sq, sk] with -inf where ``masks.allowed`` masks (q, k in natural order; with
-    ``q_rows``, q holds those tokens only)."""
+    ``q_rows``, q holds those tokens only). ``segment_ids``: [b, s], or a pair (the queries' ids, the keys' ids),
+    each [b, s], where they differ (a call with another node's K/V: ``AttentionSpec.kv_ids``)."""
     b, s, h, d = q.shape
     hkv = k.shape[2]
     qg = q.reshape(b, s, hkv, h // hkv, d)
     sc = _einsum("bqkgd,bskd->bkgqs", qg, k) * scale  # [b, hkv, g, sq, sk]
-    seg = None if segment_ids is None else np.asarray(segment_ids)
+    q_seg, k_seg = segment_ids if isinstance(segment_ids, tuple) else (segment_ids, segment_ids)
     q_pos = np.arange(s) if q_rows is None else np.asarray(q_rows)
     mask = masks.allowed(q_pos, np.arange(k.shape[1]), is_causal=is_causal,
                          window=validate.check_window(window),
-                         q_segment_ids=None if seg is None else seg[:, q_pos], k_segment_ids=seg)
+                         q_segment_ids=None if q_seg is None else np.asarray(q_seg)[:, q_pos],
+                         k_segment_ids=None if k_seg is None else np.asarray(k_seg))
     return sc if mask is None else np.where(mask, sc, -np.inf)
 
 

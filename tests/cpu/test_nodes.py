@@ -267,3 +267,36 @@ def test_batch_moves_are_inverse_and_node_specs_fold_the_halves_into_the_batch_w
     specs = nodes.node_specs(spec)
     assert [(s.batch, s.seq_local, s.num_heads, s.num_kv_heads, s.is_causal, s.kv_ids) for s in specs] == [
         (1, 8, 4, 2, True, False), (1, 8, 4, 2, False, True), (2, 4, 4, 2, False, True)]
+
+
+def test_a_call_with_the_keys_ids_apart_against_float64():
+    """The kernels with the keys' segment ids apart from the queries' (KV_IDS: [2, batch, seq_local], as the
+    two-level ring's calls with another node's K/V make them), forward and backward at 2 ranks, against the float64
+    reference with the pair of ids."""
+    import dataclasses
+
+    W, B, S, H, HKV, D, dtype = 2, 2, 24, 2, 1, 16, "float32"
+    q, k, v, dout = testing.random_inputs(7, B, W * S, H, HKV, D, dtype, with_dout=True)
+    qi = testing.crossing_documents(B, W * S)
+    ki = np.roll(qi, 7, axis=1)  # other ids for the keys: documents that start elsewhere
+    spec = dataclasses.replace(validate.check_attention_args(
+        (B, S, H, D), (B, S, HKV, D), (B, S, HKV, D), dtype, dtype, dtype, is_causal=False, scale=None,
+        layout="contiguous", backend="fused", backends=("fused",), segment_ids_shape=(B, S),
+        segment_ids_dtype="int32"), kv_ids=True)
+    rows = [np.arange(r * S, (r + 1) * S) for r in range(W)]
+    col = lambda x: [np.ascontiguousarray(x[:, r].astype(np.float32)) for r in rows]  # noqa: E731
+    segs = [np.stack([qi[:, r], ki[:, r]]) for r in rows]
+    ring = simulate.SimulatedRing(W)
+    try:
+        job = ring._get_job()
+        fwd = job.run(spec, col(q), col(k), col(v), seg_shards=segs)
+        outs, lses = [f[0] for f in fwd], [f[1] for f in fwd]
+        bwd = job.run_bwd(spec, col(q), col(k), col(v), outs, lses, col(dout), seg_shards=segs)
+    finally:
+        ring.close()
+    out, lse = np.concatenate(outs, 1), np.concatenate(lses, 2)
+    testing.check_attention("keys' ids apart", out, lse, q, k, v, dtype, is_causal=False, segment_ids=(qi, ki))
+    grads = [np.concatenate([b[i] for b in bwd], 1) for i in range(3)]
+    testing.check_grads("keys' ids apart", grads, q, k, v, dout, dtype, is_causal=False, segment_ids=(qi, ki))
+    same = reference.attention(q, k, v, segment_ids=(qi, qi))
+    np.testing.assert_array_equal(same[0], reference.attention(q, k, v, segment_ids=qi)[0])

@@ -35,8 +35,8 @@ Checks (every rank asserts; rank 0 writes a JSON summary under --out):
      runs the tl kernel, the masks section's): padding, windows one- and two-sided, long and short documents,
      zigzag and contiguous, GQA, with the lse gradient; gradients against float64, padding rows' exactly 0.
  11. kv-ids: a call whose keys' segment ids are not the queries' (``AttentionSpec.kv_ids``: the two-level ring's
-     calls with another node's K/V), through both frontends' fused launchers: out against float64 with those
-     masks, out, lse, dq, dk and dv of JAX and torch bit-identical.
+     calls with another node's K/V), through both frontends' fused launchers: out, lse, dq, dk and dv against
+     float64 with those masks, JAX and torch bit-identical.
 
 Ranks may share a GPU (``shared``): then no XLA collective runs between them, so the xla reference ring is
 left out of the tables that use it.
@@ -770,26 +770,26 @@ def main():
                                                            (2, B, S * W))
             j_res = f(g(q), g(k), g(v), g(dout), ids_g)
             jax_ring.check_errors()
+            # float64 and the low-precision pipeline, with the queries' ids apart from the keys' (reference's pair)
+            mask = dict(segment_ids=(qi, ki), q_rows=idx)
+            o64, l64 = reference.attention(q, k, v, scale=spec.scale, **mask)
+            olp, llp = reference.attention_lowp(q, k, v, dt, scale=spec.scale, **mask)
+            share = dict(mask, reduce=sum_over_ranks)
+            ref = reference.attention_grad(q, k, v, dout, scale=spec.scale, **share)
+            low = reference.attention_grad_lowp(q, k, v, dout, dt, scale=spec.scale, **share)
             try:
                 for what, a_t, a_j in zip(("out", "lse", "dq", "dk", "dv"), (t_out, t_lse, *t_grads), j_res):
                     jb = np.asarray(a_j.addressable_shards[0].data)
                     if not np.array_equal(bits(a_t), bits(jb)):
                         raise AssertionError(f"{name}: JAX's {what} is not torch's bit for bit")
-                # float64: queries of ids qi against keys of ids ki, no causal mask
-                mask = (qi[:, None, :, None] == ki[:, None, None, :]) & (qi[:, None, :, None] >= 0)
-                g64 = H // HKV
-                kr, vr = (np.repeat(x, g64, axis=2) for x in (k, v))
-                sc = np.einsum("bqhd,bkhd->bhqk", q, kr) * spec.scale
-                sc = np.where(mask, sc, -np.inf)
-                lse64 = np.logaddexp.reduce(sc, axis=-1)
-                p64 = np.where(mask, np.exp(sc - np.where(np.isneginf(lse64), 0, lse64)[..., None]), 0.0)
-                o64 = np.einsum("bhqk,bkhd->bqhd", p64, vr)
-                err = np.abs(t_out.float().cpu().numpy() - o64[:, idx]).max()
-                bound = 4 * testing.TOLERANCES[dt]["out"]
-                if not err <= bound:
-                    raise AssertionError(f"{name}: out error {err:.3g} > {bound:.3g} against float64")
-                say(f"ok {name}: out err {err:.2e} against float64; JAX == torch bit for bit (out, lse, dq, dk, "
-                    "dv)")
+                as_np = lambda x: x.float().cpu().numpy()  # noqa: E731
+                err = testing.check(f"{name} out", as_np(t_out), o64, olp, dt, "out")
+                testing.check(f"{name} lse", as_np(t_lse), l64, llp, dt, "lse")
+                gerr = max(testing.check(f"{name} d{n}", as_np(gr), r if n == "q" else r[:, idx],
+                                         lo if n == "q" else lo[:, idx], dt, "grad")
+                           for n, gr, r, lo in zip("qkv", t_grads, ref, low))
+                say(f"ok {name}: out err {err:.2e}, grad err {gerr:.2e} against float64; JAX == torch bit for bit "
+                    "(out, lse, dq, dk, dv)")
             except AssertionError as e:
                 failed.append(str(e))
                 say(f"FAILED {e}", every_rank=True)
