@@ -215,8 +215,7 @@ def forward(q, k, v, spec, group=None, timeout_s: float | None = None, config=No
     """Launch the fused kernel on this rank's shards; returns (out, lse). Inputs already validated.
     ``config`` (a ring_core.plans.KernelConfig) overrides the tuned defaults: for tuning only.
     ``segment_ids``: this rank's ids (int32 [batch, seq_local], layout order; [2, ...] with ``spec.kv_ids``,
-    the keys' after the queries') when ``spec.segmented``, else
-    None; the window is ``spec.window``."""
+    the keys' after the queries') when ``spec.segmented``, else None; the window is ``spec.window``."""
     p, ctx, ring = _prepare(q, spec, group, config, backward=False)
     seg = _segment_ids(spec, segment_ids, q.device)
     q, k, v = (x.contiguous() for x in (q, k, v))
