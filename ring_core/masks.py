@@ -25,6 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 NO_WINDOW = (-1, -1)
+UNBOUNDED = (None, None)  # kernel_window's window that masks nothing by position
 
 
 def is_masked(*, is_causal: bool, window=NO_WINDOW, segmented: bool = False) -> bool:
@@ -32,21 +33,29 @@ def is_masked(*, is_causal: bool, window=NO_WINDOW, segmented: bool = False) -> 
     return bool(is_causal) or tuple(window) != NO_WINDOW or bool(segmented)
 
 
-def kernel_window(is_causal: bool, window, seq_global: int) -> tuple:
-    """The window as the fused kernels apply it: ``(left, right)`` with a side that masks nothing set to -1, so
-    that calls that mask alike carry the same window (their call signatures agree) and a window that masks
-    nothing costs nothing. A side that reaches every token of a sequence of ``seq_global`` tokens (at least
-    ``seq_global - 1``) is unbounded; under ``is_causal`` the right side is (causal masking already hides every
-    key after the query). Also keeps ``position + side`` within int32 in the kernels.
+def kernel_window(is_causal: bool, window, seq_global: int, key_offset: int = 0) -> tuple:
+    """The window as the fused kernels apply it, on the call's own positions: the query at position i attends the
+    key at position j iff ``i - left <= j <= i + right``; a side that masks nothing is None, so that calls that
+    mask alike carry the same window (their call signatures agree) and a window that masks nothing costs nothing.
+
+    ``key_offset``: where the keys sit in the queries' frame (a key at the call's position j is at j + key_offset
+    there; 0 for every call a user makes). ``window`` is in that frame, so the sides move by the offset:
+    left + key_offset, right - key_offset, and then need not contain the diagonal (either may be negative): the
+    two-level ring's calls with another node's K/V (ring_core.nodes). A side that reaches every token of a call of
+    ``seq_global`` tokens (at least ``seq_global - 1``) is unbounded; under ``is_causal`` (key_offset 0 only) the
+    right side is (causal masking already hides every key after the query). Also keeps ``position + side``
+    within int32 in the kernels.
 
     >>> kernel_window(True, (128, 0), 4096), kernel_window(False, (8000, 3), 4096)
-    ((128, -1), (-1, 3))
+    ((128, None), (None, 3))
+    >>> kernel_window(False, (100, 0), 4096, key_offset=-4096)  # keys 4096 tokens before the queries' frame
+    (-3996, None)
     """
+    if is_causal and key_offset:
+        raise ValueError("a causal call takes no key_offset (give the causal side as window right = 0)")
     left, right = (int(w) for w in window)
-    if left >= seq_global - 1:
-        left = -1
-    if is_causal or right >= seq_global - 1:
-        right = -1
+    left = None if left < 0 or left + key_offset >= seq_global - 1 else left + key_offset
+    right = None if is_causal or right < 0 or right - key_offset >= seq_global - 1 else right - key_offset
     return left, right
 
 

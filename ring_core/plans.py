@@ -11,9 +11,11 @@ scalars, outputs, constexprs):
               seg: this rank's segment ids, int32 [B, S] in layout order, read only with SEGMENTED (else any
               int32 array: the launchers pass a one-element dummy))
 
-The window is a pair of constexprs (WIN_LEFT, WIN_RIGHT, as ring_core.masks.kernel_window gives them; WINDOW
-says whether there is one), not runtime scalars: a kernel is compiled per window, which is one or two per model
-(a local and a global layer type), and in exchange every test on an unbounded side folds away.
+The window is a pair of constexprs (WIN_LEFT, WIN_RIGHT, as ring_core.masks.kernel_window gives them, an
+unbounded side control.NO_SIDE; WINDOW says whether there is one), not runtime scalars: a kernel is compiled per
+window, which is one or two per model (a local and a global layer type; across nodes one or two more per layer
+type, the band moved by a node's length: ring_core.nodes), and in exchange every test on an unbounded side folds
+away.
 
 Heap use of one call (regions of ring_core.protocol.control.HeapLayout; flags in the ring's slot):
     forward   receive region [W-1][K|V][B][HKV][S][D] (input dtype), with segment ids then the peers' ids
@@ -168,8 +170,8 @@ def gluon_bwd_applies(spec: AttentionSpec, world_size: int, capability, determin
     ``GLUON_BWD_DET_HEAD_DIMS`` (elsewhere the tl split is faster); not where the keys' segment ids are not the
     queries' (``spec.kv_ids``: its load warp narrows query blocks by this rank's published chunk ranges, which are
     the keys'; the tl backward narrows them by the ids themselves)."""
-    unmasked = (masks.kernel_window(spec.is_causal, spec.window, world_size * spec.seq_local) == masks.NO_WINDOW
-                and not spec.segmented)
+    unmasked = (masks.kernel_window(spec.is_causal, spec.window, world_size * spec.seq_local, spec.key_offset)
+                == masks.UNBOUNDED and not spec.segmented)
     return (gluon_applies(spec, world_size, capability) and spec.head_dim in GLUON_BWD_HEAD_DIMS
             and not (spec.segmented and spec.kv_ids)
             and (not deterministic or (unmasked and spec.head_dim in GLUON_BWD_DET_HEAD_DIMS)))
@@ -283,9 +285,10 @@ class LaunchPlan:
 
     @property
     def window(self) -> tuple:
-        """(left, right) as the kernels apply it (ring_core.masks.kernel_window): (-1, -1) when nothing is masked
-        by position beyond ``is_causal``."""
-        return masks.kernel_window(self.spec.is_causal, self.spec.window, self.world_size * self.spec.seq_local)
+        """(left, right) as the kernels apply it (ring_core.masks.kernel_window): (None, None) when nothing is
+        masked by position beyond ``is_causal``."""
+        return masks.kernel_window(self.spec.is_causal, self.spec.window, self.world_size * self.spec.seq_local,
+                                   self.spec.key_offset)
 
     @property
     def n_chunks(self) -> int:
@@ -334,8 +337,8 @@ class LaunchPlan:
             CHUNK_BLOCKS=self.chunk_blocks, PUSH_ROWS=c.push_rows, SEG_BLOCKS=c.seg_blocks, POLL_N=control.POLL_N,
             PUSH_VEC=store_hint(s.head_dim, ELEM_BYTES[s.dtype]), CAUSAL=s.is_causal, ZIGZAG=s.layout == "zigzag",
             INTERPRET=self.interpret, DOT_PRECISION="ieee", SIG_DTYPE=control.DTYPE_CODES[s.dtype],
-            STICKY_ERRORS=sticky_errors, WINDOW=self.window != masks.NO_WINDOW, WIN_LEFT=self.window[0],
-            WIN_RIGHT=self.window[1], SEGMENTED=bool(s.segmented), KV_IDS=bool(s.segmented and s.kv_ids),
+            STICKY_ERRORS=sticky_errors, **control.window_constexprs(self.window), SEGMENTED=bool(s.segmented),
+            KV_IDS=bool(s.segmented and s.kv_ids),
         )
         if self.kind == control.KIND_FWD:
             return dict(shared, BLOCK_M=c.block_m, BLOCK_N=c.block_n)

@@ -39,17 +39,18 @@ def round_to(x, dtype: str) -> np.ndarray:
     return np.asarray(x, dtype=np.float64).astype(np_dtype(dtype)).astype(np.float64)
 
 
-def _scores(q, k, scale, is_causal, segment_ids=None, window=None, q_rows=None):
+def _scores(q, k, scale, is_causal, segment_ids=None, window=None, q_rows=None, key_offset=0):
     """Scaled scores [b, hkv, g, sq, sk] with -inf where ``masks.allowed`` masks (q, k in natural order; with
     ``q_rows``, q holds those tokens only). ``segment_ids``: [b, s], or a pair (the queries' ids, the keys' ids),
-    each [b, s], where they differ (a call with another node's K/V: ``AttentionSpec.kv_ids``)."""
+    each [b, s], where they differ (a call with another node's K/V: ``AttentionSpec.kv_ids``). ``key_offset``: the
+    keys' positions in the queries' frame are theirs plus it (``AttentionSpec.key_offset``)."""
     b, s, h, d = q.shape
     hkv = k.shape[2]
     qg = q.reshape(b, s, hkv, h // hkv, d)
     sc = _einsum("bqkgd,bskd->bkgqs", qg, k) * scale  # [b, hkv, g, sq, sk]
     q_seg, k_seg = segment_ids if isinstance(segment_ids, tuple) else (segment_ids, segment_ids)
     q_pos = np.arange(s) if q_rows is None else np.asarray(q_rows)
-    mask = masks.allowed(q_pos, np.arange(k.shape[1]), is_causal=is_causal,
+    mask = masks.allowed(q_pos, np.arange(k.shape[1]) + key_offset, is_causal=is_causal,
                          window=validate.check_window(window),
                          q_segment_ids=None if q_seg is None else np.asarray(q_seg)[:, q_pos],
                          k_segment_ids=None if k_seg is None else np.asarray(k_seg))
@@ -77,17 +78,18 @@ def _lse(m, l, attends):
 
 
 def attention(q, k, v, *, is_causal=False, scale=None, compute_dtype=np.float64, segment_ids=None, window=None,
-              q_rows=None):
+              q_rows=None, key_offset=0):
     """Dense softmax attention; returns (out [b,s,h,d], lse [b,h,s]) in ``compute_dtype``.
 
     ``segment_ids`` int [b, s] (natural order; negative = padding) and ``window`` (left, right) mask as in
-    ``ring_core.masks``; a row that attends nothing gets out 0 and lse -inf. ``q_rows``: the natural-order
+    ``ring_core.masks`` (with the keys' positions moved by ``key_offset``: ``AttentionSpec.key_offset``); a row
+    that attends nothing gets out 0 and lse -inf. ``q_rows``: the natural-order
     positions of the queries wanted (e.g. one rank's shard): out and lse then hold those rows only, in that
     order, computed at that share of the cost."""
     q, k, v = (np.asarray(x, dtype=compute_dtype) for x in (_query_rows(q, q_rows), k, v))
     b, s, h, d = q.shape
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    sc = _scores(q, k, compute_dtype(scale), is_causal, segment_ids, window, q_rows)
+    sc = _scores(q, k, compute_dtype(scale), is_causal, segment_ids, window, q_rows, key_offset)
     p, m, l, attends = _softmax_parts(sc)
     out = _einsum("bkgqs,bskd->bqkgd", p / np.where(attends, l, 1), v).reshape(b, s, h, d)
     lse = _lse(m, l, attends)[..., 0].reshape(b, h, s)
@@ -95,18 +97,18 @@ def attention(q, k, v, *, is_causal=False, scale=None, compute_dtype=np.float64,
 
 
 def attention_lowp(q, k, v, dtype: str, *, is_causal=False, scale=None, segment_ids=None, window=None,
-                   q_rows=None):
+                   q_rows=None, key_offset=0):
     """What a careful kernel in ``dtype`` computes: float32 scores and softmax, probabilities rounded to
     ``dtype`` before P@V, float32 accumulation, output rounded to ``dtype``. Its error against ``attention``
     is the yardstick for kernel error (see ring_core.testing). Masks and ``q_rows`` as in ``attention``."""
     if dtype in ("float32", "float64"):
         out, lse = attention(q, k, v, is_causal=is_causal, scale=scale, compute_dtype=np.dtype(dtype).type,
-                             segment_ids=segment_ids, window=window, q_rows=q_rows)
+                             segment_ids=segment_ids, window=window, q_rows=q_rows, key_offset=key_offset)
         return out.astype(np.float64), lse.astype(np.float64)
     q, k, v = (round_to(x, dtype).astype(np.float32) for x in (_query_rows(q, q_rows), k, v))
     b, s, h, d = q.shape
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    sc = _scores(q, k, np.float32(scale), is_causal, segment_ids, window, q_rows)
+    sc = _scores(q, k, np.float32(scale), is_causal, segment_ids, window, q_rows, key_offset)
     p, m, l, attends = _softmax_parts(sc)
     pv = _einsum("bkgqs,bskd->bqkgd", round_to(p, dtype).astype(np.float32), v)
     l_q = np.moveaxis(np.where(attends, l, 1)[..., 0], 3, 1)[..., None]  # [b, sq, hkv, g, 1]
@@ -116,7 +118,7 @@ def attention_lowp(q, k, v, dtype: str, *, is_causal=False, scale=None, segment_
 
 
 def attention_grad(q, k, v, dout, *, is_causal=False, scale=None, compute_dtype=np.float64, dlse=None,
-                   round_dtype=None, segment_ids=None, window=None, q_rows=None, reduce=None):
+                   round_dtype=None, segment_ids=None, window=None, q_rows=None, reduce=None, key_offset=0):
     """Gradients (dq, dk, dv) of ``sum(out * dout) + sum(lse * dlse)`` with ``out, lse = attention(q, k, v)``
     (``dlse`` [b, h, s] optional: lse then carries no gradient); dk/dv summed over each kv head's group.
     ``round_dtype`` (for ``attention_grad_lowp``): round what a kernel in that dtype rounds, the output that
@@ -138,7 +140,7 @@ def attention_grad(q, k, v, dout, *, is_causal=False, scale=None, compute_dtype=
     hkv = k.shape[2]
     g = h // hkv
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    sc = _scores(q, k, compute_dtype(scale), is_causal, segment_ids, window, q_rows)
+    sc = _scores(q, k, compute_dtype(scale), is_causal, segment_ids, window, q_rows, key_offset)
     p, _, l, attends = _softmax_parts(sc)
     p /= np.where(attends, l, 1)  # [b, hkv, g, sq, sk]
     do = dout.reshape(b, s, hkv, g, d)
@@ -159,14 +161,14 @@ def attention_grad(q, k, v, dout, *, is_causal=False, scale=None, compute_dtype=
 
 
 def attention_grad_lowp(q, k, v, dout, dtype: str, *, is_causal=False, scale=None, dlse=None, segment_ids=None,
-                        window=None, q_rows=None, reduce=None):
+                        window=None, q_rows=None, reduce=None, key_offset=0):
     """What a careful backward kernel in ``dtype`` computes (as flash-attention's backward does): float32
     scores, softmax and accumulation from ``dtype`` inputs (``dlse`` float32); the forward's output, P and dS
     rounded to ``dtype`` where they enter delta and the matmuls; gradients rounded to ``dtype``. Its error
     against ``attention_grad`` is the yardstick for gradient error of a ``dtype`` kernel, as
     ``attention_lowp``'s is for the forward. Masks, ``q_rows`` and ``reduce`` as in ``attention_grad`` (the
     shares' dk and dv are summed in float32, then rounded)."""
-    mask = dict(segment_ids=segment_ids, window=window, q_rows=q_rows, reduce=reduce)
+    mask = dict(segment_ids=segment_ids, window=window, q_rows=q_rows, reduce=reduce, key_offset=key_offset)
     if dtype == "float64":
         return attention_grad(q, k, v, dout, is_causal=is_causal, scale=scale, dlse=dlse, **mask)
     q, k, v, dout = (round_to(x, dtype) for x in (q, k, v, dout))

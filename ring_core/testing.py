@@ -47,10 +47,11 @@ def check(name: str, got, ref64, lowp, dtype: str, kind: str = "out") -> float:
     return err
 
 
-def check_attention(name, out, lse, q, k, v, dtype, *, is_causal, scale=None, segment_ids=None, window=None):
+def check_attention(name, out, lse, q, k, v, dtype, *, is_causal, scale=None, segment_ids=None, window=None,
+                    key_offset=0):
     """Compare ``out`` (and ``lse`` unless None), given in global natural order, with the references
-    (``segment_ids`` [b, s] and ``window`` as in ``reference.attention``, natural order too)."""
-    mask = dict(segment_ids=segment_ids, window=window)
+    (``segment_ids`` [b, s], ``window`` and ``key_offset`` as in ``reference.attention``, natural order too)."""
+    mask = dict(segment_ids=segment_ids, window=window, key_offset=key_offset)
     out64, lse64 = reference.attention(q, k, v, is_causal=is_causal, scale=scale, **mask)
     outl, lsel = reference.attention_lowp(q, k, v, dtype, is_causal=is_causal, scale=scale, **mask)
     err = check(f"{name} out", out, out64, outl, dtype, "out")
@@ -60,8 +61,8 @@ def check_attention(name, out, lse, q, k, v, dtype, *, is_causal, scale=None, se
 
 
 def check_grads(name, grads, q, k, v, dout, dtype, *, is_causal, scale=None, dlse=None, segment_ids=None,
-                window=None):
-    mask = dict(segment_ids=segment_ids, window=window)
+                window=None, key_offset=0):
+    mask = dict(segment_ids=segment_ids, window=window, key_offset=key_offset)
     ref = reference.attention_grad(q, k, v, dout, is_causal=is_causal, scale=scale, dlse=dlse, **mask)
     low = reference.attention_grad_lowp(q, k, v, dout, dtype, is_causal=is_causal, scale=scale, dlse=dlse, **mask)
     return max(check(f"{name} d{n}", g, r, l, dtype, "grad") for n, g, r, l in zip("qkv", grads, ref, low))

@@ -33,6 +33,10 @@ class AttentionSpec:
     # With segment ids: whether the keys' ids differ from the queries' (int32 [2, batch, seq_local], the queries'
     # then the keys'): the two-level ring's calls with another node's K/V (ring_core.nodes), not a user's call.
     kv_ids: bool = False
+    # Where the keys sit in the queries' frame of global positions (a key at the call's position j is at
+    # j + key_offset there; ring_core.masks.kernel_window): the two-level ring's calls with another node's K/V
+    # under a window (ring_core.nodes), non-causal; 0 for every call a user makes.
+    key_offset: int = 0
 
     @property
     def group(self) -> int:

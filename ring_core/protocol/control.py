@@ -204,7 +204,26 @@ def errors_mode() -> str:
 SIG_FIELDS = ("epoch", "kernel", "world", "batch", "seq_local", "heads", "kv_heads", "head_dim", "dtype", "flags",
               "scale", "chunk_rows", "block", "window_left", "window_right")
 # Word 9 ("flags"): 1 causal, 2 zigzag, 4 segment ids. Words 13, 14: the window's sides as the kernels apply them
-# (masks.kernel_window) plus one, so that 0 is unbounded and a call without a window keeps the words it had.
+# (masks.kernel_window), ``side_word``: 0 unbounded, a side >= 0 plus one (so a call without a window keeps the
+# words it had), a negative side (a band off the diagonal: the two-level ring's calls) as it is.
+NO_SIDE = -(2 ** 31)  # the kernels' WIN_LEFT / WIN_RIGHT for an unbounded side (masks.kernel_window's None)
+
+
+def side_word(side) -> int:
+    """A window side's signature word (the kernels' ``call_words`` write the same)."""
+    return 0 if side is None else side + 1 if side >= 0 else side
+
+
+def word_side(word: int):
+    """``side_word``'s inverse."""
+    return None if word == 0 else word - 1 if word > 0 else word
+
+
+def window_constexprs(window) -> dict:
+    """The kernels' WINDOW, WIN_LEFT, WIN_RIGHT for a window as ``masks.kernel_window`` gives it."""
+    left, right = window
+    return dict(WINDOW=tuple(window) != masks.UNBOUNDED, WIN_LEFT=NO_SIDE if left is None else left,
+                WIN_RIGHT=NO_SIDE if right is None else right)
 
 
 KERNEL_MIN_SCALE = 1e-30
@@ -227,11 +246,11 @@ def call_signature(kind: int, world_size: int, spec: AttentionSpec, chunk_rows: 
     on segment ids would size their receive regions differently; ranks that disagree on the window would wait
     for chunks their peers never send: both are found here, before anything moves."""
     w = np.zeros(SIG_WORDS, np.int32)
-    left, right = masks.kernel_window(spec.is_causal, spec.window, world_size * spec.seq_local)
+    left, right = masks.kernel_window(spec.is_causal, spec.window, world_size * spec.seq_local, spec.key_offset)
     w[1:15] = [kind, world_size, spec.batch, spec.seq_local, spec.num_heads, spec.num_kv_heads, spec.head_dim,
                DTYPE_CODES[spec.dtype], int(spec.is_causal) | (int(spec.layout == "zigzag") << 1)
                | (int(spec.segmented) << 2), np.float32(kernel_scale(spec.scale)).view(np.int32), chunk_rows, block,
-               left + 1, right + 1]
+               side_word(left), side_word(right)]
     return w
 
 
@@ -245,7 +264,11 @@ def describe_signature(words) -> str:
     mask = ("causal " + ("zigzag" if w[9] & 2 else "contiguous")) if w[9] & 1 else (
         "non-causal " + ("zigzag" if w[9] & 2 else "contiguous"))
     if w[13] or w[14]:
-        mask += f", window ({w[13] - 1}, {w[14] - 1})"
+        sides = [word_side(x) for x in w[13:15]]
+        if all(x is None or x >= 0 for x in sides):  # flash-attn's notation, -1 unbounded
+            mask += f", window ({', '.join(str(-1 if x is None else x) for x in sides)})"
+        else:  # a band off the diagonal (masks.kernel_window with a key offset)
+            mask += f", window off the diagonal ({', '.join('unbounded' if x is None else str(x) for x in sides)})"
     if w[9] & 4:
         mask += ", segment ids"
     return (f"{kind} call #{w[0]}: world {w[2]}, q [{w[3]}, {w[4]}, {w[5]}, {w[7]}], k/v [{w[3]}, {w[4]}, {w[6]}, "

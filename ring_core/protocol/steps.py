@@ -43,8 +43,11 @@ Protocol (per call; "epoch" = this rank's call counter + 1, equal on every rank 
 Windows and segment ids: what travels, what is skipped, what is still waited for
 -----------------------------------------------------------------------------------------
 The rule is ring_core.masks.allowed's, in global positions. The window is a pair of constexprs (as
-ring_core.masks.kernel_window normalises it: a side that masks nothing is -1, the right side under causal
-masking too); segment ids are an int32 input, this rank's tokens in layout order, serving its queries and
+ring_core.masks.kernel_window normalises it: a side that masks nothing is NO_SIDE, the right side under causal
+masking too). A call whose keys sit elsewhere than its queries (the two-level ring's calls with another node's
+K/V: ``AttentionSpec.key_offset``) has its sides moved by the offset, so its band need not contain the diagonal
+(a side may be negative); nothing below assumes that it does: the runs of a shard the band misses are empty,
+and a query that sees no key ends with out 0 and lse -inf, as a padding row does. Segment ids are an int32 input, this rank's tokens in layout order, serving its queries and
 its keys (with KV_IDS the keys' ids follow the queries' in the same input: a call whose K/V are another node's,
 ``key_ids``; what follows reads "the chunk's ids" as the keys', "the tile's" and "the halves'" as the queries').
 
@@ -417,10 +420,16 @@ def call_words(KIND: tl.constexpr, B, S, sm_scale, W: tl.constexpr, H: tl.conste
     w = tl.where(i == 10, (zero.to(tl.float32) + sm_scale).to(tl.int32, bitcast=True), w)  # scale's bits
     w = tl.where(i == 11, CHUNK_ROWS, w)
     w = tl.where(i == 12, BLOCK, w)
-    if WIN_LEFT >= 0:  # the window's sides + 1: 0 (no word written) is unbounded
-        w = tl.where(i == 13, WIN_LEFT + 1, w)
-    if WIN_RIGHT >= 0:
-        w = tl.where(i == 14, WIN_RIGHT + 1, w)
+    if WIN_LEFT != NO_SIDE:  # the window's sides as control.side_word: 0 (no word written) is unbounded
+        if WIN_LEFT >= 0:
+            w = tl.where(i == 13, WIN_LEFT + 1, w)
+        else:
+            w = tl.where(i == 13, WIN_LEFT, w)
+    if WIN_RIGHT != NO_SIDE:
+        if WIN_RIGHT >= 0:
+            w = tl.where(i == 14, WIN_RIGHT + 1, w)
+        else:
+            w = tl.where(i == 14, WIN_RIGHT, w)
     return w
 
 
@@ -599,6 +608,7 @@ def block_range(q_pos_min, q_pos_max, src, S, W: tl.constexpr, BLOCK_N: tl.const
 
 # ---- masks beyond causal: windows by position, segment ids by value ---------------------------------------------
 BIG_ID = tl.constexpr(control.BIG_ID)
+NO_SIDE = tl.constexpr(control.NO_SIDE)  # an unbounded side of the window
 
 
 @triton.jit
@@ -633,18 +643,18 @@ def span_rows(a, b, src, S, W: tl.constexpr, ZIGZAG: tl.constexpr, CAUSAL: tl.co
     lo = a * 0
     hi = a * 0 + S
     if KEYS:
-        if WIN_LEFT >= 0:
+        if WIN_LEFT != NO_SIDE:
             lo = visible_rows(a - WIN_LEFT - 1, src, S, W, ZIGZAG)
         if CAUSAL:
             hi = visible_rows(b, src, S, W, ZIGZAG)
-        elif WIN_RIGHT >= 0:
+        elif WIN_RIGHT != NO_SIDE:
             hi = visible_rows(b + WIN_RIGHT, src, S, W, ZIGZAG)
     else:
         if CAUSAL:
             lo = visible_rows(a - 1, src, S, W, ZIGZAG)
-        elif WIN_RIGHT >= 0:
+        elif WIN_RIGHT != NO_SIDE:
             lo = visible_rows(a - WIN_RIGHT - 1, src, S, W, ZIGZAG)
-        if WIN_LEFT >= 0:
+        if WIN_LEFT != NO_SIDE:
             hi = visible_rows(b + WIN_LEFT, src, S, W, ZIGZAG)
     return lo, hi
 
@@ -789,9 +799,9 @@ def pairs_allowed(valid, q_pos, k_pos, q_seg, k_seg, CAUSAL: tl.constexpr, WINDO
     if CAUSAL:
         valid = valid & (k_pos <= q_pos)
     if WINDOW:
-        if WIN_LEFT >= 0:
+        if WIN_LEFT != NO_SIDE:
             valid = valid & (k_pos >= q_pos - WIN_LEFT)
-        if WIN_RIGHT >= 0:
+        if WIN_RIGHT != NO_SIDE:
             valid = valid & (k_pos <= q_pos + WIN_RIGHT)
     if SEGMENTED:
         if KEYED:

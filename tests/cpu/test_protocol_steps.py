@@ -35,7 +35,7 @@ PROBE = textwrap.dedent("""
     import triton
     import triton.language as tl
     from ring_core import layout as L, masks, testing
-    from ring_core.protocol import steps as protocol
+    from ring_core.protocol import control, steps as protocol
 
     KV, CR = 128, 128
     QR = int(sys.argv[2])  # query rows a step
@@ -78,9 +78,9 @@ PROBE = textwrap.dedent("""
 
 
     out = []
-    for W, B, S, causal, lay, window, seg in json.loads(sys.argv[1]):
+    for W, B, S, causal, lay, window, seg, key_offset in json.loads(sys.argv[1]):
         window = tuple(window) if window else masks.NO_WINDOW
-        win = masks.kernel_window(causal, window, W * S)
+        win = masks.kernel_window(causal, window, W * S, key_offset)
         rs = np.random.default_rng(W * 100 + S + causal)
         G = None
         if seg:  # documents of 1-150 tokens, padding at the end and a run of 90 in the middle
@@ -96,8 +96,9 @@ PROBE = textwrap.dedent("""
         per_rank = []
         for rank in range(W):
             res = torch.full((B * W * n_kvb * (4 + S // QR + W),), -7, dtype=torch.int32)
-            probe[(W * n_kvb, B)](rng, res, B, S, S // CR, rank, W, causal, lay == "zigzag", win != masks.NO_WINDOW,
-                                  win[0], win[1], seg, QR)
+            wk = control.window_constexprs(win)
+            probe[(W * n_kvb, B)](rng, res, B, S, S // CR, rank, W, causal, lay == "zigzag", wk["WINDOW"],
+                                  wk["WIN_LEFT"], wk["WIN_RIGHT"], seg, QR)
             res = res.numpy().reshape(B, W * n_kvb, 4 + S // QR + W)
             per_rank.append(res)
             for b in range(B):
@@ -105,7 +106,7 @@ PROBE = textwrap.dedent("""
                     d, n0 = t // n_kvb, (t % n_kvb) * KV
                     src = (rank - d) % W
                     kp = pos[src][n0:n0 + KV]
-                    by_pos = masks.allowed(pos[rank], kp, is_causal=causal, window=window)
+                    by_pos = masks.allowed(pos[rank], kp + key_offset, is_causal=causal, window=window)
                     by_pos = np.ones((S, KV), bool) if by_pos is None else by_pos
                     ok = by_pos
                     if seg:
@@ -114,7 +115,7 @@ PROBE = textwrap.dedent("""
                     sent, i_lo, n_m = res[b, t, :3]
                     unmasked = res[b, t, 4:4 + S // QR]
                     rows = np.nonzero(ok.any(axis=1))[0]
-                    where = f"W{W} {lay} causal={causal} window={window} seg={seg} rank {rank} b {b} d {d} n0 {n0}"
+                    where = f"W{W} {lay} causal={causal} window={window} offset={key_offset} seg={seg} rank {rank} b {b} d {d} n0 {n0}"
                     checked += 1
                     if rows.size and not sent:
                         bad.append(f"{where}: rows {rows[:4]} attend the block, but it is not sent")
@@ -138,23 +139,29 @@ PROBE = textwrap.dedent("""
                             sends = per_rank[r][b, ((r - owner) % W) * n_kvb + blk, 0]
                             checked += 1
                             if bool(waits) != bool(sends):
-                                bad.append(f"W{W} {lay} causal={causal} window={window} seg={seg}: rank {owner} "
+                                bad.append(f"W{W} {lay} causal={causal} window={window} offset={key_offset} seg={seg}: rank {owner} "
                                            f"block {blk} b {b}: waits for rank {r}'s partial {bool(waits)}, sent "
                                            f"{bool(sends)}")
         out.append(dict(checked=checked, bad=bad[:8]))
     print(json.dumps(out))
 """)
 
-# (W, B, S, causal, layout, window, segment ids): every world size up to 3, both layouts, windows one- and
-# two-sided and crossing shards, packed documents with padding, both masks together.
-CASES = [(1, 2, 512, True, "contiguous", None, True),
-         (2, 1, 512, True, "zigzag", None, True),
-         (2, 2, 512, False, "contiguous", None, True),
-         (3, 1, 512, True, "contiguous", (300, -1), False),
-         (2, 1, 512, False, "zigzag", (200, 90), False),
-         (3, 1, 512, False, "zigzag", (200, 90), True),
-         (2, 1, 512, True, "zigzag", (150, -1), True),
-         (1, 1, 512, False, "contiguous", (64, 0), True)]
+# (W, B, S, causal, layout, window, segment ids, key offset): every world size up to 3, both layouts, windows one-
+# and two-sided and crossing shards, packed documents with padding, both masks together; bands off the diagonal
+# (the two-level ring's calls with another node's K/V: keys a node's length before or after the queries, a side
+# moved to exactly -1, a band that only the first rank's queries and the last rank's keys meet).
+CASES = [(1, 2, 512, True, "contiguous", None, True, 0),
+         (2, 1, 512, True, "zigzag", None, True, 0),
+         (2, 2, 512, False, "contiguous", None, True, 0),
+         (3, 1, 512, True, "contiguous", (300, -1), False, 0),
+         (2, 1, 512, False, "zigzag", (200, 90), False, 0),
+         (3, 1, 512, False, "zigzag", (200, 90), True, 0),
+         (2, 1, 512, True, "zigzag", (150, -1), True, 0),
+         (1, 1, 512, False, "contiguous", (64, 0), True, 0),
+         (2, 1, 512, False, "contiguous", (300, 0), False, -1024),
+         (2, 1, 512, False, "contiguous", (1023, -1), True, -1024),
+         (3, 1, 512, False, "contiguous", (200, 0), False, -1536),
+         (2, 1, 512, False, "contiguous", (0, 300), True, 1024)]
 
 
 @pytest.mark.parametrize("q_rows", [64, 128])
@@ -181,7 +188,7 @@ KEYED = textwrap.dedent("""
     import triton
     import triton.language as tl
     from ring_core import masks
-    from ring_core.protocol import steps as protocol
+    from ring_core.protocol import control, steps as protocol
 
 
     @triton.jit
@@ -205,14 +212,16 @@ KEYED = textwrap.dedent("""
         # ids with padding (several negative values), ids equal to the padding keys' numbers, large ids
         pool = np.array([-1, -2, -3, -7, 0, 1, 2, 3, 2147483647], np.int32)
         q_seg, k_seg = rng.choice(pool, N).astype(np.int32), rng.choice(pool, N).astype(np.int32)
-        causal = bool(trial % 2)
-        window = [(-1, -1), (5, 3), (0, -1)][trial % 3]
-        want = masks.allowed(q_pos, k_pos, is_causal=causal, window=window, q_segment_ids=q_seg[None],
+        # windows, and one whose keys sit 9 positions before the queries' frame (a band off the diagonal)
+        window, key_offset = [((-1, -1), 0), ((5, 3), 0), ((0, -1), 0), ((5, 3), -9)][trial % 4]
+        causal = bool(trial % 2) and not key_offset
+        want = masks.allowed(q_pos, k_pos + key_offset, is_causal=causal, window=window, q_segment_ids=q_seg[None],
                              k_segment_ids=k_seg[None])[0, 0, 0]
+        wk = control.window_constexprs(masks.kernel_window(causal, window, 64, key_offset))
         for keyed in (False, True):
             out = torch.zeros((N, N), dtype=torch.int32)
             rule[(1,)](*(torch.from_numpy(x) for x in (q_pos, k_pos, q_seg, k_seg)), out, N, causal,
-                       window != (-1, -1), window[0], window[1], keyed)
+                       wk["WINDOW"], wk["WIN_LEFT"], wk["WIN_RIGHT"], keyed)
             checked += 1
             if not np.array_equal(out.numpy().astype(bool), want):
                 bad.append([trial, keyed])
