@@ -15,7 +15,6 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from ring_core.runtime import heap as _heap
-from ring_core import nodes as core_nodes
 from ring_core import plans
 from ring_core.layout import inverse_permutation, layout_permutation
 from ring_core.validate import (check_attention_args, check_deterministic, check_global_seq, check_layout,
@@ -101,8 +100,8 @@ def _run(q, k, v, segment_ids, spec, *, axis_name, return_lse, backend, timeout_
     """A validated call (``spec``, and ``deterministic``'s effective value) inside shard_map."""
     asked, backend = backend, _resolve_backend(backend, spec)
     world = _platform.axis_size(axis_name)  # ValueError (how to fix it) outside shard_map / wrong name
-    if backend == "fused" and asked == "auto" and not core_nodes.supports(spec) and nodes.spans_nodes(world):
-        backend = "xla"  # a window, which the two-level fused ring does not take yet: the reference ring does
+    if backend == "fused" and asked == "auto" and nodes.spans_nodes(world) and not nodes.fused_takes(spec, world):
+        backend = "xla"  # a zigzag window the two-level fused ring does not take: the reference ring does
     if backend == "xla":  # ignores deterministic: XLA's own ops, as deterministic as XLA_FLAGS make them
         return ring_attention_xla(q, k, v, axis_name=axis_name, spec=spec, return_lse=return_lse,
                                   segment_ids=segment_ids)

@@ -43,16 +43,16 @@ def _ops(spec, axis_name: str, node_size: int, timeout_s, deterministic: bool) -
     world = _platform.axis_size(axis_name)
     perm = [(i, (i + node_size) % world) for i in range(world)]
 
-    def inner_fwd(q, k, v, causal, layout, ids):
-        return fused.forward(q, k, v, nodes.inner_spec(spec, q, k, causal, layout, ids), axis_name, node_size,
+    def inner_fwd(q, k, v, mask, ids):
+        return fused.forward(q, k, v, nodes.inner_spec(spec, q, k, mask, ids), axis_name, node_size,
                              timeout_s, segment_ids=nodes.kernel_ids(ids, jnp.stack))
 
-    def inner_bwd(q, k, v, out, lse, dout, dlse, causal, layout, ids):
-        return fused.backward(q, k, v, out, lse, dout, dlse, nodes.inner_spec(spec, q, k, causal, layout, ids),
+    def inner_bwd(q, k, v, out, lse, dout, dlse, mask, ids):
+        return fused.backward(q, k, v, out, lse, dout, dlse, nodes.inner_spec(spec, q, k, mask, ids),
                               axis_name, node_size, timeout_s, segment_ids=nodes.kernel_ids(ids, jnp.stack),
                               deterministic=deterministic)
 
-    return nodes.Ops(xp=jnp, permute=jnp.transpose, cat=jnp.concatenate, astype=lambda x, like: x.astype(like.dtype),
+    return nodes.Ops(xp=jnp, permute=jnp.transpose, cat=jnp.concatenate, flip=jnp.flip, astype=lambda x, like: x.astype(like.dtype),
                      f32=_f32, inner_fwd=inner_fwd, inner_bwd=inner_bwd,
                      send=lambda xs: [lax.ppermute(x, axis_name, perm) for x in xs], recv=lambda got: got,
                      switch=lax.switch)
@@ -62,7 +62,8 @@ def _geometry(spec, axis_name: str, node_size: int, segment_ids):
     world = _platform.axis_size(axis_name)
     node = _platform.axis_index(axis_name) // node_size
     ids = None if segment_ids is None else segment_ids.astype(jnp.int32)
-    return dict(node=node, num_nodes=world // node_size, is_causal=spec.is_causal, layout=spec.layout, ids=ids)
+    return dict(node=node, num_nodes=world // node_size, is_causal=spec.is_causal, layout=spec.layout, ids=ids,
+                window=spec.window, node_size=node_size)
 
 
 # segment_ids: an array input (None, or this device's int32 ids), no gradient (jax_ring.api's _fused says why).
@@ -90,11 +91,19 @@ def _bwd(spec, axis_name, node_size, timeout_s, deterministic, res, cts):
 two_level.defvjp(_fwd, _bwd)
 
 
-def check_fits(spec, backward: bool, deterministic: bool) -> None:
-    """Raise (HeapTooSmallError, a window, not taken yet) at trace time, before anything runs."""
+def fused_takes(spec, axis_size: int) -> bool:
+    """Whether the two-level fused ring takes ``spec`` over a sequence axis of ``axis_size`` devices
+    (ring_core.nodes.supports)."""
+    node_size = _heap.node_rings().nodes.node_size
+    return nodes.supports(spec, axis_size // node_size, node_size)
+
+
+def check_fits(spec, num_nodes: int, backward: bool, deterministic: bool) -> None:
+    """Raise (HeapTooSmallError; a zigzag window that reaches partly across a node's halves:
+    ring_core.nodes.window_pieces) at trace time, before anything runs."""
     h = _heap.get()
-    nodes.check_supported(spec)
-    for sp in nodes.node_specs(spec):
+    nodes.check_supported(spec, num_nodes, h.node_size)
+    for sp in nodes.node_specs(spec, num_nodes, h.node_size):
         h.plan(sp, h.node_size)
         if backward:
             h.plan_bwd(sp, h.node_size, deterministic=deterministic)
@@ -104,5 +113,5 @@ def ring_attention(q, k, v, spec, axis_name: str, timeout_s=None, deterministic:
     """(out, lse), differentiable, of the two-level ring over ``axis_name`` (inside shard_map); ``segment_ids``
     this device's (int32 [batch, seq_local]) where the call has them."""
     node_size = _heap.node_rings().nodes.node_size
-    check_fits(spec, True, deterministic)
+    check_fits(spec, _platform.axis_size(axis_name) // node_size, True, deterministic)
     return two_level(q, k, v, segment_ids, spec, axis_name, node_size, timeout_s, deterministic)

@@ -53,8 +53,20 @@ steps move the halves into the batch axis instead of the head axis (K_EARLY: the
 against the first K/V halves, twice; Q_LATE: the second query half twice against the two K/V halves), and the
 copies' partials add up (dK/dV of the twice-used halves, dQ of the twice-used queries) in a fixed order.
 
-Not here yet: windows (they need the positions of another node inside the kernel), which raise; the reference
-rings (``backend="xla"`` / ``"torch"``) take them across nodes.
+Sliding windows: the kernels take a window on a call whose keys sit elsewhere than its queries
+(``AttentionSpec.key_offset``: the band moved by the distance between them, which then need not contain the
+diagonal), so a node-step under a window is a few one-node calls, each on a pair of *blocks* of the two nodes
+(``window_pieces``): a node's block is a run of consecutive global positions that its R ranks hold in rank order.
+Contiguous: one block, the node's whole shards (positions n x RS ..); the pair is one call with the band moved by
+the nodes' distance, or none (nobody in reach), or a call without a window (everyone in reach). Zigzag: two blocks,
+node-level chunks n (the ranks' first halves) and 2N-1-n (the second halves, whose positions *fall* as the rank
+grows: reversed row by row they rise, so the call runs on the reversed halves with the window's sides swapped); a
+pair of blocks of like direction is a call as above, a first half against a second half is either out of reach or
+wholly in reach for any window narrower than a node-level chunk (they are at least one chunk apart), and a window
+that reaches partly across one raises (``check_supported``: use layout="contiguous", which a window balances
+anyway). The node's own K/V under zigzag: the last node's two chunks are adjacent (its node-local positions are
+global ones moved by a constant), so it makes the one-node call; every other node runs its two halves apart.
+Under causal masking only the left side of a moved band is left (the keys of an earlier node all come before).
 
 ``forward`` and ``backward`` are written once for numpy, torch and jax.numpy arrays: the frontends pass an
 ``Ops`` (array functions, the inner fused call, the transfer between nodes).
@@ -91,24 +103,137 @@ def step_kind(node: int, src: int, *, is_causal: bool, layout: str) -> str:
     raise ValueError(f"unknown layout {layout!r}")
 
 
-def supports(spec) -> bool:
-    """Whether the two-level fused ring takes a call of ``spec`` (``backend="auto"`` takes the reference ring else)."""
-    return tuple(spec.window) == (-1, -1)
+NO_WINDOW = (-1, -1)
 
 
-def check_supported(spec) -> None:
+@dataclass(frozen=True)
+class Mask:
+    """A one-node call's masks (``Ops.inner_fwd`` / ``inner_bwd``): causal, its shards' layout over the node, the
+    window in global positions and where its keys sit in its queries' frame (``AttentionSpec.key_offset``)."""
+
+    is_causal: bool
+    layout: str
+    window: tuple = NO_WINDOW
+    key_offset: int = 0
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One call of a node-step under a window (module docstring): the rows of every rank's query and K/V shards it
+    takes (``q_half`` / ``k_half``: None the whole shard, 0 / 1 its first / second half), ``flip``: those rows
+    reversed (second halves), the call's ``mask``, and ``own``: the keys are the queries' own rows (the node's own
+    K/V, the same rows), whose segment ids are the queries'."""
+
+    q_half: object
+    k_half: object
+    flip: bool
+    mask: Mask
+    own: bool = False
+
+
+class WindowAcrossChunksError(NotImplementedError):
+    """A window that reaches partly across a zigzag node's first and second halves (``window_pieces``)."""
+
+
+def _blocks(node: int, num_nodes: int, node_len: int, layout: str):
+    """(half, falling, first global position, length) of each block of node ``node`` (module docstring)."""
+    if layout == "contiguous":
+        return [(None, False, node * node_len, node_len)]
+    c = node_len // 2
+    return [(0, False, node * c, c), (1, True, (2 * num_nodes - 1 - node) * c, c)]
+
+
+def window_pieces(node: int, src: int, *, num_nodes: int, node_len: int, is_causal: bool, layout: str,
+                  window) -> tuple:
+    """The calls (``Piece``) node ``node`` makes with the K/V of node ``src`` under ``window`` (left, right; -1
+    unbounded) in a job of ``num_nodes`` nodes of ``node_len`` tokens each: () where no query of the node reaches a
+    key of the other (module docstring). Raises WindowAcrossChunksError where a zigzag window reaches partly across a
+    node's two halves.
+
+    >>> [len(window_pieces(1, m, num_nodes=3, node_len=8, is_causal=True, layout="contiguous", window=(4, -1)))
+    ...  for m in range(3)]
+    [1, 1, 0]
+    >>> window_pieces(1, 0, num_nodes=2, node_len=8, is_causal=True, layout="contiguous", window=(4, -1))[0].mask
+    Mask(is_causal=False, layout='contiguous', window=(4, 0), key_offset=-8)
+    """
+    if src == node and (layout == "contiguous" or node == num_nodes - 1):
+        return (Piece(None, None, False, Mask(is_causal, layout, tuple(window)), own=True),)
+    left, right = window
+    right = 0 if is_causal else right
+    pieces = []
+    for q_half, q_falls, q0, n in _blocks(node, num_nodes, node_len, layout):
+        for k_half, k_falls, k0, _ in _blocks(src, num_nodes, node_len, layout):
+            lo, hi = q0 - k0 - (n - 1), q0 - k0 + (n - 1)  # query position - key position over the pair
+            if (left >= 0 and lo > left) or (right >= 0 and hi < -right):
+                continue  # out of reach
+            own = src == node and q_half == k_half
+            if (left < 0 or hi <= left) and (right < 0 or lo >= -right):  # wholly in reach
+                pieces.append(Piece(q_half, k_half, False, Mask(False, "contiguous"), own))
+            elif q_falls != k_falls:
+                raise WindowAcrossChunksError(
+                    f"a window of {tuple(window)} reaches partly across a node's zigzag halves (node-level chunks of "
+                    f"{n} tokens); use layout='contiguous' (a window needs no zigzag balance), a window narrower than "
+                    f"{n} tokens, or backend='torch' / 'xla'")
+            elif not q_falls and q0 == k0:  # the node's own first halves: a one-node call on them
+                pieces.append(Piece(q_half, k_half, False, Mask(is_causal, "contiguous", tuple(window)), own))
+            elif not q_falls:
+                pieces.append(Piece(q_half, k_half, False, Mask(False, "contiguous", (left, right), k0 - q0), own))
+            else:  # reversed rows: position end - p, so the sides swap and the offset changes sign
+                pieces.append(Piece(q_half, k_half, True, Mask(False, "contiguous", (right, left), q0 - k0), own))
+    return tuple(pieces)
+
+
+def _window_kind(node: int, src: int, num_nodes: int, node_len: int, is_causal: bool, layout: str, window):
+    """``step_kind`` under a window: the pieces, or SKIP."""
+    pieces = window_pieces(node, src, num_nodes=num_nodes, node_len=node_len, is_causal=is_causal, layout=layout,
+                           window=window)
+    return pieces if pieces else SKIP
+
+
+def supports(spec, num_nodes: int, node_size: int) -> bool:
+    """Whether the two-level fused ring takes a call of ``spec`` on ``num_nodes`` nodes of ``node_size`` ranks
+    (``backend="auto"`` takes the reference ring else): every call but a zigzag window that reaches partly across a
+    node's halves (``window_pieces``)."""
+    try:
+        check_supported(spec, num_nodes, node_size)
+    except WindowAcrossChunksError:
+        return False
+    return True
+
+
+def check_supported(spec, num_nodes: int, node_size: int) -> None:
     """Raise, saying what to do, for a two-level fused call of ``spec`` this module cannot run."""
-    if not supports(spec):
-        raise NotImplementedError(
-            "the fused backend across several nodes does not take a sliding window yet; use backend='torch' / "
-            "'xla' (the reference ring takes every mask across nodes), or run within one node")
     if spec.layout == "zigzag" and spec.seq_local % 2:
         raise ValueError(f"zigzag needs an even seq_local, got {spec.seq_local}")
+    if tuple(spec.window) != NO_WINDOW:
+        for n in range(num_nodes):
+            for m in range(num_nodes):
+                window_pieces(n, m, num_nodes=num_nodes, node_len=node_size * spec.seq_local,
+                              is_causal=spec.is_causal, layout=spec.layout, window=spec.window)
 
 
-def node_specs(spec) -> list:
-    """The one-node calls' specs (ring_core.validate.AttentionSpec) a two-level call of ``spec`` may make on any
-    node: the frontends check each against the heap before anything runs."""
+def _piece_spec(spec, piece: Piece):
+    """The one-node call's spec of ``piece`` on ranks with ``spec``'s shards."""
+    mask = piece.mask
+    return dataclasses.replace(spec, seq_local=spec.seq_local if piece.q_half is None else spec.seq_local // 2,
+                               is_causal=mask.is_causal, layout=mask.layout, window=mask.window,
+                               key_offset=mask.key_offset, kv_ids=bool(spec.segmented) and not piece.own)
+
+
+def node_specs(spec, num_nodes: int = 2, node_size: int = 1) -> list:
+    """The one-node calls' specs (ring_core.validate.AttentionSpec) a two-level call of ``spec`` on ``num_nodes``
+    nodes of ``node_size`` ranks may make on any node: the frontends check each against the heap before anything
+    runs (the masks do not change what a call needs; the GPU scripts compile each)."""
+    if tuple(spec.window) != NO_WINDOW:
+        out = []
+        for n in range(num_nodes):
+            for m in range(num_nodes):
+                for p in window_pieces(n, m, num_nodes=num_nodes, node_len=node_size * spec.seq_local,
+                                       is_causal=spec.is_causal, layout=spec.layout, window=spec.window):
+                    sp = _piece_spec(spec, p)
+                    if sp not in out:
+                        out.append(sp)
+        return out
     s, h, hkv, ids = spec.seq_local, spec.num_heads, spec.num_kv_heads, bool(spec.segmented)
     out = [spec, dataclasses.replace(spec, is_causal=False, layout="contiguous", kv_ids=ids)]
     if spec.is_causal and spec.layout == "zigzag":
@@ -122,11 +247,12 @@ def node_specs(spec) -> list:
     return out
 
 
-def inner_spec(spec, q, k, is_causal: bool, layout: str, ids):
+def inner_spec(spec, q, k, mask: Mask, ids):
     """The spec of a one-node call (``Ops.inner_fwd`` / ``inner_bwd``) on ``q`` and ``k`` (batch, rows and heads from
-    them: the half-shard steps move rows into heads or the batch) with ``ids`` as the Ops take them."""
+    them: the half-shard steps move rows into heads or the batch) with ``mask`` and ``ids`` as the Ops take them."""
     return dataclasses.replace(spec, batch=q.shape[0], seq_local=q.shape[1], num_heads=q.shape[2],
-                               num_kv_heads=k.shape[2], is_causal=bool(is_causal), layout=layout,
+                               num_kv_heads=k.shape[2], is_causal=bool(mask.is_causal), layout=mask.layout,
+                               window=tuple(mask.window), key_offset=int(mask.key_offset),
                                kv_ids=ids is not None and ids[1] is not None)
 
 
@@ -144,12 +270,12 @@ class Ops:
     """What a frontend supplies. Arrays are [batch, seq, heads, head_dim] (lse [batch, heads, seq]).
 
     ``xp``: the array namespace (numpy, torch, jax.numpy): ``exp``, ``logaddexp``, ``where``, ``isneginf``,
-    ``zeros_like``, ``full_like``; ``permute(x, axes)``, ``cat(xs, axis)``, ``astype(x, like)`` (x in like's dtype),
-    ``f32(x)`` (float32, float64 kept).
-    ``inner_fwd(q, k, v, is_causal, layout, ids) -> (out, lse)``: the one-node call over this node's ring; ``ids``
-    None (no segment ids) or (the queries' ids, the keys' ids or None where they are the queries' own), int32
-    [b, s] each (the call's spec: ``inner_spec``; the kernels' ids: ``kernel_ids``).
-    ``inner_bwd(q, k, v, out, lse, dout, dlse, is_causal, layout, ids) -> (dq, dk, dv)``: its backward.
+    ``zeros_like``, ``full_like``; ``permute(x, axes)``, ``cat(xs, axis)``, ``flip(x, axis)`` (the rows reversed),
+    ``astype(x, like)`` (x in like's dtype), ``f32(x)`` (float32, float64 kept).
+    ``inner_fwd(q, k, v, mask, ids) -> (out, lse)``: the one-node call over this node's ring with ``mask`` (a
+    ``Mask``); ``ids`` None (no segment ids) or (the queries' ids, the keys' ids or None where they are the queries'
+    own), int32 [b, s] each (the call's spec: ``inner_spec``; the kernels' ids: ``kernel_ids``).
+    ``inner_bwd(q, k, v, out, lse, dout, dlse, mask, ids) -> (dq, dk, dv)``: its backward.
     ``send(xs) -> handle``: post the transfer of the arrays ``xs`` to the same rank of the next node and the receipt
     of the previous node's (same shapes and dtypes); ``recv(handle) -> list``: wait for what arrived.
     ``switch``: None where the node index is a Python int (the step's kind is chosen in Python); else
@@ -160,6 +286,7 @@ class Ops:
     xp: object
     permute: object
     cat: object
+    flip: object
     astype: object
     f32: object
     inner_fwd: object
@@ -279,7 +406,6 @@ def _nothing(ops: Ops, out_like, lse_like):
     return ops.xp.zeros_like(out_like), ops.xp.full_like(lse_like, float("-inf"))
 
 
-# ------------------------------------------------------------------------------------- forward
 def _listed(ids) -> list:
     """What travels beside the K/V: their ids, if any."""
     return [] if ids is None else [ids]
@@ -290,49 +416,117 @@ def _unlisted(got):
     return (got[0], got[1], got[2] if len(got) > 2 else None)
 
 
-def step_forward(ops: Ops, kind: str, q, k, v, *, is_causal: bool, layout: str, q_ids=None, kv_ids=None):
-    """One node-step's partial (out float32 [b, s, h, d], lse [b, h, s]) over every row of the shard; ``q_ids`` /
-    ``kv_ids``: the queries' and the held K/V's segment ids (int32 [b, s]), or None."""
+_FULL = Mask(False, "contiguous")  # every query sees every key
+
+
+# ------------------------------------------------------------------------------------- pieces (under a window)
+def _rows(ops: Ops, x, half, flip: bool, axis: int = 1):
+    """A piece's rows of ``x`` (``Piece``): all, or one half along ``axis``, reversed with ``flip``."""
+    if half is None:
+        return x
+    n = x.shape[axis] // 2
+    x = x[(slice(None),) * axis + (slice(half * n, (half + 1) * n),)]
+    return ops.flip(x, axis) if flip else x
+
+
+def _unrows(ops: Ops, x, half, flip: bool, fill, axis: int = 1):
+    """``_rows``' inverse: a piece's rows back in their place in a whole shard, ``fill`` (like x) in the other half."""
+    if half is None:
+        return x
+    x = ops.flip(x, axis) if flip else x
+    return ops.cat([x, fill] if half == 0 else [fill, x], axis)
+
+
+def _piece_ids(ops: Ops, piece: Piece, q_ids, kv_ids):
+    """A piece's ids as ``Ops.inner_fwd`` takes them."""
+    if q_ids is None:
+        return None
+    return (_rows(ops, q_ids, piece.q_half, piece.flip),
+            None if piece.own else _rows(ops, kv_ids, piece.k_half, piece.flip))
+
+
+def pieces_forward(ops: Ops, pieces, q, k, v, q_ids=None, kv_ids=None):
+    """A node-step's partial (as ``step_forward``'s) made of ``pieces`` (``window_pieces``; at least one)."""
+    acc = None
+    for p in pieces:
+        out, lse = ops.inner_fwd(_rows(ops, q, p.q_half, p.flip), _rows(ops, k, p.k_half, p.flip),
+                                 _rows(ops, v, p.k_half, p.flip), p.mask, _piece_ids(ops, p, q_ids, kv_ids))
+        out = ops.f32(out)
+        none_out, none_lse = _nothing(ops, out, lse)
+        part = (_unrows(ops, out, p.q_half, p.flip, none_out), _unrows(ops, lse, p.q_half, p.flip, none_lse, 2))
+        acc = part if acc is None else merge(ops, *acc, *part)
+    return acc
+
+
+def pieces_backward(ops: Ops, pieces, q, k, v, out, lse, dout, dlse, q_ids=None, kv_ids=None):
+    """A node-step's (dq, dk, dv) (as ``step_backward``'s) made of ``pieces``, added up in their order."""
+    acc = None
+    for p in pieces:
+        qr = lambda x, axis=1: _rows(ops, x, p.q_half, p.flip, axis)  # noqa: E731
+        kr = lambda x: _rows(ops, x, p.k_half, p.flip)  # noqa: E731
+        grads = ops.inner_bwd(qr(q), kr(k), kr(v), qr(out), qr(lse, 2), qr(dout), qr(dlse, 2), p.mask,
+                              _piece_ids(ops, p, q_ids, kv_ids))
+        part = []
+        for half, g in zip((p.q_half, p.k_half, p.k_half), grads):
+            g = ops.f32(g)
+            part.append(_unrows(ops, g, half, p.flip, ops.xp.zeros_like(g)))
+        acc = part if acc is None else [a + b for a, b in zip(acc, part)]
+    return tuple(acc)
+
+
+# ------------------------------------------------------------------------------------- forward
+def step_forward(ops: Ops, kind, q, k, v, *, is_causal: bool, layout: str, q_ids=None, kv_ids=None):
+    """One node-step's partial (out float32 [b, s, h, d], lse [b, h, s]) over every row of the shard; ``kind``: a
+    ``step_kind`` or, under a window, the step's pieces; ``q_ids`` / ``kv_ids``: the queries' and the held K/V's
+    segment ids (int32 [b, s]), or None."""
+    if isinstance(kind, tuple):
+        return pieces_forward(ops, kind, q, k, v, q_ids, kv_ids)
     hkv = k.shape[2]
     if kind == DIAG:
-        out, lse = ops.inner_fwd(q, k, v, is_causal, layout, None if q_ids is None else (q_ids, None))
+        out, lse = ops.inner_fwd(q, k, v, Mask(is_causal, layout), None if q_ids is None else (q_ids, None))
         return ops.f32(out), lse
     if kind == FULL:
-        out, lse = ops.inner_fwd(q, k, v, False, "contiguous", None if q_ids is None else (q_ids, kv_ids))
+        out, lse = ops.inner_fwd(q, k, v, _FULL, None if q_ids is None else (q_ids, kv_ids))
         return ops.f32(out), lse
     s = q.shape[1]
     h = s // 2
     if q_ids is not None:  # the halves in the batch axis
         if kind == K_EARLY:
             kf, vf, kvf = (twice_in_batch(ops, x[:, :h]) for x in (k, v, kv_ids))
-            out, lse = ops.inner_fwd(halves_to_batch(ops, q), kf, vf, False, "contiguous",
-                                     (halves_to_batch(ops, q_ids), kvf))
+            out, lse = ops.inner_fwd(halves_to_batch(ops, q), kf, vf, _FULL, (halves_to_batch(ops, q_ids), kvf))
             return batch_to_halves(ops, ops.f32(out)), batch_to_halves(ops, lse, 2)
         if kind == Q_LATE:
             out, lse = ops.inner_fwd(twice_in_batch(ops, q[:, h:]), halves_to_batch(ops, k), halves_to_batch(ops, v),
-                                     False, "contiguous", (twice_in_batch(ops, q_ids[:, h:]),
-                                                           halves_to_batch(ops, kv_ids)))
+                                     _FULL, (twice_in_batch(ops, q_ids[:, h:]), halves_to_batch(ops, kv_ids)))
             b = q.shape[0]
             out = ops.f32(out)
             out, lse = merge(ops, out[:b], lse[:b], out[b:], lse[b:])
             none_out, none_lse = _nothing(ops, out, lse)
             return ops.cat([none_out, out], 1), ops.cat([none_lse, lse], 2)
     if kind == K_EARLY:
-        out, lse = ops.inner_fwd(halves_to_heads(ops, q, hkv), k[:, :h], v[:, :h], False, "contiguous", None)
+        out, lse = ops.inner_fwd(halves_to_heads(ops, q, hkv), k[:, :h], v[:, :h], _FULL, None)
         return heads_to_halves(ops, ops.f32(out), hkv), lse_heads_to_halves(ops, lse, hkv)
     if kind == Q_LATE:
         out, lse = ops.inner_fwd(twice_as_heads(ops, q[:, h:], hkv), kv_halves_to_heads(ops, k),
-                                 kv_halves_to_heads(ops, v), False, "contiguous", None)
+                                 kv_halves_to_heads(ops, v), _FULL, None)
         out, lse = merge_heads(ops, ops.f32(out), lse, hkv)
         none_out, none_lse = _nothing(ops, out, lse)
         return ops.cat([none_out, out], 1), ops.cat([none_lse, lse], 2)
     raise ValueError(f"no forward for a {kind!r} step")
 
 
-def _per_kind(ops: Ops, node, s: int, num_nodes: int, is_causal: bool, layout: str, fn, nothing):
+def _kind_of(num_nodes: int, node_len: int, is_causal: bool, layout: str, window):
+    """``kind(node, src)``: what node ``node`` computes with node ``src``'s K/V (``step_kind``, or the pieces under a
+    window)."""
+    if tuple(window) == NO_WINDOW:
+        return lambda n, m: step_kind(n, m, is_causal=is_causal, layout=layout)
+    return lambda n, m: _window_kind(n, m, num_nodes, node_len, is_causal, layout, window)
+
+
+def _per_kind(ops: Ops, node, s: int, num_nodes: int, kind_of, fn, nothing):
     """``fn(kind)`` for this node's kind at node-step ``s``; ``nothing()`` where it skips (None: skip, concrete node
     only). A traced node runs ``ops.switch`` over the kinds the nodes have at that step."""
-    kinds = [step_kind(n, (n - s) % num_nodes, is_causal=is_causal, layout=layout) for n in range(num_nodes)]
+    kinds = [kind_of(n, (n - s) % num_nodes) for n in range(num_nodes)]
     if ops.switch is None or len(set(kinds)) == 1:
         kind = kinds[node] if ops.switch is None else kinds[0]
         if kind == SKIP:
@@ -343,9 +537,12 @@ def _per_kind(ops: Ops, node, s: int, num_nodes: int, is_causal: bool, layout: s
     return ops.switch(index, [(lambda kd=kd: nothing() if kd == SKIP else fn(kd)) for kd in order])
 
 
-def forward(ops: Ops, q, k, v, *, node, num_nodes: int, is_causal: bool, layout: str, ids=None):
+def forward(ops: Ops, q, k, v, *, node, num_nodes: int, is_causal: bool, layout: str, ids=None, window=NO_WINDOW,
+            node_size: int = 1):
     """(out in q's dtype, lse float32) of the two-level ring for this rank's shards (module docstring); ``ids``:
-    this rank's segment ids (int32 [b, s]) or None."""
+    this rank's segment ids (int32 [b, s]) or None; ``window``: the call's (left, right), global positions, on
+    nodes of ``node_size`` ranks."""
+    kind_of = _kind_of(num_nodes, node_size * q.shape[1], is_causal, layout, window)
     acc = None
     kv_ids = ids
     for s in range(num_nodes):
@@ -354,7 +551,7 @@ def forward(ops: Ops, q, k, v, *, node, num_nodes: int, is_causal: bool, layout:
         # (a skipped step's partial, for the switch: shaped and typed like the others, from q)
         nothing = None if ops.switch is None else (lambda: _nothing(ops, ops.f32(ops.xp.zeros_like(q)),
                                                                     ops.f32(ops.permute(q[..., 0], (0, 2, 1)))))
-        part = _per_kind(ops, node, s, num_nodes, is_causal, layout,
+        part = _per_kind(ops, node, s, num_nodes, kind_of,
                          lambda kind: step_forward(ops, kind, q, k, v, is_causal=is_causal, layout=layout, q_ids=ids,
                                                    kv_ids=kv_ids), nothing)
         if part is not None:
@@ -366,17 +563,19 @@ def forward(ops: Ops, q, k, v, *, node, num_nodes: int, is_causal: bool, layout:
 
 
 # ------------------------------------------------------------------------------------- backward
-def step_backward(ops: Ops, kind: str, q, k, v, out, lse, dout, dlse, *, is_causal: bool, layout: str, q_ids=None,
+def step_backward(ops: Ops, kind, q, k, v, out, lse, dout, dlse, *, is_causal: bool, layout: str, q_ids=None,
                   kv_ids=None):
     """One node-step's (dq, dk, dv), float32, full shard shapes, from the final ``out`` / ``lse`` and the
-    cotangents ``dout`` / ``dlse`` (so the step's probabilities are the global softmax's); ids as
+    cotangents ``dout`` / ``dlse`` (so the step's probabilities are the global softmax's); kinds and ids as
     ``step_forward``'s."""
+    if isinstance(kind, tuple):
+        return pieces_backward(ops, kind, q, k, v, out, lse, dout, dlse, q_ids, kv_ids)
     hkv = k.shape[2]
     if kind == DIAG:
-        return tuple(ops.f32(x) for x in ops.inner_bwd(q, k, v, out, lse, dout, dlse, is_causal, layout,
+        return tuple(ops.f32(x) for x in ops.inner_bwd(q, k, v, out, lse, dout, dlse, Mask(is_causal, layout),
                                                        None if q_ids is None else (q_ids, None)))
     if kind == FULL:
-        return tuple(ops.f32(x) for x in ops.inner_bwd(q, k, v, out, lse, dout, dlse, False, "contiguous",
+        return tuple(ops.f32(x) for x in ops.inner_bwd(q, k, v, out, lse, dout, dlse, _FULL,
                                                        None if q_ids is None else (q_ids, kv_ids)))
     s = q.shape[1]
     h = s // 2
@@ -385,8 +584,7 @@ def step_backward(ops: Ops, kind: str, q, k, v, out, lse, dout, dlse, *, is_caus
             kf, vf, kvf = (twice_in_batch(ops, x[:, :h]) for x in (k, v, kv_ids))
             dq, dk, dv = ops.inner_bwd(halves_to_batch(ops, q), kf, vf, halves_to_batch(ops, out),
                                        halves_to_batch(ops, lse, 2), halves_to_batch(ops, dout),
-                                       halves_to_batch(ops, dlse, 2), False, "contiguous",
-                                       (halves_to_batch(ops, q_ids), kvf))
+                                       halves_to_batch(ops, dlse, 2), _FULL, (halves_to_batch(ops, q_ids), kvf))
             dk, dv = batch_sum(ops.f32(dk)), batch_sum(ops.f32(dv))
             return (batch_to_halves(ops, ops.f32(dq)), ops.cat([dk, ops.xp.zeros_like(dk)], 1),
                     ops.cat([dv, ops.xp.zeros_like(dv)], 1))
@@ -394,7 +592,7 @@ def step_backward(ops: Ops, kind: str, q, k, v, out, lse, dout, dlse, *, is_caus
             dq, dk, dv = ops.inner_bwd(twice_in_batch(ops, q[:, h:]), halves_to_batch(ops, k),
                                        halves_to_batch(ops, v), twice_in_batch(ops, out[:, h:]),
                                        twice_in_batch(ops, lse[:, :, h:]), twice_in_batch(ops, dout[:, h:]),
-                                       twice_in_batch(ops, dlse[:, :, h:]), False, "contiguous",
+                                       twice_in_batch(ops, dlse[:, :, h:]), _FULL,
                                        (twice_in_batch(ops, q_ids[:, h:]), halves_to_batch(ops, kv_ids)))
             dq = batch_sum(ops.f32(dq))
             return (ops.cat([ops.xp.zeros_like(dq), dq], 1), batch_to_halves(ops, ops.f32(dk)),
@@ -402,7 +600,7 @@ def step_backward(ops: Ops, kind: str, q, k, v, out, lse, dout, dlse, *, is_caus
     if kind == K_EARLY:
         dq, dk, dv = ops.inner_bwd(halves_to_heads(ops, q, hkv), k[:, :h], v[:, :h], halves_to_heads(ops, out, hkv),
                                    lse_halves_to_heads(ops, lse, hkv), halves_to_heads(ops, dout, hkv),
-                                   lse_halves_to_heads(ops, dlse, hkv), False, "contiguous", None)
+                                   lse_halves_to_heads(ops, dlse, hkv), _FULL, None)
         dk, dv = ops.f32(dk), ops.f32(dv)
         zeros = ops.xp.zeros_like(dk)
         return heads_to_halves(ops, ops.f32(dq), hkv), ops.cat([dk, zeros], 1), ops.cat([dv, ops.xp.zeros_like(dv)], 1)
@@ -410,7 +608,7 @@ def step_backward(ops: Ops, kind: str, q, k, v, out, lse, dout, dlse, *, is_caus
         dq, dk, dv = ops.inner_bwd(twice_as_heads(ops, q[:, h:], hkv), kv_halves_to_heads(ops, k),
                                    kv_halves_to_heads(ops, v), twice_as_heads(ops, out[:, h:], hkv),
                                    lse_twice_as_heads(ops, lse[:, :, h:], hkv), twice_as_heads(ops, dout[:, h:], hkv),
-                                   lse_twice_as_heads(ops, dlse[:, :, h:], hkv), False, "contiguous", None)
+                                   lse_twice_as_heads(ops, dlse[:, :, h:], hkv), _FULL, None)
         b, s2, h2, d = dq.shape
         dq = ops.f32(dq).reshape(b, s2, hkv, 2, h2 // (2 * hkv), d)
         dq = (dq[:, :, :, 0] + dq[:, :, :, 1]).reshape(b, s2, h2 // 2, d)
@@ -420,9 +618,10 @@ def step_backward(ops: Ops, kind: str, q, k, v, out, lse, dout, dlse, *, is_caus
 
 
 def backward(ops: Ops, q, k, v, out, lse, dout, dlse, *, node, num_nodes: int, is_causal: bool, layout: str,
-             ids=None):
+             ids=None, window=NO_WINDOW, node_size: int = 1):
     """(dq, dk, dv) in q's, k's and v's dtypes. ``dlse`` float32 like ``lse`` (zeros when lse carries no gradient);
-    ``ids`` as ``forward``'s."""
+    ``ids``, ``window`` and ``node_size`` as ``forward``'s."""
+    kind_of = _kind_of(num_nodes, node_size * q.shape[1], is_causal, layout, window)
     dq = None
     carry = None  # the transfer of the partial dK/dV of the K/V held, to the next node
     k0, v0 = k, v
@@ -430,7 +629,7 @@ def backward(ops: Ops, q, k, v, out, lse, dout, dlse, *, node, num_nodes: int, i
     for s in range(num_nodes):
         handle = ops.send([k, v] + _listed(kv_ids)) if s < num_nodes - 1 else None
         zeros = lambda: tuple(ops.f32(ops.xp.zeros_like(x)) for x in (q, k, v))  # noqa: E731
-        part = _per_kind(ops, node, s, num_nodes, is_causal, layout,
+        part = _per_kind(ops, node, s, num_nodes, kind_of,
                          lambda kind: step_backward(ops, kind, q, k, v, out, lse, dout, dlse, is_causal=is_causal,
                                                     layout=layout, q_ids=ids, kv_ids=kv_ids),
                          None if ops.switch is None else zeros)

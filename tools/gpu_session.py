@@ -377,6 +377,11 @@ STAGES = {
                                                                        "timing", "--out", "{out}"],
                     ["env", "RING_ATTENTION_NODE_SIZE={nproc}"] + LAUNCH + ["tests/gpu/gpu_nodes.py", "--sections",
                                                                              "timing", "--out", "{out}"]]),
+    # The nodes stage's checks of windows across nodes alone (tests/gpu/gpu_nodes.py cases 5-7: bands off the
+    # diagonal in the kernels, the zigzag layout's second halves reversed).
+    "nodes-windows": (300, [["env", "RING_ATTENTION_NODE_SIZE=2"] + LAUNCH + ["tests/gpu/gpu_nodes.py", "--sections",
+                                                                               "checks", "--cases", "5,6,7", "--out",
+                                                                               "{out}"]]),
     "train-dp": (180, [TORCHRUN + ["examples/torch_train.py", "--dp", "2"]]),
     "tune-bwd": (420, [LAUNCH + ["-m", "benchmarks.tune", "--kernel", "bwd", "--head-dims", "128", "--seq", "16384",
                                  "--csv", "{out}/tune_backward.csv"]]),

@@ -151,18 +151,20 @@ def faults_calls(sections=("timeout", "mismatch", "bad_inputs", "kill")) -> list
     return calls
 
 
-def nodes_calls(sections=("checks", "soak")) -> list:
+def nodes_calls(sections=("checks", "soak"), world: int = 4, node_size: int = 2, cases=None) -> list:
     """(spec, backward, capability, deterministic) of tests/gpu/gpu_nodes.py's one-node calls inside the two-level
-    ring (ring_core.nodes.node_specs of each case: the node's own K/V, another node's, the half-shard steps), each
+    ring of ``world`` ranks as nodes of ``node_size`` (ring_core.nodes.node_specs of each case, ``cases`` its
+    indices or None for all: the node's own K/V, another node's, the half-shard steps, a window's pieces), each
     backward in both orders (its checks run deterministic=True too; the soak only that)."""
     import gpu_nodes
 
     from ring_core import nodes
 
-    cases = (list(gpu_nodes.CASES) if "checks" in sections else []) + (
+    chosen = [c for i, c in enumerate(gpu_nodes.CASES) if cases is None or i in cases]
+    cases = (chosen if "checks" in sections else []) + (
         [gpu_nodes.SOAK_CASE] if "soak" in sections else [])
-    return [(sp, True, GPU_CAPABILITY, det) for c in cases for sp in nodes.node_specs(spec_of(*c[:8],
-                                                                                                segmented=c[8]))
+    return [(sp, True, GPU_CAPABILITY, det) for c in cases
+            for sp in nodes.node_specs(spec_of(*c[:8], segmented=c[8], window=c[9]), world // node_size, node_size)
             for det in (False, True)]
 
 
@@ -194,7 +196,10 @@ def command_records(cmd, nproc: int, tag: str) -> list:
 
         size = [a.split("=", 1)[1] for a in cmd if a.startswith(settings.NODE_SIZE + "=")]
         sections = _option(cmd, "--sections", "checks,timing,soak").split(",")
-        return records(nodes_calls(sections), int(size[0]) if size else nproc, settings.DEFAULT_HEAP_BYTES, tag)
+        node_size = int(size[0]) if size else nproc
+        cases = _option(cmd, "--cases")
+        cases = None if cases is None else {int(c) for c in cases.split(",")}
+        return records(nodes_calls(sections, nproc, node_size, cases), node_size, settings.DEFAULT_HEAP_BYTES, tag)
     if "tests/gpu/gpu_soak.py" in cmd:
         heap = int(float(_option(cmd, "--heap-gib", 4)) * (1 << 30))
         return records(soak_calls(nproc), nproc, heap, tag)

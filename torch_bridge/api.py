@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ring_core import nodes as core_nodes
 from ring_core import plans
 from ring_core.layout import inverse_permutation, layout_permutation
 from ring_core.validate import (AttentionSpec, check_attention_args, check_attention_args_remembered,
@@ -249,8 +248,10 @@ def ring_attention(q, k, v, *, group=None, is_causal=False, scale=None, layout="
 
     Several nodes (``initialize()`` found them, or was given ``node_size``): with ``group=None`` the fused backend
     runs the two-level ring (torch_bridge.nodes: the kernel within each node, K/V between nodes over
-    torch.distributed), same arguments and results, segment ids too; a sliding window there is not taken yet
-    (``backend="auto"`` runs the reference ring, ``backend="fused"`` raises).
+    torch.distributed), same arguments and results, segment ids and windows too (a zigzag window that reaches
+    partly across a node's two halves, i.e. wider than a node-level chunk of node_size x seq_local / 2 tokens, is
+    not taken: ``backend="auto"`` runs the reference ring, ``backend="fused"`` raises; layout="contiguous" takes
+    every window).
 
     ``timeout_s`` bounds every wait inside the fused kernel (default RING_ATTENTION_TIMEOUT_S, else 300 s);
     an expired wait raises ``ring_core.protocol.control.RingAttentionTimeout`` naming the missing rank and ring step,
@@ -311,8 +312,8 @@ def ring_attention(q, k, v, *, group=None, is_causal=False, scale=None, layout="
     deterministic = check_deterministic(deterministic, torch.are_deterministic_algorithms_enabled())
     rank, world, peers = _group_info(group)
     asked, backend = backend, _resolve_backend(backend, q, spec)
-    if backend == "fused" and asked == "auto" and not core_nodes.supports(spec) and nodes.spans_nodes(group):
-        backend = "torch"  # a window, which the two-level fused ring does not take yet: the reference ring does
+    if backend == "fused" and asked == "auto" and nodes.spans_nodes(group) and not nodes.fused_takes(spec):
+        backend = "torch"  # a zigzag window the two-level fused ring does not take: the reference ring does
     if backend == "torch":  # ignores deterministic: torch's own ops, as deterministic as torch makes them
         out, lse = ring_attention_torch(q, k, v, spec, rank, world, peers, group, segment_ids=segment_ids)
     else:  # several nodes: the same route, the launches go to torch_bridge.nodes (_fwd_impl, _bwd_impl)

@@ -25,6 +25,12 @@ from ring_core.runtime import heap as _heap
 from torch_bridge import fused, lifecycle
 
 
+def fused_takes(spec: AttentionSpec) -> bool:
+    """Whether the two-level fused ring takes ``spec`` on this job's nodes (ring_core.nodes.supports)."""
+    rings = lifecycle.node_rings()
+    return nodes.supports(spec, rings.nodes.num_nodes, rings.nodes.node_size)
+
+
 def spans_nodes(group) -> bool:
     """Whether a fused call over ``group`` is the two-level ring (the job has several nodes and ``group`` is the
     whole job); a group of several nodes that is not the whole job raises."""
@@ -92,25 +98,25 @@ def _ops(spec: AttentionSpec, rings: _heap.NodeRings, timeout_s, deterministic: 
     group = rings.node_group
     wait_s = control.timeout_ns(timeout_s) / 1e9
 
-    def inner_fwd(q, k, v, causal, layout, ids):
-        return fused.forward(q, k, v, nodes.inner_spec(spec, q, k, causal, layout, ids), group, timeout_s,
+    def inner_fwd(q, k, v, mask, ids):
+        return fused.forward(q, k, v, nodes.inner_spec(spec, q, k, mask, ids), group, timeout_s,
                              segment_ids=nodes.kernel_ids(ids, torch.stack))
 
-    def inner_bwd(q, k, v, out, lse, dout, dlse, causal, layout, ids):
-        return fused.backward(q, k, v, out, lse, dout, nodes.inner_spec(spec, q, k, causal, layout, ids), group,
+    def inner_bwd(q, k, v, out, lse, dout, dlse, mask, ids):
+        return fused.backward(q, k, v, out, lse, dout, nodes.inner_spec(spec, q, k, mask, ids), group,
                               timeout_s, dlse=dlse, segment_ids=nodes.kernel_ids(ids, torch.stack),
                               deterministic=deterministic)
 
     return nodes.Ops(xp=torch, permute=lambda x, axes: x.permute(*axes), cat=lambda xs, axis: torch.cat(xs, axis),
-                     astype=lambda x, like: x.to(like.dtype), f32=_f32, inner_fwd=inner_fwd, inner_bwd=inner_bwd,
+                     flip=lambda x, axis: torch.flip(x, (axis,)), astype=lambda x, like: x.to(like.dtype), f32=_f32, inner_fwd=inner_fwd, inner_bwd=inner_bwd,
                      send=lambda xs: _Transfer(xs, rings, wait_s), recv=lambda t: t.wait())
 
 
 def check_fits(spec: AttentionSpec, backward: bool, deterministic: bool) -> None:
     """Raise HeapTooSmallError (or the bad-input error) now, before anything runs, for a two-level call."""
     rings = lifecycle.node_rings()
-    nodes.check_supported(spec)
-    for sp in nodes.node_specs(spec):
+    nodes.check_supported(spec, rings.nodes.num_nodes, rings.nodes.node_size)
+    for sp in nodes.node_specs(spec, rings.nodes.num_nodes, rings.nodes.node_size):
         fused.check_fits(sp, rings.node_group, backward=backward, deterministic=deterministic)
 
 
@@ -119,13 +125,15 @@ def _ops_and_geometry(spec: AttentionSpec, timeout_s, deterministic: bool, segme
     rings = lifecycle.node_rings()
     ids = None if segment_ids is None else segment_ids.to(dtype=torch.int32).contiguous()
     return _ops(spec, rings, timeout_s, deterministic), dict(node=rings.node, num_nodes=rings.nodes.num_nodes,
-                                                             is_causal=spec.is_causal, layout=spec.layout, ids=ids)
+                                                             is_causal=spec.is_causal, layout=spec.layout, ids=ids,
+                                                             window=spec.window, node_size=rings.nodes.node_size)
 
 
 def forward(q, k, v, spec: AttentionSpec, timeout_s, deterministic: bool, check_backward: bool, segment_ids=None):
     """(out, lse) of the two-level ring over the whole job for this rank's shards (validated ``spec``; this rank's
-    ``segment_ids`` where it has them); raises before anything runs where the call cannot run (a window, not taken
-    yet; the heap too small for it, or, with ``check_backward``, for the backward to come). torch_bridge.api's fused
+    ``segment_ids`` where it has them); raises before anything runs where the call cannot run (a zigzag window
+    that reaches partly across a node's halves: ring_core.nodes.window_pieces; the heap too small for it, or, with
+    ``check_backward``, for the backward to come). torch_bridge.api's fused
     route calls it (its eager Function and its custom op, which torch.compile sees as one opaque op) when the group
     spans several nodes."""
     check_fits(spec, check_backward, deterministic)

@@ -400,7 +400,8 @@ def simulate_ring_attention(q, k, v, world_size, *, is_causal=False, scale=None,
         None: no window. The rule is ``ring_core.masks.allowed``'s.
       node_size: ranks per simulated node (a divisor of ``world_size``; None: one node). With several nodes the
         two-level ring of ``ring_core.nodes`` runs: the fused kernels over each node's ranks (a heap per node), the
-        K/V (and their segment ids) between nodes as the frontends send them (not yet with ``window_size``).
+        K/V (and their segment ids) between nodes as the frontends send them; a window as a node-step's pieces
+        (``ring_core.nodes.window_pieces``).
 
     Returns:
       ``out`` (numpy, q's dtype, [batch, seq, num_heads, head_dim], natural order), or ``(out, lse)`` with
@@ -563,16 +564,16 @@ def _numpy_ops(rank: int, node_size: int, calls: _NodeCalls, inboxes: _Inboxes):
 
     local = rank % node_size
     return nodes.Ops(
-        xp=np, permute=np.transpose, cat=np.concatenate, astype=lambda x, like: x.astype(like.dtype), f32=f32,
-        inner_fwd=lambda q, k, v, causal, layout, ids: calls.call(local, "fwd", (q, k, v, causal, layout, ids)),
+        xp=np, permute=np.transpose, cat=np.concatenate, flip=np.flip, astype=lambda x, like: x.astype(like.dtype),
+        f32=f32, inner_fwd=lambda q, k, v, mask, ids: calls.call(local, "fwd", (q, k, v, mask, ids)),
         inner_bwd=lambda *a: calls.call(local, "bwd", a),
         send=lambda xs: inboxes.send(rank, xs), recv=lambda n: inboxes.recv(rank, n))
 
 
 def run_nodes(world_size: int, node_size: int, rank_fn, execute, timeout_s: float) -> list:
     """Run ``rank_fn(rank, ops)`` on one thread per simulated rank of W / R nodes and return the per-rank results;
-    ``execute(node, kind, args)`` runs node ``node``'s one-node call ``kind`` ("fwd": (q, k, v, is_causal, layout,
-    ids); "bwd": (q, k, v, out, lse, dout, dlse, is_causal, layout, ids)) for its R ranks. A failing rank fails the
+    ``execute(node, kind, args)`` runs node ``node``'s one-node call ``kind`` ("fwd": (q, k, v, mask, ids); "bwd":
+    (q, k, v, out, lse, dout, dlse, mask, ids): ring_core.nodes.Ops) for its R ranks. A failing rank fails the
     job."""
     W, R = world_size, node_size
     inboxes = _Inboxes(W, R, timeout_s)
@@ -607,7 +608,7 @@ class _KernelNodes:
     def __call__(self, node: int, kind: str, args):
         from ring_core import nodes
 
-        spec = nodes.inner_spec(self.spec, args[0][0], args[0][1], *args[0][-3:])
+        spec = nodes.inner_spec(self.spec, args[0][0], args[0][1], *args[0][-2:])
         col = lambda i: [np.ascontiguousarray(a[i]) for a in args]  # noqa: E731
         segs = [nodes.kernel_ids(a[-1], np.stack) for a in args]
         members = list(range(node * self.R, (node + 1) * self.R))
@@ -642,9 +643,9 @@ def _simulate_nodes(call: _Call, node_size: int, *, grad: bool):
     spec, W, R = call.spec, call.world_size, node_size
     if call.data_parallel != 1:
         raise ValueError("node_size and data_parallel cannot be combined in one simulation")
-    nodes.check_supported(spec)
+    nodes.check_supported(spec, W // R, R)
     kernels = _KernelNodes(spec, W // R, R, call.timeout_s)
-    kw = dict(num_nodes=W // R, is_causal=spec.is_causal, layout=spec.layout)
+    kw = dict(num_nodes=W // R, is_causal=spec.is_causal, layout=spec.layout, window=spec.window, node_size=R)
 
     def rank_fn(rank, ops):
         q, k, v = call.q_shards[rank], call.k_shards[rank], call.v_shards[rank]

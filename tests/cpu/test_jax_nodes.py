@@ -18,16 +18,18 @@ import jax_ring
 from jax_ring import _platform, api
 from jax_ring import nodes as jnodes
 from ring_core.runtime import heap as heap_mod
-from ring_core import testing, topology
+from ring_core import masks, testing, topology
 from ring_core.layout import layout_permutation
 
 
 def _mask(spec, s, sk, segment_ids):
-    """[b or 1, 1, 1, s, sk] pairs the call allows: causal, and the ids as the kernels take them (the queries' and,
-    with spec.kv_ids, the keys' stacked)."""
+    """[b or 1, 1, 1, s, sk] pairs the call allows: causal and the window (the keys' positions moved by
+    spec.key_offset), and the ids as the kernels take them (the queries' and, with spec.kv_ids, the keys' stacked)."""
     m = jnp.ones((1, 1, 1, s, sk), bool)
-    if spec.is_causal:
-        m = m & (jnp.arange(s)[:, None] >= jnp.arange(sk)[None, :])
+    by_pos = masks.allowed(jnp.arange(s), jnp.arange(sk) + spec.key_offset, is_causal=spec.is_causal,
+                           window=spec.window)
+    if by_pos is not None:
+        m = m & by_pos
     if segment_ids is not None:
         qi, ki = (segment_ids[0], segment_ids[1]) if spec.kv_ids else (segment_ids, segment_ids)
         m = m & ((qi[:, :, None] == ki[:, None, :]) & (qi[:, :, None] >= 0))[:, None, None]
@@ -93,14 +95,16 @@ def nodes_of_one(monkeypatch):
     return Mesh(np.array(jax.devices()[:4]), ("sp",))
 
 
-@pytest.mark.parametrize("causal,layout,H,HKV,S,D,segmented", [
-    (True, "zigzag", 4, 2, 8, 16, False),
-    (True, "contiguous", 3, 1, 6, 8, False),
-    (False, "zigzag", 2, 2, 10, 16, False),
-    (True, "zigzag", 4, 2, 8, 16, True),
-    (True, "contiguous", 2, 1, 6, 8, True),
+@pytest.mark.parametrize("causal,layout,H,HKV,S,D,segmented,window", [
+    (True, "zigzag", 4, 2, 8, 16, False, None),
+    (True, "contiguous", 3, 1, 6, 8, False, None),
+    (False, "zigzag", 2, 2, 10, 16, False, None),
+    (True, "zigzag", 4, 2, 8, 16, True, None),
+    (True, "contiguous", 2, 1, 6, 8, True, None),
+    (True, "contiguous", 4, 2, 8, 16, False, (10, -1)),  # a band across nodes
+    (False, "zigzag", 2, 1, 8, 16, True, (3, 2)),  # the second halves reversed, kinds that differ by node
 ])
-def test_two_level_ring_gradients_outside_shard_map(nodes_of_one, causal, layout, H, HKV, S, D, segmented):
+def test_two_level_ring_gradients_outside_shard_map(nodes_of_one, causal, layout, H, HKV, S, D, segmented, window):
     mesh, W, B = nodes_of_one, 4, 2
     q, k, v, dout = testing.random_inputs(0, B, W * S, H, HKV, D, "float32", with_dout=True)
     dlse = np.random.default_rng(1).standard_normal((B, H, W * S)).astype(np.float32)
@@ -110,7 +114,7 @@ def test_two_level_ring_gradients_outside_shard_map(nodes_of_one, causal, layout
 
     def body(q, k, v, *seg):
         return jax_ring.ring_attention(q, k, v, axis_name="sp", is_causal=causal, layout=layout, return_lse=True,
-                                       backend="fused", segment_ids=seg[0] if seg else None)
+                                       backend="fused", segment_ids=seg[0] if seg else None, window_size=window)
 
     seg_in = (jnp.asarray(np.take(ids, perm, axis=1)),) if segmented else ()
     f = jax.jit(_platform.shard_map(body, mesh=mesh, in_specs=(P(None, "sp"),) * (3 + len(seg_in)),
@@ -120,10 +124,10 @@ def test_two_level_ring_gradients_outside_shard_map(nodes_of_one, causal, layout
     inv = np.argsort(perm)
     nat = lambda x, ax=1: np.take(np.asarray(x), inv, axis=ax)  # noqa: E731
     testing.check_attention("jax nodes", nat(out), nat(lse, 2), q, k, v, "float32", is_causal=causal,
-                            segment_ids=ids)
+                            segment_ids=ids, window=window)
     dlse64 = np.where(np.isneginf(nat(lse, 2)), 0.0, dlse.astype(np.float64))
     testing.check_grads("jax nodes", [nat(g) for g in grads], q, k, v, dout, "float32", is_causal=causal,
-                        dlse=dlse64, segment_ids=ids)
+                        dlse=dlse64, segment_ids=ids, window=window)
 
 
 def test_the_hop_is_a_collective_permute_to_the_next_node(nodes_of_one):
@@ -144,9 +148,10 @@ def test_masks_not_taken_across_nodes_raise_at_trace_time(nodes_of_one):
     mesh = nodes_of_one
     x = jnp.zeros((1, 32, 2, 8), jnp.float32)
 
-    def body(q, k, v):
-        return jax_ring.ring_attention(q, k, v, axis_name="sp", window_size=(4, 0), backend="fused")
+    def body(q, k, v):  # zigzag chunks of 4 tokens a node: a window of 6 reaches partly across a node's halves
+        return jax_ring.ring_attention(q, k, v, axis_name="sp", layout="zigzag", window_size=(6, 0),
+                                       backend="fused")
 
     f = jax.jit(_platform.shard_map(body, mesh=mesh, in_specs=(P(None, "sp"),) * 3, out_specs=P(None, "sp")))
-    with pytest.raises(NotImplementedError, match="sliding window"):
+    with pytest.raises(NotImplementedError, match="zigzag halves"):
         f(x, x, x)

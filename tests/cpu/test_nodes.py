@@ -5,7 +5,8 @@ each node (simulate_ring_attention(_grad)(node_size=R)), against float64 with th
 import numpy as np
 import pytest
 
-from ring_core import nodes, reference, testing, validate
+from ring_core import masks, nodes, reference, testing, validate
+from ring_core.protocol import control
 from ring_core.sim import simulate
 from ring_core.layout import global_positions, layout_permutation
 
@@ -52,7 +53,8 @@ def test_step_kinds_match_the_causal_mask(N):
 
 
 def _np_ops():
-    return nodes.Ops(xp=np, permute=np.transpose, cat=np.concatenate, astype=lambda x, like: x.astype(like.dtype),
+    return nodes.Ops(xp=np, permute=np.transpose, cat=np.concatenate, flip=np.flip,
+                     astype=lambda x, like: x.astype(like.dtype),
                      f32=lambda x: x, inner_fwd=None, inner_bwd=None, send=None, recv=None)
 
 
@@ -91,9 +93,10 @@ def test_merge_of_nothing_is_nothing_and_of_parts_is_the_whole():
     assert (out == 0).all() and np.isneginf(lse).all()
 
 
-def _bwd_given_out_lse(q, k, v, out, lse, dout, dlse, causal, scale):
+def _bwd_given_out_lse(q, k, v, out, lse, dout, dlse, mask, scale):
     """The fused backward's meaning in float64: the gradients of one call's keys and values (and its share of dQ)
-    from the *given* ``out`` and ``lse`` (the whole sequence's), with delta = rowsum(dout * out) - dlse."""
+    from the *given* ``out`` and ``lse`` (the whole sequence's), with delta = rowsum(dout * out) - dlse; ``mask`` a
+    ring_core.nodes.Mask (positions in the call's natural order, the keys' moved by its key_offset)."""
     b, s, h, d = q.shape
     hkv = k.shape[2]
     g = h // hkv
@@ -102,8 +105,10 @@ def _bwd_given_out_lse(q, k, v, out, lse, dout, dlse, causal, scale):
     sc = np.einsum("bqkgd,bskd->bkgqs", qg, k) * scale
     lse_g = lse.reshape(b, hkv, g, s)
     p = np.exp(sc - lse_g[..., None])
-    if causal:
-        p = p * (np.arange(s)[:, None] >= np.arange(k.shape[1])[None, :])
+    allowed = masks.allowed(np.arange(s), np.arange(k.shape[1]) + mask.key_offset, is_causal=mask.is_causal,
+                            window=mask.window)
+    if allowed is not None:
+        p = p * allowed
     do = dout.reshape(b, s, hkv, g, d)
     delta = np.einsum("bqkgd,bqkgd->bkgq", do, out.reshape(b, s, hkv, g, d)) - dlse.reshape(b, hkv, g, s)
     dp = np.einsum("bqkgd,bskd->bkgqs", do, v)
@@ -121,20 +126,21 @@ def _reference_execute(spec_scale):
     def execute(node, kind, args):
         R = len(args)
         q, k, v = (np.concatenate([a[i] for a in args], axis=1) for i in range(3))
-        causal, layout, ids = args[0][-3:]
+        mask, ids = args[0][-2:]
         assert ids is None  # (segment ids: test_segment_ids_across_nodes_against_float64, the kernels)
         S = args[0][0].shape[1]
-        perm = layout_permutation(R * S, R, layout)  # node-local natural order of the concatenated rows
+        perm = layout_permutation(R * S, R, mask.layout)  # node-local natural order of the concatenated rows
         inv = np.argsort(perm)
         nat = lambda x, ax=1: np.take(x, inv, axis=ax)  # noqa: E731
         lay = lambda x, ax=1: np.take(x, perm, axis=ax)  # noqa: E731
         if kind == "fwd":
-            o, l = reference.attention(nat(q), nat(k), nat(v), is_causal=causal, scale=spec_scale)
+            o, l = reference.attention(nat(q), nat(k), nat(v), is_causal=mask.is_causal, scale=spec_scale,
+                                       window=mask.window, key_offset=mask.key_offset)
             o, l = lay(o), lay(l, 2)
             return [(o[:, r * S:(r + 1) * S].astype(args[0][0].dtype), l[:, :, r * S:(r + 1) * S]) for r in range(R)]
         out, dout = (np.concatenate([a[i] for a in args], axis=1) for i in (3, 5))
         lse, dlse = (np.concatenate([a[i] for a in args], axis=2) for i in (4, 6))
-        g = _bwd_given_out_lse(nat(q), nat(k), nat(v), nat(out), nat(lse, 2), nat(dout), nat(dlse, 2), causal,
+        g = _bwd_given_out_lse(nat(q), nat(k), nat(v), nat(out), nat(lse, 2), nat(dout), nat(dlse, 2), mask,
                                spec_scale)
         g = [lay(x) for x in g]
         return [tuple(x[:, r * S:(r + 1) * S] for x in g) for r in range(R)]
@@ -142,12 +148,10 @@ def _reference_execute(spec_scale):
     return execute
 
 
-@pytest.mark.parametrize("layout,causal", [("zigzag", True), ("contiguous", True), ("zigzag", False)])
-@pytest.mark.parametrize("N,R", [(2, 2), (3, 2), (4, 1), (2, 3), (5, 1)])
-def test_driver_against_float64(layout, causal, N, R):
+def _driver_against_float64(layout, causal, N, R, S=8, window=nodes.NO_WINDOW):
     """The driver with a float64 dense one-node call: out, lse and the gradients (with an lse gradient) of the
-    whole sequence, at up to 5 nodes."""
-    W, S, H, HKV, D = N * R, 8, 4, 2, 8
+    whole sequence."""
+    W, H, HKV, D = N * R, 4, 2, 8
     rng = np.random.default_rng(N * 10 + R)
     q, dout = (rng.standard_normal((2, W * S, H, D)) for _ in range(2))
     k, v = (rng.standard_normal((2, W * S, HKV, D)) for _ in range(2))
@@ -157,7 +161,7 @@ def test_driver_against_float64(layout, causal, N, R):
                              for r in range(W)]
     qs, ks, vs, ds = shard(q), shard(k), shard(v), shard(dout)
     ls = shard(dlse, 2)
-    kw = dict(num_nodes=N, is_causal=causal, layout=layout)
+    kw = dict(num_nodes=N, is_causal=causal, layout=layout, window=window, node_size=R)
 
     def rank_fn(rank, ops):
         out, lse = nodes.forward(ops, qs[rank], ks[rank], vs[rank], node=rank // R, **kw)
@@ -167,11 +171,91 @@ def test_driver_against_float64(layout, causal, N, R):
     res = simulate.run_nodes(W, R, rank_fn, _reference_execute(None), 60.0)
     inv = np.argsort(perm)
     gather = lambda i, ax=1: np.take(np.concatenate([r[i] for r in res], axis=ax), inv, axis=ax)  # noqa: E731
-    ro, rl = reference.attention(q, k, v, is_causal=causal)
+    ro, rl = reference.attention(q, k, v, is_causal=causal, window=window)
     np.testing.assert_allclose(gather(0), ro, atol=1e-10)
     np.testing.assert_allclose(gather(1, 2), rl, atol=1e-10)
-    for i, r in zip((2, 3, 4), reference.attention_grad(q, k, v, dout, is_causal=causal, dlse=dlse)):
+    for i, r in zip((2, 3, 4), reference.attention_grad(q, k, v, dout, is_causal=causal, dlse=dlse, window=window)):
         np.testing.assert_allclose(gather(i), r, atol=1e-9)
+
+
+@pytest.mark.parametrize("layout,causal", [("zigzag", True), ("contiguous", True), ("zigzag", False)])
+@pytest.mark.parametrize("N,R", [(2, 2), (3, 2), (4, 1), (2, 3), (5, 1)])
+def test_driver_against_float64(layout, causal, N, R):
+    """At up to 5 nodes."""
+    _driver_against_float64(layout, causal, N, R)
+
+
+# Windows: narrower than a rank's shard, than a node, reaching several nodes, one-sided either way, a side of 0,
+# ones that move a side of a band to exactly -1 (left 7 / 15 with S 8: the next rank's first key / node's).
+WINDOWS = [(5, -1), (3, 2), (0, 7), (15, 0), (7, 3), (-1, 4), (40, -1)]
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("N,R", [(2, 2), (3, 2), (4, 1), (2, 3)])
+def test_driver_with_windows_against_float64(layout, causal, N, R):
+    """Windows across nodes (node-steps as pieces: ring_core.nodes.window_pieces), at up to 4 nodes, against the
+    whole sequence's float64 attention; a zigzag window that reaches partly across a node's halves raises before
+    anything runs."""
+    S = 8
+    ran = 0
+    for window in WINDOWS:
+        try:
+            for n in range(N):
+                for m in range(N):
+                    nodes.window_pieces(n, m, num_nodes=N, node_len=R * S, is_causal=causal, layout=layout,
+                                        window=window)
+        except nodes.WindowAcrossChunksError:
+            assert layout == "zigzag" and max(window) > R * S // 2  # wider than a node-level chunk
+            with pytest.raises(nodes.WindowAcrossChunksError, match="layout='contiguous'"):
+                _driver_against_float64(layout, causal, N, R, S, window)
+            continue
+        _driver_against_float64(layout, causal, N, R, S, window)
+        ran += 1
+    assert ran >= 3
+
+
+def test_window_pieces_meet_exactly_the_pairs_the_window_allows():
+    """Every (query, key) pair of two nodes lies in exactly one piece where the window allows it (and in a piece's
+    band exactly then), and in none where it does not: each piece's rows, reversal and band, read back as global
+    positions."""
+    for layout in ("contiguous", "zigzag"):
+        for N, R, S in ((3, 2, 4), (4, 1, 6)):
+            W = N * R
+            for causal in (True, False):
+                for window in WINDOWS:
+                    for n in range(N):
+                        qp = np.concatenate([global_positions(np, n * R + r, W, S, layout) for r in range(R)])
+                        for m in range(N):
+                            kp = np.concatenate([global_positions(np, m * R + r, W, S, layout) for r in range(R)])
+                            want = masks.allowed(qp, kp, is_causal=causal, window=window)
+                            want = np.ones((qp.size, kp.size), bool) if want is None else want
+                            try:
+                                pieces = nodes.window_pieces(n, m, num_nodes=N, node_len=R * S, is_causal=causal,
+                                                             layout=layout, window=window)
+                            except nodes.WindowAcrossChunksError:
+                                continue
+                            got = np.zeros(want.shape, int)
+                            for p in pieces:
+                                qi, ki = _piece_rows(p.q_half, p.flip, R, S), _piece_rows(p.k_half, p.flip, R, S)
+                                mk = p.mask
+                                # the call's own positions: its R ranks' rows in its layout
+                                pos = np.concatenate([global_positions(np, r, R, qi.size // R, mk.layout)
+                                                      for r in range(R)])
+                                band = masks.allowed(pos, pos + mk.key_offset, is_causal=mk.is_causal,
+                                                     window=mk.window)
+                                band = np.ones((qi.size, ki.size), bool) if band is None else band
+                                got[np.ix_(qi, ki)] += band
+                            assert (got == want).all(), (layout, N, R, causal, window, n, m)
+
+
+def _piece_rows(half, flip, R, S):
+    """Indices, into the node's rows (rank by rank), of a piece's rows in the order the call sees them."""
+    if half is None:
+        return np.arange(R * S)
+    h = S // 2
+    rows = [r * S + half * h + np.arange(h) for r in range(R)]
+    return np.concatenate([x[::-1] if flip else x for x in rows])
 
 
 # The real kernels in the interpreter inside each node. W = N x R up to 8, R in 1..4, both layouts, GQA, odd
@@ -224,8 +308,8 @@ def test_bad_node_sizes_and_masks_raise_before_running():
         simulate.simulate_ring_attention(q, q, q, 4, node_size=3)
     with pytest.raises(ValueError, match="node_size must be in"):
         simulate.simulate_ring_attention(q, q, q, 4, node_size=0)
-    with pytest.raises(NotImplementedError, match="sliding window"):
-        simulate.simulate_ring_attention(q, q, q, 4, node_size=2, window_size=(3, 0))
+    with pytest.raises(nodes.WindowAcrossChunksError, match="layout='contiguous'"):  # chunks of 8, a window of 12
+        simulate.simulate_ring_attention(q, q, q, 4, node_size=2, layout="zigzag", window_size=(12, 0))
 
 
 SEGMENT_CASES = [  # the K/V's ids travel with them; another node's K/V meet this node's queries' ids in the kernels
@@ -300,3 +384,79 @@ def test_a_call_with_the_keys_ids_apart_against_float64():
     testing.check_grads("keys' ids apart", grads, q, k, v, dout, dtype, is_causal=False, segment_ids=(qi, ki))
     same = reference.attention(q, k, v, segment_ids=(qi, qi))
     np.testing.assert_array_equal(same[0], reference.attention(q, k, v, segment_ids=qi)[0])
+
+
+WINDOW_CASES = [  # windows across nodes: a node-step's pieces, the band moved by a node's length in the kernels
+    # W, R, B, S_local, H, HKV, D, dtype, causal, layout, window, segment ids
+    (4, 2, 1, 16, 2, 1, 16, "float32", True, "contiguous", (20, -1), False),
+    (4, 2, 1, 16, 4, 2, 16, "bfloat16", True, "zigzag", (12, -1), False),  # the second halves reversed
+    (6, 2, 1, 8, 2, 2, 80, "float16", False, "contiguous", (9, 5), False),
+    (4, 2, 2, 12, 2, 1, 16, "float32", False, "zigzag", (7, 11), True),
+    (4, 2, 1, 16, 2, 2, 16, "bfloat16", True, "contiguous", (31, -1), True),  # a band side moved to exactly -1
+]
+
+
+@pytest.mark.parametrize("case", WINDOW_CASES, ids=lambda c: "W{}R{}_B{}S{}_H{}/{}_D{}_{}_{}_{}_{}_{}".format(*c))
+def test_windows_across_nodes_against_float64(case):
+    """The fused kernels in each simulated node under a window that crosses nodes: out, lse and the gradients (with
+    an lse gradient), against float64 through the tolerance table."""
+    W, R, B, S, H, HKV, D, dtype, causal, layout, window, segmented = case
+    (q, k, v, dout), exact = _case_inputs(case[:10], seed=W * 100 + R + 13)
+    ids = testing.crossing_documents(B, W * S) if segmented else None
+    kw = dict(is_causal=causal, layout=layout, node_size=R, segment_ids=ids, window_size=window)
+    out, lse = simulate.simulate_ring_attention(q, k, v, W, return_lse=True, **kw)
+    mask = dict(is_causal=causal, segment_ids=ids, window=window)
+    testing.check_attention(f"nodes, window {case}", out, lse, *exact[:3], dtype, **mask)
+    dlse = np.random.default_rng(5).standard_normal((B, H, W * S))
+    dlse = np.where(np.isneginf(lse), 0.0, dlse).astype(np.float32)
+    grads = simulate.simulate_ring_attention_grad(q, k, v, dout, W, dlse=dlse, **kw)
+    testing.check_grads(f"nodes, window {case}", grads, *exact, dtype, dlse=dlse.astype(np.float64), **mask)
+
+
+# A K/V block's rows past the shard's end (loaded as zeros) meet, by position, rows that attend nothing (lse -inf):
+# their P is inf in the interpreter's float64 matmuls, in rows of dK/dV that are never stored.
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("window,key_offset,segmented", [
+    ((30, -1), -48, False),  # keys a node before: a band above the diagonal, rows that see nothing
+    ((47, 0), -48, True),  # the left side moved to exactly -1 (keys strictly after the query's own position)
+    ((0, 30), 48, False),  # keys a node after: below the diagonal
+    ((10, 10), -20, True),
+])
+def test_a_call_with_a_band_off_the_diagonal_against_float64(window, key_offset, segmented):
+    """The kernels on a call whose keys sit ``key_offset`` positions from the queries' frame
+    (AttentionSpec.key_offset: the two-level ring's calls with another node's K/V under a window), forward and
+    backward at 2 ranks, against the float64 reference with the keys' positions moved alike; the backward from the
+    call's own out and lse, rows that attend nothing included."""
+    import dataclasses
+
+    W, B, S, H, HKV, D, dtype = 2, 1, 24, 2, 1, 16, "float32"
+    q, k, v, dout = testing.random_inputs(3, B, W * S, H, HKV, D, dtype, with_dout=True)
+    qi = testing.crossing_documents(B, W * S) if segmented else None
+    ki = None if qi is None else np.roll(qi, 5, axis=1)
+    spec = dataclasses.replace(validate.check_attention_args(
+        (B, S, H, D), (B, S, HKV, D), (B, S, HKV, D), dtype, dtype, dtype, is_causal=False, scale=None,
+        layout="contiguous", backend="fused", backends=("fused",), window_size=window,
+        segment_ids_shape=(B, S) if segmented else None, segment_ids_dtype="int32" if segmented else None),
+        key_offset=key_offset, kv_ids=segmented)
+    rows = [np.arange(r * S, (r + 1) * S) for r in range(W)]
+    col = lambda x: [np.ascontiguousarray(x[:, r].astype(np.float32)) for r in rows]  # noqa: E731
+    segs = [np.stack([qi[:, r], ki[:, r]]) for r in rows] if segmented else None
+    ring = simulate.SimulatedRing(W)
+    try:
+        job = ring._get_job()
+        fwd = job.run(spec, col(q), col(k), col(v), seg_shards=segs)
+        for r, f in enumerate(fwd):
+            control.check_status(f[-1], r, 60.0)
+        outs, lses = [f[0] for f in fwd], [f[1] for f in fwd]
+        bwd = job.run_bwd(spec, col(q), col(k), col(v), outs, lses, col(dout), seg_shards=segs)
+        for r, b in enumerate(bwd):
+            control.check_status(b[-1], r, 60.0)
+    finally:
+        ring.close()
+    out, lse = np.concatenate(outs, 1), np.concatenate(lses, 2)
+    mask = dict(is_causal=False, window=window, key_offset=key_offset,
+                segment_ids=None if qi is None else (qi, ki))
+    assert np.isneginf(lse).any() and np.isfinite(lse).any()  # rows out of the band's reach, and rows in it
+    testing.check_attention("band", out, lse, q, k, v, dtype, **mask)
+    grads = [np.concatenate([b[i] for b in bwd], 1) for i in range(3)]
+    testing.check_grads("band", grads, q, k, v, dout, dtype, **mask)

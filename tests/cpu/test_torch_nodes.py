@@ -60,7 +60,7 @@ def _inputs(W, B, S, H, HKV, D, dtype, seed):
 
 
 def _two_level(rank, world, case, seed):
-    W, B, S, H, HKV, D, dtype, causal, layout, segmented = case
+    W, B, S, H, HKV, D, dtype, causal, layout, segmented, window = case
     _setup_rank(rank, world, 1)
     import torch
 
@@ -74,26 +74,28 @@ def _two_level(rank, world, case, seed):
     qt, kt, vt = (mine(x).to(tdt).requires_grad_() for x in (q, k, v))
     ids = mine(testing.crossing_documents(B, W * S)) if segmented else None
     out, lse = torch_bridge.ring_attention(qt, kt, vt, is_causal=causal, layout=layout, return_lse=True,
-                                           backend="fused", timeout_s=60, segment_ids=ids)
+                                           backend="fused", timeout_s=60, segment_ids=ids, window_size=window)
     dlse_t = mine(dlse, 2).float().masked_fill(torch.isneginf(lse.detach()), 0.0)  # padding rows: lse constant
     torch.autograd.backward([out, lse], [mine(dout).to(tdt), dlse_t])
     f = lambda t: t.detach().float().numpy()  # noqa: E731
     return f(out), f(lse), f(qt.grad), f(kt.grad), f(vt.grad)
 
 
-CASES = [  # W, B, S_local, H, HKV, D, dtype, causal, layout, segment ids
-    (2, 1, 16, 4, 2, 16, "float32", True, "zigzag", False),
-    (3, 2, 12, 3, 1, 80, "bfloat16", True, "zigzag", False),
-    (3, 1, 8, 2, 2, 16, "float32", True, "contiguous", False),
-    (2, 1, 10, 2, 1, 16, "float16", False, "contiguous", False),
-    (3, 2, 12, 2, 1, 16, "bfloat16", True, "zigzag", True),
-    (2, 1, 16, 2, 2, 16, "float32", True, "contiguous", True),
+CASES = [  # W, B, S_local, H, HKV, D, dtype, causal, layout, segment ids, window
+    (2, 1, 16, 4, 2, 16, "float32", True, "zigzag", False, None),
+    (3, 2, 12, 3, 1, 80, "bfloat16", True, "zigzag", False, None),
+    (3, 1, 8, 2, 2, 16, "float32", True, "contiguous", False, None),
+    (2, 1, 10, 2, 1, 16, "float16", False, "contiguous", False, None),
+    (3, 2, 12, 2, 1, 16, "bfloat16", True, "zigzag", True, None),
+    (2, 1, 16, 2, 2, 16, "float32", True, "contiguous", True, None),
+    (3, 1, 8, 2, 2, 16, "float32", True, "contiguous", False, (10, -1)),  # a band across nodes
+    (2, 1, 16, 2, 1, 16, "bfloat16", False, "zigzag", True, (5, 3)),  # the second halves reversed
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "W{}_B{}S{}_H{}/{}_D{}_{}_{}_{}_seg{}".format(*c))
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "W{}_B{}S{}_H{}/{}_D{}_{}_{}_{}_seg{}_win{}".format(*c))
 def test_two_level_ring_against_float64(case):
-    W, B, S, H, HKV, D, dtype, causal, layout, segmented = case
+    W, B, S, H, HKV, D, dtype, causal, layout, segmented, window = case
     with LocalGroup(W, timeout=600) as group:
         res = group.run(_two_level, case, 5)
     q, k, v, dout, dlse = _inputs(W, B, S, H, HKV, D, dtype, 5)
@@ -101,10 +103,10 @@ def test_two_level_ring_against_float64(case):
     inv = np.argsort(layout_permutation(W * S, W, layout))
     gather = lambda i, ax=1: np.take(np.concatenate([r[i] for r in res], axis=ax), inv, axis=ax)  # noqa: E731
     testing.check_attention(f"torch nodes {case}", gather(0), gather(1, 2), q, k, v, dtype, is_causal=causal,
-                            segment_ids=ids)
+                            segment_ids=ids, window=window)
     dlse = np.where(np.isneginf(gather(1, 2)), 0.0, dlse)
     testing.check_grads(f"torch nodes {case}", [gather(i) for i in (2, 3, 4)], q, k, v, dout, dtype,
-                        is_causal=causal, dlse=dlse, segment_ids=ids)
+                        is_causal=causal, dlse=dlse, segment_ids=ids, window=window)
 
 
 def _compiled(rank, world):
@@ -150,20 +152,21 @@ def _bad(rank, world):
 
     out = []
     q = torch.zeros(1, 8, 2, 16)
+    # zigzag chunks of 4 tokens a node (one rank of 8): a window of 6 reaches partly across a node's halves
     try:
-        torch_bridge.ring_attention(q, q, q, backend="fused", window_size=(4, 0))
+        torch_bridge.ring_attention(q, q, q, backend="fused", layout="zigzag", window_size=(6, 0))
     except NotImplementedError as e:
         out.append(str(e))
     # backend="auto" takes the reference ring for it instead
-    out.append(tuple(torch_bridge.ring_attention(q, q, q, backend="auto", window_size=(4, 0)).shape))
+    out.append(tuple(torch_bridge.ring_attention(q, q, q, backend="auto", layout="zigzag", window_size=(6, 0)).shape))
     return out
 
 
-def test_a_window_across_nodes_raises_before_running_or_takes_the_reference_ring():
+def test_a_zigzag_window_across_a_nodes_halves_raises_before_running_or_takes_the_reference_ring():
     with LocalGroup(2) as group:
         res = group.run(_bad)
     for msgs in res:
-        assert len(msgs) == 2 and "sliding window" in msgs[0] and "backend='torch'" in msgs[0]
+        assert len(msgs) == 2 and "zigzag halves" in msgs[0] and "layout='contiguous'" in msgs[0]
         assert msgs[1] == (1, 8, 2, 16)
 
 

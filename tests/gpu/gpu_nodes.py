@@ -32,17 +32,23 @@ import torch_bridge
 from ring_core import testing
 from ring_core.layout import layout_permutation
 
-CASES = [  # B, S_local, H, HKV, D, dtype, causal, layout, segment ids
-    (1, 512, 8, 2, 128, "bfloat16", True, "zigzag", False),  # the Gluon kernels (Hopper), GQA
-    (2, 256, 4, 4, 64, "float16", True, "contiguous", False),
-    (1, 384, 4, 1, 128, "bfloat16", False, "zigzag", False),
+CASES = [  # B, S_local, H, HKV, D, dtype, causal, layout, segment ids, window
+    (1, 512, 8, 2, 128, "bfloat16", True, "zigzag", False, None),  # the Gluon kernels (Hopper), GQA
+    (2, 256, 4, 4, 64, "float16", True, "contiguous", False, None),
+    (1, 384, 4, 1, 128, "bfloat16", False, "zigzag", False, None),
     # packed documents crossing the nodes' boundaries: the ids travel with the K/V, the kernels take another node's
-    (1, 512, 8, 2, 128, "bfloat16", True, "zigzag", True),
-    (2, 256, 4, 4, 64, "float16", True, "contiguous", True),
+    (1, 512, 8, 2, 128, "bfloat16", True, "zigzag", True, None),
+    (2, 256, 4, 4, 64, "float16", True, "contiguous", True, None),
+    # windows across nodes: bands off the diagonal in the kernels (ring_core.nodes.window_pieces), the zigzag
+    # layout's second halves reversed
+    (1, 512, 8, 2, 128, "bfloat16", True, "contiguous", False, (700, -1)),
+    (1, 512, 8, 2, 128, "bfloat16", True, "zigzag", False, (300, -1)),
+    (2, 256, 4, 4, 64, "float16", False, "zigzag", True, (100, 60)),
 ]
 
 
-SOAK_CASE = (1, 256, 4, 2, 64, "bfloat16", True, "zigzag", True)  # segment ids: every kind of step the ring has
+# segment ids: every kind of step the ring has
+SOAK_CASE = (1, 256, 4, 2, 64, "bfloat16", True, "zigzag", True, None)
 
 
 def packed_ids(B, seq):
@@ -69,7 +75,7 @@ def _gather(x):
 
 
 def _call(case, rank, world, seed, deterministic=False):
-    B, S, H, HKV, D, dtype, causal, layout, segmented = case
+    B, S, H, HKV, D, dtype, causal, layout, segmented, window = case
     q, k, v, dout = testing.random_inputs(seed, B, world * S, H, HKV, D, dtype, with_dout=True)
     ids = packed_ids(B, world * S) if segmented else None
     dlse = np.random.default_rng(seed).standard_normal((B, H, world * S))
@@ -78,7 +84,8 @@ def _call(case, rank, world, seed, deterministic=False):
     qt, kt, vt = (_shard(x, rows, dev, tdt).requires_grad_() for x in (q, k, v))
     seg = None if ids is None else _shard(ids, rows, dev, torch.int32)
     out, lse = torch_bridge.ring_attention(qt, kt, vt, is_causal=causal, layout=layout, return_lse=True,
-                                           backend="fused", deterministic=deterministic, segment_ids=seg)
+                                           backend="fused", deterministic=deterministic, segment_ids=seg,
+                                           window_size=window)
     # (a padding row's lse is the constant -inf: no gradient through it)
     dlse_t = _shard(dlse, rows, dev, torch.float32, 2).masked_fill(torch.isneginf(lse.detach()), 0.0)
     torch.autograd.backward([out, lse], [_shard(dout, rows, dev, tdt), dlse_t])
@@ -92,8 +99,8 @@ def checks(rank, world, log, cases):
     for i, case in enumerate(CASES):
         if i not in cases:
             continue
-        B, S, H, HKV, D, dtype, causal, layout, segmented = case
-        name = "B{} S_local {} H{}/{} D{} {} causal={} {} segment_ids={}".format(*case)
+        B, S, H, HKV, D, dtype, causal, layout, segmented, window = case
+        name = "B{} S_local {} H{}/{} D{} {} causal={} {} segment_ids={} window={}".format(*case)
         res, (q, k, v, dout, dlse, ids) = _call(case, rank, world, seed=i)
         again, _ = _call(case, rank, world, seed=i, deterministic=True)
         again2, _ = _call(case, rank, world, seed=i, deterministic=True)
@@ -105,10 +112,10 @@ def checks(rank, world, log, cases):
             g = lambda j, ax=1: np.take(np.concatenate([p[j] for p in parts], axis=ax), inv, axis=ax)  # noqa: E731
             try:
                 err = testing.check_attention(name, g(0), g(1, 2), q, k, v, dtype, is_causal=causal,
-                                              segment_ids=ids)
+                                              segment_ids=ids, window=window)
                 dlse = np.where(np.isneginf(g(1, 2)), 0.0, dlse)
                 gerr = testing.check_grads(name, [g(j) for j in (2, 3, 4)], q, k, v, dout, dtype, is_causal=causal,
-                                           dlse=dlse, segment_ids=ids)
+                                           dlse=dlse, segment_ids=ids, window=window)
                 if not all(sames):
                     raise AssertionError(f"{name}: deterministic=True gradients differ between two runs")
                 log(f"PASS {name}: out err {err:.3g}, grad err {gerr:.3g}, deterministic bitwise")
