@@ -167,13 +167,12 @@ def gluon_bwd_applies(spec: AttentionSpec, world_size: int, capability, determin
     accumulators alone would take 256 registers a thread); with a window or segment
     ids only in its any-order mode (``deterministic`` False: its deterministic order counts each query block's
     contributors by position, which masks change; those run the tl backward); in its deterministic order only at
-    ``GLUON_BWD_DET_HEAD_DIMS`` (elsewhere the tl split is faster); not where the keys' segment ids are not the
-    queries' (``spec.kv_ids``: its load warp narrows query blocks by this rank's published chunk ranges, which are
-    the keys'; the tl backward narrows them by the ids themselves)."""
+    ``GLUON_BWD_DET_HEAD_DIMS`` (elsewhere the tl split is faster). Where the keys' segment ids are not the queries'
+    (``spec.kv_ids``) its load warp steps over the query blocks by position alone (this rank's published chunk
+    ranges are its keys' there)."""
     unmasked = (masks.kernel_window(spec.is_causal, spec.window, world_size * spec.seq_local, spec.key_offset)
                 == masks.UNBOUNDED and not spec.segmented)
     return (gluon_applies(spec, world_size, capability) and spec.head_dim in GLUON_BWD_HEAD_DIMS
-            and not (spec.segmented and spec.kv_ids)
             and (not deterministic or (unmasked and spec.head_dim in GLUON_BWD_DET_HEAD_DIMS)))
 
 

@@ -116,8 +116,8 @@ def checks_calls(world: int, sections=CHECKS_SECTIONS, mask_cases=None) -> list:
     if "kv-ids" in sections:
         import dataclasses
 
-        calls += [(dataclasses.replace(spec_of(*c, False, "contiguous", segmented=True), kv_ids=True), True)
-                  for c in g.KV_IDS_CASES]
+        calls += [(dataclasses.replace(spec_of(*c, False, "contiguous", segmented=True), kv_ids=True), True,
+                   GPU_CAPABILITY, det) for c in g.KV_IDS_CASES for det in (False, True)]  # both backwards
     if "soak" in sections:
         calls += [(spec_of(*c), False) for c in g.SOAK_SHAPES]
     if "big" in sections:

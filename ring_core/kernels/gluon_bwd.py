@@ -39,7 +39,11 @@ on the peers exactly as in the tl kernel: ring_core.protocol.steps's no-deadlock
      the partitions start (``protocol.bwd_task_steps``): the query blocks the mask's positions let meet the K/V block
      (the tl kernel's ``rows_within``), narrowed with segment ids to the run whose chunks' published id ranges meet the
      block's (ranges, not ids: nothing waits for them; a block of such a run holding no pair is computed with every
-     pair masked, its rows being local). Whether the block comes at all, and so whether its partial goes back and its
+     pair masked, its rows being local). With KV_IDS (the keys' ids apart from the queries': the two-level ring's
+     calls with another node's K/V) this rank's published chunk ranges are its keys', so the query blocks are not
+     narrowed by them, and a step is unmasked by ids where the query block's own ids (loaded for the mask anyway)
+     are all the K/V block's one id; the local K/V's ids, its pushes' and its published ranges are the keys'
+     (``protocol.key_ids``). Whether the block comes at all, and so whether its partial goes back and its
      owner waits for that, is the one test both backwards make on every side (``protocol.block_reaches``:
      positions, then published id ranges). The load warp writes each step's word beside its lse (no mask needed, or
      the query block's first position minus the K/V block's) and, with ids, the query block's ids; a masked step applies
@@ -105,7 +109,7 @@ from ring_core.kernels.gluon_parts import (_WORD_LAYOUT_4, _acquire_chunk, _put,
 from ring_core.protocol import control
 from ring_core.protocol.steps import (CTL_BWD_DELTA, CTL_BWD_TICKET, CTL_ERROR, KEY_PAD, QUERY_PAD, block_reaches,
                                       bwd_step_unmasked, bwd_task_steps, chunk_one_id, drain_pushes, end_call,
-                                      last_pos, pairs_allowed, poll_ge, positions, published_range, ranges_of,
+                                      key_ids, last_pos, pairs_allowed, poll_ge, positions, published_range, ranges_of,
                                       ranks_rng, receive_slots, record_error, record_peer_error, ring_context,
                                       segment_keys, start_call, visible_rows)
 
@@ -299,7 +303,8 @@ def _producer(q_desc, do_desc, k_desc, v_desc, r_desc, q_smem, do_smem, kv_smem,
               q_ready, q_empty, lse_ptr, delta_ptr, b, hkv, n0, d, src, S, B, n_m, i_lo, flags, n_chunks, epoch, ctl,
               timeout_ns, W: gl.constexpr, H: gl.constexpr, G: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr,
               CHUNK_ROWS: gl.constexpr, ids_smem=None, meta_smem=None, seg_b=None, i_full=0, i_fend=0, kv_t=0,
-              rng_b=None, rank=0, k_pos_n0=0, ZIGZAG: gl.constexpr = False, SEGMENTED: gl.constexpr = False, g0=0):
+              rng_b=None, rank=0, k_pos_n0=0, ZIGZAG: gl.constexpr = False, SEGMENTED: gl.constexpr = False, g0=0,
+              KV_IDS: gl.constexpr = False):
     """The load warp's part of one dK/dV task (module docstring), the program's tasks before it having had ``g0``
     steps: K and V of the block on ``kv_bar`` (a task without steps, n_m == 0, loads nothing: its phase of the barrier
     passes with the arrival alone), then its steps. With a window or segment ids (``meta_smem`` given) also each
@@ -323,7 +328,7 @@ def _producer(q_desc, do_desc, k_desc, v_desc, r_desc, q_smem, do_smem, kv_smem,
     if meta_smem is not None:
         load_steps(q_desc, do_desc, q_smem, do_smem, lse_smem, dl_smem, q_ready, q_empty, lse_ptr, delta_ptr, b, hkv,
                    S, n_m, i_lo, H, G, D, ids_smem, meta_smem, seg_b, i_full, i_fend, kv_t, rng_b, rank, k_pos_n0,
-                   CHUNK_ROWS, W, ZIGZAG, SEGMENTED, g0)
+                   CHUNK_ROWS, W, ZIGZAG, SEGMENTED, g0, KV_IDS)
     else:
         load_steps(q_desc, do_desc, q_smem, do_smem, lse_smem, dl_smem, q_ready, q_empty, lse_ptr, delta_ptr, b, hkv,
                    S, n_m, i_lo, H, G, D, g0=g0)
@@ -333,7 +338,8 @@ def _producer(q_desc, do_desc, k_desc, v_desc, r_desc, q_smem, do_smem, kv_smem,
 def load_steps(q_desc, do_desc, q_smem, do_smem, lse_smem, dl_smem, q_ready, q_empty, lse_ptr, delta_ptr, b, hkv, S,
                n_m, i_lo, H: gl.constexpr, G: gl.constexpr, D: gl.constexpr, ids_smem=None, meta_smem=None, seg_b=None,
                i_full=0, i_fend=0, kv_t=0, rng_b=None, rank=0, k_pos_n0=0, CHUNK_ROWS: gl.constexpr = 0,
-               W: gl.constexpr = 1, ZIGZAG: gl.constexpr = False, SEGMENTED: gl.constexpr = False, g0=0):
+               W: gl.constexpr = 1, ZIGZAG: gl.constexpr = False, SEGMENTED: gl.constexpr = False, g0=0,
+               KV_IDS: gl.constexpr = False):
     """The load warp's steps (``dkdv_steps``' inputs): Q and dO of every step through TMA, with its lse (log2 units)
     and delta, into slot (g0 + i) % STAGES once the consumers freed it (``g0``: the program's steps of its tasks
     before this one: the slots' rounds go on from task to task).
@@ -343,7 +349,9 @@ def load_steps(q_desc, do_desc, q_smem, do_smem, lse_smem, dl_smem, q_ready, q_e
     where the K/V block's does not); else the step needs masks and the word is the query block's first position
     minus the K/V block's (``k_pos_n0``), which the consumers' mask is relative to (made here, where time is
     free, not in their registers). With segment ids, the query block's ids in ``ids_smem`` (``seg_b``: this rank's
-    ids of batch b; ``rng_b``: its published ranges)."""
+    ids of batch b; ``rng_b``: its published ranges). KV_IDS (the keys' ids are not the queries': this rank's
+    published chunk ranges are its keys'): the query block carries one id alone where its ids' min and max are
+    ``kv_t``."""
     Q_ROWS: gl.constexpr = q_smem.shape[1]
     rows = gl.arange(0, Q_ROWS, layout=gl.BlockedLayout([Q_ROWS // 32], [32], [1], [0]))
     for i in range(G * n_m):
@@ -359,8 +367,12 @@ def load_steps(q_desc, do_desc, q_smem, do_smem, lse_smem, dl_smem, q_ready, q_e
         if meta_smem is not None:
             unmasked = bwd_step_unmasked(m0, i_full, i_fend, Q_ROWS)
             if SEGMENTED:
-                ids_smem.index(s).store(segment_keys(gl.load(seg_b + m0 + rows), QUERY_PAD))
-                unmasked = unmasked & chunk_one_id(rng_b, m0 // CHUNK_ROWS, m0 >= 0, kv_t)
+                q_ids = gl.load(seg_b + m0 + rows)
+                ids_smem.index(s).store(segment_keys(q_ids, QUERY_PAD))
+                if KV_IDS:
+                    unmasked = unmasked & (gl.min(q_ids, 0) == kv_t) & (gl.max(q_ids, 0) == kv_t)
+                else:
+                    unmasked = unmasked & chunk_one_id(rng_b, m0 // CHUNK_ROWS, m0 >= 0, kv_t)
             word = gl.where(unmasked, UNMASKED, positions(m0, rank, S, W, ZIGZAG) - k_pos_n0)
             _put(meta_smem, s, word)
         mbarrier.expect(q_ready.index(s), 2 * q_desc.block_type.nbytes)
@@ -675,14 +687,15 @@ def _producer_tasks(tid, n_dq, n_kv, n_part, call_ok, task_smem, kv_empty, q_des
                     rng, ids_smem, meta_smem, rank, B, S, flags, n_chunks, epoch, ctl, timeout_ns, W: gl.constexpr,
                     H: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr,
                     CHUNK_ROWS: gl.constexpr, DETERMINISTIC: gl.constexpr, WINDOW: gl.constexpr,
-                    WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr, SEGMENTED: gl.constexpr):
+                    WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr, SEGMENTED: gl.constexpr, KV_IDS: gl.constexpr):
     """The load warp of the program's dK/dV tasks: from ticket ``tid`` on, each task's words (``_task_words``), K and
     V and steps (``_producer``) once the consumers are done with the last task's K and V (``kv_empty``: their
     epilogue then runs under these loads), the next ticket taken once a task's loads are issued, until one past the
     dK/dV tasks, which goes to the consumers (and after the region to the program) as the task word that ends them.
     The steps of a task: its query blocks that some key of its block can reach (a suffix, positions growing with the
-    row); with a window or segment ids ``protocol.bwd_task_steps`` (positions, then the chunks' published id ranges),
-    which also says whether a partial goes back; none after a failed call check."""
+    row); with a window or segment ids ``protocol.bwd_task_steps`` (positions, then the chunks' published id ranges,
+    which with KV_IDS are the keys': the query blocks by position alone), which also says whether a partial goes
+    back; none after a failed call check."""
     G: gl.constexpr = H // HKV
     Q_ROWS: gl.constexpr = q_smem.shape[1]
     MASKS: gl.constexpr = WINDOW or SEGMENTED
@@ -697,13 +710,13 @@ def _producer_tasks(tid, n_dq, n_kv, n_part, call_ok, task_smem, kv_empty, q_des
             rng_b = ranges_of(rng, rank, b, B, n_chunks)  # and the ranges it published for them
             sent, i_lo, n_m, i_full, i_fend, kv_t = bwd_task_steps(n0, d, src, rank, b, B, S, rng, rng_b, n_chunks, W,
                                                                   _KV_ROWS, Q_ROWS, CHUNK_ROWS, CAUSAL, ZIGZAG, WINDOW,
-                                                                  WIN_LEFT, WIN_RIGHT, SEGMENTED)
+                                                                  WIN_LEFT, WIN_RIGHT, SEGMENTED, not KV_IDS)
             n_m = n_m * call_ok  # nothing computed, waited for or sent after a mismatch
             _task_words(task_smem, tid, n_m, i_lo, sent * call_ok)
             _producer(q_desc, do_desc, k_desc, v_desc, r_desc, q_smem, do_smem, kv_smem, lse_smem, dl_smem, kv_bar,
                       q_ready, q_empty, lse_ptr, delta_ptr, b, hkv, n0, d, src, S, B, n_m, i_lo, flags, n_chunks,
                       epoch, ctl, timeout_ns, W, H, G, HKV, D, CHUNK_ROWS, ids_smem, meta_smem, seg_b, i_full, i_fend,
-                      kv_t, rng_b, rank, positions(n0, src, S, W, ZIGZAG), ZIGZAG, SEGMENTED, g)
+                      kv_t, rng_b, rank, positions(n0, src, S, W, ZIGZAG), ZIGZAG, SEGMENTED, g, KV_IDS)
         else:
             i_lo = n0 * 0
             n_m = S // Q_ROWS
@@ -726,7 +739,7 @@ def _producer_tasks(tid, n_dq, n_kv, n_part, call_ok, task_smem, kv_empty, q_des
 
 @gluon.jit
 def _consumer(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_bar, kv_empty, q_ready, q_empty,
-              ds_bar, part_bar, task_smem, dq_desc, dk_ptr, dv_ptr, ctx_ptr, part_off, seg_ptr, seg_recv, rank, S, B,
+              ds_bar, part_bar, task_smem, dq_desc, dk_ptr, dv_ptr, ctx_ptr, part_off, kseg_ptr, seg_recv, rank, S, B,
               n_dq, n_kv, n_part, timeout_ns, sm_scale, dq_full, dq_empty, ctl, ids_smem, meta_smem,
               HALF_INDEX: gl.constexpr,
               W: gl.constexpr, H: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
@@ -751,7 +764,7 @@ def _consumer(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem, kv_
         sent = _tile_word(task_smem, 3)
         b, hkv, n0, d = _kv_task(t - n_dq, n_part, B, S, W, HKV, DETERMINISTIC)
         if MASKS:
-            seg_k = seg_ptr + b.to(gl.int64) * S  # the block's keys' ids (segment ids only; a peer's came with its
+            seg_k = kseg_ptr + b.to(gl.int64) * S  # the block's keys' ids (segment ids only; a peer's came with its
             if SEGMENTED:  # chunk, before the flag)
                 if d > 0:
                     seg_k = seg_recv + (((d - 1) * B + b) * HKV + hkv).to(gl.int64) * S
@@ -869,26 +882,24 @@ def ring_attn_bwd_gluon(
     gl.static_assert(D == 64 or D == 128, "head_dim 64 or 128 (plans.gluon_bwd_applies)")
     MASKS: gl.constexpr = WINDOW or SEGMENTED
     gl.static_assert(not (MASKS and DETERMINISTIC), "with a window or segment ids: the tl kernel (gluon_bwd_applies)")
-    # The load warp narrows a task's query blocks by this rank's published chunk ranges, which are its keys' (its
-    # queries' too, unless KV_IDS): the tl kernel takes KV_IDS (gluon_bwd_applies).
-    gl.static_assert(not KV_IDS, "the keys' ids apart from the queries': the tl kernel (gluon_bwd_applies)")
     CHUNK_ROWS: gl.constexpr = CHUNK_BLOCKS * _KV_ROWS
     dtype: gl.constexpr = q_ptr.dtype.element_ty
 
     # ---- the protocol's start: this rank's ring, the call check, a ticket, every push unit left ------------
     heap_bases, rank, ctl, flags, recv_addr, epoch = ring_context(ctx_ptr, W)
     recv, seg_recv = receive_slots(recv_addr, seg_ptr, rank, B, S, q_ptr, W, HKV, D, SEGMENTED)
+    kseg_ptr = key_ids(seg_ptr, B, S, KV_IDS)  # the ids of the K/V this rank holds (segment ids only)
     n_chunks = gl.cdiv(S, CHUNK_ROWS)
     n_kvb = S // _KV_ROWS
     n_units = (W - 1) * B * HKV * n_chunks  # K/V push units; also the number of K/V flags
     rng = ranks_rng(flags, B, HKV, n_chunks, n_kvb, W)
-    call_ok = start_call(ctl, heap_bases, rank, epoch, timeout_ns, seg_ptr, seg_ptr, rng, B, S, sm_scale, n_chunks,
+    call_ok = start_call(ctl, heap_bases, rank, epoch, timeout_ns, seg_ptr, kseg_ptr, rng, B, S, sm_scale, n_chunks,
                          KIND_BWD, W, H, HKV, D, SIG_DTYPE, CAUSAL, ZIGZAG, CHUNK_ROWS, _KV_ROWS, WIN_LEFT, WIN_RIGHT,
                          SEGMENTED, False)
     tid = gl.atomic_add(ctl + CTL_BWD_TICKET, 1, sem="relaxed", scope="gpu")
     if W > 1:
         # Before anything of this program waits: ring_core.protocol.steps's no-deadlock argument.
-        drain_pushes(ctl, n_units * call_ok, k_ptr, v_ptr, seg_ptr, recv, seg_recv, flags, heap_bases, rank, epoch,
+        drain_pushes(ctl, n_units * call_ok, k_ptr, v_ptr, kseg_ptr, recv, seg_recv, flags, heap_bases, rank, epoch,
                      B, S, n_chunks, W, HKV, D, D, CHUNK_ROWS, PUSH_ROWS, PUSH_VEC, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT,
                      WIN_RIGHT, SEGMENTED, rng, SEGMENTED)
     n_rows = gl.cdiv(S, _ROW_TASK)
@@ -951,7 +962,7 @@ def ring_attn_bwd_gluon(
         # however often the comprehension reads them).
         gl.warp_specialize([[
             (_consumer, (q_smem, do_smem, kv_smem, ds_smem, dq_bufs0, lse_smem, dl_smem, kv_bar, kv_empty, q_ready,
-                         q_empty, ds_bar, part_bar, task_smem, dq_desc, dk_ptr, dv_ptr, ctx_ptr, part_off, seg_ptr,
+                         q_empty, ds_bar, part_bar, task_smem, dq_desc, dk_ptr, dv_ptr, ctx_ptr, part_off, kseg_ptr,
                          seg_recv, rank, S, B, n_dq, n_kv, n_part, timeout_ns, sm_scale, dq_full0, dq_empty0, ctl,
                          ids_smem, meta_smem, 0, W, H, HKV, D, CAUSAL, ZIGZAG, CHUNK_ROWS, DETERMINISTIC, WINDOW,
                          WIN_LEFT, WIN_RIGHT, SEGMENTED)),
@@ -959,11 +970,11 @@ def ring_attn_bwd_gluon(
                                r_desc, q_smem, do_smem, kv_smem, lse_smem, dl_smem, kv_bar, q_ready, q_empty, lse_ptr,
                                delta_ptr, seg_ptr, rng, ids_smem, meta_smem, rank, B, S, flags, n_chunks, epoch, ctl,
                                timeout_ns, W, H, HKV, D, CAUSAL, ZIGZAG, CHUNK_ROWS, DETERMINISTIC, WINDOW, WIN_LEFT,
-                               WIN_RIGHT, SEGMENTED)),
+                               WIN_RIGHT, SEGMENTED, KV_IDS)),
             (_dq_writer, (task_smem, kv_bar, kv_empty, dq_smem, dq_full0, dq_empty0, dq_full1, dq_empty1, dq_desc,
                           turns, ctl, rank, S, B, n_dq, n_kv, n_part, timeout_ns, W, H, HKV, D, CAUSAL, ZIGZAG)),
             (_consumer, (q_smem, do_smem, kv_smem, ds_smem, dq_bufs1, lse_smem, dl_smem, kv_bar, kv_empty, q_ready,
-                         q_empty, ds_bar, part_bar, task_smem, dq_desc, dk_ptr, dv_ptr, ctx_ptr, part_off, seg_ptr,
+                         q_empty, ds_bar, part_bar, task_smem, dq_desc, dk_ptr, dv_ptr, ctx_ptr, part_off, kseg_ptr,
                          seg_recv, rank, S, B, n_dq, n_kv, n_part, timeout_ns, sm_scale, dq_full1, dq_empty1, ctl,
                          ids_smem, meta_smem, 1, W, H, HKV, D, CAUSAL, ZIGZAG, CHUNK_ROWS, DETERMINISTIC, WINDOW,
                          WIN_LEFT, WIN_RIGHT, SEGMENTED)),

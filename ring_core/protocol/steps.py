@@ -974,7 +974,8 @@ def met_blocks(j_lo, j_hi, lo1, hi1, lo2, hi2, rng_src_b, a_lo, a_hi, b_lo, b_hi
 @triton.jit
 def bwd_task_steps(n0, d, src, rank, b, B, S, rng, rng_b, n_chunks, W: tl.constexpr, KV_ROWS: tl.constexpr,
                    Q_ROWS: tl.constexpr, CHUNK_ROWS: tl.constexpr, CAUSAL: tl.constexpr, ZIGZAG: tl.constexpr,
-                   WINDOW: tl.constexpr, WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SEGMENTED: tl.constexpr):
+                   WINDOW: tl.constexpr, WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SEGMENTED: tl.constexpr,
+                   NARROW: tl.constexpr = True):
     """With a window or segment ids, for a backward that reads whole K/V blocks of KV_ROWS rows (chunks of one block)
     and steps over the local queries in blocks of Q_ROWS (the Gluon backward, ring_core.kernels.gluon_bwd): a dK/dV
     task's steps for K/V block [n0, n0 + KV_ROWS) of rank ``src`` (peer distance ``d``; ``rng_b``: this rank's published
@@ -986,7 +987,9 @@ def bwd_task_steps(n0, d, src, rank, b, B, S, rng, rng_b, n_chunks, W: tl.conste
     side), whatever the steps below.
     The steps: query blocks [i_lo, i_lo + n_m) (0 unless sent) hold every local query the mask's positions let meet
     the block (``rows_within``, ``row_blocks``), narrowed with segment ids to the run of those whose chunk's
-    published range meets the block's (``met_blocks``: ranges, not ids, so nothing waits here); in the run, blocks
+    published range meets the block's (``met_blocks``: ranges, not ids, so nothing waits here; not with NARROW
+    False: a call whose keys' ids are not its queries', where this rank's published chunk ranges are its keys');
+    in the run, blocks
     that hold no pair are computed with every pair masked (local queries: their rows are there; the block's keys
     were sent whole). [i_full, i_fend): the blocks whose every query sees every key by position; ``kv_t``: the
     block's one id where its published range is [t, t] (no padding), else -2 (``bwd_step_unmasked``,
@@ -1003,7 +1006,7 @@ def bwd_task_steps(n0, d, src, rank, b, B, S, rng, rng_b, n_chunks, W: tl.conste
         kv_t = tl.where((c_lo == c_hi) & (c_lo >= 0), c_lo, -2)
     sent = block_reaches(n0, n0 + KV_ROWS, positions(n0, src, S, W, ZIGZAG), src, rank, rng, b, B, n_chunks, c_lo,
                          c_hi, d > 0, S, W, ZIGZAG, CAUSAL, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)
-    if SEGMENTED:
+    if SEGMENTED and NARROW:
         # The block's non-padding ids lie in [max(c_lo, 0), c_hi] (its lo counts padding as -1; a padding key is
         # attended by nobody): all padding, an empty range, no step.
         i_lo, i_hi, _ = met_blocks(i_lo, i_hi, ql1, qh1, ql2, qh2, rng_b, tl.maximum(c_lo, 0), c_hi, n0 * 0 + BIG_ID,

@@ -35,14 +35,16 @@ Checks (every rank asserts; rank 0 writes a JSON summary under --out):
      runs the tl kernel, the masks section's): padding, windows one- and two-sided, long and short documents,
      zigzag and contiguous, GQA, with the lse gradient; gradients against float64, padding rows' exactly 0.
  11. kv-ids: a call whose keys' segment ids are not the queries' (``AttentionSpec.kv_ids``: the two-level ring's
-     calls with another node's K/V), through both frontends' fused launchers: out, lse, dq, dk and dv against
-     float64 with those masks, JAX and torch bit-identical.
+     calls with another node's K/V), through both frontends' fused launchers, the backward in any order (the Hopper
+     kernel where it applies) and with deterministic=True: out, lse, dq, dk and dv against float64 with those masks,
+     JAX and torch bit-identical (dq with deterministic=True).
 
 Ranks may share a GPU (``shared``): then no XLA collective runs between them, so the xla reference ring is
 left out of the tables that use it.
 """
 
 import argparse
+import functools
 import json
 import os
 import time
@@ -753,22 +755,25 @@ def main():
             tq, tk, tv, tdo = (t(x[:, idx]) for x in (q, k, v, dout))
             tseg = torch.as_tensor(seg, device=dev, dtype=torch.int32)
             t_out, t_lse = torch_fused.forward(tq, tk, tv, spec, segment_ids=tseg)
-            t_grads = torch_fused.backward(tq, tk, tv, t_out, t_lse, tdo, spec, segment_ids=tseg)
+            # deterministic=False: the Hopper backward where it applies (dQ's adds in any order); True: a fixed order
+            t_grads, t_det = (torch_fused.backward(tq, tk, tv, t_out, t_lse, tdo, spec, segment_ids=tseg,
+                                                   deterministic=det) for det in (False, True))
             torch_bridge.check_errors()
 
-            def body(q, k, v, do, ids):  # ids: this rank's [2, B, S]
+            def body(q, k, v, do, ids, det):  # ids: this rank's [2, B, S]
                 out, lse = jax_fused.forward(q, k, v, spec, "sp", W, segment_ids=ids)
                 return (out, lse, *jax_fused.backward(q, k, v, out, lse, do, jnp.zeros_like(lse), spec, "sp", W,
-                                                        segment_ids=ids))
+                                                        segment_ids=ids, deterministic=det))
 
             row, ids_row = P(None, "sp"), P(None, None, "sp")
-            f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(row,) * 4 + (ids_row,),
-                                      out_specs=(row, ids_row, row, row, row)))
             g = lambda x: jax.make_array_from_process_local_data(  # noqa: E731
                 sh, jnp.asarray(x[:, idx], dtype=jdt[dt]), x.shape)
             ids_g = jax.make_array_from_process_local_data(NamedSharding(mesh, ids_row), jnp.asarray(seg),
                                                            (2, B, S * W))
-            j_res = f(g(q), g(k), g(v), g(dout), ids_g)
+            j_res, j_det = (jax.jit(jax.shard_map(functools.partial(body, det=det), mesh=mesh,
+                                                  in_specs=(row,) * 4 + (ids_row,),
+                                                  out_specs=(row, ids_row, row, row, row)))(
+                g(q), g(k), g(v), g(dout), ids_g) for det in (False, True))
             jax_ring.check_errors()
             # float64 and the low-precision pipeline, with the queries' ids apart from the keys' (reference's pair)
             mask = dict(segment_ids=(qi, ki), q_rows=idx)
@@ -778,18 +783,23 @@ def main():
             ref = reference.attention_grad(q, k, v, dout, scale=spec.scale, **share)
             low = reference.attention_grad_lowp(q, k, v, dout, dt, scale=spec.scale, **share)
             try:
-                for what, a_t, a_j in zip(("out", "lse", "dq", "dk", "dv"), (t_out, t_lse, *t_grads), j_res):
+                # bit for bit: everything with deterministic=True; out, lse, dk, dv without (dQ's adds in any order)
+                for what, a_t, a_j, det in [(w, a, b, True) for w, a, b in zip(
+                        ("out", "lse", "dq", "dk", "dv"), (t_out, t_lse, *t_det), j_det)] + [
+                        (w, a, b, False) for w, a, b in zip(("dk", "dv"), t_grads[1:], j_res[3:])]:
                     jb = np.asarray(a_j.addressable_shards[0].data)
                     if not np.array_equal(bits(a_t), bits(jb)):
-                        raise AssertionError(f"{name}: JAX's {what} is not torch's bit for bit")
+                        raise AssertionError(f"{name}: JAX's {what} is not torch's bit for bit (deterministic={det})")
                 as_np = lambda x: x.float().cpu().numpy()  # noqa: E731
                 err = testing.check(f"{name} out", as_np(t_out), o64, olp, dt, "out")
                 testing.check(f"{name} lse", as_np(t_lse), l64, llp, dt, "lse")
-                gerr = max(testing.check(f"{name} d{n}", as_np(gr), r if n == "q" else r[:, idx],
+                j_np = lambda x: np.asarray(x.addressable_shards[0].data).astype(np.float32)  # noqa: E731
+                runs = [("torch", t_grads, as_np), ("torch, deterministic", t_det, as_np), ("JAX", j_res[2:], j_np)]
+                gerr = max(testing.check(f"{name} d{n} ({how})", conv(gr), r if n == "q" else r[:, idx],
                                          lo if n == "q" else lo[:, idx], dt, "grad")
-                           for n, gr, r, lo in zip("qkv", t_grads, ref, low))
-                say(f"ok {name}: out err {err:.2e}, grad err {gerr:.2e} against float64; JAX == torch bit for bit "
-                    "(out, lse, dq, dk, dv)")
+                           for how, grads, conv in runs for n, gr, r, lo in zip("qkv", grads, ref, low))
+                say(f"ok {name}: out err {err:.2e}, grad err {gerr:.2e} against float64 (both backwards, both "
+                    "frontends); JAX == torch bit for bit (out, lse, dk, dv; dq with deterministic=True)")
             except AssertionError as e:
                 failed.append(str(e))
                 say(f"FAILED {e}", every_rank=True)
