@@ -382,8 +382,8 @@ def test_kernel_spec_pads_to_the_gluon_width_where_the_tl_kernel_would_compute_i
 def test_keys_ids_apart_from_the_queries():
     """A call whose keys carry ids other than its queries' (the two-level ring's calls with another node's K/V,
     ring_core.nodes): the kernels read both from one int32 input [2, batch, seq_local] (KV_IDS); the Gluon forward
-    takes it; the backward runs the tl kernel (the Gluon backward narrows its query blocks by ranges that are the
-    keys' there); the launchers check the ids' shape before anything runs."""
+    and backward take it (with deterministic=True, as every masked call, the tl backward); the launchers check the
+    ids' shape before anything runs."""
     from ring_core import validate
 
     lay = control.HeapLayout.for_workspace(1 << 30)
@@ -394,7 +394,9 @@ def test_keys_ids_apart_from_the_queries():
     assert fwd.constexprs()["KV_IDS"] and fwd.config.gluon
     assert plans.plan_bwd(spec, 2, lay, capability=(9, 0)).config.gluon
     bwd = plans.plan_bwd(apart, 2, lay, capability=(9, 0))
-    assert not bwd.config.gluon and bwd.constexprs()["KV_IDS"]
+    assert bwd.config.gluon and bwd.constexprs()["KV_IDS"]
+    det = plans.plan_bwd(apart, 2, lay, capability=(9, 0), deterministic=True)
+    assert not det.config.gluon and det.constexprs()["KV_IDS"]
     assert not plans.plan(dataclasses.replace(apart, segmented=False), 2, lay).constexprs()["KV_IDS"]
     validate.check_segment_ids_given(apart, True, (2, spec.batch, spec.seq_local))
     with pytest.raises(ValueError, match="this call reads"):
