@@ -382,6 +382,10 @@ STAGES = {
     "nodes-windows": (300, [["env", "RING_ATTENTION_NODE_SIZE=2"] + LAUNCH + ["tests/gpu/gpu_nodes.py", "--sections",
                                                                                "checks", "--cases", "5,6,7", "--out",
                                                                                "{out}"]]),
+    # The two-level ring's fault checks (tests/gpu/gpu_nodes.py --sections faults): a call not taken, a late node,
+    # an absent rank.
+    "nodes-faults": (240, [["env", "RING_ATTENTION_NODE_SIZE=2"] + LAUNCH + ["tests/gpu/gpu_nodes.py", "--sections",
+                                                                              "faults", "--out", "{out}"]]),
     "train-dp": (180, [TORCHRUN + ["examples/torch_train.py", "--dp", "2"]]),
     "tune-bwd": (420, [LAUNCH + ["-m", "benchmarks.tune", "--kernel", "bwd", "--head-dims", "128", "--seq", "16384",
                                  "--csv", "{out}/tune_backward.csv"]]),

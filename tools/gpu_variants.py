@@ -29,6 +29,7 @@ launch (its Triton custom call takes PTX, not the cubin), 10-80 s a variant.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -114,8 +115,6 @@ def checks_calls(world: int, sections=CHECKS_SECTIONS, mask_cases=None) -> list:
         calls += [(spec_of(*c[:8], window=c[8], segmented=c[9] is not None), True, GPU_CAPABILITY, True)
                   for c in (g.MASK_CASES[i] for i in chosen)]
     if "kv-ids" in sections:
-        import dataclasses
-
         calls += [(dataclasses.replace(spec_of(*c, False, "contiguous", segmented=True), kv_ids=True), True,
                    GPU_CAPABILITY, det) for c in g.KV_IDS_CASES for det in (False, True)]  # both backwards
     if "soak" in sections:
@@ -154,14 +153,16 @@ def faults_calls(sections=("timeout", "mismatch", "bad_inputs", "kill")) -> list
 def nodes_calls(sections=("checks", "soak"), world: int = 4, node_size: int = 2, cases=None) -> list:
     """(spec, backward, capability, deterministic) of tests/gpu/gpu_nodes.py's one-node calls inside the two-level
     ring of ``world`` ranks as nodes of ``node_size`` (ring_core.nodes.node_specs of each case, ``cases`` its
-    indices or None for all: the node's own K/V, another node's, the half-shard steps, a window's pieces), each
-    backward in both orders (its checks run deterministic=True too; the soak only that)."""
+    indices or None for all: the node's own K/V, another node's, the half-shard steps, a window's pieces; the
+    faults section's case 0 and its non-causal call), each backward in both orders (its checks run
+    deterministic=True too; the soak only that)."""
     import gpu_nodes
 
     from ring_core import nodes
 
     chosen = [c for i, c in enumerate(gpu_nodes.CASES) if cases is None or i in cases]
-    cases = (chosen if "checks" in sections else []) + (
+    faults = [gpu_nodes.CASES[0], gpu_nodes.CASES[0][:6] + (False, "contiguous") + gpu_nodes.CASES[0][8:]]
+    cases = (chosen if "checks" in sections else []) + (faults if "faults" in sections else []) + (
         [gpu_nodes.SOAK_CASE] if "soak" in sections else [])
     return [(sp, True, GPU_CAPABILITY, det) for c in cases
             for sp in nodes.node_specs(spec_of(*c[:8], segmented=c[8], window=c[9]), world // node_size, node_size)

@@ -12,7 +12,7 @@ and the same problem as one node of 4 ranks (the flat ring) for the timing's bas
 Sections: ``checks`` (forward and gradients against float64 with the one tolerance table, on rank 0 over the
 gathered results; deterministic=True bitwise from run to run), ``timing`` (per-call ms of the forward and of
 forward+backward, the slowest rank, written to DIR/nodes_timing.csv), ``soak`` (many calls a rank, each
-compared bitwise with the first). Prints ALL PASSED when every check passed; exits 1 otherwise.
+compared bitwise with the first), ``faults`` (a call not taken, a late node, an absent rank; run it last). Prints ALL PASSED when every check passed; exits 1 otherwise.
 """
 
 from __future__ import annotations
@@ -201,6 +201,63 @@ def soak(rank, world, log, calls):
     return not any(wrongs)
 
 
+def faults(rank, world, log, timeout_s=5.0, slack_s=60.0):
+    """What goes wrong, on the two-level ring: a call it cannot take raises on every rank before anything runs, and
+    the next right call passes; a late node only delays the others (its calls start 3 s after theirs: right
+    results); a rank that never calls makes every other rank raise RingAttentionTimeout naming the rank it waited
+    for, within the bound. Run last: the ranks around the absent one leave transfers posted that nobody will
+    match (a job whose rank died restarts)."""
+    from ring_core import nodes as core_nodes
+    from ring_core.protocol.control import RingAttentionTimeout
+
+    R = torch_bridge.node_size()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    B, S, H, HKV, D = CASES[0][:5]
+    q = torch.zeros(B, S, H, D, device=dev, dtype=torch.bfloat16)
+    kv = torch.zeros(B, S, HKV, D, device=dev, dtype=torch.bfloat16)
+    chunk = R * S // 2  # a node-level zigzag chunk
+    try:
+        torch_bridge.ring_attention(q, kv, kv, is_causal=True, layout="zigzag", window_size=(chunk + 10, -1),
+                                    backend="fused")
+        bad = "FAIL a zigzag window across a node's halves: the call returned"
+    except core_nodes.WindowAcrossChunksError as e:
+        bad = f"PASS a zigzag window across a node's halves raises before anything runs: {str(e)[:90]}..."
+    bads = _gather(bad)
+    ok = all(b.startswith("PASS") for b in bads)
+    if rank == 0:
+        log(bads[0] if ok else f"FAIL {bads}")
+    ok &= checks(rank, world, log, {0})  # then a right call
+    if R * 2 == world:  # a late node: the second node's ranks call 3 s after the first's
+        if rank >= R:
+            time.sleep(3.0)
+        late_ok = checks(rank, world, lambda m: log(m.replace("PASS ", "PASS late node: ", 1)), {0})
+        ok &= late_ok
+    absent = world - 1
+    dist.barrier()
+    got = "absent"
+    if rank != absent:
+        t0 = time.perf_counter()
+        try:
+            torch_bridge.ring_attention(q, kv, kv, is_causal=False, layout="contiguous", backend="fused",
+                                        timeout_s=timeout_s)
+            torch.cuda.synchronize()
+            torch_bridge.check_errors()
+            got = "FAIL returned"
+        except RingAttentionTimeout as e:
+            took = time.perf_counter() - t0
+            named = [r for r in range(world) if f"rank {r} " in str(e) or f"rank {r}:" in str(e)
+                     if r != rank]
+            bound = 3 * timeout_s + slack_s
+            got = (f"{'PASS' if took <= bound and named else 'FAIL'} rank {rank}: RingAttentionTimeout after "
+                   f"{took:.1f} s (bound {bound:.0f} s) naming rank {named}: {str(e)[:160]}")
+    gots = _gather(got)
+    if rank == 0:
+        for g in gots:
+            log(g if g != "absent" else f"(rank {absent} never called)")
+    ok &= all(g == "absent" or g.startswith("PASS") for g in gots)
+    return ok
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sections", default="checks,timing,soak")
@@ -228,6 +285,8 @@ def main():
             ok &= timing(rank, world, log, args.out, args.seq_local, args.iters)
         elif section == "soak":
             ok &= soak(rank, world, log, args.soak_calls)
+        elif section == "faults":
+            ok &= faults(rank, world, log)
         else:
             raise SystemExit(f"unknown section {section!r}")
     if rank == 0:
@@ -235,6 +294,9 @@ def main():
         if args.out:
             with open(os.path.join(args.out, f"nodes_log_R{torch_bridge.node_size()}.txt"), "a") as f:
                 f.write("\n".join(lines) + "\n")
+    if "faults" in args.sections.split(","):  # transfers left posted: no orderly shutdown (the process ends)
+        sys.stdout.flush()
+        os._exit(0 if ok else 1)
     torch_bridge.shutdown()
     sys.exit(0 if ok else 1)
 
