@@ -62,7 +62,7 @@ the nodes' distance, or none (nobody in reach), or a call without a window (ever
 node-level chunks n (the ranks' first halves) and 2N-1-n (the second halves, whose positions *fall* as the rank
 grows: reversed row by row they rise, so the call runs on the reversed halves with the window's sides swapped); a
 pair of blocks of like direction is a call as above, a first half against a second half is either out of reach or
-wholly in reach for any window narrower than a node-level chunk (they are at least one chunk apart), and a window
+wholly in reach for any window of at most a node-level chunk a side (they are more than a chunk apart), and a window
 that reaches partly across one raises (``check_supported``: use layout="contiguous", which a window balances
 anyway). The node's own K/V under zigzag: the last node's two chunks are adjacent (its node-local positions are
 global ones moved by a constant), so it makes the one-node call; every other node runs its two halves apart.
@@ -172,8 +172,8 @@ def window_pieces(node: int, src: int, *, num_nodes: int, node_len: int, is_caus
             elif q_falls != k_falls:
                 raise WindowAcrossChunksError(
                     f"a window of {tuple(window)} reaches partly across a node's zigzag halves (node-level chunks of "
-                    f"{n} tokens); use layout='contiguous' (a window needs no zigzag balance), a window narrower than "
-                    f"{n} tokens, or backend='torch' / 'xla'")
+                    f"{n} tokens); use layout='contiguous' (a window needs no zigzag balance), a window of at most "
+                    f"{n} tokens a side, or backend='torch' / 'xla'")
             elif not q_falls and q0 == k0:  # the node's own first halves: a one-node call on them
                 pieces.append(Piece(q_half, k_half, False, Mask(is_causal, "contiguous", tuple(window)), own))
             elif not q_falls:
