@@ -52,8 +52,8 @@ def _ops(spec, axis_name: str, node_size: int, timeout_s, deterministic: bool) -
                               axis_name, node_size, timeout_s, segment_ids=nodes.kernel_ids(ids, jnp.stack),
                               deterministic=deterministic)
 
-    return nodes.Ops(xp=jnp, permute=jnp.transpose, cat=jnp.concatenate, flip=jnp.flip, astype=lambda x, like: x.astype(like.dtype),
-                     f32=_f32, inner_fwd=inner_fwd, inner_bwd=inner_bwd,
+    return nodes.Ops(xp=jnp, permute=jnp.transpose, cat=jnp.concatenate, flip=jnp.flip,
+                     astype=lambda x, like: x.astype(like.dtype), f32=_f32, inner_fwd=inner_fwd, inner_bwd=inner_bwd,
                      send=lambda xs: [lax.ppermute(x, axis_name, perm) for x in xs], recv=lambda got: got,
                      switch=lax.switch)
 

@@ -77,6 +77,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from ring_core import masks
+
 DIAG = "diag"  # the node's own K/V: the one-node call, with the call's masks
 FULL = "full"  # every query sees every key: a non-causal call
 K_EARLY = "k_early"  # every query sees the first halves of the K/V shards
@@ -103,9 +105,6 @@ def step_kind(node: int, src: int, *, is_causal: bool, layout: str) -> str:
     raise ValueError(f"unknown layout {layout!r}")
 
 
-NO_WINDOW = (-1, -1)
-
-
 @dataclass(frozen=True)
 class Mask:
     """A one-node call's masks (``Ops.inner_fwd`` / ``inner_bwd``): causal, its shards' layout over the node, the
@@ -113,7 +112,7 @@ class Mask:
 
     is_causal: bool
     layout: str
-    window: tuple = NO_WINDOW
+    window: tuple = masks.NO_WINDOW
     key_offset: int = 0
 
 
@@ -205,11 +204,19 @@ def check_supported(spec, num_nodes: int, node_size: int) -> None:
     """Raise, saying what to do, for a two-level fused call of ``spec`` this module cannot run."""
     if spec.layout == "zigzag" and spec.seq_local % 2:
         raise ValueError(f"zigzag needs an even seq_local, got {spec.seq_local}")
-    if tuple(spec.window) != NO_WINDOW:
-        for n in range(num_nodes):
-            for m in range(num_nodes):
-                window_pieces(n, m, num_nodes=num_nodes, node_len=node_size * spec.seq_local,
-                              is_causal=spec.is_causal, layout=spec.layout, window=spec.window)
+    for _ in _all_pieces(spec, num_nodes, node_size):
+        pass
+
+
+def _all_pieces(spec, num_nodes: int, node_size: int):
+    """Every node's pieces with every node's K/V under ``spec``'s window (none without one); raises as
+    ``window_pieces`` does."""
+    if tuple(spec.window) == masks.NO_WINDOW:
+        return
+    for n in range(num_nodes):
+        for m in range(num_nodes):
+            yield from window_pieces(n, m, num_nodes=num_nodes, node_len=node_size * spec.seq_local,
+                                     is_causal=spec.is_causal, layout=spec.layout, window=spec.window)
 
 
 def _piece_spec(spec, piece: Piece):
@@ -224,16 +231,8 @@ def node_specs(spec, num_nodes: int = 2, node_size: int = 1) -> list:
     """The one-node calls' specs (ring_core.validate.AttentionSpec) a two-level call of ``spec`` on ``num_nodes``
     nodes of ``node_size`` ranks may make on any node: the frontends check each against the heap before anything
     runs (the masks do not change what a call needs; the GPU scripts compile each)."""
-    if tuple(spec.window) != NO_WINDOW:
-        out = []
-        for n in range(num_nodes):
-            for m in range(num_nodes):
-                for p in window_pieces(n, m, num_nodes=num_nodes, node_len=node_size * spec.seq_local,
-                                       is_causal=spec.is_causal, layout=spec.layout, window=spec.window):
-                    sp = _piece_spec(spec, p)
-                    if sp not in out:
-                        out.append(sp)
-        return out
+    if tuple(spec.window) != masks.NO_WINDOW:
+        return list(dict.fromkeys(_piece_spec(spec, p) for p in _all_pieces(spec, num_nodes, node_size)))
     s, h, hkv, ids = spec.seq_local, spec.num_heads, spec.num_kv_heads, bool(spec.segmented)
     out = [spec, dataclasses.replace(spec, is_causal=False, layout="contiguous", kv_ids=ids)]
     if spec.is_causal and spec.layout == "zigzag":
@@ -354,11 +353,15 @@ def kv_heads_to_halves(ops: Ops, x):
 
 # ------------------------------------------------------------------------------- moving half shards into the batch axis
 # With segment ids (ids are per batch row, not per head). Batch row ``half * b + i`` holds half ``half`` of row i.
+def _half(x, half: int, axis: int = 1):
+    """The first (0) or second (1) half of ``x`` along ``axis``."""
+    n = x.shape[axis] // 2
+    return x[(slice(None),) * axis + (slice(half * n, (half + 1) * n),)]
+
+
 def halves_to_batch(ops: Ops, x, axis: int = 1):
     """[b, s, ...] -> [2b, s / 2, ...] (lse [b, h, s]: ``axis=2``)."""
-    n = x.shape[axis] // 2
-    first, second = (x[(slice(None),) * axis + (slice(i * n, (i + 1) * n),)] for i in range(2))
-    return ops.cat([first, second], 0)
+    return ops.cat([_half(x, 0, axis), _half(x, 1, axis)], 0)
 
 
 def batch_to_halves(ops: Ops, x, axis: int = 1):
@@ -424,8 +427,7 @@ def _rows(ops: Ops, x, half, flip: bool, axis: int = 1):
     """A piece's rows of ``x`` (``Piece``): all, or one half along ``axis``, reversed with ``flip``."""
     if half is None:
         return x
-    n = x.shape[axis] // 2
-    x = x[(slice(None),) * axis + (slice(half * n, (half + 1) * n),)]
+    x = _half(x, half, axis)
     return ops.flip(x, axis) if flip else x
 
 
@@ -518,7 +520,7 @@ def step_forward(ops: Ops, kind, q, k, v, *, is_causal: bool, layout: str, q_ids
 def _kind_of(num_nodes: int, node_len: int, is_causal: bool, layout: str, window):
     """``kind(node, src)``: what node ``node`` computes with node ``src``'s K/V (``step_kind``, or the pieces under a
     window)."""
-    if tuple(window) == NO_WINDOW:
+    if tuple(window) == masks.NO_WINDOW:
         return lambda n, m: step_kind(n, m, is_causal=is_causal, layout=layout)
     return lambda n, m: _window_kind(n, m, num_nodes, node_len, is_causal, layout, window)
 
@@ -537,7 +539,7 @@ def _per_kind(ops: Ops, node, s: int, num_nodes: int, kind_of, fn, nothing):
     return ops.switch(index, [(lambda kd=kd: nothing() if kd == SKIP else fn(kd)) for kd in order])
 
 
-def forward(ops: Ops, q, k, v, *, node, num_nodes: int, is_causal: bool, layout: str, ids=None, window=NO_WINDOW,
+def forward(ops: Ops, q, k, v, *, node, num_nodes: int, is_causal: bool, layout: str, ids=None, window=masks.NO_WINDOW,
             node_size: int = 1):
     """(out in q's dtype, lse float32) of the two-level ring for this rank's shards (module docstring); ``ids``:
     this rank's segment ids (int32 [b, s]) or None; ``window``: the call's (left, right), global positions, on
@@ -618,7 +620,7 @@ def step_backward(ops: Ops, kind, q, k, v, out, lse, dout, dlse, *, is_causal: b
 
 
 def backward(ops: Ops, q, k, v, out, lse, dout, dlse, *, node, num_nodes: int, is_causal: bool, layout: str,
-             ids=None, window=NO_WINDOW, node_size: int = 1):
+             ids=None, window=masks.NO_WINDOW, node_size: int = 1):
     """(dq, dk, dv) in q's, k's and v's dtypes. ``dlse`` float32 like ``lse`` (zeros when lse carries no gradient);
     ``ids``, ``window`` and ``node_size`` as ``forward``'s."""
     kind_of = _kind_of(num_nodes, node_size * q.shape[1], is_causal, layout, window)

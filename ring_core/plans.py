@@ -13,9 +13,8 @@ scalars, outputs, constexprs):
 
 The window is a pair of constexprs (WIN_LEFT, WIN_RIGHT, as ring_core.masks.kernel_window gives them, an
 unbounded side control.NO_SIDE; WINDOW says whether there is one), not runtime scalars: a kernel is compiled per
-window, which is one or two per model (a local and a global layer type; across nodes one or two more per layer
-type, the band moved by a node's length: ring_core.nodes), and in exchange every test on an unbounded side folds
-away.
+window, which is one or two per model (a local and a global layer type; across nodes a few more per layer type,
+the bands moved by a node's length: ring_core.nodes), and in exchange every test on an unbounded side folds away.
 
 Heap use of one call (regions of ring_core.protocol.control.HeapLayout; flags in the ring's slot):
     forward   receive region [W-1][K|V][B][HKV][S][D] (input dtype), with segment ids then the peers' ids

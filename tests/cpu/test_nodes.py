@@ -148,7 +148,7 @@ def _reference_execute(spec_scale):
     return execute
 
 
-def _driver_against_float64(layout, causal, N, R, S=8, window=nodes.NO_WINDOW):
+def _driver_against_float64(layout, causal, N, R, S=8, window=masks.NO_WINDOW):
     """The driver with a float64 dense one-node call: out, lse and the gradients (with an lse gradient) of the
     whole sequence."""
     W, H, HKV, D = N * R, 4, 2, 8

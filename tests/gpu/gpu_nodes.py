@@ -12,7 +12,8 @@ and the same problem as one node of 4 ranks (the flat ring) for the timing's bas
 Sections: ``checks`` (forward and gradients against float64 with the one tolerance table, on rank 0 over the
 gathered results; deterministic=True bitwise from run to run), ``timing`` (per-call ms of the forward and of
 forward+backward, the slowest rank, written to DIR/nodes_timing.csv), ``soak`` (many calls a rank, each
-compared bitwise with the first), ``faults`` (a call not taken, a late node, an absent rank; run it last). Prints ALL PASSED when every check passed; exits 1 otherwise.
+compared bitwise with the first), ``faults`` (a call not taken, a late node, an absent rank; run it last).
+Prints ALL PASSED when every check passed; exits 1 otherwise.
 """
 
 from __future__ import annotations
@@ -212,9 +213,9 @@ def faults(rank, world, log, timeout_s=5.0, slack_s=60.0):
 
     R = torch_bridge.node_size()
     dev = torch.device("cuda", torch.cuda.current_device())
-    B, S, H, HKV, D = CASES[0][:5]
-    q = torch.zeros(B, S, H, D, device=dev, dtype=torch.bfloat16)
-    kv = torch.zeros(B, S, HKV, D, device=dev, dtype=torch.bfloat16)
+    B, S, H, HKV, D, dtype = CASES[0][:6]  # (tools/gpu_variants.py compiles this call's variants)
+    q = torch.zeros(B, S, H, D, device=dev, dtype=getattr(torch, dtype))
+    kv = torch.zeros(B, S, HKV, D, device=dev, dtype=getattr(torch, dtype))
     chunk = R * S // 2  # a node-level zigzag chunk
     try:
         torch_bridge.ring_attention(q, kv, kv, is_causal=True, layout="zigzag", window_size=(chunk + 10, -1),
