@@ -377,6 +377,13 @@ STAGES = {
                                                                        "timing", "--out", "{out}"],
                     ["env", "RING_ATTENTION_NODE_SIZE={nproc}"] + LAUNCH + ["tests/gpu/gpu_nodes.py", "--sections",
                                                                              "timing", "--out", "{out}"]]),
+    # The two-level ring's timing against the flat ring from 4k to 32k tokens a rank (compute grows with S_local
+    # squared, the hop with S_local).
+    "nodes-timing": (480, [["env", "RING_ATTENTION_NODE_SIZE=2"] + LAUNCH + [
+        "tests/gpu/gpu_nodes.py", "--sections", "timing", "--seq-local", "4096,16384,32768", "--iters", "5",
+        "--out", "{out}"], ["env", "RING_ATTENTION_NODE_SIZE={nproc}"] + LAUNCH + [
+        "tests/gpu/gpu_nodes.py", "--sections", "timing", "--seq-local", "4096,16384,32768", "--iters", "5",
+        "--out", "{out}"]]),
     # The nodes stage's checks of windows across nodes alone (tests/gpu/gpu_nodes.py cases 5-7: bands off the
     # diagonal in the kernels, the zigzag layout's second halves reversed).
     "nodes-windows": (300, [["env", "RING_ATTENTION_NODE_SIZE=2"] + LAUNCH + ["tests/gpu/gpu_nodes.py", "--sections",

@@ -154,8 +154,8 @@ def nodes_calls(sections=("checks", "soak"), world: int = 4, node_size: int = 2,
     """(spec, backward, capability, deterministic) of tests/gpu/gpu_nodes.py's one-node calls inside the two-level
     ring of ``world`` ranks as nodes of ``node_size`` (ring_core.nodes.node_specs of each case, ``cases`` its
     indices or None for all: the node's own K/V, another node's, the half-shard steps, a window's pieces; the
-    faults section's case 0 and its non-causal call), each backward in both orders (its checks run
-    deterministic=True too; the soak only that)."""
+    faults section's case 0 and its non-causal call, the timing's case), each backward in both orders (its checks
+    run deterministic=True too; the soak only that)."""
     import gpu_nodes
 
     from ring_core import nodes
@@ -163,7 +163,8 @@ def nodes_calls(sections=("checks", "soak"), world: int = 4, node_size: int = 2,
     chosen = [c for i, c in enumerate(gpu_nodes.CASES) if cases is None or i in cases]
     faults = [gpu_nodes.CASES[0], gpu_nodes.CASES[0][:6] + (False, "contiguous") + gpu_nodes.CASES[0][8:]]
     cases = (chosen if "checks" in sections else []) + (faults if "faults" in sections else []) + (
-        [gpu_nodes.SOAK_CASE] if "soak" in sections else [])
+        [gpu_nodes.SOAK_CASE] if "soak" in sections else []) + (
+        [gpu_nodes.TIMING_CASE] if "timing" in sections else [])
     return [(sp, True, GPU_CAPABILITY, det) for c in cases
             for sp in nodes.node_specs(spec_of(*c[:8], segmented=c[8], window=c[9]), world // node_size, node_size)
             for det in (False, True)]

@@ -6,14 +6,18 @@ point-to-point (NCCL; gloo where ranks share a GPU, staged through host memory).
 then comes here when the job has several. Each transfer posts its send to the same local rank of the next node and
 its receive from the previous node's together (``batch_isend_irecv``), before the node-step's fused call is
 launched, and is waited for after it: the transfer of node-step s + 1 runs while node-step s computes. NCCL runs it
-on its own stream; with gloo its threads move host copies while the GPU computes.
+on its own stream; with gloo a thread of the process sends and receives pinned host copies, made and copied back on
+a copy stream, while the GPU computes (``_Transfer``).
 
 Why it cannot deadlock, and what a late or dead node does: ring_core.nodes.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import datetime
+import queue
+import threading
 
 import torch
 import torch.distributed as dist
@@ -51,43 +55,140 @@ def spans_nodes(group) -> bool:
 
 
 class _Transfer:
-    """One posted exchange between nodes: what this rank sent (kept alive until received) and receives."""
+    """One posted exchange between nodes: this rank's tensors to the same local rank of the next node, the previous
+    node's into new tensors (``wait``).
+
+    NCCL takes device tensors and runs on its own stream: the exchange is posted here, on the caller's thread. gloo
+    (ranks that share a GPU, where NCCL cannot run; the CPU tests) runs on the process's transfer thread
+    (``_transfer_thread``), one exchange after another in the order they were posted, which is the same on every
+    rank (ring_core.nodes makes every rank post the same exchanges). With CUDA tensors the exchange is staged
+    through pinned host memory and nothing of it holds up the caller or the GPU: the copies to the host go on a
+    copy stream once the caller's stream has made the tensors; the thread waits for them, sends, receives and
+    issues the copies back on another (``_copy_streams``); ``wait`` makes the caller's stream wait for those. So a
+    node-step's fused call runs while its transfer is copied, sent and copied back. A tensor that arrived here
+    travels on from its host copy (no copy back from the GPU)."""
 
     def __init__(self, xs, rings: _heap.NodeRings, timeout_s: float):
         self.rings, self.timeout_s = rings, timeout_s
         self.device = xs[0].device
-        self.staged = xs[0].is_cuda and dist.get_backend(rings.peers) == "gloo"
-        # With gloo, a tensor that arrived here travels on from its host copy (no copy back from the GPU).
-        self.sends = [self._sendable(x) for x in xs]
-        self.outs = [torch.empty_like(s) for s in self.sends]
-        ops = []
-        for send, out in zip(self.sends, self.outs):  # matched in posting order on both ranks
-            ops += [dist.P2POp(dist.isend, send, rings.next_rank, rings.peers),
-                    dist.P2POp(dist.irecv, out, rings.prev_rank, rings.peers)]
-        self.works = dist.batch_isend_irecv(ops)
-
-    def _sendable(self, x):
-        if not self.staged:
-            return x.detach().contiguous()
-        host = getattr(x, "_host_copy", None)
-        return host if host is not None else x.detach().contiguous().cpu()
+        if dist.get_backend(rings.peers) != "gloo":
+            sends = [x.detach().contiguous() for x in xs]
+            self.outs = [torch.empty_like(s) for s in sends]
+            self.sends, self.works, self.job = sends, _post(sends, self.outs, rings), None
+            return
+        if not xs[0].is_cuda:
+            sends = [x.detach().contiguous() for x in xs]
+            self.job = _transfer_thread().submit(_exchange, sends, [torch.empty_like(s) for s in sends], rings,
+                                                 timeout_s, None)
+            return
+        stream = torch.cuda.current_stream(self.device)
+        copy, back = _copy_streams(self.device)
+        copy.wait_stream(stream)  # the tensors made
+        back.wait_stream(stream)  # the outputs' memory free of earlier users
+        sends = []
+        with torch.cuda.stream(copy):
+            for x in xs:
+                host = getattr(x, "_host_copy", None)
+                if host is None:
+                    x = x.detach().contiguous()
+                    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+                    host.copy_(x, non_blocking=True)
+                    x.record_stream(copy)  # (x may be freed by the caller while the copy runs)
+                sends.append(host)
+        staged = torch.cuda.Event()
+        staged.record(copy)
+        outs = [torch.empty(s.shape, dtype=s.dtype, pin_memory=True) for s in sends]
+        self.got = [torch.empty(s.shape, dtype=s.dtype, device=self.device) for s in sends]
+        self.job = _transfer_thread().submit(_exchange, sends, outs, rings, timeout_s, (staged, back, self.got))
 
     def wait(self):
+        """The previous node's tensors (after the exchange completed; on the GPU, ready for the caller's stream)."""
         try:
-            for w in self.works:
-                w.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
+            if self.job is None:
+                for w in self.works:
+                    w.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
+                return self.outs
+            outs, landed = self.job.result()
         except RuntimeError as e:
             raise control.RingAttentionTimeout(
                 f"rank {dist.get_rank()}: the transfer from rank {self.rings.prev_rank} (the previous node) did not "
                 f"complete within {self.timeout_s} s: {e}") from e
-        if not self.staged:
-            return self.outs
-        got = []
-        for out in self.outs:
-            x = out.to(self.device, non_blocking=False)
-            x._host_copy = out
-            got.append(x)
-        return got
+        if landed is None:
+            return outs
+        torch.cuda.current_stream(self.device).wait_event(landed)
+        for x, host in zip(self.got, outs):
+            x._host_copy = host
+        return self.got
+
+
+def _post(sends, outs, rings: _heap.NodeRings):
+    """Each send to the next node's rank and each receive from the previous node's, posted together, matched in
+    posting order on both ranks."""
+    ops = []
+    for send, out in zip(sends, outs):
+        ops += [dist.P2POp(dist.isend, send, rings.next_rank, rings.peers),
+                dist.P2POp(dist.irecv, out, rings.prev_rank, rings.peers)]
+    return dist.batch_isend_irecv(ops)
+
+
+def _exchange(sends, outs, rings: _heap.NodeRings, timeout_s: float, staging):
+    """The transfer thread's part of a gloo exchange (``_Transfer``): (the received host tensors, the event after
+    which their device copies are in ``staging``'s tensors, or None without staging)."""
+    if staging is not None:
+        staged, back, got = staging
+        staged.synchronize()  # the host copies of what is sent
+    for w in _post(sends, outs, rings):
+        w.wait(timeout=datetime.timedelta(seconds=timeout_s))
+    if staging is None:
+        return outs, None
+    with torch.cuda.device(back.device), torch.cuda.stream(back):
+        for x, host in zip(got, outs):
+            x.copy_(host, non_blocking=True)
+            x.record_stream(back)  # (freed unwaited for, e.g. after an error, it stays until the copy is done)
+        landed = torch.cuda.Event()
+        landed.record(back)
+    return outs, landed
+
+
+class _TransferThread:
+    """The process's transfer thread: runs what is submitted one at a time, in order, each result a Future. A
+    daemon: an exchange whose peer never comes (its wait bounded by the timeout) does not hold up the process's
+    exit."""
+
+    def __init__(self):
+        self.queue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="ring-transfer", daemon=True).start()
+
+    def submit(self, fn, *args) -> concurrent.futures.Future:
+        job = concurrent.futures.Future()
+        self.queue.put((job, fn, args))
+        return job
+
+    def _run(self):
+        while True:
+            job, fn, args = self.queue.get()
+            try:
+                job.set_result(fn(*args))
+            except BaseException as e:  # (raised by the caller's ``result()``)
+                job.set_exception(e)
+
+
+_THREAD = []  # the process's _TransferThread, made at its first gloo exchange
+_COPY_STREAMS = {}  # device -> the streams of the staging copies (_copy_streams)
+
+
+def _transfer_thread() -> _TransferThread:
+    if not _THREAD:
+        _THREAD.append(_TransferThread())
+    return _THREAD[0]
+
+
+def _copy_streams(device):
+    """(the stream of the copies to the host, the stream of the copies back): two, so that a copy back (the
+    next node-step's K/V) does not queue behind a copy out that waits for the GPU's compute (the dK/dV partials)."""
+    if device not in _COPY_STREAMS:
+        _COPY_STREAMS[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+    return _COPY_STREAMS[device]
 
 
 def _f32(x):

@@ -126,8 +126,13 @@ def checks(rank, world, log, cases):
     return ok
 
 
-def timing(rank, world, log, out_dir, seq_local=4096, iters=10, warmup=2):
-    B, S, H, HKV, D, dtype, causal, layout = 1, seq_local, 32, 8, 128, "bfloat16", True, "zigzag"
+TIMING_CASE = (1, 4096, 32, 8, 128, "bfloat16", True, "zigzag", False, None)  # (S_local: --seq-local's)
+
+
+def _timing(rank, world, log, seq_local, iters, warmup):
+    """The timing rows of one S_local, and the hop alone at it (logged)."""
+    B, _, H, HKV, D, dtype, causal, layout = TIMING_CASE[:8]
+    S = seq_local
     dev, tdt = torch.device("cuda", torch.cuda.current_device()), getattr(torch, dtype)
     g = torch.Generator(device=dev).manual_seed(rank)
     q = torch.randn(B, S, H, D, device=dev, dtype=tdt, generator=g).requires_grad_()
@@ -174,8 +179,15 @@ def timing(rank, world, log, out_dir, seq_local=4096, iters=10, warmup=2):
         slowest = max(_gather(float(np.median(hop))))
         mb = 2 * k.numel() * k.element_size() / 1e6
         if rank == 0:
-            log(f"HOP K/V shard ({mb:.1f} MB) to the next node over {dist.get_backend(rings.peers)}: "
+            log(f"HOP K/V shard ({mb:.1f} MB, S_local {S}) to the next node over {dist.get_backend(rings.peers)}: "
                 f"{slowest * 1e3:.2f} ms ({mb / 1e3 / slowest:.2f} GB/s)")
+    return rows
+
+
+def timing(rank, world, log, out_dir, seq_locals=(4096,), iters=10, warmup=2):
+    rows = []
+    for seq_local in seq_locals:
+        rows += _timing(rank, world, log, seq_local, iters, warmup)
     if rank == 0 and out_dir:
         path = os.path.join(out_dir, "nodes_timing.csv")
         new = not os.path.exists(path)
@@ -264,7 +276,7 @@ def main():
     ap.add_argument("--sections", default="checks,timing,soak")
     ap.add_argument("--soak-calls", type=int, default=2000)
     ap.add_argument("--cases", default=",".join(str(i) for i in range(len(CASES))), help="checks: which CASES")
-    ap.add_argument("--seq-local", type=int, default=4096, help="timing: tokens a rank")
+    ap.add_argument("--seq-local", default="4096", help="timing: tokens a rank (a comma-separated list)")
     ap.add_argument("--iters", type=int, default=10, help="timing: timed calls (after 2 warm-up calls)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -283,7 +295,7 @@ def main():
         if section == "checks":
             ok &= checks(rank, world, log, {int(c) for c in args.cases.split(",")})
         elif section == "timing":
-            ok &= timing(rank, world, log, args.out, args.seq_local, args.iters)
+            ok &= timing(rank, world, log, args.out, [int(x) for x in args.seq_local.split(",")], args.iters)
         elif section == "soak":
             ok &= soak(rank, world, log, args.soak_calls)
         elif section == "faults":
