@@ -30,11 +30,13 @@ equal: S x RS/2 query-key pairs at every node-step but the first.
 
 The backward is the forward's schedule again: K/V travel the same way, and each node-step's one-node backward
 (from the final ``out`` and ``lse``, so its probabilities are the global softmax's) gives dQ and the partial
-dK/dV of the K/V held; the partials travel with the K/V, float32, one node-step behind them, and after the last
-step one more transfer brings each shard's dK/dV home.
+dK/dV of the K/V held; the partials travel after the K/V, float32, one node-step behind them, and the node before
+a shard's owner sends them home. The node's own K/V's backward runs in two calls over halves of its kv heads
+(``own_heads``), the first while the first K/V transfer runs, the second while the partials come home, so that no
+transfer waits alone at the end.
 
 Why it cannot deadlock (with ring_core.protocol's argument for each one-node call). Every rank runs the same
-schedule of transfers (one per node-step, and in the backward one more for the dK/dV partials, one node-step behind),
+schedule of transfers (one per node-step; in the backward also the dK/dV partials', one node-step behind),
 each a matched send and receive between fixed neighbours, posted before anything waits; the ranks of a node make the
 same one-node calls in the same order (a node-step's kind depends only on the two nodes, ``step_kind``). A one-node
 call needs only the ranks of its node, which launch it once their own receive has arrived, and every receive was
@@ -229,10 +231,18 @@ def _piece_spec(spec, piece: Piece):
 
 def node_specs(spec, num_nodes: int = 2, node_size: int = 1) -> list:
     """The one-node calls' specs (ring_core.validate.AttentionSpec) a two-level call of ``spec`` on ``num_nodes``
-    nodes of ``node_size`` ranks may make on any node: the frontends check each against the heap before anything
-    runs (the masks do not change what a call needs; the GPU scripts compile each)."""
+    nodes of ``node_size`` ranks may make on any node, the backward's calls on a node's own K/V over part of its kv
+    heads (``own_heads``) among them: the frontends check each against the heap before anything runs (the masks do
+    not change what a call needs; the GPU scripts compile each)."""
+    group = spec.num_heads // spec.num_kv_heads
+    owns = [dataclasses.replace(spec, num_heads=(hi - lo) * group, num_kv_heads=hi - lo)
+            for lo, hi in own_heads(spec.num_kv_heads, num_nodes)]
     if tuple(spec.window) != masks.NO_WINDOW:
-        return list(dict.fromkeys(_piece_spec(spec, p) for p in _all_pieces(spec, num_nodes, node_size)))
+        own_pieces = [_piece_spec(sp, p) for sp in owns for n in range(num_nodes)
+                      for p in window_pieces(n, n, num_nodes=num_nodes, node_len=node_size * spec.seq_local,
+                                             is_causal=spec.is_causal, layout=spec.layout, window=spec.window)]
+        return list(dict.fromkeys([_piece_spec(spec, p) for p in _all_pieces(spec, num_nodes, node_size)]
+                                  + own_pieces))
     s, h, hkv, ids = spec.seq_local, spec.num_heads, spec.num_kv_heads, bool(spec.segmented)
     out = [spec, dataclasses.replace(spec, is_causal=False, layout="contiguous", kv_ids=ids)]
     if spec.is_causal and spec.layout == "zigzag":
@@ -243,7 +253,7 @@ def node_specs(spec, num_nodes: int = 2, node_size: int = 1) -> list:
             for kv in (hkv, 2 * hkv):  # K_EARLY, Q_LATE, halves in the head axis
                 out.append(dataclasses.replace(spec, seq_local=s // 2, num_heads=2 * h, num_kv_heads=kv,
                                                is_causal=False, layout="contiguous"))
-    return out
+    return list(dict.fromkeys(out + owns))
 
 
 def inner_spec(spec, q, k, mask: Mask, ids):
@@ -619,16 +629,53 @@ def step_backward(ops: Ops, kind, q, k, v, out, lse, dout, dlse, *, is_causal: b
     raise ValueError(f"no backward for a {kind!r} step")
 
 
+def own_heads(num_kv_heads: int, num_nodes: int) -> list:
+    """The kv heads [lo, hi) of each backward call on a node's own K/V: two halves where there are two kv heads or
+    more (the first while the first K/V transfer runs, the second while the last dK/dV partials come home), else one
+    call, made last; one call on one node (nothing travels)."""
+    if num_nodes == 1:
+        return [(0, num_kv_heads)]
+    if num_kv_heads < 2:
+        return [(0, num_kv_heads)]
+    half = num_kv_heads // 2
+    return [(0, half), (half, num_kv_heads)]
+
+
+def _heads(x, lo: int, hi: int, axis: int):
+    return x[(slice(None),) * axis + (slice(lo, hi),)]
+
+
 def backward(ops: Ops, q, k, v, out, lse, dout, dlse, *, node, num_nodes: int, is_causal: bool, layout: str,
              ids=None, window=masks.NO_WINDOW, node_size: int = 1):
     """(dq, dk, dv) in q's, k's and v's dtypes. ``dlse`` float32 like ``lse`` (zeros when lse carries no gradient);
-    ``ids``, ``window`` and ``node_size`` as ``forward``'s."""
+    ``ids``, ``window`` and ``node_size`` as ``forward``'s.
+
+    The other nodes' K/V come as in the forward (node-step s holds node n - s's), and the partial dK/dV of each
+    travel after it, float32, one node-step behind, until the node before its owner sends them home. The node's
+    own K/V's backward is split over its kv heads (``own_heads``): the first half while the first K/V transfer
+    runs, the second while the partials of the node's own K/V come home, which then add to the two halves' own.
+    So the last transfer runs under a call, not after every call (with one kv head the own K/V's call is made last,
+    and the first transfer, half the bytes of the float32 partials, is the one that waits)."""
     kind_of = _kind_of(num_nodes, node_size * q.shape[1], is_causal, layout, window)
+    group = q.shape[2] // k.shape[2]
+    spans = own_heads(k.shape[2], num_nodes)
+    k0, v0 = k, v
+
+    def own(lo, hi):  # the node's own K/V's backward on kv heads [lo, hi) and their query heads
+        qh = lambda x: _heads(x, lo * group, hi * group, 2)  # noqa: E731
+        lh = lambda x: _heads(x, lo * group, hi * group, 1)  # noqa: E731
+        kh = lambda x: _heads(x, lo, hi, 2)  # noqa: E731
+        return _per_kind(ops, node, 0, num_nodes, kind_of,
+                         lambda kind: step_backward(ops, kind, qh(q), kh(k0), kh(v0), qh(out), lh(lse), qh(dout),
+                                                    lh(dlse), is_causal=is_causal, layout=layout, q_ids=ids,
+                                                    kv_ids=ids), None)
+
+    handle = ops.send([k, v] + _listed(ids)) if num_nodes > 1 else None
+    owns = [own(*spans[0])] if len(spans) > 1 else []
     dq = None
     carry = None  # the transfer of the partial dK/dV of the K/V held, to the next node
-    k0, v0 = k, v
-    kv_ids = ids
-    for s in range(num_nodes):
+    for s in range(1, num_nodes):
+        k, v, kv_ids = _unlisted(ops.recv(handle))
         handle = ops.send([k, v] + _listed(kv_ids)) if s < num_nodes - 1 else None
         zeros = lambda: tuple(ops.f32(ops.xp.zeros_like(x)) for x in (q, k, v))  # noqa: E731
         part = _per_kind(ops, node, s, num_nodes, kind_of,
@@ -637,14 +684,17 @@ def backward(ops: Ops, q, k, v, out, lse, dout, dlse, *, node, num_nodes: int, i
                          None if ops.switch is None else zeros)
         if part is not None:
             dq = part[0] if dq is None else dq + part[0]
-        if carry is None:  # step 0: this rank's own K/V, no partials yet
-            dk_acc, dv_acc = ops.f32(ops.xp.zeros_like(k)), ops.f32(ops.xp.zeros_like(v))
+        if carry is None:  # node-step 1: no partials of this K/V yet
+            dk_acc, dv_acc = part[1:] if part is not None else zeros()[1:]
         else:
             dk_acc, dv_acc = ops.recv(carry)
-        if part is not None:
-            dk_acc, dv_acc = dk_acc + part[1], dv_acc + part[2]
+            if part is not None:
+                dk_acc, dv_acc = dk_acc + part[1], dv_acc + part[2]
         carry = ops.send([dk_acc, dv_acc])  # after the last step this brings every shard's dK/dV home
-        if handle is not None:
-            k, v, kv_ids = _unlisted(ops.recv(handle))
-    dk_own, dv_own = ops.recv(carry)
+    owns.append(own(*spans[-1]))  # while the last partials travel
+    dq_own, dk_own, dv_own = (ops.cat([o[i] for o in owns], 2) if len(owns) > 1 else owns[0][i] for i in range(3))
+    dq = dq_own if dq is None else dq + dq_own
+    if carry is not None:
+        dk_home, dv_home = ops.recv(carry)
+        dk_own, dv_own = dk_home + dk_own, dv_home + dv_own
     return ops.astype(dq, q), ops.astype(dk_own, k0), ops.astype(dv_own, v0)

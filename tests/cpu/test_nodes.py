@@ -148,10 +148,10 @@ def _reference_execute(spec_scale):
     return execute
 
 
-def _driver_against_float64(layout, causal, N, R, S=8, window=masks.NO_WINDOW):
+def _driver_against_float64(layout, causal, N, R, S=8, window=masks.NO_WINDOW, HKV=2):
     """The driver with a float64 dense one-node call: out, lse and the gradients (with an lse gradient) of the
     whole sequence."""
-    W, H, HKV, D = N * R, 4, 2, 8
+    W, H, D = N * R, 2 * HKV, 8
     rng = np.random.default_rng(N * 10 + R)
     q, dout = (rng.standard_normal((2, W * S, H, D)) for _ in range(2))
     k, v = (rng.standard_normal((2, W * S, HKV, D)) for _ in range(2))
@@ -168,7 +168,17 @@ def _driver_against_float64(layout, causal, N, R, S=8, window=masks.NO_WINDOW):
         return (out, lse, *nodes.backward(ops, qs[rank], ks[rank], vs[rank], out, lse, ds[rank], ls[rank],
                                           node=rank // R, **kw))
 
-    res = simulate.run_nodes(W, R, rank_fn, _reference_execute(None), 60.0)
+    spec = validate.check_attention_args(
+        (2, S, H, D), (2, S, HKV, D), (2, S, HKV, D), "float32", "float32", "float32", is_causal=causal, scale=None,
+        layout=layout, backend="fused", backends=("fused",), window_size=window)
+    made, execute = set(), _reference_execute(None)
+
+    def recording(node, kind, args):  # every one-node call's spec, to be among node_specs'
+        made.add(nodes.inner_spec(spec, args[0][0], args[0][1], *args[0][-2:]))
+        return execute(node, kind, args)
+
+    res = simulate.run_nodes(W, R, rank_fn, recording, 60.0)
+    assert made <= set(nodes.node_specs(spec, N, R)), made - set(nodes.node_specs(spec, N, R))
     inv = np.argsort(perm)
     gather = lambda i, ax=1: np.take(np.concatenate([r[i] for r in res], axis=ax), inv, axis=ax)  # noqa: E731
     ro, rl = reference.attention(q, k, v, is_causal=causal, window=window)
@@ -183,6 +193,14 @@ def _driver_against_float64(layout, causal, N, R, S=8, window=masks.NO_WINDOW):
 def test_driver_against_float64(layout, causal, N, R):
     """At up to 5 nodes."""
     _driver_against_float64(layout, causal, N, R)
+
+
+@pytest.mark.parametrize("HKV", [1, 3])
+def test_driver_own_kv_heads(HKV):
+    """The backward's calls on the node's own K/V: one kv head (one call, made last) and three (halves of 1 and 2
+    kv heads, GQA 2 query heads each)."""
+    assert nodes.own_heads(HKV, 3) == ([(0, 1)] if HKV == 1 else [(0, 1), (1, 3)])
+    _driver_against_float64("zigzag", True, 3, 2, HKV=HKV)
 
 
 # Windows: narrower than a rank's shard, than a node, reaching several nodes, one-sided either way, a side of 0,
@@ -350,7 +368,8 @@ def test_batch_moves_are_inverse_and_node_specs_fold_the_halves_into_the_batch_w
         layout="zigzag", backend="fused", backends=("fused",), segment_ids_shape=(1, 8), segment_ids_dtype="int32")
     specs = nodes.node_specs(spec)
     assert [(s.batch, s.seq_local, s.num_heads, s.num_kv_heads, s.is_causal, s.kv_ids) for s in specs] == [
-        (1, 8, 4, 2, True, False), (1, 8, 4, 2, False, True), (2, 4, 4, 2, False, True)]
+        (1, 8, 4, 2, True, False), (1, 8, 4, 2, False, True), (2, 4, 4, 2, False, True),
+        (1, 8, 2, 1, True, False)]  # (the last: the backward's calls on the node's own K/V, a kv head each)
 
 
 def test_a_call_with_the_keys_ids_apart_against_float64():
