@@ -1,1 +1,0 @@
-python -m benchmarks.scaling_model --tag H200-IB400_2026-12-05
