@@ -177,6 +177,28 @@ def grouped_bars(bars: dict, png: str, *, ylabel: str, title: str, label=str, fi
     fig.savefig(png, dpi=120)
 
 
+def nodes_timing(paths, png: str, title: str | None = None) -> str:
+    """tests/gpu/gpu_nodes.py's timing CSV(s): each two-level row's per-call time over the flat ring's (one node of
+    as many ranks, ``nodes`` 1) on the same problem, as grouped bars in ``png``; returns the markdown table."""
+    rows = []
+    for path in paths:
+        with open(path, newline="") as f:
+            rows += list(csv.DictReader(f))
+    flat = {(int(r["seq_local"]), r["pass_"]): float(r["ms"]) for r in rows if int(r["nodes"]) == 1}
+    bars, lines = {}, ["| S_local | pass | nodes x ranks | ms | flat ring ms | over the flat ring |", "|---" * 6 + "|"]
+    for r in rows:
+        key = (int(r["seq_local"]), r["pass_"])
+        if int(r["nodes"]) == 1 or key not in flat:
+            continue
+        ratio = float(r["ms"]) / flat[key]
+        bars.setdefault(f"{r['nodes']} nodes x {r['node_size']} ranks", {})[key] = ratio
+        lines.append(f"| {_seq_label(key[0])} | {key[1]} | {r['nodes']} x {r['node_size']} | {float(r['ms']):.1f} | "
+                     f"{flat[key]:.1f} | {ratio:.2f} |")
+    grouped_bars(bars, png, ylabel="per-call time over the flat ring's", label=lambda k: f"{_seq_label(k[0])} {k[1]}",
+                 title=title or "two-level ring against the flat ring, same problem")
+    return "\n".join(lines)
+
+
 def table(rows) -> str:
     """Markdown: one table per pass (under a ``### pass`` heading) of the fused rows (latest per case) with
     TFLOP/s per GPU and ratios (each against the same pass's rows)."""
@@ -208,7 +230,14 @@ def main(argv=None) -> int:
                                                         "row's ratio to cuDNN in its own run, one group per case")
     ap.add_argument("--ratio", default="vs_cudnn_1gpu", choices=("vs_cudnn_1gpu", "vs_dense"),
                     help="--runs: the ratio column (vs_dense: a masked row against the dense one of its own run)")
+    ap.add_argument("--nodes", action="store_true", help="the CSV is tests/gpu/gpu_nodes.py's timing: bars of the "
+                                                         "two-level ring's time over the flat ring's, and a table")
     a = ap.parse_args(argv)
+    if a.nodes:
+        out = a.out or os.path.splitext(a.csv[0])[0] + ".png"
+        print(nodes_timing(a.csv, out, a.title))
+        print(f"wrote {out}")
+        return 0
     if a.runs:
         out = a.out or os.path.splitext(a.csv[0])[0] + "_runs.png"
         bars = {}
