@@ -184,17 +184,20 @@ def nodes_timing(paths, png: str, title: str | None = None) -> str:
     for path in paths:
         with open(path, newline="") as f:
             rows += list(csv.DictReader(f))
-    flat = {(int(r["seq_local"]), r["pass_"]): float(r["ms"]) for r in rows if int(r["nodes"]) == 1}
-    bars, lines = {}, ["| S_local | pass | nodes x ranks | ms | flat ring ms | over the flat ring |", "|---" * 6 + "|"]
+    flat = {(int(r["seq_local"]), r["pass_"], r.get("mask", "none")): float(r["ms"]) for r in rows
+            if int(r["nodes"]) == 1}
+    bars, lines = {}, ["| S_local | mask | pass | nodes x ranks | ms | flat ring ms | over the flat ring |",
+                       "|---" * 7 + "|"]
     for r in rows:
-        key = (int(r["seq_local"]), r["pass_"])
+        key = (int(r["seq_local"]), r["pass_"], r.get("mask", "none"))
         if int(r["nodes"]) == 1 or key not in flat:
             continue
         ratio = float(r["ms"]) / flat[key]
         bars.setdefault(f"{r['nodes']} nodes x {r['node_size']} ranks", {})[key] = ratio
-        lines.append(f"| {_seq_label(key[0])} | {key[1]} | {r['nodes']} x {r['node_size']} | {float(r['ms']):.1f} | "
-                     f"{flat[key]:.1f} | {ratio:.2f} |")
-    grouped_bars(bars, png, ylabel="per-call time over the flat ring's", label=lambda k: f"{_seq_label(k[0])} {k[1]}",
+        lines.append(f"| {_seq_label(key[0])} | {key[2]} | {key[1]} | {r['nodes']} x {r['node_size']} | "
+                     f"{float(r['ms']):.1f} | {flat[key]:.1f} | {ratio:.2f} |")
+    grouped_bars(bars, png, ylabel="per-call time over the flat ring's",
+                 label=lambda k: f"{_seq_label(k[0])} {k[1]}" + ("" if k[2] == "none" else f"\n{k[2]}"),
                  title=title or "two-level ring against the flat ring, same problem")
     return "\n".join(lines)
 

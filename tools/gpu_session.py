@@ -384,6 +384,12 @@ STAGES = {
         "--out", "{out}"], ["env", "RING_ATTENTION_NODE_SIZE={nproc}"] + LAUNCH + [
         "tests/gpu/gpu_nodes.py", "--sections", "timing", "--seq-local", "4096,16384,32768", "--iters", "5",
         "--out", "{out}"]]),
+    # The same with segment ids of packed documents (512-8192 tokens) at 16k and 32k tokens a rank.
+    "nodes-timing-packed": (420, [["env", "RING_ATTENTION_NODE_SIZE=2"] + LAUNCH + [
+        "tests/gpu/gpu_nodes.py", "--sections", "timing", "--seq-local", "16384,32768", "--iters", "5", "--packed",
+        "--out", "{out}"], ["env", "RING_ATTENTION_NODE_SIZE={nproc}"] + LAUNCH + [
+        "tests/gpu/gpu_nodes.py", "--sections", "timing", "--seq-local", "16384,32768", "--iters", "5", "--packed",
+        "--out", "{out}"]]),
     # The nodes stage's checks of windows across nodes alone (tests/gpu/gpu_nodes.py cases 5-7: bands off the
     # diagonal in the kernels, the zigzag layout's second halves reversed).
     "nodes-windows": (300, [["env", "RING_ATTENTION_NODE_SIZE=2"] + LAUNCH + ["tests/gpu/gpu_nodes.py", "--sections",

@@ -150,12 +150,13 @@ def faults_calls(sections=("timeout", "mismatch", "bad_inputs", "kill")) -> list
     return calls
 
 
-def nodes_calls(sections=("checks", "soak"), world: int = 4, node_size: int = 2, cases=None) -> list:
+def nodes_calls(sections=("checks", "soak"), world: int = 4, node_size: int = 2, cases=None,
+                packed: bool = False) -> list:
     """(spec, backward, capability, deterministic) of tests/gpu/gpu_nodes.py's one-node calls inside the two-level
     ring of ``world`` ranks as nodes of ``node_size`` (ring_core.nodes.node_specs of each case, ``cases`` its
     indices or None for all: the node's own K/V, another node's, the half-shard steps, a window's pieces; the
-    faults section's case 0 and its non-causal call, the timing's case), each backward in both orders (its checks
-    run deterministic=True too; the soak only that)."""
+    faults section's case 0 and its non-causal call, the timing's case, with segment ids where ``packed``), each
+    backward in both orders (its checks run deterministic=True too; the soak only that)."""
     import gpu_nodes
 
     from ring_core import nodes
@@ -164,7 +165,7 @@ def nodes_calls(sections=("checks", "soak"), world: int = 4, node_size: int = 2,
     faults = [gpu_nodes.CASES[0], gpu_nodes.CASES[0][:6] + (False, "contiguous") + gpu_nodes.CASES[0][8:]]
     cases = (chosen if "checks" in sections else []) + (faults if "faults" in sections else []) + (
         [gpu_nodes.SOAK_CASE] if "soak" in sections else []) + (
-        [gpu_nodes.TIMING_CASE] if "timing" in sections else [])
+        [gpu_nodes.TIMING_CASE[:8] + (packed, None)] if "timing" in sections else [])
     return [(sp, True, GPU_CAPABILITY, det) for c in cases
             for sp in nodes.node_specs(spec_of(*c[:8], segmented=c[8], window=c[9]), world // node_size, node_size)
             for det in (False, True)]
@@ -201,7 +202,8 @@ def command_records(cmd, nproc: int, tag: str) -> list:
         node_size = int(size[0]) if size else nproc
         cases = _option(cmd, "--cases")
         cases = None if cases is None else {int(c) for c in cases.split(",")}
-        return records(nodes_calls(sections, nproc, node_size, cases), node_size, settings.DEFAULT_HEAP_BYTES, tag)
+        return records(nodes_calls(sections, nproc, node_size, cases, "--packed" in cmd), node_size,
+                       settings.DEFAULT_HEAP_BYTES, tag)
     if "tests/gpu/gpu_soak.py" in cmd:
         heap = int(float(_option(cmd, "--heap-gib", 4)) * (1 << 30))
         return records(soak_calls(nproc), nproc, heap, tag)

@@ -40,9 +40,11 @@ on the peers exactly as in the tl kernel: ring_core.protocol.steps's no-deadlock
      (the tl kernel's ``rows_within``), narrowed with segment ids to the run whose chunks' published id ranges meet the
      block's (ranges, not ids: nothing waits for them; a block of such a run holding no pair is computed with every
      pair masked, its rows being local). With KV_IDS (the keys' ids apart from the queries': the two-level ring's
-     calls with another node's K/V) this rank's published chunk ranges are its keys', so the query blocks are not
-     narrowed by them, and a step is unmasked by ids where the query block's own ids (loaded for the mask anyway)
-     are all the K/V block's one id; the local K/V's ids, its pushes' and its published ranges are the keys'
+     calls with another node's K/V) this rank's published chunk ranges are its keys', so the query blocks are
+     narrowed by the queries' ranges per 128 rows instead, which the delta tasks of head 0 write into the words
+     DETERMINISTIC's counters would take (``protocol.query_ranges``; read after CTL_BWD_DELTA's acquire, as delta
+     is), and a step is unmasked by ids where the query block's own ids (loaded for the mask anyway) are all the
+     K/V block's one id; the local K/V's ids, its pushes' and its published ranges are the keys'
      (``protocol.key_ids``). Whether the block comes at all, and so whether its partial goes back and its
      owner waits for that, is the one test both backwards make on every side (``protocol.block_reaches``:
      positions, then published id ranges). The load warp writes each step's word beside its lse (no mask needed, or
@@ -109,9 +111,9 @@ from ring_core.kernels.gluon_parts import (_WORD_LAYOUT_4, _acquire_chunk, _put,
 from ring_core.protocol import control
 from ring_core.protocol.steps import (CTL_BWD_DELTA, CTL_BWD_TICKET, CTL_ERROR, KEY_PAD, QUERY_PAD, block_reaches,
                                       bwd_step_unmasked, bwd_task_steps, chunk_one_id, drain_pushes, end_call,
-                                      key_ids, last_pos, pairs_allowed, poll_ge, positions, published_range, ranges_of,
-                                      ranks_rng, receive_slots, record_error, record_peer_error, ring_context,
-                                      segment_keys, start_call, visible_rows)
+                                      key_ids, last_pos, pairs_allowed, poll_ge, positions, published_range,
+                                      query_ranges, ranges_of, ranks_rng, receive_slots, record_error,
+                                      record_peer_error, ring_context, segment_keys, start_call, visible_rows)
 
 KV_ROWS = configs.GLUON_BWD_KV_ROWS  # K/V rows per dK/dV task (two consumers of half each)
 # Query rows per step of a dK/dV task: configs.GLUON_BWD_Q_ROWS by head_dim, the plan's KV_BLOCK_M (Q_ROWS below).
@@ -602,10 +604,12 @@ def _consumer_task(q_smem, do_smem, kv_smem, ds_smem, dq_smem, lse_smem, dl_smem
 
 @gluon.jit
 def _delta_task(tid, n_rows, o_ptr, do_ptr, lse_ptr, dlse_ptr, delta_ptr, dq_acc, turns, ctl, S, H: gl.constexpr,
-                D: gl.constexpr, SEGMENTED: gl.constexpr, DETERMINISTIC: gl.constexpr):
+                D: gl.constexpr, SEGMENTED: gl.constexpr, DETERMINISTIC: gl.constexpr, seg_ptr=None,
+                KV_IDS: gl.constexpr = False):
     """Delta task ``tid`` (module docstring), by the program's 4 warps: delta = rowsum(dO * O) - dlse of its rows and
-    their rows of the dQ accumulator zeroed (with DETERMINISTIC, their turn counters too), then counted in
-    CTL_BWD_DELTA (release)."""
+    their rows of the dQ accumulator zeroed (with DETERMINISTIC, their turn counters too; with KV_IDS, head 0's
+    tasks: its rows' query id ranges, ``protocol.query_ranges``, into the counters' words, which only
+    DETERMINISTIC uses), then counted in CTL_BWD_DELTA (release)."""
     bh = tid // n_rows
     b = bh // H
     h = bh % H
@@ -625,6 +629,9 @@ def _delta_task(tid, n_rows, o_ptr, do_ptr, lse_ptr, dlse_ptr, delta_ptr, dq_acc
         if DETERMINISTIC:
             words = gl.arange(0, 4, layout=gl.BlockedLayout([1], [32], [4], [0]))  # 2 query blocks x 2 halves
             gl.store(turns + (bh * (S // _ROW_GROUP) + r0 // _ROW_GROUP) * 4 + words, words * 0)
+        if KV_IDS:
+            if h == 0:
+                query_ranges(seg_ptr + b.to(gl.int64) * S, turns + b * (S // _ROW_GROUP) * 2, r0, _ROW_GROUP)
     cta_barrier()  # every thread's stores before the count (cumulativity through bar.sync), then publish
     gl.atomic_add(ctl + CTL_BWD_DELTA, 1, sem="release", scope="gpu")
 
@@ -687,15 +694,16 @@ def _producer_tasks(tid, n_dq, n_kv, n_part, call_ok, task_smem, kv_empty, q_des
                     rng, ids_smem, meta_smem, rank, B, S, flags, n_chunks, epoch, ctl, timeout_ns, W: gl.constexpr,
                     H: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr,
                     CHUNK_ROWS: gl.constexpr, DETERMINISTIC: gl.constexpr, WINDOW: gl.constexpr,
-                    WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr, SEGMENTED: gl.constexpr, KV_IDS: gl.constexpr):
+                    WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr, SEGMENTED: gl.constexpr, KV_IDS: gl.constexpr,
+                    q_rng):
     """The load warp of the program's dK/dV tasks: from ticket ``tid`` on, each task's words (``_task_words``), K and
     V and steps (``_producer``) once the consumers are done with the last task's K and V (``kv_empty``: their
     epilogue then runs under these loads), the next ticket taken once a task's loads are issued, until one past the
     dK/dV tasks, which goes to the consumers (and after the region to the program) as the task word that ends them.
     The steps of a task: its query blocks that some key of its block can reach (a suffix, positions growing with the
     row); with a window or segment ids ``protocol.bwd_task_steps`` (positions, then the chunks' published id ranges,
-    which with KV_IDS are the keys': the query blocks by position alone), which also says whether a partial goes
-    back; none after a failed call check."""
+    which with KV_IDS are the keys': the queries' ranges then come from ``q_rng``, which the delta tasks wrote),
+    which also says whether a partial goes back; none after a failed call check."""
     G: gl.constexpr = H // HKV
     Q_ROWS: gl.constexpr = q_smem.shape[1]
     MASKS: gl.constexpr = WINDOW or SEGMENTED
@@ -708,9 +716,14 @@ def _producer_tasks(tid, n_dq, n_kv, n_part, call_ok, task_smem, kv_empty, q_des
         if MASKS:
             seg_b = seg_ptr + b.to(gl.int64) * S  # this rank's ids of batch b (segment ids only)
             rng_b = ranges_of(rng, rank, b, B, n_chunks)  # and the ranges it published for them
-            sent, i_lo, n_m, i_full, i_fend, kv_t = bwd_task_steps(n0, d, src, rank, b, B, S, rng, rng_b, n_chunks, W,
-                                                                  _KV_ROWS, Q_ROWS, CHUNK_ROWS, CAUSAL, ZIGZAG, WINDOW,
-                                                                  WIN_LEFT, WIN_RIGHT, SEGMENTED, not KV_IDS)
+            if KV_IDS:  # (published: the keys'; the queries' per 128 rows from the delta tasks)
+                sent, i_lo, n_m, i_full, i_fend, kv_t = bwd_task_steps(
+                    n0, d, src, rank, b, B, S, rng, rng_b, n_chunks, W, _KV_ROWS, Q_ROWS, CHUNK_ROWS, CAUSAL, ZIGZAG,
+                    WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED, q_rng + b * (S // _ROW_GROUP) * 2, _ROW_GROUP)
+            else:
+                sent, i_lo, n_m, i_full, i_fend, kv_t = bwd_task_steps(
+                    n0, d, src, rank, b, B, S, rng, rng_b, n_chunks, W, _KV_ROWS, Q_ROWS, CHUNK_ROWS, CAUSAL, ZIGZAG,
+                    WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)
             n_m = n_m * call_ok  # nothing computed, waited for or sent after a mismatch
             _task_words(task_smem, tid, n_m, i_lo, sent * call_ok)
             _producer(q_desc, do_desc, k_desc, v_desc, r_desc, q_smem, do_smem, kv_smem, lse_smem, dl_smem, kv_bar,
@@ -908,7 +921,8 @@ def ring_attn_bwd_gluon(
     n_kv = n_part + B * HKV * n_kvb  # dK/dV tasks: partial, then final
     dq_acc = delta_ptr + (rank * 0 + B).to(gl.int64) * H * S  # the float32 dQ accumulator [B, S, H, D]
     # With DETERMINISTIC, the adds made to each query block's dQ rows, per head and half of D (int32 [B, H, S // Q_ROWS,
-    # 2], after the accumulator; zeroed by the delta tasks): ``dkdv_steps``.
+    # 2], after the accumulator; zeroed by the delta tasks): ``dkdv_steps``. With KV_IDS (masks: never DETERMINISTIC)
+    # the first B * S // 128 * 2 of those words hold the queries' id ranges (``_delta_task``).
     turns = (dq_acc + (rank * 0 + B).to(gl.int64) * S * H * D).to(gl.pointer_type(gl.int32), bitcast=True)
 
     # ---- every task's shared memory and barriers (one allocation for the kernel) ----------------------------
@@ -932,7 +946,7 @@ def ring_attn_bwd_gluon(
     # ----
     while tid < n_dq:
         _delta_task(tid, n_rows, o_ptr, do_ptr, lse_ptr, dlse_ptr, delta_ptr, dq_acc, turns, ctl, S, H, D, SEGMENTED,
-                    DETERMINISTIC)
+                    DETERMINISTIC, seg_ptr, KV_IDS)
         tid = gl.atomic_add(ctl + CTL_BWD_TICKET, 1, sem="relaxed", scope="gpu")
     if tid < n_dq + n_kv:
         if poll_ge(ctl + CTL_BWD_DELTA, n_dq, ctl, timeout_ns, False) == 0:
@@ -970,7 +984,7 @@ def ring_attn_bwd_gluon(
                                r_desc, q_smem, do_smem, kv_smem, lse_smem, dl_smem, kv_bar, q_ready, q_empty, lse_ptr,
                                delta_ptr, seg_ptr, rng, ids_smem, meta_smem, rank, B, S, flags, n_chunks, epoch, ctl,
                                timeout_ns, W, H, HKV, D, CAUSAL, ZIGZAG, CHUNK_ROWS, DETERMINISTIC, WINDOW, WIN_LEFT,
-                               WIN_RIGHT, SEGMENTED, KV_IDS)),
+                               WIN_RIGHT, SEGMENTED, KV_IDS, turns)),
             (_dq_writer, (task_smem, kv_bar, kv_empty, dq_smem, dq_full0, dq_empty0, dq_full1, dq_empty1, dq_desc,
                           turns, ctl, rank, S, B, n_dq, n_kv, n_part, timeout_ns, W, H, HKV, D, CAUSAL, ZIGZAG)),
             (_consumer, (q_smem, do_smem, kv_smem, ds_smem, dq_bufs1, lse_smem, dl_smem, kv_bar, kv_empty, q_ready,

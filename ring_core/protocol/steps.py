@@ -975,7 +975,7 @@ def met_blocks(j_lo, j_hi, lo1, hi1, lo2, hi2, rng_src_b, a_lo, a_hi, b_lo, b_hi
 def bwd_task_steps(n0, d, src, rank, b, B, S, rng, rng_b, n_chunks, W: tl.constexpr, KV_ROWS: tl.constexpr,
                    Q_ROWS: tl.constexpr, CHUNK_ROWS: tl.constexpr, CAUSAL: tl.constexpr, ZIGZAG: tl.constexpr,
                    WINDOW: tl.constexpr, WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SEGMENTED: tl.constexpr,
-                   NARROW: tl.constexpr = True):
+                   q_rng_b=None, Q_RANGE_ROWS: tl.constexpr = 128):
     """With a window or segment ids, for a backward that reads whole K/V blocks of KV_ROWS rows (chunks of one block)
     and steps over the local queries in blocks of Q_ROWS (the Gluon backward, ring_core.kernels.gluon_bwd): a dK/dV
     task's steps for K/V block [n0, n0 + KV_ROWS) of rank ``src`` (peer distance ``d``; ``rng_b``: this rank's published
@@ -987,8 +987,9 @@ def bwd_task_steps(n0, d, src, rank, b, B, S, rng, rng_b, n_chunks, W: tl.conste
     side), whatever the steps below.
     The steps: query blocks [i_lo, i_lo + n_m) (0 unless sent) hold every local query the mask's positions let meet
     the block (``rows_within``, ``row_blocks``), narrowed with segment ids to the run of those whose chunk's
-    published range meets the block's (``met_blocks``: ranges, not ids, so nothing waits here; not with NARROW
-    False: a call whose keys' ids are not its queries', where this rank's published chunk ranges are its keys');
+    published range meets the block's (``met_blocks``: ranges, not ids, so nothing waits here). A call whose keys'
+    ids are not its queries' (KV_IDS) publishes its keys' chunk ranges: it gives ``q_rng_b``, its queries' ranges
+    of batch b per Q_RANGE_ROWS rows in the same words (``query_ranges``), which narrow the blocks instead;
     in the run, blocks
     that hold no pair are computed with every pair masked (local queries: their rows are there; the block's keys
     were sent whole). [i_full, i_fend): the blocks whose every query sees every key by position; ``kv_t``: the
@@ -1006,11 +1007,14 @@ def bwd_task_steps(n0, d, src, rank, b, B, S, rng, rng_b, n_chunks, W: tl.conste
         kv_t = tl.where((c_lo == c_hi) & (c_lo >= 0), c_lo, -2)
     sent = block_reaches(n0, n0 + KV_ROWS, positions(n0, src, S, W, ZIGZAG), src, rank, rng, b, B, n_chunks, c_lo,
                          c_hi, d > 0, S, W, ZIGZAG, CAUSAL, WINDOW, WIN_LEFT, WIN_RIGHT, SEGMENTED)
-    if SEGMENTED and NARROW:
-        # The block's non-padding ids lie in [max(c_lo, 0), c_hi] (its lo counts padding as -1; a padding key is
-        # attended by nobody): all padding, an empty range, no step.
+    # The block's non-padding ids lie in [max(c_lo, 0), c_hi] (its lo counts padding as -1; a padding key is
+    # attended by nobody): all padding, an empty range, no step.
+    if SEGMENTED and q_rng_b is None:
         i_lo, i_hi, _ = met_blocks(i_lo, i_hi, ql1, qh1, ql2, qh2, rng_b, tl.maximum(c_lo, 0), c_hi, n0 * 0 + BIG_ID,
                                    n0 * 0 - 1, Q_ROWS, CHUNK_ROWS, SEGMENTED, 128)
+    if SEGMENTED and q_rng_b is not None:
+        i_lo, i_hi, _ = met_blocks(i_lo, i_hi, ql1, qh1, ql2, qh2, q_rng_b, tl.maximum(c_lo, 0), c_hi,
+                                   n0 * 0 + BIG_ID, n0 * 0 - 1, Q_ROWS, Q_RANGE_ROWS, SEGMENTED, 128)
     sent = sent.to(tl.int32)
     return sent, i_lo, tl.where(sent != 0, i_hi - i_lo, 0), i_full, i_fend, kv_t
 
@@ -1105,6 +1109,19 @@ def write_chunk_ranges(seg_b, inbox, heap_bases, rank, S, n_chunks, step, W: tl.
         words = -1 - tl.where(two == 0, lo, hi)
         for p in tl.static_range(W):
             iris.store(inbox + step * 2 + two, words, rank, p, heap_bases)
+
+
+@triton.jit
+def query_ranges(seg_b, q_rng_b, r0, ROWS: tl.constexpr):
+    """The range words (``chunk_ranges``' encoding) of query rows [r0, r0 + ROWS) into entry r0 // ROWS of
+    ``q_rng_b`` (one batch's table, local to the call): what ``bwd_task_steps`` narrows a KV_IDS call's query
+    blocks with. The rule of ``write_chunk_ranges``: padding counts as -1 in lo, hi at least -1."""
+    ids = tl.load(seg_b + r0 + iota(ROWS))
+    lo = tl.min(tl.where(ids >= 0, ids, -1), axis=0)
+    hi = tl.maximum(tl.max(ids, axis=0), -1)
+    entry = q_rng_b + (r0 // ROWS) * 2
+    tl.store(entry, -1 - lo)
+    tl.store(entry + 1, -1 - hi)
 
 
 @triton.jit

@@ -71,4 +71,4 @@ def test_plot_draws_and_tabulates_committed_results(tmp_path):
     proc = _run("benchmarks.plot", "--nodes", os.path.join(RESULTS, "nodes_timing_W4_1xH100_2026-12-06.csv"),
                 "--out", str(png))
     assert proc.returncode == 0 and png.stat().st_size > 10_000, proc.stderr[-3000:]
-    assert "| 32k | fwd | 2 x 2 |" in proc.stdout
+    assert "| 32k | none | fwd | 2 x 2 |" in proc.stdout

@@ -12,6 +12,10 @@ of rank ``rank - d``) and each local query block of 64 or 128 rows (``configs.GL
 * the owner of each block waits for a peer's partial exactly where that peer's task sends one
   (ring_core.protocol.steps.block_reaches asked from the owner's side, as both backwards' final tasks ask it, against
   the peer's ``sent``): no wait in vain, no partial unread.
+* with the keys' ids apart from the queries' (KV_IDS: the two-level ring's calls with another node's K/V), the
+  published chunk ranges are the keys' and the steps are narrowed by the queries' ranges per 128 rows
+  (ring_core.protocol.steps.query_ranges, written in the interpreter as the delta tasks write them): well below
+  the query blocks the positions reach.
 The ranges the kernels read are built as ring_core.protocol.steps.publish_id_ranges writes them
 (ring_core.testing.id_range_words: a chunk's lo counts padding as -1; the halves' ranges count ids >= 0). What the
 Gluon kernel then computes with them is checked on a
@@ -42,9 +46,9 @@ PROBE = textwrap.dedent("""
 
 
     @triton.jit
-    def probe(rng, out, B, S, n_chunks, rank, W: tl.constexpr, CAUSAL: tl.constexpr, ZIGZAG: tl.constexpr,
-              WINDOW: tl.constexpr, WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SEGMENTED: tl.constexpr,
-              QR: tl.constexpr):
+    def probe(rng, out, qseg, qrng, B, S, n_chunks, rank, W: tl.constexpr, CAUSAL: tl.constexpr,
+              ZIGZAG: tl.constexpr, WINDOW: tl.constexpr, WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr,
+              SEGMENTED: tl.constexpr, QR: tl.constexpr, KV_IDS: tl.constexpr):
         t = tl.program_id(0)
         b = tl.program_id(1)
         n_kvb = S // 128
@@ -52,9 +56,17 @@ PROBE = textwrap.dedent("""
         n0 = (t % n_kvb) * 128
         src = (rank - d + W) % W
         rng_b = protocol.ranges_of(rng, rank, b, B, n_chunks)
-        sent, i_lo, n_m, i_full, i_fend, kv_t = protocol.bwd_task_steps(
-            n0, d, src, rank, b, B, S, rng, rng_b, n_chunks, W, 128, QR, 128, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT,
-            WIN_RIGHT, SEGMENTED)
+        if KV_IDS:  # the queries' ranges per 128 rows, as the Gluon backward's delta tasks write them
+            q_rng_b = qrng + (t * B + b) * (S // 128) * 2  # (a table per program: no program reads another's)
+            for r0 in range(0, S, 128):
+                protocol.query_ranges(qseg + b * S, q_rng_b, r0, 128)
+            sent, i_lo, n_m, i_full, i_fend, kv_t = protocol.bwd_task_steps(
+                n0, d, src, rank, b, B, S, rng, rng_b, n_chunks, W, 128, QR, 128, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT,
+                WIN_RIGHT, SEGMENTED, q_rng_b, 128)
+        else:
+            sent, i_lo, n_m, i_full, i_fend, kv_t = protocol.bwd_task_steps(
+                n0, d, src, rank, b, B, S, rng, rng_b, n_chunks, W, 128, QR, 128, CAUSAL, ZIGZAG, WINDOW, WIN_LEFT,
+                WIN_RIGHT, SEGMENTED)
         base = out + (b * W * n_kvb + t) * (4 + S // QR + W)
         tl.store(base, sent)
         tl.store(base + 1, i_lo)
@@ -63,7 +75,11 @@ PROBE = textwrap.dedent("""
             m0 = i * QR
             u = protocol.bwd_step_unmasked(m0, i_full, i_fend, QR)
             if SEGMENTED:
-                u = u & protocol.chunk_one_id(rng_b, m0 // 128, m0 >= 0, kv_t)
+                if KV_IDS:  # the load warp's test there: the query block's own ids all the block's one id
+                    q_ids = tl.load(qseg + b * S + m0 + tl.arange(0, QR))
+                    u = u & (tl.min(q_ids, axis=0) == kv_t) & (tl.max(q_ids, axis=0) == kv_t)
+                else:
+                    u = u & protocol.chunk_one_id(rng_b, m0 // 128, m0 >= 0, kv_t)
             tl.store(base + 4 + i, u.to(tl.int32))
         if d == 0:  # the owner's side: whether it waits for peer r's partial of this block
             my_lo, my_hi = protocol.published_range(rng, rank, b, B, n_chunks, n0 // 128)
@@ -78,7 +94,7 @@ PROBE = textwrap.dedent("""
 
 
     out = []
-    for W, B, S, causal, lay, window, seg, key_offset in json.loads(sys.argv[1]):
+    for W, B, S, causal, lay, window, seg, key_offset, kv_ids in json.loads(sys.argv[1]):
         window = tuple(window) if window else masks.NO_WINDOW
         win = masks.kernel_window(causal, window, W * S, key_offset)
         rs = np.random.default_rng(W * 100 + S + causal)
@@ -86,19 +102,32 @@ PROBE = textwrap.dedent("""
         if seg:  # documents of 1-150 tokens, padding at the end and a run of 90 in the middle
             G = testing.random_segment_ids(int(rs.integers(1 << 20)), B, W * S, max_len=150)
             G[:, W * S // 3:W * S // 3 + 90] = -1
+        Gk = G  # the keys' ids: with kv_ids another node's, whose documents share some ids with the queries'
+        if kv_ids:
+            Gk = testing.random_segment_ids(int(rs.integers(1 << 20)), B, W * S, max_len=400)
+            Gk = np.where(Gk >= 0, Gk + int(G.max()) * 3 // 4, Gk)
+            Gk[:, :W * S // 5] = G[:, W * S - W * S // 5:]  # a stretch whose ids the queries' end holds too
         pos = [L.global_positions(np, r, W, S, lay) for r in range(W)]
         local = [G[:, p] if seg else None for p in pos]
-        rng = torch.tensor(np.stack([testing.id_range_words(x, CR, lay == "zigzag") for x in local]) if seg
-                           else np.zeros((W, B, S // CR + 2, 2)), dtype=torch.int32).reshape(-1)
+        klocal = [Gk[:, p] if seg else None for p in pos]
+        words = []
+        for r in range(W):
+            w = testing.id_range_words(klocal[r], CR, lay == "zigzag") if seg else np.zeros((B, S // CR + 2, 2))
+            if seg:  # the halves' ranges: the queries' (publish_id_ranges)
+                w[:, -2:] = testing.id_range_words(local[r], CR, lay == "zigzag")[:, -2:]
+            words.append(w)
+        rng = torch.tensor(np.stack(words), dtype=torch.int32).reshape(-1)
         n_kvb = S // KV
         bad = []
-        checked = 0
+        checked = steps = reach = 0
         per_rank = []
         for rank in range(W):
             res = torch.full((B * W * n_kvb * (4 + S // QR + W),), -7, dtype=torch.int32)
             wk = control.window_constexprs(win)
-            probe[(W * n_kvb, B)](rng, res, B, S, S // CR, rank, W, causal, lay == "zigzag", wk["WINDOW"],
-                                  wk["WIN_LEFT"], wk["WIN_RIGHT"], seg, QR)
+            qseg = torch.tensor(local[rank] if seg else np.zeros((B, S)), dtype=torch.int32).reshape(-1)
+            qrng = torch.zeros((W * n_kvb * B * (S // 128) * 2,), dtype=torch.int32)
+            probe[(W * n_kvb, B)](rng, res, qseg, qrng, B, S, S // CR, rank, W, causal, lay == "zigzag",
+                                  wk["WINDOW"], wk["WIN_LEFT"], wk["WIN_RIGHT"], seg, QR, kv_ids)
             res = res.numpy().reshape(B, W * n_kvb, 4 + S // QR + W)
             per_rank.append(res)
             for b in range(B):
@@ -110,13 +139,16 @@ PROBE = textwrap.dedent("""
                     by_pos = np.ones((S, KV), bool) if by_pos is None else by_pos
                     ok = by_pos
                     if seg:
-                        q_ids, k_ids = local[rank][b], local[src][b, n0:n0 + KV]
+                        q_ids, k_ids = local[rank][b], klocal[src][b, n0:n0 + KV]
                         ok = ok & (q_ids[:, None] == k_ids[None, :]) & (q_ids[:, None] >= 0)
                     sent, i_lo, n_m = res[b, t, :3]
                     unmasked = res[b, t, 4:4 + S // QR]
                     rows = np.nonzero(ok.any(axis=1))[0]
-                    where = f"W{W} {lay} causal={causal} window={window} offset={key_offset} seg={seg} rank {rank} b {b} d {d} n0 {n0}"
+                    where = f"W{W} {lay} causal={causal} window={window} offset={key_offset} seg={seg} kv_ids={kv_ids} rank {rank} b {b} d {d} n0 {n0}"
                     checked += 1
+                    steps += int(n_m)
+                    if sent:  # the query blocks the positions let meet the block (the steps without ids)
+                        reach += len(set(np.nonzero(by_pos.any(axis=1))[0] // QR))
                     if rows.size and not sent:
                         bad.append(f"{where}: rows {rows[:4]} attend the block, but it is not sent")
                     blocks = rows // QR
@@ -142,26 +174,33 @@ PROBE = textwrap.dedent("""
                                 bad.append(f"W{W} {lay} causal={causal} window={window} offset={key_offset} seg={seg}: rank {owner} "
                                            f"block {blk} b {b}: waits for rank {r}'s partial {bool(waits)}, sent "
                                            f"{bool(sends)}")
-        out.append(dict(checked=checked, bad=bad[:8]))
+        out.append(dict(checked=checked, bad=bad[:8], steps=steps, reach=reach))
     print(json.dumps(out))
 """)
 
-# (W, B, S, causal, layout, window, segment ids, key offset): every world size up to 3, both layouts, windows one-
+# (W, B, S, causal, layout, window, segment ids, key offset, the keys' ids apart from the queries'): every world size up to 3, both layouts, windows one-
 # and two-sided and crossing shards, packed documents with padding, both masks together; bands off the diagonal
 # (the two-level ring's calls with another node's K/V: keys a node's length before or after the queries, a side
 # moved to exactly -1, a band that only the first rank's queries and the last rank's keys meet).
-CASES = [(1, 2, 512, True, "contiguous", None, True, 0),
-         (2, 1, 512, True, "zigzag", None, True, 0),
-         (2, 2, 512, False, "contiguous", None, True, 0),
-         (3, 1, 512, True, "contiguous", (300, -1), False, 0),
-         (2, 1, 512, False, "zigzag", (200, 90), False, 0),
-         (3, 1, 512, False, "zigzag", (200, 90), True, 0),
-         (2, 1, 512, True, "zigzag", (150, -1), True, 0),
-         (1, 1, 512, False, "contiguous", (64, 0), True, 0),
-         (2, 1, 512, False, "contiguous", (300, 0), False, -1024),
-         (2, 1, 512, False, "contiguous", (1023, -1), True, -1024),
-         (3, 1, 512, False, "contiguous", (200, 0), False, -1536),
-         (2, 1, 512, False, "contiguous", (0, 300), True, 1024)]
+CASES = [(1, 2, 512, True, "contiguous", None, True, 0, False),
+         (2, 1, 512, True, "zigzag", None, True, 0, False),
+         (2, 2, 512, False, "contiguous", None, True, 0, False),
+         (3, 1, 512, True, "contiguous", (300, -1), False, 0, False),
+         (2, 1, 512, False, "zigzag", (200, 90), False, 0, False),
+         (3, 1, 512, False, "zigzag", (200, 90), True, 0, False),
+         (2, 1, 512, True, "zigzag", (150, -1), True, 0, False),
+         (1, 1, 512, False, "contiguous", (64, 0), True, 0, False),
+         (2, 1, 512, False, "contiguous", (300, 0), False, -1024, False),
+         (2, 1, 512, False, "contiguous", (1023, -1), True, -1024, False),
+         (3, 1, 512, False, "contiguous", (200, 0), False, -1536, False),
+         (2, 1, 512, False, "contiguous", (0, 300), True, 1024, False),
+         # calls with another node's K/V and its ids (KV_IDS): non-causal, the queries' and keys' documents apart
+         # but for a stretch, with a band off the diagonal too
+         (2, 2, 512, False, "contiguous", None, True, 0, True),
+         (3, 1, 512, False, "contiguous", None, True, 0, True),
+         (2, 1, 512, False, "contiguous", (1023, -1), True, -1024, True)]
+# With KV_IDS the queries' ranges narrow the steps: at most this share of the query blocks the positions reach.
+NARROWED = 0.6
 
 
 @pytest.mark.parametrize("q_rows", [64, 128])
@@ -178,6 +217,8 @@ def test_masked_backward_steps_cover_every_allowed_pair_and_unmask_only_whole_bl
     assert len(got) == len(CASES)
     for case, g in zip(CASES, got):
         assert g["checked"] > 0 and not g["bad"], (case, g)
+        if case[-1]:  # KV_IDS: narrowed by the queries' ranges, not every query block by position
+            assert g["steps"] <= NARROWED * g["reach"], (case, g)
 
 
 

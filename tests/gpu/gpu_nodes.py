@@ -127,16 +127,30 @@ def checks(rank, world, log, cases):
 
 
 TIMING_CASE = (1, 4096, 32, 8, 128, "bfloat16", True, "zigzag", False, None)  # (S_local: --seq-local's)
+DOC_LENS = (512, 8192)  # --packed: the documents' lengths, as benchmarks/attention.py's packed mask
 
 
-def _timing(rank, world, log, seq_local, iters, warmup):
-    """The timing rows of one S_local, and the hop alone at it (logged)."""
+def timing_ids(rank, world, seq_local, layout, seed=0):
+    """This rank's segment ids (int32 [1, seq_local], layout order) of documents DOC_LENS long packed back to back
+    over the whole sequence (a fixed seed: the same documents on every rank and run)."""
+    rng, s_g, ids, doc = np.random.default_rng(seed), world * seq_local, [], 0
+    while len(ids) < s_g:
+        ids += [doc] * int(rng.integers(DOC_LENS[0], DOC_LENS[1] + 1))
+        doc += 1
+    ids = np.asarray(ids[:s_g], np.int32)[layout_permutation(s_g, world, layout)]
+    return torch.from_numpy(ids[rank * seq_local:(rank + 1) * seq_local][None].copy())
+
+
+def _timing(rank, world, log, seq_local, iters, warmup, packed=False):
+    """The timing rows of one S_local (``packed``: with segment ids of packed documents), and the hop alone at it
+    (logged)."""
     B, _, H, HKV, D, dtype, causal, layout = TIMING_CASE[:8]
     S = seq_local
     dev, tdt = torch.device("cuda", torch.cuda.current_device()), getattr(torch, dtype)
     g = torch.Generator(device=dev).manual_seed(rank)
     q = torch.randn(B, S, H, D, device=dev, dtype=tdt, generator=g).requires_grad_()
     k, v = (torch.randn(B, S, HKV, D, device=dev, dtype=tdt, generator=g).requires_grad_() for _ in range(2))
+    ids = timing_ids(rank, world, S, layout).to(dev) if packed else None
     node_size = torch_bridge.node_size()
     rows = []
     for pass_ in ("fwd", "fwd+bwd"):
@@ -146,7 +160,8 @@ def _timing(rank, world, log, seq_local, iters, warmup):
             dist.barrier()
             t0 = time.perf_counter()
             with torch.set_grad_enabled(pass_ == "fwd+bwd"):
-                out = torch_bridge.ring_attention(q, k, v, is_causal=causal, layout=layout, backend="fused")
+                out = torch_bridge.ring_attention(q, k, v, is_causal=causal, layout=layout, backend="fused",
+                                                  segment_ids=ids)
             if pass_ == "fwd+bwd":
                 out.backward(torch.ones_like(out))
             torch.cuda.synchronize()
@@ -154,15 +169,16 @@ def _timing(rank, world, log, seq_local, iters, warmup):
                 times.append(time.perf_counter() - t0)
         torch_bridge.check_errors()
         slowest = max(_gather(float(np.median(times))))
-        flops = 4 * B * H * D * (world * S) ** 2 / 2 / world * (1 if pass_ == "fwd" else 3.5)
+        flops = 4 * B * H * D * (world * S) ** 2 / 2 / world * (1 if pass_ == "fwd" else 3.5)  # (dense causal's)
         rows.append(dict(world=world, node_size=node_size, nodes=world // node_size, seq_local=S, heads=H,
-                         kv_heads=HKV, head_dim=D, dtype=dtype, causal=causal, layout=layout, pass_=pass_,
+                         kv_heads=HKV, head_dim=D, dtype=dtype, causal=causal, layout=layout,
+                         mask="packed({}-{})".format(*DOC_LENS) if packed else "none", pass_=pass_,
                          ms=round(slowest * 1e3, 3), tflops_per_rank=round(flops / slowest / 1e12, 1),
                          gpu=torch.cuda.get_device_name(), ranks_per_gpu=world // max(1, torch.cuda.device_count())))
         if rank == 0:
             log("TIMING " + json.dumps(rows[-1]))
     torch_bridge.check_errors()
-    if node_size < world:  # the between-node transfer alone: one K/V shard to the next node and back in
+    if node_size < world and not packed:  # the between-node transfer alone: one K/V shard to the next node and back in
         from torch_bridge import nodes as tnodes
 
         rings = torch_bridge.lifecycle.node_rings()
@@ -184,10 +200,10 @@ def _timing(rank, world, log, seq_local, iters, warmup):
     return rows
 
 
-def timing(rank, world, log, out_dir, seq_locals=(4096,), iters=10, warmup=2):
+def timing(rank, world, log, out_dir, seq_locals=(4096,), iters=10, warmup=2, packed=False):
     rows = []
     for seq_local in seq_locals:
-        rows += _timing(rank, world, log, seq_local, iters, warmup)
+        rows += _timing(rank, world, log, seq_local, iters, warmup, packed)
     if rank == 0 and out_dir:
         path = os.path.join(out_dir, "nodes_timing.csv")
         new = not os.path.exists(path)
@@ -278,6 +294,7 @@ def main():
     ap.add_argument("--cases", default=",".join(str(i) for i in range(len(CASES))), help="checks: which CASES")
     ap.add_argument("--seq-local", default="4096", help="timing: tokens a rank (a comma-separated list)")
     ap.add_argument("--iters", type=int, default=10, help="timing: timed calls (after 2 warm-up calls)")
+    ap.add_argument("--packed", action="store_true", help="timing: with segment ids of packed documents")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch_bridge.initialize()
@@ -295,7 +312,8 @@ def main():
         if section == "checks":
             ok &= checks(rank, world, log, {int(c) for c in args.cases.split(",")})
         elif section == "timing":
-            ok &= timing(rank, world, log, args.out, [int(x) for x in args.seq_local.split(",")], args.iters)
+            ok &= timing(rank, world, log, args.out, [int(x) for x in args.seq_local.split(",")], args.iters,
+                         packed=args.packed)
         elif section == "soak":
             ok &= soak(rank, world, log, args.soak_calls)
         elif section == "faults":
