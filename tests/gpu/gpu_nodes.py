@@ -11,7 +11,8 @@ and the same problem as one node of 4 ranks (the flat ring) for the timing's bas
 
 Sections: ``checks`` (forward and gradients against float64 with the one tolerance table, on rank 0 over the
 gathered results; deterministic=True bitwise from run to run), ``timing`` (per-call ms of the forward and of
-forward+backward, the slowest rank, written to DIR/nodes_timing.csv), ``soak`` (many calls a rank, each
+forward+backward, the slowest rank, at each ``--seq-local``, with ``--packed`` with segment ids of packed documents,
+written to DIR/nodes_timing.csv), ``soak`` (many calls a rank, each
 compared bitwise with the first), ``faults`` (a call not taken, a late node, an absent rank; run it last).
 Prints ALL PASSED when every check passed; exits 1 otherwise.
 """
