@@ -210,13 +210,13 @@ def check_supported(spec, num_nodes: int, node_size: int) -> None:
         pass
 
 
-def _all_pieces(spec, num_nodes: int, node_size: int):
-    """Every node's pieces with every node's K/V under ``spec``'s window (none without one); raises as
-    ``window_pieces`` does."""
+def _all_pieces(spec, num_nodes: int, node_size: int, own: bool = False):
+    """Every node's pieces with every node's K/V (``own``: with its own K/V only) under ``spec``'s window (none
+    without one); raises as ``window_pieces`` does."""
     if tuple(spec.window) == masks.NO_WINDOW:
         return
     for n in range(num_nodes):
-        for m in range(num_nodes):
+        for m in [n] if own else range(num_nodes):
             yield from window_pieces(n, m, num_nodes=num_nodes, node_len=node_size * spec.seq_local,
                                      is_causal=spec.is_causal, layout=spec.layout, window=spec.window)
 
@@ -238,9 +238,7 @@ def node_specs(spec, num_nodes: int = 2, node_size: int = 1) -> list:
     owns = [dataclasses.replace(spec, num_heads=(hi - lo) * group, num_kv_heads=hi - lo)
             for lo, hi in own_heads(spec.num_kv_heads, num_nodes)]
     if tuple(spec.window) != masks.NO_WINDOW:
-        own_pieces = [_piece_spec(sp, p) for sp in owns for n in range(num_nodes)
-                      for p in window_pieces(n, n, num_nodes=num_nodes, node_len=node_size * spec.seq_local,
-                                             is_causal=spec.is_causal, layout=spec.layout, window=spec.window)]
+        own_pieces = [_piece_spec(sp, p) for sp in owns for p in _all_pieces(sp, num_nodes, node_size, own=True)]
         return list(dict.fromkeys([_piece_spec(spec, p) for p in _all_pieces(spec, num_nodes, node_size)]
                                   + own_pieces))
     s, h, hkv, ids = spec.seq_local, spec.num_heads, spec.num_kv_heads, bool(spec.segmented)
@@ -633,9 +631,7 @@ def own_heads(num_kv_heads: int, num_nodes: int) -> list:
     """The kv heads [lo, hi) of each backward call on a node's own K/V: two halves where there are two kv heads or
     more (the first while the first K/V transfer runs, the second while the last dK/dV partials come home), else one
     call, made last; one call on one node (nothing travels)."""
-    if num_nodes == 1:
-        return [(0, num_kv_heads)]
-    if num_kv_heads < 2:
+    if num_nodes == 1 or num_kv_heads < 2:
         return [(0, num_kv_heads)]
     half = num_kv_heads // 2
     return [(0, half), (half, num_kv_heads)]
@@ -685,7 +681,8 @@ def backward(ops: Ops, q, k, v, out, lse, dout, dlse, *, node, num_nodes: int, i
         if part is not None:
             dq = part[0] if dq is None else dq + part[0]
         if carry is None:  # node-step 1: no partials of this K/V yet
-            dk_acc, dv_acc = part[1:] if part is not None else zeros()[1:]
+            dk_acc, dv_acc = part[1:] if part is not None else (ops.f32(ops.xp.zeros_like(k)),
+                                                                ops.f32(ops.xp.zeros_like(v)))
         else:
             dk_acc, dv_acc = ops.recv(carry)
             if part is not None:

@@ -71,15 +71,14 @@ class _Transfer:
     def __init__(self, xs, rings: _heap.NodeRings, timeout_s: float):
         self.rings, self.timeout_s = rings, timeout_s
         self.device = xs[0].device
-        if dist.get_backend(rings.peers) != "gloo":
+        gloo = dist.get_backend(rings.peers) == "gloo"
+        if not (gloo and xs[0].is_cuda):  # NCCL, or gloo on CPU tensors: nothing to stage
             sends = [x.detach().contiguous() for x in xs]
-            self.outs = [torch.empty_like(s) for s in sends]
-            self.sends, self.works, self.job = sends, _post(sends, self.outs, rings), None
-            return
-        if not xs[0].is_cuda:
-            sends = [x.detach().contiguous() for x in xs]
-            self.job = _transfer_thread().submit(_exchange, sends, [torch.empty_like(s) for s in sends], rings,
-                                                 timeout_s, None)
+            outs = [torch.empty_like(s) for s in sends]
+            if gloo:
+                self.job = _transfer_thread().submit(_exchange, sends, outs, rings, timeout_s, None)
+            else:
+                self.sends, self.outs, self.works, self.job = sends, outs, _post(sends, outs, rings), None
             return
         stream = torch.cuda.current_stream(self.device)
         copy, back = _copy_streams(self.device)
